@@ -1,0 +1,108 @@
+"""`vlprep` command line: one thin typer command per stage; validation and work live in the stage modules."""
+
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, SpinnerColumn,
+                           TextColumn, TimeElapsedColumn, TimeRemainingColumn)
+from rich.text import Text
+
+from vlprep import VlprepError, __version__
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Prepare image-caption WebDataset shards for vision-language alignment.")
+console = Console(stderr=True)
+
+
+class RateColumn(ProgressColumn):
+    def render(self, task) -> Text:
+        return Text(f"{task.speed:,.0f}/s" if task.speed else "", style="progress.data.speed")
+
+
+def progress_bar() -> Progress:
+    """Items done / total, rate, elapsed and ETA; silent when stderr is not a terminal."""
+    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    RateColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=console,
+                    disable=not console.is_terminal)
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(__version__)
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
+    pass
+
+
+@app.command()
+def shards(
+    src: Path = typer.Argument(..., help="A table (.parquet/.csv/.tsv/.jsonl), a folder of images with "
+                               "same-named .txt captions, or a WebDataset/img2dataset folder or .tar to re-shard."),
+    out: Path = typer.Argument(..., help="Output dataset folder (created; an earlier run there is resumed)."),
+    samples_per_shard: int = typer.Option(1000, "--samples-per-shard", "-n", help="Source records per shard."),
+    resize: Optional[int] = typer.Option(None, help="Shorter side to N pixels, aspect kept, never upscaled. "
+                                         "Default: original bytes pass through untouched."),
+    format: Optional[str] = typer.Option(None, "--format", help="Re-encode format: jpg, png or webp. Default: keep "
+                                         "the source format (other formats become png)."),
+    quality: int = typer.Option(95, help="JPEG/WebP quality when re-encoding."),
+    workers: Optional[int] = typer.Option(None, help="Worker processes, each building one shard at a time "
+                                          "(default: CPU count, at most 4)."),
+    prefix: str = typer.Option("shard", help="Shard name prefix: PREFIX-000000.tar; keys are PREFIX_000000000."),
+    image_col: Optional[str] = typer.Option(None, help="Table column with image paths or bytes (auto-detected)."),
+    caption_col: Optional[str] = typer.Option(None, help="Table column with captions (auto-detected)."),
+    uid_col: Optional[str] = typer.Option(None, help="Table column with a source id, kept as json.uid (optional)."),
+    decode_check: bool = typer.Option(False, help="Fully decode pass-through images to catch corrupt data "
+                                      "(slower; the default checks headers and end markers)."),
+    overwrite: bool = typer.Option(False, help="Replace the vlprep files in a non-empty OUT written otherwise."),
+) -> None:
+    """Build WebDataset shards (+ sizes.json, index.json, meta.json, Parquet sidecars, report.json) from SRC."""
+    from vlprep.report import print_shards_report
+    from vlprep.shards import ShardsConfig, build_shards
+
+    cfg = ShardsConfig(src=src, out=out, samples_per_shard=samples_per_shard, resize=resize, format=format,
+                       quality=quality, prefix=prefix, image_col=image_col, caption_col=caption_col,
+                       uid_col=uid_col, decode_check=decode_check, overwrite=overwrite)
+    if workers is not None:
+        cfg.workers = workers
+    with progress_bar() as progress:
+        report = build_shards(cfg, progress=progress)
+    print_shards_report(report, console)
+    console.print(f"wrote {out}/ (report.json has the skip counts)")
+
+
+@app.command()
+def stats(
+    dataset: Path = typer.Argument(..., help="A shard dataset folder (with sizes.json)."),
+    out: Optional[Path] = typer.Option(None, help="Where to write report.json and stats.png [default: DATASET/stats]."),
+    top: int = typer.Option(20, help="How many top words to list."),
+) -> None:
+    """Sample count, caption lengths, vocabulary, top words and image sizes of a dataset."""
+    from vlprep.report import dataset_stats, print_stats
+
+    with console.status("reading sidecars") if console.is_terminal else nullcontext():
+        report = dataset_stats(dataset, out=out, top=top)
+    print_stats(report, Console())
+    console.print(f"wrote {', '.join(report['outputs'])}")
+
+
+def main() -> None:
+    try:
+        app()
+    except VlprepError as e:
+        console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        console.print("interrupted: completed shards are kept; run the same command again to resume")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

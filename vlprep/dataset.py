@@ -1,0 +1,272 @@
+"""The shard contract in code: read a dataset folder safely, write shards atomically, write the index files.
+
+Every stage reads through `iter_samples` / `iter_tar` and writes through `write_shard` + `finish_dataset`,
+so the rules of docs/FORMAT.md live in one place.
+"""
+
+import json
+import os
+import re
+import tarfile
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import webdataset as wds
+from webdataset.tariterators import group_by_keys, tar_file_iterator
+
+from vlprep import VlprepError, __version__
+
+IMAGE_EXTS = ("jpg", "png", "webp")
+# Extensions whose payload webdataset would unpickle; we never read them (docs/FORMAT.md, "Safety").
+PICKLE_EXTS = ("pyd", "pickle", "pkl")
+# Fixed tar metadata so a shard's bytes depend only on its samples (re-runs and resumes are identical).
+TAR_MTIME = 0
+KEY_RE = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+class ShardFormatError(VlprepError):
+    """A tar member breaks the contract (pickle payload, unsafe name)."""
+
+
+def reraise(exn: Exception) -> bool:
+    raise exn
+
+
+@dataclass
+class Dataset:
+    """A finished dataset folder: its shard files (in order) and their sample counts."""
+
+    root: Path
+    shards: list[str]
+    sizes: dict[str, int]
+
+    @property
+    def num_samples(self) -> int:
+        return sum(self.sizes.values())
+
+    def sidecar(self, shard: str) -> Path:
+        return self.root / sidecar_name(shard)
+
+    def meta(self) -> dict:
+        p = self.root / "meta.json"
+        return json.loads(p.read_text()) if p.exists() else {}
+
+
+def sidecar_name(shard: str) -> str:
+    return shard[: -len(".tar")] + ".parquet"
+
+
+def open_dataset(path: str | os.PathLike) -> Dataset:
+    """Open a finished dataset folder (it must have sizes.json); one-line errors for everything else."""
+    root = Path(path)
+    if not root.exists():
+        raise VlprepError(f"dataset not found: {root}")
+    if not root.is_dir():
+        raise VlprepError(f"not a dataset folder (expected a folder of .tar shards with sizes.json): {root}")
+    sizes_file = root / "sizes.json"
+    if not sizes_file.exists():
+        tars = sorted(root.glob("*.tar"))
+        if tars:
+            raise VlprepError(
+                f"{root} has {len(tars)} .tar files but no sizes.json: it is not a finished vlprep dataset "
+                "(re-run the stage that writes it to resume, or re-shard it with `vlprep shards`)"
+            )
+        raise VlprepError(f"not a shard dataset (no sizes.json and no .tar shards): {root}")
+    try:
+        sizes = json.loads(sizes_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise VlprepError(f"{sizes_file}: not valid JSON ({e})") from None
+    if not isinstance(sizes, dict) or not all(isinstance(v, int) for v in sizes.values()):
+        raise VlprepError(f"{sizes_file}: expected {{shard name: sample count}}")
+    missing = [s for s in sizes if not (root / s).exists()]
+    if missing:
+        raise VlprepError(f"{root}: {len(missing)} shard(s) listed in sizes.json are missing, e.g. {missing[0]}")
+    return Dataset(root=root, shards=list(sizes), sizes=sizes)
+
+
+def _check_member(name: str) -> str:
+    if name.startswith("/") or ".." in name.split("/"):
+        raise ShardFormatError(f"unsafe member name {name!r} (absolute or containing '..')")
+    ext = name.rsplit("/", 1)[-1].split(".", 1)[-1].lower()
+    if ext.rsplit(".", 1)[-1] in PICKLE_EXTS:
+        raise ShardFormatError(f"refusing pickled member {name!r}")
+    return name
+
+
+def iter_tar(path: str | os.PathLike, handler: Callable[[Exception], bool] = reraise) -> Iterator[dict]:
+    """Samples of one tar, raw: {'__key__', '__url__', ext: bytes, ...}; unsafe or pickled members raise."""
+    url = str(path)
+
+    def files() -> Iterator[dict]:
+        with open(path, "rb") as f:
+            # webdataset's iterator, with our name check as the rename hook so nothing unsafe gets through.
+            for item in tar_file_iterator(f, handler=handler, rename_files=_check_member):
+                item["__url__"] = url
+                yield item
+
+    try:
+        yield from group_by_keys(files(), handler=handler)
+    except tarfile.ReadError as e:
+        raise VlprepError(f"{url}: not a readable tar file ({e})") from None
+
+
+def decode_sample(raw: dict) -> dict:
+    """Decode `txt` to str and `json` to a dict; leave image and other payloads as bytes."""
+    sample = dict(raw)
+    if "txt" in sample:
+        sample["txt"] = sample["txt"].decode("utf-8")
+    if "json" in sample:
+        sample["json"] = json.loads(sample["json"])
+    return sample
+
+
+def image_ext(sample: dict) -> str | None:
+    return next((e for e in IMAGE_EXTS if e in sample), None)
+
+
+def iter_samples(path: str | os.PathLike | Dataset, decode: bool = True,
+                 handler: Callable[[Exception], bool] = reraise) -> Iterator[dict]:
+    """Every sample of a finished dataset folder, in shard order, with '__shard__' set."""
+    ds = path if isinstance(path, Dataset) else open_dataset(path)
+    for shard in ds.shards:
+        for raw in iter_tar(ds.root / shard, handler=handler):
+            raw["__shard__"] = shard
+            yield decode_sample(raw) if decode else raw
+
+
+# --- writing -----------------------------------------------------------------------------------
+
+
+def shard_name(prefix: str, index: int) -> str:
+    return f"{prefix}-{index:06d}.tar"
+
+
+def encode_sample(sample: dict) -> dict:
+    """Sample dict with str/dict payloads -> bytes payloads in a fixed member order."""
+    out = {"__key__": sample["__key__"]}
+    for k in sorted(k for k in sample if not k.startswith("__")):
+        v = sample[k]
+        if isinstance(v, str):
+            v = v.encode("utf-8")
+        elif isinstance(v, dict):
+            v = json.dumps(v, ensure_ascii=False, sort_keys=True).encode("utf-8")
+        out[k] = v
+    return out
+
+
+def write_shard(root: Path, shard: str, samples: Iterable[dict], rows: list[dict],
+                schema: pa.Schema | None = None, stats: dict | None = None) -> int:
+    """Write one shard and its Parquet sidecar under temporary names, then rename both into place.
+
+    The tar is renamed last, so a visible `NAME.tar` always has its sidecar next to it; an
+    interrupted write leaves only `*.tmp` files, which the next run overwrites.
+    `stats` (e.g. skip counts) is stored in the sidecar's schema metadata so a resumed run can
+    rebuild the report without reprocessing the shard.
+    """
+    tmp_tar = root / (shard + ".tmp")
+    n = 0
+    # TarWriter rather than ShardWriter: each worker owns exactly one shard whose name and contents
+    # are fixed by the plan, and ShardWriter's rollover-by-count has no temporary-name step.
+    with open(tmp_tar, "wb") as f, wds.TarWriter(f, encoder=False, mtime=TAR_MTIME, user="", group="",
+                                                 mode=0o644) as tw:
+        for sample in samples:
+            tw.write(encode_sample(sample))
+            n += 1
+    table = pa.Table.from_pylist(rows, schema=schema)
+    meta = {b"vlprep": json.dumps({"shard": shard, "stats": stats or {}}).encode()}
+    table = table.replace_schema_metadata({**(table.schema.metadata or {}), **meta})
+    sidecar = sidecar_name(shard)
+    tmp_pq = root / (sidecar + ".tmp")
+    pq.write_table(table, tmp_pq)
+    os.replace(tmp_pq, root / sidecar)
+    os.replace(tmp_tar, root / shard)
+    return n
+
+
+def shard_done(root: Path, shard: str) -> dict | None:
+    """The stored stats of a completed shard, or None when it must be (re)written."""
+    tar, side = root / shard, root / sidecar_name(shard)
+    if not (tar.exists() and side.exists()):
+        return None
+    try:
+        meta = pq.read_schema(side).metadata or {}
+        info = json.loads(meta[b"vlprep"])
+    except Exception:
+        return None  # unreadable sidecar: rewrite the shard
+    return info.get("stats", {})
+
+
+def read_sidecars(ds: Dataset, columns: list[str] | None = None) -> pa.Table:
+    """All sidecars of a dataset concatenated in shard order (one row per sample)."""
+    tables = []
+    for shard in ds.shards:
+        side = ds.sidecar(shard)
+        if not side.exists():
+            raise VlprepError(f"{ds.root}: missing sidecar {side.name} (written by every vlprep stage)")
+        t = pq.read_table(side, columns=columns)
+        tables.append(t.replace_schema_metadata(None))
+    if not tables:
+        return pa.table({c: [] for c in columns or []})
+    return pa.concat_tables(tables, promote_options="default")
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+
+
+def finish_dataset(root: Path, sizes: dict[str, int], meta: dict) -> None:
+    """Write sizes.json (open_clip), index.json (wids) and meta.json once every shard is in place."""
+    write_json_atomic(root / "sizes.json", sizes)
+    index = {
+        "__kind__": "wids-shard-index-v1",
+        "wids_version": 1,
+        "shardlist": [{"url": name, "nsamples": n} for name, n in sizes.items()],
+    }
+    write_json_atomic(root / "index.json", index)
+    write_json_atomic(root / "meta.json", {"vlprep_version": __version__, **meta})
+
+
+RUN_MARKER = ".vlprep-run.json"
+
+
+def prepare_output(root: Path, stage: str, options: dict, overwrite: bool = False) -> None:
+    """Make `root` ready for a stage: new, a resumable earlier run with the same options, or refused.
+
+    A folder with anything else in it is never modified without `--overwrite`, so a typo in OUT
+    cannot delete a user's files; with it, only files a stage writes (*.tar, *.parquet, *.json,
+    *.tmp, *.png) are removed.
+    """
+    marker = root / RUN_MARKER
+    run = {"stage": stage, "options": options}
+    if root.exists() and not root.is_dir():
+        raise VlprepError(f"output exists and is not a folder: {root}")
+    if root.exists() and any(root.iterdir()):
+        previous = None
+        if marker.exists():
+            try:
+                previous = json.loads(marker.read_text())
+            except json.JSONDecodeError:
+                previous = None
+        if previous != run:
+            if not overwrite:
+                why = "was written with other options" if previous else "is not empty"
+                raise VlprepError(f"output folder {root} {why}; choose another folder or pass --overwrite")
+            for p in root.iterdir():
+                if p.is_file() and p.suffix in (".tar", ".parquet", ".json", ".tmp", ".png"):
+                    p.unlink()
+    root.mkdir(parents=True, exist_ok=True)
+    for p in root.glob("*.tmp"):
+        p.unlink()  # half-written shards of an interrupted run
+    write_json_atomic(marker, run)
+
+
+def remove_extra_shards(root: Path, prefix: str, keep: set[str]) -> None:
+    """Drop shards named like ours that the current plan does not produce (e.g. a shorter source)."""
+    for p in list(root.glob(f"{prefix}-*.tar")) + list(root.glob(f"{prefix}-*.parquet")):
+        if p.with_suffix(".tar").name not in keep:
+            p.unlink()

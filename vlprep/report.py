@@ -1,0 +1,128 @@
+"""Dataset statistics (`vlprep stats`) and the terminal tables and plots the stages share."""
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from vlprep.dataset import iter_samples, open_dataset, read_sidecars, write_json_atomic
+from vlprep.text import words
+
+QUANTILES = (0.0, 0.05, 0.25, 0.5, 0.75, 0.95, 1.0)
+
+
+def distribution(values) -> dict:
+    """Summary of a 1-D sample: count, mean and the QUANTILES (named p0 ... p100)."""
+    v = np.asarray(values, dtype=float)
+    if v.size == 0:
+        return {"count": 0}
+    out = {"count": int(v.size), "mean": round(float(v.mean()), 3)}
+    for q in QUANTILES:
+        out[f"p{round(q * 100)}"] = round(float(np.quantile(v, q)), 3)
+    return out
+
+
+def dataset_stats(path, out: Path | None = None, top: int = 20) -> dict:
+    """Counts, caption-length and image-size distributions, vocabulary; writes report.json + stats.png."""
+    ds = open_dataset(path)
+    table = read_sidecars(ds)
+    cols = set(table.column_names)
+    if {"caption", "width", "height"} <= cols:
+        captions = table.column("caption").to_pylist()
+        widths = table.column("width").to_pylist()
+        heights = table.column("height").to_pylist()
+        exts = table.column("image_ext").to_pylist() if "image_ext" in cols else []
+    else:  # sidecars from another tool: read the tars instead
+        captions, widths, heights, exts = [], [], [], []
+        for s in iter_samples(ds):
+            captions.append(s.get("txt", ""))
+            meta = s.get("json") or {}
+            widths.append(meta.get("width"))
+            heights.append(meta.get("height"))
+    lengths = []
+    vocab = Counter()
+    for c in captions:
+        ws = words(c or "")
+        lengths.append(len(ws))
+        vocab.update(ws)
+    sized = [(w, h) for w, h in zip(widths, heights) if w is not None and h is not None]
+    report = {
+        "dataset": str(ds.root),
+        "samples": ds.num_samples,
+        "shards": len(ds.shards),
+        "caption_words": distribution(lengths),
+        "vocabulary_size": len(vocab),
+        "tokens": int(sum(vocab.values())),
+        "top_words": [[w, n] for w, n in vocab.most_common(top)],
+        "image_width": distribution([w for w, _ in sized]),
+        "image_height": distribution([h for _, h in sized]),
+        "image_shorter_side": distribution([min(w, h) for w, h in sized]),
+        "image_formats": dict(sorted(Counter(exts).items())),
+    }
+    out = Path(out) if out is not None else ds.root / "stats"
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / "report.json", report)
+    plot_histograms(out / "stats.png", lengths, sized, vocab.most_common(top))
+    report["outputs"] = [str(out / "report.json"), str(out / "stats.png")]
+    return report
+
+
+def plot_histograms(path: Path, lengths: list[int], sizes: list[tuple[int, int]], top_words) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    axes[0].hist(lengths, bins=min(50, max(1, len(set(lengths)))), color="tab:blue")
+    axes[0].set(title="caption length", xlabel="words", ylabel="samples")
+    if sizes:
+        w, h = np.array(sizes).T
+        axes[1].hist(np.minimum(w, h), bins=40, color="tab:orange")
+    axes[1].set(title="image shorter side", xlabel="pixels", ylabel="samples")
+    if top_words:
+        names, counts = zip(*top_words)
+        axes[2].barh(range(len(names))[::-1], counts, color="tab:green")
+        axes[2].set_yticks(range(len(names))[::-1], names)
+    axes[2].set(title="top words", xlabel="occurrences")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def print_stats(report: dict, console: Console) -> None:
+    t = Table(title=f"vlprep stats: {report['dataset']}", show_header=True)
+    t.add_column("measure")
+    t.add_column("value", overflow="fold")
+    t.add_row("samples / shards", f"{report['samples']:,} / {report['shards']}")
+    cw = report["caption_words"]
+    if cw["count"]:
+        t.add_row("caption words", f"mean {cw['mean']:.1f}, median {cw['p50']:g}, p5-p95 {cw['p5']:g}-{cw['p95']:g}, "
+                  f"max {cw['p100']:g}")
+    t.add_row("vocabulary / tokens", f"{report['vocabulary_size']:,} / {report['tokens']:,}")
+    t.add_row("top words", ", ".join(f"{w} ({n})" for w, n in report["top_words"]))
+    ss = report["image_shorter_side"]
+    if ss["count"]:
+        t.add_row("image shorter side", f"median {ss['p50']:g}px, p5-p95 {ss['p5']:g}-{ss['p95']:g}px, "
+                  f"min {ss['p0']:g}, max {ss['p100']:g}")
+        t.add_row("image width x height", f"median {report['image_width']['p50']:g} x "
+                  f"{report['image_height']['p50']:g}")
+    if report["image_formats"]:
+        t.add_row("image formats", ", ".join(f"{k}: {v:,}" for k, v in report["image_formats"].items()))
+    console.print(t)
+
+
+def print_shards_report(report: dict, console: Console) -> None:
+    t = Table(title=f"vlprep shards -> {report['written']:,} samples in {report['shards']} shards", show_header=True)
+    t.add_column("count")
+    t.add_column("samples", justify="right")
+    t.add_column("e.g.", overflow="fold")
+    t.add_row("read", f"{report['samples_in']:,}", "")
+    t.add_row("written", f"{report['written']:,}", "")
+    for reason, n in report["skipped"].items():
+        t.add_row(f"skipped: {reason}", f"{n:,}", ", ".join(report["skipped_examples"].get(reason, [])[:3]))
+    console.print(t)
+    extra = f", {report['shards_resumed']} shard(s) resumed" if report["shards_resumed"] else ""
+    console.print(f"{report['elapsed_s']:.1f}s ({report['samples_per_s']} samples/s){extra}")

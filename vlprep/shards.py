@@ -1,0 +1,293 @@
+"""`vlprep shards`: any image-caption source -> a WebDataset shard dataset (docs/FORMAT.md).
+
+Plan: source item i goes to shard i // samples_per_shard and gets key `{prefix}_{i:09d}`, whether
+or not earlier items were skipped. Each shard is therefore a pure function of its slice of the
+source: shards are built independently (in parallel with --workers), a re-run skips the shards that
+are complete, and the result is byte-identical to an uninterrupted run. A shard holds at most
+samples_per_shard samples (fewer when some are skipped), as with img2dataset.
+
+Images pass through untouched unless --resize or --format asks for a re-encode. Pass-through checks
+the header and the end-of-image marker (JPEG EOI, PNG IEND, WebP RIFF length) without decoding, which
+catches truncated files at copy speed; --decode-check decodes every image as well.
+"""
+
+import io
+import os
+import re
+import time
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import asdict, dataclass, field
+from itertools import islice
+from pathlib import Path
+
+import pyarrow as pa
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from vlprep import VlprepError
+from vlprep.dataset import (KEY_RE, finish_dataset, prepare_output, remove_extra_shards, shard_done,
+                            shard_name, write_json_atomic, write_shard)
+from vlprep.sources import Item, open_source
+
+FORMATS = {"jpg": "JPEG", "png": "PNG", "webp": "WEBP"}
+PIL_TO_EXT = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp", "MPO": "jpg"}
+SKIP_REASONS = ("missing_image", "unreadable_image", "corrupt_image", "truncated_image",
+                "missing_caption", "empty_caption", "caption_not_utf8")
+SIDECAR_SCHEMA = pa.schema([("key", pa.string()), ("uid", pa.string()), ("caption", pa.string()),
+                            ("source", pa.string()), ("image_ext", pa.string()), ("width", pa.int32()),
+                            ("height", pa.int32()), ("image_bytes", pa.int64())])
+MAX_EXAMPLES = 5  # skipped uids kept per reason and shard, to point the user at bad records
+
+
+@dataclass
+class ShardsConfig:
+    src: Path
+    out: Path
+    samples_per_shard: int = 1000
+    resize: int | None = None         # shorter side -> N (never upscales); None passes bytes through
+    format: str | None = None         # re-encode format; None keeps the source format when possible
+    quality: int = 95
+    workers: int = field(default_factory=lambda: min(4, os.cpu_count() or 1))
+    prefix: str = "shard"
+    image_col: str | None = None
+    caption_col: str | None = None
+    uid_col: str | None = None
+    decode_check: bool = False
+    overwrite: bool = False
+    progress: bool = True
+
+    def validate(self) -> None:
+        if self.samples_per_shard < 1:
+            raise VlprepError("--samples-per-shard must be at least 1")
+        if self.resize is not None and self.resize < 1:
+            raise VlprepError("--resize must be a positive number of pixels")
+        if self.format is not None and self.format not in FORMATS:
+            raise VlprepError(f"--format must be one of {', '.join(FORMATS)}, not {self.format!r}")
+        if not 1 <= self.quality <= 100:
+            raise VlprepError("--quality must be between 1 and 100")
+        if self.workers < 1:
+            raise VlprepError("--workers must be at least 1")
+        if not KEY_RE.match(self.prefix):
+            raise VlprepError(f"--prefix may hold only letters, digits, '_' and '-', not {self.prefix!r}")
+
+
+class Skip(Exception):
+    """A bad sample: counted under `reason`, never fatal."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+# --- per-sample work ---------------------------------------------------------------------------
+
+
+def clean_caption(caption: str | bytes | None) -> str:
+    """One-line UTF-8 caption with runs of whitespace collapsed, or Skip."""
+    if caption is None:
+        raise Skip("missing_caption")
+    if isinstance(caption, bytes):
+        try:
+            caption = caption.decode("utf-8")
+        except UnicodeDecodeError:
+            raise Skip("caption_not_utf8") from None
+    try:
+        caption.encode("utf-8")  # lone surrogates: a CSV cell that was not UTF-8 (read with surrogateescape)
+    except UnicodeEncodeError:
+        raise Skip("caption_not_utf8") from None
+    caption = re.sub(r"\s+", " ", caption).strip()
+    if not caption:
+        raise Skip("empty_caption")
+    return caption
+
+
+def read_image(image: str | bytes | None) -> bytes:
+    if image is None:
+        raise Skip("missing_image")
+    if isinstance(image, bytes):
+        return image
+    try:
+        with open(image, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise Skip("missing_image") from None
+    except OSError:  # permission denied, a folder, an I/O error
+        raise Skip("unreadable_image") from None
+
+
+def looks_complete(data: bytes, fmt: str) -> bool:
+    """End-of-image check without decoding: catches files cut short in a download or copy."""
+    if fmt in ("JPEG", "MPO"):
+        return data.rstrip(b"\0")[-2:] == b"\xff\xd9"
+    if fmt == "PNG":
+        return b"IEND" in data[-32:]
+    if fmt == "WEBP":
+        return len(data) >= 12 and int.from_bytes(data[4:8], "little") + 8 <= len(data)
+    return True
+
+
+def to_mode(im: Image.Image, fmt: str) -> Image.Image:
+    """Modes each format can store; transparency is composited on white for JPEG."""
+    if fmt == "JPEG":
+        if im.mode in ("RGBA", "LA", "PA") or (im.mode == "P" and "transparency" in im.info):
+            rgba = im.convert("RGBA")
+            bg = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+            return Image.alpha_composite(bg, rgba).convert("RGB")
+        return im if im.mode in ("RGB", "L") else im.convert("RGB")
+    if fmt == "PNG":
+        return im if im.mode in ("1", "L", "LA", "P", "RGB", "RGBA", "I;16") else im.convert("RGBA")
+    return im if im.mode in ("RGB", "RGBA") else im.convert("RGBA" if "A" in im.mode else "RGB")
+
+
+def prepare_image(data: bytes, resize: int | None = None, fmt: str | None = None, quality: int = 95,
+                  decode_check: bool = False) -> tuple[bytes, str, int, int]:
+    """Check (and optionally resize / re-encode) one image -> (bytes, ext, width, height), or Skip."""
+    try:
+        im = Image.open(io.BytesIO(data))
+        src_fmt, (w, h) = im.format, im.size
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError):
+        raise Skip("corrupt_image") from None
+    src_ext = PIL_TO_EXT.get(src_fmt)
+    out_ext = fmt or src_ext or "png"
+    small = resize is None or min(w, h) <= resize
+    if small and src_ext == out_ext:  # pass-through: same format, nothing to shrink
+        if not looks_complete(data, src_fmt):
+            raise Skip("truncated_image")
+        if decode_check:
+            try:
+                im.load()
+            except (OSError, ValueError, SyntaxError):
+                raise Skip("truncated_image") from None
+        return data, src_ext, w, h
+    try:
+        if not small and src_fmt == "JPEG":
+            im.draft("RGB", (max(1, w * resize // min(w, h)), max(1, h * resize // min(w, h))))
+        im.load()
+        im = ImageOps.exif_transpose(im)
+    except (OSError, ValueError, SyntaxError):
+        raise Skip("truncated_image") from None
+    w, h = im.size
+    if not small and min(w, h) > resize:
+        s = resize / min(w, h)
+        im = im.resize((max(1, round(w * s)), max(1, round(h * s))), Image.Resampling.BICUBIC, reducing_gap=3.0)
+    pil_fmt = FORMATS[out_ext]
+    im = to_mode(im, pil_fmt)
+    buf = io.BytesIO()
+    kwargs = {"quality": quality} if pil_fmt in ("JPEG", "WEBP") else {}
+    im.save(buf, format=pil_fmt, **kwargs)
+    return buf.getvalue(), out_ext, im.size[0], im.size[1]
+
+
+# --- per-shard work (runs in a worker process) ---------------------------------------------------
+
+
+def build_shard(out: Path, shard: str, first_index: int, items: list[Item], cfg: dict) -> dict:
+    """Write one planned shard; returns its stats {in, written, skipped, examples}."""
+    skipped, examples, samples, rows = Counter(), {}, [], []
+    for i, item in enumerate(items):
+        key = f"{cfg['prefix']}_{first_index + i:09d}"
+        try:
+            caption = clean_caption(item.caption)
+            data, ext, w, h = prepare_image(read_image(item.image), cfg["resize"], cfg["format"],
+                                            cfg["quality"], cfg["decode_check"])
+        except Skip as s:
+            skipped[s.reason] += 1
+            ex = examples.setdefault(s.reason, [])
+            if len(ex) < MAX_EXAMPLES:
+                ex.append(item.uid)
+            continue
+        meta = {"uid": item.uid, "source": item.source, "width": w, "height": h}
+        if item.url:
+            meta["url"] = item.url
+        samples.append({"__key__": key, ext: data, "txt": caption, "json": meta})
+        rows.append({"key": key, "uid": item.uid, "caption": caption, "source": item.source, "image_ext": ext,
+                     "width": w, "height": h, "image_bytes": len(data)})
+    stats = {"in": len(items), "written": len(samples), "skipped": dict(skipped), "examples": examples}
+    write_shard(out, shard, samples, rows, schema=SIDECAR_SCHEMA, stats=stats)
+    return stats
+
+
+# --- the stage ---------------------------------------------------------------------------------
+
+
+def _chunks(items: Iterator[Item], n: int) -> Iterator[list[Item]]:
+    while chunk := list(islice(items, n)):
+        yield chunk
+
+
+def build_shards(cfg: ShardsConfig, progress=None) -> dict:
+    """Run the stage; returns the report (also written to OUT/report.json)."""
+    cfg.validate()
+    t0 = time.perf_counter()
+    source = open_source(cfg.src, cfg.image_col, cfg.caption_col, cfg.uid_col)
+    out = Path(cfg.out)
+    options = {k: v for k, v in asdict(cfg).items() if k not in ("src", "out", "workers", "overwrite", "progress")}
+    options["src"] = str(Path(cfg.src).resolve())
+    prepare_output(out, "shards", options, cfg.overwrite)
+    job = {k: options[k] for k in ("prefix", "resize", "format", "quality", "decode_check")}
+
+    stats: dict[str, dict] = {}
+    planned: list[str] = []
+    resumed = 0
+    pool = ProcessPoolExecutor(cfg.workers) if cfg.workers > 1 else None
+    pending: dict[Future, str] = {}
+    task = progress.add_task("shards", total=source.total) if progress else None
+
+    def collect(done) -> None:
+        for fut in done:
+            shard = pending.pop(fut)
+            stats[shard] = fut.result()
+            if progress:
+                progress.advance(task, stats[shard]["in"])
+
+    try:
+        for idx, chunk in enumerate(_chunks(source.items, cfg.samples_per_shard)):
+            shard = shard_name(cfg.prefix, idx)
+            planned.append(shard)
+            previous = shard_done(out, shard)
+            if previous is not None and previous.get("in") == len(chunk):
+                stats[shard] = previous
+                resumed += 1
+                if progress:
+                    progress.advance(task, len(chunk))
+                continue
+            first = idx * cfg.samples_per_shard
+            if pool is None:
+                stats[shard] = build_shard(out, shard, first, chunk, job)
+                if progress:
+                    progress.advance(task, len(chunk))
+                continue
+            pending[pool.submit(build_shard, out, shard, first, chunk, job)] = shard
+            if len(pending) >= 2 * cfg.workers:  # bound memory: at most 2 shards in flight per worker
+                collect(wait(pending, return_when=FIRST_COMPLETED).done)
+        collect(wait(pending).done if pending else [])
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    remove_extra_shards(out, cfg.prefix, set(planned))
+    sizes = {s: stats[s]["written"] for s in planned}
+    skipped, examples = Counter(), {}
+    for s in planned:
+        skipped.update(stats[s]["skipped"])
+        for reason, uids in stats[s]["examples"].items():
+            examples.setdefault(reason, []).extend(uids[: MAX_EXAMPLES - len(examples.get(reason, []))])
+    n_in = sum(stats[s]["in"] for s in planned)
+    written = sum(sizes.values())
+    if n_in == 0:
+        raise VlprepError(f"{cfg.src}: the source has no records")
+    finish_dataset(out, sizes, {
+        "stage": "shards", "input": str(cfg.src), "source_kind": source.kind, "columns": source.columns,
+        "options": options, "counts": {"in": n_in, "written": written, "skipped": dict(sorted(skipped.items()))},
+    })
+    elapsed = time.perf_counter() - t0
+    report = {
+        "stage": "shards", "source": str(cfg.src), "source_kind": source.kind, "columns": source.columns,
+        "samples_in": n_in, "written": written, "skipped_total": sum(skipped.values()),
+        "skipped": dict(sorted(skipped.items())), "skipped_examples": dict(sorted(examples.items())),
+        "shards": len(planned), "shards_resumed": resumed, "elapsed_s": round(elapsed, 3),
+        "samples_per_s": round(n_in / elapsed, 1) if elapsed > 0 else None,
+    }
+    write_json_atomic(out / "report.json", report)
+    return report

@@ -1,0 +1,213 @@
+"""Image-caption sources for `vlprep shards`: tables, image folders, and existing WebDatasets.
+
+Each source is a generator of `Item`s in a fixed order; the item's position in that order is its
+sample index, so keys depend only on the source, never on timing or the number of workers.
+"""
+
+import csv
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from vlprep import VlprepError
+from vlprep.dataset import iter_tar
+
+TABLE_SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".tsv": "tsv",
+                  ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl"}
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff"}
+# Common names, most specific first; the first one present in the table wins.
+IMAGE_COLUMNS = ("image", "image_path", "img", "img_path", "filepath", "file_name", "filename", "file",
+                 "path", "jpg", "png")
+CAPTION_COLUMNS = ("caption", "text", "txt", "caption_text", "sentence", "title", "alt", "description")
+UID_COLUMNS = ("uid", "key", "id", "image_id")
+
+
+@dataclass
+class Item:
+    """One source record before any checks: the image as a path or bytes, the caption as read."""
+
+    uid: str
+    image: str | bytes | None
+    caption: str | bytes | None
+    source: str
+    url: str | None = None
+
+
+@dataclass
+class Source:
+    kind: str                    # parquet | csv | tsv | jsonl | folder | webdataset
+    path: Path
+    columns: dict[str, str | None]
+    total: int | None            # number of items when cheap to know (for the progress bar)
+    items: Iterator[Item]
+
+
+def _pick(columns: list[str], wanted: str | None, defaults: tuple[str, ...], what: str, path: Path,
+          flag: str, required: bool = True) -> str | None:
+    if wanted is not None:
+        if wanted not in columns:
+            raise VlprepError(f"{path.name}: no column {wanted!r}; columns are: {', '.join(columns)}")
+        return wanted
+    lower = {c.lower(): c for c in columns}
+    for name in defaults:
+        if name in lower:
+            return lower[name]
+    if not required:
+        return None
+    hint = ""
+    if what == "image" and "url" in lower:
+        hint = " (column 'url' holds URLs: download them first, e.g. with img2dataset, then re-shard its output)"
+    raise VlprepError(f"{path.name}: no {what} column found (looked for {', '.join(defaults[:6])}, ...); "
+                      f"columns are: {', '.join(columns)}; pass {flag}{hint}")
+
+
+def _table_columns(path: Path, kind: str) -> list[str]:
+    try:
+        if kind == "parquet":
+            return list(pq.read_schema(path).names)
+        if kind in ("csv", "tsv"):
+            with open(path, newline="", encoding="utf-8", errors="surrogateescape") as f:
+                return next(csv.reader(f, delimiter="\t" if kind == "tsv" else ","), [])
+        with open(path, "rb") as f:
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    row = json.loads(line)
+                    if not isinstance(row, dict):
+                        raise VlprepError(f"{path.name}:{lineno}: expected one JSON object per line")
+                    return list(row)
+            return []
+    except VlprepError:
+        raise
+    except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+        raise VlprepError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
+
+
+def _cell_image(value, base: Path) -> str | bytes | None:
+    if isinstance(value, dict):  # Hugging Face `datasets` stores images as {"bytes": ..., "path": ...}
+        value = value.get("bytes") or value.get("path")
+    if value is None or isinstance(value, bytes):
+        return value
+    value = str(value).strip()
+    if not value:
+        return None
+    return str(base / value) if not os.path.isabs(value) else value
+
+
+def _table_rows(path: Path, kind: str, cols: list[str]) -> Iterator[dict]:
+    if kind == "parquet":
+        pf = pq.ParquetFile(path)
+        for batch in pf.iter_batches(batch_size=1024, columns=cols):
+            yield from batch.to_pylist()
+    elif kind in ("csv", "tsv"):
+        # surrogateescape keeps going past a non-UTF-8 cell; that row's caption is then skipped, counted.
+        with open(path, newline="", encoding="utf-8", errors="surrogateescape") as f:
+            yield from csv.DictReader(f, delimiter="\t" if kind == "tsv" else ",")
+    else:
+        with open(path, "rb") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    raise VlprepError(f"{path.name}:{lineno}: malformed JSON ({e.__class__.__name__})") from None
+                if not isinstance(row, dict):
+                    raise VlprepError(f"{path.name}:{lineno}: expected one JSON object per line")
+                yield row
+
+
+def table_source(path: Path, kind: str, image_col=None, caption_col=None, uid_col=None) -> Source:
+    columns = _table_columns(path, kind)
+    img = _pick(columns, image_col, IMAGE_COLUMNS, "image", path, "--image-col")
+    cap = _pick(columns, caption_col, CAPTION_COLUMNS, "caption", path, "--caption-col")
+    uid = _pick(columns, uid_col, UID_COLUMNS, "uid", path, "--uid-col", required=False)
+    total = pq.ParquetFile(path).metadata.num_rows if kind == "parquet" else None
+    base = path.parent
+
+    def items() -> Iterator[Item]:
+        for i, row in enumerate(_table_rows(path, kind, [c for c in (img, cap, uid) if c])):
+            u = row.get(uid) if uid else None
+            yield Item(uid=str(u) if u is not None else str(i), image=_cell_image(row.get(img), base),
+                       caption=row.get(cap), source=path.name)
+
+    return Source(kind, path, {"image": img, "caption": cap, "uid": uid}, total, items())
+
+
+def folder_source(path: Path) -> Source:
+    images = sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+
+    def items() -> Iterator[Item]:
+        for p in images:
+            rel = p.relative_to(path).with_suffix("").as_posix()
+            txt = p.with_suffix(".txt")
+            try:
+                caption = txt.read_bytes() if txt.exists() else None
+            except OSError:
+                caption = None
+            yield Item(uid=rel, image=str(p), caption=caption, source=path.name)
+
+    return Source("folder", path, {}, len(images), items())
+
+
+def webdataset_source(path: Path) -> Source:
+    if path.is_file():
+        tars, root = [path], path.parent
+    else:
+        root = path
+        sizes_file = path / "sizes.json"
+        tars = None
+        if sizes_file.exists():
+            try:
+                tars = [path / name for name in json.loads(sizes_file.read_text())]
+            except (json.JSONDecodeError, TypeError):
+                tars = None
+        if tars is None or not all(t.exists() for t in tars):
+            tars = sorted(path.glob("*.tar"))
+    total = None
+    if (root / "sizes.json").exists():
+        try:
+            total = sum(json.loads((root / "sizes.json").read_text()).values())
+        except Exception:
+            total = None
+
+    def items() -> Iterator[Item]:
+        for tar in tars:
+            for s in iter_tar(tar):
+                meta = {}
+                if "json" in s:
+                    try:
+                        meta = json.loads(s["json"])
+                    except (json.JSONDecodeError, UnicodeDecodeError):
+                        meta = {}
+                image = next((s[e] for e in ("jpg", "jpeg", "png", "webp") if e in s), None)
+                yield Item(uid=s["__key__"], image=image, caption=s.get("txt"), source=tar.name,
+                           url=meta.get("url") if isinstance(meta, dict) else None)
+
+    return Source("webdataset", path, {}, total, items())
+
+
+def open_source(src: str | os.PathLike, image_col=None, caption_col=None, uid_col=None) -> Source:
+    """Pick the source type from the path: a table file, a .tar / folder of .tar shards, or an image folder."""
+    path = Path(src)
+    if not path.exists():
+        raise VlprepError(f"source not found: {path}")
+    if path.is_file():
+        if path.suffix == ".tar":
+            return webdataset_source(path)
+        kind = TABLE_SUFFIXES.get(path.suffix.lower())
+        if kind is None:
+            raise VlprepError(f"unknown source type {path.suffix!r}: expected a table "
+                              f"({', '.join(sorted(TABLE_SUFFIXES))}), a .tar shard, or a folder")
+        return table_source(path, kind, image_col, caption_col, uid_col)
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise VlprepError(f"cannot read folder {path}: permission denied")
+    if any(path.glob("*.tar")):
+        return webdataset_source(path)
+    src_ = folder_source(path)
+    if not src_.total:
+        raise VlprepError(f"{path}: no .tar shards and no images ({', '.join(sorted(IMAGE_SUFFIXES))}) found")
+    return src_
