@@ -140,6 +140,10 @@ def to_mode(im: Image.Image, fmt: str) -> Image.Image:
     return im if im.mode in ("RGB", "RGBA") else im.convert("RGBA" if "A" in im.mode else "RGB")
 
 
+def _decode_failure(e: Exception) -> str:
+    return "truncated_image" if "truncated" in str(e) else "corrupt_image"
+
+
 def prepare_image(data: bytes, resize: int | None = None, fmt: str | None = None, quality: int = 95,
                   decode_check: bool = False) -> tuple[bytes, str, int, int]:
     """Check (and optionally resize / re-encode) one image -> (bytes, ext, width, height), or Skip."""
@@ -157,16 +161,16 @@ def prepare_image(data: bytes, resize: int | None = None, fmt: str | None = None
         if decode_check:
             try:
                 im.load()
-            except (OSError, ValueError, SyntaxError):
-                raise Skip("truncated_image") from None
+            except (OSError, ValueError, SyntaxError) as e:
+                raise Skip(_decode_failure(e)) from None
         return data, src_ext, w, h
     try:
         if not small and src_fmt == "JPEG":
             im.draft("RGB", (max(1, w * resize // min(w, h)), max(1, h * resize // min(w, h))))
         im.load()
         im = ImageOps.exif_transpose(im)
-    except (OSError, ValueError, SyntaxError):
-        raise Skip("truncated_image") from None
+    except (OSError, ValueError, SyntaxError) as e:
+        raise Skip(_decode_failure(e)) from None
     w, h = im.size
     if not small and min(w, h) > resize:
         s = resize / min(w, h)

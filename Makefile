@@ -1,0 +1,28 @@
+# The two commands of the README: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install apt test demo clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+apt:
+	bash scripts/apt-deps.sh
+
+test: apt install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+demo: install
+	bash scripts/apt-deps.sh --required
+	PY=$(PY) VLPREP=$(VENV)/bin/vlprep bash examples/openclipart/run.sh
+
+clean:
+	rm -rf $(VENV) demo-out

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Installs the Debian packages the demo and the real-data tests use, when run as root.
+# Otherwise prints the apt-get line to run; with --required that is an error (exit 1).
+set -euo pipefail
+PACKAGES=(openclipart-png openclipart-svg)
+missing=()
+for p in "${PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
+  echo "installing Debian packages: ${missing[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  exit 0
+fi
+echo "missing Debian packages; run: sudo apt-get install -y ${missing[*]}"
+[ "${1:-}" = "--required" ] && exit 1
+exit 0

@@ -1,0 +1,94 @@
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import webdataset as wds
+
+from vlprep import VlprepError
+from vlprep.dataset import ShardFormatError, iter_samples, iter_tar, open_dataset
+from vlprep.shards import ShardsConfig, build_shards
+
+
+def make_tar(path: Path, members: dict[str, bytes]) -> Path:
+    with tarfile.open(path, "w") as tf:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    return path
+
+
+@pytest.fixture
+def dataset(image_folder, tmp_path) -> Path:
+    build_shards(ShardsConfig(src=image_folder, out=tmp_path / "ds", samples_per_shard=5, workers=1))
+    return tmp_path / "ds"
+
+
+@pytest.mark.parametrize("bad", ["x.pyd", "x.pickle", "x.cls.pkl", "../x.txt", "a/../../x.txt", "/etc/x.txt"])
+def test_reader_rejects_pickles_and_unsafe_names(tmp_path, bad):
+    tar = make_tar(tmp_path / "s.tar", {"a.txt": b"fine", bad: b"payload"})
+    with pytest.raises(ShardFormatError, match="refusing pickled|unsafe member"):
+        list(iter_tar(tar))
+
+
+def test_reader_skip_handler_keeps_going(tmp_path):
+    tar = make_tar(tmp_path / "s.tar", {"a.txt": b"x", "b.pyd": b"p", "c.txt": b"y"})
+    errors = []
+    got = list(iter_tar(tar, handler=lambda e: errors.append(e) or True))
+    assert [s["__key__"] for s in got] == ["a", "c"] and len(errors) == 1
+
+
+def test_open_dataset_errors(tmp_path):
+    with pytest.raises(VlprepError, match="dataset not found"):
+        open_dataset(tmp_path / "nope")
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(VlprepError, match="not a dataset folder"):
+        open_dataset(tmp_path / "f")
+    (tmp_path / "d").mkdir()
+    with pytest.raises(VlprepError, match="not a shard dataset"):
+        open_dataset(tmp_path / "d")
+    (tmp_path / "d" / "sizes.json").write_text('{"gone.tar": 3}')
+    with pytest.raises(VlprepError, match="missing, e.g. gone.tar"):
+        open_dataset(tmp_path / "d")
+
+
+def test_webdataset_reads_our_shards(dataset):
+    urls = [str(dataset / s) for s in open_dataset(dataset).shards]
+    got = list(wds.WebDataset(urls, shardshuffle=False).decode())
+    ours = list(iter_samples(dataset))
+    assert [s["__key__"] for s in got] == [s["__key__"] for s in ours]
+    assert [s["txt"] for s in got] == [s["txt"] for s in ours]
+    assert [s["json"] for s in got] == [s["json"] for s in ours]
+
+
+def test_wids_reads_our_shards_through_index_json(dataset, tmp_path):
+    import wids
+
+    ds = wids.ShardListDataset(str(dataset / "index.json"), cache_dir=str(tmp_path / "cache"), transformations=[])
+    ours = list(iter_samples(dataset, decode=False))
+    assert len(ds) == len(ours) == 12
+    for i in (0, 4, 5, 11):  # across shard boundaries
+        s = ds[i]
+        assert s["__key__"] == ours[i]["__key__"]
+        for ext in ("txt", "json", "png" if "png" in ours[i] else "jpg"):
+            assert s["." + ext].getvalue() == ours[i][ext]
+    index = json.loads((dataset / "index.json").read_text())
+    assert index["wids_version"] == 1 and [e["nsamples"] for e in index["shardlist"]] == [5, 5, 2]
+
+
+def test_cli_user_errors_are_one_line(tmp_path):
+    env = {**os.environ, "COLUMNS": "200"}
+    r = subprocess.run([sys.executable, "-m", "vlprep.cli", "shards", str(tmp_path / "nope.csv"), str(tmp_path / "o")],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"error: source not found: {tmp_path / 'nope.csv'}"
+    (tmp_path / "t.csv").write_text("path,label\na.png,1\n")
+    r = subprocess.run([sys.executable, "-m", "vlprep.cli", "shards", str(tmp_path / "t.csv"), str(tmp_path / "o")],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert "no caption column found" in r.stderr and "columns are: path, label" in r.stderr

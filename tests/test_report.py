@@ -1,0 +1,36 @@
+import json
+from pathlib import Path
+
+from PIL import Image
+
+from conftest import image_bytes
+from vlprep.report import dataset_stats, distribution
+from vlprep.shards import ShardsConfig, build_shards
+
+
+def test_stats_on_a_known_dataset(tmp_path):
+    root = tmp_path / "src"
+    root.mkdir()
+    captions = ["A red cat.", "the red dog", "a cat, a dog and a bird", "cat"]
+    sizes = [(40, 20), (30, 30), (64, 48), (10, 50)]
+    for i, (cap, (w, h)) in enumerate(zip(captions, sizes)):
+        (root / f"{i}.png").write_bytes(image_bytes(w, h, seed=i))
+        (root / f"{i}.txt").write_text(cap)
+    build_shards(ShardsConfig(src=root, out=tmp_path / "ds", samples_per_shard=3, workers=1))
+    rep = dataset_stats(tmp_path / "ds", top=3)
+    assert rep["samples"] == 4 and rep["shards"] == 2
+    # word counts 3, 3, 7, 1 (punctuation is not a word)
+    assert rep["caption_words"]["mean"] == 3.5 and rep["caption_words"]["p50"] == 3 and rep["caption_words"]["p100"] == 7
+    assert rep["vocabulary_size"] == 7 and rep["tokens"] == 14  # a the red cat dog and bird
+    assert rep["top_words"] == [["a", 4], ["cat", 3], ["red", 2]]
+    assert rep["image_shorter_side"]["p0"] == 10 and rep["image_shorter_side"]["p100"] == 48
+    assert rep["image_formats"] == {"png": 4}
+    assert json.loads((tmp_path / "ds" / "stats" / "report.json").read_text())["top_words"] == rep["top_words"]
+    assert Image.open(tmp_path / "ds" / "stats" / "stats.png").size[0] > 100
+
+
+def test_distribution_matches_numpy_quantiles():
+    d = distribution([1, 2, 3, 4, 100])
+    assert d["count"] == 5 and d["mean"] == 22.0 and d["p50"] == 3.0 and d["p0"] == 1 and d["p100"] == 100
+    assert d["p25"] == 2.0 and d["p75"] == 4.0
+    assert distribution([]) == {"count": 0}

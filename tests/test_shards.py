@@ -1,0 +1,306 @@
+import csv
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from conftest import image_bytes
+from vlprep import VlprepError
+from vlprep.dataset import iter_samples, open_dataset, read_sidecars
+from vlprep.shards import ShardsConfig, build_shards, prepare_image
+
+
+def build(src, out, **kw) -> dict:
+    kw.setdefault("workers", 1)
+    return build_shards(ShardsConfig(src=Path(src), out=Path(out), progress=False, **kw))
+
+
+def samples(out) -> list[dict]:
+    return list(iter_samples(out))
+
+
+def files(out: Path) -> dict[str, bytes]:
+    """Every file a dataset holds, except the timing-dependent report."""
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.is_file() and p.name != "report.json"}
+
+
+# --- sources -----------------------------------------------------------------------------------
+
+
+def test_folder_source_passes_bytes_through(image_folder, tmp_path):
+    rep = build(image_folder, tmp_path / "out", samples_per_shard=5)
+    assert rep["written"] == 12 and rep["shards"] == 3 and rep["skipped"] == {}
+    got = samples(tmp_path / "out")
+    assert [s["__key__"] for s in got] == [f"shard_{i:09d}" for i in range(12)]
+    # the folder is walked in sorted path order; uid is the relative path without the extension
+    paths = sorted(p for p in image_folder.rglob("*") if p.suffix in (".png", ".jpg"))
+    assert [s["json"]["uid"] for s in got] == [p.relative_to(image_folder).with_suffix("").as_posix() for p in paths]
+    by_uid = {s["json"]["uid"]: s for s in got}
+    s = by_uid["sub/img03"]
+    assert s["jpg"] == (image_folder / "sub" / "img03.jpg").read_bytes()  # untouched
+    assert s["txt"] == "a picture of thing 3"  # whitespace collapsed, stripped
+    assert s["json"]["width"] == 43 and s["json"]["height"] == 33
+    assert json.loads((tmp_path / "out" / "sizes.json").read_text()) == {
+        "shard-000000.tar": 5, "shard-000001.tar": 5, "shard-000002.tar": 2}
+
+
+def _rows(root: Path, n: int = 6) -> list[dict]:
+    (root / "img").mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i in range(n):
+        (root / "img" / f"{i}.png").write_bytes(image_bytes(20 + i, 20, seed=i))
+        rows.append({"id": f"row{i}", "file_name": f"img/{i}.png", "text": f"caption {i}", "other": i})
+    return rows
+
+
+def test_parquet_with_relative_paths_autodetects_columns(tmp_path):
+    rows = _rows(tmp_path / "t")
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "t" / "caps.parquet")
+    rep = build(tmp_path / "t" / "caps.parquet", tmp_path / "out")
+    assert rep["columns"] == {"image": "file_name", "caption": "text", "uid": "id"}
+    got = samples(tmp_path / "out")
+    assert [s["txt"] for s in got] == [f"caption {i}" for i in range(6)]
+    assert [s["json"]["uid"] for s in got] == [f"row{i}" for i in range(6)]
+    assert got[2]["png"] == (tmp_path / "t" / "img" / "2.png").read_bytes()
+
+
+def test_parquet_with_image_bytes_and_hf_struct(tmp_path):
+    imgs = [image_bytes(30, 30, "JPEG", seed=i) for i in range(3)]
+    pq.write_table(pa.table({"jpg": imgs, "caption": ["a", "b", "c"]}), tmp_path / "bytes.parquet")
+    build(tmp_path / "bytes.parquet", tmp_path / "o1")
+    assert [s["jpg"] for s in samples(tmp_path / "o1")] == imgs
+    hf = pa.table({"image": [{"bytes": b, "path": None} for b in imgs], "sentence": ["x", "y", "z"]})
+    pq.write_table(hf, tmp_path / "hf.parquet")
+    build(tmp_path / "hf.parquet", tmp_path / "o2")
+    assert [(s["jpg"], s["txt"]) for s in samples(tmp_path / "o2")] == list(zip(imgs, "xyz"))
+
+
+@pytest.mark.parametrize("kind", ["csv", "tsv", "jsonl"])
+def test_text_tables_with_explicit_columns(tmp_path, kind):
+    rows = [{"pic": r["file_name"], "words": r["text"], "x": r["other"]} for r in _rows(tmp_path / "t")]
+    path = tmp_path / "t" / f"caps.{kind}"
+    if kind == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    else:
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]), delimiter="\t" if kind == "tsv" else ",")
+            w.writeheader()
+            w.writerows(rows)
+    with pytest.raises(VlprepError, match=r"no image column found .* columns are: pic, words, x"):
+        build(path, tmp_path / "bad")
+    rep = build(path, tmp_path / "out", image_col="pic", caption_col="words")
+    assert rep["written"] == 6
+    assert [s["txt"] for s in samples(tmp_path / "out")] == [f"caption {i}" for i in range(6)]
+    assert [s["json"]["uid"] for s in samples(tmp_path / "out")] == [str(i) for i in range(6)]  # row number
+
+
+def test_reshard_our_own_output_and_img2dataset(image_folder, tmp_path):
+    build(image_folder, tmp_path / "a", samples_per_shard=5)
+    build(tmp_path / "a", tmp_path / "b", samples_per_shard=4, prefix="re")
+    a, b = samples(tmp_path / "a"), samples(tmp_path / "b")
+    assert len(b) == 12 and open_dataset(tmp_path / "b").shards[0] == "re-000000.tar"
+    assert [s["json"]["uid"] for s in b] == [s["__key__"] for s in a]  # the old key becomes the uid
+    assert [(s.get("png") or s.get("jpg"), s["txt"]) for s in b] == [(s.get("png") or s.get("jpg"), s["txt"]) for s in a]
+
+    # img2dataset layout: 00000.tar with jpg/txt/json(url), a parquet and a _stats.json beside it
+    i2d = tmp_path / "i2d"
+    i2d.mkdir()
+    with tarfile.open(i2d / "00000.tar", "w") as tf:
+        for i in range(3):
+            for ext, data in [("jpg", image_bytes(24, 24, "JPEG", seed=i)), ("txt", f"photo {i}".encode()),
+                              ("json", json.dumps({"url": f"http://x/{i}.jpg", "key": f"0000{i}"}).encode())]:
+                info = tarfile.TarInfo(f"0000{i}.{ext}")
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+    (i2d / "00000_stats.json").write_text("{}")
+    rep = build(i2d, tmp_path / "c")
+    got = samples(tmp_path / "c")
+    assert rep["source_kind"] == "webdataset" and [s["txt"] for s in got] == ["photo 0", "photo 1", "photo 2"]
+    assert got[1]["json"]["url"] == "http://x/1.jpg" and got[1]["json"]["uid"] == "00001"
+
+
+# --- bad input: counted skips ------------------------------------------------------------------
+
+
+def test_bad_samples_are_skipped_and_counted(tmp_path):
+    root = tmp_path / "bad"
+    root.mkdir()
+    good = image_bytes(32, 32, "PNG")
+    jpg = image_bytes(32, 32, "JPEG")
+    cases = {
+        "ok.png": (good, b"fine"),
+        "corrupt.png": (b"this is not an image at all", b"caption"),
+        "trunc.png": (good[: len(good) // 2], b"caption"),
+        "trunc2.jpg": (jpg[:-40], b"caption"),
+        "empty.png": (good, b"   \n"),
+        "latin1.png": (good, "caf\u00e9".encode("latin-1")),
+        "nocap.png": (good, None),
+    }
+    for name, (img, cap) in cases.items():
+        (root / name).write_bytes(img)
+        if cap is not None:
+            (root / name).with_suffix(".txt").write_bytes(cap)
+    rep = build(root, tmp_path / "out")
+    assert rep["written"] == 1
+    assert rep["skipped"] == {"corrupt_image": 1, "truncated_image": 2, "empty_caption": 1,
+                              "caption_not_utf8": 1, "missing_caption": 1}
+    assert rep["skipped_examples"]["truncated_image"] == ["trunc", "trunc2"]
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["skipped"] == rep["skipped"]
+    assert json.loads((tmp_path / "out" / "meta.json").read_text())["counts"]["written"] == 1
+
+
+def test_table_bad_rows_are_counted(tmp_path):
+    (tmp_path / "a.png").write_bytes(image_bytes())
+    (tmp_path / "adir").mkdir()  # an image path that exists but cannot be read as a file
+    with open(tmp_path / "t.csv", "wb") as f:
+        f.write(b"image,caption\na.png,good one\nmissing.png,no file\na.png,\n,no image\na.png,caf\xe9\nadir,x\n")
+    rep = build(tmp_path / "t.csv", tmp_path / "out")
+    assert rep["written"] == 1
+    assert rep["skipped"] == {"missing_image": 2, "empty_caption": 1, "caption_not_utf8": 1, "unreadable_image": 1}
+    pq.write_table(pa.table({"image": [str(tmp_path / "a.png")] * 2, "caption": [b"ok", b"\xff\xfe"]}),
+                   tmp_path / "b.parquet")
+    assert build(tmp_path / "b.parquet", tmp_path / "out2")["skipped"] == {"caption_not_utf8": 1}
+
+
+def test_decode_check_catches_corrupt_data_with_intact_markers(tmp_path):
+    from vlprep.shards import Skip
+
+    data = bytearray(image_bytes(64, 64, "PNG"))
+    data[200:1200] = b"\x00" * 1000  # pixel data destroyed, IEND intact
+    assert prepare_image(bytes(data))[1] == "png"  # the cheap check lets it through
+    with pytest.raises(Skip) as e:
+        prepare_image(bytes(data), decode_check=True)
+    assert e.value.reason == "corrupt_image"
+    with pytest.raises(Skip) as e:
+        prepare_image(bytes(data), resize=16)  # re-encoding decodes too
+    assert e.value.reason == "corrupt_image"
+
+
+# --- bad input: one-line errors ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda p: p / "nope.parquet", "source not found"),
+    (lambda p: (p / "x.xlsx").write_text("x") and p / "x.xlsx", "unknown source type '.xlsx'"),
+    (lambda p: (p / "x.parquet").write_bytes(b"PAR1 garbage") and p / "x.parquet", "cannot read"),
+    (lambda p: (p / "x.jsonl").write_text('{"image": "a", "caption": "b"}\n{oops\n') and p / "x.jsonl",
+     r"x.jsonl:2: malformed JSON"),
+    (lambda p: (p / "empty").mkdir() or p / "empty", "no .tar shards and no images"),
+])
+def test_unreadable_sources_raise_one_line_errors(tmp_path, make, match):
+    with pytest.raises(VlprepError, match=match) as e:
+        build(make(tmp_path), tmp_path / "out")
+    assert "\n" not in str(e.value)
+
+
+def test_url_only_table_gets_a_hint(tmp_path):
+    pq.write_table(pa.table({"url": ["http://a"], "caption": ["c"]}), tmp_path / "u.parquet")
+    with pytest.raises(VlprepError, match="columns are: url, caption.*img2dataset"):
+        build(tmp_path / "u.parquet", tmp_path / "out")
+
+
+def test_nonempty_output_is_never_clobbered(image_folder, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "precious.txt").write_text("mine")
+    with pytest.raises(VlprepError, match="is not empty"):
+        build(image_folder, out)
+    assert (out / "precious.txt").read_text() == "mine"
+    build(image_folder, tmp_path / "o2")
+    with pytest.raises(VlprepError, match="other options"):
+        build(image_folder, tmp_path / "o2", resize=8)
+    assert len(samples(tmp_path / "o2")) == 12  # the earlier dataset is intact
+    build(image_folder, tmp_path / "o2", resize=8, overwrite=True)
+    assert max(min(s["json"]["width"], s["json"]["height"]) for s in samples(tmp_path / "o2")) == 8
+
+
+@pytest.mark.parametrize("kw,match", [({"samples_per_shard": 0}, "samples-per-shard"), ({"format": "gif"}, "--format"),
+                                      ({"prefix": "a.b"}, "--prefix"), ({"resize": -1}, "--resize")])
+def test_bad_options(image_folder, tmp_path, kw, match):
+    with pytest.raises(VlprepError, match=match):
+        build(image_folder, tmp_path / "out", **kw)
+    assert not (tmp_path / "out").exists()
+
+
+# --- resize / re-encode ------------------------------------------------------------------------
+
+
+def test_resize_shorter_side_keeps_aspect_and_never_upscales(tmp_path):
+    root = tmp_path / "r"
+    root.mkdir()
+    (root / "big.png").write_bytes(image_bytes(300, 120, "PNG"))
+    (root / "small.jpg").write_bytes(image_bytes(50, 40, "JPEG"))
+    (root / "rgba.png").write_bytes(image_bytes(200, 100, "PNG", mode="RGBA"))
+    for n in ("big", "small", "rgba"):
+        (root / f"{n}.txt").write_text(n)
+    build(root, tmp_path / "out", resize=64)
+    got = {s["txt"]: s for s in samples(tmp_path / "out")}
+    big = Image.open(io.BytesIO(got["big"]["png"]))
+    assert big.size == (160, 64) and (got["big"]["json"]["width"], got["big"]["json"]["height"]) == (160, 64)
+    assert got["small"]["jpg"] == (root / "small.jpg").read_bytes()  # below N: untouched
+    build(root, tmp_path / "jpg", resize=64, format="jpg", quality=80)
+    got = {s["txt"]: s for s in samples(tmp_path / "jpg")}
+    assert all("jpg" in s for s in got.values())
+    rgba = Image.open(io.BytesIO(got["rgba"]["jpg"]))
+    assert rgba.mode == "RGB" and rgba.size == (128, 64)
+
+
+# --- determinism, parallelism, resume ----------------------------------------------------------
+
+
+def test_reruns_and_worker_counts_give_identical_bytes(image_folder, tmp_path):
+    build(image_folder, tmp_path / "a", samples_per_shard=4)
+    build(image_folder, tmp_path / "b", samples_per_shard=4, workers=2)
+    fa, fb = files(tmp_path / "a"), files(tmp_path / "b")
+    assert fa.keys() == fb.keys() and all(fa[k] == fb[k] for k in fa if k != "meta.json")
+    rep = build(image_folder, tmp_path / "a", samples_per_shard=4)  # same options: everything resumes
+    assert rep["shards_resumed"] == 3 and files(tmp_path / "a") == fa
+
+
+def test_interrupted_run_leaves_no_partial_shard_and_resumes_identically(image_folder, tmp_path, monkeypatch):
+    build(image_folder, tmp_path / "clean", samples_per_shard=4)
+    import vlprep.shards as stage
+
+    real, calls = stage.prepare_image, {"n": 0}
+
+    def dies_mid_shard(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 10:  # the 2nd sample of the 3rd shard
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(stage, "prepare_image", dies_mid_shard)
+    with pytest.raises(KeyboardInterrupt):
+        build(image_folder, tmp_path / "run", samples_per_shard=4)
+    visible = sorted(p.name for p in (tmp_path / "run").glob("*.tar"))
+    assert visible == ["shard-000000.tar", "shard-000001.tar"]  # finished shards only, no half shard
+    assert not (tmp_path / "run" / "sizes.json").exists()
+    with pytest.raises(VlprepError, match="no sizes.json"):
+        open_dataset(tmp_path / "run")  # readers refuse an unfinished dataset
+    monkeypatch.setattr(stage, "prepare_image", real)
+    rep = build(image_folder, tmp_path / "run", samples_per_shard=4)
+    assert rep["shards_resumed"] == 2
+    assert files(tmp_path / "run") == files(tmp_path / "clean")
+    assert not list((tmp_path / "run").glob("*.tmp"))
+
+
+# --- sidecars ----------------------------------------------------------------------------------
+
+
+def test_sidecars_agree_with_tars(image_folder, tmp_path):
+    (image_folder / "sub" / "img05.txt").write_text("")  # one skipped sample
+    build(image_folder, tmp_path / "out", samples_per_shard=5)
+    ds = open_dataset(tmp_path / "out")
+    rows = read_sidecars(ds).to_pylist()
+    got = samples(ds)
+    assert len(rows) == len(got) == 11
+    for row, s in zip(rows, got):
+        ext = "png" if "png" in s else "jpg"
+        assert (row["key"], row["caption"], row["uid"], row["image_ext"], row["image_bytes"]) == \
+            (s["__key__"], s["txt"], s["json"]["uid"], ext, len(s[ext]))
+        assert (row["width"], row["height"]) == Image.open(io.BytesIO(s[ext])).size
