@@ -75,7 +75,9 @@ def shards(
     with progress_bar() as progress:
         report = build_shards(cfg, progress=progress)
     print_shards_report(report, console)
-    console.print(f"wrote {out}/ (report.json has the skip counts)")
+    if report["written"] == 0:
+        console.print("[yellow]warning:[/] no sample was written; the skip reasons above say why")
+    console.print(f"wrote {out}/ (report.json has the skip counts)", highlight=False)
 
 
 @app.command()
