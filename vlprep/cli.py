@@ -81,6 +81,33 @@ def shards(
 
 
 @app.command()
+def bow(
+    src: Path = typer.Argument(..., help="Input shard dataset (from `vlprep shards` or any vlprep stage)."),
+    out: Path = typer.Argument(..., help="Output dataset folder (an earlier run there with the same options resumes)."),
+    ops: str = typer.Option("shuffle,rmstop,basevocab,rmtop:1000,keep:4", help="Comma-separated cascade: shuffle, "
+                            "rmstop, basevocab, rmtop:T, keep:N (keep always runs last)."),
+    base_frac: float = typer.Option(0.1, help="Fraction of samples kept intact as the base set (chosen by key hash)."),
+    seed: int = typer.Option(0, help="Seed of the base split and of shuffle."),
+    deform_base: bool = typer.Option(False, "--deform-base", help="Deform the base captions too."),
+    workers: Optional[int] = typer.Option(None, help="Worker processes, one shard at a time each "
+                                          "(default: CPU count, at most 4)."),
+    overwrite: bool = typer.Option(False, help="Replace the vlprep files in a non-empty OUT written otherwise."),
+) -> None:
+    """Deform captions into bags of words (A Fistful of Words, sec. 2.2); images are copied untouched."""
+    from vlprep.bow import BowConfig, bow as run_bow
+    from vlprep.report import print_bow_report
+
+    cfg = BowConfig(src=src, out=out, ops=ops, base_frac=base_frac, seed=seed, deform_base=deform_base,
+                    overwrite=overwrite)
+    if workers is not None:
+        cfg.workers = workers
+    with progress_bar() as progress:
+        report = run_bow(cfg, progress=progress)
+    print_bow_report(report, console)
+    console.print(f"wrote {out}/ (report.json has every figure)", highlight=False)
+
+
+@app.command()
 def stats(
     dataset: Path = typer.Argument(..., help="A shard dataset folder (with sizes.json)."),
     out: Optional[Path] = typer.Option(None, help="Where to write report.json and stats.png [default: DATASET/stats]."),

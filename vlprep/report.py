@@ -126,3 +126,56 @@ def print_shards_report(report: dict, console: Console) -> None:
     console.print(t)
     extra = f", {report['shards_resumed']} shard(s) resumed" if report["shards_resumed"] else ""
     console.print(f"{report['elapsed_s']:.1f}s ({report['samples_per_s']} samples/s){extra}")
+
+
+def plot_bow(out: Path, words_before: Counter, words_after: Counter, len_before: Counter,
+             len_after: Counter) -> list[str]:
+    """Rank-frequency (log-log) and caption-length histograms, before vs after; returns the PNG paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for counter, label in ((words_before, "before"), (words_after, "after")):
+        freqs = sorted(counter.values(), reverse=True)
+        if freqs:
+            ax.loglog(range(1, len(freqs) + 1), freqs, label=f"{label} ({len(freqs):,} words)")
+    ax.set(title="rank-frequency", xlabel="rank", ylabel="occurrences")
+    ax.legend()
+    fig.tight_layout()
+    rf = out / "bow_rank_frequency.png"
+    fig.savefig(rf, dpi=80)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    top = max([0, *len_before, *len_after])
+    bins = np.arange(0, min(top, 60) + 2) - 0.5
+    for hist, label in ((len_before, "before"), (len_after, "after")):
+        ks = list(hist)
+        ax.hist([min(k, 60) for k in ks], bins=bins, weights=[hist[k] for k in ks], alpha=0.6, label=label)
+    ax.set(title="caption length", xlabel="words (60 = 60 or more)", ylabel="captions")
+    ax.legend()
+    fig.tight_layout()
+    lh = out / "bow_lengths.png"
+    fig.savefig(lh, dpi=80)
+    plt.close(fig)
+    return [str(rf), str(lh)]
+
+
+def print_bow_report(r: dict, console: Console) -> None:
+    t = Table(title=f"vlprep bow --ops {r['ops']}", show_header=True)
+    t.add_column("measure")
+    t.add_column("before", overflow="fold")
+    t.add_column("after", overflow="fold")
+    t.add_row("samples", f"{r['samples_in']:,}", f"{r['written']:,} ({r['size_change_pct']:+.1f}%)")
+    t.add_row("avg caption length (words)", f"{r['avg_words_before']:.2f}", f"{r['avg_words_after']:.2f}")
+    t.add_row("vocabulary", f"{r['vocab_before']:,}", f"{r['vocab_after']:,}")
+    t.add_row("deformed / base", "", f"{r['deformed_fraction']:.1%} deformed, {r['base_samples']:,} base samples")
+    t.add_row("dropped (empty)", "", f"{r['dropped_empty']:,}")
+    t.add_row("tokens removed", "", ", ".join(f"{k}: {v:,}" for k, v in r["tokens_removed"].items()))
+    t.add_row("top words", ", ".join(w for w, _ in r["top_words_before"]),
+              ", ".join(w for w, _ in r["top_words_after"]))
+    console.print(t)
+    extra = f", {r['shards_resumed']} shard(s) resumed" if r["shards_resumed"] else ""
+    console.print(f"{r['elapsed_s']:.1f}s{extra}; plots: {', '.join(r['plots'])}", highlight=False)

@@ -1,0 +1,233 @@
+import hashlib
+import json
+import random
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from conftest import image_bytes
+from vlprep import VlprepError
+from vlprep.bow import (BowConfig, BowContext, SampleRng, basevocab, bow, deform, is_base, keep, parse_ops, rmstop,
+                        rmtop, shuffle)
+from vlprep.dataset import iter_samples, open_dataset, read_sidecars
+from vlprep.shards import ShardsConfig, build_shards
+
+STOP = set((Path(__file__).parents[1] / "vlprep/data/stopwords/english").read_text().split())
+
+
+def make_dataset(tmp_path: Path, captions: list[str], per_shard: int = 3, name: str = "raw") -> Path:
+    src = tmp_path / f"{name}-src"
+    src.mkdir()
+    for i, c in enumerate(captions):
+        (src / f"{i:04d}.png").write_bytes(image_bytes(8, 8, seed=i))
+        (src / f"{i:04d}.txt").write_text(c)
+    build_shards(ShardsConfig(src=src, out=tmp_path / name, samples_per_shard=per_shard, workers=1))
+    return tmp_path / name
+
+
+def base_member(seed: int, key: str, frac: float) -> bool:
+    """Re-derivation of the documented base rule: blake2b-64 of 'base:{seed}:{key}' below frac * 2^64."""
+    digest = hashlib.blake2b(("base:%d:%s" % (seed, key)).encode(), digest_size=8).hexdigest()
+    return int(digest, 16) / 2**64 < frac
+
+
+def run(src, out, **kw) -> dict:
+    kw.setdefault("workers", 1)
+    return bow(BowConfig(src=Path(src), out=Path(out), **kw))
+
+
+# --- ops on literal token lists ----------------------------------------------------------------
+
+
+def test_each_op_on_literal_tokens():
+    ctx = BowContext(base_vocab=frozenset({"dog", "cat", "red", "."}), top=frozenset({"dog"}))
+    toks = ["the", "red", "dog", "'", "s", "2", "bone", "café", "."]
+    assert rmstop(toks, ctx, None) == ["red", "dog", "bone", "café"]  # 's' is a stop word; '2', "'", '.' not alpha
+    assert basevocab(toks, ctx, None) == ["red", "dog", "."]
+    assert rmtop(toks, ctx, None) == ["the", "red", "'", "s", "2", "bone", "café", "."]
+    assert keep(toks, ctx, None, n=2) == ["the", "red"] and keep(["a"], ctx, None, n=4) == ["a"]
+    out = shuffle(toks, ctx, random.Random(3))
+    assert sorted(out) == sorted(toks) and out != toks and toks[0] == "the"  # a new list; input untouched
+
+
+def test_stop_words_are_nltks_179():
+    from vlprep.text import stop_words
+
+    assert stop_words() == STOP and len(STOP) == 179 and {"the", "a", "don't", "wouldn"} <= STOP
+
+
+def test_sample_rng_is_the_documented_fisher_yates():
+    x = list(range(40))
+    SampleRng(7, "k_1").shuffle(x)
+    # re-derivation: blake2b-512 blocks of "7:k_1:{block}", two bytes per swap, i from n-1 down to 1
+    stream = b"".join(hashlib.blake2b(f"7:k_1:{b}".encode(), digest_size=64).digest() for b in range(2))
+    y = list(range(40))
+    for step, i in enumerate(range(39, 0, -1)):
+        j = int.from_bytes(stream[2 * step: 2 * step + 2], "big") % (i + 1)
+        y[i], y[j] = y[j], y[i]
+    assert x == y
+    a, b = list("abcdefgh"), list("abcdefgh")
+    SampleRng(0, "k").shuffle(a)
+    SampleRng(0, "k").shuffle(b)
+    c = list("abcdefgh")
+    SampleRng(1, "k").shuffle(c)
+    assert a == b and a != c
+
+
+def test_tokenization_and_join():
+    ctx = BowContext()
+    assert deform("A dog, running!", parse_ops("keep:10"), ctx, None) == "a dog , running !"
+
+
+# --- parse_ops ---------------------------------------------------------------------------------
+
+
+def test_parse_ops_moves_keep_last():
+    c = parse_ops("keep:4,shuffle,rmtop:1000,rmstop")
+    assert [s.label for s in c] == ["shuffle", "rmtop:1000", "rmstop", "keep:4"]
+    assert [s.label for s in parse_ops(" Shuffle , rmtop:0 ")] == ["shuffle", "rmtop:0"]
+
+
+@pytest.mark.parametrize("spec,why", [
+    ("shuffle,frobnicate", "unknown op 'frobnicate'"), ("rmtop:abc", "rmtop needs an integer count"),
+    ("keep:0", "at least 1"), ("rmtop:-5", "at least 0"), ("keep:-1", "at least 1"),
+    ("keep:2,shuffle,keep:3", "'keep' given twice"), ("shuffle:3", "takes no argument"),
+    ("rmtop", "rmtop needs an integer count"), ("", "no ops given"), ("shuffle,,keep:2", "unknown op ''"),
+])
+def test_bad_ops_are_one_line_errors_with_the_grammar(spec, why):
+    with pytest.raises(ValueError) as e:
+        parse_ops(spec)
+    msg = str(e.value)
+    assert why in msg and "grammar:" in msg and "shuffle, rmstop, basevocab, rmtop:T" in msg and "\n" not in msg
+
+
+def test_bad_ops_from_the_cli(tmp_path):
+    ds = make_dataset(tmp_path, ["a cat"] * 3)
+    r = subprocess.run([sys.executable, "-m", "vlprep.cli", "bow", str(ds), str(tmp_path / "o"), "--ops", "keep:0"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "grammar:" in r.stderr
+    assert not (tmp_path / "o").exists()
+
+
+# --- the stage ---------------------------------------------------------------------------------
+
+HAND = ["A dog runs on the grass.", "The dog and a cat sleep.", "A big dog chases the red cat!",
+        "Two cats on grass, sleeping.", "The dog.", "Cat and grass and sleep and runs"]
+
+
+def _seed_with_base(keys_base: set[str], keys: list[str], frac: float) -> int:
+    return next(s for s in range(10_000) if {k for k in keys if base_member(s, k, frac)} == keys_base)
+
+
+def test_cascade_on_a_small_dataset_worked_by_hand(tmp_path):
+    ds = make_dataset(tmp_path, HAND)
+    keys = [f"shard_{i:09d}" for i in range(6)]
+    seed = _seed_with_base({keys[0], keys[1]}, keys, 0.3)
+    rep = run(ds, tmp_path / "bow", ops="keep:2,rmstop,basevocab,rmtop:3", base_frac=0.3, seed=seed)
+    # base df: '.', a, dog, the -> 2; ties broken by the token: top-3 = {'.', 'a', 'dog'}
+    got = {s["__key__"]: s for s in iter_samples(tmp_path / "bow")}
+    assert {k: s["txt"] for k, s in got.items()} == {
+        keys[0]: "A dog runs on the grass.", keys[1]: "The dog and a cat sleep.",  # base: intact
+        keys[2]: "cat", keys[3]: "grass", keys[5]: "cat grass"}                     # keys[4] -> "" -> dropped
+    assert got[keys[2]]["json"]["caption_raw"] == HAND[2] and got[keys[2]]["json"]["bow"] is True
+    assert got[keys[0]]["json"]["bow"] is False and got[keys[0]]["json"]["caption_raw"] == HAND[0]
+    assert rep["tokens_removed"] == {"rmstop": 11, "basevocab": 6, "rmtop:3": 2, "keep:2": 2}
+    assert rep["rmtop_tokens"] == [".", "a", "dog"]
+    assert (rep["samples_in"], rep["written"], rep["dropped_empty"], rep["base_samples"]) == (6, 5, 1, 2)
+    assert rep["size_change_pct"] == round(-100 / 6, 2) and rep["deformed_fraction"] == 0.6
+    assert rep["avg_words_before"] == round((6 + 6 + 7 + 5 + 2 + 7) / 6, 3)
+    assert rep["avg_words_after"] == round((6 + 6 + 1 + 1 + 2) / 5, 3)
+    assert json.loads((tmp_path / "bow" / "sizes.json").read_text()) == {"shard-000000.tar": 3, "shard-000001.tar": 2}
+    side = read_sidecars(open_dataset(tmp_path / "bow")).to_pylist()
+    assert [(r["key"], r["caption"], r["bow"]) for r in side] == [(k, s["txt"], s["json"]["bow"]) for k, s in got.items()]
+    assert all(Path(p).exists() for p in rep["plots"])
+
+
+def test_base_fraction_follows_the_hash_rule(tmp_path):
+    keys = [f"k_{i}" for i in range(20000)]
+    assert [is_base(3, k, 0.1) for k in keys[:500]] == [base_member(3, k, 0.1) for k in keys[:500]]
+    frac = sum(is_base(3, k, 0.1) for k in keys) / len(keys)
+    assert abs(frac - 0.1) < 0.01
+
+
+WORDS = ["dog", "cat", "tree", "car", "red", "blue", "man", "woman", "ball", "sky", "grass", "boat", "kite", "road",
+         "house", "horse", "bird", "sun", "snow", "beach", "the", "a", "of", "on", "and", "with", "is", "2", "3rd", ",",
+         ".", "!"]
+
+
+def generated_captions(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    weights = [1 / (r + 1) for r in range(len(WORDS))]  # Zipf-like, so the top-t set matters
+    return [" ".join(rng.choices(WORDS, weights, k=rng.randint(3, 12))) for _ in range(n)]
+
+
+def test_invariants_on_a_generated_dataset(tmp_path):
+    caps = generated_captions(240)
+    ds = make_dataset(tmp_path, caps, per_shard=50)
+    run(ds, tmp_path / "bow", ops="shuffle,rmstop,basevocab,rmtop:5,keep:3", base_frac=0.2, seed=1)
+    raw = {s["__key__"]: s for s in iter_samples(ds)}
+    tok = lambda c: re.findall(r"\w+|[^\w\s]", c.lower())  # noqa: E731
+    base = [k for k in raw if base_member(1, k, 0.2)]
+    vocab = set().union(*(set(tok(raw[k]["txt"])) for k in base))
+    df = Counter(t for k in base for t in set(tok(raw[k]["txt"])))
+    top5 = set(sorted(df, key=lambda t: (-df[t], t))[:5])
+    out = list(iter_samples(tmp_path / "bow"))
+    assert 0 < len(out) <= len(raw)
+    for s in out:
+        orig = raw[s["__key__"]]
+        assert s["png"] == orig["png"] and s["json"]["caption_raw"] == orig["txt"]
+        if s["__key__"] in base:
+            assert s["txt"] == orig["txt"] and s["json"]["bow"] is False
+            continue
+        toks = s["txt"].split(" ")
+        assert s["json"]["bow"] is True and 1 <= len(toks) <= 3
+        assert all(t.isalpha() and t not in STOP for t in toks)
+        assert all(t in vocab for t in toks) and not (set(toks) & top5)
+        assert Counter(toks) <= Counter(tok(orig["txt"]))  # a sub-multiset of the original tokens
+    dropped = [k for k in raw if k not in {s["__key__"] for s in out}]
+    assert all(k not in base for k in dropped)
+
+
+def test_same_bytes_for_any_worker_count_and_resume(tmp_path):
+    ds = make_dataset(tmp_path, generated_captions(60, seed=4), per_shard=10)
+    run(ds, tmp_path / "w1", ops="shuffle,rmstop,keep:4", workers=1)
+    run(ds, tmp_path / "w2", ops="shuffle,rmstop,keep:4", workers=2)
+    files = lambda d: {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.suffix in (".tar", ".parquet")}  # noqa
+    assert files(tmp_path / "w1") == files(tmp_path / "w2") and len(files(tmp_path / "w1")) == 12
+    # an interrupted run: one shard missing, a half-written temporary left behind
+    (tmp_path / "w2" / "shard-000003.tar").unlink()
+    (tmp_path / "w2" / "sizes.json").unlink()
+    (tmp_path / "w2" / "shard-000003.tar.tmp").write_bytes(b"half")
+    rep = run(ds, tmp_path / "w2", ops="shuffle,rmstop,keep:4", workers=2)
+    assert rep["shards_resumed"] == 5 and files(tmp_path / "w2") == files(tmp_path / "w1")
+    assert not list((tmp_path / "w2").glob("*.tmp"))
+
+
+def test_deform_base_and_bow_of_bow_keeps_the_first_raw_caption(tmp_path):
+    ds = make_dataset(tmp_path, ["The red dog runs.", "A blue car!", "Two birds"])
+    run(ds, tmp_path / "b1", ops="rmstop", base_frac=0.5, deform_base=True)
+    assert [s["txt"] for s in iter_samples(tmp_path / "b1")] == ["red dog runs", "blue car", "two birds"]
+    run(tmp_path / "b1", tmp_path / "b2", ops="keep:1", deform_base=True)
+    got = list(iter_samples(tmp_path / "b2"))
+    assert [s["txt"] for s in got] == ["red", "blue", "two"]
+    assert [s["json"]["caption_raw"] for s in got] == ["The red dog runs.", "A blue car!", "Two birds"]
+
+
+def test_stage_errors(tmp_path):
+    ds = make_dataset(tmp_path, ["a cat", "a dog"])
+    with pytest.raises(VlprepError, match="basevocab, rmtop:10 need a base set, but --base-frac is 0"):
+        run(ds, tmp_path / "o", ops="basevocab,rmtop:10", base_frac=0)
+    with pytest.raises(VlprepError, match="base set is empty"):
+        run(ds, tmp_path / "o", ops="basevocab", base_frac=1e-9)
+    with pytest.raises(VlprepError, match="dataset not found"):
+        run(tmp_path / "missing", tmp_path / "o")
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "x.txt").write_text("hi")
+    with pytest.raises(VlprepError, match="not a shard dataset"):
+        run(tmp_path / "plain", tmp_path / "o")
+    with pytest.raises(VlprepError, match="bad --ops"):
+        run(ds, tmp_path / "o", ops="keep:2,keep:3")
