@@ -231,3 +231,20 @@ def test_stage_errors(tmp_path):
         run(tmp_path / "plain", tmp_path / "o")
     with pytest.raises(VlprepError, match="bad --ops"):
         run(ds, tmp_path / "o", ops="keep:2,keep:3")
+
+
+def test_resume_rebuilds_when_the_input_changed(tmp_path):
+    caps = generated_captions(30, seed=2)
+    ds = make_dataset(tmp_path, caps, per_shard=10)
+    run(ds, tmp_path / "b", ops="rmstop,basevocab", base_frac=0.5)
+    assert run(ds, tmp_path / "b", ops="rmstop,basevocab", base_frac=0.5)["shards_resumed"] == 3
+    # rebuild the input with one caption changed: the shard holding it (and, when the base vocabulary
+    # changes, every shard) is redone, and the result equals a fresh run
+    src = tmp_path / "raw-src"
+    (src / "0025.txt").write_text("zebra giraffe")
+    build_shards(ShardsConfig(src=src, out=ds, samples_per_shard=10, workers=1))
+    rep = run(ds, tmp_path / "b", ops="rmstop,basevocab", base_frac=0.5)
+    assert rep["shards_resumed"] <= 2
+    run(ds, tmp_path / "fresh", ops="rmstop,basevocab", base_frac=0.5)
+    files = lambda d: {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.suffix in (".tar", ".parquet")}  # noqa
+    assert files(tmp_path / "b") == files(tmp_path / "fresh")

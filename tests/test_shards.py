@@ -304,3 +304,24 @@ def test_sidecars_agree_with_tars(image_folder, tmp_path):
         assert (row["key"], row["caption"], row["uid"], row["image_ext"], row["image_bytes"]) == \
             (s["__key__"], s["txt"], s["json"]["uid"], ext, len(s[ext]))
         assert (row["width"], row["height"]) == Image.open(io.BytesIO(s[ext])).size
+
+
+def test_resume_rebuilds_shards_whose_records_changed(image_folder, tmp_path):
+    build(image_folder, tmp_path / "out", samples_per_shard=5)
+    (image_folder / "sub" / "img07.txt").write_text("an edited caption")
+    rep = build(image_folder, tmp_path / "out", samples_per_shard=5)
+    assert rep["shards_resumed"] == 2  # only the shard holding the edited record is rebuilt
+    assert "an edited caption" in [s["txt"] for s in samples(tmp_path / "out")]
+
+
+def test_decompression_bombs_are_counted_as_too_large(tmp_path):
+    root = tmp_path / "big"
+    root.mkdir()
+    buf = io.BytesIO()
+    Image.new("1", (20000, 10000)).save(buf, format="PNG")  # 200M pixels, a few KB on disk
+    (root / "huge.png").write_bytes(buf.getvalue())
+    (root / "huge.txt").write_text("a very large picture")
+    (root / "ok.png").write_bytes(image_bytes())
+    (root / "ok.txt").write_text("fine")
+    rep = build(root, tmp_path / "out")
+    assert rep["written"] == 1 and rep["skipped"] == {"image_too_large": 1}

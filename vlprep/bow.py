@@ -238,7 +238,25 @@ def _init_worker(cascade_spec: str, context: BowContext, seed: int, base_frac: f
                    deform_base=deform_base)
 
 
-def bow_shard(src: Path, out: Path, shard: str) -> dict:
+def shard_fingerprints(ds, ctx: BowContext) -> dict[str, str]:
+    """Per input shard: its sidecar's bytes, its tar's size, and the global context (base vocab, top set).
+
+    Every output shard depends on the global context, so a changed input shard anywhere means a
+    resumed run rebuilds all of them; an unchanged input resumes.
+    """
+    g = hashlib.blake2b(digest_size=16)
+    for part in (sorted(ctx.base_vocab), sorted(ctx.top)):
+        g.update("\x00".join(part).encode() + b"\x01")
+    fps = {}
+    for shard in ds.shards:
+        h = g.copy()
+        h.update(ds.sidecar(shard).read_bytes())
+        h.update(str((ds.root / shard).stat().st_size).encode())
+        fps[shard] = h.hexdigest()
+    return fps
+
+
+def bow_shard(src: Path, out: Path, shard: str, fp: str = "") -> dict:
     """Second pass over one shard: deform captions, copy everything else; returns the shard's counts."""
     w = _worker
     cascade, ctx, seed = w["cascade"], w["context"], w["seed"]
@@ -272,7 +290,7 @@ def bow_shard(src: Path, out: Path, shard: str) -> dict:
         if name not in schema.names:
             schema = schema.append(pa.field(name, typ))
     stats = {"in": len(rows_in), "written": len(samples), "deformed": deformed, "dropped_empty": dropped,
-             "removed": removed}
+             "removed": removed, "fingerprint": fp}
     write_shard(out, shard, samples, rows, schema=schema, stats=stats)
     return stats
 
@@ -307,9 +325,10 @@ def bow(cfg: BowConfig, progress=None) -> dict:
     init = (spec, ctx, cfg.seed, cfg.base_frac, cfg.deform_base)
     todo = []
     stats: dict[str, dict] = {}
+    fps = shard_fingerprints(ds, ctx)
     for shard in ds.shards:
         done = shard_done(out, shard)
-        if done is not None and done.get("in") == ds.sizes[shard]:
+        if done is not None and done.get("fingerprint") == fps[shard]:
             stats[shard] = done
         else:
             todo.append(shard)
@@ -318,14 +337,15 @@ def bow(cfg: BowConfig, progress=None) -> dict:
         progress.advance(task, sum(stats[s]["in"] for s in stats))
     if cfg.workers > 1 and len(todo) > 1:
         with ProcessPoolExecutor(cfg.workers, initializer=_init_worker, initargs=init) as pool:
-            for shard, st in zip(todo, pool.map(bow_shard, [ds.root] * len(todo), [out] * len(todo), todo)):
+            for shard, st in zip(todo, pool.map(bow_shard, [ds.root] * len(todo), [out] * len(todo), todo,
+                                                [fps[s] for s in todo])):
                 stats[shard] = st
                 if progress:
                     progress.advance(task, st["in"])
     else:
         _init_worker(*init)
         for shard in todo:
-            stats[shard] = bow_shard(ds.root, out, shard)
+            stats[shard] = bow_shard(ds.root, out, shard, fps[shard])
             if progress:
                 progress.advance(task, stats[shard]["in"])
 

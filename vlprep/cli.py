@@ -15,7 +15,7 @@ from vlprep import VlprepError, __version__
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Prepare image-caption WebDataset shards for vision-language alignment.")
-console = Console(stderr=True)
+console = Console(stderr=True, emoji=False)
 
 
 class RateColumn(ProgressColumn):
@@ -118,7 +118,7 @@ def stats(
 
     with console.status("reading sidecars") if console.is_terminal else nullcontext():
         report = dataset_stats(dataset, out=out, top=top)
-    print_stats(report, Console())
+    print_stats(report, Console(emoji=False))
     console.print(f"wrote {', '.join(report['outputs'])}")
 
 

@@ -3,7 +3,8 @@
 Plan: source item i goes to shard i // samples_per_shard and gets key `{prefix}_{i:09d}`, whether
 or not earlier items were skipped. Each shard is therefore a pure function of its slice of the
 source: shards are built independently (in parallel with --workers), a re-run skips the shards that
-are complete, and the result is byte-identical to an uninterrupted run. A shard holds at most
+are complete and whose records are unchanged (see `fingerprint`), and the result is byte-identical
+to an uninterrupted run. A shard holds at most
 samples_per_shard samples (fewer when some are skipped), as with img2dataset.
 
 Images pass through untouched unless --resize or --format asks for a re-encode. Pass-through checks
@@ -11,8 +12,10 @@ the header and the end-of-image marker (JPEG EOI, PNG IEND, WebP RIFF length) wi
 catches truncated files at copy speed; --decode-check decodes every image as well.
 """
 
+import hashlib
 import io
 import os
+import warnings
 import re
 import time
 from collections import Counter
@@ -32,7 +35,7 @@ from vlprep.sources import Item, open_source
 
 FORMATS = {"jpg": "JPEG", "png": "PNG", "webp": "WEBP"}
 PIL_TO_EXT = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp", "MPO": "jpg"}
-SKIP_REASONS = ("missing_image", "unreadable_image", "corrupt_image", "truncated_image",
+SKIP_REASONS = ("missing_image", "unreadable_image", "corrupt_image", "truncated_image", "image_too_large",
                 "missing_caption", "empty_caption", "caption_not_utf8")
 SIDECAR_SCHEMA = pa.schema([("key", pa.string()), ("uid", pa.string()), ("caption", pa.string()),
                             ("source", pa.string()), ("image_ext", pa.string()), ("width", pa.int32()),
@@ -148,9 +151,15 @@ def prepare_image(data: bytes, resize: int | None = None, fmt: str | None = None
                   decode_check: bool = False) -> tuple[bytes, str, int, int]:
     """Check (and optionally resize / re-encode) one image -> (bytes, ext, width, height), or Skip."""
     try:
-        im = Image.open(io.BytesIO(data))
+        with warnings.catch_warnings():
+            # Pillow warns above 89M pixels and refuses above 179M (decompression bombs); the refusal
+            # is counted as image_too_large, the warning would only clutter the progress bar.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            im = Image.open(io.BytesIO(data))
         src_fmt, (w, h) = im.format, im.size
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError):
+    except Image.DecompressionBombError:
+        raise Skip("image_too_large") from None
+    except (UnidentifiedImageError, OSError, ValueError):
         raise Skip("corrupt_image") from None
     src_ext = PIL_TO_EXT.get(src_fmt)
     out_ext = fmt or src_ext or "png"
@@ -167,7 +176,9 @@ def prepare_image(data: bytes, resize: int | None = None, fmt: str | None = None
     try:
         if not small and src_fmt == "JPEG":
             im.draft("RGB", (max(1, w * resize // min(w, h)), max(1, h * resize // min(w, h))))
-        im.load()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            im.load()
         im = ImageOps.exif_transpose(im)
     except (OSError, ValueError, SyntaxError) as e:
         raise Skip(_decode_failure(e)) from None
@@ -186,8 +197,8 @@ def prepare_image(data: bytes, resize: int | None = None, fmt: str | None = None
 # --- per-shard work (runs in a worker process) ---------------------------------------------------
 
 
-def build_shard(out: Path, shard: str, first_index: int, items: list[Item], cfg: dict) -> dict:
-    """Write one planned shard; returns its stats {in, written, skipped, examples}."""
+def build_shard(out: Path, shard: str, first_index: int, items: list[Item], cfg: dict, fp: str = "") -> dict:
+    """Write one planned shard; returns its stats {in, written, skipped, examples, fingerprint}."""
     skipped, examples, samples, rows = Counter(), {}, [], []
     for i, item in enumerate(items):
         key = f"{cfg['prefix']}_{first_index + i:09d}"
@@ -207,12 +218,32 @@ def build_shard(out: Path, shard: str, first_index: int, items: list[Item], cfg:
         samples.append({"__key__": key, ext: data, "txt": caption, "json": meta})
         rows.append({"key": key, "uid": item.uid, "caption": caption, "source": item.source, "image_ext": ext,
                      "width": w, "height": h, "image_bytes": len(data)})
-    stats = {"in": len(items), "written": len(samples), "skipped": dict(skipped), "examples": examples}
+    stats = {"in": len(items), "written": len(samples), "skipped": dict(skipped), "examples": examples,
+             "fingerprint": fp}
     write_shard(out, shard, samples, rows, schema=SIDECAR_SCHEMA, stats=stats)
     return stats
 
 
 # --- the stage ---------------------------------------------------------------------------------
+
+
+def fingerprint(items: list[Item]) -> str:
+    """What a shard was built from: ids, captions, and image bytes (hashed) or path + size + mtime.
+
+    A resumed run reuses a finished shard only when this matches, so an edited source is rebuilt.
+    """
+    h = hashlib.blake2b(digest_size=16)
+    for it in items:
+        h.update(repr((it.uid, it.caption, it.source, it.url)).encode("utf-8", "surrogatepass"))
+        if isinstance(it.image, bytes):
+            h.update(hashlib.blake2b(it.image, digest_size=16).digest())
+        elif it.image is not None:
+            try:
+                st = os.stat(it.image)
+                h.update(f"{it.image}|{st.st_size}|{st.st_mtime_ns}".encode("utf-8", "surrogatepass"))
+            except OSError:
+                h.update(f"{it.image}|missing".encode("utf-8", "surrogatepass"))
+    return h.hexdigest()
 
 
 def _chunks(items: Iterator[Item], n: int) -> Iterator[list[Item]]:
@@ -249,8 +280,9 @@ def build_shards(cfg: ShardsConfig, progress=None) -> dict:
         for idx, chunk in enumerate(_chunks(source.items, cfg.samples_per_shard)):
             shard = shard_name(cfg.prefix, idx)
             planned.append(shard)
+            fp = fingerprint(chunk)
             previous = shard_done(out, shard)
-            if previous is not None and previous.get("in") == len(chunk):
+            if previous is not None and previous.get("fingerprint") == fp:
                 stats[shard] = previous
                 resumed += 1
                 if progress:
@@ -258,11 +290,11 @@ def build_shards(cfg: ShardsConfig, progress=None) -> dict:
                 continue
             first = idx * cfg.samples_per_shard
             if pool is None:
-                stats[shard] = build_shard(out, shard, first, chunk, job)
+                stats[shard] = build_shard(out, shard, first, chunk, job, fp)
                 if progress:
                     progress.advance(task, len(chunk))
                 continue
-            pending[pool.submit(build_shard, out, shard, first, chunk, job)] = shard
+            pending[pool.submit(build_shard, out, shard, first, chunk, job, fp)] = shard
             if len(pending) >= 2 * cfg.workers:  # bound memory: at most 2 shards in flight per worker
                 collect(wait(pending, return_when=FIRST_COMPLETED).done)
         collect(wait(pending).done if pending else [])
