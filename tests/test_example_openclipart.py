@@ -1,0 +1,39 @@
+"""The demo pipeline on real data: Debian's openclipart, a 150-image subset (`make test` installs it as root)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vlprep.dataset import iter_samples, open_dataset
+
+ROOT = Path(__file__).parents[1]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not Path("/usr/share/openclipart/svg").is_dir(),
+                       reason="openclipart-svg/png not installed (scripts/apt-deps.sh installs them as root)"),
+]
+
+
+def test_run_sh_on_a_subset(tmp_path):
+    bindir = Path(sys.executable).parent
+    env = {**os.environ, "PY": sys.executable, "VLPREP": str(bindir / "vlprep"), "OUT": str(tmp_path), "LIMIT": "150"}
+    r = subprocess.run(["bash", str(ROOT / "examples/openclipart/run.sh")], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ds = open_dataset(tmp_path / "shards")
+    report = json.loads((tmp_path / "shards" / "report.json").read_text())
+    assert report["samples_in"] == 150 and ds.num_samples == report["written"] >= 145
+    s = next(iter(iter_samples(ds)))
+    assert s["txt"] and "png" in s and min(s["json"]["width"], s["json"]["height"]) <= 256
+    stats = json.loads((tmp_path / "shards" / "stats" / "report.json").read_text())
+    assert stats["samples"] == ds.num_samples and stats["vocabulary_size"] > 100
+    bow = json.loads((tmp_path / "bow" / "report.json").read_text())
+    assert 0 < bow["written"] <= ds.num_samples and bow["avg_words_after"] < bow["avg_words_before"]
+    # a second run resumes every stage
+    r = subprocess.run(["bash", str(ROOT / "examples/openclipart/run.sh")], env=env, capture_output=True, text=True)
+    assert r.returncode == 0
+    assert json.loads((tmp_path / "shards" / "report.json").read_text())["shards_resumed"] == 1
+    assert json.loads((tmp_path / "bow" / "report.json").read_text())["shards_resumed"] == 1
