@@ -32,8 +32,12 @@ def test_run_sh_on_a_subset(tmp_path):
     assert stats["samples"] == ds.num_samples and stats["vocabulary_size"] > 100
     bow = json.loads((tmp_path / "bow" / "report.json").read_text())
     assert 0 < bow["written"] <= ds.num_samples and bow["avg_words_after"] < bow["avg_words_before"]
+    onto = json.loads((tmp_path / "onto" / "ontology.json").read_text())
+    assert onto["root"]["instances"] == ds.num_samples and (tmp_path / "onto" / "triplets.parquet").exists()
+    assert json.loads((tmp_path / "det" / "report.json").read_text())["samples"] == ds.num_samples
     # a second run resumes every stage
     r = subprocess.run(["bash", str(ROOT / "examples/openclipart/run.sh")], env=env, capture_output=True, text=True)
     assert r.returncode == 0
     assert json.loads((tmp_path / "shards" / "report.json").read_text())["shards_resumed"] == 1
-    assert json.loads((tmp_path / "bow" / "report.json").read_text())["shards_resumed"] == 1
+    for stage in ("bow", "det", "onto"):
+        assert json.loads((tmp_path / stage / "report.json").read_text())["shards_resumed"] == 1

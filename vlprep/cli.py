@@ -108,6 +108,55 @@ def bow(
 
 
 @app.command()
+def detect(
+    src: Path = typer.Argument(..., help="Input shard dataset."),
+    out: Path = typer.Argument(..., help="Output dataset folder: the same samples with json.objects added."),
+    backend: str = typer.Option("ssd", help="ssd (SSD-MobileNet-v2 COCO via OpenCV, packaged) or torchvision:ARCH "
+                                "(e.g. torchvision:fasterrcnn_resnet50_fpn, needs --weights)."),
+    weights: Optional[Path] = typer.Option(None, help="Local state dict for a torchvision backend."),
+    from_file: Optional[Path] = typer.Option(None, "--from-file", help="Import detections from a JSONL file of "
+                                             '{"key": ..., "objects": [{"label", "score", "box"}]} instead.'),
+    min_score: float = typer.Option(0.3, help="Keep detections with at least this score."),
+    batch_size: int = typer.Option(8, help="Images per detector call."),
+    device: str = typer.Option("auto", help="torchvision backend: auto (CUDA when present), cpu, cuda."),
+    overwrite: bool = typer.Option(False, help="Replace the vlprep files in a non-empty OUT written otherwise."),
+) -> None:
+    """Detect objects in every image (boxes normalised to [0, 1]); images are copied untouched."""
+    from vlprep.detect import DetectConfig, detect as run_detect
+    from vlprep.report import print_detect_report
+
+    cfg = DetectConfig(src=src, out=out, backend=backend, weights=weights, from_file=from_file, min_score=min_score,
+                       batch_size=batch_size, device=device, overwrite=overwrite)
+    with progress_bar() as progress:
+        report = run_detect(cfg, progress=progress)
+    print_detect_report(report, console)
+    console.print(f"wrote {out}/", highlight=False)
+
+
+@app.command()
+def ontology(
+    src: Path = typer.Argument(..., help="A dataset with detections (the output of `vlprep detect`)."),
+    out: Path = typer.Argument(..., help="Output folder: ontology.json, triplets.parquet, annotated shards, report."),
+    min_instances: Optional[int] = typer.Option(None, help="Drop classes with fewer triplets (default: "
+                                                "max(5, ceil(T x 5000 / 5.8M)) for T triplets, the paper's ratio)."),
+    min_cooccur: int = typer.Option(5, help="Noun-class pairs must co-occur this often to be mapped."),
+    min_score: float = typer.Option(0.3, help="Object labels count when their score is at least this."),
+    overrides: Optional[Path] = typer.Option(None, help="YAML of noun: class (force) or noun: null (exclude)."),
+    overwrite: bool = typer.Option(False, help="Replace the vlprep files in a non-empty OUT written otherwise."),
+) -> None:
+    """Build the TOnICS noun-object PMI ontology and its triplets (sample, noun span, class)."""
+    from vlprep.ontology import OntologyConfig, ontology as run_ontology
+    from vlprep.report import print_ontology_report
+
+    cfg = OntologyConfig(src=src, out=out, min_instances=min_instances, min_cooccur=min_cooccur, min_score=min_score,
+                         overrides=overrides, overwrite=overwrite)
+    with progress_bar() as progress:
+        report = run_ontology(cfg, progress=progress)
+    print_ontology_report(report, Console(emoji=False))
+    console.print(f"wrote {out}/ (ontology.json, triplets.parquet, report.json, pmi_heatmap.png)", highlight=False)
+
+
+@app.command()
 def stats(
     dataset: Path = typer.Argument(..., help="A shard dataset folder (with sizes.json)."),
     out: Optional[Path] = typer.Option(None, help="Where to write report.json and stats.png [default: DATASET/stats]."),

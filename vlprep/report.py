@@ -179,3 +179,56 @@ def print_bow_report(r: dict, console: Console) -> None:
     console.print(t)
     extra = f", {r['shards_resumed']} shard(s) resumed" if r["shards_resumed"] else ""
     console.print(f"{r['elapsed_s']:.1f}s{extra}; plots: {', '.join(r['plots'])}", highlight=False)
+
+
+def plot_pmi(path: Path, table, mapping: dict[str, str], nodes: list[dict], top: int = 25) -> list[str]:
+    """Heatmap of PMI for the most frequent mapped nouns x the kept classes; returns the PNG path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    classes = [n["class"] for n in nodes][:top]
+    sub = table[table["noun"].isin(mapping.keys()) & table["label"].isin(classes)] if len(table) else table
+    freq = sub.groupby("noun")["count"].max().sort_values(ascending=False) if len(sub) else []
+    nouns = list(freq.index[:top]) if len(sub) else []
+    grid = np.full((len(nouns), len(classes)), np.nan)
+    pos_n, pos_c = {n: i for i, n in enumerate(nouns)}, {c: j for j, c in enumerate(classes)}
+    for n, c, p in zip(sub["noun"], sub["label"], sub["pmi"]) if len(sub) else []:
+        if n in pos_n:
+            grid[pos_n[n], pos_c[c]] = p
+    fig, ax = plt.subplots(figsize=(max(4, 0.45 * len(classes) + 2), max(3, 0.3 * len(nouns) + 1.5)))
+    im = ax.imshow(grid, cmap="viridis", aspect="auto")
+    ax.set_xticks(range(len(classes)), classes, rotation=60, ha="right")
+    ax.set_yticks(range(len(nouns)), nouns)
+    ax.set_title("PMI(noun, class); blank = never co-occur")
+    fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return [str(path)]
+
+
+def print_ontology_report(r: dict, console: Console) -> None:
+    t = Table(title=f"vlprep ontology: {r['classes']} classes, {r['triplets']:,} triplets", show_header=True)
+    t.add_column("class")
+    t.add_column("instances |X(o)|", justify="right")
+    t.add_column("nouns w(o)", overflow="fold")
+    for node in r["nodes"]:
+        t.add_row(node["class"], f"{node['instances']:,}", ", ".join(node["nouns"]))
+    console.print(t)
+    console.print(f"pairs {r['pairs']:,}, with objects {r['pairs_with_objects']:,}; coverage {r['coverage']:.1%} "
+                  f"(pairs with >= 1 triplet); min instances {r['min_instances']}; "
+                  f"{len(r['dropped_classes'])} class(es) dropped; {r['elapsed_s']:.1f}s", highlight=False)
+
+
+def print_detect_report(r: dict, console: Console) -> None:
+    t = Table(title=f"images per label (score >= {r['min_score']})", show_header=True)
+    t.add_column("label")
+    t.add_column("images", justify="right")
+    for label, n in list(r["images_per_label"].items())[:15]:
+        t.add_row(label, f"{n:,}")
+    console.print(t)
+    rate = f", {r['images_per_s']} images/s" if r["images_per_s"] else ""
+    console.print(f"{r['backend']}: {r['samples']:,} images, {r['with_objects']:,} with objects, {r['objects']:,} objects, "
+                  f"{r['undecodable']} undecodable; {r['elapsed_s']:.1f}s{rate}", highlight=False)

@@ -1,0 +1,203 @@
+import io
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from conftest import image_bytes
+from vlprep import VlprepError
+from vlprep.dataset import iter_samples
+from vlprep.detect import DetectConfig, detect
+from vlprep.ontology import OntologyConfig, default_min_instances, make_triplets, map_nouns, ontology, pmi_table
+from vlprep.shards import ShardsConfig, build_shards
+
+
+def test_pmi_against_a_hand_worked_example():
+    pairs = [({"dog", "grass"}, {"dog"}), ({"dog"}, {"dog", "person"}), ({"man"}, {"person"}),
+             ({"dog", "man"}, set())]  # no detection: not counted, N = 3
+    t = pmi_table(pairs)
+    counts = {(n, o): c for n, o, c, _ in t.itertuples(index=False)}
+    pmi = {(n, o): p for n, o, _, p in t.itertuples(index=False)}
+    # p(dog)=2/3, p(grass)=1/3, p(man)=1/3; p(o=dog)=2/3, p(person)=2/3
+    assert counts == {("dog", "dog"): 2, ("grass", "dog"): 1, ("dog", "person"): 1, ("man", "person"): 1}
+    assert pmi == pytest.approx({
+        ("dog", "dog"): math.log((2 / 3) / (2 / 3 * 2 / 3)),
+        ("grass", "dog"): math.log((1 / 3) / (1 / 3 * 2 / 3)),
+        ("dog", "person"): math.log((1 / 3) / (2 / 3 * 2 / 3)),
+        ("man", "person"): math.log((1 / 3) / (1 / 3 * 2 / 3)),
+    })
+    assert t.attrs["pairs"] == 3 and list(t.columns) == ["noun", "label", "count", "pmi"]
+
+
+def test_mapping_tie_rules_min_cooccur_and_overrides():
+    t = pd.DataFrame([
+        ("puppy", "dog", 5, 1.0), ("puppy", "cat", 9, 0.5),       # highest PMI wins over count
+        ("pet", "dog", 5, 0.7), ("pet", "cat", 8, 0.7),           # PMI tie -> larger count
+        ("animal", "dog", 6, 0.3), ("animal", "cat", 6, 0.3),     # PMI and count tie -> smaller label
+        ("rare", "bird", 2, 3.0), ("rare", "cat", 5, 0.1),        # the best PMI is below min_cooccur
+        ("thing", "bird", 1, 2.0),                                # no candidate at all
+    ], columns=["noun", "label", "count", "pmi"])
+    assert map_nouns(t, min_cooccur=5) == {"animal": "cat", "pet": "cat", "puppy": "dog", "rare": "cat"}
+    assert map_nouns(t, min_cooccur=1)["rare"] == "bird" and map_nouns(t, min_cooccur=1)["thing"] == "bird"
+    assert map_nouns(t, 5, {"puppy": "cat", "pet": None, "kitten": "cat"}) == {
+        "animal": "cat", "kitten": "cat", "puppy": "cat", "rare": "cat"}
+
+
+def test_triplets_one_per_distinct_mapped_noun_with_a_detected_class():
+    nouns = [("dog", 2, 6), ("frisbee", 20, 28), ("dog", 40, 44), ("park", 50, 54)]
+    mapping = {"dog": "dog", "frisbee": "frisbee", "park": "bench"}
+    assert make_triplets(nouns, {"dog", "frisbee"}, mapping) == [("dog", 2, 6, "dog"), ("frisbee", 20, 28, "frisbee")]
+    assert make_triplets(nouns, set(), mapping) == []
+    assert default_min_instances(10) == 5 and default_min_instances(5_800_000) == 5000
+    assert default_min_instances(11_600_000) == 10000
+
+
+# --- the stages, with detections imported from a file ------------------------------------------
+
+CAPTIONS = ["A dog runs on the grass.", "Two dogs and a man in a park.", "A man with a hat.", "The cat sleeps.",
+            "A dog and a cat.", "A red car."]
+OBJECTS = [["dog"], ["dog", "person"], ["person"], ["cat"], ["dog", "cat"], []]
+
+
+@pytest.fixture
+def detected(tmp_path) -> Path:
+    src = tmp_path / "src"
+    src.mkdir()
+    for i, c in enumerate(CAPTIONS):
+        (src / f"{i}.png").write_bytes(image_bytes(16, 16, seed=i))
+        (src / f"{i}.txt").write_text(c)
+    build_shards(ShardsConfig(src=src, out=tmp_path / "raw", samples_per_shard=4, workers=1))
+    lines = [json.dumps({"key": f"shard_{i:09d}", "objects": [{"label": o, "score": 0.9, "box": [0, 0, 0.5, 1]}
+                                                              for o in objs] + [{"label": "tv", "score": 0.1,
+                                                                                 "box": [0, 0, 1, 1]}]})
+             for i, objs in enumerate(OBJECTS)]
+    (tmp_path / "dets.jsonl").write_text("\n".join(lines) + "\n")
+    rep = detect(DetectConfig(src=tmp_path / "raw", out=tmp_path / "det", from_file=tmp_path / "dets.jsonl",
+                              min_score=0.3))
+    assert rep["objects"] == 7 and rep["with_objects"] == 5  # the 0.1-score tv is below --min-score
+    return tmp_path / "det"
+
+
+def test_detect_from_file_keeps_images_and_adds_objects(detected, tmp_path):
+    raw = list(iter_samples(tmp_path / "raw"))
+    det = list(iter_samples(detected))
+    assert [s["png"] for s in det] == [s["png"] for s in raw]
+    assert det[1]["json"]["objects"] == [{"label": "dog", "score": 0.9, "box": [0, 0, 0.5, 1]},
+                                         {"label": "person", "score": 0.9, "box": [0, 0, 0.5, 1]}]
+    side = pq.read_table(detected / "shard-000000.parquet").to_pylist()
+    assert [len(r["objects"]) for r in side] == [1, 2, 1, 1]
+
+
+@pytest.mark.parametrize("line,match", [
+    ("{oops", r"dets.jsonl:2: malformed JSON"),
+    ('{"key": "nope", "objects": []}', r"dets.jsonl:2: unknown key 'nope'"),
+    ('{"key": "shard_000000001"}', r"dets.jsonl:2: expected an object with fields 'key' and 'objects'"),
+    ('{"key": "shard_000000001", "objects": [{"label": "dog", "score": 1}]}', r"dets.jsonl:2: object 0 needs"),
+    ('{"key": "shard_000000001", "objects": [{"label": "dog", "score": 1, "box": [0, 0, 2, 1]}]}',
+     r"dets.jsonl:2: object 0: box must be 4 numbers in \[0, 1\]"),
+    ('{"key": "shard_000000000", "objects": []}', r"dets.jsonl:2: key 'shard_000000000' appears twice"),
+])
+def test_bad_detection_files_name_the_line(tmp_path, line, match):
+    (tmp_path / "img").mkdir()
+    for i in range(2):
+        (tmp_path / "img" / f"{i}.png").write_bytes(image_bytes(8, 8, seed=i))
+        (tmp_path / "img" / f"{i}.txt").write_text("x")
+    build_shards(ShardsConfig(src=tmp_path / "img", out=tmp_path / "raw", workers=1))
+    (tmp_path / "dets.jsonl").write_text('{"key": "shard_000000000", "objects": []}\n' + line + "\n")
+    with pytest.raises(VlprepError, match=match):
+        detect(DetectConfig(src=tmp_path / "raw", out=tmp_path / "o", from_file=tmp_path / "dets.jsonl"))
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow  # loads the packaged spaCy model
+def test_ontology_end_to_end(detected, tmp_path):
+    rep = ontology(OntologyConfig(src=detected, out=tmp_path / "onto", min_cooccur=1, min_instances=2))
+    onto = json.loads((tmp_path / "onto" / "ontology.json").read_text())
+    # nouns: dog(0,1,4) grass(0) man(1,2) park(1) hat(2) cat(3,4) car(5); pairs with objects: 0..4
+    assert onto["noun_to_class"]["dog"] == "dog" and onto["noun_to_class"]["cat"] == "cat"
+    assert onto["noun_to_class"]["man"] == "person"
+    assert onto["root"] == {"name": "entity", "instances": 6}
+    trip = pq.read_table(tmp_path / "onto" / "triplets.parquet").to_pylist()
+    dog = [t for t in trip if t["class"] == "dog" and t["noun"] == "dog"]
+    assert [(t["index"], t["key"]) for t in dog] == [(0, "shard_000000000"), (1, "shard_000000001"),
+                                                     (4, "shard_000000004")]
+    for t in trip:  # the span points at the noun in the caption
+        assert CAPTIONS[t["index"]][t["start"]:t["end"]].lower().startswith(t["noun"][:3])
+    nodes = {n["class"]: n for n in onto["nodes"]}
+    assert nodes["dog"]["instances"] == sum(t["class"] == "dog" for t in trip) >= 3
+    assert all(n["instances"] >= 2 for n in onto["nodes"])
+    samples = list(iter_samples(tmp_path / "onto"))
+    assert samples[4]["json"]["nodes"] == ["cat", "dog"] and samples[5]["json"]["nodes"] == []
+    assert ["car", 6, 9] in samples[5]["json"]["nouns"]
+    assert rep["coverage"] == round(sum(bool(s["json"]["nodes"]) for s in samples) / 6, 4)
+    assert Path(rep["plots"][0]).exists()
+    # a class under --min-instances is dropped, with its nouns and triplets
+    rep = ontology(OntologyConfig(src=detected, out=tmp_path / "onto3", min_cooccur=1, min_instances=3))
+    onto3 = json.loads((tmp_path / "onto3" / "ontology.json").read_text())
+    assert all(n["instances"] >= 3 for n in onto3["nodes"]) and rep["dropped_classes"]
+    assert set(onto3["noun_to_class"].values()) == {n["class"] for n in onto3["nodes"]}
+
+
+def test_ontology_input_errors(detected, tmp_path):
+    with pytest.raises(VlprepError, match="no detections .* run `vlprep detect` first"):
+        ontology(OntologyConfig(src=tmp_path / "raw", out=tmp_path / "o"))
+    (tmp_path / "ov.yaml").write_text("dog: unicorn\n")
+    with pytest.raises(VlprepError, match="'unicorn' is not a detected class; classes are: cat, dog, person"):
+        ontology(OntologyConfig(src=detected, out=tmp_path / "o", overrides=tmp_path / "ov.yaml"))
+    (tmp_path / "ov.yaml").write_text("- a list\n")
+    with pytest.raises(VlprepError, match="expected a mapping"):
+        ontology(OntologyConfig(src=detected, out=tmp_path / "o", overrides=tmp_path / "ov.yaml"))
+
+
+@pytest.mark.slow  # runs the packaged SSD-MobileNet-v2
+def test_default_detector_finds_the_cat_in_chelsea(tmp_path):
+    from skimage import data
+
+    buf = io.BytesIO()
+    Image.fromarray(data.chelsea()).save(buf, format="JPEG")
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img" / "chelsea.jpg").write_bytes(buf.getvalue())
+    (tmp_path / "img" / "chelsea.txt").write_text("a cat")
+    (tmp_path / "img" / "broken.jpg").write_bytes(buf.getvalue())
+    (tmp_path / "img" / "broken.txt").write_text("x")
+    build_shards(ShardsConfig(src=tmp_path / "img", out=tmp_path / "raw", workers=1))
+    rep = detect(DetectConfig(src=tmp_path / "raw", out=tmp_path / "det", min_score=0.5))
+    s = next(s for s in iter_samples(tmp_path / "det") if s["txt"] == "a cat")
+    top = max(s["json"]["objects"], key=lambda o: o["score"])
+    assert top["label"] == "cat" and top["score"] > 0.8
+    x0, y0, x1, y1 = top["box"]
+    assert 0 <= x0 < x1 <= 1 and 0 <= y0 < y1 <= 1 and (x1 - x0) * (y1 - y0) > 0.3
+    assert rep["images_per_s"] > 0
+
+
+@pytest.mark.slow  # builds a small torchvision detector
+def test_torchvision_backend_loads_local_weights(tmp_path):
+    import torch
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.detection.fasterrcnn_mobilenet_v3_large_320_fpn(weights=None, weights_backbone=None,
+                                                                               num_classes=91)
+    torch.save(model.state_dict(), tmp_path / "w.pt")
+    (tmp_path / "img").mkdir()
+    arr = (np.random.default_rng(0).random((64, 80, 3)) * 255).astype(np.uint8)
+    Image.fromarray(arr).save(tmp_path / "img" / "a.png")
+    (tmp_path / "img" / "a.txt").write_text("noise")
+    build_shards(ShardsConfig(src=tmp_path / "img", out=tmp_path / "raw", workers=1))
+    rep = detect(DetectConfig(src=tmp_path / "raw", out=tmp_path / "det", weights=tmp_path / "w.pt", min_score=0.0,
+                              backend="torchvision:fasterrcnn_mobilenet_v3_large_320_fpn"))
+    assert rep["samples"] == 1 and rep["backend"] == "torchvision:fasterrcnn_mobilenet_v3_large_320_fpn"
+    for o in next(iter_samples(tmp_path / "det"))["json"]["objects"]:
+        assert all(0 <= v <= 1 for v in o["box"]) and o["label"] not in ("N/A", "__background__")
+    torch.save({"not": torch.zeros(1)}, tmp_path / "bad.pt")
+    with pytest.raises(VlprepError, match="cannot load .*bad.pt into fasterrcnn_resnet50_fpn"):
+        detect(DetectConfig(src=tmp_path / "raw", out=tmp_path / "d2", weights=tmp_path / "bad.pt",
+                            backend="torchvision:fasterrcnn_resnet50_fpn"))
+    with pytest.raises(VlprepError, match="unknown torchvision detector 'nope'"):
+        detect(DetectConfig(src=tmp_path / "raw", out=tmp_path / "d2", weights=tmp_path / "w.pt",
+                            backend="torchvision:nope"))

