@@ -201,3 +201,17 @@ def test_torchvision_backend_loads_local_weights(tmp_path):
     with pytest.raises(VlprepError, match="unknown torchvision detector 'nope'"):
         detect(DetectConfig(src=tmp_path / "raw", out=tmp_path / "d2", weights=tmp_path / "w.pt",
                             backend="torchvision:nope"))
+
+
+@pytest.mark.slow  # runs the packaged SSD-MobileNet-v2
+def test_mixed_image_modes_are_detected_in_one_batch(tmp_path):
+    (tmp_path / "img").mkdir()
+    for i, mode in enumerate(["RGB", "L", "RGBA"]):
+        (tmp_path / "img" / f"{i}.png").write_bytes(image_bytes(40, 30, "PNG", seed=i, mode=mode))
+        (tmp_path / "img" / f"{i}.txt").write_text(mode)
+    (tmp_path / "img" / "p.png").write_bytes(image_bytes(40, 30, "PNG"))
+    Image.open(tmp_path / "img" / "p.png").convert("P").save(tmp_path / "img" / "p.png", transparency=0)
+    (tmp_path / "img" / "p.txt").write_text("palette")
+    build_shards(ShardsConfig(src=tmp_path / "img", out=tmp_path / "raw", workers=1))
+    rep = detect(DetectConfig(src=tmp_path / "raw", out=tmp_path / "det", batch_size=4))
+    assert rep["samples"] == 4 and rep["undecodable"] == 0

@@ -185,7 +185,8 @@ def make_detector(cfg: DetectConfig):
 def _decode(data: bytes) -> np.ndarray | None:
     try:
         with Image.open(io.BytesIO(data)) as im:
-            return np.array(to_mode(im, "JPEG"))  # RGB, transparency composited on white; a writable copy
+            # transparency composited on white, grey -> RGB; np.array makes the writable copy torch wants
+            return np.array(to_mode(im, "JPEG").convert("RGB"))
     except Exception:  # any decoder failure is a counted skip, never fatal
         return None
 
