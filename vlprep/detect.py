@@ -15,6 +15,7 @@ import importlib.util
 import io
 import json
 import time
+import warnings
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -184,9 +185,11 @@ def make_detector(cfg: DetectConfig):
 
 def _decode(data: bytes) -> np.ndarray | None:
     try:
-        with Image.open(io.BytesIO(data)) as im:
-            # transparency composited on white, grey -> RGB; np.array makes the writable copy torch wants
-            return np.array(to_mode(im, "JPEG").convert("RGB"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # shards already capped the size
+            with Image.open(io.BytesIO(data)) as im:
+                # transparency composited on white, grey -> RGB; np.array makes the writable copy torch wants
+                return np.array(to_mode(im, "JPEG").convert("RGB"))
     except Exception:  # any decoder failure is a counted skip, never fatal
         return None
 
