@@ -1,0 +1,173 @@
+"""Pure loss and sampling functions for ITC (plain, distilled, focal, consistency), ITM, MLM and TOnICS."""
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+
+# Conventions shared by the ITC family: logits are similarities already divided by the temperature, shape
+# (B, B+Q) with the B in-batch candidates first and Q queue entries after them; row i's positive is column i.
+# Half-precision inputs (autocast) are upcast before any softmax: exp/log in bf16 loses the small
+# probabilities the contrastive losses live on. float64 stays float64 so the tests can gradcheck.
+
+
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    """Upcast float16/bfloat16 to float32, keep float32/float64: (...) -> (...)."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def _check_itc(logits: torch.Tensor) -> None:
+    """Raise ValueError unless logits is (B, B+Q) with Q >= 0."""
+    if logits.dim() != 2 or logits.shape[1] < logits.shape[0]:
+        raise ValueError(f"expected ITC logits of shape (B, B+Q), got {tuple(logits.shape)}")
+
+
+def _diag(x: torch.Tensor) -> torch.Tensor:
+    """Entries (i, i) of a (B, C) tensor with C >= B: (B, C) -> (B,)."""
+    idx = torch.arange(x.shape[0], device=x.device)
+    return x[idx, idx]
+
+
+def _soft_xent(logits: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
+    """Row-mean of -sum(targets * log_softmax(logits)); None = one-hot on the diagonal: (B, C) -> ()."""
+    _check_itc(logits)
+    logp = _f32(logits).log_softmax(dim=-1)
+    if targets is None:
+        return -_diag(logp).mean()
+    if targets.shape != logits.shape:
+        raise ValueError(f"targets shape {tuple(targets.shape)} != logits shape {tuple(logits.shape)}")
+    # Targets are constants in every method here (one-hot or momentum-model outputs).
+    return -(targets.detach().to(logp.dtype) * logp).sum(dim=-1).mean()
+
+
+def itc_loss(logits_i2t: torch.Tensor, logits_t2i: torch.Tensor,
+             targets_i2t: torch.Tensor | None = None, targets_t2i: torch.Tensor | None = None) -> torch.Tensor:
+    """ALBEF ITC: mean over both directions of the row-mean soft cross-entropy: (B, B+Q) x2 [+ targets] -> ()."""
+    return (_soft_xent(logits_i2t, targets_i2t) + _soft_xent(logits_t2i, targets_t2i)) / 2
+
+
+@torch.no_grad()
+def distill_targets(logits_m: torch.Tensor, alpha: float) -> torch.Tensor:
+    """ALBEF momentum-distillation targets alpha*softmax(logits_m) + (1-alpha)*one-hot(i): (B, B+Q) -> (B, B+Q)."""
+    _check_itc(logits_m)
+    p = _f32(logits_m.detach()).softmax(dim=-1)
+    onehot = torch.zeros_like(p)
+    idx = torch.arange(p.shape[0], device=p.device)
+    onehot[idx, idx] = 1.0
+    return alpha * p + (1 - alpha) * onehot
+
+
+def _focal_row_mean(logits: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Row-mean of -(1 - p_ii)^gamma * log p_ii: (B, B+Q) -> ()."""
+    _check_itc(logits)
+    logp_pos = _diag(_f32(logits).log_softmax(dim=-1))
+    # The modulating factor keeps its gradient, as in the original focal loss (Lin et al.).
+    return -((1 - logp_pos.exp()) ** gamma * logp_pos).mean()
+
+
+def focal_itc_loss(logits_i2t: torch.Tensor, logits_t2i: torch.Tensor, gamma: float = 2.0) -> torch.Tensor:
+    """SoftMask++ focal ITC, averaged over both directions; gamma=0 is plain one-hot ITC: (B, B+Q) x2 -> ()."""
+    return (_focal_row_mean(logits_i2t, gamma) + _focal_row_mean(logits_t2i, gamma)) / 2
+
+
+def itc_consistency_loss(logits_i2t: torch.Tensor, logits_t2i: torch.Tensor) -> torch.Tensor:
+    """GRIT eq. 6: mean_i 1/2[KL(sg(p_i2t[i]) || p_t2i[i]) + KL(sg(p_t2i[i]) || p_i2t[i])]: (B, B+Q) x2 -> ()."""
+    # GRIT eq. 6 reads KL(p~v2t(V) || pt2v(T)) + KL(p~t2v(T) || pv2t(V)) with p~ = sg(p): the stop-gradient
+    # side is the first KL argument (the target), so each direction is pulled towards the other one.
+    # lambda_cons (0.2 in the paper) is applied by the caller. Only the in-batch B x B block is used:
+    # p^{v2t}(V) and p^{t2v}(T) in GRIT eq. 1 are softmaxes over the N in-batch pairs, not over a queue.
+    _check_itc(logits_i2t)
+    _check_itc(logits_t2i)
+    b = logits_i2t.shape[0]
+    logp_i2t = _f32(logits_i2t[:, :b]).log_softmax(dim=-1)
+    logp_t2i = _f32(logits_t2i[:, :b]).log_softmax(dim=-1)
+    tgt_i2t, tgt_t2i = logp_i2t.detach(), logp_t2i.detach()
+    kl_i2t_to_t2i = (tgt_i2t.exp() * (tgt_i2t - logp_t2i)).sum(dim=-1)
+    kl_t2i_to_i2t = (tgt_t2i.exp() * (tgt_t2i - logp_i2t)).sum(dim=-1)
+    return ((kl_i2t_to_t2i + kl_t2i_to_i2t) / 2).mean()
+
+
+@torch.no_grad()
+def _hard_negative_weights_1(logits: torch.Tensor) -> torch.Tensor:
+    """In-batch softmax with a zero diagonal, uniform off-diagonal for dead rows: (B, B+Q) -> (B, B)."""
+    _check_itc(logits)
+    b = logits.shape[0]
+    w = _f32(logits[:, :b].detach()).softmax(dim=-1)
+    off_diag = ~torch.eye(b, dtype=torch.bool, device=w.device)
+    # Non-finite logits give NaN rows; treat them like underflowed rows rather than crash torch.multinomial.
+    w = torch.where(off_diag & torch.isfinite(w), w, torch.zeros_like(w))
+    # A confident positive can underflow every negative to 0 in float32; sampling still needs a distribution.
+    dead = w.sum(dim=-1, keepdim=True) <= 0
+    uniform = off_diag.to(w.dtype) / max(b - 1, 1)
+    return torch.where(dead, uniform, w)
+
+
+def hard_negative_weights(logits_i2t: torch.Tensor, logits_t2i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ALBEF ITM hard-negative weights (unnormalised, diagonal 0, no grad): (B, B+Q) x2 -> (B, B) x2."""
+    return _hard_negative_weights_1(logits_i2t), _hard_negative_weights_1(logits_t2i)
+
+
+@torch.no_grad()
+def sample_hard_negatives(weights: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One index per row drawn in proportion to weights, never the diagonal: (B, B) -> (B,) long."""
+    b = weights.shape[0]
+    if weights.dim() != 2 or weights.shape[1] != b:
+        raise ValueError(f"expected square (B, B) weights, got {tuple(weights.shape)}")
+    if b < 2:
+        raise ValueError("hard negatives need a batch of at least 2 pairs")
+    # Re-mask so that weights from anywhere (not only hard_negative_weights) can never yield the positive.
+    w = _f32(weights.detach()).masked_fill(torch.eye(b, dtype=torch.bool, device=weights.device), 0.0)
+    if not bool((w >= 0).all() & (w.sum(dim=-1) > 0).all()):
+        raise ValueError("every row of weights needs a positive off-diagonal entry and no negative ones")
+    return torch.multinomial(w, 1, generator=generator).squeeze(1)
+
+
+def itm_loss(itm_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over B positives and 2B hard negatives (label 1 = match): (3B, 2), (3B,) -> ()."""
+    return F.cross_entropy(_f32(itm_logits), labels)
+
+
+def mlm_mask(input_ids: torch.Tensor, prob: float, special_ids: Iterable[int], mask_id: int, vocab_size: int,
+             generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """BERT masking (select w.p. prob; 80% [MASK], 10% random, 10% kept), labels -100 elsewhere: (B, L) -> (B, L) x2."""
+    if not 0.0 <= prob <= 1.0:
+        raise ValueError(f"mask probability must be in [0, 1], got {prob}")
+    dev = input_ids.device
+    special = torch.isin(input_ids, torch.as_tensor(list(special_ids), dtype=input_ids.dtype, device=dev))
+    selected = (torch.rand(input_ids.shape, generator=generator, device=dev) < prob) & ~special
+    labels = torch.where(selected, input_ids, torch.full_like(input_ids, -100))
+    # One uniform draw splits the selected positions 80/10/10.
+    u = torch.rand(input_ids.shape, generator=generator, device=dev)
+    # As in BERT, the random replacement is drawn from the whole vocabulary.
+    random_ids = torch.randint(vocab_size, input_ids.shape, generator=generator, device=dev, dtype=input_ids.dtype)
+    masked = torch.where(selected & (u < 0.8), torch.full_like(input_ids, mask_id), input_ids)
+    masked = torch.where(selected & (u >= 0.8) & (u < 0.9), random_ids, masked)
+    return masked, labels
+
+
+def mlm_loss(logits: torch.Tensor, labels: torch.Tensor, soft_targets: torch.Tensor | None = None,
+             alpha: float = 0.0) -> torch.Tensor:
+    """(1-alpha)*CE + alpha*soft CE vs momentum probs at masked positions: (B, L, V), (B, L)[, (B, L, V)] -> ()."""
+    if alpha > 0 and soft_targets is None:
+        raise ValueError("mlm_loss with alpha > 0 needs soft_targets")
+    picked = labels != -100
+    if not bool(picked.any()):
+        # Keep the graph connected so a step with nothing masked can still call backward().
+        return _f32(logits).sum() * 0.0
+    # Softmax over V only at masked positions: (N, V) instead of (B, L, V) in float32.
+    logp = _f32(logits[picked]).log_softmax(dim=-1)
+    ce = -logp.gather(1, labels[picked].unsqueeze(1)).squeeze(1).mean()
+    if soft_targets is None or alpha == 0:
+        return ce
+    soft = -(soft_targets[picked].detach().to(logp.dtype) * logp).sum(dim=-1).mean()
+    return (1 - alpha) * ce + alpha * soft
+
+
+def tonics_ir_loss(scores: torch.Tensor) -> torch.Tensor:
+    """TOnICS L_IR: mean_i -log softmax_j s(i, j) at j = i (caption i retrieves image i): (B, B) -> ()."""
+    return -_diag(_f32(scores).log_softmax(dim=1)).mean()
+
+
+def tonics_tr_loss(scores: torch.Tensor) -> torch.Tensor:
+    """TOnICS L_TR: mean_i -log softmax_j s(j, i) at j = i (image i retrieves caption i): (B, B) -> ()."""
+    return -_diag(_f32(scores).log_softmax(dim=0)).mean()
