@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from vlprep import VlprepError
-from vlprep.dataset import (decode_sample, finish_dataset, iter_tar, open_dataset, prepare_output, shard_done,
+from vlprep.dataset import (decode_sample, finish_dataset, iter_aligned, open_derived, prepare_output, shard_done,
                             write_json_atomic, write_shard)
 from vlprep.text import stop_words, tokenize, words
 
@@ -266,10 +266,8 @@ def bow_shard(src: Path, out: Path, shard: str, fp: str = "") -> dict:
     removed = [0] * len(cascade)
     samples, rows = [], []
     deformed = dropped = 0
-    for i, raw in enumerate(iter_tar(src / shard)):
+    for raw, row in iter_aligned(src / shard, rows_in):
         key = raw["__key__"]
-        if i >= len(rows_in) or rows_in[i].get("key") != key:
-            raise VlprepError(f"{src / shard}: sidecar does not match the tar at sample {i} ({key})")
         s = decode_sample(raw)
         meta = s.get("json") or {}
         caption = s["txt"]
@@ -284,7 +282,7 @@ def bow_shard(src: Path, out: Path, shard: str, fp: str = "") -> dict:
         meta = {**meta, "caption_raw": raw_caption, "bow": deform_it}
         samples.append({**{k: v for k, v in raw.items() if k not in ("txt", "json", "__url__")},
                         "txt": caption, "json": meta})
-        rows.append({**rows_in[i], "caption": caption, "caption_raw": raw_caption, "bow": deform_it})
+        rows.append({**row, "caption": caption, "caption_raw": raw_caption, "bow": deform_it})
     schema = side.schema.remove_metadata()
     for name, typ in (("caption_raw", pa.string()), ("bow", pa.bool_())):
         if name not in schema.names:
@@ -309,10 +307,7 @@ def bow(cfg: BowConfig, progress=None) -> dict:
     if cfg.workers < 1:
         raise VlprepError("--workers must be at least 1")
     t0 = time.perf_counter()
-    ds = open_dataset(cfg.src)
-    out = Path(cfg.out)
-    if out.resolve() == ds.root.resolve():
-        raise VlprepError("OUT must be a different folder from IN")
+    ds, out = open_derived(cfg.src, cfg.out)
     ctx, before = base_statistics(ds, cascade, cfg.base_frac, cfg.seed)
     if needs_base and before["base"] == 0:
         raise VlprepError(f"the base set is empty ({before['samples']} samples x --base-frac {cfg.base_frac}); "

@@ -141,6 +141,23 @@ def iter_tar(path: str | os.PathLike, handler: Callable[[Exception], bool] = rer
         raise VlprepError(f"{url}: not a readable tar file ({e})") from None
 
 
+def iter_aligned(tar_path: Path, rows: list[dict]) -> Iterator[tuple[dict, dict]]:
+    """(raw sample, its sidecar row) for one shard; a sidecar out of step with its tar is an error."""
+    for i, raw in enumerate(iter_tar(tar_path)):
+        if i >= len(rows) or rows[i].get("key") != raw["__key__"]:
+            raise VlprepError(f"{tar_path}: sidecar does not match the tar at sample {i} ({raw['__key__']})")
+        yield raw, rows[i]
+
+
+def open_derived(src, out) -> tuple[Dataset, Path]:
+    """A derived stage's input dataset and output folder, which must be another folder."""
+    ds = open_dataset(src)
+    out = Path(out)
+    if out.resolve() == ds.root.resolve():
+        raise VlprepError("OUT must be a different folder from IN")
+    return ds, out
+
+
 def decode_sample(raw: dict) -> dict:
     """Decode `txt` to str and `json` to a dict; leave image and other payloads as bytes."""
     sample = dict(raw)

@@ -28,7 +28,7 @@ from PIL import Image
 
 from vlprep import VlprepError
 from vlprep.shards import to_mode
-from vlprep.dataset import (decode_sample, finish_dataset, image_ext, iter_tar, open_dataset, prepare_output,
+from vlprep.dataset import (decode_sample, finish_dataset, image_ext, iter_aligned, open_derived, prepare_output,
                             shard_done, write_json_atomic, write_shard)
 
 OBJECT_TYPE = pa.list_(pa.struct([("label", pa.string()), ("score", pa.float32()), ("box", pa.list_(pa.float32()))]))
@@ -210,7 +210,8 @@ def detect_shard(ds, out: Path, shard: str, detector, imported: dict | None, cfg
     side = pq.read_table(ds.sidecar(shard))
     rows_in = side.replace_schema_metadata(None).to_pylist()
     samples, rows, counts = [], [], Counter()
-    for batch in _batches(iter_tar(ds.root / shard), cfg.batch_size):
+    for batch in _batches(iter_aligned(ds.root / shard, rows_in), cfg.batch_size):
+        batch, batch_rows = [r for r, _ in batch], [row for _, row in batch]
         if imported is not None:
             results = [[o for o in imported.get(r["__key__"], []) if o["score"] >= cfg.min_score] for r in batch]
         else:
@@ -221,16 +222,13 @@ def detect_shard(ds, out: Path, shard: str, detector, imported: dict | None, cfg
             for i, objs in zip(ok, found):
                 results[i] = objs
             counts["undecodable"] += len(batch) - len(ok)
-        for raw, objs in zip(batch, results):
-            i = len(samples)
-            if i >= len(rows_in) or rows_in[i].get("key") != raw["__key__"]:
-                raise VlprepError(f"{ds.root / shard}: sidecar does not match the tar at sample {i}")
+        for raw, row, objs in zip(batch, batch_rows, results):
             s = decode_sample(raw)
             counts["objects"] += len(objs)
             counts["with_objects"] += bool(objs)
             samples.append({**{k: v for k, v in raw.items() if k not in ("json", "__url__")},
                             "json": {**(s.get("json") or {}), "objects": objs}})
-            rows.append({**rows_in[i], "objects": objs})
+            rows.append({**row, "objects": objs})
         if progress:
             progress.advance(task, len(batch))
     schema = side.schema.remove_metadata()
@@ -249,10 +247,7 @@ def detect(cfg: DetectConfig, progress=None) -> dict:
     if cfg.batch_size < 1:
         raise VlprepError("--batch-size must be at least 1")
     t0 = time.perf_counter()
-    ds = open_dataset(cfg.src)
-    out = Path(cfg.out)
-    if out.resolve() == ds.root.resolve():
-        raise VlprepError("OUT must be a different folder from IN")
+    ds, out = open_derived(cfg.src, cfg.out)
     imported, detector = None, None
     if cfg.from_file is not None:
         keys = set()

@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from vlprep import VlprepError
-from vlprep.dataset import (decode_sample, finish_dataset, iter_tar, open_dataset, prepare_output, shard_done,
+from vlprep.dataset import (decode_sample, finish_dataset, iter_aligned, open_derived, prepare_output, shard_done,
                             write_json_atomic, write_shard)
 
 PAPER_RATIO = 5000 / 5_800_000  # min instances per triplet in TOnICS (5,000 on 5.8M triplets)
@@ -178,10 +178,7 @@ def ontology(cfg: OntologyConfig, progress=None) -> dict:
     if not 0 <= cfg.min_score <= 1:
         raise VlprepError("--min-score must be between 0 and 1")
     t0 = time.perf_counter()
-    ds = open_dataset(cfg.src)
-    out = Path(cfg.out)
-    if out.resolve() == ds.root.resolve():
-        raise VlprepError("OUT must be a different folder from IN")
+    ds, out = open_derived(cfg.src, cfg.out)
     labels = _labels_per_shard(ds, cfg.min_score)
     all_labels = set().union(*(s for rows in labels.values() for s in rows))
     overrides = load_overrides(cfg.overrides, all_labels)
@@ -259,15 +256,13 @@ def annotate_shard(ds, out: Path, shard: str, nouns: list, sample_nodes: dict, f
     side = pq.read_table(ds.sidecar(shard))
     rows_in = side.replace_schema_metadata(None).to_pylist()
     samples, rows = [], []
-    for i, raw in enumerate(iter_tar(ds.root / shard)):
-        if i >= len(rows_in) or rows_in[i].get("key") != raw["__key__"]:
-            raise VlprepError(f"{ds.root / shard}: sidecar does not match the tar at sample {i}")
+    for i, (raw, row) in enumerate(iter_aligned(ds.root / shard, rows_in)):
         s = decode_sample(raw)
         ns = [[n, a, b] for n, a, b in nouns[i]]
         nodes = sorted(sample_nodes.get(raw["__key__"], ()))
         samples.append({**{k: v for k, v in raw.items() if k not in ("json", "__url__")},
                         "json": {**(s.get("json") or {}), "nouns": ns, "nodes": nodes}})
-        rows.append({**rows_in[i], "nouns": [n for n, _, _ in nouns[i]], "nodes": nodes})
+        rows.append({**row, "nouns": [n for n, _, _ in nouns[i]], "nodes": nodes})
     schema = side.schema.remove_metadata()
     for name in ("nouns", "nodes"):
         if name in schema.names:
