@@ -1,0 +1,47 @@
+import torch
+import torch.nn.functional as F
+
+from vltrain.evaluate import chance_recall, itm_rerank, recall_at_k, rerank_recall, zeroshot_accuracy
+
+
+def brute_recall(sim, txt2img, k):
+    """Re-derivation with plain loops: a query hits when a positive is among its k highest scores."""
+    n_img, n_txt = len(sim), len(sim[0])
+    i2t = sum(any(txt2img[j] == i for j in sorted(range(n_txt), key=lambda j: -sim[i][j])[:k]) for i in range(n_img))
+    t2i = sum(txt2img[j] in sorted(range(n_img), key=lambda i: -sim[i][j])[:k] for j in range(n_txt))
+    return 100 * i2t / n_img, 100 * t2i / n_txt
+
+
+def test_identical_embeddings_give_perfect_recall():
+    e = F.normalize(torch.randn(20, 8, generator=torch.Generator().manual_seed(0)), dim=1)
+    r = recall_at_k(e @ e.t(), torch.arange(20))
+    assert all(v == 100.0 for v in r.values())
+
+
+def test_recall_matches_brute_force_with_several_captions_per_image():
+    g = torch.Generator().manual_seed(1)
+    sim = torch.randn(7, 14, generator=g)
+    txt2img = torch.tensor([i // 2 for i in range(14)])
+    r = recall_at_k(sim, txt2img, ks=(1, 3, 5))
+    for k in (1, 3, 5):
+        i2t, t2i = brute_recall(sim.tolist(), txt2img.tolist(), k)
+        assert abs(r[f"i2t_r{k}"] - round(i2t, 2)) < 1e-6 and abs(r[f"t2i_r{k}"] - round(t2i, 2)) < 1e-6
+    assert chance_recall(100, 100) == {"i2t_r1": 1.0, "i2t_r5": 5.0, "i2t_r10": 10.0,
+                                       "t2i_r1": 1.0, "t2i_r5": 5.0, "t2i_r10": 10.0}
+
+
+def test_itm_rerank_fixes_a_wrong_itc_ranking():
+    sim = torch.tensor([[0.1, 0.9, 0.0], [0.8, 0.2, 0.0], [0.0, 0.1, 0.5]])  # ITC swaps images 0 and 1
+    assert recall_at_k(sim, torch.arange(3))["i2t_r1"] < 100
+    oracle = lambda i, j: (i == j).float() * 10  # noqa: E731  an ITM head that knows the answer
+    i2t, t2i = itm_rerank(sim, 2, oracle)
+    r = rerank_recall(i2t, t2i, torch.arange(3))
+    assert r["i2t_r1"] == 100.0 and r["t2i_r1"] == 100.0
+    assert (i2t[0] == -100).sum() == 1  # outside the top-k stays at -100
+
+
+def test_zeroshot_top1_top5():
+    classes = torch.eye(6)
+    images = F.normalize(torch.eye(6)[[0, 1, 2, 3]] + 0.1 * torch.eye(6)[[1, 0, 0, 0]], dim=1)
+    acc = zeroshot_accuracy(images, classes, torch.tensor([0, 1, 0, 3]))
+    assert acc == {"top1": 75.0, "top5": 100.0}
