@@ -1,0 +1,59 @@
+import pytest
+
+from vltrain.config import PRESETS, Config, ConfigError, apply_overrides, from_dict, load_config, parse_set, to_dict
+
+
+def test_presets_set_what_the_papers_say():
+    clip = load_config("clip")
+    assert (clip.model.fusion_layers, clip.loss.itm, clip.loss.mlm, clip.model.momentum) == (0, 0.0, 0.0, False)
+    albef = load_config("albef")
+    assert albef.model.momentum and albef.model.queue_size > 0 and albef.loss.distill_alpha == 0.4
+    assert albef.loss.mlm_prob == 0.15 and albef.loss.itm > 0 and albef.loss.mlm > 0
+    base = load_config("albef-base")
+    assert not base.model.momentum and base.loss.distill_alpha == 0.0 and base.model.queue_size == 0
+    assert set(PRESETS) == {"clip", "albef", "albef-base"}
+
+
+def test_precedence_preset_file_set_flags(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("batch_size: 16\nloss: {mlm_prob: 0.5}\noptim:\n  lr: 3.0e-4\n")
+    cfg = load_config("albef-base", f, ["loss.mlm_prob=0.4", "model.embed_dim=64", "optim.betas=[0.9, 0.98]"],
+                      batch_size=8, steps=None)
+    assert cfg.batch_size == 8 and cfg.loss.mlm_prob == 0.4 and cfg.optim.lr == 3e-4
+    assert cfg.model.embed_dim == 64 and cfg.optim.betas == [0.9, 0.98] and cfg.steps == Config().steps
+
+
+@pytest.mark.parametrize("sets,match", [
+    (["loss.nope=1"], r"unknown config key loss.'nope' in \[loss\]; valid keys: itc, itm, mlm"),
+    (["bogus=1"], r"unknown config key 'bogus'; valid keys: shards, out, preset"),
+    (["loss=3"], r"loss is a section; set one of its keys"),
+    (["steps.x=3"], r"steps is not a section"),
+    (["steps=abc"], r"steps: expected an integer, got 'abc'"),
+    (["model.momentum=3"], r"model.momentum: expected true/false"),
+    (["loss.itm"], r"--set expects key=value"),
+    (["batch_size=1"], r"batch_size must be at least 2"),
+    (["preset=clip", "loss.distill_alpha=0.4", "model.momentum=false"], r"distill_alpha > 0 needs model.momentum"),
+])
+def test_bad_overrides_are_one_line_errors(sets, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        load_config("albef", None, sets)
+    assert "\n" not in str(e.value)
+
+
+def test_bad_preset_and_file(tmp_path):
+    with pytest.raises(ConfigError, match="unknown preset 'grit'; presets: clip, albef, albef-base"):
+        load_config("grit")
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config("albef", tmp_path / "none.yaml")
+    (tmp_path / "l.yaml").write_text("- 1\n")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        load_config("albef", tmp_path / "l.yaml")
+
+
+def test_round_trip_through_a_checkpoint_dict():
+    cfg = load_config("clip", None, ["model.embed_dim=48", "seed=3"])
+    assert from_dict(to_dict(cfg)) == cfg
+    assert parse_set(["a=1", "b=true", "c=null", "d=x y"]) == {"a": 1, "b": True, "c": None, "d": "x y"}
+    c = Config()
+    apply_overrides(c, {"loss": {"itc": 2}})
+    assert c.loss.itc == 2.0 and isinstance(c.loss.itc, float)

@@ -1,0 +1,198 @@
+"""One dataclass config for `vltrain run`, presets, YAML files and dotted `--set key=value` overrides.
+
+Precedence, lowest first: dataclass defaults < --preset < --config FILE.yaml < --set < explicit CLI flags.
+"""
+
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, get_args, get_origin, get_type_hints
+
+import yaml
+
+from vltrain.model import ModelConfig
+
+
+class ConfigError(ValueError):
+    """A bad preset, file or override; the message is one line and lists the valid choices."""
+
+
+@dataclass
+class DataConfig:
+    image_size: int = 224
+    max_len: int = 32
+    val_frac: float = 0.05          # held out by key hash, never trained on
+    use_features: bool = False      # read `npy` feature tokens instead of decoding pixels
+    workers: int = 2
+    min_crop_scale: float = 0.5     # RandomResizedCrop scale lower bound (ALBEF: 0.5)
+
+
+@dataclass
+class LossConfig:
+    itc: float = 1.0
+    itm: float = 1.0
+    mlm: float = 1.0
+    mlm_prob: float = 0.15
+    distill_alpha: float = 0.0      # momentum distillation weight (ALBEF: 0.4); needs model.momentum
+    focal_gamma: float = 0.0        # > 0: SoftMask++ focal ITC instead of plain ITC
+    consistency: float = 0.0        # GRIT-VLP ITC consistency weight (lambda_cons, paper: 0.2)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-4
+    weight_decay: float = 0.02
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.01      # cosine decays to lr * min_lr_ratio
+    grad_clip: float = 1.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+
+
+@dataclass
+class Config:
+    shards: list[str] = field(default_factory=list)
+    out: str = "runs/run"
+    preset: str = "albef"
+    steps: int = 1000
+    epochs: float = 0.0             # > 0 overrides steps: epochs over the training split
+    batch_size: int = 32
+    device: str = "auto"
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 500
+    ckpt_every: int = 500
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # dual encoder, ITC only (in-batch; --set model.queue_size=N for a queue)
+    "clip": {"model.fusion_layers": 0, "model.momentum": False, "model.queue_size": 0,
+             "loss.itm": 0.0, "loss.mlm": 0.0, "loss.distill_alpha": 0.0},
+    # ALBEF: ITC with queue + momentum distillation (alpha 0.4), ITM with hard negatives, MLM 15%
+    "albef": {"model.momentum": True, "model.queue_size": 4096, "loss.distill_alpha": 0.4, "loss.mlm_prob": 0.15},
+    # GRIT-VLP's ALBEFBase: ALBEF without the momentum model (so no distillation and no queue)
+    "albef-base": {"model.momentum": False, "model.queue_size": 0, "loss.distill_alpha": 0.0,
+                   "loss.mlm_prob": 0.15},
+}
+
+
+def _valid_keys(obj) -> list[str]:
+    return [f.name for f in fields(obj)]
+
+
+def _coerce(value, typ, key: str):
+    """Coerce a YAML-parsed value to a dataclass field's annotated type."""
+    origin = get_origin(typ)
+    if origin is None and typ in (int, float, str, bool):
+        if typ is bool and not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true/false, got {value!r}")
+        if typ is int and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        if typ is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return typ(value)
+    if origin is list:
+        if not isinstance(value, list):
+            value = [value]
+        (inner,) = get_args(typ) or (Any,)
+        return [_coerce(v, inner, key) if inner is not Any else v for v in value]
+    args = [a for a in get_args(typ) if a is not type(None)]
+    if args and type(None) in get_args(typ):  # Optional[X]
+        return None if value is None else _coerce(value, args[0], key)
+    return value
+
+
+def apply_overrides(cfg, overrides: dict[str, Any], where: str = "") -> None:
+    """Set dotted keys ('model.embed_dim') or nested dicts on `cfg` in place; unknown keys raise ConfigError."""
+    for dotted, value in overrides.items():
+        head, _, rest = str(dotted).partition(".")
+        names = _valid_keys(cfg)
+        if head not in names:
+            scope = f" in [{where}]" if where else ""
+            raise ConfigError(f"unknown config key {where + '.' if where else ''}{head!r}{scope}; "
+                              f"valid keys: {', '.join(names)}")
+        current = getattr(cfg, head)
+        path = f"{where}.{head}" if where else head
+        if is_dataclass(current):
+            if rest:
+                apply_overrides(current, {rest: value}, path)
+            elif isinstance(value, dict):
+                apply_overrides(current, value, path)
+            else:
+                raise ConfigError(f"{path} is a section; set one of its keys: {', '.join(_valid_keys(current))}")
+            continue
+        if rest:
+            raise ConfigError(f"{path} is not a section; it has no key {rest!r}")
+        hints = get_type_hints(type(cfg))
+        setattr(cfg, head, _coerce(value, hints[head], path))
+
+
+def parse_set(items: list[str]) -> dict[str, Any]:
+    """['loss.itm=0', 'model.momentum=false'] -> {'loss.itm': 0, 'model.momentum': False} (values parsed as YAML)."""
+    out = {}
+    for item in items:
+        key, eq, raw = item.partition("=")
+        if not eq or not key.strip():
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        try:
+            out[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            raise ConfigError(f"--set {item!r}: the value is not valid YAML") from None
+    return out
+
+
+def load_config(preset: str | None = None, config_file: str | Path | None = None, sets: list[str] | None = None,
+                **explicit) -> Config:
+    """Build the run config; `explicit` holds CLI flags the user actually gave (None values are ignored)."""
+    cfg = Config()
+    preset = preset or cfg.preset
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
+    cfg.preset = preset
+    apply_overrides(cfg, PRESETS[preset])
+    if config_file is not None:
+        path = Path(config_file)
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping of config keys")
+        if "preset" in data and data["preset"] != preset:
+            raise ConfigError(f"{path} sets preset {data['preset']!r}; pass it with --preset instead")
+        apply_overrides(cfg, data)
+    apply_overrides(cfg, parse_set(sets or []))
+    apply_overrides(cfg, {k: v for k, v in explicit.items() if v is not None})
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    if cfg.batch_size < 2:
+        raise ConfigError("batch_size must be at least 2 (contrastive and ITM losses need negatives)")
+    if cfg.steps < 1 and cfg.epochs <= 0:
+        raise ConfigError("steps must be at least 1 (or set epochs > 0)")
+    if not 0 <= cfg.data.val_frac < 1:
+        raise ConfigError("data.val_frac must be in [0, 1)")
+    if not 0 < cfg.loss.mlm_prob < 1 and cfg.loss.mlm > 0:
+        raise ConfigError("loss.mlm_prob must be in (0, 1) when loss.mlm > 0")
+    if cfg.loss.distill_alpha > 0 and not cfg.model.momentum:
+        raise ConfigError("loss.distill_alpha > 0 needs model.momentum=true")
+    if (cfg.loss.itm > 0 or cfg.loss.mlm > 0) and cfg.model.fusion_layers == 0:
+        raise ConfigError("loss.itm and loss.mlm need a fusion encoder (model.fusion_layers >= 1)")
+
+
+def to_dict(cfg: Config) -> dict:
+    return asdict(cfg)
+
+
+def from_dict(data: dict) -> Config:
+    """Rebuild a Config saved in a checkpoint (keys unknown to this version raise ConfigError)."""
+    cfg = Config()
+    apply_overrides(cfg, data)
+    return cfg
+

