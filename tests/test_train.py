@@ -1,0 +1,162 @@
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import numpy as np
+from PIL import Image
+from vlprep.shards import ShardsConfig, build_shards
+from vltrain import train as train_mod
+from vltrain.cli import app
+from vltrain.config import load_config
+from vltrain.train import lr_at
+
+WORDS = ["red", "green", "blue", "cat", "dog", "bird", "tree", "car", "boat", "house", "sun", "moon"]
+TINY = ["model.text_model=tiny", "model.image_model=tiny", "model.embed_dim=16", "data.image_size=32",
+        "data.workers=0", "data.max_len=12", "log_every=1", "optim.warmup_steps=2", "optim.lr=0.01"]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """24 pairs in 6 shards: a near-solid colour per image (it survives random crops), distinct captions."""
+    tmp = tmp_path_factory.mktemp("train")
+    src = tmp / "src"
+    src.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(24):
+        noise = rng.integers(-20, 20, (40, 40, 3))
+        Image.fromarray(np.clip(rng.integers(0, 255, 3) + noise, 0, 255).astype(np.uint8)).save(src / f"{i:03d}.png")
+        (src / f"{i:03d}.txt").write_text(f"a {WORDS[i % 12]} {WORDS[(i * 5 + 1) % 12]} number {i}")
+    build_shards(ShardsConfig(src=src, out=tmp / "ds", samples_per_shard=4, workers=1))
+    return tmp / "ds"
+
+
+def run(shards, out, *args):
+    sets = [x for s in TINY for x in ("--set", s)]
+    return CliRunner().invoke(app, ["run", str(shards), "--out", str(out), "--batch-size", "8", "--device", "cpu",
+                                    *sets, *args])
+
+
+def losses(out, key="total"):
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r[key] for r in rows if key in r}
+
+
+def test_lr_warmup_then_cosine():
+    cfg = load_config("clip", sets=["optim.lr=1.0", "optim.warmup_steps=10", "optim.min_lr_ratio=0.1", "steps=110"])
+    assert [lr_at(s, cfg) for s in (1, 5, 10)] == pytest.approx([0.1, 0.5, 1.0])  # linear warmup
+    assert lr_at(60, cfg) == pytest.approx(0.1 + 0.9 * 0.5)  # cosine half way
+    assert lr_at(110, cfg) == pytest.approx(0.1)  # ends at lr * min_lr_ratio
+    falling = [lr_at(s, cfg) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(falling, falling[1:]))
+
+
+@pytest.mark.parametrize("preset", ["clip", "albef"])
+def test_run_overfits_and_eval_writes_json(shards, tmp_path, preset):
+    out = tmp_path / preset
+    extra = ["--set", "model.queue_size=16", "--set", "model.momentum_m=0.9"] if preset == "albef" else []
+    r = run(shards, out, "--preset", preset, "--steps", "40", "--set", "data.val_frac=0.2", "--set",
+            "eval_every=20", "--set", "ckpt_every=20", *extra)
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    total = losses(out)
+    assert sorted(total) == list(range(1, 41))
+    first, last = sum(total[s] for s in range(1, 6)) / 5, sum(total[s] for s in range(36, 41)) / 5
+    assert last < 0.8 * first, (first, last)
+    if preset == "albef":
+        for k in ("itc_loss", "itm_loss", "mlm_loss"):
+            assert all(math.isfinite(v) for v in losses(out, k).values())
+    assert (out / "last.pt").exists() and (out / "best.pt").exists() and any((out / "tb").iterdir())
+    ckpt = torch.load(out / "last.pt", weights_only=False)
+    assert ckpt["step"] == 40 and ckpt["config"]["preset"] == preset
+    if preset == "albef":
+        assert any(k.startswith("momentum.") for k in ckpt["model"]) and "image_queue" in ckpt["model"]
+    result = json.loads((out / "result.json").read_text())
+    assert 0 <= result["eval"]["mean_recall"] <= 100
+
+    classes = tmp_path / "classes.txt"
+    classes.write_text("cat\ndog\nbird\ntree\n")
+    args = ["eval", str(out / "last.pt"), str(shards), "--zeroshot", str(classes), "--device", "cpu"]
+    if preset == "albef":
+        args += ["--itm-rerank-k", "4"]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    res = json.loads((out / "eval.json").read_text())
+    assert res["n_samples"] == 24 and {"i2t_r1", "t2i_r10", "mean_recall"} <= set(res["retrieval"])
+    assert res["chance"]["i2t_r1"] == pytest.approx(100 / 24, abs=0.01)
+    zs = res["zeroshot"]
+    assert zs["samples"] + zs["skipped"] == 24 and zs["samples"] > 0 and 0 <= zs["top1"] <= zs["top5"] <= 100
+    assert ("itm_rerank" in res) == (preset == "albef")
+
+
+def test_resume_continues_exactly(shards, tmp_path):
+    # A constant lr makes the K-step run's schedule the same as the N-step run's.
+    common = ["--preset", "albef", "--set", "model.queue_size=16", "--set", "optim.warmup_steps=0", "--set",
+              "optim.min_lr_ratio=1.0", "--set", "data.val_frac=0.2", "--set", "eval_every=2"]
+    r = run(shards, tmp_path / "full", *common, "--steps", "6")
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    r = run(shards, tmp_path / "part", *common, "--steps", "3")  # ends mid-epoch: ~19 train pairs, 2 batches/epoch
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    ckpt = torch.load(tmp_path / "part" / "last.pt", weights_only=False)
+    assert (ckpt["step"], ckpt["epoch"], ckpt["consumed"]) == (3, 1, 1)
+    with (tmp_path / "part" / "metrics.jsonl").open("a") as f:  # a row logged after the checkpoint is redone
+        f.write(json.dumps({"step": 4, "total": -1.0}) + "\n")
+    r = run(shards, tmp_path / "part", *common, "--steps", "6", "--resume")
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    full, part = losses(tmp_path / "full"), losses(tmp_path / "part")
+    assert sorted(part) == list(range(1, 7))
+    for key in ("total", "itc_loss", "itm_loss", "mlm_loss"):
+        a, b = losses(tmp_path / "full", key), losses(tmp_path / "part", key)
+        assert [a[s] for s in (1, 2, 3, 4, 5, 6)] == [b[s] for s in (1, 2, 3, 4, 5, 6)], key  # bit for bit
+    assert full == part
+
+
+def test_nan_loss_stops_and_keeps_last_checkpoint(shards, tmp_path, monkeypatch):
+    real = train_mod.train_step
+    calls = []
+
+    def poisoned(*a, **k):
+        out = real(*a, **k)
+        calls.append(1)
+        if len(calls) == 3:
+            out["total"] = out["total"] * float("nan")
+        return out
+
+    monkeypatch.setattr(train_mod, "train_step", poisoned)
+    out = tmp_path / "nan"
+    r = run(shards, out, "--preset", "clip", "--steps", "5", "--set", "ckpt_every=2", "--set", "data.val_frac=0")
+    assert r.exit_code == 2
+    assert "error:" in r.output and "non-finite loss at step 3" in r.output and "last.pt" in r.output
+    assert torch.load(out / "last.pt", weights_only=False)["step"] == 2
+    assert not (out / "last.pt.tmp").exists()
+
+
+def test_unknown_set_key_is_a_one_line_error(shards, tmp_path):
+    r = run(shards, tmp_path / "bad", "--set", "loss.nope=1")
+    assert r.exit_code == 2
+    line = r.output.strip()
+    assert line.startswith("error:") and "nope" in line and "valid keys" in line and "\n" not in line
+
+
+@pytest.mark.slow  # loads the packaged MiniLM and EfficientNet-Lite0
+@pytest.mark.skipif(not Path("/usr/share/openclipart/png").is_dir(), reason="openclipart-png not installed")
+def test_packaged_models_train_on_real_clip_art(tmp_path):
+    import shutil
+
+    src = tmp_path / "src"
+    src.mkdir()
+    pngs = sorted(Path("/usr/share/openclipart/png/animals").rglob("*.png"))[:24]
+    for p in pngs:
+        shutil.copy(p, src / p.name)
+        (src / p.name).with_suffix(".txt").write_text(p.stem.replace("_", " "))
+    build_shards(ShardsConfig(src=src, out=tmp_path / "raw", workers=1, resize=128))
+    r = CliRunner().invoke(app, ["run", str(tmp_path / "raw"), "--preset", "albef", "--steps", "3", "--batch-size", "4",
+                                 "--out", str(tmp_path / "run"), "--set", "data.val_frac=0.2",
+                                 "--set", "model.queue_size=16", "--set", "data.workers=0", "--set", "log_every=1"])
+    assert r.exit_code == 0, r.output[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [row for row in rows if "total" in row]
+    assert len(steps) == 3 and all(math.isfinite(row["total"]) for row in steps)
+    assert (tmp_path / "run" / "last.pt").exists()
