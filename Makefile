@@ -22,7 +22,7 @@ test: apt install
 
 demo: install
 	bash scripts/apt-deps.sh --required
-	PY=$(PY) VLPREP=$(VENV)/bin/vlprep $(if $(LIMIT),LIMIT=$(LIMIT)) bash examples/openclipart/run.sh
+	PY=$(PY) VLPREP=$(VENV)/bin/vlprep VLTRAIN=$(VENV)/bin/vltrain $(if $(LIMIT),LIMIT=$(LIMIT)) bash examples/openclipart/run.sh
 
 clean:
 	rm -rf $(VENV) demo-out

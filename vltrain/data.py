@@ -16,7 +16,7 @@ from PIL import Image
 from torch.utils.data import IterableDataset, get_worker_info
 from torchvision.transforms import v2
 
-from vlprep.dataset import decode_sample, image_ext, iter_tar, open_dataset
+from vlprep.dataset import image_ext, iter_tar, open_dataset
 
 
 def in_val(key: str, frac: float) -> bool:
@@ -75,14 +75,14 @@ class ShardStream(IterableDataset):
         return in_val(key, self.val_frac) == (self.split == "val")
 
     def _load(self, raw: dict):
-        s = decode_sample(raw)
+        caption = raw["txt"].decode("utf-8")  # only the caption: the json member is not needed here
         if self.use_features:
             if "npy" not in raw:
                 raise ValueError(f"{raw['__url__']}: sample {raw['__key__']} has no npy features")
             x = torch.from_numpy(np.load(io.BytesIO(raw["npy"]), allow_pickle=False)).float()
         else:
             x = self.transform(to_rgb(raw[image_ext(raw)]))
-        return x, s["txt"], raw["__key__"]
+        return x, caption, raw["__key__"]
 
     def __iter__(self) -> Iterator[tuple]:
         rng = random.Random(self.seed * 1_000_003 + self.epoch)
