@@ -20,7 +20,8 @@ pytestmark = [
 
 def test_run_sh_on_a_subset(tmp_path):
     bindir = Path(sys.executable).parent
-    env = {**os.environ, "PY": sys.executable, "VLPREP": str(bindir / "vlprep"), "OUT": str(tmp_path), "LIMIT": "150"}
+    env = {**os.environ, "PY": sys.executable, "VLPREP": str(bindir / "vlprep"), "OUT": str(tmp_path), "LIMIT": "150",
+           "VLTRAIN": str(bindir / "vltrain"), "TRAIN_STEPS": "2"}
     r = subprocess.run(["bash", str(ROOT / "examples/openclipart/run.sh")], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     ds = open_dataset(tmp_path / "shards")
@@ -35,6 +36,8 @@ def test_run_sh_on_a_subset(tmp_path):
     onto = json.loads((tmp_path / "onto" / "ontology.json").read_text())
     assert onto["root"]["instances"] == ds.num_samples and (tmp_path / "onto" / "triplets.parquet").exists()
     assert json.loads((tmp_path / "det" / "report.json").read_text())["samples"] == ds.num_samples
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert "i2t_r1" in json.dumps(result)
     # a second run resumes every stage
     r = subprocess.run(["bash", str(ROOT / "examples/openclipart/run.sh")], env=env, capture_output=True, text=True)
     assert r.returncode == 0
