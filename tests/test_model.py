@@ -230,7 +230,7 @@ def test_packaged_minilm_and_efficientnet_forward():
     m = build_model(cfg).eval()
     tok = build_tokenizer(cfg)
     enc = tok(["a red bicycle leaning on a wall", "two dogs"], padding=True, truncation=True,
-              max_length=cfg.max_len, return_tensors="pt")
+              max_length=32, return_tensors="pt")
     ids, mask = enc["input_ids"], enc["attention_mask"]
     n = ids.shape[1]
     with torch.no_grad():

@@ -36,7 +36,6 @@ class ModelConfig:
     momentum: bool = False  # keep an EMA copy (ALBEF momentum distillation)
     momentum_m: float = 0.995
     queue_size: int = 0  # MoCo queue length Q; 0 = in-batch negatives only
-    max_len: int = 40  # tokenizer truncation length, read by the data pipeline
 
 
 # --- encoders ---------------------------------------------------------------------------------------------------
