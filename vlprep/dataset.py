@@ -4,6 +4,7 @@ Every stage reads through `iter_samples` / `iter_tar` and writes through `write_
 so the rules of docs/FORMAT.md live in one place.
 """
 
+import io
 import json
 import os
 import re
@@ -15,6 +16,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import webdataset as wds
+from PIL import Image
 
 from vlprep import VlprepError, __version__
 
@@ -156,6 +158,15 @@ def open_derived(src, out) -> tuple[Dataset, Path]:
     if out.resolve() == ds.root.resolve():
         raise VlprepError("OUT must be a different folder from IN")
     return ds, out
+
+
+def to_rgb(data: bytes) -> Image.Image:
+    """Decode image bytes to RGB for a model; transparency is composited on white (clip art is mostly transparent)."""
+    im = Image.open(io.BytesIO(data))
+    if im.mode in ("RGBA", "LA", "PA") or (im.mode == "P" and "transparency" in im.info):
+        rgba = im.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    return im.convert("RGB")
 
 
 def decode_sample(raw: dict) -> dict:

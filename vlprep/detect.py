@@ -12,7 +12,6 @@ Detections below --min-score are not stored. Images that fail to decode are coun
 
 import hashlib
 import importlib.util
-import io
 import json
 import time
 import warnings
@@ -27,9 +26,8 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from vlprep import VlprepError
-from vlprep.shards import to_mode
 from vlprep.dataset import (decode_sample, finish_dataset, image_ext, iter_aligned, open_derived, prepare_output,
-                            shard_done, write_json_atomic, write_shard)
+                            shard_done, to_rgb, write_json_atomic, write_shard)
 
 OBJECT_TYPE = pa.list_(pa.struct([("label", pa.string()), ("score", pa.float32()), ("box", pa.list_(pa.float32()))]))
 
@@ -187,9 +185,7 @@ def _decode(data: bytes) -> np.ndarray | None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # shards already capped the size
-            with Image.open(io.BytesIO(data)) as im:
-                # transparency composited on white, grey -> RGB; np.array makes the writable copy torch wants
-                return np.array(to_mode(im, "JPEG").convert("RGB"))
+            return np.array(to_rgb(data))  # np.array: the writable copy torch wants
     except Exception:  # any decoder failure is a counted skip, never fatal
         return None
 

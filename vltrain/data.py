@@ -12,11 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
 from torch.utils.data import IterableDataset, get_worker_info
 from torchvision.transforms import v2
 
-from vlprep.dataset import image_ext, iter_tar, open_dataset
+from vlprep.dataset import image_ext, iter_tar, open_dataset, to_rgb
 
 
 def in_val(key: str, frac: float) -> bool:
@@ -33,15 +32,6 @@ def train_transform(size: int, mean, std, min_scale: float = 0.5) -> v2.Compose:
 def eval_transform(size: int, mean, std) -> v2.Compose:
     return v2.Compose([v2.ToImage(), v2.Resize(size, antialias=True), v2.CenterCrop(size),
                        v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
-
-
-def to_rgb(data: bytes) -> Image.Image:
-    """Decode image bytes to RGB; transparency is composited on white (clip art is mostly transparent)."""
-    im = Image.open(io.BytesIO(data))
-    if im.mode in ("RGBA", "LA", "PA") or (im.mode == "P" and "transparency" in im.info):
-        rgba = im.convert("RGBA")
-        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
-    return im.convert("RGB")
 
 
 def shard_paths(folders: list[str | Path]) -> list[Path]:
