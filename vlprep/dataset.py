@@ -143,12 +143,12 @@ def iter_tar(path: str | os.PathLike, handler: Callable[[Exception], bool] = rer
         raise VlprepError(f"{url}: not a readable tar file ({e})") from None
 
 
-def iter_aligned(tar_path: Path, rows: list[dict]) -> Iterator[tuple[dict, dict]]:
-    """(raw sample, its sidecar row) for one shard; a sidecar out of step with its tar is an error."""
+def iter_aligned(tar_path: Path, keys: list[str]) -> Iterator[tuple[int, dict]]:
+    """(sidecar row index, raw sample) for one shard; a sidecar out of step with its tar is an error."""
     for i, raw in enumerate(iter_tar(tar_path)):
-        if i >= len(rows) or rows[i].get("key") != raw["__key__"]:
+        if i >= len(keys) or keys[i] != raw["__key__"]:
             raise VlprepError(f"{tar_path}: sidecar does not match the tar at sample {i} ({raw['__key__']})")
-        yield raw, rows[i]
+        yield i, raw
 
 
 def open_derived(src, out) -> tuple[Dataset, Path]:
@@ -213,7 +213,7 @@ def encode_sample(sample: dict) -> dict:
     return out
 
 
-def write_shard(root: Path, shard: str, samples: Iterable[dict], rows: list[dict],
+def write_shard(root: Path, shard: str, samples: Iterable[dict], rows: list[dict] | pa.Table,
                 schema: pa.Schema | None = None, stats: dict | None = None) -> int:
     """Write one shard and its Parquet sidecar under temporary names, then rename both into place.
 
@@ -234,7 +234,7 @@ def write_shard(root: Path, shard: str, samples: Iterable[dict], rows: list[dict
         for sample in samples:
             tw.write(encode_sample(sample))
             n += 1
-    table = pa.Table.from_pylist(rows, schema=schema)
+    table = rows if isinstance(rows, pa.Table) else pa.Table.from_pylist(rows, schema=schema)
     meta = {b"vlprep": json.dumps({"shard": shard, "stats": stats or {}}).encode()}
     table = table.replace_schema_metadata({**(table.schema.metadata or {}), **meta})
     sidecar = sidecar_name(shard)

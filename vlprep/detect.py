@@ -206,8 +206,8 @@ def detect_shard(ds, out: Path, shard: str, detector, imported: dict | None, cfg
     side = pq.read_table(ds.sidecar(shard))
     rows_in = side.replace_schema_metadata(None).to_pylist()
     samples, rows, counts = [], [], Counter()
-    for batch in _batches(iter_aligned(ds.root / shard, rows_in), cfg.batch_size):
-        batch, batch_rows = [r for r, _ in batch], [row for _, row in batch]
+    for batch in _batches(iter_aligned(ds.root / shard, [r["key"] for r in rows_in]), cfg.batch_size):
+        batch, batch_rows = [raw for _, raw in batch], [rows_in[i] for i, _ in batch]
         if imported is not None:
             results = [[o for o in imported.get(r["__key__"], []) if o["score"] >= cfg.min_score] for r in batch]
         else:

@@ -256,7 +256,8 @@ def annotate_shard(ds, out: Path, shard: str, nouns: list, sample_nodes: dict, f
     side = pq.read_table(ds.sidecar(shard))
     rows_in = side.replace_schema_metadata(None).to_pylist()
     samples, rows = [], []
-    for i, (raw, row) in enumerate(iter_aligned(ds.root / shard, rows_in)):
+    for i, raw in iter_aligned(ds.root / shard, [r["key"] for r in rows_in]):
+        row = rows_in[i]
         s = decode_sample(raw)
         ns = [[n, a, b] for n, a, b in nouns[i]]
         nodes = sorted(sample_nodes.get(raw["__key__"], ()))
