@@ -52,10 +52,6 @@ class Dataset:
     def sidecar(self, shard: str) -> Path:
         return self.root / sidecar_name(shard)
 
-    def meta(self) -> dict:
-        p = self.root / "meta.json"
-        return json.loads(p.read_text()) if p.exists() else {}
-
 
 def sidecar_name(shard: str) -> str:
     return shard[: -len(".tar")] + ".parquet"

@@ -160,15 +160,18 @@ def _nouns_per_shard(ds, out: Path, progress=None) -> dict[str, list]:
     return result
 
 
-def _labels_per_shard(ds, min_score: float) -> dict[str, list[set[str]]]:
-    out = {}
+def _keys_and_labels(ds, min_score: float) -> tuple[dict[str, list[str]], dict[str, list[set[str]]]]:
+    """Per shard, from one sidecar read: the sample keys and each image's labels with score >= min_score."""
+    keys, labels = {}, {}
     for shard in ds.shards:
         schema = pq.read_schema(ds.sidecar(shard))
         if "objects" not in schema.names:
             raise VlprepError(f"{ds.root} has no detections (sidecar column 'objects'); run `vlprep detect` first")
-        objs = pq.read_table(ds.sidecar(shard), columns=["objects"]).column(0).to_pylist()
-        out[shard] = [{o["label"] for o in (row or []) if o["score"] >= min_score} for row in objs]
-    return out
+        t = pq.read_table(ds.sidecar(shard), columns=["key", "objects"])
+        keys[shard] = t.column("key").to_pylist()
+        labels[shard] = [{o["label"] for o in (row or []) if o["score"] >= min_score}
+                         for row in t.column("objects").to_pylist()]
+    return keys, labels
 
 
 def ontology(cfg: OntologyConfig, progress=None) -> dict:
@@ -179,7 +182,7 @@ def ontology(cfg: OntologyConfig, progress=None) -> dict:
         raise VlprepError("--min-score must be between 0 and 1")
     t0 = time.perf_counter()
     ds, out = open_derived(cfg.src, cfg.out)
-    labels = _labels_per_shard(ds, cfg.min_score)
+    keys, labels = _keys_and_labels(ds, cfg.min_score)
     all_labels = set().union(*(s for rows in labels.values() for s in rows))
     overrides = load_overrides(cfg.overrides, all_labels)
     options = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()
@@ -192,7 +195,6 @@ def ontology(cfg: OntologyConfig, progress=None) -> dict:
     table = pmi_table(zip(pairs, (ls for shard in ds.shards for ls in labels[shard])))
     mapping = map_nouns(table, cfg.min_cooccur, overrides)
 
-    keys = {s: pq.read_table(ds.sidecar(s), columns=["key"]).column(0).to_pylist() for s in ds.shards}
     triplets, index = [], 0
     for shard in ds.shards:
         for key, ns, ls in zip(keys[shard], nouns[shard], labels[shard]):

@@ -35,8 +35,6 @@ from vlprep.sources import Item, open_source
 
 FORMATS = {"jpg": "JPEG", "png": "PNG", "webp": "WEBP"}
 PIL_TO_EXT = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp", "MPO": "jpg"}
-SKIP_REASONS = ("missing_image", "unreadable_image", "corrupt_image", "truncated_image", "image_too_large",
-                "missing_caption", "empty_caption", "caption_not_utf8")
 SIDECAR_SCHEMA = pa.schema([("key", pa.string()), ("uid", pa.string()), ("caption", pa.string()),
                             ("source", pa.string()), ("image_ext", pa.string()), ("width", pa.int32()),
                             ("height", pa.int32()), ("image_bytes", pa.int64())])
