@@ -24,6 +24,7 @@ class DataConfig:
     use_features: bool = False      # read `npy` feature tokens instead of decoding pixels
     workers: int = 2
     min_crop_scale: float = 0.5     # RandomResizedCrop scale lower bound (ALBEF: 0.5)
+    triplets: bool = False          # TOnICS triplet mode: instances are (caption, image, noun span) triplets
 
 
 @dataclass
@@ -35,6 +36,21 @@ class LossConfig:
     distill_alpha: float = 0.0      # momentum distillation weight (ALBEF: 0.4); needs model.momentum
     focal_gamma: float = 0.0        # > 0: SoftMask++ focal ITC instead of plain ITC
     consistency: float = 0.0        # GRIT-VLP ITC consistency weight (lambda_cons, paper: 0.2)
+    tonics_ir: float = 0.0          # TOnICS aligner image retrieval loss L_IR (needs model.aligner, data.triplets)
+    tonics_tr: float = 0.0          # TOnICS aligner text retrieval loss L_TR
+
+
+@dataclass
+class SamplerConfig:
+    kind: str = "random"            # random (streamed shuffle), tonics (ontology curriculum) or grit (grouping)
+    ontology: str = ""              # folder with ontology.json + triplets.parquet [default: the first shard folder]
+    alpha: float = 0.9              # TOnICS: P(entity) <- max(alpha * P(entity), beta) at each refresh
+    beta: float = 0.2
+    refresh_every: int = 500        # TOnICS: steps between held-out checks (paper: 5K of 500K steps)
+    threshold: float = 0.9          # TOnICS: refresh when held-out image retrieval R@1 >= threshold
+    heldout: int = 100              # TOnICS: held-out instances for the check (from the validation split)
+    search_space: int = 0           # GRIT M; 0 = 15 * batch_size (paper: N=128, M=1920)
+    queue_size: int = 0             # GRIT L; 0 = 25 * M (paper: L=48,000 = 25 * 1920)
 
 
 @dataclass
@@ -64,6 +80,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -75,6 +92,17 @@ PRESETS: dict[str, dict[str, Any]] = {
     # GRIT-VLP's ALBEFBase: ALBEF without the momentum model (so no distillation and no queue)
     "albef-base": {"model.momentum": False, "model.queue_size": 0, "loss.distill_alpha": 0.0,
                    "loss.mlm_prob": 0.15},
+    # TOnICS: the noun-query aligner on triplets with the ontology curriculum, L_IR + L_TR (no ITC/ITM/MLM)
+    "tonics": {"sampler.kind": "tonics", "data.triplets": True, "model.aligner": True, "model.fusion_layers": 0,
+               "model.momentum": False, "model.queue_size": 0, "loss.itc": 0.0, "loss.itm": 0.0, "loss.mlm": 0.0,
+               "loss.distill_alpha": 0.0, "loss.tonics_ir": 1.0, "loss.tonics_tr": 1.0},
+    # TOnICS with the image retrieval loss alone
+    "tonics-ir": {"sampler.kind": "tonics", "data.triplets": True, "model.aligner": True, "model.fusion_layers": 0,
+                  "model.momentum": False, "model.queue_size": 0, "loss.itc": 0.0, "loss.itm": 0.0, "loss.mlm": 0.0,
+                  "loss.distill_alpha": 0.0, "loss.tonics_ir": 1.0, "loss.tonics_tr": 0.0},
+    # GRIT-VLP: ALBEFBase + GRIT sampler + ITC consistency (lambda 0.2) + ITM hard negatives + MLM at 50%
+    "grit": {"sampler.kind": "grit", "model.momentum": False, "model.queue_size": 0, "loss.distill_alpha": 0.0,
+             "loss.consistency": 0.2, "loss.mlm_prob": 0.5},
 }
 
 
@@ -184,6 +212,32 @@ def validate(cfg: Config) -> None:
         raise ConfigError("loss.distill_alpha > 0 needs model.momentum=true")
     if (cfg.loss.itm > 0 or cfg.loss.mlm > 0) and cfg.model.fusion_layers == 0:
         raise ConfigError("loss.itm and loss.mlm need a fusion encoder (model.fusion_layers >= 1)")
+    s = cfg.sampler
+    if s.kind not in SAMPLERS:
+        raise ConfigError(f"unknown sampler {s.kind!r}; samplers: {', '.join(SAMPLERS)}")
+    aligner_loss = cfg.loss.tonics_ir > 0 or cfg.loss.tonics_tr > 0
+    if aligner_loss and not (cfg.model.aligner and cfg.data.triplets):
+        raise ConfigError("loss.tonics_ir/tonics_tr need model.aligner=true and data.triplets=true")
+    if cfg.data.triplets and s.kind == "grit":
+        raise ConfigError("data.triplets works with sampler.kind random or tonics, not grit")
+    if cfg.data.triplets and (cfg.loss.itm > 0 or cfg.loss.mlm > 0 or cfg.loss.itc > 0) and not aligner_loss:
+        raise ConfigError("data.triplets is for the TOnICS aligner: set loss.tonics_ir and/or loss.tonics_tr")
+    if not 0 < s.alpha < 1 or not 0 <= s.beta <= 1:
+        raise ConfigError("sampler.alpha must be in (0, 1) and sampler.beta in [0, 1]")
+    if s.refresh_every < 1 or s.heldout < 2:
+        raise ConfigError("sampler.refresh_every must be >= 1 and sampler.heldout >= 2")
+    m = grit_sizes(cfg)[0]
+    if s.kind == "grit" and (m < 2 or grit_sizes(cfg)[1] < m):
+        raise ConfigError("GRIT needs sampler.search_space >= 2 and sampler.queue_size >= sampler.search_space")
+
+
+SAMPLERS = ("random", "tonics", "grit")
+
+
+def grit_sizes(cfg: Config) -> tuple[int, int]:
+    """GRIT's (M, L): the configured values, or the paper's ratios M = 15 N and L = 25 M when left at 0."""
+    m = cfg.sampler.search_space or 15 * cfg.batch_size
+    return m, cfg.sampler.queue_size or 25 * m
 
 
 def to_dict(cfg: Config) -> dict:

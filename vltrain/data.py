@@ -1,11 +1,15 @@
 """Shard reading for vltrain: a key-hash validation split, torchvision v2 transforms, tokenisation, collate.
 
-Samples come through vlprep's reader (`vlprep.dataset.iter_tar`), so the safety rules of
-docs/FORMAT.md hold here too. Several dataset folders are mixed by interleaving their shards.
+Two ways in: `ShardStream` streams shards through vlprep's reader (`vlprep.dataset.iter_tar`, so the safety
+rules of docs/FORMAT.md hold; several dataset folders are mixed by interleaving their shards), and
+`IndexedShards` + `InstanceView` read samples by global index through wids (`index.json`) for the index-based
+samplers. wids never unpickles anything here: only the caption, image and `npy` members are decoded, by us.
 """
 
+import contextlib
 import hashlib
 import io
+import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,6 +47,18 @@ def shard_paths(folders: list[str | Path]) -> list[Path]:
     return out
 
 
+def load_sample(raw: dict, transform, use_features: bool) -> tuple:
+    """Raw sample (member bytes by extension) -> (image tensor or feature tokens, caption, key)."""
+    caption = raw["txt"].decode("utf-8")  # only the caption: the json member is not needed here
+    if use_features:
+        if "npy" not in raw:
+            raise ValueError(f"{raw.get('__url__', '')}: sample {raw['__key__']} has no npy features")
+        x = torch.from_numpy(np.load(io.BytesIO(raw["npy"]), allow_pickle=False)).float()
+    else:
+        x = transform(to_rgb(raw[image_ext(raw)]))
+    return x, caption, raw["__key__"]
+
+
 class ShardStream(IterableDataset):
     """(image tensor or feature tokens, caption, key) from shard folders, one split, shuffled per epoch.
 
@@ -65,14 +81,7 @@ class ShardStream(IterableDataset):
         return in_val(key, self.val_frac) == (self.split == "val")
 
     def _load(self, raw: dict):
-        caption = raw["txt"].decode("utf-8")  # only the caption: the json member is not needed here
-        if self.use_features:
-            if "npy" not in raw:
-                raise ValueError(f"{raw['__url__']}: sample {raw['__key__']} has no npy features")
-            x = torch.from_numpy(np.load(io.BytesIO(raw["npy"]), allow_pickle=False)).float()
-        else:
-            x = self.transform(to_rgb(raw[image_ext(raw)]))
-        return x, caption, raw["__key__"]
+        return load_sample(raw, self.transform, self.use_features)
 
     def __iter__(self) -> Iterator[tuple]:
         rng = random.Random(self.seed * 1_000_003 + self.epoch)
@@ -100,18 +109,103 @@ class ShardStream(IterableDataset):
         yield from map(self._load, buf)
 
 
+class IndexedShards:
+    """Raw samples of dataset folders by global index (folder order, then shard order, as wids numbers them)."""
+
+    def __init__(self, folders):
+        import pyarrow.parquet as pq
+
+        self.roots = [open_dataset(f).root for f in folders]
+        sizes = [open_dataset(r).num_samples for r in self.roots]
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        keys = []
+        for root in self.roots:
+            ds = open_dataset(root)
+            for shard in ds.shards:
+                keys.extend(pq.read_table(ds.sidecar(shard), columns=["key"]).column(0).to_pylist())
+        if len(keys) != self.offsets[-1]:
+            raise ValueError("the sidecars and sizes.json disagree on the number of samples in "
+                             + ", ".join(map(str, self.roots)))
+        self.keys = keys
+        self._wids = None  # opened on first use, in each DataLoader worker
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def _open(self) -> list:
+        import wids
+
+        out = []
+        for root in self.roots:
+            # wids prints a line per dataset on stderr; the shards are local files, read in place (no cache copy).
+            with contextlib.redirect_stderr(io.StringIO()):
+                out.append(wids.ShardListDataset(str(root / "index.json"), localname=os.fspath,
+                                                 transformations=[], lru_size=16))
+        return out
+
+    def raw(self, index: int) -> dict:
+        """{'__key__', 'txt', 'jpg' | 'png' | ..., ...}: the member bytes of sample `index`."""
+        if self._wids is None:
+            self._wids = self._open()
+        f = int(np.searchsorted(self.offsets, index, side="right")) - 1
+        sample = self._wids[f][int(index - self.offsets[f])]
+        raw = {k[1:]: v.getvalue() for k, v in sample.items() if k.startswith(".")}
+        raw["__key__"] = sample["__key__"]
+        if raw["__key__"] != self.keys[index]:
+            raise ValueError(f"wids returned {raw['__key__']} for index {index}, the sidecars say "
+                             f"{self.keys[index]}: index.json is out of date")
+        return raw
+
+
+class InstanceView(torch.utils.data.Dataset):
+    """Position p -> (x, caption, key, p[, (start, end)]) for the sample samples[p] of an IndexedShards.
+
+    `spans` (P, 2) gives each position a character span of its caption (TOnICS triplets: the noun).
+    """
+
+    def __init__(self, shards: IndexedShards, samples, transform, use_features: bool = False, spans=None):
+        self.shards, self.samples = shards, np.asarray(samples, dtype=np.int64)
+        self.transform, self.use_features = transform, use_features
+        self.spans = None if spans is None else np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, p: int) -> tuple:
+        x, caption, key = load_sample(self.shards.raw(int(self.samples[p])), self.transform, self.use_features)
+        if self.spans is None:
+            return x, caption, key, int(p)
+        return x, caption, key, int(p), tuple(int(v) for v in self.spans[p])
+
+
+def span_mask(offsets: torch.Tensor, spans: torch.Tensor) -> torch.Tensor:
+    """Word pieces overlapping each character span: offsets (B, L, 2), spans (B, 2) -> bool (B, L).
+
+    Special and padding tokens have empty offsets and never match.
+    """
+    start, end = spans[:, None, 0], spans[:, None, 1]
+    return (offsets[..., 0] < end) & (offsets[..., 1] > start) & (offsets[..., 1] > offsets[..., 0])
+
+
 class Collate:
-    """Batch of (x, caption, key) -> {'images' | 'features', 'input_ids', 'attention_mask', 'keys', 'captions'}."""
+    """Batch of (x, caption, key[, position[, span]]) -> {'images' | 'features', 'input_ids', 'attention_mask',
+    'keys', 'captions'[, 'index'[, 'noun_mask']]}; noun_mask (B, L) marks the word pieces of each span."""
 
     def __init__(self, tokenizer, max_len: int, use_features: bool = False):
         self.tokenizer, self.max_len, self.use_features = tokenizer, max_len, use_features
 
     def __call__(self, batch: list[tuple]) -> dict:
-        xs, captions, keys = zip(*batch)
+        xs, captions, keys, *extra = zip(*batch)
+        spans = len(extra) > 1
         tok = self.tokenizer(list(captions), padding="longest", truncation=True, max_length=self.max_len,
-                             return_tensors="pt")
-        return {"features" if self.use_features else "images": torch.stack(xs), "input_ids": tok["input_ids"],
-                "attention_mask": tok["attention_mask"], "keys": list(keys), "captions": list(captions)}
+                             return_tensors="pt", return_offsets_mapping=spans)
+        out = {"features" if self.use_features else "images": torch.stack(xs), "input_ids": tok["input_ids"],
+               "attention_mask": tok["attention_mask"], "keys": list(keys), "captions": list(captions)}
+        if extra:
+            out["index"] = torch.tensor(extra[0], dtype=torch.long)
+        if spans:
+            out["noun_mask"] = span_mask(tok["offset_mapping"], torch.tensor(extra[1], dtype=torch.long))
+        return out
 
 
 def count_split(folders, val_frac: float) -> dict[str, int]:

@@ -36,6 +36,7 @@ class ModelConfig:
     momentum: bool = False  # keep an EMA copy (ALBEF momentum distillation)
     momentum_m: float = 0.995
     queue_size: int = 0  # MoCo queue length Q; 0 = in-batch negatives only
+    aligner: bool = False  # TOnICS noun-query aligner head (triplet mode)
 
 
 # --- encoders ---------------------------------------------------------------------------------------------------
@@ -171,6 +172,52 @@ class FusionLayer(nn.Module):
             ours.load_state_dict(theirs.state_dict())
 
 
+class NounAligner(nn.Module):
+    """TOnICS aligner head: s(i, j) = h_i . v_att(i, j) for every noun i and image j of a batch.
+
+    v_att(i, j) is one transformer cross-attention layer (BERT's post-LN layout: attention with a residual on the
+    query, then a feed-forward block) whose only query is the noun representation h_i and whose keys and values
+    are the tokens of image j after a learnable linear projection. Keys and values are projected once per image
+    and the B x B pairs are formed inside the attention einsums, so no (B*B, N, D) copy is ever built.
+    """
+
+    def __init__(self, dim: int, image_dim: int, heads: int, ffn_dim: int, eps: float, attn_drop: float,
+                 drop: float):
+        super().__init__()
+        self.heads = heads
+        self.image_proj = nn.Linear(image_dim, dim)
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+        self.ln, self.attn_drop, self.drop = nn.LayerNorm(dim, eps=eps), nn.Dropout(attn_drop), nn.Dropout(drop)
+        self.ffn_in, self.ffn_out = nn.Linear(dim, ffn_dim), nn.Linear(ffn_dim, dim)
+        self.ffn_ln = nn.LayerNorm(dim, eps=eps)
+
+    def attend(self, nouns: torch.Tensor, image_tokens: torch.Tensor) -> torch.Tensor:
+        """nouns (Bt, D), image tokens (Bi, N, D_img) -> v_att (Bt, Bi, D)."""
+        bt, d = nouns.shape
+        bi, n, _ = image_tokens.shape
+        hd = d // self.heads
+        img = self.image_proj(image_tokens)
+        q = self.q(nouns).view(bt, self.heads, hd)
+        k, v = self.k(img).view(bi, n, self.heads, hd), self.v(img).view(bi, n, self.heads, hd)
+        att = self.attn_drop((torch.einsum("ahd,bnhd->abhn", q, k) / hd ** 0.5).softmax(dim=-1))
+        a = torch.einsum("abhn,bnhd->abhd", att, v).reshape(bt, bi, d)
+        x = self.ln(nouns[:, None, :] + self.drop(self.o(a)))
+        return self.ffn_ln(x + self.drop(self.ffn_out(F.gelu(self.ffn_in(x)))))
+
+    def forward(self, nouns: torch.Tensor, image_tokens: torch.Tensor) -> torch.Tensor:
+        """nouns (Bt, D), image tokens (Bi, N, D_img) -> scores s (Bt, Bi), s[i, j] = nouns[i] . v_att(i, j)."""
+        return torch.einsum("ad,abd->ab", nouns, self.attend(nouns, image_tokens))
+
+
+def noun_states(hidden: torch.Tensor, noun_mask: torch.Tensor) -> torch.Tensor:
+    """Mean of the word-piece states of each noun: hidden (B, L, D), noun_mask (B, L) bool -> (B, D).
+
+    A noun cut off by truncation (an empty mask) gives a zero vector rather than NaN.
+    """
+    m = noun_mask.to(hidden.dtype).unsqueeze(-1)
+    return (hidden * m).sum(dim=1) / m.sum(dim=1).clamp(min=1)
+
+
 # --- the model --------------------------------------------------------------------------------------------------
 
 
@@ -220,6 +267,12 @@ class VLModel(nn.Module):
             self.mlm_decoder = nn.Linear(d_txt, tc.vocab_size)
             _bert_init(nn.ModuleList([self.itm_head, self.mlm_transform, self.mlm_decoder]), std)
             self.mlm_decoder.weight = self.text_encoder.get_input_embeddings().weight  # tied (B, L, D) -> (B, L, V)
+
+        self.aligner = None
+        if cfg.aligner:
+            self.aligner = NounAligner(d_txt, d_img, tc.num_attention_heads, tc.intermediate_size, tc.layer_norm_eps,
+                                       tc.attention_probs_dropout_prob, tc.hidden_dropout_prob)
+            _bert_init(self.aligner, tc.initializer_range)
 
         # The EMA copy is taken from the finished online model, before the queues exist: it holds every module
         # (ALBEF keeps momentum encoders, projections and fusion/MLM), answers the same methods, never trains.
@@ -291,6 +344,12 @@ class VLModel(nn.Module):
         """Token logits over the vocabulary: (B, L, D) -> (B, L, V)."""
         self._need_fusion()
         return self.mlm_decoder(self.mlm_transform(fused))
+
+    def align_scores(self, nouns: torch.Tensor, image_tokens: torch.Tensor) -> torch.Tensor:
+        """TOnICS aligner scores s (Bt, Bi) of noun representations (Bt, D_txt) against image tokens (Bi, N, D_img)."""
+        if self.aligner is None:
+            raise RuntimeError("this model has no aligner head: build it with ModelConfig(aligner=True)")
+        return self.aligner(nouns, image_tokens)
 
     # --- momentum copy and queues ---
 

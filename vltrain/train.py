@@ -17,15 +17,18 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from torch.utils.data import DataLoader
 
-from vltrain.config import Config, from_dict, to_dict
-from vltrain.data import Collate, ShardStream, count_split, eval_transform, train_transform
+from vltrain.config import Config, from_dict, grit_sizes, to_dict
+from vltrain.data import (Collate, IndexedShards, InstanceView, ShardStream, count_split, eval_transform, in_val,
+                          train_transform)
 from vltrain.evaluate import chance_recall, itm_rerank, recall_at_k, rerank_recall, zeroshot_accuracy
 from vltrain.losses import (distill_targets, focal_itc_loss, hard_negative_weights, itc_consistency_loss, itc_loss,
-                            itm_loss, mlm_loss, mlm_mask, sample_hard_negatives)
-from vltrain.model import build_model, build_tokenizer
+                            itm_loss, mlm_loss, mlm_mask, sample_hard_negatives, tonics_ir_loss, tonics_tr_loss)
+from vltrain.model import build_model, build_tokenizer, noun_states
+from vltrain.samplers import GritSampler, TonicsBatchSampler, TonicsCurriculum, tonics_instances
 
 console = Console(stderr=True, emoji=False)
 PROMPT = "a photo of a {}"
+EVAL_TRIPLETS = 1000  # triplet mode: validation retrieval over at most this many triplets (one per image)
 
 
 class TrainError(RuntimeError):
@@ -120,7 +123,16 @@ def train_step(model, batch: dict, cfg: Config, generator: torch.Generator, toke
                 soft = mom.mlm_logits(mom.fuse(hidden_m, mask, image_tokens_m)).float().softmax(dim=-1)
         losses["mlm_loss"] = mlm_loss(logits, labels, soft, w.distill_alpha if distill else 0.0)
 
-    weights = {"itc_loss": w.itc, "itc_consistency_loss": w.consistency, "itm_loss": w.itm, "mlm_loss": w.mlm}
+    if w.tonics_ir > 0 or w.tonics_tr > 0:
+        # TOnICS aligner: s(i, j) for every noun i and image j; the sampler keeps one image out of a batch twice.
+        scores = model.align_scores(noun_states(text_hidden, batch["noun_mask"]), image_tokens)
+        if w.tonics_ir > 0:
+            losses["tonics_ir_loss"] = tonics_ir_loss(scores)
+        if w.tonics_tr > 0:
+            losses["tonics_tr_loss"] = tonics_tr_loss(scores)
+
+    weights = {"itc_loss": w.itc, "itc_consistency_loss": w.consistency, "itm_loss": w.itm, "mlm_loss": w.mlm,
+               "tonics_ir_loss": w.tonics_ir, "tonics_tr_loss": w.tonics_tr}
     losses["total"] = sum(weights[k] * v for k, v in losses.items())
     losses["queue_feats"] = (image_keys.detach(), text_keys.detach())
     return losses
@@ -196,6 +208,105 @@ def _next_batch(batches, rng_state: torch.Tensor) -> tuple[dict, torch.Tensor]:
         return batch, torch.get_rng_state()
 
 
+# --- index-based sampling: TOnICS, GRIT and triplets (vltrain.samplers) ------------------------------------------
+
+
+def _indexed_data(cfg: Config, model) -> dict:
+    """Train / val views read through wids, the batch sampler over the train view and the curriculum's node names."""
+    shards = IndexedShards(cfg.shards)
+    is_val = np.array([in_val(k, cfg.data.val_frac) for k in shards.keys], dtype=bool)
+    use_features, s, n = cfg.data.use_features, cfg.sampler, cfg.batch_size
+    tf_train = None if use_features else train_transform(cfg.data.image_size, model.image_mean, model.image_std,
+                                                         cfg.data.min_crop_scale)
+    tf_eval = None if use_features else eval_transform(cfg.data.image_size, model.image_mean, model.image_std)
+    names = None
+    if s.kind == "grit":
+        splits = {"train": {"samples": np.flatnonzero(~is_val), "spans": None},
+                  "val": {"samples": np.flatnonzero(is_val), "spans": None}}
+        m, q = grit_sizes(cfg)
+        sampler = GritSampler(len(splits["train"]["samples"]), n, m, q, cfg.seed)
+    else:  # tonics, or random batches of triplets (P(entity) stays 1)
+        try:
+            splits = tonics_instances(s.ontology or cfg.shards[0], shards.keys, is_val, cfg.data.triplets)
+        except ValueError as e:
+            raise TrainError(str(e)) from None
+        image_of = splits["train"]["samples"]
+        if len(np.unique(image_of)) < n:
+            raise TrainError(f"the training split has {len(np.unique(image_of))} distinct images with "
+                             f"{'triplets' if cfg.data.triplets else 'samples'}, fewer than one batch of {n}")
+        keep, dropped = [], []
+        for c, pos in splits["train"]["nodes"] if s.kind == "tonics" else []:
+            (keep if len(np.unique(image_of[pos])) >= n else dropped).append((c, pos))
+        if s.kind == "tonics" and not keep:
+            raise TrainError(f"no ontology class has {n} distinct training images, so no same-object batch can be "
+                             "drawn; lower --batch-size")
+        if dropped:
+            console.print(f"tonics: {len(dropped)} of {len(dropped) + len(keep)} classes have fewer than {n} distinct "
+                          f"training images and stay out of the curriculum: {', '.join(c for c, _ in dropped)}",
+                          highlight=False)
+        curriculum = TonicsCurriculum([len(p) for _, p in keep] or [1], s.alpha, s.beta)
+        nodes = [p for _, p in keep] or [np.arange(len(image_of))]  # random triplets: a never-drawn dummy node
+        sampler = TonicsBatchSampler(curriculum, nodes, image_of, n, s.refresh_every, cfg.seed)
+        names = ["entity"] + [c for c, _ in keep]
+    views = {split: InstanceView(shards, splits[split]["samples"], tf_train if split == "train" else tf_eval,
+                                 use_features, splits[split]["spans"]) for split in ("train", "val")}
+    return {"sampler": sampler, "names": names, **views}
+
+
+def _distinct_positions(view: InstanceView, limit: int, seed: int) -> np.ndarray:
+    """Up to `limit` positions of a view in a seeded random order, one per image (retrieval needs one positive)."""
+    order = np.random.default_rng([seed, 99]).permutation(len(view))
+    _, first = np.unique(view.samples[order], return_index=True)
+    return order[np.sort(first)][:limit]
+
+
+@torch.no_grad()
+def _view_scores(model, view: InstanceView, positions, collate: Collate, cfg: Config, device) -> torch.Tensor:
+    """Scores (n, n) of query text i against image j: the aligner's s(i, j) in triplet mode, ITC similarity otherwise."""
+    was_training = model.training
+    model.eval()
+    nouns, tokens, txt, img = [], [], [], []
+    bs = cfg.batch_size
+    for a in range(0, len(positions), bs):
+        batch = _to(collate([view[int(p)] for p in positions[a:a + bs]]), device)
+        with _autocast(device):
+            tok, i_feat = model.encode_image(batch["features"] if cfg.data.use_features else batch["images"])
+            hidden, t_feat = model.encode_text(batch["input_ids"], batch["attention_mask"])
+        if cfg.data.triplets:
+            nouns.append(noun_states(hidden, batch["noun_mask"]).float())
+            tokens.append(tok.float())
+        else:
+            txt.append(t_feat.float())
+            img.append(i_feat.float())
+    if cfg.data.triplets:
+        nouns, tokens = torch.cat(nouns), torch.cat(tokens)
+        scores = torch.cat([model.align_scores(nouns[a:a + bs], tokens) for a in range(0, len(nouns), bs)])
+    else:
+        scores = torch.cat(txt) @ torch.cat(img).t()
+    model.train(was_training)
+    return scores.float().cpu()
+
+
+def _plot_curriculum(log: list[dict], names: list[str], path: Path, top: int = 8) -> None:
+    """P(entity) and the `top` object nodes with the most final mass across steps, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [0] + [r["step"] for r in log]  # the curriculum starts with P(entity) = 1
+    probs = np.array([np.eye(len(names))[0]] + [r["probs"] for r in log])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, probs[:, 0], color="black", lw=2, marker=".", label="entity")
+    for k in (np.argsort(-probs[-1, 1:])[:top] + 1):
+        ax.plot(steps, probs[:, k], label=names[k])
+    ax.set(xlabel="step", ylabel="P_S(node)", ylim=(0, 1.02), title="TOnICS curriculum")
+    ax.legend(fontsize=7, loc="center right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 # --- the loop -----------------------------------------------------------------------------------------------------
 
 
@@ -218,28 +329,40 @@ def train(cfg: Config, resume: bool = False) -> dict:
 
     # --- data
     tok = _tokenizer(cfg.model.text_model)
-    counts = count_split(cfg.shards, cfg.data.val_frac)
-    if counts["train"] < cfg.batch_size:
-        raise TrainError(f"the training split has {counts['train']} samples, fewer than one batch of "
-                         f"{cfg.batch_size}; lower --batch-size or data.val_frac")
-    per_epoch = counts["train"] // cfg.batch_size  # drop_last: every batch is full (hard negatives need B >= 2)
-    if cfg.epochs > 0:
-        cfg.steps = max(1, math.ceil(cfg.epochs * per_epoch))
     model = build_model(cfg.model)
     use_features = cfg.data.use_features
-    tf = None if use_features else train_transform(cfg.data.image_size, model.image_mean, model.image_std,
-                                                   cfg.data.min_crop_scale)
-    stream = ShardStream(cfg.shards, "train", cfg.data.val_frac, tf, seed=cfg.seed, use_features=use_features)
     collate = Collate(tok, cfg.data.max_len, use_features)
+    indexed = cfg.sampler.kind != "random" or cfg.data.triplets
+    if indexed:  # TOnICS / GRIT / triplets: positions from a batch sampler, samples read through wids
+        data = _indexed_data(cfg, model)
+        sampler, n_train = data["sampler"], len(data["train"])
+    else:
+        n_train = count_split(cfg.shards, cfg.data.val_frac)["train"]
+        tf = None if use_features else train_transform(cfg.data.image_size, model.image_mean, model.image_std,
+                                                       cfg.data.min_crop_scale)
+        stream = ShardStream(cfg.shards, "train", cfg.data.val_frac, tf, seed=cfg.seed, use_features=use_features)
+        sampler = None
+    if n_train < cfg.batch_size:
+        raise TrainError(f"the training split has {n_train} {'triplets' if cfg.data.triplets else 'samples'}, fewer "
+                         f"than one batch of {cfg.batch_size}; lower --batch-size or data.val_frac")
+    per_epoch = n_train // cfg.batch_size  # drop_last: every batch is full (hard negatives need B >= 2)
+    if cfg.epochs > 0:
+        cfg.steps = max(1, math.ceil(cfg.epochs * per_epoch))
+    tonics = isinstance(sampler, TonicsBatchSampler) and cfg.sampler.kind == "tonics"
 
     def epoch_batches(epoch: int):
         """(batch iterator, data RNG state) at the start of an epoch; both depend only on (seed, epoch)."""
         # A generator per epoch fixes the workers' seeds, so a resumed epoch replays the same augmentations.
-        stream.set_epoch(epoch)
+        # Index samplers: an epoch is a GRIT pass over the data or a TOnICS curriculum period.
         seed = cfg.seed * 100_003 + epoch
-        loader = DataLoader(stream, batch_size=cfg.batch_size, collate_fn=collate, drop_last=True,
-                            num_workers=cfg.data.workers, pin_memory=device.type == "cuda",
-                            generator=torch.Generator().manual_seed(seed))
+        common = dict(collate_fn=collate, num_workers=cfg.data.workers, pin_memory=device.type == "cuda",
+                      generator=torch.Generator().manual_seed(seed))
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+            loader = DataLoader(data["train"], batch_sampler=sampler, **common)
+        else:
+            stream.set_epoch(epoch)
+            loader = DataLoader(stream, batch_size=cfg.batch_size, drop_last=True, **common)
         return iter(loader), torch.Generator().manual_seed(seed + 1).get_state()
 
     # --- model
@@ -254,10 +377,16 @@ def train(cfg: Config, resume: bool = False) -> dict:
     optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas))
 
     step, epoch, consumed, best = 0, 0, 0, -1.0
+    curriculum_log = []  # TOnICS: P_S at every held-out check
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         step, epoch, consumed, best = ckpt["step"], ckpt["epoch"], ckpt["consumed"], ckpt["best"]
+        if sampler is not None:
+            if ckpt.get("sampler") is None:
+                raise TrainError(f"{last_path} holds no sampler state: it was not written by a {cfg.sampler.kind} run")
+            sampler.load_state_dict(ckpt["sampler"])
+            curriculum_log = ckpt.get("curriculum_log", [])
     batches, data_rng = epoch_batches(epoch)
     for _ in range(consumed):  # the exact data position: replay this epoch's batches already trained on
         _, data_rng = _next_batch(batches, data_rng)
@@ -273,19 +402,51 @@ def train(cfg: Config, resume: bool = False) -> dict:
     def checkpoint() -> dict:
         return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "epoch": epoch,
                 "consumed": consumed, "best": best, "config": to_dict(cfg),
+                "sampler": sampler.state_dict() if sampler is not None else None, "curriculum_log": curriculum_log,
                 "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
                         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
                         "generator": generator.get_state()}}
 
+    heldout = (_distinct_positions(data["val"], cfg.sampler.heldout, cfg.seed) if tonics else None)
+    if tonics and len(heldout) < 2:
+        raise TrainError(f"the TOnICS refresh check needs held-out instances and the validation split has "
+                         f"{len(heldout)}; raise data.val_frac")
+    val_triplets = _distinct_positions(data["val"], EVAL_TRIPLETS, cfg.seed) if cfg.data.triplets else None
+
     def evaluate() -> dict | None:
-        emb = _embed(model, cfg.shards, "val", cfg.data.val_frac, cfg, device)
-        if emb["n"] < 2:
-            return None
-        res = recall_at_k(emb["img"] @ emb["txt"].t(), torch.arange(emb["n"]))
-        chance = chance_recall(emb["n"], emb["n"])
-        console.print(f"step {step} eval on {emb['n']} val samples: mean recall {res['mean_recall']:.2f} | "
+        if cfg.data.triplets:  # the aligner's own task: noun i of a held-out triplet against image j
+            if len(val_triplets) < 2:
+                return None
+            sim = _view_scores(model, data["val"], val_triplets, collate, cfg, device).t()
+            what = "val triplets"
+        else:
+            emb = _embed(model, cfg.shards, "val", cfg.data.val_frac, cfg, device)
+            if emb["n"] < 2:
+                return None
+            sim, what = emb["img"] @ emb["txt"].t(), "val samples"
+        n = sim.shape[0]
+        res = recall_at_k(sim, torch.arange(n))
+        chance = chance_recall(n, n)
+        console.print(f"step {step} eval on {n} {what}: mean recall {res['mean_recall']:.2f} | "
                       + ", ".join(f"{k} {res[k]:.1f} (chance {chance[k]:.1f})" for k in chance), highlight=False)
-        return {**res, "n_val": emb["n"], "chance": chance}
+        return {**res, "n_val": n, "chance": chance}
+
+    def curriculum_check() -> dict:
+        """TOnICS: held-out image retrieval R@1, and a curriculum refresh when it reaches the threshold."""
+        scores = _view_scores(model, data["val"], heldout, collate, cfg, device)
+        acc = float((scores.argmax(dim=1) == torch.arange(len(heldout))).float().mean())
+        refreshed = acc >= cfg.sampler.threshold
+        if refreshed:
+            sampler.curriculum.refresh()
+        row = {"step": step, "heldout_r1": round(acc, 4), "refreshed": refreshed,
+               "probs": [round(float(p), 6) for p in sampler.curriculum.probs]}
+        curriculum_log.append(row)
+        (out / "curriculum.json").write_text(json.dumps({"nodes": data["names"], "log": curriculum_log}))
+        _plot_curriculum(curriculum_log, data["names"], out / "curriculum.png")
+        console.print(f"step {step} tonics check: held-out R@1 {acc:.2f} on {len(heldout)} "
+                      f"{'refresh' if refreshed else 'no refresh'} (threshold {cfg.sampler.threshold}), "
+                      f"P(entity) {sampler.curriculum.probs[0]:.3f}", highlight=False)
+        return row
 
     # --- loop
     metrics_path = out / "metrics.jsonl"
@@ -335,6 +496,8 @@ def train(cfg: Config, resume: bool = False) -> dict:
                     model.momentum_update()
                 if model.cfg.queue_size:
                     model.dequeue_and_enqueue(*queue_feats)
+                if isinstance(sampler, GritSampler):  # phase 1: this step's ITC features, no extra forward pass
+                    sampler.collect(batch["index"], *queue_feats)
                 seen += cfg.batch_size
 
                 if step % cfg.log_every == 0 or step == cfg.steps:
@@ -348,6 +511,14 @@ def train(cfg: Config, resume: bool = False) -> dict:
                             tb.add_scalar(f"train/{k}", v, step)
                 progress.update(task, completed=step, description=f"step {step} " + " ".join(
                     f"{k.removesuffix('_loss')} {v:.3f}" for k, v in losses_f.items()) + f" lr {lr:.2e}")
+
+                # --- curriculum (at the end of a period, so the refreshed P_S starts with the next period)
+                if tonics and step % cfg.sampler.refresh_every == 0:
+                    row = curriculum_check()
+                    metrics_file.write(json.dumps({"step": step, "curriculum": row}) + "\n")
+                    metrics_file.flush()
+                    tb.add_scalar("curriculum/p_entity", row["probs"][0], step)
+                    tb.add_scalar("curriculum/heldout_r1", row["heldout_r1"], step)
 
                 # --- eval
                 if step % cfg.eval_every == 0 or step == cfg.steps:

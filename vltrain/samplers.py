@@ -1,0 +1,333 @@
+"""Index-based batch samplers: the TOnICS ontology curriculum and GRIT grouped mini-batches.
+
+Both feed a DataLoader `batch_sampler` with lists of *positions* into the training instances (samples, or
+triplets in TOnICS' triplet mode); `vltrain.data.InstanceView` turns a position into a sample read through wids.
+A sampler's order depends only on (seed, epoch, its state), and its state goes into checkpoints.
+
+TOnICS (Srinivasan et al., sections 2-3 and A.2)
+- Nodes: the root *entity* covers every training instance; one object node per ontology class o, whose
+  instances X(o) are the training triplets of class o (sample mode: the training samples with such a triplet).
+- Each step samples a node eta ~ P_S, then N_B instances uniformly from X(eta).
+- Curriculum: P_S(entity) starts at 1. `refresh()` sets P_e <- max(alpha * P_e, beta) and gives the removed
+  mass to the object nodes in proportion to |X(o)|. The trainer calls it every `refresh_every` steps when the
+  held-out image retrieval R@1 is at least the threshold (paper: every 5K steps, 100 held-out instances, 0.9).
+- Duplicate images are *prevented*: a batch never holds two instances of one image (two nouns of one caption can
+  map to the same class). Instances are drawn uniformly and an instance whose image is already in the batch is
+  redrawn, so no pair in the contrastive losses is a false negative of that kind. Nodes with fewer distinct
+  training images than N_B cannot fill a batch this way and are left out of the curriculum (reported).
+- Each curriculum *period* of `refresh_every` steps is one sampler "epoch": its batches are drawn from the P_S in
+  force when the period starts, batch b from a generator seeded by (seed, period, b), so a refresh decided at the
+  end of a period applies from the next one and a resumed run replays the same batches.
+
+GRIT (Byun et al., section 4 and supplementary Algorithms 1-2)
+- `grit_order` groups one sub-queue greedily, alternating image->text and text->image argmax over the
+  not-yet-visited examples.
+- `GritSampler` collects each step's ITC features with their positions (no extra forward pass). When L are
+  collected: example-level shuffle, split into L/M sub-queues, `grit_order` on each, append to the next
+  epoch's index array G. At the epoch's end the remainder is grouped too; examples never collected (the
+  tail a drop_last loader left out) go to the front of G, so they fall into full batches next epoch. G is then
+  cut into mini-batches of N, which are shuffled at the mini-batch level; the D mod N examples at the end of G
+  are the ones this epoch leaves out. The first epoch is a random permutation.
+"""
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+
+__all__ = ["TonicsCurriculum", "TonicsBatchSampler", "grit_order", "GritSampler"]
+
+
+# --- TOnICS ---------------------------------------------------------------------------------------------------
+
+
+class TonicsCurriculum:
+    """Node sampling distribution P_S: `.probs[0]` is the entity node, then the object nodes in `node_sizes` order."""
+
+    def __init__(self, node_sizes: Sequence[int], alpha: float = 0.9, beta: float = 0.2):
+        sizes = np.asarray(node_sizes, dtype=np.float64)
+        if sizes.ndim != 1 or len(sizes) == 0 or (sizes <= 0).any():
+            raise ValueError("node_sizes must be a non-empty list of positive instance counts")
+        if not 0 < alpha < 1:
+            raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+        if not 0 <= beta <= 1:
+            raise ValueError(f"beta must be in [0, 1], got {beta}")
+        self.node_sizes, self.alpha, self.beta = sizes, float(alpha), float(beta)
+        self.probs = np.zeros(len(sizes) + 1)
+        self.probs[0] = 1.0
+        self.refreshes = 0
+
+    def refresh(self) -> float:
+        """One curriculum refresh; returns the mass moved from the entity node to the object nodes (0 at the floor)."""
+        old = self.probs[0]
+        new = min(old, max(self.alpha * old, self.beta))
+        moved = old - new
+        self.probs[0] = new
+        self.probs[1:] += moved * self.node_sizes / self.node_sizes.sum()
+        self.refreshes += 1
+        return moved
+
+    def sample(self, rng: np.random.Generator) -> int:
+        """A node index drawn from P_S (0 = entity)."""
+        # Inverse CDF by hand: rng.choice(p=...) insists on an exact sum, which refresh arithmetic only nearly has.
+        cdf = np.cumsum(self.probs)
+        return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(cdf) - 1))
+
+    def state_dict(self) -> dict:
+        return {"probs": self.probs.copy(), "refreshes": self.refreshes}
+
+    def load_state_dict(self, state: dict) -> None:
+        probs = np.asarray(state["probs"], dtype=np.float64)
+        if probs.shape != self.probs.shape:
+            raise ValueError(f"curriculum state has {len(probs)} nodes, this ontology has {len(self.probs)}")
+        self.probs, self.refreshes = probs.copy(), int(state["refreshes"])
+
+
+class TonicsBatchSampler:
+    """Batches of N_B positions, each from one node drawn from the curriculum; one "epoch" is one period.
+
+    nodes[k] holds the positions of object node k (the curriculum's node k + 1); image_of[p] identifies the image
+    of position p (no batch holds one image twice). The entity node is every position.
+    """
+
+    def __init__(self, curriculum: TonicsCurriculum, nodes: Sequence[np.ndarray], image_of: np.ndarray,
+                 batch_size: int, period: int, seed: int = 0):
+        if len(nodes) + 1 != len(curriculum.probs):
+            raise ValueError(f"{len(nodes)} object nodes but the curriculum has {len(curriculum.probs) - 1}")
+        self.curriculum, self.image_of = curriculum, np.asarray(image_of)
+        self.members = [np.arange(len(self.image_of))] + [np.asarray(n, dtype=np.int64) for n in nodes]
+        for k, m in enumerate(self.members):
+            if len(np.unique(self.image_of[m])) < batch_size:
+                what = "the training set" if k == 0 else f"object node {k - 1}"
+                raise ValueError(f"{what} has fewer than {batch_size} distinct images: it cannot fill a batch")
+        self.batch_size, self.period, self.seed, self.epoch = batch_size, period, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.period
+
+    def draw(self, node: int, rng: np.random.Generator) -> list[int]:
+        """N_B positions of `node`, uniform among its instances, no image twice."""
+        members, chosen, images = self.members[node], [], set()
+        while len(chosen) < self.batch_size:
+            for p in members[rng.integers(0, len(members), size=2 * self.batch_size)]:
+                img = self.image_of[p]
+                if img not in images:
+                    images.add(img)
+                    chosen.append(int(p))
+                    if len(chosen) == self.batch_size:
+                        break
+        return chosen
+
+    def batch(self, index: int) -> tuple[int, list[int]]:
+        """(node, positions) of batch `index` of the current period, a pure function of (seed, epoch, index, P_S)."""
+        rng = np.random.default_rng([self.seed, self.epoch, index])
+        node = self.curriculum.sample(rng)
+        return node, self.draw(node, rng)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for b in range(self.period):
+            yield self.batch(b)[1]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "curriculum": self.curriculum.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch = int(state["epoch"])
+        self.curriculum.load_state_dict(state["curriculum"])
+
+
+# --- GRIT -----------------------------------------------------------------------------------------------------
+
+
+def grit_order(image_feats: torch.Tensor, text_feats: torch.Tensor, start: int | None = None,
+               generator: torch.Generator | None = None) -> torch.Tensor:
+    """GRIT's grouping phase over one sub-queue: the visit order, a permutation of range(M) as a LongTensor.
+
+    From example k the next example is the unvisited j maximising image_k . text_j, then on the next step
+    text_k . image_j, alternating (image->text first). Argmax of the similarity equals argmax of the paper's
+    softmax rows, so no softmax is taken. Ties go to the lowest index.
+    """
+    m = image_feats.shape[0]
+    if text_feats.shape[0] != m:
+        raise ValueError(f"image_feats has {m} rows, text_feats {text_feats.shape[0]}")
+    if m == 0:
+        return torch.empty(0, dtype=torch.long)
+    if start is None:
+        start = int(torch.randint(m, (1,), generator=generator))
+    if not 0 <= start < m:
+        raise ValueError(f"start must be in [0, {m}), got {start}")
+    sim = (image_feats.float() @ text_feats.float().t()).cpu().numpy()  # sim[k, j] = image_k . text_j
+    rows = (sim, np.ascontiguousarray(sim.T))  # v2t rows, t2v rows (text_k . image_j)
+    blocked = np.zeros(m, dtype=np.float32)  # -inf on visited examples
+    order = np.empty(m, dtype=np.int64)
+    k = order[0] = start
+    blocked[k] = -np.inf
+    for i in range(1, m):
+        k = int(np.argmax(rows[(i - 1) % 2][k] + blocked))
+        order[i] = k
+        blocked[k] = -np.inf
+    return torch.from_numpy(order)
+
+
+class GritSampler:
+    """GRIT grouped mini-batches over positions 0..dataset_size-1 (N = batch_size, M = search_space, L = queue_size).
+
+    Call `collect(positions, image_feats, text_feats)` after every training step with the batch's positions and
+    its (detached, L2-normalised) ITC features; `set_epoch(e + 1)` then builds epoch e + 1 from what was collected.
+    Yields full batches only (the DataLoader must not see a short last batch).
+    """
+
+    def __init__(self, dataset_size: int, batch_size: int, search_space: int, queue_size: int, seed: int = 0):
+        if not 0 < batch_size <= dataset_size:
+            raise ValueError(f"batch_size must be in 1..{dataset_size} (the dataset size), got {batch_size}")
+        if search_space < 2:
+            raise ValueError(f"search_space (M) must be at least 2, got {search_space}")
+        if queue_size < search_space:
+            raise ValueError(f"queue_size (L) must be at least search_space (M), got L={queue_size}, M={search_space}")
+        self.size, self.batch_size, self.m, self.l, self.seed = dataset_size, batch_size, search_space, queue_size, seed
+        self.epoch = 0
+        self.rng = np.random.default_rng([seed, 7919])
+        self.order = self.rng.permutation(dataset_size)  # epoch 0: plain random
+        self.grouped: list[np.ndarray] = []  # the next epoch's G, sub-queue by sub-queue
+        self._reset_queue()
+
+    def _reset_queue(self, dim: int = 0) -> None:
+        self.q_idx = np.empty(self.l, dtype=np.int64)
+        self.q_img = np.empty((self.l, dim), dtype=np.float32)
+        self.q_txt = np.empty((self.l, dim), dtype=np.float32)
+        self.q_len = 0
+
+    # --- phases 1-3 ---
+
+    def collect(self, positions, image_feats: torch.Tensor, text_feats: torch.Tensor) -> None:
+        """Phase 1: enqueue one step's features; when L are held, shuffle, split and group them (phases 2-3)."""
+        pos = torch.as_tensor(positions).reshape(-1).cpu().numpy().astype(np.int64)
+        img = image_feats.detach().float().cpu().numpy()
+        txt = text_feats.detach().float().cpu().numpy()
+        if not len(pos) == len(img) == len(txt):
+            raise ValueError(f"collect: {len(pos)} positions, {len(img)} image and {len(txt)} text features")
+        if self.q_len == 0 and self.q_img.shape[1] != img.shape[1]:
+            self._reset_queue(img.shape[1])
+        start = 0
+        while start < len(pos):
+            take = min(len(pos) - start, self.l - self.q_len)
+            sl = slice(self.q_len, self.q_len + take)
+            self.q_idx[sl], self.q_img[sl], self.q_txt[sl] = (pos[start:start + take], img[start:start + take],
+                                                              txt[start:start + take])
+            self.q_len += take
+            start += take
+            if self.q_len == self.l:
+                self._group_queue()
+
+    def _group_queue(self) -> None:
+        n = self.q_len
+        perm = self.rng.permutation(n)  # phase 2: example-level shuffle of all three queues alike
+        idx, img, txt = self.q_idx[:n][perm], self.q_img[:n][perm], self.q_txt[:n][perm]
+        for a in range(0, n, self.m):  # L/M sub-queues (the last one shorter when M does not divide n)
+            b = min(a + self.m, n)
+            start = int(self.rng.integers(b - a))
+            order = grit_order(torch.from_numpy(img[a:b]), torch.from_numpy(txt[a:b]), start=start).numpy()
+            self.grouped.append(idx[a:b][order])
+        self.q_len = 0
+
+    # --- phase 4 and epochs ---
+
+    def _next_order(self) -> np.ndarray:
+        if self.q_len:
+            self._group_queue()
+        grouped = np.concatenate(self.grouped) if self.grouped else np.empty(0, dtype=np.int64)
+        if len(np.unique(grouped)) != len(grouped):
+            raise RuntimeError("GRIT: an example was collected twice in one epoch")
+        missing = np.setdiff1d(np.arange(self.size), grouped)
+        g = np.concatenate([self.rng.permutation(missing), grouped])
+        n = self.batch_size
+        full = len(g) // n
+        batches = g[:full * n].reshape(full, n)[self.rng.permutation(full)]  # phase 4: mini-batch-level shuffle
+        self.grouped = []
+        return np.concatenate([batches.reshape(-1), g[full * n:]])
+
+    def set_epoch(self, epoch: int) -> None:
+        """Move to `epoch`: the same epoch is a no-op (resume, re-iteration); the next one builds it from G."""
+        if epoch == self.epoch:
+            return
+        if epoch != self.epoch + 1:
+            raise ValueError(f"GRIT builds epochs in order: at epoch {self.epoch}, asked for {epoch}")
+        self.order = self._next_order()
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.size // self.batch_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        n = self.batch_size
+        for b in range(len(self)):
+            yield self.order[b * n:(b + 1) * n].tolist()
+
+    def state_dict(self) -> dict:
+        n = self.q_len
+        return {"epoch": self.epoch, "order": self.order.copy(), "grouped": [g.copy() for g in self.grouped],
+                "q_idx": self.q_idx[:n].copy(), "q_img": self.q_img[:n].copy(), "q_txt": self.q_txt[:n].copy(),
+                "rng": self.rng.bit_generator.state}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["order"]) != self.size:
+            raise ValueError(f"GRIT state is for {len(state['order'])} examples, this dataset has {self.size}")
+        self.epoch, self.order = int(state["epoch"]), np.asarray(state["order"]).copy()
+        self.grouped = [np.asarray(g).copy() for g in state["grouped"]]
+        n, dim = len(state["q_idx"]), np.asarray(state["q_img"]).reshape(len(state["q_idx"]), -1).shape[1]
+        self._reset_queue(dim)
+        self.q_idx[:n], self.q_img[:n], self.q_txt[:n] = state["q_idx"], state["q_img"], state["q_txt"]
+        self.q_len = n
+        self.rng.bit_generator.state = state["rng"]
+
+
+# --- TOnICS instances from `vlprep ontology` output -------------------------------------------------------------
+
+
+def tonics_instances(ontology_dir, keys: Sequence[str], is_val: np.ndarray, triplets: bool) -> dict:
+    """Instances and object nodes from ontology.json + triplets.parquet, split into train and validation.
+
+    keys[i] is the key of global sample i of the training folders; the triplets' `index` must point into the
+    first folder (the ontology's own shards), checked key by key. Returns a dict with, per split ("train", "val"):
+    `samples` (P,) the global sample of each position, `spans` (P, 2) or None, and for "train" also `nodes` (a list
+    of (class, positions) in ontology.json order).
+    Triplet mode: an instance is a triplet. Sample mode: an instance is a sample (of any folder), and node o holds
+    the samples with at least one triplet of class o.
+    """
+    import json
+    from pathlib import Path
+
+    import pyarrow.parquet as pq
+
+    root = Path(ontology_dir)
+    onto_path, trip_path = root / "ontology.json", root / "triplets.parquet"
+    if not onto_path.is_file() or not trip_path.is_file():
+        raise ValueError(f"{root}: no ontology.json / triplets.parquet (run `vlprep ontology` to make them)")
+    classes = [n["class"] for n in json.loads(onto_path.read_text())["nodes"]]
+    t = pq.read_table(trip_path, columns=["key", "index", "start", "end", "class"]).to_pandas()
+    idx = t["index"].to_numpy(np.int64)
+    if len(t) and (idx.max() >= len(keys) or any(keys[i] != k for i, k in zip(idx, t["key"]))):
+        raise ValueError(f"{trip_path} does not describe the first shard folder (its keys differ): "
+                         "give the ontology output folder as the first dataset")
+    is_val = np.asarray(is_val, dtype=bool)
+    out = {}
+    if triplets:
+        for split, keep in (("train", ~is_val[idx]), ("val", is_val[idx])):
+            out[split] = {"samples": idx[keep], "spans": t[["start", "end"]].to_numpy(np.int64)[keep]}
+        cls = t["class"].to_numpy()[~is_val[idx]]
+        out["train"]["nodes"] = [(c, np.flatnonzero(cls == c)) for c in classes]
+    else:
+        for split, keep in (("train", ~is_val), ("val", is_val)):
+            out[split] = {"samples": np.flatnonzero(keep), "spans": None}
+        pos_of = np.full(len(keys), -1, dtype=np.int64)
+        pos_of[out["train"]["samples"]] = np.arange(len(out["train"]["samples"]))
+        nodes = []
+        for c in classes:
+            members = np.unique(idx[t["class"].to_numpy() == c])
+            pos = pos_of[members]
+            nodes.append((c, pos[pos >= 0]))
+        out["train"]["nodes"] = nodes
+    return out
