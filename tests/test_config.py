@@ -1,6 +1,7 @@
 import pytest
 
-from vltrain.config import PRESETS, Config, ConfigError, apply_overrides, from_dict, load_config, parse_set, to_dict
+from vltrain.config import (PRESETS, Config, ConfigError, apply_overrides, from_dict, grit_sizes, load_config, parse_set,
+                            to_dict)
 
 
 def test_presets_set_what_the_papers_say():
@@ -11,7 +12,28 @@ def test_presets_set_what_the_papers_say():
     assert albef.loss.mlm_prob == 0.15 and albef.loss.itm > 0 and albef.loss.mlm > 0
     base = load_config("albef-base")
     assert not base.model.momentum and base.loss.distill_alpha == 0.0 and base.model.queue_size == 0
-    assert set(PRESETS) == {"clip", "albef", "albef-base"}
+    grit = load_config("grit")  # GRIT-VLP: ALBEFBase50 + GRIT + consistency 0.2
+    assert (grit.sampler.kind, grit.loss.consistency, grit.loss.mlm_prob, grit.model.momentum) == ("grit", 0.2, 0.5,
+                                                                                                   False)
+    assert grit.loss.itm > 0 and grit.model.queue_size == 0
+    for name, tr in (("tonics", 1.0), ("tonics-ir", 0.0)):
+        t = load_config(name)
+        assert (t.sampler.kind, t.data.triplets, t.model.aligner, t.loss.tonics_ir, t.loss.tonics_tr) == (
+            "tonics", True, True, 1.0, tr)
+        assert t.loss.itc == t.loss.itm == t.loss.mlm == 0.0
+        assert (t.sampler.alpha, t.sampler.beta, t.sampler.threshold, t.sampler.heldout) == (0.9, 0.2, 0.9, 100)
+    assert set(PRESETS) == {"clip", "albef", "albef-base", "tonics", "tonics-ir", "grit"}
+
+
+def test_grit_sizes_default_to_the_papers_ratios():
+    cfg = load_config("grit", batch_size=128)
+    assert grit_sizes(cfg) == (1920, 48000)  # the paper's N=128, M=1920, L=48,000
+    cfg = load_config("grit", sets=["sampler.search_space=100", "sampler.queue_size=400"])
+    assert grit_sizes(cfg) == (100, 400)
+    with pytest.raises(ConfigError, match="queue_size >= sampler.search_space"):
+        load_config("grit", sets=["sampler.search_space=100", "sampler.queue_size=50"])
+    with pytest.raises(ConfigError, match="need model.aligner=true and data.triplets=true"):
+        load_config("albef", sets=["loss.tonics_ir=1"])
 
 
 def test_precedence_preset_file_set_flags(tmp_path):
@@ -41,8 +63,8 @@ def test_bad_overrides_are_one_line_errors(sets, match):
 
 
 def test_bad_preset_and_file(tmp_path):
-    with pytest.raises(ConfigError, match="unknown preset 'grit'; presets: clip, albef, albef-base"):
-        load_config("grit")
+    with pytest.raises(ConfigError, match="unknown preset 'gritty'; presets: clip, albef, albef-base, tonics"):
+        load_config("gritty")
     with pytest.raises(ConfigError, match="config file not found"):
         load_config("albef", tmp_path / "none.yaml")
     (tmp_path / "l.yaml").write_text("- 1\n")

@@ -197,8 +197,9 @@ class Collate:
     def __call__(self, batch: list[tuple]) -> dict:
         xs, captions, keys, *extra = zip(*batch)
         spans = len(extra) > 1
+        extra_args = {"return_offsets_mapping": True} if spans else {}  # fast tokenizers only: triplets need it
         tok = self.tokenizer(list(captions), padding="longest", truncation=True, max_length=self.max_len,
-                             return_tensors="pt", return_offsets_mapping=spans)
+                             return_tensors="pt", **extra_args)
         out = {"features" if self.use_features else "images": torch.stack(xs), "input_ids": tok["input_ids"],
                "attention_mask": tok["attention_mask"], "keys": list(keys), "captions": list(captions)}
         if extra:

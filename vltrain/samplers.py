@@ -242,11 +242,14 @@ class GritSampler:
         if len(np.unique(grouped)) != len(grouped):
             raise RuntimeError("GRIT: an example was collected twice in one epoch")
         missing = np.setdiff1d(np.arange(self.size), grouped)
-        g = np.concatenate([self.rng.permutation(missing), grouped])
+        self.grouped = []
+        return self._minibatch_shuffle(np.concatenate([self.rng.permutation(missing), grouped]))
+
+    def _minibatch_shuffle(self, g: np.ndarray) -> np.ndarray:
+        """Phase 4: cut G into mini-batches of N and shuffle them; the D mod N tail stays last (left out)."""
         n = self.batch_size
         full = len(g) // n
-        batches = g[:full * n].reshape(full, n)[self.rng.permutation(full)]  # phase 4: mini-batch-level shuffle
-        self.grouped = []
+        batches = g[:full * n].reshape(full, n)[self.rng.permutation(full)]
         return np.concatenate([batches.reshape(-1), g[full * n:]])
 
     def set_epoch(self, epoch: int) -> None:
