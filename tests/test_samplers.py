@@ -354,6 +354,11 @@ def test_tonics_preset_runs_refreshes_and_resumes_exactly(onto, tmp_path, preset
     assert _rows(tmp_path / "full", "total") == _rows(tmp_path / "part", "total")  # bit for bit
     assert json.loads((tmp_path / "part" / "curriculum.json").read_text()) == log
 
+    r = CliRunner().invoke(app, ["eval", str(tmp_path / "full" / "last.pt"), str(onto), "--device", "cpu"])
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    res = json.loads((tmp_path / "full" / "eval.json").read_text())
+    assert res["n_samples"] == 48 and 0 <= res["retrieval"]["t2i_r1"] <= res["retrieval"]["t2i_r10"] <= 100
+
 
 def test_tonics_sampler_on_samples_with_albef_objectives(onto, tmp_path):
     r = _run(onto, tmp_path / "run", "--preset", "albef-base", "--set", "sampler.kind=tonics",

@@ -51,7 +51,8 @@ def _main() -> None:
 @app.command()
 def run(
     shards: list[Path] = typer.Argument(..., help="One or more shard dataset folders (mixed)."),
-    preset: Optional[str] = typer.Option(None, help="clip, albef or albef-base [default: albef]."),
+    preset: Optional[str] = typer.Option(None, help="clip, albef, albef-base, tonics, tonics-ir or grit "
+                                         "\\[default: albef]; docs/TRAINING.md and docs/SAMPLERS.md."),
     config: Optional[Path] = typer.Option(None, "--config", help="YAML file of config keys."),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="Dotted override key=value (repeatable), "
                                              "e.g. --set model.queue_size=1024."),
@@ -60,9 +61,14 @@ def run(
     epochs: Optional[float] = typer.Option(None, help="Epochs over the training split (instead of --steps)."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Pairs per step."),
     device: Optional[str] = typer.Option(None, help="auto (CUDA when present), cpu or cuda."),
+    sampler: Optional[str] = typer.Option(None, help="random, tonics (needs `vlprep ontology` output as the first "
+                                          "folder) or grit \\[default: the preset's]."),
+    refresh_every: Optional[int] = typer.Option(None, "--refresh-every", help="TOnICS: steps between held-out "
+                                                "checks that may refresh the curriculum \\[default: 500]."),
     resume: bool = typer.Option(False, "--resume", help="Continue exactly from OUT/last.pt."),
 ) -> None:
-    """Train with ITC / ITM / MLM on the shards; evaluates retrieval on the held-out split as it goes."""
+    """Train on the shards (ITC / ITM / MLM or the TOnICS aligner; random, TOnICS or GRIT batches), evaluating
+    retrieval on the held-out split as it goes."""
     from vltrain.config import ConfigError, load_config
     from vltrain.train import train
 
@@ -70,7 +76,8 @@ def run(
         if steps is not None and epochs is not None:
             raise ConfigError("give --steps or --epochs, not both")
         cfg = load_config(preset, config, set_ or [], shards=[str(s) for s in shards], out=out, steps=steps,
-                          epochs=epochs, batch_size=batch_size, device=device)
+                          epochs=epochs, batch_size=batch_size, device=device,
+                          **{"sampler.kind": sampler, "sampler.refresh_every": refresh_every})
         result = train(cfg, resume=resume)
     ev = result["eval"]
     if ev is not None:
@@ -90,16 +97,17 @@ def eval_(
     zeroshot: Optional[Path] = typer.Option(None, help="classes.txt, one class name per line; a sample's label is "
                                             "the class named in its caption, samples naming none are skipped."),
     itm_rerank_k: int = typer.Option(0, "--itm-rerank-k", help="Re-rank each query's ITC top-k by ITM (0: off)."),
-    out: Optional[Path] = typer.Option(None, help="Result JSON [default: CHECKPOINT's folder/eval.json]."),
+    out: Optional[Path] = typer.Option(None, help="Result JSON \\[default: CHECKPOINT's folder/eval.json]."),
     device: str = typer.Option("auto", help="auto (CUDA when present), cpu or cuda."),
 ) -> None:
-    """Retrieval R@1/5/10 (optionally ITM re-ranked) and zero-shot accuracy of a checkpoint."""
+    """Retrieval R@1/5/10 (optionally ITM re-ranked) and zero-shot accuracy of a checkpoint; a TOnICS aligner
+    checkpoint is scored on noun-to-image retrieval over the triplets of the first folder (vlprep ontology output)."""
     from vltrain.train import evaluate_checkpoint
 
     with user_errors():
         result = evaluate_checkpoint(checkpoint, shards, zeroshot=zeroshot, itm_rerank_k=itm_rerank_k,
                                      device=device)
-    rows = {"ITC": result["retrieval"]}
+    rows = {"aligner" if "task" in result else "ITC": result["retrieval"]}
     if "itm_rerank" in result:
         rows[f"ITM re-rank top-{result['itm_rerank']['k']}"] = result["itm_rerank"]
     rows["chance"] = result["chance"]

@@ -571,6 +571,9 @@ def evaluate_checkpoint(path, shards, zeroshot=None, itm_rerank_k: int = 0, devi
     model = build_model(cfg.model)
     model.load_state_dict(ckpt["model"])
     model.to(dev).eval()
+    if cfg.data.triplets:
+        return _evaluate_triplets(model, cfg, [str(s) for s in shards], dev, path, ckpt.get("step"),
+                                  zeroshot is not None or itm_rerank_k > 0)
     # val_frac 0 puts every sample in the "train" split: `vltrain eval` scores all samples of SHARDS.
     emb = _embed(model, [str(s) for s in shards], "train", 0.0, cfg, dev, keep_inputs=itm_rerank_k > 0)
     n = emb["n"]
@@ -616,3 +619,24 @@ def evaluate_checkpoint(path, shards, zeroshot=None, itm_rerank_k: int = 0, devi
                                         torch.tensor([labels[i] for i in keep])))
         result["zeroshot"] = zs
     return result
+
+
+def _evaluate_triplets(model, cfg: Config, shards: list[str], dev, path: Path, step, extra: bool) -> dict:
+    """A TOnICS aligner checkpoint: noun-to-image retrieval over the triplets of SHARDS (one per image)."""
+    if extra:
+        raise TrainError("--zeroshot and --itm-rerank-k need ITC / ITM heads; this is a TOnICS aligner checkpoint")
+    data = IndexedShards(shards)
+    try:
+        inst = tonics_instances(shards[0], data.keys, np.zeros(len(data), dtype=bool), triplets=True)["train"]
+    except ValueError as e:
+        raise TrainError(f"a TOnICS aligner checkpoint is scored on triplets: {e}") from None
+    tf = None if cfg.data.use_features else eval_transform(cfg.data.image_size, model.image_mean, model.image_std)
+    view = InstanceView(data, inst["samples"], tf, cfg.data.use_features, inst["spans"])
+    positions = _distinct_positions(view, len(view), cfg.seed)
+    n = len(positions)
+    if n < 2:
+        raise TrainError(f"evaluation needs at least 2 triplets of distinct images, found {n}")
+    collate = Collate(_tokenizer(cfg.model.text_model), cfg.data.max_len, cfg.data.use_features)
+    sim = _view_scores(model, view, positions, collate, cfg, dev).t()  # (image, noun)
+    return {"checkpoint": str(path), "step": step, "n_samples": n, "task": "noun-image retrieval, one triplet per image",
+            "retrieval": recall_at_k(sim, torch.arange(n)), "chance": chance_recall(n, n)}
