@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install apt test demo clean
+.PHONY: install apt test demo ablation clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ test: apt install
 demo: install
 	bash scripts/apt-deps.sh --required
 	PY=$(PY) VLPREP=$(VENV)/bin/vlprep VLTRAIN=$(VENV)/bin/vltrain $(if $(LIMIT),LIMIT=$(LIMIT)) bash examples/openclipart/run.sh
+
+# The sampler ablation (random vs TOnICS vs GRIT) on the demo's ontology shards: run `make demo` first.
+ablation: install
+	$(PY) pipelines/ablation.py pipelines/samplers.yaml $(if $(STEPS),--steps $(STEPS))
 
 clean:
 	rm -rf $(VENV) demo-out
