@@ -60,11 +60,11 @@ def main() -> int:
             cfg, out = arm_config(recipe, name, args)
             done = out / "result.json"
             if done.exists() and json.loads(done.read_text()).get("step") == cfg.steps:
-                console.print(f"[{name}] reusing {done}", highlight=False)
+                console.print(f"[{name}] reusing {done}", highlight=False, markup=False)
                 results[name] = json.loads(done.read_text())
                 continue
             console.print(f"[{name}] preset {cfg.preset}, sampler {cfg.sampler.kind}, {cfg.steps} steps -> {out}",
-                          highlight=False)
+                          highlight=False, markup=False)
             res = train(cfg, resume=(out / "last.pt").exists())
             done.write_text(json.dumps(res, indent=2) + "\n")
             results[name] = res

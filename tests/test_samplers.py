@@ -394,3 +394,33 @@ def test_sampler_errors_are_one_line(onto, tmp_path):
     assert r.exit_code == 2 and "no ontology class has 20 distinct training images" in r.output
     r = _run(onto, tmp_path / "c", "--set", "sampler.kind=nope", "--steps", "1")
     assert r.exit_code == 2 and "unknown sampler 'nope'" in r.output
+
+
+def test_ablation_recipe_runs_every_arm_and_tabulates(onto, tmp_path, monkeypatch):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    recipe = yaml.safe_load((root / "pipelines" / "samplers.yaml").read_text())
+    assert set(recipe["arms"]) == {"random", "tonics", "grit"}
+    recipe["common"]["set"].update({k: yaml.safe_load(v) for k, v in (s.split("=") for s in TINY)})
+    recipe["common"]["set"]["sampler.refresh_every"] = 1
+    recipe["common"]["batch_size"] = 4
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    spec = importlib.util.spec_from_file_location("ablation", root / "pipelines" / "ablation.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(sys, "argv", ["ablation.py", str(path), "--steps", "2", "--data", str(onto),
+                                      "--out", str(tmp_path / "abl")])
+    assert mod.main() == 0
+    rows = json.loads((tmp_path / "abl" / "results.json").read_text())
+    assert list(rows) == ["random", "tonics", "grit", "chance"]
+    assert all(rows[a]["n_val"] == N_VAL for a in ("random", "tonics", "grit"))  # one held-out split for all
+    assert (tmp_path / "abl" / "tonics" / "curriculum.json").exists()
+    assert mod.main() == 0  # finished arms are reused, not retrained
+    monkeypatch.setattr(sys, "argv", ["ablation.py", str(path), "--data", str(tmp_path)])
+    assert mod.main() == 2  # not a shard dataset: a one-line error
