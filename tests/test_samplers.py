@@ -407,7 +407,7 @@ def test_ablation_recipe_runs_every_arm_and_tabulates(onto, tmp_path, monkeypatc
     recipe = yaml.safe_load((root / "pipelines" / "samplers.yaml").read_text())
     assert set(recipe["arms"]) == {"random", "tonics", "grit"}
     recipe["common"]["set"].update({k: yaml.safe_load(v) for k, v in (s.split("=") for s in TINY)})
-    recipe["common"]["set"]["sampler.refresh_every"] = 1
+    recipe["arms"]["tonics"]["set"]["sampler.refresh_every"] = 1
     recipe["common"]["batch_size"] = 4
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
