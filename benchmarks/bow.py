@@ -4,6 +4,18 @@ A: `deform` alone (default cascade) over synthetic captions in one process: capt
    time ratio against the bare tokenizer `vlprep.text.tokenize` on the same captions.
 B: `bow(BowConfig(src, out, workers=1))` on image shards vs a plain `tarfile` read-and-rewrite of
    the same tars, interleaved (baseline, workers=1, workers=2, baseline, ...); medians decide.
+   Each timed run writes into a fresh empty folder, created before and removed after the clock.
+   - baseline (`tar_rewrite`), as a user would write it: for each input tar (sorted), open it with
+     `tarfile.open(path, "r:")` and a new tar with `tarfile.open(path, "w")` (tarfile's defaults), and
+     for every member `extractfile(m).read()` then `addfile(m, BytesIO(data))`: all 3 members of all
+     samples copied as they are, nothing parsed, no sidecar, no report.
+   - vlprep: the whole stage with the default ops (shuffle,rmstop,basevocab,rmtop:1000,keep:4), base
+     fraction 0.1: read every Parquet sidecar for the base statistics, hash the sidecars for the resume
+     fingerprints, claim the output folder; per shard read the sidecar and every tar member (with the
+     member-name safety checks), decode txt + json, deform the non-base captions, drop empty ones,
+     re-encode json, write the kept samples as a ustar tar plus the edited Parquet sidecar under .tmp
+     names and rename them; then sizes.json / index.json / meta.json, the 'after' statistics from the
+     new sidecars, bow_report.png (matplotlib, Agg) and report.json.
 C: peak RSS of `bow` on a dataset of --mem-captions samples (tiny shared PNG), each run in a fresh
    subprocess so nothing else is counted; a tenth of the dataset is run too, to show the growth.
 
@@ -402,7 +414,7 @@ def bench_memory(tmp_parent: Path | None, n: int, workers: int, build_workers: i
                     "ok": None}
         base = child_json(["-c", IMPORT_CHILD])
         print(f"  baseline: a python that only imports vlprep.bow peaks at {mib(base['hwm_kb'])} "
-              f"(webdataset imports torch); its ru_maxrss reads {mib(base['ru_maxrss_kb'])}, which includes "
+              f"(numpy, pyarrow, Pillow; no torch since vlprep stopped importing webdataset); its ru_maxrss reads {mib(base['ru_maxrss_kb'])}, which includes "
               "this benchmark process's peak (see CHILD_HEAD)")
         ds = tmp / "ds"
         t0 = time.perf_counter()

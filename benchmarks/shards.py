@@ -5,6 +5,23 @@ A: pass-through `build_shards` vs a plain `tarfile` copy of the same image + cap
 B: `build_shards --resize 256` vs a bare PIL open / load / resize / save-to-memory loop over every image, no tar
    (B': the loop only reads the images vlprep passes through, those with a shorter side <= 256).
 Runs are interleaved (baseline, vlprep, baseline, ...) so drift hits both sides alike; medians decide.
+Each timed run writes into a fresh empty folder, created before and removed after the clock.
+
+What each side does, exactly:
+- A baseline (`tar_copy`), as a user would write it: os.listdir the folder, sort the names, and for
+  every 1000 images open a `tarfile.open(..., "w")` (tarfile's defaults) and, per image, read the image
+  file and its .txt file and `addfile` each with a `TarInfo` that has only its name and size set.
+  A' also json.dumps a two-key dict per sample and adds it as a third member. No checks of any kind.
+- A vlprep (`build_shards(ShardsConfig(src, out, samples_per_shard=1000, workers=1, progress=False))`):
+  everything a user's run does, nothing skipped: detect the source type, walk the folder (sorted),
+  claim the output folder (run marker, resume check), per planned shard a fingerprint (stat of every
+  image) and a finished-shard check, per sample read the image and caption, clean and check the
+  caption, open the image header with PIL (format, size) and check its end-of-image marker, build the
+  .json metadata; write a ustar tar (mtime 0, 3 members per sample) and a Parquet sidecar under .tmp
+  names and rename them; then sizes.json, index.json, meta.json and report.json.
+- B baseline (`pil_resize`): per image PIL open, load, resize the shorter side to 256 (bicubic,
+  reducing_gap 3) when larger, save to memory in the same format; no files written. vlprep: the
+  same `build_shards` call with resize=256 (images already small enough pass through untouched).
 
     .venv/bin/python benchmarks/shards.py [--images 2000] [--repeats 5] [--workers 1] [--src DIR]
 """

@@ -248,3 +248,13 @@ def test_resume_rebuilds_when_the_input_changed(tmp_path):
     run(ds, tmp_path / "fresh", ops="rmstop,basevocab", base_frac=0.5)
     files = lambda d: {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.suffix in (".tar", ".parquet")}  # noqa
     assert files(tmp_path / "b") == files(tmp_path / "fresh")
+
+
+def test_a_shard_whose_captions_all_come_out_empty(tmp_path):
+    ds = make_dataset(tmp_path, ["A dog.", "the red cat", "the of", "a an"], per_shard=2)
+    rep = run(ds, tmp_path / "b", ops="rmstop", deform_base=True)
+    assert (rep["written"], rep["dropped_empty"]) == (2, 2)
+    assert json.loads((tmp_path / "b" / "sizes.json").read_text()) == {"shard-000000.tar": 2, "shard-000001.tar": 0}
+    side = read_sidecars(open_dataset(tmp_path / "b"))
+    assert side.column("caption").to_pylist() == ["dog", "red cat"] and {"caption_raw", "bow"} <= set(side.column_names)
+    assert [s["txt"] for s in iter_samples(tmp_path / "b")] == ["dog", "red cat"]

@@ -49,6 +49,30 @@ def test_folder_source_passes_bytes_through(image_folder, tmp_path):
         "shard-000000.tar": 5, "shard-000001.tar": 5, "shard-000002.tar": 2}
 
 
+def test_folder_walk_matches_sorted_rglob(tmp_path):
+    """The scandir walk lists what sorted(rglob) + is_file() listed, in the same order, with the same uids."""
+    import os
+
+    from vlprep.sources import IMAGE_SUFFIXES, folder_source
+
+    root = tmp_path / "src"
+    png = image_bytes(8, 8)
+    names = ["a/x.png", "a-b.png", "a.png", "a/b/c.jpg", "A/z.PNG", "..d.png", ".hidden.png", "z.d/e.webp",
+             "é/ü.png", "t.tar.png", "noext", "c.txt", "link/in.png"]
+    for n in names:
+        (root / n).parent.mkdir(parents=True, exist_ok=True)
+        (root / n).write_bytes(png)
+    (root / "dir.png").mkdir()                                       # a folder named like an image
+    os.symlink(root / "a.png", root / "ln.png")                      # a symlinked file is followed
+    os.symlink(root / "missing.png", root / "broken.png")            # a broken one is not a file
+    os.symlink(root / "link", root / "lnk")                          # a symlinked folder is not entered
+    want = sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+    got = list(folder_source(root).items)
+    assert [it.image for it in got] == [str(p) for p in want]
+    assert [it.uid for it in got] == [p.relative_to(root).with_suffix("").as_posix() for p in want]
+    assert [it.uid for it in got][:3] == ["..d", ".hidden", "A/z"] and "lnk/in" not in [it.uid for it in got]
+
+
 def _rows(root: Path, n: int = 6) -> list[dict]:
     (root / "img").mkdir(parents=True, exist_ok=True)
     rows = []

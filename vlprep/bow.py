@@ -284,8 +284,9 @@ def bow_shard(src: Path, out: Path, shard: str, fp: str = "") -> dict:
         raw_captions.append(raw_caption)
         flags.append(deform_it)
     # The sidecar is edited column-wise (take the kept rows, swap the caption column) rather than
-    # round-tripped through Python dicts: that was a few percent of this stage.
-    table = side.take(kept)
+    # round-tripped through Python dicts: that was a few percent of this stage. The indices are typed
+    # int64 because a shard whose captions all come out empty has none, and pa.array([]) is of type null.
+    table = side.take(pa.array(kept, pa.int64()))
     for name, values, typ in (("caption", captions, pa.string()), ("caption_raw", raw_captions, pa.string()),
                               ("bow", flags, pa.bool_())):
         col = pa.array(values, typ)

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import webdataset as wds
 from PIL import Image
 
 from vlprep import VlprepError, __version__
@@ -209,6 +208,89 @@ def encode_sample(sample: dict) -> dict:
     return out
 
 
+class ShardTarWriter:
+    """Plain USTAR tar writer for our shards, byte for byte what `webdataset.TarWriter(f, encoder=False,
+    mtime=TAR_MTIME, user="", group="", mode=0o644)` writes with its tarfile stream set to USTAR_FORMAT.
+
+    DESIGN.md prefers webdataset's TarWriter, and this class was that until it was measured: in
+    `vlprep shards` (pass-through) and `vlprep bow` the writing is nearly all of the work, and
+    TarWriter.write -> tarfile.addfile spends ~37 us per member against ~12 us for the bytes
+    themselves (benchmarks/shards.py, part A). Most of it is TarInfo.tobuf rebuilding all 17 header
+    fields and summing 512 bytes, plus copy.copy(tarinfo) and a copy through BytesIO. In our
+    members only the name, the size and the checksum vary, so the header is a template built once
+    by tarfile itself with those three fields patched in (~2 us). Anything outside the fast path (a
+    name over 100 bytes, which ustar splits into prefix + name or refuses; a size of 8 GiB or more)
+    goes through TarInfo.tobuf, so it gets exactly tarfile's header or tarfile's error.
+    tests/test_dataset.py checks the bytes against TarWriter on names and sizes around every limit.
+    """
+
+    def __init__(self, f):
+        self.f = f
+        self.offset = 0
+
+    def _slow_header(self, name: str, size: int) -> bytes:
+        ti = tarfile.TarInfo(name)
+        ti.size, ti.mtime, ti.mode, ti.uname, ti.gname = size, TAR_MTIME, 0o644, "", ""
+        return ti.tobuf(tarfile.USTAR_FORMAT, tarfile.ENCODING, "surrogateescape")
+
+    def header(self, name: str, size: int) -> bytes:
+        raw = name.encode(tarfile.ENCODING, "surrogateescape")
+        if len(raw) > 100 or size >= _SIZE_LIMIT:
+            return self._slow_header(name, size)
+        size_field = b"%011o\0" % size
+        chksum = _HDR_SUM + sum(raw) + sum(size_field)
+        return b"".join((raw, bytes(100 - len(raw)), _HDR_MODE_IDS, size_field, _HDR_MTIME,
+                         b"%06o\0 " % chksum, _HDR_TAIL))
+
+    def add(self, name: str, data: bytes) -> None:
+        """One member `name` holding `data` (tarfile.addfile with our fixed metadata)."""
+        size = len(data)
+        self.f.write(self.header(name, size))
+        self.f.write(data)
+        pad = -size % 512
+        if pad:
+            self.f.write(bytes(pad))
+        self.offset += 512 + size + pad
+
+    def write(self, sample: dict) -> None:
+        """One encoded sample (see encode_sample), with TarWriter.write's checks and member order."""
+        if "__key__" not in sample:
+            raise ValueError("object must contain a __key__")
+        for k, v in sample.items():
+            if k[0] != "_" and not isinstance(v, (bytes, bytearray, memoryview)):
+                raise ValueError(f"{k} doesn't map to a bytes after encoding ({type(v)})")
+        key = sample["__key__"]
+        for k in sorted(sample):
+            if k[0] != "_":
+                self.add(f"{key}.{k}", sample[k])
+
+    def close(self) -> None:
+        """The end of the archive as tarfile writes it: two zero blocks, then zeros up to a 10240-byte record."""
+        end = 1024 + (-(self.offset + 1024) % tarfile.RECORDSIZE)
+        self.f.write(bytes(end))
+        self.offset += end
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _header_template() -> tuple[bytes, bytes, bytes, int]:
+    """The fixed parts of our member headers, built by tarfile: (mode/uid/gid, mtime, tail, checksum of them)."""
+    ti = tarfile.TarInfo("")
+    ti.mtime, ti.mode, ti.uname, ti.gname = TAR_MTIME, 0o644, "", ""
+    buf = ti.tobuf(tarfile.USTAR_FORMAT, tarfile.ENCODING, "surrogateescape")
+    mode_ids, mtime, tail = buf[100:124], buf[136:148], buf[156:512]
+    # the checksum is the byte sum of the header with its own 8-byte field read as spaces
+    return mode_ids, mtime, tail, sum(mode_ids) + sum(mtime) + 8 * ord(" ") + sum(tail)
+
+
+_HDR_MODE_IDS, _HDR_MTIME, _HDR_TAIL, _HDR_SUM = _header_template()
+_SIZE_LIMIT = 8**11  # ustar's 11 octal digits
+
+
 def write_shard(root: Path, shard: str, samples: Iterable[dict], rows: list[dict] | pa.Table,
                 schema: pa.Schema | None = None, stats: dict | None = None) -> int:
     """Write one shard and its Parquet sidecar under temporary names, then rename both into place.
@@ -220,13 +302,10 @@ def write_shard(root: Path, shard: str, samples: Iterable[dict], rows: list[dict
     """
     tmp_tar = root / (shard + ".tmp")
     n = 0
-    # TarWriter rather than ShardWriter: each worker owns exactly one shard whose name and contents
-    # are fixed by the plan, and ShardWriter's rollover-by-count has no temporary-name step.
-    with open(tmp_tar, "wb") as f, wds.TarWriter(f, encoder=False, mtime=TAR_MTIME, user="", group="",
-                                                 mode=0o644) as tw:
-        # TarWriter accepts format= but never passes it on, leaving tarfile's PAX default, whose
-        # per-member header check costs ~30 us; our names and sizes always fit plain ustar.
-        tw.tarstream.format = tarfile.USTAR_FORMAT
+    # One writer per shard rather than webdataset's ShardWriter: each worker owns exactly one shard
+    # whose name and contents are fixed by the plan, and ShardWriter's rollover-by-count has no
+    # temporary-name step. A 1 MiB buffer: a member is three writes (header, data, padding).
+    with open(tmp_tar, "wb", buffering=1 << 20) as f, ShardTarWriter(f) as tw:
         for sample in samples:
             tw.write(encode_sample(sample))
             n += 1
