@@ -84,7 +84,7 @@ def main() -> int:
     if "chance" in first:
         ch = first["chance"]
         table.add_row("chance", str(first["n_val"]), *(f"{ch[c]:.2f}" if c in ch else "-" for c in COLS))
-        rows["chance"] = ch
+        rows["chance"] = {"n_val": first["n_val"], **ch}
     Console(width=max(Console().width, 110)).print(table)
     out = Path(args.out or recipe["out"])
     (out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
