@@ -278,7 +278,7 @@ def pseudolabel_shard(ctx: _Ctx, ds, out: Path, shard: str, fp: str, progress=No
             neighbours.append(nbrs)
         if progress:
             progress.advance(task, len(batch))
-    table = side.take(kept)
+    table = side.take(pa.array(kept, pa.int64()))  # a bare [] would be a null-typed array
     for name in DROP_META:
         if name in table.column_names:
             table = table.remove_column(table.column_names.index(name))
