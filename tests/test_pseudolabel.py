@@ -261,12 +261,12 @@ def reference_pseudo_captions(w, strategy: str, k: int, crops: int, p: int, seed
     df = Counter(x for c in caps for x in words_of(c))
     out = {}
     for s in iter_samples(w["unaligned"], decode=False):
-        img = v2.functional.to_image(to_rgb(s["png"]))
+        img = to_rgb(s["png"])
         gen_seed = int.from_bytes(hashlib.blake2b(f"crop:{seed}:{s['__key__']}".encode(), digest_size=8).digest(),
                                   "big") >> 1
         torch.manual_seed(gen_seed)  # the documented rule: the default generator seeded per key
-        crop = v2.RandomResizedCrop(32, scale=(0.5, 1.0), antialias=True)
-        x = torch.stack([crop(img) for _ in range(crops)]).float() / 255
+        crop = v2.RandomResizedCrop(32, scale=(0.5, 1.0))  # on the PIL image
+        x = torch.stack([v2.functional.pil_to_tensor(crop(img)) for _ in range(crops)]).float() / 255
         with torch.no_grad():
             feat = model.encode_image((x - 0.5) / 0.5)[1].numpy()
         sim = feat @ txt.T

@@ -7,10 +7,10 @@ The contract (also in docs/PSEUDOLABEL.md):
 - Text: the intact caption, i.e. the sidecar's `caption_raw` when the dataset went through `vlprep bow` and its
   `caption` otherwise (`deformed=True` embeds `caption` as it is), tokenised like vltrain's collate.
 - Images: `vltrain.data.eval_transform` (resize the shorter side, centre crop) for `vlprep embed`; for pseudolabel,
-  c random-resized crops per image (`crop_views`), with the scale range the model was trained with
-  (data.min_crop_scale) and the default torch generator seeded from blake2b("crop:{seed}:{key}") inside
-  fork_rng: torchvision's v2 transforms take no generator argument, and this keeps the crops a function of
-  (seed, key) alone, whatever the batch, shard order or global RNG state.
+  c torchvision v2 RandomResizedCrops of the PIL image (`crop_views`), with the scale range the model was trained
+  with (data.min_crop_scale), drawn from the default torch generator seeded with blake2b("crop:{seed}:{key}")
+  inside fork_rng: v2 transforms take no generator argument, and this keeps the crops a function of (seed, key)
+  alone, whatever the batch, shard order or global RNG state.
 - Output of `vlprep embed DATASET OUT`: OUT/embeddings.npy, float32 (N, E), row i for the key in row i of
   OUT/keys.parquet (`key`, and `caption` for text), plus meta.json and report.json. Images that fail to decode
   are skipped and counted.
@@ -63,6 +63,9 @@ class Encoder:
         self.image_size = int(data.get("image_size") or self.model.image_size or 224)
         self.min_crop_scale = float(data.get("min_crop_scale", 0.5))
         self.has_pixels = self.model.image_mean is not None  # image_model="features" reads npy tokens, not pixels
+        if self.has_pixels:
+            # NHWC convolutions: ~1.4x faster for EfficientNet-Lite0 on CPU (oneDNN), same outputs to ~1e-7.
+            self.model.image_encoder.to(memory_format=torch.channels_last)
         self.tokenizer = build_tokenizer(self.model.cfg)
 
     def check_images(self) -> None:
@@ -85,31 +88,33 @@ class Encoder:
         return _normalise(feat.float().cpu().numpy())
 
     @torch.inference_mode()
-    def images(self, pixels: torch.Tensor) -> np.ndarray:
-        """uint8 (B, 3, S, S) -> (B, E) L2-normalised float32 (scaling and normalisation happen here, batched)."""
-        x = pixels.to(self.device, non_blocking=True).float().div_(255)
+    def images(self, pixels: np.ndarray) -> np.ndarray:
+        """uint8 (B, S, S, 3) -> (B, E) L2-normalised float32; scaling and normalisation happen here, batched."""
+        # (B, S, S, 3) permuted to (B, 3, S, S) is already the channels_last layout: no copy before the convs.
+        x = torch.from_numpy(pixels).to(self.device, non_blocking=True).permute(0, 3, 1, 2).float().div_(255)
         mean = torch.tensor(self.model.image_mean, device=self.device).view(1, 3, 1, 1)
         std = torch.tensor(self.model.image_std, device=self.device).view(1, 3, 1, 1)
         with self._autocast():
             _, feat = self.model.encode_image((x - mean) / std)
         return _normalise(feat.float().cpu().numpy())
 
-    def center_view(self, image) -> torch.Tensor:
-        """PIL image -> uint8 (3, S, S): vltrain's eval transform without its float conversion."""
+    def center_view(self, image) -> np.ndarray:
+        """PIL image -> uint8 (S, S, 3): vltrain's eval transform (resize, centre crop) before its float conversion."""
         from torchvision.transforms import v2
 
         tf = v2.Compose([v2.ToImage(), v2.Resize(self.image_size, antialias=True), v2.CenterCrop(self.image_size)])
-        return tf(image)
+        return tf(image).permute(1, 2, 0).numpy()
 
-    def crop_views(self, image, key: str, seed: int, crops: int) -> torch.Tensor:
-        """PIL image -> uint8 (c, 3, S, S): c RandomResizedCrops drawn from a generator seeded by (seed, key)."""
+    def crop_views(self, image, key: str, seed: int, crops: int) -> np.ndarray:
+        """PIL image -> uint8 (c, S, S, 3): c RandomResizedCrops drawn from a generator seeded by (seed, key)."""
         from torchvision.transforms import v2
 
-        crop = v2.RandomResizedCrop(self.image_size, scale=(self.min_crop_scale, 1.0), antialias=True)
-        img = v2.functional.to_image(image)
+        # On the PIL image, not a tensor: PIL's uint8 crop + antialiased resize is several times faster than
+        # torch's on small images, and the crop boxes drawn are the same.
+        crop = v2.RandomResizedCrop(self.image_size, scale=(self.min_crop_scale, 1.0))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(crop_seed(seed, key))
-            return torch.stack([crop(img) for _ in range(crops)])
+            return np.stack([np.asarray(crop(image)) for _ in range(crops)])
 
 
 def crop_seed(seed: int, key: str) -> int:
@@ -198,11 +203,11 @@ def embed(cfg: EmbedConfig, progress=None) -> dict:
                 progress.advance(task, len(batch))
         kept = list(range(len(keys)))
     else:
-        pending: list[tuple[int, torch.Tensor]] = []
+        pending: list[tuple[int, np.ndarray]] = []
 
         def flush() -> None:
             nonlocal n
-            arr[n:n + len(pending)] = enc.images(torch.stack([v for _, v in pending]))
+            arr[n:n + len(pending)] = enc.images(np.stack([v for _, v in pending]))
             n += len(pending)
             kept.extend(i for i, _ in pending)
             pending.clear()

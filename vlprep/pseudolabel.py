@@ -39,7 +39,6 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
 
 from vlprep import VlprepError
 from vlprep import knn
@@ -255,7 +254,7 @@ def pseudolabel_shard(ctx: _Ctx, ds, out: Path, shard: str, fp: str, progress=No
             ok.append((i, raw))
             views.append(ctx.enc.crop_views(image, raw["__key__"], cfg.seed, c))
         if ok:
-            scores, ids = knn.search(ctx.index, ctx.enc.images(torch.cat(views)), cfg.k)  # (B*c, k) each
+            scores, ids = knn.search(ctx.index, ctx.enc.images(np.concatenate(views)), cfg.k)  # (B*c, k) each
         for n, (i, raw) in enumerate(ok):
             key = raw["__key__"]
             rows = ids[n * c:(n + 1) * c]
