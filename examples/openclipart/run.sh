@@ -66,7 +66,7 @@ step heldout "$PY" "$HERE/heldout.py" --all "$OUT/captions-all.parquet" --aligne
 step unaligned-shards "$VLPREP" shards "$OUT/unaligned.parquet" "$OUT/unaligned" --resize 256 -n 1000 --prefix unaligned
 step eval-shards "$VLPREP" shards "$OUT/eval.parquet" "$OUT/eval" --resize 256 -n 1000 --prefix eval
 step pseudolabel "$VLPREP" pseudolabel "$OUT/bow" "$OUT/unaligned" "$OUT/pseudo" --checkpoint "$OUT/run/last.pt" \
-    --strategy weighted --crops "${CROPS:-3}" --k 10 --words 4
+    --strategy weighted --crops "${CROPS:-3}" --k 10 --words 4 --batch-size 24
 # The same run as `train` on bow + pseudo; then both checkpoints on the held-out eval set.
 step train-pseudo "$VLTRAIN" run "$OUT/bow" "$OUT/pseudo" --preset albef --steps "$TRAIN_STEPS" --batch-size 16 \
     --out "$OUT/run-pseudo" --set model.queue_size=256 --set eval_every="$TRAIN_STEPS" \
