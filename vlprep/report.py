@@ -231,6 +231,8 @@ def print_detect_report(r: dict, console: Console) -> None:
 
 def pseudolabel_figures(out: Path, ds, report: dict, n: int = 24) -> list[str]:
     """OUT/pseudo_words.png (top pseudo words, words per caption) and OUT/pseudo_grid.png (images + pseudo-captions)."""
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -249,6 +251,7 @@ def pseudolabel_figures(out: Path, ds, report: dict, n: int = 24) -> list[str]:
     ax.set(title=f"top pseudo words ({report['vocab']:,} distinct), {report['strategy']}", xlabel="pseudo-captions")
     hist = report["words_hist"]
     bx.bar([int(k) for k in hist], list(hist.values()), color="tab:blue")
+    bx.set_xticks([int(k) for k in hist])
     bx.set(title="words per pseudo-caption", xlabel="words", ylabel="images")
     words_png = out / "pseudo_words.png"
     fig.savefig(words_png, dpi=72)
@@ -277,16 +280,19 @@ def pseudolabel_figures(out: Path, ds, report: dict, n: int = 24) -> list[str]:
     cols = 6
     nrows = max(1, -(-len(picks) // cols))
     fig, axes = plt.subplots(nrows, cols, figsize=(cols * 2.3, nrows * 2.9), squeeze=False)
-    fig.subplots_adjust(left=0.01, right=0.99, bottom=0.02, top=0.95, wspace=0.08, hspace=0.45)
+    fig.subplots_adjust(left=0.01, right=0.99, bottom=0.03, top=0.95, wspace=0.12, hspace=0.5)
     for ax in axes.ravel():
         ax.axis("off")
     for ax, (_, key, caption) in zip(axes.ravel(), picks):
         if key in images:
             ax.imshow(images[key])
-        ax.text(0.5, -0.03, caption, transform=ax.transAxes, ha="center", va="top", fontsize=8, weight="bold")
+        lines = textwrap.wrap(caption, 24) or [""]
+        ax.text(0.5, -0.03, "\n".join(lines[:2]), transform=ax.transAxes, ha="center", va="top", fontsize=8,
+                weight="bold")
         if given.get(key):
-            g = given[key] if len(given[key]) <= 34 else given[key][:33] + "…"
-            ax.text(0.5, -0.14, g, transform=ax.transAxes, ha="center", va="top", fontsize=6.5, color="0.45")
+            g = given[key] if len(given[key]) <= 30 else given[key][:29] + "…"
+            ax.text(0.5, -0.05 - 0.1 * min(len(lines), 2), g, transform=ax.transAxes, ha="center", va="top",
+                    fontsize=6.5, color="0.45")
     fig.suptitle(f"pseudo-captions ({report['strategy']}, k={report['k']}, crops={report['crops']}); "
                  "grey: the caption UNALIGNED had (not used)", fontsize=9)
     grid_png = out / "pseudo_grid.png"

@@ -7,7 +7,8 @@
 #      RMTOP (default 20): t of the bow stage's rmtop:t. MIN_SCORE (default 0.3): detection score threshold.
 #      TRAIN_STEPS (default 40): steps of the short vltrain run on the bow shards.
 #      UNALIGNED (default LIMIT/4) and EVAL (default LIMIT/8): images held out from the LIMIT subset, to be
-#      pseudo-captioned and to score retrieval on; CROPS (default 3): crops per unaligned image.
+#      pseudo-captioned and to score retrieval on; CROPS (default 3): crops per unaligned image; PSEUDO=0 skips
+#      that part (it trains a second model, so it costs about as much again as `train`).
 # Re-runnable: every stage resumes; shards whose input changed are rebuilt.
 set -euo pipefail
 
@@ -54,6 +55,10 @@ step train "$VLTRAIN" run "$OUT/bow" --preset albef --steps "$TRAIN_STEPS" --bat
 # A Fistful of Words, sec. 2.3: pseudo bag-of-words captions for images without one. Images outside the LIMIT
 # subset are held out: UNALIGNED of them lose their captions to `vlprep pseudolabel` (kNN over the bow run's
 # caption embeddings), EVAL others with distinct captions score both runs with `vltrain eval`.
+if [ "${PSEUDO:-1}" = 0 ]; then
+    echo "== pseudolabel: skipped (PSEUDO=0)"
+    exit 0
+fi
 if [ -z "$LIMIT" ]; then
     echo "== pseudolabel: skipped (LIMIT=all leaves no image outside the aligned set to hold out)"
     exit 0
