@@ -21,7 +21,7 @@ pytestmark = [
 def test_run_sh_on_a_subset(tmp_path):
     bindir = Path(sys.executable).parent
     env = {**os.environ, "PY": sys.executable, "VLPREP": str(bindir / "vlprep"), "OUT": str(tmp_path), "LIMIT": "150",
-           "VLTRAIN": str(bindir / "vltrain"), "TRAIN_STEPS": "2"}
+           "VLTRAIN": str(bindir / "vltrain"), "TRAIN_STEPS": "2", "UNALIGNED": "12", "EVAL": "10", "CROPS": "2"}
     r = subprocess.run(["bash", str(ROOT / "examples/openclipart/run.sh")], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     ds = open_dataset(tmp_path / "shards")
@@ -38,6 +38,13 @@ def test_run_sh_on_a_subset(tmp_path):
     assert json.loads((tmp_path / "det" / "report.json").read_text())["samples"] == ds.num_samples
     result = json.loads((tmp_path / "run" / "result.json").read_text())
     assert "i2t_r1" in json.dumps(result)
+    pseudo = json.loads((tmp_path / "pseudo" / "report.json").read_text())
+    n_un = open_dataset(tmp_path / "unaligned").num_samples
+    assert 10 <= n_un <= 12 and pseudo["samples_in"] == n_un == pseudo["written"] + pseudo["dropped_no_words"]
+    assert pseudo["index"]["vectors"] == bow["written"] and (tmp_path / "pseudo" / "pseudo_grid.png").exists()
+    assert next(iter(iter_samples(tmp_path / "pseudo")))["json"]["pseudo"] is True
+    assert "bow + pseudo" in r.stdout and (tmp_path / "run-pseudo" / "eval-heldout.json").exists()
+    env["PSEUDO"] = "0"  # the resume check below is about the earlier stages; pseudolabel's resume is tested apart
     # a second run resumes every stage
     r = subprocess.run(["bash", str(ROOT / "examples/openclipart/run.sh")], env=env, capture_output=True, text=True)
     assert r.returncode == 0

@@ -157,6 +157,71 @@ def ontology(
 
 
 @app.command()
+def embed(
+    dataset: Path = typer.Argument(..., help="A shard dataset folder."),
+    out: Path = typer.Argument(..., help="Output folder: embeddings.npy (N, E) float32, keys.parquet (row i -> key), "
+                               "meta.json, report.json."),
+    checkpoint: Path = typer.Option(..., help="A vltrain checkpoint (last.pt / best.pt); its config rebuilds the "
+                                    "model, image size and caption length."),
+    modality: str = typer.Option("image", help="image (centre crop, like vltrain eval) or text (the intact "
+                                 "caption: caption_raw after bow)."),
+    deformed: bool = typer.Option(False, "--deformed", help="text: embed the stored caption even when "
+                                  "caption_raw is there."),
+    batch_size: int = typer.Option(64, help="Images or captions per encoder call."),
+    device: str = typer.Option("auto", help="auto (CUDA when present), cpu, cuda."),
+    overwrite: bool = typer.Option(False, help="Replace the files of an earlier run in OUT written otherwise."),
+) -> None:
+    """L2-normalised ITC embeddings of every image or caption of DATASET, keyed by sample key."""
+    from vlprep.embed import EmbedConfig, embed as run_embed
+    from vlprep.report import print_embed_report
+
+    cfg = EmbedConfig(src=dataset, out=out, checkpoint=checkpoint, modality=modality, batch_size=batch_size,
+                      device=device, deformed=deformed, overwrite=overwrite)
+    with progress_bar() as progress:
+        report = run_embed(cfg, progress=progress)
+    print_embed_report(report, console)
+    console.print(f"wrote {out}/", highlight=False)
+
+
+@app.command()
+def pseudolabel(
+    aligned: Path = typer.Argument(..., help="Captioned shard dataset whose intact captions are retrieved "
+                                   "(json caption_raw when it went through bow)."),
+    unaligned: Path = typer.Argument(..., help="Shard dataset of the images to pseudo-caption (captions ignored)."),
+    out: Path = typer.Argument(..., help="Output dataset: UNALIGNED's images with pseudo-BoW captions, plus the "
+                               "saved caption index, report.json and PNGs."),
+    checkpoint: Path = typer.Option(..., help="The aligned model: a vltrain checkpoint (last.pt / best.pt)."),
+    strategy: str = typer.Option("weighted", help="Word ranking: maxcount, rmtopmaxcount, rmtoprand or weighted "
+                                 "(count in NN / count in ALIGNED; best in the paper's Table 7)."),
+    k: int = typer.Option(10, "--k", help="Captions retrieved per crop."),
+    crops: int = typer.Option(5, help="Random-resized crops per image (seeded per key)."),
+    words: int = typer.Option(4, help="Words per pseudo-caption (p); images with none are dropped."),
+    rmtop: int = typer.Option(1000, help="rmtop* strategies: drop the T most frequent ALIGNED words first."),
+    index: str = typer.Option("auto", help="Caption index: flat (exact), ivf, or auto (flat below 100,000 "
+                              "captions, ivf above)."),
+    nprobe: Optional[int] = typer.Option(None, help="IVF lists searched per query [default: 32]."),
+    seed: int = typer.Option(0, help="Seed of the crops and of rmtoprand."),
+    batch_size: int = typer.Option(16, help="Images per encoder call (each brings --crops crops)."),
+    device: str = typer.Option("auto", help="auto (CUDA when present; the index goes to GPU with faiss-gpu), "
+                               "cpu, cuda."),
+    overwrite: bool = typer.Option(False, help="Replace the vlprep files in a non-empty OUT written otherwise."),
+) -> None:
+    """Pseudo bag-of-words captions for uncaptioned images by kNN over ALIGNED's captions (Fistful of Words 2.3)."""
+    from vlprep.pseudolabel import PseudolabelConfig, pseudolabel as run_pseudolabel
+    from vlprep.report import print_pseudolabel_report
+
+    cfg = PseudolabelConfig(aligned=aligned, unaligned=unaligned, out=out, checkpoint=checkpoint, strategy=strategy,
+                            k=k, crops=crops, words=words, rmtop=rmtop, index=index, nprobe=nprobe, seed=seed,
+                            batch_size=batch_size, device=device, overwrite=overwrite)
+    with progress_bar() as progress:
+        report = run_pseudolabel(cfg, progress=progress)
+    print_pseudolabel_report(report, Console(emoji=False))
+    if report["written"] == 0:
+        console.print("[yellow]warning:[/] no image got a pseudo-caption; the counts above say why")
+    console.print(f"wrote {out}/ (report.json has every figure)", highlight=False)
+
+
+@app.command()
 def stats(
     dataset: Path = typer.Argument(..., help="A shard dataset folder (with sizes.json)."),
     out: Optional[Path] = typer.Option(None, help="Where to write report.json and stats.png [default: DATASET/stats]."),

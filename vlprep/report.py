@@ -227,3 +227,104 @@ def print_detect_report(r: dict, console: Console) -> None:
     rate = f", {r['images_per_s']} images/s" if r["images_per_s"] else ""
     console.print(f"{r['backend']}: {r['samples']:,} images, {r['with_objects']:,} with objects, {r['objects']:,} objects, "
                   f"{r['undecodable']} undecodable; {r['elapsed_s']:.1f}s{rate}", highlight=False)
+
+
+def pseudolabel_figures(out: Path, ds, report: dict, n: int = 24) -> list[str]:
+    """OUT/pseudo_words.png (top pseudo words, words per caption) and OUT/pseudo_grid.png (images + pseudo-captions)."""
+    import textwrap
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pyarrow.parquet as pq
+
+    from vlprep.dataset import image_ext, iter_tar, sidecar_name, to_rgb
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 6), gridspec_kw={"width_ratios": [2, 1]})
+    fig.subplots_adjust(left=0.14, right=0.98, bottom=0.09, top=0.93, wspace=0.3)
+    top = report["top_words"]
+    if top:
+        names = [f"{w} (S_a: {df:,})" for w, _, df in top]
+        ax.barh(range(len(top))[::-1], [c for _, c, _ in top], color="tab:green")
+        ax.set_yticks(range(len(top))[::-1], names, fontsize=8)
+    ax.set(title=f"top pseudo words ({report['vocab']:,} distinct), {report['strategy']}", xlabel="pseudo-captions")
+    hist = report["words_hist"]
+    bx.bar([int(k) for k in hist], list(hist.values()), color="tab:blue")
+    bx.set_xticks([int(k) for k in hist])
+    bx.set(title="words per pseudo-caption", xlabel="words", ylabel="images")
+    words_png = out / "pseudo_words.png"
+    fig.savefig(words_png, dpi=72)
+    plt.close(fig)
+
+    # Figure 6 of the paper: evenly spaced images with their pseudo-caption (and the caption UNALIGNED had, if any).
+    rows = []
+    for shard in ds.shards:
+        side = out / sidecar_name(shard)
+        t = pq.read_table(side, columns=["key", "caption"]) if side.exists() else None
+        if t is not None:
+            rows += [(shard, k, c) for k, c in zip(t.column(0).to_pylist(), t.column(1).to_pylist())]
+    picks = [rows[i * len(rows) // n] for i in range(min(n, len(rows)))]
+    wanted = {k for _, k, _ in picks}
+    given, images = {}, {}
+    for shard in dict.fromkeys(s for s, _, _ in picks):
+        side = pq.read_table(ds.sidecar(shard))
+        if "caption" in side.column_names:
+            given.update((k, c) for k, c in zip(side.column("key").to_pylist(), side.column("caption").to_pylist())
+                         if k in wanted)
+        for raw in iter_tar(out / shard):
+            if raw["__key__"] in wanted and image_ext(raw):
+                im = to_rgb(raw[image_ext(raw)])
+                im.thumbnail((160, 160))
+                images[raw["__key__"]] = im
+    cols = 6
+    nrows = max(1, -(-len(picks) // cols))
+    fig, axes = plt.subplots(nrows, cols, figsize=(cols * 2.3, nrows * 2.9), squeeze=False)
+    fig.subplots_adjust(left=0.01, right=0.99, bottom=0.03, top=0.95, wspace=0.12, hspace=0.5)
+    for ax in axes.ravel():
+        ax.axis("off")
+    for ax, (_, key, caption) in zip(axes.ravel(), picks):
+        if key in images:
+            ax.imshow(images[key])
+        lines = textwrap.wrap(caption, 24) or [""]
+        ax.text(0.5, -0.03, "\n".join(lines[:2]), transform=ax.transAxes, ha="center", va="top", fontsize=8,
+                weight="bold")
+        if given.get(key):
+            g = given[key] if len(given[key]) <= 30 else given[key][:29] + "…"
+            ax.text(0.5, -0.05 - 0.1 * min(len(lines), 2), g, transform=ax.transAxes, ha="center", va="top",
+                    fontsize=6.5, color="0.45")
+    fig.suptitle(f"pseudo-captions ({report['strategy']}, k={report['k']}, crops={report['crops']}); "
+                 "grey: the caption UNALIGNED had (not used)", fontsize=9)
+    grid_png = out / "pseudo_grid.png"
+    fig.savefig(grid_png, dpi=72)
+    plt.close(fig)
+    return [str(words_png), str(grid_png)]
+
+
+def print_pseudolabel_report(r: dict, console: Console) -> None:
+    idx = r["index"]
+    t = Table(title=f"vlprep pseudolabel --strategy {r['strategy']} (k={r['k']}, crops={r['crops']}, "
+                    f"words={r['words']})", show_header=True)
+    t.add_column("measure")
+    t.add_column("value", overflow="fold")
+    where = "GPU" if idx["gpu"] else "CPU"
+    probe = f", nlist {idx['nlist']}, nprobe {idx['nprobe']}" if idx["kind"] == "ivf" else ""
+    t.add_row("caption index", f"{idx['kind']} on {where}, {idx['vectors']:,} captions x {idx['dim']}{probe}"
+              f" ({'reused' if idx['reused'] else 'built'} in {idx['seconds']:.1f}s)")
+    t.add_row("images", f"{r['samples_in']:,} in, {r['written']:,} pseudo-captioned")
+    t.add_row("dropped (no words)", f"{r['dropped_no_words']:,}")
+    t.add_row("skipped", ", ".join(f"{k}: {v:,}" for k, v in r["skipped"].items()) or "0")
+    t.add_row("words per caption", f"{r['avg_words']:.2f} on average; vocabulary {r['vocab']:,} "
+              f"(ALIGNED: {r['aligned_vocab']:,})")
+    t.add_row("top words", ", ".join(f"{w} ({n})" for w, n, _ in r["top_words"][:15]))
+    console.print(t)
+    rate = f", {r['images_per_s']} images/s" if r["images_per_s"] else ""
+    extra = f", {r['shards_resumed']} shard(s) resumed" if r["shards_resumed"] else ""
+    console.print(f"{r['elapsed_s']:.1f}s{rate}{extra}; plots: {', '.join(r['plots'])}", highlight=False)
+
+
+def print_embed_report(r: dict, console: Console) -> None:
+    skipped = ", ".join(f"{k}: {v:,}" for k, v in r["skipped"].items())
+    console.print(f"embed {r['modality']}: {r['written']:,} of {r['samples_in']:,} samples, dim {r['dim']}, "
+                  f"on {r['device']}{'; skipped ' + skipped if skipped else ''}; {r['elapsed_s']:.1f}s "
+                  f"({r['per_s']}/s)", highlight=False)

@@ -394,3 +394,42 @@ def build_model(cfg: ModelConfig) -> VLModel:
     """The model for cfg, on CPU in float32; move it with .to(device)."""
     return VLModel(cfg)
 
+
+
+def load_checkpoint(path, device="cpu") -> tuple[VLModel, dict]:
+    """A `vltrain run` checkpoint -> (model in eval mode on `device`, its saved config dict); ValueError if it does not fit.
+
+    The model is rebuilt from ckpt["config"]["model"]; a key this version's ModelConfig lacks, or a weight whose
+    shape differs from the rebuilt model's, is a one-line ValueError (not torch's multi-line load_state_dict error).
+    """
+    from dataclasses import fields
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"checkpoint not found: {path}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # a truncated file, another format
+        raise ValueError(f"{path}: not a readable torch checkpoint ({type(e).__name__}: {str(e).splitlines()[0]})") \
+            from None
+    if not isinstance(ckpt, dict) or "model" not in ckpt or not isinstance(ckpt.get("config"), dict) \
+            or not isinstance(ckpt["config"].get("model"), dict):
+        raise ValueError(f"{path}: not a vltrain checkpoint (expected a dict with 'model' and 'config'['model'])")
+    saved = ckpt["config"]["model"]
+    known = {f.name for f in fields(ModelConfig)}
+    unknown = sorted(set(saved) - known)
+    if unknown:
+        raise ValueError(f"{path}: model config keys unknown to this version: {', '.join(unknown)}")
+    model = build_model(ModelConfig(**saved))
+    ours, theirs = model.state_dict(), ckpt["model"]
+    missing, extra = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
+    if missing or extra:
+        what = f"missing {missing[0]}" if missing else f"unexpected {extra[0]}"
+        raise ValueError(f"{path}: weights do not match the model its config builds ({len(missing)} missing, "
+                         f"{len(extra)} unexpected, e.g. {what})")
+    for name, t in theirs.items():
+        if tuple(t.shape) != tuple(ours[name].shape):
+            raise ValueError(f"{path}: dimensions do not match: {name} is {tuple(t.shape)} in the checkpoint but "
+                             f"{tuple(ours[name].shape)} in the model its config builds")
+    model.load_state_dict(theirs)
+    return model.to(device).eval(), ckpt["config"]

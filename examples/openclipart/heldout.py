@@ -1,0 +1,49 @@
+"""Held-out openclipart tables for the pseudolabel demo: images outside the aligned subset, as unaligned and eval sets.
+
+Reads the captions of all files (make_captions.py without --limit) and the aligned table (with --limit), and keeps
+the rows whose uid the aligned table lacks, in uid order. The eval set takes --eval evenly spaced rows among those
+with a caption no other held-out row has (a caption shared by many files, like the 1,375 "Star. geometry, shapes",
+has no single right image, so retrieval on it is a coin toss); the unaligned set takes --unaligned evenly spaced
+rows of the rest. Both are deterministic. The unaligned captions stay in the table, because `vlprep shards` wants
+one, but `vlprep pseudolabel` ignores them (its grid shows them in grey for comparison).
+"""
+
+import argparse
+from collections import Counter
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+
+def evenly(rows: list, n: int) -> list:
+    return rows if n >= len(rows) else [rows[i * len(rows) // n] for i in range(n)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--all", type=Path, required=True, help="captions of every file (make_captions.py, no --limit)")
+    ap.add_argument("--aligned", type=Path, required=True, help="the aligned captions table (make_captions.py)")
+    ap.add_argument("--unaligned", type=int, required=True, help="rows in the unaligned set")
+    ap.add_argument("--eval", type=int, required=True, help="rows in the eval set")
+    ap.add_argument("--out-unaligned", type=Path, required=True)
+    ap.add_argument("--out-eval", type=Path, required=True)
+    args = ap.parse_args()
+
+    table = pq.read_table(args.all)
+    aligned = set(pq.read_table(args.aligned, columns=["uid"]).column(0).to_pylist())
+    rows = sorted((uid, i) for i, uid in enumerate(table.column("uid").to_pylist()) if uid not in aligned)
+    captions = table.column("caption").to_pylist()
+    shared = Counter(captions[i] for _, i in rows)
+    eval_rows = evenly([r for r in rows if shared[captions[r[1]]] == 1], args.eval)
+    taken = set(eval_rows)
+    unaligned_rows = evenly([r for r in rows if r not in taken], args.unaligned)
+    for rows_, path in ((unaligned_rows, args.out_unaligned), (eval_rows, args.out_eval)):
+        tmp = path.with_name(path.name + ".tmp")
+        pq.write_table(table.take([i for _, i in rows_]), tmp)
+        tmp.replace(path)
+    print(f"held out {len(rows):,} files: {len(unaligned_rows):,} unaligned -> {args.out_unaligned}, "
+          f"{len(eval_rows):,} eval (distinct captions) -> {args.out_eval}")
+
+
+if __name__ == "__main__":
+    main()

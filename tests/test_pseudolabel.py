@@ -1,0 +1,507 @@
+import hashlib
+import json
+import random
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from conftest import image_bytes
+from vlprep import VlprepError, knn
+from vlprep.dataset import finish_dataset, iter_samples, open_dataset, read_sidecars, write_shard
+from vlprep.pseudolabel import (PseudolabelConfig, STRATEGIES, caption_words, neighbour_keys, pseudolabel,
+                                rank_words, top_words)
+from vlprep.shards import ShardsConfig, build_shards
+
+STOP = set((Path(__file__).parents[1] / "vlprep/data/stopwords/english").read_text().split())
+
+
+def words_of(caption: str) -> set[str]:
+    """Re-derivation of the candidate words: bow's tokens, lowercased, alphabetic, not NLTK stop words."""
+    return {t for t in re.findall(r"\w+|[^\w\s]", caption.lower()) if t.isalpha() and t not in STOP}
+
+
+def reference_rank(nn: list[str], strategy: str, df: dict, t: int, p: int, seed=None) -> list[str]:
+    """A straightforward re-derivation of the four strategies from the paper's wording."""
+    count = {}
+    for c in nn:
+        for w in words_of(c):
+            count[w] = count.get(w, 0) + 1
+    removed = set([w for w, _ in sorted(df.items(), key=lambda x: (-x[1], x[0]))][:t])
+    if strategy == "maxcount":
+        scored = [(-count[w], w) for w in count]
+    elif strategy == "rmtopmaxcount":
+        scored = [(-count[w], w) for w in count if w not in removed]
+    elif strategy == "weighted":
+        scored = [(-(count[w] / df[w]), w) for w in count]
+    else:
+        cands = sorted(w for w in count if w not in removed)
+        random.Random(seed).shuffle(cands)
+        return cands[:p]
+    return [w for _, w in sorted(scored)][:p]
+
+
+# --- ranking on a hand-built NN_i ---------------------------------------------------------------
+
+NN = ["A red dog runs on the grass.", "The red dog sleeps.", "A dog and a cat, a dog!", "red dog", "red dog",
+      "A cat on the grass 2 times"]
+DF = {"dog": 50, "red": 10, "grass": 4, "cat": 8, "runs": 1, "sleeps": 2, "times": 3, "tree": 100}
+
+
+def test_candidate_words_use_bows_tokeniser_and_stop_words():
+    assert caption_words("A dog and a cat, a dog!") == {"dog", "cat"}
+    assert caption_words("The 2 CATS don't sit; café") == {"cats", "sit", "café"}  # don, t: stop words; 2: not alpha
+    assert all(caption_words(c) == words_of(c) for c in NN)
+
+
+def test_maxcount_worked_by_hand():
+    # count(w, NN): dog 5 (twice in one caption counts once; the duplicate "red dog" counts twice), red 4,
+    # cat 2, grass 2, runs 1, sleeps 1, times 1; ties by the word: cat before grass, runs before sleeps.
+    assert rank_words(NN, "maxcount", p=4) == ["dog", "red", "cat", "grass"]
+    assert rank_words(NN, "maxcount", p=7) == ["dog", "red", "cat", "grass", "runs", "sleeps", "times"]
+    assert rank_words(NN, "maxcount", p=1) == ["dog"]
+
+
+def test_rmtopmaxcount_worked_by_hand():
+    # top(2) of DF = {tree 100, dog 50}: dog goes, then MaxCount: red 4, cat 2, grass 2, runs 1
+    assert top_words(DF, 2) == {"tree", "dog"}
+    assert rank_words(NN, "rmtopmaxcount", aligned_df=DF, top=2, p=4) == ["red", "cat", "grass", "runs"]
+    assert rank_words(NN, "rmtopmaxcount", top={"red", "cat"}, p=3) == ["dog", "grass", "runs"]
+    assert rank_words(NN, "rmtopmaxcount", aligned_df=DF, top=0, p=2) == ["dog", "red"]  # t = 0 is MaxCount
+
+
+def test_weighted_worked_by_hand():
+    # count(w, NN) / count(w, S_a): runs 1/1, grass 2/4 = sleeps 1/2 (tie: grass first), red 4/10, times 1/3,
+    # cat 2/8, dog 5/50
+    assert rank_words(NN, "weighted", aligned_df=DF, p=7) == ["runs", "grass", "sleeps", "red", "times", "cat", "dog"]
+    assert rank_words(NN, "weighted", aligned_df=DF) == ["runs", "grass", "sleeps", "red"]  # p defaults to 4
+
+
+def test_rmtoprand_is_the_rmtop_candidates_shuffled():
+    got = rank_words(NN, "rmtoprand", aligned_df=DF, top=2, p=10, rng=random.Random(3))
+    cands = ["cat", "grass", "red", "runs", "sleeps", "times"]  # no dog (top 2), sorted before the shuffle
+    expected = list(cands)
+    random.Random(3).shuffle(expected)
+    assert got == expected and sorted(got) == cands
+    assert rank_words(NN, "rmtoprand", aligned_df=DF, top=2, p=2, rng=random.Random(3)) == expected[:2]
+    assert len({tuple(rank_words(NN, "rmtoprand", aligned_df=DF, top=2, p=6, rng=random.Random(s)))
+                for s in range(20)}) > 5
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_every_strategy_matches_a_re_derivation_on_random_neighbours(strategy):
+    rng = random.Random(0)
+    vocab = ["dog", "cat", "red", "sky", "tree", "car", "boat", "the", "a", "of", "on", "2", ",", "Sun", "man"]
+    aligned = [" ".join(rng.choices(vocab, k=rng.randint(1, 9))) for _ in range(300)]
+    df = Counter(w for c in aligned for w in words_of(c))
+    for trial in range(50):
+        nn = rng.choices(aligned, k=rng.choice([1, 5, 30]))
+        p, t = rng.randint(1, 6), rng.randint(0, 4)
+        got = rank_words(nn, strategy, aligned_df=df, top=t, p=p, rng=random.Random(trial))
+        assert got == reference_rank(nn, strategy, df, t, p, seed=trial), (strategy, nn, p, t)
+
+
+def test_rank_words_errors():
+    with pytest.raises(ValueError, match="unknown strategy 'best'.*maxcount, rmtopmaxcount, rmtoprand, weighted"):
+        rank_words(NN, "best")
+    with pytest.raises(ValueError, match="weighted needs aligned_df"):
+        rank_words(NN, "weighted")
+    with pytest.raises(ValueError, match="no ALIGNED document frequency, e.g. 'runs'"):
+        rank_words(NN, "weighted", aligned_df={**DF, "runs": 0})
+    with pytest.raises(ValueError, match="rmtoprand needs rng"):
+        rank_words(NN, "rmtoprand")
+    with pytest.raises(ValueError, match="p must be at least 1"):
+        rank_words(NN, "maxcount", p=0)
+    assert rank_words(["the a of", "2 , !"], "maxcount") == []  # no candidate words at all
+
+
+def test_neighbour_keys_most_retrieved_then_best_score_then_key():
+    keys = ["k0", "k1", "k2", "k3"]
+    ids = np.array([[2, 1, 0], [1, 2, 3], [3, 1, -1]])
+    scores = np.array([[0.9, 0.8, 0.1], [0.7, 0.6, 0.5], [0.95, 0.4, -1e9]])
+    # hits: k1 3, k2 2, k3 2, k0 1; k2 and k3 tie on hits, k3's best (0.95) beats k2's (0.9)
+    assert neighbour_keys(ids, scores, keys, 10) == ["k1", "k3", "k2", "k0"]
+    assert neighbour_keys(ids, scores, keys, 2) == ["k1", "k3"]
+
+
+# --- the index ---------------------------------------------------------------------------------
+
+
+def unit(x: np.ndarray) -> np.ndarray:
+    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+
+def test_flat_knn_equals_brute_force_numpy():
+    rng = np.random.default_rng(0)
+    x, q = unit(rng.standard_normal((700, 24))), unit(rng.standard_normal((60, 24)))
+    index = knn.build_index(x, "flat")
+    scores, ids = knn.search(index, q, 10)
+    sim = q @ x.T
+    expected = np.argsort(-sim, axis=1, kind="stable")[:, :10]
+    assert (ids == expected).all()
+    np.testing.assert_allclose(scores, np.take_along_axis(sim, expected, axis=1), rtol=1e-5, atol=1e-6)
+    assert knn.kind_of(index) == "flat" and knn.set_nprobe(index, 8) == 0
+
+
+def test_ivf_recall_at_10_on_clustered_data():
+    # 200 topics; a point is its topic's centre plus noise of norm ~0.8 (cosine ~0.7 to its 10th neighbour)
+    rng = np.random.default_rng(1)
+    centres = unit(rng.standard_normal((200, 64)))
+    x = unit(centres[rng.integers(0, 200, 20_000)] + 0.1 * rng.standard_normal((20_000, 64)))
+    q = unit(centres[rng.integers(0, 200, 400)] + 0.1 * rng.standard_normal((400, 64)))
+    flat_ids = knn.search(knn.build_index(x, "flat"), q, 10)[1]
+    ivf = knn.build_index(x, "ivf")
+    assert knn.kind_of(ivf) == "ivf" and knn.nlist(ivf) == knn.ivf_nlist(20_000) == 512
+    assert knn.set_nprobe(ivf, knn.DEFAULT_NPROBE) == knn.DEFAULT_NPROBE
+    ivf_ids = knn.search(ivf, q, 10)[1]
+    recall = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(flat_ids, ivf_ids)])
+    assert recall >= 0.95, recall
+    assert knn.set_nprobe(ivf, 1) == 1  # far fewer lists: recall drops, so the setting is really applied
+    low = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(flat_ids, knn.search(ivf, q, 10)[1])])
+    assert low < recall
+
+
+def test_auto_rule_and_list_count():
+    assert knn.choose_kind("auto", knn.FLAT_MAX - 1) == "flat" and knn.choose_kind("auto", knn.FLAT_MAX) == "ivf"
+    assert knn.choose_kind("ivf", 10) == "ivf" and knn.choose_kind("flat", 10**9) == "flat"
+    assert knn.ivf_nlist(10**6) == 4000 and knn.ivf_nlist(2000) == 51 and knn.ivf_nlist(5) == 1
+    with pytest.raises(ValueError, match="auto, flat, ivf"):
+        knn.choose_kind("hnsw", 10)
+    # a tiny forced IVF (one list) still returns the exact neighbours
+    x = unit(np.random.default_rng(2).standard_normal((20, 8)))
+    assert (knn.search(knn.build_index(x, "ivf"), x[:3], 1)[1][:, 0] == [0, 1, 2]).all()
+
+
+def test_gpu_only_when_faiss_has_one_and_device_allows():
+    import faiss
+
+    assert knn.use_gpu("cpu") is False
+    assert knn.use_gpu("auto") == (hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0)
+
+
+@pytest.mark.skipif(not hasattr(__import__("faiss"), "StandardGpuResources")
+                    or __import__("faiss").get_num_gpus() == 0, reason="needs faiss-gpu and a GPU")
+def test_gpu_index_matches_cpu():
+    x = unit(np.random.default_rng(3).standard_normal((1000, 32)))
+    cpu = knn.build_index(x, "flat")
+    gpu = knn.to_gpu(cpu)
+    assert knn.on_gpu(gpu) and (knn.search(gpu, x[:50], 5)[1] == knn.search(cpu, x[:50], 5)[1]).all()
+
+
+# --- the stage with a tiny checkpoint ----------------------------------------------------------
+
+COLOURS = ["red", "green", "blue", "yellow", "purple", "orange"]
+THINGS = ["dog", "cat", "car", "boat", "tree", "house", "bird", "kite"]
+
+
+def tiny_checkpoint(path: Path, embed_dim: int = 16, image_model: str = "tiny", seed: int = 0) -> Path:
+    """A random tiny model saved in vltrain's checkpoint format (model state dict + the asdict'ed Config)."""
+    from vltrain.config import Config, DataConfig, to_dict
+    from vltrain.model import ModelConfig, build_model
+
+    torch.manual_seed(seed)
+    mc = ModelConfig(text_model="tiny", image_model=image_model, embed_dim=embed_dim, fusion_layers=0, feature_dim=8)
+    torch.save({"model": build_model(mc).state_dict(),
+                "config": to_dict(Config(model=mc, data=DataConfig(image_size=32, max_len=12)))}, path)
+    return path
+
+
+def make_dataset(root: Path, captions: list[str], per_shard: int, seed: int = 0, prefix: str = "shard") -> Path:
+    src = root.with_name(root.name + "-src")
+    src.mkdir(parents=True)
+    for i, c in enumerate(captions):
+        (src / f"{i:04d}.png").write_bytes(image_bytes(20 + i % 7, 16 + i % 5, seed=seed + i))
+        (src / f"{i:04d}.txt").write_text(c)
+    build_shards(ShardsConfig(src=src, out=root, samples_per_shard=per_shard, workers=1, prefix=prefix))
+    return root
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A tiny checkpoint, 40 distinct aligned captions in 4 shards, 14 unaligned images in 3 shards."""
+    tmp = tmp_path_factory.mktemp("pseudo")
+    caps = [f"A {COLOURS[i % 6]} {THINGS[i % 8]} and the {THINGS[(i * 3 + 1) % 8]}, number {i}" for i in range(40)]
+    return {"tmp": tmp, "ckpt": tiny_checkpoint(tmp / "ckpt.pt"),
+            "aligned": make_dataset(tmp / "aligned", caps, 10, prefix="al"),
+            "unaligned": make_dataset(tmp / "unaligned", ["a caption nobody reads"] * 14, 5, seed=500, prefix="un"),
+            "captions": caps}
+
+
+def run(w, out, **kw) -> dict:
+    kw.setdefault("device", "cpu")
+    kw.setdefault("k", 3)
+    kw.setdefault("crops", 2)
+    kw.setdefault("batch_size", 4)
+    return pseudolabel(PseudolabelConfig(aligned=w["aligned"], unaligned=w["unaligned"], out=Path(out),
+                                         checkpoint=w["ckpt"], **kw))
+
+
+def reference_pseudo_captions(w, strategy: str, k: int, crops: int, p: int, seed: int, rmtop: int = 1000) -> dict:
+    """The whole method re-derived with the model, numpy brute force and reference_rank: key -> (words, nbrs)."""
+    from torchvision.transforms import v2
+
+    from vlprep.dataset import to_rgb
+    from vltrain.model import ModelConfig, build_model, build_tokenizer
+
+    ckpt = torch.load(w["ckpt"], weights_only=False)
+    model = build_model(ModelConfig(**ckpt["config"]["model"]))
+    model.load_state_dict(ckpt["model"])
+    model.eval()
+    tok = build_tokenizer(model.cfg)
+    caps, keys = w["captions"], [f"al_{i:09d}" for i in range(40)]
+    with torch.no_grad():
+        enc = tok(caps, padding="longest", truncation=True, max_length=12, return_tensors="pt")
+        txt = model.encode_text(enc["input_ids"], enc["attention_mask"])[1].numpy()
+    df = Counter(x for c in caps for x in words_of(c))
+    out = {}
+    for s in iter_samples(w["unaligned"], decode=False):
+        img = to_rgb(s["png"])
+        gen_seed = int.from_bytes(hashlib.blake2b(f"crop:{seed}:{s['__key__']}".encode(), digest_size=8).digest(),
+                                  "big") >> 1
+        torch.manual_seed(gen_seed)  # the documented rule: the default generator seeded per key
+        crop = v2.RandomResizedCrop(32, scale=(0.5, 1.0))  # on the PIL image
+        x = torch.stack([v2.functional.pil_to_tensor(crop(img)) for _ in range(crops)]).float() / 255
+        with torch.no_grad():
+            feat = model.encode_image((x - 0.5) / 0.5)[1].numpy()
+        sim = feat @ txt.T
+        top = np.argsort(-sim, axis=1, kind="stable")[:, :k]
+        nn = [caps[j] for j in top.ravel()]
+        words = reference_rank(nn, strategy, df, rmtop, p, seed=f"{seed}:{s['__key__']}")
+        hits = Counter(top.ravel().tolist())
+        best = {j: max(sim[r, j] for r in range(crops) if j in top[r]) for j in hits}
+        nbrs = [keys[j] for j in sorted(hits, key=lambda j: (-hits[j], -best[j], keys[j]))[:k]]
+        out[s["__key__"]] = (" ".join(words), nbrs)
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["weighted", "rmtoprand"])
+def test_end_to_end_equals_a_re_derivation(world, tmp_path, strategy):
+    rep = run(world, tmp_path / "o", strategy=strategy, k=3, crops=2, words=3, rmtop=3, seed=5)
+    expected = reference_pseudo_captions(world, strategy, k=3, crops=2, p=3, seed=5, rmtop=3)
+    got = {s["__key__"]: s for s in iter_samples(tmp_path / "o")}
+    raw_in = {s["__key__"]: s for s in iter_samples(world["unaligned"], decode=False)}
+    assert {k: (s["txt"], s["json"]["neighbours"]) for k, s in got.items()} == expected
+    for key, s in got.items():
+        assert s["png"] == raw_in[key]["png"]  # image bytes untouched
+        assert s["json"]["pseudo"] is True and s["json"]["strategy"] == strategy
+        assert s["json"]["uid"] == json.loads(raw_in[key]["json"])["uid"]
+    side = read_sidecars(open_dataset(tmp_path / "o")).to_pylist()
+    assert [(r["key"], r["caption"], r["pseudo"], r["strategy"], r["neighbours"]) for r in side] == \
+        [(k, s["txt"], True, strategy, s["json"]["neighbours"]) for k, s in got.items()]
+    assert json.loads((tmp_path / "o" / "sizes.json").read_text()) == {"un-000000.tar": 5, "un-000001.tar": 5,
+                                                                        "un-000002.tar": 4}
+    assert (rep["samples_in"], rep["written"], rep["dropped_no_words"], rep["skipped"]) == (14, 14, 0, {})
+    assert rep["index"]["kind"] == "flat" and rep["index"]["vectors"] == 40 and rep["index"]["reused"] is False
+    words = Counter(x for s in got.values() for x in s["txt"].split())
+    df = Counter(x for c in world["captions"] for x in words_of(c))
+    assert rep["top_words"] == [[x, n, df[x]] for x, n in words.most_common(30)]
+    assert all(Path(p).stat().st_size > 0 for p in rep["plots"])
+    meta = json.loads((tmp_path / "o" / "meta.json").read_text())
+    assert meta["stage"] == "pseudolabel" and meta["counts"]["written"] == 14
+
+
+def test_deterministic_resumable_and_index_reused(world, tmp_path):
+    files = lambda d: {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.suffix in (".tar", ".parquet")}  # noqa
+    run(world, tmp_path / "a", seed=1)
+    run(world, tmp_path / "b", seed=1, batch_size=3)  # other batches: same crops (seeded per key), same bytes
+    assert files(tmp_path / "a") == files(tmp_path / "b")
+    (tmp_path / "b" / "un-000001.tar").unlink()
+    (tmp_path / "b" / "sizes.json").unlink()
+    (tmp_path / "b" / "un-000002.tar.tmp").write_bytes(b"half")
+    rep = run(world, tmp_path / "b", seed=1, batch_size=3)
+    assert rep["shards_resumed"] == 2 and rep["index"]["reused"] is True
+    assert files(tmp_path / "a") == files(tmp_path / "b") and not list((tmp_path / "b").glob("*.tmp"))
+    other = run(world, tmp_path / "c", seed=2)
+    assert files(tmp_path / "c") != files(tmp_path / "a")  # the seed moves the crops
+    assert other["written"] == 14
+
+
+def test_forced_ivf_index_is_used_and_saved(world, tmp_path):
+    rep = run(world, tmp_path / "o", index="ivf", nprobe=50)
+    assert rep["index"]["kind"] == "ivf" and rep["index"]["nlist"] == 1 and rep["index"]["nprobe"] == 1
+    assert knn.kind_of(knn.load_index(tmp_path / "o" / "knn.faiss")) == "ivf"
+    assert rep["written"] == 14
+
+
+def test_bow_aligned_uses_caption_raw_and_rmtop(world, tmp_path):
+    from vlprep.bow import BowConfig, bow
+
+    bow(BowConfig(src=world["aligned"], out=tmp_path / "bow", ops="rmstop,keep:1", base_frac=0.0, workers=1))
+    w = {**world, "aligned": tmp_path / "bow"}
+    run(w, tmp_path / "o", strategy="maxcount", words=10)
+    stored = pq.read_table(tmp_path / "o" / "knn_captions.parquet")
+    assert stored.column("caption").to_pylist() == world["captions"]  # intact captions, not the 1-word bows
+    # with words=10 the pseudo captions hold words that only the intact captions have (e.g. "number" or a 2nd thing)
+    assert any(len(s["txt"].split()) > 1 for s in iter_samples(tmp_path / "o"))
+    # rmtop over ALIGNED: removing the 100 most frequent words leaves nothing -> every image dropped and counted
+    rep = run(w, tmp_path / "o2", strategy="rmtopmaxcount", rmtop=100)
+    assert (rep["written"], rep["dropped_no_words"]) == (0, 14)
+    assert json.loads((tmp_path / "o2" / "sizes.json").read_text()) == {"un-000000.tar": 0, "un-000001.tar": 0,
+                                                                         "un-000002.tar": 0}
+
+
+def test_undecodable_and_imageless_samples_are_counted_skips(world, tmp_path):
+    good = list(iter_samples(world["unaligned"], decode=False))[:3]
+    root = tmp_path / "bad"
+    root.mkdir()
+    samples = [{"__key__": "x_0", "png": b"not a png"}, {"__key__": "x_1", "txt": "no image"},
+               *({k: v for k, v in s.items() if not k.startswith("__") or k == "__key__"} for s in good)]
+    write_shard(root, "x-000000.tar", samples, [{"key": s["__key__"], "caption": ""} for s in samples])
+    finish_dataset(root, {"x-000000.tar": 5}, {"stage": "test"})
+    rep = run({**world, "unaligned": root}, tmp_path / "o")
+    assert rep["skipped"] == {"undecodable": 1, "no_image": 1} and rep["written"] == 3
+    assert [s["__key__"] for s in iter_samples(tmp_path / "o")] == [s["__key__"] for s in good]
+
+
+# --- bad inputs --------------------------------------------------------------------------------
+
+
+def test_bad_inputs_are_one_line_errors(world, tmp_path):
+    w = world
+    mismatched = tmp_path / "mismatch.pt"
+    ckpt = torch.load(w["ckpt"], weights_only=False)
+    ckpt["config"]["model"]["embed_dim"] = 8  # the weights are 16 wide
+    torch.save(ckpt, mismatched)
+    cases = [
+        ({"checkpoint": mismatched}, r"dimensions do not match: image_proj.weight is \(16, 32\) in the checkpoint"),
+        ({"checkpoint": tmp_path / "none.pt"}, "checkpoint not found"),
+        ({"checkpoint": w["aligned"] / "sizes.json"}, "not a readable torch checkpoint"),
+        ({"checkpoint": tiny_checkpoint(tmp_path / "f.pt", image_model="features")}, "cannot embed images"),
+        ({"strategy": "best"}, "unknown --strategy 'best'"),
+        ({"index": "hnsw"}, "unknown --index 'hnsw'"),
+        ({"k": 0}, "--k must be at least 1"),
+        ({"words": 0}, "--words must be at least 1"),
+        ({"nprobe": 0}, "--nprobe must be at least 1"),
+    ]
+    for kw, msg in cases:
+        with pytest.raises(VlprepError, match=msg) as e:
+            run({**w, "ckpt": kw.get("checkpoint", w["ckpt"])}, tmp_path / "o",
+                **{k: v for k, v in kw.items() if k != "checkpoint"})
+        assert "\n" not in str(e.value)
+    assert not (tmp_path / "o").exists()  # nothing written before the inputs are checked
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    finish_dataset(empty, {}, {"stage": "test"})
+    with pytest.raises(VlprepError, match="ALIGNED .* has no samples"):
+        run({**w, "aligned": empty}, tmp_path / "o")
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "a.png").write_bytes(image_bytes())
+    with pytest.raises(VlprepError, match="UNALIGNED: not a shard dataset"):
+        run({**w, "unaligned": plain}, tmp_path / "o")
+    with pytest.raises(VlprepError, match="ALIGNED: dataset not found"):
+        run({**w, "aligned": tmp_path / "missing"}, tmp_path / "o")
+    with pytest.raises(VlprepError, match="OUT must be a different folder"):
+        run(w, w["aligned"])
+
+
+def test_nonempty_out_is_never_clobbered(world, tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "notes.tar").write_bytes(b"mine")
+    with pytest.raises(VlprepError, match="not empty; choose another folder or pass --overwrite"):
+        run(world, out)
+    assert (out / "notes.tar").read_bytes() == b"mine"
+
+
+def cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vlprep.cli", *map(str, args)], capture_output=True, text=True)
+
+
+def test_cli_errors_are_one_line_with_exit_2(world, tmp_path):
+    mismatched = tmp_path / "m.pt"
+    tiny_checkpoint(mismatched, embed_dim=8)
+    ckpt = torch.load(mismatched, weights_only=False)
+    ckpt["model"]["text_proj.weight"] = torch.zeros(4, 32)
+    torch.save(ckpt, mismatched)
+    for args in ([world["aligned"], world["unaligned"], tmp_path / "o", "--checkpoint", mismatched],
+                 [world["aligned"], tmp_path, tmp_path / "o", "--checkpoint", world["ckpt"]]):
+        r = cli("pseudolabel", *args)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error:"), \
+            r.stderr
+    r = cli("pseudolabel", "--help")
+    assert r.returncode == 0 and all(o in r.stdout for o in ("--strategy", "--rmtop", "--nprobe", "--crops"))
+
+
+# --- vlprep embed ------------------------------------------------------------------------------
+
+
+def test_embed_text_and_image(world, tmp_path):
+    from vlprep.embed import EmbedConfig, embed, load_embeddings
+    from vltrain.model import load_checkpoint
+
+    rep = embed(EmbedConfig(src=world["aligned"], out=tmp_path / "t", checkpoint=world["ckpt"], modality="text",
+                            batch_size=7, device="cpu"))
+    keys, x = load_embeddings(tmp_path / "t")
+    assert keys == [f"al_{i:09d}" for i in range(40)] and x.shape == (40, 16) and x.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(x, axis=1), 1, atol=1e-5)
+    model, cfg = load_checkpoint(world["ckpt"])
+    from vltrain.model import build_tokenizer
+
+    enc = build_tokenizer(model.cfg)(world["captions"][:5], padding="longest", return_tensors="pt")
+    with torch.no_grad():
+        ref = model.encode_text(enc["input_ids"], enc["attention_mask"])[1].numpy()
+    np.testing.assert_allclose(x[:5], ref, atol=1e-5)
+    assert rep["written"] == 40 and rep["dim"] == 16
+
+    rep = embed(EmbedConfig(src=world["unaligned"], out=tmp_path / "i", checkpoint=world["ckpt"], modality="image",
+                            batch_size=4, device="cpu"))
+    keys, x = load_embeddings(tmp_path / "i")
+    assert len(keys) == 14 and x.shape == (14, 16) and rep["skipped"] == {}
+    from vltrain.data import eval_transform
+    from vlprep.dataset import to_rgb
+
+    first = next(iter_samples(world["unaligned"], decode=False))
+    with torch.no_grad():
+        ref = model.encode_image(eval_transform(32, model.image_mean, model.image_std)(to_rgb(first["png"]))[None])[1]
+    np.testing.assert_allclose(x[0], ref[0].numpy(), atol=1e-5)
+    with pytest.raises(VlprepError, match="--modality must be image or text"):
+        embed(EmbedConfig(src=world["aligned"], out=tmp_path / "z", checkpoint=world["ckpt"], modality="audio"))
+    r = cli("embed", world["aligned"], tmp_path / "z", "--checkpoint", tmp_path / "nope.pt", "--device", "cpu")
+    assert r.returncode == 2 and "checkpoint not found" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+# --- with a trained checkpoint, through both CLIs ----------------------------------------------
+
+
+def test_vltrain_checkpoint_pseudolabel_then_train_on_both(world, tmp_path):
+    from typer.testing import CliRunner
+
+    from vltrain.cli import app as vltrain_app
+
+    sets = ["model.text_model=tiny", "model.image_model=tiny", "model.embed_dim=16", "data.image_size=32",
+            "data.workers=0", "data.max_len=12", "log_every=1", "optim.warmup_steps=1"]
+    args = ["run", str(world["aligned"]), "--preset", "clip", "--steps", "2", "--batch-size", "8", "--device", "cpu",
+            "--out", str(tmp_path / "run"), *[x for s in sets for x in ("--set", s)]]
+    res = CliRunner().invoke(vltrain_app, args)
+    assert res.exit_code == 0, res.output
+    r = cli("pseudolabel", world["aligned"], world["unaligned"], tmp_path / "pseudo", "--checkpoint",
+            tmp_path / "run" / "last.pt", "--k", 3, "--crops", 2, "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    assert "pseudo-captioned" in r.stdout and (tmp_path / "pseudo" / "pseudo_grid.png").exists()
+    args[1:2] = [str(world["aligned"]), str(tmp_path / "pseudo")]
+    args[args.index("--out") + 1] = str(tmp_path / "run2")
+    res = CliRunner().invoke(vltrain_app, args)
+    assert res.exit_code == 0, res.output
+
+
+@pytest.mark.slow
+def test_packaged_encoders_pseudolabel_a_few_images(tmp_path):
+    from vltrain.config import Config, to_dict
+    from vltrain.model import ModelConfig, build_model
+
+    mc = ModelConfig(fusion_layers=0)
+    torch.save({"model": build_model(mc).state_dict(), "config": to_dict(Config(model=mc))}, tmp_path / "c.pt")
+    w = {"ckpt": tmp_path / "c.pt",
+         "aligned": make_dataset(tmp_path / "al", [f"a {c} {t}" for c in COLOURS for t in THINGS[:2]], 6),
+         "unaligned": make_dataset(tmp_path / "un", ["x"] * 3, 3, seed=50)}
+    rep = run(w, tmp_path / "o", crops=2)
+    assert rep["written"] == 3 and rep["index"]["dim"] == 256
+    assert all(set(s["txt"].split()) <= set(COLOURS + THINGS[:2]) for s in iter_samples(tmp_path / "o"))

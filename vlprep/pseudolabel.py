@@ -1,0 +1,397 @@
+"""`vlprep pseudolabel`: pseudo bag-of-words captions for unaligned images (A Fistful of Words, sec. 2.3, Table 7).
+
+The contract (also in docs/PSEUDOLABEL.md):
+- S_a: ALIGNED's intact captions, i.e. the sidecar's `caption_raw` when ALIGNED went through `vlprep bow`, else
+  `caption`. They are embedded by the checkpoint's text encoder (L2-normalised) into a FAISS inner-product index
+  (vlprep.knn: `flat` below 100,000 captions, a trained `ivf` from there on; `--index` overrides `auto`).
+- NN_i: each UNALIGNED image gets c = --crops random-resized crops drawn from a generator seeded by (seed, key)
+  (vlprep.embed.crop_views); each crop's image embedding retrieves its top k = --k captions; NN_i is the k*c
+  retrieved captions, duplicates included.
+- Words of a caption (`caption_words`): the tokens of `vlprep bow`'s tokeniser (vlprep.text.tokenize, lowercased)
+  that are str.isalpha() and not among NLTK's 179 English stop words, as a set.
+- count(w, NN_i): how many of the k*c captions of NN_i contain w. aligned_df[w] = count(w, S_a): how many ALIGNED
+  captions contain w. top(t): the t words with the highest aligned_df (ties: the word), t = --rmtop.
+- Strategies (`rank_words`); every tie is broken by the word, ascending:
+    maxcount       by count(w, NN_i), highest first                                  (MaxCount)
+    rmtopmaxcount  maxcount over the words not in top(t)                             (RmTopMaxCount)
+    rmtoprand      the rmtopmaxcount candidates sorted, then shuffled by random.Random("{seed}:{key}")  (RmTopRand)
+    weighted       by count(w, NN_i) / count(w, S_a), highest first                  (WeightedCount)
+- The pseudo-caption is the first p = --words words joined by single spaces; an image left with no word is
+  dropped and counted (`dropped_no_words`); an image that is missing or does not decode is skipped and counted.
+- Output: UNALIGNED's shards under the same names, image bytes (and any other member) copied untouched; `txt` is
+  the pseudo-caption; `json` is the input json without caption_raw/bow (they described a caption that is gone)
+  plus `pseudo: true`, `strategy`, and `neighbours`: the keys of the k ALIGNED captions retrieved most often
+  across the crops (then highest similarity, then key). The sidecars keep the input columns (caption replaced,
+  caption_raw/bow dropped) and gain `pseudo`, `strategy`, `neighbours`.
+- The index is saved for reuse as OUT/knn.faiss (CPU form) + OUT/knn_captions.parquet (row id -> key, caption);
+  a re-run with the same ALIGNED sidecars, checkpoint (path, size, mtime) and index kind loads it instead of
+  re-embedding S_a. Shards resume as in every stage.
+"""
+
+import hashlib
+import random
+import time
+from collections import Counter
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from vlprep import VlprepError
+from vlprep import knn
+from vlprep.dataset import (decode_sample, finish_dataset, iter_aligned, open_dataset, prepare_output, read_sidecars,
+                            shard_done, write_json_atomic, write_shard)
+from vlprep.text import stop_words, tokenize
+
+STRATEGIES = ("maxcount", "rmtopmaxcount", "rmtoprand", "weighted")
+DROP_META = ("caption_raw", "bow")  # json keys and sidecar columns about the input's caption, which is replaced
+
+
+# --- word ranking (pure) ---------------------------------------------------------------------------
+
+
+def caption_words(caption: str) -> frozenset[str]:
+    """The candidate words of one caption: bow's tokens that are alphabetic and not stop words."""
+    stop = stop_words()
+    return frozenset(t for t in tokenize(caption) if t.isalpha() and t not in stop)
+
+
+def document_frequency(captions: Iterable[str]) -> Counter:
+    """word -> number of captions containing it (count(w, S_a) when given ALIGNED's captions)."""
+    df = Counter()
+    for c in captions:
+        df.update(caption_words(c))
+    return df
+
+
+def top_words(aligned_df: Mapping[str, int], t: int) -> frozenset[str]:
+    """The t words of highest document frequency, ties broken by the word (RmTopFreq's rule)."""
+    return frozenset(sorted(aligned_df, key=lambda w: (-aligned_df[w], w))[:t])
+
+
+def rank_counts(counts: Mapping[str, int], strategy: str, aligned_df: Mapping[str, int] | None = None,
+                top: Collection[str] = frozenset(), p: int = 4, rng=None) -> list[str]:
+    """`rank_words` from counts already made: counts[w] = count(w, NN_i); `top` is the set of words rmtop removes."""
+    if strategy == "maxcount":
+        order = sorted(counts, key=lambda w: (-counts[w], w))
+    elif strategy == "rmtopmaxcount":
+        order = sorted((w for w in counts if w not in top), key=lambda w: (-counts[w], w))
+    elif strategy == "rmtoprand":
+        if rng is None:
+            raise ValueError("rmtoprand needs rng (anything with .shuffle(list), e.g. random.Random(0))")
+        order = sorted(w for w in counts if w not in top)
+        rng.shuffle(order)
+    elif strategy == "weighted":
+        if aligned_df is None:
+            raise ValueError("weighted needs aligned_df (word -> number of ALIGNED captions containing it)")
+        missing = sorted(w for w in counts if aligned_df.get(w, 0) < 1)
+        if missing:
+            raise ValueError(f"weighted: {len(missing)} neighbour word(s) have no ALIGNED document frequency, "
+                             f"e.g. {missing[0]!r}; neighbour captions must come from ALIGNED")
+        order = sorted(counts, key=lambda w: (-counts[w] / aligned_df[w], w))
+    else:
+        raise ValueError(f"unknown strategy {strategy!r}; strategies: {', '.join(STRATEGIES)}")
+    return order[:p]
+
+
+def rank_words(neighbour_captions: Iterable[str], strategy: str, aligned_df: Mapping[str, int] | None = None,
+               top: int | Collection[str] | None = None, p: int = 4, rng=None) -> list[str]:
+    """The first p words of NN_i (k*c captions, duplicates included) ranked by `strategy` (see module docstring).
+
+    `aligned_df` maps word -> count(w, S_a); `top` is the rmtop count t (then top(t) comes from aligned_df) or the
+    set of words to remove; `rng` (with .shuffle) drives rmtoprand.
+    """
+    if p < 1:
+        raise ValueError(f"p must be at least 1, got {p}")
+    counts = Counter()
+    for caption in neighbour_captions:
+        counts.update(caption_words(caption))
+    removed = frozenset()
+    if strategy in ("rmtopmaxcount", "rmtoprand") and top:
+        if isinstance(top, int):
+            if aligned_df is None:
+                raise ValueError(f"{strategy} with top={top} needs aligned_df to find the top words")
+            removed = top_words(aligned_df, top)
+        else:
+            removed = frozenset(top)
+    return rank_counts(counts, strategy, aligned_df, removed, p, rng)
+
+
+def neighbour_keys(ids: np.ndarray, scores: np.ndarray, keys: list[str], k: int) -> list[str]:
+    """The k ALIGNED keys retrieved most often over a sample's crops (ids, scores (c, k)); then best score, key."""
+    hits, best = Counter(), {}
+    for j, s in zip(ids.ravel().tolist(), scores.ravel().tolist()):
+        if j >= 0:
+            hits[j] += 1
+            best[j] = max(best.get(j, -np.inf), s)
+    return [keys[j] for j in sorted(hits, key=lambda j: (-hits[j], -best[j], keys[j]))[:k]]
+
+
+# --- the stage ---------------------------------------------------------------------------------
+
+
+@dataclass
+class PseudolabelConfig:
+    aligned: Path
+    unaligned: Path
+    out: Path
+    checkpoint: Path
+    strategy: str = "weighted"
+    k: int = 10
+    crops: int = 5
+    words: int = 4
+    rmtop: int = 1000
+    index: str = "auto"
+    nprobe: int | None = None       # IVF lists searched (default knn.DEFAULT_NPROBE)
+    seed: int = 0
+    batch_size: int = 16            # images per encoder call (x crops)
+    device: str = "auto"
+    overwrite: bool = False
+
+
+def _check(cfg: PseudolabelConfig) -> None:
+    if cfg.strategy not in STRATEGIES:
+        raise VlprepError(f"unknown --strategy {cfg.strategy!r}; strategies: {', '.join(STRATEGIES)}")
+    if cfg.index not in knn.INDEX_KINDS:
+        raise VlprepError(f"unknown --index {cfg.index!r}; use {', '.join(knn.INDEX_KINDS)}")
+    for name in ("k", "crops", "words", "batch_size"):
+        if getattr(cfg, name) < 1:
+            raise VlprepError(f"--{name.replace('_', '-')} must be at least 1")
+    if cfg.rmtop < 0:
+        raise VlprepError("--rmtop must be at least 0")
+    if cfg.nprobe is not None and cfg.nprobe < 1:
+        raise VlprepError("--nprobe must be at least 1")
+
+
+def _aligned_captions(ds) -> tuple[list[str], list[str]]:
+    """ALIGNED's keys and intact captions, from the sidecars."""
+    from vlprep.embed import intact_captions
+
+    names = set(pq.read_schema(ds.sidecar(ds.shards[0])).names) if ds.shards else set()
+    if not {"key", "caption"} <= names:
+        raise VlprepError(f"ALIGNED {ds.root}: the sidecars have no key/caption columns (not written by vlprep?)")
+    table = read_sidecars(ds, columns=["key", "caption"] + (["caption_raw"] if "caption_raw" in names else []))
+    return table.column("key").to_pylist(), intact_captions(table)
+
+
+def _index_fingerprint(ds, checkpoint: Path, kind: str) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    st = checkpoint.stat()
+    h.update(f"{checkpoint.resolve()}:{st.st_size}:{st.st_mtime_ns}:{kind}".encode())
+    for shard in ds.shards:
+        h.update(ds.sidecar(shard).read_bytes())
+    return h.hexdigest()
+
+
+def caption_index(ds, enc, out: Path, kind: str, batch_size: int, progress=None):
+    """(CPU index, keys, captions, reused) over ALIGNED's intact captions; loaded from OUT when it is current."""
+    keys, captions = _aligned_captions(ds)
+    if not keys:
+        raise VlprepError(f"ALIGNED {ds.root} has no samples: there are no captions to retrieve")
+    kind = knn.choose_kind(kind, len(keys))
+    fp = _index_fingerprint(ds, enc.path, kind)
+    index_file, table_file = out / "knn.faiss", out / "knn_captions.parquet"
+    if index_file.exists() and table_file.exists():
+        meta = pq.read_schema(table_file).metadata or {}
+        if meta.get(b"fingerprint") == fp.encode():
+            index = knn.load_index(index_file)
+            if index.d == enc.dim and index.ntotal == len(keys):
+                return index, keys, captions, True
+    task = progress.add_task("embed captions", total=len(keys)) if progress else None
+    vectors = np.empty((len(keys), enc.dim), dtype=np.float32)
+    for i in range(0, len(keys), 256):  # one text batch size: the output does not depend on --batch-size
+        vectors[i:i + 256] = enc.texts(captions[i:i + 256])
+        if progress:
+            progress.advance(task, len(captions[i:i + 256]))
+    index = knn.build_index(vectors, kind)
+    table = pa.table({"key": keys, "caption": captions}).replace_schema_metadata({"fingerprint": fp})
+    pq.write_table(table, out / "knn_captions.parquet.tmp")
+    knn.save_index(index, index_file)
+    (out / "knn_captions.parquet.tmp").replace(table_file)
+    return index, keys, captions, False
+
+
+@dataclass
+class _Ctx:
+    cfg: PseudolabelConfig
+    enc: object
+    index: object
+    keys: list[str]
+    words: list[frozenset]
+    df: Counter
+    top: frozenset
+
+
+def _batches(it, n: int):
+    batch = []
+    for x in it:
+        batch.append(x)
+        if len(batch) == n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def pseudolabel_shard(ctx: _Ctx, ds, out: Path, shard: str, fp: str, progress=None, task=None) -> dict:
+    """Pseudo-caption one UNALIGNED shard and write it; returns its counts."""
+    from vlprep.embed import decode
+
+    cfg, c = ctx.cfg, ctx.cfg.crops
+    side = pq.read_table(ds.sidecar(shard)).replace_schema_metadata(None)
+    skipped, dropped = Counter(), 0
+    samples, kept, captions, neighbours = [], [], [], []
+    for batch in _batches(iter_aligned(ds.root / shard, side.column("key").to_pylist()), cfg.batch_size):
+        ok, views = [], []
+        for i, raw in batch:
+            image, why = decode(raw)
+            if image is None:
+                skipped[why] += 1
+                continue
+            ok.append((i, raw))
+            views.append(ctx.enc.crop_views(image, raw["__key__"], cfg.seed, c))
+        if ok:
+            scores, ids = knn.search(ctx.index, ctx.enc.images(np.concatenate(views)), cfg.k)  # (B*c, k) each
+        for n, (i, raw) in enumerate(ok):
+            key = raw["__key__"]
+            rows = ids[n * c:(n + 1) * c]
+            counts = Counter()
+            for j in rows.ravel().tolist():
+                if j >= 0:  # IVF returns -1 when the probed lists hold fewer than k captions
+                    counts.update(ctx.words[j])
+            rng = random.Random(f"{cfg.seed}:{key}") if cfg.strategy == "rmtoprand" else None
+            words = rank_counts(counts, cfg.strategy, ctx.df, ctx.top, cfg.words, rng)
+            if not words:
+                dropped += 1
+                continue
+            meta = {k: v for k, v in (decode_sample(raw).get("json") or {}).items() if k not in DROP_META}
+            nbrs = neighbour_keys(rows, scores[n * c:(n + 1) * c], ctx.keys, cfg.k)
+            caption = " ".join(words)
+            samples.append({**{k: v for k, v in raw.items() if k not in ("txt", "json", "__url__")}, "txt": caption,
+                            "json": {**meta, "pseudo": True, "strategy": cfg.strategy, "neighbours": nbrs}})
+            kept.append(i)
+            captions.append(caption)
+            neighbours.append(nbrs)
+        if progress:
+            progress.advance(task, len(batch))
+    table = side.take(pa.array(kept, pa.int64()))  # a bare [] would be a null-typed array
+    for name in DROP_META:
+        if name in table.column_names:
+            table = table.remove_column(table.column_names.index(name))
+    cols = {"caption": pa.array(captions, pa.string()), "pseudo": pa.array([True] * len(kept), pa.bool_()),
+            "strategy": pa.array([cfg.strategy] * len(kept), pa.string()),
+            "neighbours": pa.array(neighbours, pa.list_(pa.string()))}
+    for name, col in cols.items():
+        if name in table.column_names:
+            table = table.set_column(table.column_names.index(name), name, col)
+        else:
+            table = table.append_column(name, col)
+    stats = {"in": side.num_rows, "written": len(samples), "dropped_no_words": dropped, "skipped": dict(skipped),
+             "fingerprint": fp}
+    write_shard(out, shard, samples, table, stats=stats)
+    return stats
+
+
+def pseudolabel(cfg: PseudolabelConfig, progress=None) -> dict:
+    """Run the stage; returns the report (also written to OUT/report.json)."""
+    from vlprep.embed import Encoder
+
+    _check(cfg)
+    t0 = time.perf_counter()
+    try:
+        aligned = open_dataset(cfg.aligned)
+    except VlprepError as e:
+        raise VlprepError(f"ALIGNED: {e}") from None
+    try:
+        ds = open_dataset(cfg.unaligned)
+    except VlprepError as e:
+        raise VlprepError(f"UNALIGNED: {e}") from None
+    out = Path(cfg.out)
+    if out.resolve() in (aligned.root.resolve(), ds.root.resolve()):
+        raise VlprepError("OUT must be a different folder from ALIGNED and UNALIGNED")
+    if aligned.num_samples == 0:
+        raise VlprepError(f"ALIGNED {aligned.root} has no samples: there are no captions to retrieve")
+    enc = Encoder(cfg.checkpoint, cfg.device)
+    enc.check_images()
+    ckpt = Path(cfg.checkpoint)
+    options = {k: v for k, v in asdict(cfg).items() if k not in ("aligned", "unaligned", "out", "checkpoint",
+                                                                  "batch_size", "device", "overwrite")}
+    options.update(aligned=str(aligned.root.resolve()), unaligned=str(ds.root.resolve()),
+                   checkpoint=str(ckpt.resolve()))
+    prepare_output(out, "pseudolabel", options, cfg.overwrite)
+
+    # --- the caption index and the ALIGNED word statistics
+    t_index = time.perf_counter()
+    index, keys, captions, reused = caption_index(aligned, enc, out, cfg.index, 256, progress)
+    kind = knn.kind_of(index)
+    gpu = knn.use_gpu(cfg.device)
+    if gpu:
+        index = knn.to_gpu(index)
+    nprobe = knn.set_nprobe(index, cfg.nprobe or knn.DEFAULT_NPROBE)
+    index_s = time.perf_counter() - t_index
+    words = [caption_words(c) for c in captions]
+    df = Counter()
+    for ws in words:
+        df.update(ws)
+    top = top_words(df, cfg.rmtop) if cfg.strategy in ("rmtopmaxcount", "rmtoprand") else frozenset()
+    ctx = _Ctx(cfg, enc, index, keys, words, df, top)
+
+    # --- pseudo-captions, shard by shard (resuming completed ones)
+    salt = (_index_fingerprint(aligned, ckpt, kind) + repr(sorted(options.items()))).encode()
+    task = progress.add_task("pseudolabel", total=ds.num_samples) if progress else None
+    stats, resumed, processed = {}, 0, 0
+    t_images = time.perf_counter()
+    for shard in ds.shards:
+        fp = hashlib.blake2b(salt + ds.sidecar(shard).read_bytes()
+                             + str((ds.root / shard).stat().st_size).encode(), digest_size=16).hexdigest()
+        done = shard_done(out, shard)
+        if done is not None and done.get("fingerprint") == fp:
+            stats[shard], resumed = done, resumed + 1
+            if progress:
+                progress.advance(task, done["in"])
+            continue
+        stats[shard] = pseudolabel_shard(ctx, ds, out, shard, fp, progress, task)
+        processed += stats[shard]["in"]
+    images_s = time.perf_counter() - t_images
+
+    sizes = {s: stats[s]["written"] for s in ds.shards}
+    skipped = Counter()
+    for st in stats.values():
+        skipped.update(st["skipped"])
+    n_in, written = ds.num_samples, sum(sizes.values())
+    dropped = sum(st["dropped_no_words"] for st in stats.values())
+    index_info = {"kind": kind, "vectors": len(keys), "dim": enc.dim, "nprobe": nprobe or None, "gpu": gpu,
+                  "reused": reused, "seconds": round(index_s, 3)}
+    if kind == "ivf":
+        index_info["nlist"] = knn.nlist(index)
+    finish_dataset(out, sizes, {"stage": "pseudolabel", "input": str(cfg.unaligned), "aligned": str(cfg.aligned),
+                                "options": options, "index": index_info,
+                                "counts": {"in": n_in, "written": written, "dropped_no_words": dropped,
+                                           "skipped": dict(skipped)}})
+    from vlprep.report import pseudolabel_figures
+
+    pseudo_words, lengths = Counter(), Counter()
+    for shard in ds.shards:
+        for caption in pq.read_table(out / (shard[:-4] + ".parquet"), columns=["caption"]).column(0).to_pylist():
+            ws = caption.split(" ")
+            pseudo_words.update(ws)
+            lengths[len(ws)] += 1
+    report = {
+        "stage": "pseudolabel", "aligned": str(cfg.aligned), "unaligned": str(cfg.unaligned),
+        "checkpoint": str(cfg.checkpoint), "strategy": cfg.strategy, "k": cfg.k, "crops": cfg.crops,
+        "words": cfg.words, "rmtop": cfg.rmtop if top else None, "seed": cfg.seed, "index": index_info,
+        "aligned_captions": len(keys), "aligned_vocab": len(df), "samples_in": n_in, "written": written,
+        "dropped_no_words": dropped, "skipped": dict(skipped),
+        "avg_words": round(sum(k * v for k, v in lengths.items()) / written, 3) if written else 0.0,
+        "words_hist": {str(k): lengths[k] for k in sorted(lengths)}, "vocab": len(pseudo_words),
+        "top_words": [[w, n, df[w]] for w, n in pseudo_words.most_common(30)],
+        "shards": len(ds.shards), "shards_resumed": resumed,
+        "images_per_s": round(processed / images_s, 2) if processed and images_s > 0 else None,
+    }
+    report["plots"] = pseudolabel_figures(out, ds, report)
+    report["elapsed_s"] = round(time.perf_counter() - t0, 3)
+    write_json_atomic(out / "report.json", report)
+    return report
