@@ -199,7 +199,7 @@ def pseudolabel(
     rmtop: int = typer.Option(1000, help="rmtop* strategies: drop the T most frequent ALIGNED words first."),
     index: str = typer.Option("auto", help="Caption index: flat (exact), ivf, or auto (flat below 100,000 "
                               "captions, ivf above)."),
-    nprobe: Optional[int] = typer.Option(None, help="IVF lists searched per query [default: 32]."),
+    nprobe: Optional[int] = typer.Option(None, help="IVF lists searched per query \\[default: 32]."),
     seed: int = typer.Option(0, help="Seed of the crops and of rmtoprand."),
     batch_size: int = typer.Option(16, help="Images per encoder call (each brings --crops crops)."),
     device: str = typer.Option("auto", help="auto (CUDA when present; the index goes to GPU with faiss-gpu), "
@@ -224,7 +224,7 @@ def pseudolabel(
 @app.command()
 def stats(
     dataset: Path = typer.Argument(..., help="A shard dataset folder (with sizes.json)."),
-    out: Optional[Path] = typer.Option(None, help="Where to write report.json and stats.png [default: DATASET/stats]."),
+    out: Optional[Path] = typer.Option(None, help="Where to write report.json and stats.png \\[default: DATASET/stats]."),
     top: int = typer.Option(20, help="How many top words to list."),
 ) -> None:
     """Sample count, caption lengths, vocabulary, top words and image sizes of a dataset."""
