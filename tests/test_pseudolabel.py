@@ -400,6 +400,13 @@ def test_bad_inputs_are_one_line_errors(world, tmp_path):
         run({**w, "aligned": tmp_path / "missing"}, tmp_path / "o")
     with pytest.raises(VlprepError, match="OUT must be a different folder"):
         run(w, w["aligned"])
+    import shutil
+
+    nosidecar = shutil.copytree(w["unaligned"], tmp_path / "nosidecar")
+    (nosidecar / "un-000001.parquet").unlink()
+    with pytest.raises(VlprepError, match="UNALIGNED .*: missing sidecar un-000001.parquet"):
+        run({**w, "unaligned": nosidecar}, tmp_path / "o")
+    assert not (tmp_path / "o").exists()
 
 
 def test_nonempty_out_is_never_clobbered(world, tmp_path):

@@ -166,11 +166,20 @@ def _check(cfg: PseudolabelConfig) -> None:
         raise VlprepError("--nprobe must be at least 1")
 
 
+def _need_sidecars(ds, role: str) -> None:
+    missing = [shard for shard in ds.shards if not ds.sidecar(shard).exists()]
+    if missing:
+        raise VlprepError(f"{role} {ds.root}: missing sidecar {ds.sidecar(missing[0]).name} (every vlprep stage "
+                          "writes one; re-shard it with `vlprep shards`)")
+
+
 def _aligned_captions(ds) -> tuple[list[str], list[str]]:
     """ALIGNED's keys and intact captions, from the sidecars."""
     from vlprep.embed import intact_captions
 
-    names = set(pq.read_schema(ds.sidecar(ds.shards[0])).names) if ds.shards else set()
+    if ds.num_samples == 0:
+        raise VlprepError(f"ALIGNED {ds.root} has no samples: there are no captions to retrieve")
+    names = set(pq.read_schema(ds.sidecar(ds.shards[0])).names)
     if not {"key", "caption"} <= names:
         raise VlprepError(f"ALIGNED {ds.root}: the sidecars have no key/caption columns (not written by vlprep?)")
     table = read_sidecars(ds, columns=["key", "caption"] + (["caption_raw"] if "caption_raw" in names else []))
@@ -186,11 +195,8 @@ def _index_fingerprint(ds, checkpoint: Path, kind: str) -> str:
     return h.hexdigest()
 
 
-def caption_index(ds, enc, out: Path, kind: str, batch_size: int, progress=None):
-    """(CPU index, keys, captions, reused) over ALIGNED's intact captions; loaded from OUT when it is current."""
-    keys, captions = _aligned_captions(ds)
-    if not keys:
-        raise VlprepError(f"ALIGNED {ds.root} has no samples: there are no captions to retrieve")
+def caption_index(ds, keys: list[str], captions: list[str], enc, out: Path, kind: str, progress=None):
+    """(CPU index, reused, fingerprint) over ALIGNED's intact captions; loaded from OUT when it is current."""
     kind = knn.choose_kind(kind, len(keys))
     fp = _index_fingerprint(ds, enc.path, kind)
     index_file, table_file = out / "knn.faiss", out / "knn_captions.parquet"
@@ -199,7 +205,7 @@ def caption_index(ds, enc, out: Path, kind: str, batch_size: int, progress=None)
         if meta.get(b"fingerprint") == fp.encode():
             index = knn.load_index(index_file)
             if index.d == enc.dim and index.ntotal == len(keys):
-                return index, keys, captions, True
+                return index, True, fp
     task = progress.add_task("embed captions", total=len(keys)) if progress else None
     vectors = np.empty((len(keys), enc.dim), dtype=np.float32)
     for i in range(0, len(keys), 256):  # one text batch size: the output does not depend on --batch-size
@@ -211,7 +217,7 @@ def caption_index(ds, enc, out: Path, kind: str, batch_size: int, progress=None)
     pq.write_table(table, out / "knn_captions.parquet.tmp")
     knn.save_index(index, index_file)
     (out / "knn_captions.parquet.tmp").replace(table_file)
-    return index, keys, captions, False
+    return index, False, fp
 
 
 @dataclass
@@ -312,8 +318,9 @@ def pseudolabel(cfg: PseudolabelConfig, progress=None) -> dict:
     out = Path(cfg.out)
     if out.resolve() in (aligned.root.resolve(), ds.root.resolve()):
         raise VlprepError("OUT must be a different folder from ALIGNED and UNALIGNED")
-    if aligned.num_samples == 0:
-        raise VlprepError(f"ALIGNED {aligned.root} has no samples: there are no captions to retrieve")
+    _need_sidecars(aligned, "ALIGNED")
+    _need_sidecars(ds, "UNALIGNED")
+    keys, captions = _aligned_captions(aligned)
     enc = Encoder(cfg.checkpoint, cfg.device)
     enc.check_images()
     ckpt = Path(cfg.checkpoint)
@@ -325,7 +332,7 @@ def pseudolabel(cfg: PseudolabelConfig, progress=None) -> dict:
 
     # --- the caption index and the ALIGNED word statistics
     t_index = time.perf_counter()
-    index, keys, captions, reused = caption_index(aligned, enc, out, cfg.index, 256, progress)
+    index, reused, index_fp = caption_index(aligned, keys, captions, enc, out, cfg.index, progress)
     kind = knn.kind_of(index)
     gpu = knn.use_gpu(cfg.device)
     if gpu:
@@ -340,7 +347,7 @@ def pseudolabel(cfg: PseudolabelConfig, progress=None) -> dict:
     ctx = _Ctx(cfg, enc, index, keys, words, df, top)
 
     # --- pseudo-captions, shard by shard (resuming completed ones)
-    salt = (_index_fingerprint(aligned, ckpt, kind) + repr(sorted(options.items()))).encode()
+    salt = (index_fp + repr(sorted(options.items()))).encode()
     task = progress.add_task("pseudolabel", total=ds.num_samples) if progress else None
     stats, resumed, processed = {}, 0, 0
     t_images = time.perf_counter()
