@@ -248,7 +248,7 @@ def pseudolabel_shard(ctx: _Ctx, ds, out: Path, shard: str, fp: str, progress=No
 
     cfg, c = ctx.cfg, ctx.cfg.crops
     side = pq.read_table(ds.sidecar(shard)).replace_schema_metadata(None)
-    skipped, dropped = Counter(), 0
+    skipped, examples, dropped = Counter(), {}, 0
     samples, kept, captions, neighbours = [], [], [], []
     for batch in _batches(iter_aligned(ds.root / shard, side.column("key").to_pylist()), cfg.batch_size):
         ok, views = [], []
@@ -256,6 +256,8 @@ def pseudolabel_shard(ctx: _Ctx, ds, out: Path, shard: str, fp: str, progress=No
             image, why = decode(raw)
             if image is None:
                 skipped[why] += 1
+                if len(examples.setdefault(why, [])) < 5:
+                    examples[why].append(raw["__key__"])
                 continue
             ok.append((i, raw))
             views.append(ctx.enc.crop_views(image, raw["__key__"], cfg.seed, c))
@@ -296,7 +298,7 @@ def pseudolabel_shard(ctx: _Ctx, ds, out: Path, shard: str, fp: str, progress=No
         else:
             table = table.append_column(name, col)
     stats = {"in": side.num_rows, "written": len(samples), "dropped_no_words": dropped, "skipped": dict(skipped),
-             "fingerprint": fp}
+             "skipped_examples": examples, "fingerprint": fp}
     write_shard(out, shard, samples, table, stats=stats)
     return stats
 
@@ -334,10 +336,11 @@ def pseudolabel(cfg: PseudolabelConfig, progress=None) -> dict:
     t_index = time.perf_counter()
     index, reused, index_fp = caption_index(aligned, keys, captions, enc, out, cfg.index, progress)
     kind = knn.kind_of(index)
+    nprobe = knn.set_nprobe(index, cfg.nprobe or knn.DEFAULT_NPROBE)
+    n_lists = knn.nlist(index) if kind == "ivf" else None
     gpu = knn.use_gpu(cfg.device)
     if gpu:
-        index = knn.to_gpu(index)
-    nprobe = knn.set_nprobe(index, cfg.nprobe or knn.DEFAULT_NPROBE)
+        index = knn.to_gpu(index, nprobe)
     index_s = time.perf_counter() - t_index
     words = [caption_words(c) for c in captions]
     df = Counter()
@@ -365,15 +368,17 @@ def pseudolabel(cfg: PseudolabelConfig, progress=None) -> dict:
     images_s = time.perf_counter() - t_images
 
     sizes = {s: stats[s]["written"] for s in ds.shards}
-    skipped = Counter()
+    skipped, examples = Counter(), {}
     for st in stats.values():
         skipped.update(st["skipped"])
+        for why, keys_ in st.get("skipped_examples", {}).items():
+            examples[why] = (examples.get(why, []) + keys_)[:5]
     n_in, written = ds.num_samples, sum(sizes.values())
     dropped = sum(st["dropped_no_words"] for st in stats.values())
     index_info = {"kind": kind, "vectors": len(keys), "dim": enc.dim, "nprobe": nprobe or None, "gpu": gpu,
                   "reused": reused, "seconds": round(index_s, 3)}
     if kind == "ivf":
-        index_info["nlist"] = knn.nlist(index)
+        index_info["nlist"] = n_lists
     finish_dataset(out, sizes, {"stage": "pseudolabel", "input": str(cfg.unaligned), "aligned": str(cfg.aligned),
                                 "options": options, "index": index_info,
                                 "counts": {"in": n_in, "written": written, "dropped_no_words": dropped,
@@ -391,7 +396,7 @@ def pseudolabel(cfg: PseudolabelConfig, progress=None) -> dict:
         "checkpoint": str(cfg.checkpoint), "strategy": cfg.strategy, "k": cfg.k, "crops": cfg.crops,
         "words": cfg.words, "rmtop": cfg.rmtop if top else None, "seed": cfg.seed, "index": index_info,
         "aligned_captions": len(keys), "aligned_vocab": len(df), "samples_in": n_in, "written": written,
-        "dropped_no_words": dropped, "skipped": dict(skipped),
+        "dropped_no_words": dropped, "skipped": dict(skipped), "skipped_examples": examples,
         "avg_words": round(sum(k * v for k, v in lengths.items()) / written, 3) if written else 0.0,
         "words_hist": {str(k): lengths[k] for k in sorted(lengths)}, "vocab": len(pseudo_words),
         "top_words": [[w, n, df[w]] for w, n in pseudo_words.most_common(30)],
