@@ -2,6 +2,7 @@ import hashlib
 import json
 import random
 import re
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -189,9 +190,12 @@ def test_gpu_only_when_faiss_has_one_and_device_allows():
                     or __import__("faiss").get_num_gpus() == 0, reason="needs faiss-gpu and a GPU")
 def test_gpu_index_matches_cpu():
     x = unit(np.random.default_rng(3).standard_normal((1000, 32)))
-    cpu = knn.build_index(x, "flat")
-    gpu = knn.to_gpu(cpu)
-    assert knn.on_gpu(gpu) and (knn.search(gpu, x[:50], 5)[1] == knn.search(cpu, x[:50], 5)[1]).all()
+    for kind in ("flat", "ivf"):
+        cpu = knn.build_index(x, kind)
+        nprobe = knn.set_nprobe(cpu, 4)
+        gpu = knn.to_gpu(cpu, nprobe)
+        a, b = knn.search(gpu, x[:50], 5)[1], knn.search(cpu, x[:50], 5)[1]
+        assert knn.on_gpu(gpu) and np.mean([len(set(p) & set(q)) / 5 for p, q in zip(a, b)]) >= 0.98
 
 
 # --- the stage with a tiny checkpoint ----------------------------------------------------------
@@ -356,6 +360,7 @@ def test_undecodable_and_imageless_samples_are_counted_skips(world, tmp_path):
     finish_dataset(root, {"x-000000.tar": 5}, {"stage": "test"})
     rep = run({**world, "unaligned": root}, tmp_path / "o")
     assert rep["skipped"] == {"undecodable": 1, "no_image": 1} and rep["written"] == 3
+    assert rep["skipped_examples"] == {"undecodable": ["x_0"], "no_image": ["x_1"]}
     assert [s["__key__"] for s in iter_samples(tmp_path / "o")] == [s["__key__"] for s in good]
 
 
@@ -400,6 +405,11 @@ def test_bad_inputs_are_one_line_errors(world, tmp_path):
         run({**w, "aligned": tmp_path / "missing"}, tmp_path / "o")
     with pytest.raises(VlprepError, match="OUT must be a different folder"):
         run(w, w["aligned"])
+    nosidecar = shutil.copytree(w["unaligned"], tmp_path / "nosidecar")
+    (nosidecar / "un-000001.parquet").unlink()
+    with pytest.raises(VlprepError, match="UNALIGNED .*: missing sidecar un-000001.parquet"):
+        run({**w, "unaligned": nosidecar}, tmp_path / "o")
+    assert not (tmp_path / "o").exists()
 
 
 def test_nonempty_out_is_never_clobbered(world, tmp_path):

@@ -16,6 +16,7 @@ The contract (also in docs/PSEUDOLABEL.md):
   are skipped and counted.
 """
 
+import contextlib
 import hashlib
 import os
 import time
@@ -74,8 +75,6 @@ class Encoder:
                               "not pixels; it cannot embed images")
 
     def _autocast(self):
-        import contextlib
-
         return torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else contextlib.nullcontext()
 
     @torch.inference_mode()
@@ -229,7 +228,7 @@ def embed(cfg: EmbedConfig, progress=None) -> dict:
         if pending:
             flush()
     arr.flush()
-    del arr
+    arr = None  # closes the memmap
     if n < len(keys):  # some images were skipped: keep the first n rows
         full = np.load(tmp, mmap_mode="r")
         np.save(out / "embeddings.npy.tmp2", np.ascontiguousarray(full[:n]))

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 
 INDEX_KINDS = ("auto", "flat", "ivf")
-# Below this many captions the exact flat search costs less per query than the image encoder's forward on a
-# crop (benchmarks/pseudolabel.py), so exactness is free; above it IVF's speed-up dominates.
+# Below this many captions an exact flat search costs a few percent of the image encoder's forward per crop
+# (benchmarks/pseudolabel.py: 15 ms a query at 1M x 384), so exactness is free; above it IVF's speed-up pays.
 FLAT_MAX = 100_000
 DEFAULT_NPROBE = 32
 KMEANS_SEED = 1234
@@ -65,15 +65,13 @@ def build_index(x: np.ndarray, kind: str = "auto", nlist: int | None = None):
 
 
 def kind_of(index) -> str:
-    faiss = _faiss()
-    cpu = faiss.index_gpu_to_cpu(index) if on_gpu(index) else index
-    return "ivf" if faiss.try_extract_index_ivf(cpu) is not None else "flat"
+    """'ivf' or 'flat' for a CPU index (ask before moving it to a GPU: nothing here copies it back)."""
+    return "ivf" if _faiss().try_extract_index_ivf(index) is not None else "flat"
 
 
 def nlist(index) -> int:
-    """Number of inverted lists of an IVF index."""
-    faiss = _faiss()
-    return faiss.extract_index_ivf(faiss.index_gpu_to_cpu(index) if on_gpu(index) else index).nlist
+    """Number of inverted lists of a CPU IVF index."""
+    return _faiss().extract_index_ivf(index).nlist
 
 
 def on_gpu(index) -> bool:
@@ -86,24 +84,24 @@ def use_gpu(device: str) -> bool:
     return device != "cpu" and hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
 
 
-def to_gpu(index):
-    """The index on GPU 0 (the resources object is kept on the returned index)."""
+def set_nprobe(index, nprobe: int) -> int:
+    """Set a CPU IVF index's nprobe (clamped to its nlist); returns the value used, 0 for a flat index."""
+    if kind_of(index) != "ivf":
+        return 0
+    nprobe = max(1, min(nprobe, nlist(index)))
+    _faiss().ParameterSpace().set_index_parameter(index, "nprobe", nprobe)
+    return nprobe
+
+
+def to_gpu(index, nprobe: int = 0):
+    """A copy of a CPU index on GPU 0, with nprobe set again there (the GPU resources live on the returned index)."""
     faiss = _faiss()
     res = faiss.StandardGpuResources()
     gpu = faiss.index_cpu_to_gpu(res, 0, index)
     gpu._res = res
+    if nprobe:
+        faiss.GpuParameterSpace().set_index_parameter(gpu, "nprobe", nprobe)
     return gpu
-
-
-def set_nprobe(index, nprobe: int) -> int:
-    """Set an IVF index's nprobe (clamped to its nlist); returns the value used. Flat indexes ignore it."""
-    faiss = _faiss()
-    if kind_of(index) != "ivf":
-        return 0
-    nprobe = max(1, min(nprobe, nlist(index)))
-    space = faiss.GpuParameterSpace() if on_gpu(index) else faiss.ParameterSpace()
-    space.set_index_parameter(index, "nprobe", nprobe)
-    return nprobe
 
 
 def search(index, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

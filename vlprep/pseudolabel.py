@@ -166,11 +166,20 @@ def _check(cfg: PseudolabelConfig) -> None:
         raise VlprepError("--nprobe must be at least 1")
 
 
+def _need_sidecars(ds, role: str) -> None:
+    missing = [shard for shard in ds.shards if not ds.sidecar(shard).exists()]
+    if missing:
+        raise VlprepError(f"{role} {ds.root}: missing sidecar {ds.sidecar(missing[0]).name} (every vlprep stage "
+                          "writes one; re-shard it with `vlprep shards`)")
+
+
 def _aligned_captions(ds) -> tuple[list[str], list[str]]:
     """ALIGNED's keys and intact captions, from the sidecars."""
     from vlprep.embed import intact_captions
 
-    names = set(pq.read_schema(ds.sidecar(ds.shards[0])).names) if ds.shards else set()
+    if ds.num_samples == 0:
+        raise VlprepError(f"ALIGNED {ds.root} has no samples: there are no captions to retrieve")
+    names = set(pq.read_schema(ds.sidecar(ds.shards[0])).names)
     if not {"key", "caption"} <= names:
         raise VlprepError(f"ALIGNED {ds.root}: the sidecars have no key/caption columns (not written by vlprep?)")
     table = read_sidecars(ds, columns=["key", "caption"] + (["caption_raw"] if "caption_raw" in names else []))
@@ -186,11 +195,8 @@ def _index_fingerprint(ds, checkpoint: Path, kind: str) -> str:
     return h.hexdigest()
 
 
-def caption_index(ds, enc, out: Path, kind: str, batch_size: int, progress=None):
-    """(CPU index, keys, captions, reused) over ALIGNED's intact captions; loaded from OUT when it is current."""
-    keys, captions = _aligned_captions(ds)
-    if not keys:
-        raise VlprepError(f"ALIGNED {ds.root} has no samples: there are no captions to retrieve")
+def caption_index(ds, keys: list[str], captions: list[str], enc, out: Path, kind: str, progress=None):
+    """(CPU index, reused, fingerprint) over ALIGNED's intact captions; loaded from OUT when it is current."""
     kind = knn.choose_kind(kind, len(keys))
     fp = _index_fingerprint(ds, enc.path, kind)
     index_file, table_file = out / "knn.faiss", out / "knn_captions.parquet"
@@ -199,7 +205,7 @@ def caption_index(ds, enc, out: Path, kind: str, batch_size: int, progress=None)
         if meta.get(b"fingerprint") == fp.encode():
             index = knn.load_index(index_file)
             if index.d == enc.dim and index.ntotal == len(keys):
-                return index, keys, captions, True
+                return index, True, fp
     task = progress.add_task("embed captions", total=len(keys)) if progress else None
     vectors = np.empty((len(keys), enc.dim), dtype=np.float32)
     for i in range(0, len(keys), 256):  # one text batch size: the output does not depend on --batch-size
@@ -211,7 +217,7 @@ def caption_index(ds, enc, out: Path, kind: str, batch_size: int, progress=None)
     pq.write_table(table, out / "knn_captions.parquet.tmp")
     knn.save_index(index, index_file)
     (out / "knn_captions.parquet.tmp").replace(table_file)
-    return index, keys, captions, False
+    return index, False, fp
 
 
 @dataclass
@@ -242,7 +248,7 @@ def pseudolabel_shard(ctx: _Ctx, ds, out: Path, shard: str, fp: str, progress=No
 
     cfg, c = ctx.cfg, ctx.cfg.crops
     side = pq.read_table(ds.sidecar(shard)).replace_schema_metadata(None)
-    skipped, dropped = Counter(), 0
+    skipped, examples, dropped = Counter(), {}, 0
     samples, kept, captions, neighbours = [], [], [], []
     for batch in _batches(iter_aligned(ds.root / shard, side.column("key").to_pylist()), cfg.batch_size):
         ok, views = [], []
@@ -250,6 +256,8 @@ def pseudolabel_shard(ctx: _Ctx, ds, out: Path, shard: str, fp: str, progress=No
             image, why = decode(raw)
             if image is None:
                 skipped[why] += 1
+                if len(examples.setdefault(why, [])) < 5:
+                    examples[why].append(raw["__key__"])
                 continue
             ok.append((i, raw))
             views.append(ctx.enc.crop_views(image, raw["__key__"], cfg.seed, c))
@@ -290,7 +298,7 @@ def pseudolabel_shard(ctx: _Ctx, ds, out: Path, shard: str, fp: str, progress=No
         else:
             table = table.append_column(name, col)
     stats = {"in": side.num_rows, "written": len(samples), "dropped_no_words": dropped, "skipped": dict(skipped),
-             "fingerprint": fp}
+             "skipped_examples": examples, "fingerprint": fp}
     write_shard(out, shard, samples, table, stats=stats)
     return stats
 
@@ -312,8 +320,9 @@ def pseudolabel(cfg: PseudolabelConfig, progress=None) -> dict:
     out = Path(cfg.out)
     if out.resolve() in (aligned.root.resolve(), ds.root.resolve()):
         raise VlprepError("OUT must be a different folder from ALIGNED and UNALIGNED")
-    if aligned.num_samples == 0:
-        raise VlprepError(f"ALIGNED {aligned.root} has no samples: there are no captions to retrieve")
+    _need_sidecars(aligned, "ALIGNED")
+    _need_sidecars(ds, "UNALIGNED")
+    keys, captions = _aligned_captions(aligned)
     enc = Encoder(cfg.checkpoint, cfg.device)
     enc.check_images()
     ckpt = Path(cfg.checkpoint)
@@ -325,12 +334,13 @@ def pseudolabel(cfg: PseudolabelConfig, progress=None) -> dict:
 
     # --- the caption index and the ALIGNED word statistics
     t_index = time.perf_counter()
-    index, keys, captions, reused = caption_index(aligned, enc, out, cfg.index, 256, progress)
+    index, reused, index_fp = caption_index(aligned, keys, captions, enc, out, cfg.index, progress)
     kind = knn.kind_of(index)
+    nprobe = knn.set_nprobe(index, cfg.nprobe or knn.DEFAULT_NPROBE)
+    n_lists = knn.nlist(index) if kind == "ivf" else None
     gpu = knn.use_gpu(cfg.device)
     if gpu:
-        index = knn.to_gpu(index)
-    nprobe = knn.set_nprobe(index, cfg.nprobe or knn.DEFAULT_NPROBE)
+        index = knn.to_gpu(index, nprobe)
     index_s = time.perf_counter() - t_index
     words = [caption_words(c) for c in captions]
     df = Counter()
@@ -340,7 +350,7 @@ def pseudolabel(cfg: PseudolabelConfig, progress=None) -> dict:
     ctx = _Ctx(cfg, enc, index, keys, words, df, top)
 
     # --- pseudo-captions, shard by shard (resuming completed ones)
-    salt = (_index_fingerprint(aligned, ckpt, kind) + repr(sorted(options.items()))).encode()
+    salt = (index_fp + repr(sorted(options.items()))).encode()
     task = progress.add_task("pseudolabel", total=ds.num_samples) if progress else None
     stats, resumed, processed = {}, 0, 0
     t_images = time.perf_counter()
@@ -358,15 +368,17 @@ def pseudolabel(cfg: PseudolabelConfig, progress=None) -> dict:
     images_s = time.perf_counter() - t_images
 
     sizes = {s: stats[s]["written"] for s in ds.shards}
-    skipped = Counter()
+    skipped, examples = Counter(), {}
     for st in stats.values():
         skipped.update(st["skipped"])
+        for why, keys_ in st.get("skipped_examples", {}).items():
+            examples[why] = (examples.get(why, []) + keys_)[:5]
     n_in, written = ds.num_samples, sum(sizes.values())
     dropped = sum(st["dropped_no_words"] for st in stats.values())
     index_info = {"kind": kind, "vectors": len(keys), "dim": enc.dim, "nprobe": nprobe or None, "gpu": gpu,
                   "reused": reused, "seconds": round(index_s, 3)}
     if kind == "ivf":
-        index_info["nlist"] = knn.nlist(index)
+        index_info["nlist"] = n_lists
     finish_dataset(out, sizes, {"stage": "pseudolabel", "input": str(cfg.unaligned), "aligned": str(cfg.aligned),
                                 "options": options, "index": index_info,
                                 "counts": {"in": n_in, "written": written, "dropped_no_words": dropped,
@@ -384,7 +396,7 @@ def pseudolabel(cfg: PseudolabelConfig, progress=None) -> dict:
         "checkpoint": str(cfg.checkpoint), "strategy": cfg.strategy, "k": cfg.k, "crops": cfg.crops,
         "words": cfg.words, "rmtop": cfg.rmtop if top else None, "seed": cfg.seed, "index": index_info,
         "aligned_captions": len(keys), "aligned_vocab": len(df), "samples_in": n_in, "written": written,
-        "dropped_no_words": dropped, "skipped": dict(skipped),
+        "dropped_no_words": dropped, "skipped": dict(skipped), "skipped_examples": examples,
         "avg_words": round(sum(k * v for k, v in lengths.items()) / written, 3) if written else 0.0,
         "words_hist": {str(k): lengths[k] for k in sorted(lengths)}, "vocab": len(pseudo_words),
         "top_words": [[w, n, df[w]] for w, n in pseudo_words.most_common(30)],

@@ -313,7 +313,8 @@ def print_pseudolabel_report(r: dict, console: Console) -> None:
               f" ({'reused' if idx['reused'] else 'built'} in {idx['seconds']:.1f}s)")
     t.add_row("images", f"{r['samples_in']:,} in, {r['written']:,} pseudo-captioned")
     t.add_row("dropped (no words)", f"{r['dropped_no_words']:,}")
-    t.add_row("skipped", ", ".join(f"{k}: {v:,}" for k, v in r["skipped"].items()) or "0")
+    t.add_row("skipped", "; ".join(f"{k}: {v:,} (e.g. {', '.join(r['skipped_examples'].get(k, []))})"
+                                   for k, v in r["skipped"].items()) or "0")
     t.add_row("words per caption", f"{r['avg_words']:.2f} on average; vocabulary {r['vocab']:,} "
               f"(ALIGNED: {r['aligned_vocab']:,})")
     t.add_row("top words", ", ".join(f"{w} ({n})" for w, n, _ in r["top_words"][:15]))

@@ -397,7 +397,7 @@ def build_model(cfg: ModelConfig) -> VLModel:
 
 
 def load_checkpoint(path, device="cpu") -> tuple[VLModel, dict]:
-    """A `vltrain run` checkpoint -> (model in eval mode on `device`, its saved config dict); ValueError if it does not fit.
+    """A `vltrain run` checkpoint -> (model in eval mode on `device`, its saved config dict); ValueError if unfit.
 
     The model is rebuilt from ckpt["config"]["model"]; a key this version's ModelConfig lacks, or a weight whose
     shape differs from the rebuilt model's, is a one-line ValueError (not torch's multi-line load_state_dict error).
