@@ -146,6 +146,18 @@ def iter_aligned(tar_path: Path, keys: list[str]) -> Iterator[tuple[int, dict]]:
         yield i, raw
 
 
+def batches(it: Iterable, n: int) -> Iterator[list]:
+    """Consecutive lists of n items (the last one shorter); itertools.batched needs Python 3.12."""
+    batch = []
+    for x in it:
+        batch.append(x)
+        if len(batch) == n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
 def open_derived(src, out) -> tuple[Dataset, Path]:
     """A derived stage's input dataset and output folder, which must be another folder."""
     ds = open_dataset(src)

@@ -16,7 +16,6 @@ import json
 import time
 import warnings
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -26,8 +25,8 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from vlprep import VlprepError
-from vlprep.dataset import (decode_sample, finish_dataset, image_ext, iter_aligned, open_derived, prepare_output,
-                            shard_done, to_rgb, write_json_atomic, write_shard)
+from vlprep.dataset import (batches, decode_sample, finish_dataset, image_ext, iter_aligned, open_derived,
+                            prepare_output, shard_done, to_rgb, write_json_atomic, write_shard)
 
 OBJECT_TYPE = pa.list_(pa.struct([("label", pa.string()), ("score", pa.float32()), ("box", pa.list_(pa.float32()))]))
 
@@ -190,23 +189,12 @@ def _decode(data: bytes) -> np.ndarray | None:
         return None
 
 
-def _batches(it: Iterator, n: int) -> Iterator[list]:
-    batch = []
-    for x in it:
-        batch.append(x)
-        if len(batch) == n:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
-
-
 def detect_shard(ds, out: Path, shard: str, detector, imported: dict | None, cfg: DetectConfig, fp: str,
                  progress=None, task=None) -> dict:
     side = pq.read_table(ds.sidecar(shard))
     rows_in = side.replace_schema_metadata(None).to_pylist()
     samples, rows, counts = [], [], Counter()
-    for batch in _batches(iter_aligned(ds.root / shard, [r["key"] for r in rows_in]), cfg.batch_size):
+    for batch in batches(iter_aligned(ds.root / shard, [r["key"] for r in rows_in]), cfg.batch_size):
         batch, batch_rows = [raw for _, raw in batch], [rows_in[i] for i, _ in batch]
         if imported is not None:
             results = [[o for o in imported.get(r["__key__"], []) if o["score"] >= cfg.min_score] for r in batch]

@@ -42,8 +42,8 @@ import pyarrow.parquet as pq
 
 from vlprep import VlprepError
 from vlprep import knn
-from vlprep.dataset import (decode_sample, finish_dataset, iter_aligned, open_dataset, prepare_output, read_sidecars,
-                            shard_done, write_json_atomic, write_shard)
+from vlprep.dataset import (batches, decode_sample, finish_dataset, iter_aligned, open_dataset, prepare_output,
+                            read_sidecars, shard_done, write_json_atomic, write_shard)
 from vlprep.text import stop_words, tokenize
 
 STRATEGIES = ("maxcount", "rmtopmaxcount", "rmtoprand", "weighted")
@@ -231,17 +231,6 @@ class _Ctx:
     top: frozenset
 
 
-def _batches(it, n: int):
-    batch = []
-    for x in it:
-        batch.append(x)
-        if len(batch) == n:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
-
-
 def pseudolabel_shard(ctx: _Ctx, ds, out: Path, shard: str, fp: str, progress=None, task=None) -> dict:
     """Pseudo-caption one UNALIGNED shard and write it; returns its counts."""
     from vlprep.embed import decode
@@ -250,7 +239,7 @@ def pseudolabel_shard(ctx: _Ctx, ds, out: Path, shard: str, fp: str, progress=No
     side = pq.read_table(ds.sidecar(shard)).replace_schema_metadata(None)
     skipped, examples, dropped = Counter(), {}, 0
     samples, kept, captions, neighbours = [], [], [], []
-    for batch in _batches(iter_aligned(ds.root / shard, side.column("key").to_pylist()), cfg.batch_size):
+    for batch in batches(iter_aligned(ds.root / shard, side.column("key").to_pylist()), cfg.batch_size):
         ok, views = [], []
         for i, raw in batch:
             image, why = decode(raw)
