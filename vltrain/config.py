@@ -226,8 +226,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("sampler.alpha must be in (0, 1) and sampler.beta in [0, 1]")
     if s.refresh_every < 1 or s.heldout < 2:
         raise ConfigError("sampler.refresh_every must be >= 1 and sampler.heldout >= 2")
-    m = grit_sizes(cfg)[0]
-    if s.kind == "grit" and (m < 2 or grit_sizes(cfg)[1] < m):
+    m, queue = grit_sizes(cfg)
+    if s.kind == "grit" and (m < 2 or queue < m):
         raise ConfigError("GRIT needs sampler.search_space >= 2 and sampler.queue_size >= sampler.search_space")
 
 

@@ -115,12 +115,11 @@ class IndexedShards:
     def __init__(self, folders):
         import pyarrow.parquet as pq
 
-        self.roots = [open_dataset(f).root for f in folders]
-        sizes = [open_dataset(r).num_samples for r in self.roots]
-        self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        datasets = [open_dataset(f) for f in folders]
+        self.roots = [ds.root for ds in datasets]
+        self.offsets = np.concatenate([[0], np.cumsum([ds.num_samples for ds in datasets])]).astype(np.int64)
         keys = []
-        for root in self.roots:
-            ds = open_dataset(root)
+        for ds in datasets:
             for shard in ds.shards:
                 keys.extend(pq.read_table(ds.sidecar(shard), columns=["key"]).column(0).to_pylist())
         if len(keys) != self.offsets[-1]:

@@ -316,12 +316,13 @@ def tonics_instances(ontology_dir, keys: Sequence[str], is_val: np.ndarray, trip
         raise ValueError(f"{trip_path} does not describe the first shard folder (its keys differ): "
                          "give the ontology output folder as the first dataset")
     is_val = np.asarray(is_val, dtype=bool)
+    cls = t["class"].to_numpy()
     out = {}
     if triplets:
         for split, keep in (("train", ~is_val[idx]), ("val", is_val[idx])):
             out[split] = {"samples": idx[keep], "spans": t[["start", "end"]].to_numpy(np.int64)[keep]}
-        cls = t["class"].to_numpy()[~is_val[idx]]
-        out["train"]["nodes"] = [(c, np.flatnonzero(cls == c)) for c in classes]
+        train_cls = cls[~is_val[idx]]
+        out["train"]["nodes"] = [(c, np.flatnonzero(train_cls == c)) for c in classes]
     else:
         for split, keep in (("train", ~is_val), ("val", is_val)):
             out[split] = {"samples": np.flatnonzero(keep), "spans": None}
@@ -329,7 +330,7 @@ def tonics_instances(ontology_dir, keys: Sequence[str], is_val: np.ndarray, trip
         pos_of[out["train"]["samples"]] = np.arange(len(out["train"]["samples"]))
         nodes = []
         for c in classes:
-            members = np.unique(idx[t["class"].to_numpy() == c])
+            members = np.unique(idx[cls == c])
             pos = pos_of[members]
             nodes.append((c, pos[pos >= 0]))
         out["train"]["nodes"] = nodes
