@@ -134,6 +134,40 @@ def detect(
 
 
 @app.command()
+def features(
+    src: Path = typer.Argument(..., help="Input shard dataset."),
+    out: Path = typer.Argument(..., help="Output dataset: the same samples (members copied byte for byte) plus "
+                               "KEY.npy, the encoder's (N, D) token grid; `vltrain run OUT` then trains on tokens."),
+    image_model: str = typer.Option("efficientnet-lite0", help="efficientnet-lite0 (packaged ImageNet weights, "
+                                    "1280 x 7 x 7 at 224) or torchvision:ARCH (a CNN, e.g. torchvision:resnet50; "
+                                    "needs --weights)."),
+    weights: Optional[Path] = typer.Option(None, help="torchvision:ARCH: a local state dict file, saved with "
+                                           "torch.save(model.state_dict(), FILE); nothing is downloaded."),
+    size: Optional[int] = typer.Option(None, help="Resize the shorter side to N and centre-crop N x N (vltrain's "
+                                       "eval view); N/32 x N/32 tokens \\[default: 224]."),
+    dtype: str = typer.Option("float16", help="npy dtype: float16 (half the disk) or float32."),
+    batch_size: int = typer.Option(32, help="Images per encoder call."),
+    workers: Optional[int] = typer.Option(None, help="Threads decoding and resizing images for the encoder; 0 = "
+                                          "in the main thread \\[default: CPU count, at most 2]."),
+    device: str = typer.Option("auto", help="auto (CUDA when present, bf16 autocast there), cpu, cuda."),
+    overwrite: bool = typer.Option(False, help="Replace the vlprep files in a non-empty OUT written otherwise."),
+) -> None:
+    """Cache a frozen image encoder's tokens as an npy member of every sample (fast training on a CPU)."""
+    from vlprep.features import FeaturesConfig, features as run_features, print_features_report
+
+    cfg = FeaturesConfig(src=src, out=out, image_model=image_model, weights=weights, size=size, dtype=dtype,
+                         batch_size=batch_size, device=device, overwrite=overwrite)
+    if workers is not None:
+        cfg.workers = workers
+    with progress_bar() as progress:
+        report = run_features(cfg, progress=progress)
+    print_features_report(report, console)
+    if report["written"] == 0:
+        console.print("[yellow]warning:[/] no sample was written; the skip reasons above say why")
+    console.print(f"wrote {out}/ (report.json has every figure)", highlight=False)
+
+
+@app.command()
 def ontology(
     src: Path = typer.Argument(..., help="A dataset with detections (the output of `vlprep detect`)."),
     out: Path = typer.Argument(..., help="Output folder: ontology.json, triplets.parquet, annotated shards, report."),

@@ -1,0 +1,193 @@
+"""`vlprep features`: cache a frozen image encoder's token grid as an `npy` member of every sample.
+
+OUT has the samples of IN, every member copied byte for byte, plus `KEY.npy`: the encoder's tokens (N, D) for the
+image (`np.save(..., allow_pickle=False)`, --dtype float16 or float32), computed from vltrain's eval view (resize
+the shorter side to S, centre crop S x S, normalise with the encoder's statistics). OUT/meta.json records the
+encoder under "features" (vlprep.encoders: `features_spec`, `encoder_from_spec`), which is how vltrain knows to
+read tokens instead of pixels. Samples without an image or whose image does not decode are dropped and counted.
+
+A sample's tokens depend on its image alone: the batches are formed inside a shard, and at the default size (224)
+oneDNN's channels_last convolutions give each sample bit-identical outputs at any batch size (tested). At small
+sizes (e.g. 64, a 2 x 2 grid) the kernels picked for other batch shapes round differently, ~1e-6 in float32, which
+can flip the last bit of a float16; a re-run with the same --batch-size is still byte-identical.
+"""
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import time
+from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from vlprep import VlprepError
+from vlprep.dataset import (batches, finish_dataset, iter_aligned, open_derived, prepare_output, shard_done,
+                            write_json_atomic, write_shard)
+from vlprep.embed import decode, resolve_device
+from vlprep.encoders import eval_view, load_token_encoder, normalise
+
+DTYPES = ("float16", "float32")
+MAX_EXAMPLES = 5
+
+
+@dataclass
+class FeaturesConfig:
+    src: Path
+    out: Path
+    image_model: str = "efficientnet-lite0"   # efficientnet-lite0 | torchvision:ARCH
+    weights: Path | None = None
+    size: int | None = None                   # None: the encoder's (224)
+    dtype: str = "float16"
+    batch_size: int = 32
+    # Decode threads: PIL decoding and torch's resize release the GIL, so two threads keep the encoder fed on 2
+    # cores while it runs (benchmarks/features.py); 0 decodes in the main thread.
+    workers: int = field(default_factory=lambda: min(2, os.cpu_count() or 1))
+    device: str = "auto"
+    overwrite: bool = False
+
+
+def _view(raw: dict, size: int) -> tuple[torch.Tensor | None, str | None]:
+    """A raw sample's uint8 (3, S, S) eval view, or (None, skip reason)."""
+    image, why = decode(raw)
+    if image is None:
+        return None, why
+    return eval_view(image, size), None
+
+
+def _prefetch(pool: ThreadPoolExecutor | None, fn, items, ahead: int):
+    """fn(item) for each item, in order, with at most `ahead` calls in flight on the pool (inline without one)."""
+    if pool is None:
+        yield from map(fn, items)
+        return
+    pending = deque()
+    for item in items:
+        pending.append(pool.submit(fn, item))
+        if len(pending) >= ahead:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
+
+
+def npy_bytes(tokens: np.ndarray) -> bytes:
+    """(N, D) array -> the bytes of a .npy file (never pickled)."""
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(tokens), allow_pickle=False)
+    return buf.getvalue()
+
+
+def features_shard(ds, out: Path, shard: str, enc, cfg: FeaturesConfig, device: torch.device, pool, fp: str,
+                   progress=None, task=None) -> dict:
+    """Encode one shard's images and write the shard with npy members; returns its stats."""
+    side = pq.read_table(ds.sidecar(shard))
+    rows_in = side.replace_schema_metadata(None).to_pylist()
+    spec = enc.spec
+    size, dtype = spec["size"], np.dtype(cfg.dtype)
+    samples, rows, skipped, examples = [], [], Counter(), {}
+    views = _prefetch(pool, lambda item: (*item, *_view(item[1], size)),
+                      iter_aligned(ds.root / shard, [r["key"] for r in rows_in]), ahead=2 * cfg.batch_size)
+    for batch in batches(views, cfg.batch_size):
+        ok = []
+        for i, raw, view, why in batch:
+            if view is None:
+                skipped[why] += 1
+                if len(examples.setdefault(why, [])) < MAX_EXAMPLES:
+                    examples[why].append(raw["__key__"])
+            else:
+                ok.append((i, raw, view))
+        if ok:
+            x = normalise(torch.stack([v for _, _, v in ok]), spec["mean"], spec["std"]).to(device, non_blocking=True)
+            with torch.inference_mode(), (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+                                          else contextlib.nullcontext()):
+                tokens = enc(x).cpu().numpy().astype(dtype, copy=False)  # (B, N, D)
+            for (i, raw, _), t in zip(ok, tokens):
+                samples.append({**{k: v for k, v in raw.items() if k != "__url__"}, "npy": npy_bytes(t)})
+                rows.append(rows_in[i])
+        if progress:
+            progress.advance(task, len(batch))
+    stats = {"in": len(rows_in), "written": len(samples), "skipped": dict(skipped),
+             "skipped_examples": examples, "fingerprint": fp}
+    write_shard(out, shard, samples, rows, schema=side.schema.remove_metadata(), stats=stats)
+    return stats
+
+
+def features(cfg: FeaturesConfig, progress=None) -> dict:
+    """Run the stage; returns the report (also written to OUT/report.json)."""
+    if cfg.dtype not in DTYPES:
+        raise VlprepError(f"--dtype must be float16 or float32, got {cfg.dtype!r}")
+    if cfg.batch_size < 1:
+        raise VlprepError("--batch-size must be at least 1")
+    if cfg.workers < 0:
+        raise VlprepError("--workers must be 0 (decode in the main thread) or more")
+    t0 = time.perf_counter()
+    ds, out = open_derived(cfg.src, cfg.out)
+    device = resolve_device(cfg.device)
+    enc = load_token_encoder(cfg.image_model, cfg.weights, cfg.size).to(device)
+    spec = {**enc.spec, "dtype": cfg.dtype}
+    options = {"image_model": cfg.image_model, "weights": spec["weights"], "size": spec["size"],
+               "dtype": cfg.dtype, "src": str(ds.root.resolve())}
+    prepare_output(out, "features", options, cfg.overwrite)
+    # A shard is redone when its input sidecar or anything that changes the tokens (weights bytes included) differs.
+    salt = json.dumps(spec, sort_keys=True).encode()
+    task = progress.add_task("features", total=ds.num_samples) if progress else None
+    stats, resumed, processed = {}, 0, 0
+    pool = ThreadPoolExecutor(cfg.workers, thread_name_prefix="features-decode") if cfg.workers else None
+    try:
+        for shard in ds.shards:
+            fp = hashlib.blake2b(salt + ds.sidecar(shard).read_bytes(), digest_size=16).hexdigest()
+            done = shard_done(out, shard)
+            if done is not None and done.get("fingerprint") == fp:
+                stats[shard], resumed = done, resumed + 1
+                if progress:
+                    progress.advance(task, done["in"])
+                continue
+            stats[shard] = features_shard(ds, out, shard, enc, cfg, device, pool, fp, progress, task)
+            processed += stats[shard]["in"]
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+    skipped, examples = Counter(), {}
+    for st in stats.values():
+        skipped.update(st["skipped"])
+        for why, keys in st["skipped_examples"].items():
+            examples[why] = (examples.get(why, []) + keys)[:MAX_EXAMPLES]
+    n_in, written = sum(st["in"] for st in stats.values()), sum(st["written"] for st in stats.values())
+    sizes = {s: stats[s]["written"] for s in ds.shards}
+    finish_dataset(out, sizes, {"stage": "features", "input": str(cfg.src), "options": options,
+                                "counts": {"in": n_in, "written": written}, "features": spec})
+    elapsed = time.perf_counter() - t0
+    report = {
+        "stage": "features", "source": str(cfg.src), "features": spec, "samples_in": n_in, "written": written,
+        "skipped": dict(sorted(skipped.items())), "skipped_examples": dict(sorted(examples.items())),
+        "npy_bytes": spec["tokens"] * spec["dim"] * np.dtype(cfg.dtype).itemsize, "device": str(device),
+        "shards": len(ds.shards), "shards_resumed": resumed, "elapsed_s": round(elapsed, 3),
+        "images_per_s": round(processed / elapsed, 2) if processed else None,
+    }
+    write_json_atomic(out / "report.json", report)
+    return report
+
+
+def print_features_report(r: dict, console) -> None:
+    """The terminal table of `vlprep features`."""
+    from rich.table import Table
+
+    s = r["features"]
+    t = Table(title=f"vlprep features --image-model {s['encoder']}", show_header=True)
+    t.add_column("measure")
+    t.add_column("value", overflow="fold")
+    t.add_row("encoder", f"{s['encoder']} ({s['weights'] or 'packaged weights'}, sha256 {s['weights_sha256']})")
+    t.add_row("tokens", f"{s['tokens']} x {s['dim']} {s['dtype']} per image at {s['size']} px "
+              f"({r['npy_bytes']:,} bytes of npy data)")
+    t.add_row("samples", f"{r['samples_in']:,} in, {r['written']:,} written")
+    t.add_row("skipped", "; ".join(f"{k}: {v:,} (e.g. {', '.join(r['skipped_examples'].get(k, []))})"
+                                   for k, v in r["skipped"].items()) or "0")
+    console.print(t)
+    rate = f", {r['images_per_s']} images/s on {r['device']}" if r["images_per_s"] else ""
+    extra = f", {r['shards_resumed']} of {r['shards']} shard(s) resumed" if r["shards_resumed"] else ""
+    console.print(f"{r['elapsed_s']:.1f}s{rate}{extra}", highlight=False)
