@@ -11,35 +11,48 @@ from rich.console import Console
 from rich.table import Table
 
 from vlprep import VlprepError
+from vltrain.config import Config
 
+
+_DEFAULTS = Config()
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Train and evaluate vision-language alignment models on vlprep shards.")
-console = Console(stderr=True, emoji=False)
+console = Console(stderr=True, emoji=False, soft_wrap=True)
 out_console = Console(emoji=False)
 
 
 @contextmanager
 def user_errors():
-    """A user mistake becomes one 'error:' line and exit status 2, inside the command so CliRunner sees it too."""
+    """A user mistake becomes one 'error:' line and exit status 2, inside the command so CliRunner sees it too.
+
+    An interrupted run (Ctrl-C, SIGTERM) says where its checkpoint is and exits 130."""
+    from vltrain import TrainError
     from vltrain.config import ConfigError
-    from vltrain.train import TrainError
+    from vltrain.train import Interrupted
 
     try:
         yield
+    except Interrupted as e:
+        console.print(str(e), highlight=False, markup=False, soft_wrap=True)
+        raise typer.Exit(130) from None
     except (VlprepError, ConfigError, TrainError, ValueError, FileNotFoundError) as e:
-        console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        console.print("error: " + str(e), style="bold red", highlight=False, markup=False, soft_wrap=True)
         raise typer.Exit(2) from None
 
 
+# Column order and headers of every retrieval table: R@1/5/10 image->text, then text->image (papers: TR, IR).
+COLUMNS = [("i2t_r1", "i→t R@1"), ("i2t_r5", "i→t R@5"), ("i2t_r10", "i→t R@10"),
+           ("t2i_r1", "t→i R@1"), ("t2i_r5", "t→i R@5"), ("t2i_r10", "t→i R@10"), ("mean_recall", "mean")]
+
+
 def _recall_table(title: str, rows: dict[str, dict]) -> Table:
-    """One column per R@K key, one row per result dict (e.g. ITC, ITM re-rank, chance)."""
-    keys = [k for k in next(iter(rows.values())) if k != "k"]
-    table = Table(title=title)
+    """R@1/5/10 image→text and text→image (and their mean), one row per result dict (ITC, ITM re-rank, chance)."""
+    table = Table(title=title, caption="i→t: image→text (each image finds its caption); t→i: text→image")
     table.add_column("")
-    for k in keys:
-        table.add_column(k, justify="right")
+    for _, header in COLUMNS:
+        table.add_column(header, justify="right")
     for name, r in rows.items():
-        table.add_row(name, *(f"{r[k]:.2f}" if k in r else "" for k in keys))
+        table.add_row(name, *(f"{r[k]:.2f}" if k in r else "" for k, _ in COLUMNS))
     return table
 
 
@@ -56,19 +69,28 @@ def run(
     config: Optional[Path] = typer.Option(None, "--config", help="YAML file of config keys."),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="Dotted override key=value (repeatable), "
                                              "e.g. --set model.queue_size=1024."),
-    out: Optional[str] = typer.Option(None, help="Run folder: metrics.jsonl, tb/, last.pt, best.pt."),
-    steps: Optional[int] = typer.Option(None, help="Optimiser steps."),
+    out: Optional[str] = typer.Option(None, help="Run folder: metrics.jsonl, learning_curve.png, tb/, last.pt, "
+                                      f"best.pt \\[default: {_DEFAULTS.out}]."),
+    steps: Optional[int] = typer.Option(None, help=f"Optimiser steps \\[default: {_DEFAULTS.steps}]."),
     epochs: Optional[float] = typer.Option(None, help="Epochs over the training split (instead of --steps)."),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Pairs per step."),
-    device: Optional[str] = typer.Option(None, help="auto (CUDA when present), cpu or cuda."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Pairs per step "
+                                             f"\\[default: {_DEFAULTS.batch_size}]."),
+    device: Optional[str] = typer.Option(None, help="auto (CUDA when present), cpu, cuda or cuda:N "
+                                         f"\\[default: {_DEFAULTS.device}]."),
     sampler: Optional[str] = typer.Option(None, help="random, tonics (needs `vlprep ontology` output as the first "
                                           "folder) or grit \\[default: the preset's]."),
     refresh_every: Optional[int] = typer.Option(None, "--refresh-every", help="TOnICS: steps between held-out "
                                                 "checks that may refresh the curriculum \\[default: 500]."),
     resume: bool = typer.Option(False, "--resume", help="Continue exactly from OUT/last.pt."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Start over in an OUT that holds another run "
+                                   "(its checkpoints, metrics and tb/ are deleted)."),
 ) -> None:
     """Train on the shards (ITC / ITM / MLM or the TOnICS aligner; random, TOnICS or GRIT batches), evaluating
-    retrieval on the held-out split as it goes."""
+    retrieval on the held-out split as it goes.
+
+    Shards made by `vlprep features` are read as cached image tokens (fast on a CPU); others as pixels. The run
+    prints a summary, then an estimate of its duration after 10 steps. Ctrl-C saves OUT/last.pt; --resume goes on.
+    `vltrain config --preset P` prints every config key."""
     from vltrain.config import ConfigError, load_config
     from vltrain.train import train
 
@@ -78,16 +100,32 @@ def run(
         cfg = load_config(preset, config, set_ or [], shards=[str(s) for s in shards], out=out, steps=steps,
                           epochs=epochs, batch_size=batch_size, device=device,
                           **{"sampler.kind": sampler, "sampler.refresh_every": refresh_every})
-        result = train(cfg, resume=resume)
+        if resume and overwrite:
+            raise ConfigError("give --resume or --overwrite, not both")
+        result = train(cfg, resume=resume, overwrite=overwrite)
     ev = result["eval"]
     if ev is not None:
-        out_console.print(_recall_table(f"held-out retrieval at step {result['step']} ({ev['n_val']} pairs)",
-                                        {"model": {k: v for k, v in ev.items() if k in ev["chance"]},
-                                         "chance": ev["chance"]}))
+        out_console.print(_recall_table(f"held-out retrieval (%) at step {result['step']} ({ev['n_val']} pairs)",
+                                        {"model": ev, "chance": ev["chance"]}))
     else:
         console.print("no held-out samples: retrieval not evaluated (raise data.val_frac)")
     Path(result["out"], "result.json").write_text(json.dumps(result, indent=2) + "\n")
-    console.print(f"wrote {result['out']}/ (last.pt, metrics.jsonl, tb/, result.json)", highlight=False)
+    console.print(f"wrote {result['out']}/ (last.pt, metrics.jsonl, learning_curve.png, tb/, result.json)",
+                  highlight=False)
+
+
+@app.command("config")
+def config_(
+    preset: Optional[str] = typer.Option(None, help="A preset \\[default: albef]."),
+    config: Optional[Path] = typer.Option(None, "--config", help="YAML file of config keys."),
+    set_: Optional[list[str]] = typer.Option(None, "--set", help="Dotted override key=value (repeatable)."),
+) -> None:
+    """Print the fully resolved config as YAML: every key `--set` and `--config` accept, with its value."""
+    from vltrain.config import load_config, to_yaml
+
+    with user_errors():
+        cfg = load_config(preset, config, set_ or [])
+    sys.stdout.write(to_yaml(cfg))
 
 
 @app.command("eval")
@@ -102,7 +140,7 @@ def eval_(
 ) -> None:
     """Retrieval R@1/5/10 (optionally ITM re-ranked) and zero-shot accuracy of a checkpoint; a TOnICS aligner
     checkpoint is scored on noun-to-image retrieval over the triplets of the first folder (vlprep ontology output)."""
-    from vltrain.train import evaluate_checkpoint
+    from vltrain.evaluate import evaluate_checkpoint
 
     with user_errors():
         result = evaluate_checkpoint(checkpoint, shards, zeroshot=zeroshot, itm_rerank_k=itm_rerank_k,
@@ -111,7 +149,7 @@ def eval_(
     if "itm_rerank" in result:
         rows[f"ITM re-rank top-{result['itm_rerank']['k']}"] = result["itm_rerank"]
     rows["chance"] = result["chance"]
-    out_console.print(_recall_table(f"retrieval on {result['n_samples']} pairs", rows))
+    out_console.print(_recall_table(f"retrieval (%) on {result['n_samples']} pairs", rows))
     if "zeroshot" in result:
         zs = result["zeroshot"]
         if "top1" in zs:
@@ -127,8 +165,8 @@ def eval_(
 def main() -> None:
     try:
         app()
-    except KeyboardInterrupt:
-        console.print("interrupted: OUT/last.pt holds the last checkpoint; add --resume to continue")
+    except KeyboardInterrupt:  # a second Ctrl-C during a step, or one outside the loop
+        console.print("interrupted: OUT/last.pt (if any) holds the last checkpoint; add --resume to continue")
         sys.exit(130)
 
 

@@ -3,6 +3,7 @@
 Precedence, lowest first: dataclass defaults < --preset < --config FILE.yaml < --set < explicit CLI flags.
 """
 
+import re
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
@@ -21,7 +22,7 @@ class DataConfig:
     image_size: int = 224
     max_len: int = 32
     val_frac: float = 0.05          # held out by key hash, never trained on
-    use_features: bool = False      # read `npy` feature tokens instead of decoding pixels
+    input: str = "auto"             # auto (features when every folder has `vlprep features` tokens), features, pixels
     workers: int = 2
     min_crop_scale: float = 0.5     # RandomResizedCrop scale lower bound (ALBEF: 0.5)
     triplets: bool = False          # TOnICS triplet mode: instances are (caption, image, noun span) triplets
@@ -76,6 +77,7 @@ class Config:
     log_every: int = 10
     eval_every: int = 500
     ckpt_every: int = 500
+    ckpt_minutes: float = 10.0      # also write last.pt whenever this much wall time passed since the last one
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     loss: LossConfig = field(default_factory=LossConfig)
@@ -138,9 +140,9 @@ def apply_overrides(cfg, overrides: dict[str, Any], where: str = "") -> None:
         head, _, rest = str(dotted).partition(".")
         names = _valid_keys(cfg)
         if head not in names:
-            scope = f" in [{where}]" if where else ""
-            raise ConfigError(f"unknown config key {where + '.' if where else ''}{head!r}{scope}; "
-                              f"valid keys: {', '.join(names)}")
+            full = f"{where}.{head}" if where else head
+            raise ConfigError(f"unknown config key {full}; valid keys{' of ' + where if where else ''}: "
+                              f"{', '.join(names)}")
         current = getattr(cfg, head)
         path = f"{where}.{head}" if where else head
         if is_dataclass(current):
@@ -199,7 +201,16 @@ def load_config(preset: str | None = None, config_file: str | Path | None = None
     return cfg
 
 
+INPUTS = ("auto", "features", "pixels")
+
+
 def validate(cfg: Config) -> None:
+    if cfg.device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", cfg.device):
+        raise ConfigError(f"unknown device {cfg.device!r}; use auto (CUDA when present), cpu, cuda or cuda:N")
+    if cfg.data.input not in INPUTS:
+        raise ConfigError(f"unknown data.input {cfg.data.input!r}; use one of {', '.join(INPUTS)}")
+    if cfg.ckpt_every < 1 or cfg.ckpt_minutes <= 0 or cfg.eval_every < 1 or cfg.log_every < 1:
+        raise ConfigError("ckpt_every, eval_every and log_every must be >= 1 and ckpt_minutes > 0")
     if cfg.batch_size < 2:
         raise ConfigError("batch_size must be at least 2 (contrastive and ITM losses need negatives)")
     if cfg.steps < 1 and cfg.epochs <= 0:
@@ -241,7 +252,12 @@ def grit_sizes(cfg: Config) -> tuple[int, int]:
 
 
 def to_dict(cfg: Config) -> dict:
+    """The config as plain builtins (what checkpoints and `vltrain config` hold)."""
     return asdict(cfg)
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=None)
 
 
 def from_dict(data: dict) -> Config:

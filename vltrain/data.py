@@ -28,6 +28,41 @@ def in_val(key: str, frac: float) -> bool:
     return int.from_bytes(h, "big") < frac * 2**64
 
 
+# Spec keys that must agree for two `vlprep features` datasets to be mixed (dtype may differ: same encoder).
+SAME_ENCODER = ("encoder", "weights_sha256", "size", "mean", "std", "tokens", "dim")
+
+
+def feature_input(folders, mode: str = "auto") -> dict | None:
+    """The `vlprep features` record to train on (feature input), or None for pixel input; ValueError if mixed.
+
+    mode "auto" takes features when every folder has them and pixels when none has; "pixels" ignores them;
+    "features" requires them. Folders made by different encoders are never mixed.
+    """
+    from vlprep.encoders import features_spec
+
+    specs = {str(f): features_spec(f) for f in folders}
+    if mode == "pixels":
+        return None
+    have = [f for f, s in specs.items() if s]
+    lack = [f for f, s in specs.items() if not s]
+    if not have:
+        if mode == "features":
+            raise ValueError(f"data.input=features but {', '.join(lack)} holds no `vlprep features` tokens "
+                             "(no 'features' record in meta.json); run `vlprep features` on it first")
+        return None
+    if lack:
+        raise ValueError(f"cannot mix feature datasets ({', '.join(have)}) with pixel datasets ({', '.join(lack)}): "
+                         "run `vlprep features` on the pixel ones, or train on pixels with --set data.input=pixels")
+    first = specs[have[0]]
+    for f in have[1:]:
+        diff = [k for k in SAME_ENCODER if specs[f].get(k) != first.get(k)]
+        if diff:
+            k = diff[0]
+            raise ValueError(f"{have[0]} and {f} hold features of different encoders ({k} {first.get(k)!r} vs "
+                             f"{specs[f].get(k)!r}); make both with the same `vlprep features` options")
+    return first
+
+
 def train_transform(size: int, mean, std, min_scale: float = 0.5) -> v2.Compose:
     return v2.Compose([v2.ToImage(), v2.RandomResizedCrop(size, scale=(min_scale, 1.0), antialias=True),
                        v2.RandomHorizontalFlip(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
@@ -206,6 +241,11 @@ class Collate:
         if spans:
             out["noun_mask"] = span_mask(tok["offset_mapping"], torch.tensor(extra[1], dtype=torch.long))
         return out
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    """The batch's tensors on `device` (non-blocking from pinned memory); other entries as they are."""
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
 def count_split(folders, val_frac: float) -> dict[str, int]:

@@ -1,8 +1,23 @@
-"""Retrieval R@K (ITC similarity, optional ITM re-rank of the top-k) and zero-shot classification metrics."""
+"""Retrieval R@K (ITC similarity, optional ITM re-rank of the top-k), zero-shot accuracy, and `vltrain eval`.
 
+Metrics are pure functions of score matrices; `embed_split`, `view_scores` and `evaluate_checkpoint` run a model
+over shards to get them (the training loop's periodic checks use the first two).
+"""
+
+import re
 from collections.abc import Callable
+from pathlib import Path
 
+import numpy as np
 import torch
+from torch.utils.data import DataLoader
+
+from vltrain import TrainError
+from vltrain.data import (SAME_ENCODER, Collate, IndexedShards, InstanceView, ShardStream, eval_transform,
+                          feature_input, to_device)
+from vltrain.model import autocast, noun_states, resolve_device, tokenizer_for
+
+PROMPT = "a photo of a {}"
 
 KS = (1, 5, 10)
 
@@ -63,3 +78,215 @@ def zeroshot_accuracy(image_embeds: torch.Tensor, class_embeds: torch.Tensor, la
     hit = top == labels[:, None]
     return {"top1": round(100 * hit[:, 0].float().mean().item(), 2),
             "top5": round(100 * hit.any(dim=1).float().mean().item(), 2)}
+
+
+# --- running a model over shards ----------------------------------------------------------------------------------
+
+
+def pixel_transform(model, image_size: int):
+    """The deterministic eval transform for the model's pixels; a features model uses its encoder's size."""
+    size = model.image_size if model.cfg.image_model == "features" else image_size
+    return eval_transform(size, model.image_mean, model.image_std)
+
+
+def reads_features(model, folders) -> bool:
+    """Whether to feed `folders` to `model` as cached tokens (True) or as pixels (False); ValueError if neither."""
+    spec = feature_input(folders, "auto") if model.cfg.image_model == "features" else None
+    own = model.cfg.feature_encoder
+    if spec is not None and (not own or all(spec.get(k) == own.get(k) for k in SAME_ENCODER)):
+        return True
+    if model.image_mean is None:
+        raise ValueError("this model reads feature tokens and " + ("the data's were made by another encoder"
+                         if spec is not None else "the data has none") + "; it has no record of its encoder to "
+                         "run on pixels")
+    return False
+
+
+@torch.no_grad()
+def embed_split(model, folders, split: str, val_frac: float, max_len: int, batch_size: int, image_size: int,
+                workers: int, device: torch.device, use_features: bool, keep_inputs: bool = False) -> dict:
+    """ITC embeddings of a split in shard order: img/txt (N, E), ids/mask (N, L), captions[, inputs (N, ...)]."""
+    tok = tokenizer_for(model.cfg.text_model)
+    tf = None if use_features else pixel_transform(model, image_size)
+    stream = ShardStream(folders, split, val_frac, tf, shuffle=False, use_features=use_features)
+    # Its own generator: evaluation must not draw from the global RNG, or a resumed run would diverge.
+    loader = DataLoader(stream, batch_size=batch_size, collate_fn=Collate(tok, max_len, use_features),
+                        num_workers=workers, generator=torch.Generator().manual_seed(0))
+    was_training = model.training
+    model.eval()
+    out = {"img": [], "txt": [], "ids": [], "mask": [], "captions": [], "inputs": []}
+    for batch in loader:
+        batch = to_device(batch, device)
+        x = batch["features"] if use_features else batch["images"]
+        with autocast(device):
+            _, img = model.encode_image(x)
+            _, txt = model.encode_text(batch["input_ids"], batch["attention_mask"])
+        out["img"].append(img.float().cpu())
+        out["txt"].append(txt.float().cpu())
+        pad = max_len - batch["input_ids"].shape[1]
+        out["ids"].append(torch.nn.functional.pad(batch["input_ids"].cpu(), (0, pad), value=tok.pad_token_id or 0))
+        out["mask"].append(torch.nn.functional.pad(batch["attention_mask"].cpu(), (0, pad), value=0))
+        out["captions"].extend(batch["captions"])
+        if keep_inputs:  # only ITM re-ranking needs the pixels again
+            out["inputs"].append(x.cpu())
+    model.train(was_training)
+    if not out["img"]:
+        return {"n": 0}
+    return {"n": sum(len(t) for t in out["img"]), "captions": out["captions"],
+            **{k: torch.cat(v) for k, v in out.items() if k != "captions" and v}}
+
+
+def distinct_positions(view: InstanceView, limit: int, seed: int) -> np.ndarray:
+    """Up to `limit` positions of a view in a seeded random order, one per image (retrieval needs one positive)."""
+    order = np.random.default_rng([seed, 99]).permutation(len(view))
+    _, first = np.unique(view.samples[order], return_index=True)
+    return order[np.sort(first)][:limit]
+
+
+@torch.no_grad()
+def view_scores(model, view: InstanceView, positions, collate: Collate, batch_size: int, triplets: bool,
+                device) -> torch.Tensor:
+    """Scores (n, n) of query text i against image j: the aligner's s(i, j) in triplet mode, ITC similarity otherwise."""
+    was_training = model.training
+    model.eval()
+    nouns, tokens, txt, img = [], [], [], []
+    bs = batch_size
+    for a in range(0, len(positions), bs):
+        batch = to_device(collate([view[int(p)] for p in positions[a:a + bs]]), device)
+        with autocast(device):
+            tok, i_feat = model.encode_image(batch["features"] if view.use_features else batch["images"])
+            hidden, t_feat = model.encode_text(batch["input_ids"], batch["attention_mask"])
+        if triplets:
+            nouns.append(noun_states(hidden, batch["noun_mask"]).float())
+            tokens.append(tok.float())
+        else:
+            txt.append(t_feat.float())
+            img.append(i_feat.float())
+    if triplets:
+        nouns, tokens = torch.cat(nouns), torch.cat(tokens)
+        scores = torch.cat([model.align_scores(nouns[a:a + bs], tokens) for a in range(0, len(nouns), bs)])
+    else:
+        scores = torch.cat(txt) @ torch.cat(img).t()
+    model.train(was_training)
+    return scores.float().cpu()
+
+
+# --- `vltrain eval` -----------------------------------------------------------------------------------------------
+
+
+def _class_label(caption: str, patterns: list[re.Pattern]) -> int | None:
+    """Index of the longest class name found as whole words in the caption (case-insensitive), else None."""
+    hits = [(len(p.pattern), i) for i, p in enumerate(patterns) if p.search(caption)]
+    return max(hits)[1] if hits else None
+
+
+def _check_eval_args(path: Path, shards) -> None:
+    """Catch `vltrain eval DATA CKPT` (arguments swapped) with a line that says which argument is wrong."""
+    for s in map(Path, shards):
+        if s.is_file() and s.suffix in (".pt", ".pth"):
+            raise TrainError(f"{s} is a checkpoint file, not a shard folder: the checkpoint comes first "
+                             "(vltrain eval CHECKPOINT SHARDS...)")
+    if path.is_dir():
+        hint = " (the checkpoint comes first: vltrain eval CHECKPOINT SHARDS...)" if (path / "sizes.json").exists() \
+            else ""
+        raise TrainError(f"CHECKPOINT {path} is a folder, not a checkpoint file{hint}")
+
+
+@torch.no_grad()
+def evaluate_checkpoint(path, shards, zeroshot=None, itm_rerank_k: int = 0, device: str = "auto") -> dict:
+    """Retrieval R@1/5/10 over ALL samples of `shards` (optionally ITM re-ranked over the ITC top-k) and zero-shot.
+
+    Zero-shot reads class names from a file (one per line) and scores "a photo of a {name}". A sample's true
+    label is the class whose name appears as whole words in its caption (the longest such name when several
+    do); samples whose caption names no class are skipped and counted in `zeroshot.skipped`.
+    A model trained on `vlprep features` tokens reads the shards' tokens when the same encoder made them, and
+    otherwise runs that frozen encoder on the images first.
+    """
+    from vltrain.checkpoint import load, load_weights
+    from vltrain.config import from_dict
+    from vltrain.model import build_model
+
+    path = Path(path)
+    _check_eval_args(path, shards)
+    dev = resolve_device(device)
+    ckpt = load(path)
+    cfg = from_dict(ckpt["config"])
+    model = build_model(cfg.model)
+    load_weights(model, ckpt["model"], path)
+    model.to(dev).eval()
+    shards = [str(s) for s in shards]
+    if cfg.data.triplets:
+        return _evaluate_triplets(model, cfg, shards, dev, path, ckpt.get("step"),
+                                  zeroshot is not None or itm_rerank_k > 0)
+    # val_frac 0 puts every sample in the "train" split: `vltrain eval` scores all samples of SHARDS.
+    use_features = reads_features(model, shards)
+    emb = embed_split(model, shards, "train", 0.0, cfg.data.max_len, cfg.batch_size, cfg.data.image_size,
+                      cfg.data.workers, dev, use_features, keep_inputs=itm_rerank_k > 0)
+    n = emb["n"]
+    if n < 2:
+        raise TrainError(f"evaluation needs at least 2 samples, found {n} in {', '.join(shards)}")
+    sim = emb["img"] @ emb["txt"].t()
+    txt2img = torch.arange(n)
+    result = {"checkpoint": str(path), "step": ckpt.get("step"), "n_samples": n,
+              "input": "features" if use_features else "pixels",
+              "retrieval": recall_at_k(sim, txt2img), "chance": chance_recall(n, n)}
+
+    if itm_rerank_k > 0:
+        if model.fusion is None:
+            raise TrainError("--itm-rerank-k needs a model with a fusion encoder (this one has fusion_layers=0)")
+
+        def itm_score(img_idx: torch.Tensor, txt_idx: torch.Tensor) -> torch.Tensor:
+            x, ids, mask = (emb["inputs"][img_idx].to(dev), emb["ids"][txt_idx].to(dev),
+                            emb["mask"][txt_idx].to(dev))
+            with autocast(dev):
+                tokens, _ = model.encode_image(x)
+                hidden, _ = model.encode_text(ids, mask)
+                return model.itm_logits(model.fuse(hidden, mask, tokens))[:, 1].float().cpu()
+
+        result["itm_rerank"] = {"k": itm_rerank_k, **rerank_recall(*itm_rerank(sim, itm_rerank_k, itm_score), txt2img)}
+
+    if zeroshot is not None:
+        zpath = Path(zeroshot)
+        if not zpath.is_file():
+            raise TrainError(f"class file not found: {zpath}")
+        names = [line.strip() for line in zpath.read_text().splitlines() if line.strip()]
+        if not names:
+            raise TrainError(f"{zpath}: no class names (one per line)")
+        patterns = [re.compile(r"\b" + re.escape(c.lower()) + r"\b") for c in names]
+        labels = [_class_label(c.lower(), patterns) for c in emb["captions"]]
+        keep = [i for i, y in enumerate(labels) if y is not None]
+        tok = tokenizer_for(cfg.model.text_model)
+        enc = tok([PROMPT.format(c) for c in names], padding="longest", truncation=True, max_length=cfg.data.max_len,
+                  return_tensors="pt")
+        with autocast(dev):
+            _, class_emb = model.encode_text(enc["input_ids"].to(dev), enc["attention_mask"].to(dev))
+        zs = {"classes": len(names), "samples": len(keep), "skipped": n - len(keep), "prompt": PROMPT}
+        if keep:
+            zs.update(zeroshot_accuracy(emb["img"][keep], class_emb.float().cpu(),
+                                        torch.tensor([labels[i] for i in keep])))
+        result["zeroshot"] = zs
+    return result
+
+
+def _evaluate_triplets(model, cfg, shards: list[str], dev, path: Path, step, extra: bool) -> dict:
+    """A TOnICS aligner checkpoint: noun-to-image retrieval over the triplets of SHARDS (one per image)."""
+    from vltrain.samplers import tonics_instances
+
+    if extra:
+        raise TrainError("--zeroshot and --itm-rerank-k need ITC / ITM heads; this is a TOnICS aligner checkpoint")
+    data = IndexedShards(shards)
+    try:
+        inst = tonics_instances(shards[0], data.keys, np.zeros(len(data), dtype=bool), triplets=True)["train"]
+    except ValueError as e:
+        raise TrainError(f"a TOnICS aligner checkpoint is scored on triplets: {e}") from None
+    use_features = reads_features(model, shards)
+    tf = None if use_features else pixel_transform(model, cfg.data.image_size)
+    view = InstanceView(data, inst["samples"], tf, use_features, inst["spans"])
+    positions = distinct_positions(view, len(view), cfg.seed)
+    n = len(positions)
+    if n < 2:
+        raise TrainError(f"evaluation needs at least 2 triplets of distinct images, found {n}")
+    collate = Collate(tokenizer_for(cfg.model.text_model), cfg.data.max_len, use_features)
+    sim = view_scores(model, view, positions, collate, cfg.batch_size, True, dev).t()  # (image, noun)
+    return {"checkpoint": str(path), "step": step, "n_samples": n, "task": "noun-image retrieval, one triplet per image",
+            "retrieval": recall_at_k(sim, torch.arange(n)), "chance": chance_recall(n, n)}

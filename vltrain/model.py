@@ -2,7 +2,8 @@
 
 import contextlib
 import copy
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,6 +30,9 @@ class ModelConfig:
     text_model: str = "minilm"  # "minilm" (packaged all-MiniLM-L6-v2), "tiny" (random 2x32 BERT) or a local HF dir
     image_model: str = "efficientnet-lite0"  # "efficientnet-lite0" (packaged), "tiny" (random CNN) or "features"
     feature_dim: int = 2048  # D_in of precomputed tokens when image_model == "features"
+    # image_model == "features": the `vlprep features` record of the frozen encoder that made the tokens (meta.json
+    # "features"); with it, raw-pixel images are run through that encoder first. {} = tokens only.
+    feature_encoder: dict = field(default_factory=dict)
     embed_dim: int = 256  # ITC projection size
     fusion_layers: int = 2  # 0 = no fusion encoder and no ITM/MLM heads (CLIP-style dual encoder)
     freeze_image: bool = False
@@ -42,6 +46,31 @@ class ModelConfig:
 # --- encoders ---------------------------------------------------------------------------------------------------
 
 MINILM = "minilm"
+
+
+def image_stats(cfg: ModelConfig) -> tuple:
+    """(mean, std, size) of the pixels the model's image side expects; (None, None, None) if it takes no pixels."""
+    spec = cfg.feature_encoder if cfg.image_model == "features" else None
+    if spec:
+        return tuple(spec["mean"]), tuple(spec["std"]), int(spec["size"])
+    stats = IMAGE_STATS.get(cfg.image_model, {})
+    return stats.get("mean"), stats.get("std"), stats.get("size")
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """Silence transformers' "Loading weights" bar and its load report (the unused pooler) while loading."""
+    from transformers.utils import logging as hf_logging
+
+    level, bar = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bar:
+            hf_logging.enable_progress_bar()
 
 
 def _text_path(name: str) -> Path:
@@ -62,6 +91,24 @@ def build_tokenizer(cfg: ModelConfig):
     return AutoTokenizer.from_pretrained(str(_text_path(cfg.text_model)), local_files_only=True)
 
 
+@functools.lru_cache(maxsize=4)
+def tokenizer_for(text_model: str):
+    """The tokenizer for a text model name, loaded once per process."""
+    return build_tokenizer(ModelConfig(text_model=text_model))
+
+
+def resolve_device(name: str) -> torch.device:
+    """auto (CUDA when present), cpu, cuda or cuda:N -> a device; ValueError (one line) for anything else."""
+    from vlprep.embed import resolve_device as resolve
+
+    return resolve(name)
+
+
+def autocast(device: torch.device):
+    """bf16 autocast on CUDA; full float32 elsewhere (CPU bf16 is slow and unhelpful for small models)."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def _build_text_encoder(name: str) -> nn.Module:
     """A BERT-like HF encoder without pooler (an unused pooler would break DDP): ids (B, L) -> (B, L, D)."""
     from transformers import AutoModel, BertConfig, BertModel
@@ -70,10 +117,11 @@ def _build_text_encoder(name: str) -> nn.Module:
         return BertModel(BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                     intermediate_size=64, max_position_embeddings=128), add_pooling_layer=False)
     path = str(_text_path(name))
-    try:
-        return AutoModel.from_pretrained(path, add_pooling_layer=False, local_files_only=True)
-    except TypeError:  # encoders whose constructor has no pooler switch
-        return AutoModel.from_pretrained(path, local_files_only=True)
+    with _quiet_transformers():
+        try:
+            return AutoModel.from_pretrained(path, add_pooling_layer=False, local_files_only=True)
+        except TypeError:  # encoders whose constructor has no pooler switch
+            return AutoModel.from_pretrained(path, local_files_only=True)
 
 
 class _EffNetTokens(nn.Module):
@@ -227,8 +275,8 @@ class VLModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        stats = IMAGE_STATS.get(cfg.image_model, {})
-        self.image_mean, self.image_std, self.image_size = stats.get("mean"), stats.get("std"), stats.get("size")
+        self.image_mean, self.image_std, self.image_size = image_stats(cfg)
+        self._pixel_encoder = None  # features models: the frozen token encoder, built on first pixel input
 
         self.image_encoder, d_img = _build_image_encoder(cfg)
         if cfg.freeze_image:
@@ -298,11 +346,29 @@ class VLModel(nn.Module):
 
     def encode_image(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Pixels (B, 3, H, W) or feature tokens (B, N, D_in) -> tokens (B, N, D_img), ITC embeds (B, E) L2-normed."""
+        if images.dim() == 4 and self.cfg.image_model == "features":
+            images = self.pixel_tokens(images)
         with torch.no_grad() if self.cfg.freeze_image else contextlib.nullcontext():
             x = self.image_encoder(images)
         tokens = x.flatten(2).transpose(1, 2) if x.dim() == 4 else x  # (B, C, h, w) maps -> (B, h*w, C)
         # A CNN has no [CLS]: the global feature is the mean over tokens.
         return tokens, F.normalize(self.image_proj(tokens.mean(dim=1)), dim=-1)
+
+    @torch.no_grad()
+    def pixel_tokens(self, images: torch.Tensor) -> torch.Tensor:
+        """A features model on pixels (B, 3, S, S): the recorded frozen encoder's tokens (B, N, D), rounded to the
+        stored dtype, exactly what `vlprep features` would have cached for these pixels."""
+        spec = self.cfg.feature_encoder
+        if not spec:
+            raise ValueError("this model was trained on feature tokens with no record of their encoder; it cannot "
+                             "read pixels (run `vlprep features` on the data, or retrain on a `vlprep features` output)")
+        if self._pixel_encoder is None:
+            from vlprep.encoders import encoder_from_spec
+
+            # Kept out of the module tree: its weights are the packaged or recorded ones, not the checkpoint's.
+            object.__setattr__(self, "_pixel_encoder", encoder_from_spec(spec))
+        enc = self._pixel_encoder.to(images.device)
+        return enc(images).to(getattr(torch, spec.get("dtype", "float32"))).float()
 
     def encode_text(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ids, mask (B, L) -> hidden (B, L, D_txt), ITC embeds of [CLS] (B, E) L2-normed."""
@@ -395,41 +461,15 @@ def build_model(cfg: ModelConfig) -> VLModel:
     return VLModel(cfg)
 
 
-
 def load_checkpoint(path, device="cpu") -> tuple[VLModel, dict]:
-    """A `vltrain run` checkpoint -> (model in eval mode on `device`, its saved config dict); ValueError if unfit.
+    """A `vltrain run` checkpoint -> (model in eval mode on `device`, its saved config dict).
 
-    The model is rebuilt from ckpt["config"]["model"]; a key this version's ModelConfig lacks, or a weight whose
-    shape differs from the rebuilt model's, is a one-line ValueError (not torch's multi-line load_state_dict error).
+    Read with weights_only=True (no code runs from the file); the model is rebuilt from ckpt["config"]["model"],
+    and every mismatch is a one-line CheckpointError (a ValueError).
     """
-    from dataclasses import fields
+    from vltrain.checkpoint import load, load_weights, model_config
 
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"checkpoint not found: {path}")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # a truncated file, another format
-        raise ValueError(f"{path}: not a readable torch checkpoint ({type(e).__name__}: {str(e).splitlines()[0]})") \
-            from None
-    if not isinstance(ckpt, dict) or "model" not in ckpt or not isinstance(ckpt.get("config"), dict) \
-            or not isinstance(ckpt["config"].get("model"), dict):
-        raise ValueError(f"{path}: not a vltrain checkpoint (expected a dict with 'model' and 'config'['model'])")
-    saved = ckpt["config"]["model"]
-    known = {f.name for f in fields(ModelConfig)}
-    unknown = sorted(set(saved) - known)
-    if unknown:
-        raise ValueError(f"{path}: model config keys unknown to this version: {', '.join(unknown)}")
-    model = build_model(ModelConfig(**saved))
-    ours, theirs = model.state_dict(), ckpt["model"]
-    missing, extra = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
-    if missing or extra:
-        what = f"missing {missing[0]}" if missing else f"unexpected {extra[0]}"
-        raise ValueError(f"{path}: weights do not match the model its config builds ({len(missing)} missing, "
-                         f"{len(extra)} unexpected, e.g. {what})")
-    for name, t in theirs.items():
-        if tuple(t.shape) != tuple(ours[name].shape):
-            raise ValueError(f"{path}: dimensions do not match: {name} is {tuple(t.shape)} in the checkpoint but "
-                             f"{tuple(ours[name].shape)} in the model its config builds")
-    model.load_state_dict(theirs)
+    ckpt = load(path)
+    model = build_model(model_config(ckpt["config"]["model"], path))
+    load_weights(model, ckpt["model"], path)
     return model.to(device).eval(), ckpt["config"]

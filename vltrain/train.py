@@ -1,38 +1,47 @@
-"""The training loop (`train`), one training step (`train_step`), the lr schedule and checkpoint evaluation."""
+"""The training loop (`train`), one training step (`train_step`) and the lr schedule.
 
-import contextlib
+`train` reads top to bottom: setup (output folder, seeds, input kind, data) -> model -> optimiser -> resume ->
+loop (step, log, curriculum check, eval, checkpoint) -> end. Checkpoint evaluation lives in vltrain.evaluate and
+the checkpoint format in vltrain.checkpoint.
+"""
+
 import copy
-import functools
+import datetime
 import json
 import math
-import os
 import random
-import re
+import shutil
+import signal
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn)
 from torch.utils.data import DataLoader
 
-from vltrain.config import Config, from_dict, grit_sizes, to_dict
-from vltrain.data import (Collate, IndexedShards, InstanceView, ShardStream, count_split, eval_transform, in_val,
-                          train_transform)
-from vltrain.evaluate import chance_recall, itm_rerank, recall_at_k, rerank_recall, zeroshot_accuracy
+from vltrain import TrainError
+from vltrain import checkpoint as ckpt_io
+from vltrain.config import Config, grit_sizes, to_dict
+from vltrain.data import (Collate, IndexedShards, InstanceView, ShardStream, count_split, eval_transform,
+                          feature_input, in_val, to_device, train_transform)
+from vltrain.evaluate import chance_recall, distinct_positions, embed_split, recall_at_k, view_scores
 from vltrain.losses import (distill_targets, focal_itc_loss, hard_negative_weights, itc_consistency_loss, itc_loss,
                             itm_loss, mlm_loss, mlm_mask, sample_hard_negatives, tonics_ir_loss, tonics_tr_loss)
-from vltrain.model import build_model, build_tokenizer, noun_states
+from vltrain.model import autocast, build_model, image_stats, noun_states, resolve_device, tokenizer_for
 from vltrain.samplers import GritSampler, TonicsBatchSampler, TonicsCurriculum, tonics_instances
 
-console = Console(stderr=True, emoji=False)
-PROMPT = "a photo of a {}"
+console = Console(stderr=True, emoji=False, soft_wrap=True)
 EVAL_TRIPLETS = 1000  # triplet mode: validation retrieval over at most this many triplets (one per image)
+RUN_FILES = ("last.pt", "best.pt", "metrics.jsonl", "result.json", "curriculum.json", "curriculum.png",
+             "learning_curve.png", "tb")
 
 
-class TrainError(RuntimeError):
-    """A run that cannot go on (non-finite loss, nothing to resume, too little data); the message is one line."""
+class Interrupted(TrainError):
+    """Ctrl-C or SIGTERM: last.pt was written; the message says how to go on."""
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -43,14 +52,6 @@ def lr_at(step: int, cfg: Config) -> float:
     progress = min(1.0, (step - o.warmup_steps) / max(cfg.steps - o.warmup_steps, 1))
     low = o.lr * o.min_lr_ratio
     return low + (o.lr - low) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-@functools.lru_cache(maxsize=4)
-def _tokenizer(text_model: str):
-    """The tokenizer for a text model name, loaded once per process."""
-    from vltrain.model import ModelConfig
-
-    return build_tokenizer(ModelConfig(text_model=text_model))
 
 
 def _with_queue(keys: torch.Tensor, queue: torch.Tensor | None) -> torch.Tensor:
@@ -111,7 +112,7 @@ def train_step(model, batch: dict, cfg: Config, generator: torch.Generator, toke
         losses["itm_loss"] = itm_loss(model.itm_logits(fused), labels)
 
     if w.mlm > 0:
-        tok = tokenizer or _tokenizer(model.cfg.text_model)
+        tok = tokenizer or tokenizer_for(model.cfg.text_model)
         masked, labels = mlm_mask(ids, w.mlm_prob, tok.all_special_ids, tok.mask_token_id,
                                   model.text_encoder.config.vocab_size, generator)
         hidden, _ = model.encode_text(masked, mask)
@@ -138,64 +139,12 @@ def train_step(model, batch: dict, cfg: Config, generator: torch.Generator, toke
     return losses
 
 
-# --- helpers shared by the loop and `vltrain eval` ----------------------------------------------------------------
+# --- helpers -----------------------------------------------------------------------------------------------------
 
 
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def _autocast(device: torch.device):
-    """bf16 autocast on CUDA; full float32 elsewhere (CPU bf16 is slow and unhelpful for small models)."""
-    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
-
-
-def _to(batch: dict, device: torch.device) -> dict:
-    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
-
-
-def _save_atomic(obj: dict, path: Path) -> None:
-    """torch.save to a temporary file, then rename: a crash never leaves a half-written checkpoint."""
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-@torch.no_grad()
-def _embed(model, folders, split: str, val_frac: float, cfg: Config, device: torch.device,
-           keep_inputs: bool = False) -> dict:
-    """ITC embeddings of a split in shard order: img/txt (N, E), ids/mask (N, L), captions[, inputs (N, ...)]."""
-    tok = _tokenizer(model.cfg.text_model)
-    use_features = cfg.data.use_features
-    tf = None if use_features else eval_transform(cfg.data.image_size, model.image_mean, model.image_std)
-    stream = ShardStream(folders, split, val_frac, tf, shuffle=False, use_features=use_features)
-    # Its own generator: evaluation must not draw from the global RNG, or a resumed run would diverge.
-    loader = DataLoader(stream, batch_size=cfg.batch_size, collate_fn=Collate(tok, cfg.data.max_len, use_features),
-                        num_workers=cfg.data.workers, generator=torch.Generator().manual_seed(0))
-    was_training = model.training
-    model.eval()
-    out = {"img": [], "txt": [], "ids": [], "mask": [], "captions": [], "inputs": []}
-    for batch in loader:
-        batch = _to(batch, device)
-        x = batch["features"] if use_features else batch["images"]
-        with _autocast(device):
-            _, img = model.encode_image(x)
-            _, txt = model.encode_text(batch["input_ids"], batch["attention_mask"])
-        out["img"].append(img.float().cpu())
-        out["txt"].append(txt.float().cpu())
-        pad = cfg.data.max_len - batch["input_ids"].shape[1]
-        out["ids"].append(torch.nn.functional.pad(batch["input_ids"].cpu(), (0, pad), value=tok.pad_token_id or 0))
-        out["mask"].append(torch.nn.functional.pad(batch["attention_mask"].cpu(), (0, pad), value=0))
-        out["captions"].extend(batch["captions"])
-        if keep_inputs:  # only ITM re-ranking needs the pixels again
-            out["inputs"].append(x.cpu())
-    model.train(was_training)
-    if not out["img"]:
-        return {"n": 0}
-    return {"n": sum(len(t) for t in out["img"]), "captions": out["captions"],
-            **{k: torch.cat(v) for k, v in out.items() if k != "captions" and v}}
+def _ignore_sigint(worker_id: int) -> None:
+    """Loader workers leave Ctrl-C to the main process, which finishes its step and saves before stopping."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _next_batch(batches, rng_state: torch.Tensor) -> tuple[dict, torch.Tensor]:
@@ -211,14 +160,11 @@ def _next_batch(batches, rng_state: torch.Tensor) -> tuple[dict, torch.Tensor]:
 # --- index-based sampling: TOnICS, GRIT and triplets (vltrain.samplers) ------------------------------------------
 
 
-def _indexed_data(cfg: Config, model) -> dict:
+def _indexed_data(cfg: Config, tf_train, tf_eval) -> dict:
     """Train / val views read through wids, the batch sampler over the train view and the curriculum's node names."""
     shards = IndexedShards(cfg.shards)
     is_val = np.array([in_val(k, cfg.data.val_frac) for k in shards.keys], dtype=bool)
-    use_features, s, n = cfg.data.use_features, cfg.sampler, cfg.batch_size
-    tf_train = None if use_features else train_transform(cfg.data.image_size, model.image_mean, model.image_std,
-                                                         cfg.data.min_crop_scale)
-    tf_eval = None if use_features else eval_transform(cfg.data.image_size, model.image_mean, model.image_std)
+    use_features, s, n = cfg.data.input == "features", cfg.sampler, cfg.batch_size
     names = None
     if s.kind == "grit":
         splits = {"train": {"samples": np.flatnonzero(~is_val), "spans": None},
@@ -253,40 +199,6 @@ def _indexed_data(cfg: Config, model) -> dict:
     return {"sampler": sampler, "names": names, **views}
 
 
-def _distinct_positions(view: InstanceView, limit: int, seed: int) -> np.ndarray:
-    """Up to `limit` positions of a view in a seeded random order, one per image (retrieval needs one positive)."""
-    order = np.random.default_rng([seed, 99]).permutation(len(view))
-    _, first = np.unique(view.samples[order], return_index=True)
-    return order[np.sort(first)][:limit]
-
-
-@torch.no_grad()
-def _view_scores(model, view: InstanceView, positions, collate: Collate, cfg: Config, device) -> torch.Tensor:
-    """Scores (n, n) of query text i against image j: the aligner's s(i, j) in triplet mode, ITC similarity otherwise."""
-    was_training = model.training
-    model.eval()
-    nouns, tokens, txt, img = [], [], [], []
-    bs = cfg.batch_size
-    for a in range(0, len(positions), bs):
-        batch = _to(collate([view[int(p)] for p in positions[a:a + bs]]), device)
-        with _autocast(device):
-            tok, i_feat = model.encode_image(batch["features"] if cfg.data.use_features else batch["images"])
-            hidden, t_feat = model.encode_text(batch["input_ids"], batch["attention_mask"])
-        if cfg.data.triplets:
-            nouns.append(noun_states(hidden, batch["noun_mask"]).float())
-            tokens.append(tok.float())
-        else:
-            txt.append(t_feat.float())
-            img.append(i_feat.float())
-    if cfg.data.triplets:
-        nouns, tokens = torch.cat(nouns), torch.cat(tokens)
-        scores = torch.cat([model.align_scores(nouns[a:a + bs], tokens) for a in range(0, len(nouns), bs)])
-    else:
-        scores = torch.cat(txt) @ torch.cat(img).t()
-    model.train(was_training)
-    return scores.float().cpu()
-
-
 def _plot_curriculum(log: list[dict], names: list[str], path: Path, top: int = 8) -> None:
     """P(entity) and the `top` object nodes with the most final mass across steps, as a PNG."""
     import matplotlib
@@ -307,40 +219,172 @@ def _plot_curriculum(log: list[dict], names: list[str], path: Path, top: int = 8
     plt.close(fig)
 
 
+
+
+def _plot_learning_curve(rows: list[dict], path: Path) -> None:
+    """Held-out R@1 both ways (with chance) and the training loss against steps, from metrics.jsonl rows, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    loss = [(r["step"], r["total"]) for r in rows if "total" in r]
+    val = [(r["step"], r["val"]) for r in rows if "val" in r]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    if loss:
+        ax1.plot(*zip(*loss), color="tab:gray", lw=1)
+    ax1.set(xlabel="step", ylabel="training loss (total)", title="loss")
+    if val:
+        steps = [s for s, _ in val]
+        for key, label, colour in (("i2t_r1", "image→text R@1", "tab:blue"), ("t2i_r1", "text→image R@1", "tab:orange")):
+            ax2.plot(steps, [v[key] for _, v in val], marker="o", color=colour, label=label)
+        chance = val[-1][1]["chance"]["i2t_r1"]
+        ax2.axhline(chance, color="black", ls="--", lw=1, label=f"chance ({chance:.1f}%)")
+        ax2.legend(fontsize=8)
+        ax2.set_title(f"held-out retrieval ({val[-1][1]['n_val']} pairs)")
+    ax2.set(xlabel="step", ylabel="R@1 (%)", ylim=(0, None))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# --- setup helpers ------------------------------------------------------------------------------------------------
+
+
+def _prepare_out(out: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse to train into a folder that holds another run unless told to resume it or to overwrite it."""
+    if resume:
+        if not (out / "last.pt").exists():
+            raise TrainError(f"--resume: no checkpoint at {out / 'last.pt'}")
+        return
+    found = [name for name in RUN_FILES if (out / name).exists()]
+    if found and not overwrite:
+        raise TrainError(f"{out} already holds a run ({', '.join(found)}); add --resume to continue it or "
+                         "--overwrite to start over (or choose another --out)")
+    for name in found:  # only the files a run writes: anything else in the folder is the user's
+        target = out / name
+        shutil.rmtree(target) if target.is_dir() else target.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def _seed_everything(seed: int, device: torch.device) -> None:
+    """A fresh run is a function of its seed: every RNG seeded, deterministic kernels where torch has them."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if device.type == "cuda":
+        import os
+
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's condition for determinism
+        torch.backends.cudnn.benchmark = False
+    # warn_only: an op without a deterministic kernel warns instead of stopping the run.
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def _resolve_input(cfg: Config) -> None:
+    """Features or pixels, from the shards' meta.json (data.input auto) or as asked; sets the model to match."""
+    try:
+        spec = feature_input(cfg.shards, cfg.data.input)
+    except ValueError as e:
+        raise TrainError(str(e)) from None
+    if spec is None:
+        cfg.data.input = "pixels"
+        if cfg.model.image_model == "features":
+            raise TrainError("model.image_model=features needs `vlprep features` output as the data")
+        return
+    cfg.data.input = "features"
+    cfg.model.image_model, cfg.model.feature_dim, cfg.model.feature_encoder = "features", int(spec["dim"]), spec
+
+
+def _fmt_duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _summary(cfg: Config, model, device, n_train: int, n_val: int, per_epoch: int) -> str:
+    """The start-of-run block: what will train, on what, for how long, where it goes."""
+    m, w, d = cfg.model, cfg.loss, cfg.data
+    trained, frozen, n_params = [], [], 0
+    for name, child in model.named_children():
+        if name == "momentum":
+            continue
+        params = list(child.parameters())
+        if not params:
+            continue
+        k = sum(p.numel() for p in params if p.requires_grad)
+        n_params += k
+        (trained if k else frozen).append(name)
+    if cfg.data.input == "features":
+        spec = m.feature_encoder
+        image = (f"cached {spec.get('encoder', '?')} tokens {spec.get('tokens')}x{spec.get('dim')} "
+                 f"{spec.get('dtype', '')} (frozen, from `vlprep features`)")
+    else:
+        image = f"{m.image_model} on {d.image_size}px pixels ({'frozen' if m.freeze_image else 'trained'})"
+    losses = ", ".join(f"{k} {v:g}" for k, v in (("itc", w.itc), ("itm", w.itm), ("mlm", w.mlm),
+                                                  ("consistency", w.consistency), ("tonics_ir", w.tonics_ir),
+                                                  ("tonics_tr", w.tonics_tr)) if v > 0)
+    extras = [f"focal gamma {w.focal_gamma:g}"] if w.focal_gamma > 0 else []
+    extras += [f"distill {w.distill_alpha:g}"] if w.distill_alpha > 0 else []
+    extras += [f"MLM {w.mlm_prob:.0%}"] if w.mlm > 0 else []
+    dtype = "bf16 autocast" if device.type == "cuda" else "float32"
+    lines = [
+        f"vltrain run: preset {cfg.preset}, {cfg.steps:,} steps = {cfg.steps / max(per_epoch, 1):.1f} epochs of "
+        f"{per_epoch:,} batches of {cfg.batch_size}, seed {cfg.seed}",
+        f"  data     {', '.join(cfg.shards)}: train {n_train:,}, held out {n_val:,} (val_frac {d.val_frac:g}); "
+        f"sampler {cfg.sampler.kind}",
+        f"  image    {image}",
+        f"  text     {m.text_model}, max {d.max_len} tokens; fusion layers {m.fusion_layers}"
+        + (f"; momentum {m.momentum_m:g}" if m.momentum else "") + f"; queue {m.queue_size:,}",
+        f"  losses   {losses}" + (f" ({', '.join(extras)})" if extras else ""),
+        f"  trains   {n_params / 1e6:.1f}M parameters in {', '.join(trained) or 'nothing'}"
+        + (f"; frozen: {', '.join(frozen)}" if frozen else ""),
+        f"  device   {device} ({dtype}); lr {cfg.optim.lr:g}, warm-up {cfg.optim.warmup_steps}",
+        f"  out      {cfg.out}: last.pt every {cfg.ckpt_every} steps or {cfg.ckpt_minutes:g} min, best.pt at evals "
+        f"every {cfg.eval_every} steps, metrics.jsonl, learning_curve.png, tb/",
+    ]
+    return "\n".join(lines)
+
+
 # --- the loop -----------------------------------------------------------------------------------------------------
 
 
-def train(cfg: Config, resume: bool = False) -> dict:
-    """Train as cfg says, writing OUT/{metrics.jsonl, tb/, last.pt, best.pt}; returns the final metrics."""
+def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
+    """Train as cfg says, writing OUT/{metrics.jsonl, tb/, last.pt, best.pt}; returns the final metrics.
+
+    Refuses an OUT holding another run unless `resume` (continue from OUT/last.pt) or `overwrite` (start over).
+    Ctrl-C / SIGTERM finish the current step, write last.pt and raise `Interrupted`.
+    """
     # --- setup
     cfg = copy.deepcopy(cfg)
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    random.seed(cfg.seed)
-    np.random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
-    device = _device(cfg.device)
     last_path, best_path = out / "last.pt", out / "best.pt"
-    ckpt = None
-    if resume:
-        if not last_path.exists():
-            raise TrainError(f"--resume: no checkpoint at {last_path}")
-        ckpt = torch.load(last_path, map_location="cpu", weights_only=False)
+    try:
+        device = resolve_device(cfg.device)
+    except Exception as e:  # VlprepError / ValueError from the shared resolver: one line either way
+        raise TrainError(str(e)) from None
+    _prepare_out(out, resume, overwrite)
+    ckpt = ckpt_io.load(last_path, "--resume checkpoint") if resume else None
+    _seed_everything(cfg.seed, device)
+    _resolve_input(cfg)
 
     # --- data
-    tok = _tokenizer(cfg.model.text_model)
-    model = build_model(cfg.model)
-    use_features = cfg.data.use_features
+    tok = tokenizer_for(cfg.model.text_model)
+    use_features = cfg.data.input == "features"
+    mean, std, _ = image_stats(cfg.model)
+    tf_train = None if use_features else train_transform(cfg.data.image_size, mean, std, cfg.data.min_crop_scale)
+    tf_eval = None if use_features else eval_transform(cfg.data.image_size, mean, std)
     collate = Collate(tok, cfg.data.max_len, use_features)
     indexed = cfg.sampler.kind != "random" or cfg.data.triplets
     if indexed:  # TOnICS / GRIT / triplets: positions from a batch sampler, samples read through wids
-        data = _indexed_data(cfg, model)
-        sampler, n_train = data["sampler"], len(data["train"])
+        data = _indexed_data(cfg, tf_train, tf_eval)
+        sampler, n_train, n_val = data["sampler"], len(data["train"]), len(data["val"])
     else:
-        n_train = count_split(cfg.shards, cfg.data.val_frac)["train"]
-        tf = None if use_features else train_transform(cfg.data.image_size, model.image_mean, model.image_std,
-                                                       cfg.data.min_crop_scale)
-        stream = ShardStream(cfg.shards, "train", cfg.data.val_frac, tf, seed=cfg.seed, use_features=use_features)
+        counts = count_split(cfg.shards, cfg.data.val_frac)
+        n_train, n_val = counts["train"], counts["val"]
+        stream = ShardStream(cfg.shards, "train", cfg.data.val_frac, tf_train, seed=cfg.seed, use_features=use_features)
         sampler = None
     if n_train < cfg.batch_size:
         raise TrainError(f"the training split has {n_train} {'triplets' if cfg.data.triplets else 'samples'}, fewer "
@@ -348,6 +392,16 @@ def train(cfg: Config, resume: bool = False) -> dict:
     per_epoch = n_train // cfg.batch_size  # drop_last: every batch is full (hard negatives need B >= 2)
     if cfg.epochs > 0:
         cfg.steps = max(1, math.ceil(cfg.epochs * per_epoch))
+    if cfg.model.queue_size > n_train:
+        console.print(f"warning: model.queue_size {cfg.model.queue_size:,} is longer than the training split "
+                      f"({n_train:,}): every sample would sit in the queue as its own negative more than once; "
+                      f"clamped to {n_train:,}", highlight=False)
+        cfg.model.queue_size = n_train
+    if ckpt is not None:
+        diffs = ckpt_io.config_diff(ckpt["config"], to_dict(cfg))
+        if diffs:
+            raise TrainError(f"--resume: {last_path} was trained with another config ({'; '.join(diffs[:6])}"
+                             f"{'; ...' if len(diffs) > 6 else ''}); use the same options, or a new --out")
     tonics = isinstance(sampler, TonicsBatchSampler) and cfg.sampler.kind == "tonics"
 
     def epoch_batches(epoch: int):
@@ -356,7 +410,7 @@ def train(cfg: Config, resume: bool = False) -> dict:
         # Index samplers: an epoch is a GRIT pass over the data or a TOnICS curriculum period.
         seed = cfg.seed * 100_003 + epoch
         common = dict(collate_fn=collate, num_workers=cfg.data.workers, pin_memory=device.type == "cuda",
-                      generator=torch.Generator().manual_seed(seed))
+                      generator=torch.Generator().manual_seed(seed), worker_init_fn=_ignore_sigint)
         if sampler is not None:
             sampler.set_epoch(epoch)
             loader = DataLoader(data["train"], batch_sampler=sampler, **common)
@@ -366,6 +420,9 @@ def train(cfg: Config, resume: bool = False) -> dict:
         return iter(loader), torch.Generator().manual_seed(seed + 1).get_state()
 
     # --- model
+    model = build_model(cfg.model)
+    if ckpt is not None:
+        ckpt_io.load_weights(model, ckpt["model"], last_path)
     model.to(device).train()
     generator = torch.Generator(device=device).manual_seed(cfg.seed)  # MLM masks and hard-negative draws
 
@@ -376,10 +433,10 @@ def train(cfg: Config, resume: bool = False) -> dict:
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas))
 
+    # --- resume (the data position is replayed: this epoch's batches already trained on are drawn again)
     step, epoch, consumed, best = 0, 0, 0, -1.0
     curriculum_log = []  # TOnICS: P_S at every held-out check
     if ckpt is not None:
-        model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         step, epoch, consumed, best = ckpt["step"], ckpt["epoch"], ckpt["consumed"], ckpt["best"]
         if sampler is not None:
@@ -388,52 +445,48 @@ def train(cfg: Config, resume: bool = False) -> dict:
             sampler.load_state_dict(ckpt["sampler"])
             curriculum_log = ckpt.get("curriculum_log", [])
     batches, data_rng = epoch_batches(epoch)
-    for _ in range(consumed):  # the exact data position: replay this epoch's batches already trained on
+    for _ in range(consumed):
         _, data_rng = _next_batch(batches, data_rng)
     if ckpt is not None:
-        rng = ckpt["rng"]
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        torch.set_rng_state(rng["torch"])
-        if rng.get("cuda") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
-        generator.set_state(rng["generator"])
+        ckpt_io.set_rng_states(ckpt["rng"], generator)
+        console.print(f"resumed from step {step} of {cfg.steps} ({last_path})", highlight=False)
+    console.print(_summary(cfg, model, device, n_train, n_val, per_epoch), highlight=False, markup=False)
 
     def checkpoint() -> dict:
         return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "epoch": epoch,
                 "consumed": consumed, "best": best, "config": to_dict(cfg),
                 "sampler": sampler.state_dict() if sampler is not None else None, "curriculum_log": curriculum_log,
-                "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-                        "generator": generator.get_state()}}
+                "rng": ckpt_io.rng_states(generator)}
 
-    heldout = (_distinct_positions(data["val"], cfg.sampler.heldout, cfg.seed) if tonics else None)
+    heldout = (distinct_positions(data["val"], cfg.sampler.heldout, cfg.seed) if tonics else None)
     if tonics and len(heldout) < 2:
         raise TrainError(f"the TOnICS refresh check needs held-out instances and the validation split has "
                          f"{len(heldout)}; raise data.val_frac")
-    val_triplets = _distinct_positions(data["val"], EVAL_TRIPLETS, cfg.seed) if cfg.data.triplets else None
+    val_triplets = distinct_positions(data["val"], EVAL_TRIPLETS, cfg.seed) if cfg.data.triplets else None
 
     def evaluate() -> dict | None:
         if cfg.data.triplets:  # the aligner's own task: noun i of a held-out triplet against image j
             if len(val_triplets) < 2:
                 return None
-            sim = _view_scores(model, data["val"], val_triplets, collate, cfg, device).t()
+            sim = view_scores(model, data["val"], val_triplets, collate, cfg.batch_size, True, device).t()
             what = "val triplets"
         else:
-            emb = _embed(model, cfg.shards, "val", cfg.data.val_frac, cfg, device)
+            emb = embed_split(model, cfg.shards, "val", cfg.data.val_frac, cfg.data.max_len, cfg.batch_size,
+                              cfg.data.image_size, cfg.data.workers, device, use_features)
             if emb["n"] < 2:
                 return None
             sim, what = emb["img"] @ emb["txt"].t(), "val samples"
         n = sim.shape[0]
         res = recall_at_k(sim, torch.arange(n))
         chance = chance_recall(n, n)
-        console.print(f"step {step} eval on {n} {what}: mean recall {res['mean_recall']:.2f} | "
-                      + ", ".join(f"{k} {res[k]:.1f} (chance {chance[k]:.1f})" for k in chance), highlight=False)
+        console.print(f"step {step} eval on {n} {what}: R@1 image→text {res['i2t_r1']:.1f}, text→image "
+                      f"{res['t2i_r1']:.1f} (chance {chance['i2t_r1']:.1f}); mean recall {res['mean_recall']:.2f}",
+                      highlight=False)
         return {**res, "n_val": n, "chance": chance}
 
     def curriculum_check() -> dict:
         """TOnICS: held-out image retrieval R@1, and a curriculum refresh when it reaches the threshold."""
-        scores = _view_scores(model, data["val"], heldout, collate, cfg, device)
+        scores = view_scores(model, data["val"], heldout, collate, cfg.batch_size, cfg.data.triplets, device)
         acc = float((scores.argmax(dim=1) == torch.arange(len(heldout))).float().mean())
         refreshed = acc >= cfg.sampler.threshold
         if refreshed:
@@ -450,36 +503,69 @@ def train(cfg: Config, resume: bool = False) -> dict:
 
     # --- loop
     metrics_path = out / "metrics.jsonl"
-    kept_rows = []
+    rows = []
     if ckpt is not None and metrics_path.exists():  # drop rows logged after the checkpoint: they are redone
-        kept_rows = [line for line in metrics_path.read_text().splitlines()
-                     if line.strip() and json.loads(line)["step"] <= step]
+        rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+        rows = [r for r in rows if r["step"] <= step]
     metrics_file = metrics_path.open("w")
-    metrics_file.writelines(line + "\n" for line in kept_rows)
+    metrics_file.writelines(json.dumps(r) + "\n" for r in rows)
+
+    def log(row: dict) -> None:
+        rows.append(row)
+        metrics_file.write(json.dumps(row) + "\n")
+        metrics_file.flush()
+
     from torch.utils.tensorboard import SummaryWriter
 
     tb = SummaryWriter(str(out / "tb"))
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=console, disable=not console.is_terminal)
-    task = progress.add_task("train", total=cfg.steps, completed=step)
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("eta"),
+                        TimeRemainingColumn(), console=console, disable=not console.is_terminal)
+    task = progress.add_task("train", total=cfg.steps, completed=step, rate="")
     last_eval, losses_f = None, {}
-    t0, seen = time.perf_counter(), 0
+    start_step, t_start = step, time.perf_counter()
+    t0, seen, last_save = time.perf_counter(), 0, time.monotonic()
+    report_every = max(1, cfg.steps // 10)  # without a terminal (no bar), a progress line every 10%
+
+    stop = {"signal": None}
+
+    def on_signal(signum, frame):
+        if stop["signal"] is not None:  # a second Ctrl-C abandons the step at once
+            raise KeyboardInterrupt
+        stop["signal"] = signum
+        console.print(f"{signal.Signals(signum).name}: finishing step {step + 1}, then saving last.pt "
+                      "(again to abandon)", highlight=False)
+
+    def interrupted():
+        ckpt_io.save(checkpoint(), last_path)
+        raise Interrupted(f"stopped at step {step} of {cfg.steps}: {last_path} holds it; run the same command with "
+                          "--resume to continue")
+
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         with progress:
             while step < cfg.steps:
+                if stop["signal"] is not None:
+                    interrupted()
                 try:
                     batch, data_rng = _next_batch(batches, data_rng)
                 except StopIteration:
                     epoch, consumed = epoch + 1, 0
                     batches, data_rng = epoch_batches(epoch)
                     continue
+                except Exception:
+                    if stop["signal"] is not None:  # the signal reached a loader worker too: the state is intact
+                        interrupted()
+                    raise
                 consumed += 1
                 step += 1
                 lr = lr_at(step, cfg)
                 for g in optimizer.param_groups:
                     g["lr"] = lr
-                batch = _to(batch, device)
-                with _autocast(device):
+                batch = to_device(batch, device)
+                with autocast(device):
                     losses = train_step(model, batch, cfg, generator, tok)
                 queue_feats = losses.pop("queue_feats")
                 losses_f = {k: float(v.detach()) for k, v in losses.items()}
@@ -500,23 +586,38 @@ def train(cfg: Config, resume: bool = False) -> dict:
                     sampler.collect(batch["index"], *queue_feats)
                 seen += cfg.batch_size
 
+                # --- progress and logging
+                done = step - start_step
+                elapsed = time.perf_counter() - t_start
+                sec_per_step = elapsed / done
+                if done == 10 and cfg.steps - step > 0:
+                    left = sec_per_step * (cfg.steps - step)
+                    end = (datetime.datetime.now() + datetime.timedelta(seconds=left)).strftime("%H:%M")
+                    console.print(f"{done} steps in {elapsed:.1f} s ({sec_per_step:.2f} s/step, "
+                                  f"{cfg.batch_size / sec_per_step:.1f} samples/s): the remaining {cfg.steps - step:,}"
+                                  f" steps take about {_fmt_duration(left)} (until about {end})", highlight=False)
+                    if left > 3600 and device.type == "cpu" and not use_features:
+                        console.print("hint: on a CPU, cache the image tower once with `vlprep features IN OUT` and "
+                                      "train on OUT: several times faster (docs/FEATURES.md)", highlight=False)
                 if step % cfg.log_every == 0 or step == cfg.steps:
                     rate = seen / max(time.perf_counter() - t0, 1e-9)
                     t0, seen = time.perf_counter(), 0
                     row = {"step": step, **losses_f, "lr": lr, "samples_per_s": round(rate, 2)}
-                    metrics_file.write(json.dumps(row) + "\n")
-                    metrics_file.flush()
+                    log(row)
                     for k, v in row.items():
                         if k != "step":
                             tb.add_scalar(f"train/{k}", v, step)
-                progress.update(task, completed=step, description=f"step {step} " + " ".join(
-                    f"{k.removesuffix('_loss')} {v:.3f}" for k, v in losses_f.items()) + f" lr {lr:.2e}")
+                progress.update(task, completed=step, rate=f"{sec_per_step:.2f} s/step", description=f"step {step} "
+                                + " ".join(f"{k.removesuffix('_loss')} {v:.3f}" for k, v in losses_f.items())
+                                + f" lr {lr:.2e}")
+                if progress.disable and step % report_every == 0:
+                    console.print(f"step {step}/{cfg.steps} loss {losses_f['total']:.3f}, {sec_per_step:.2f} s/step, "
+                                  f"eta {_fmt_duration(sec_per_step * (cfg.steps - step))}", highlight=False)
 
                 # --- curriculum (at the end of a period, so the refreshed P_S starts with the next period)
                 if tonics and step % cfg.sampler.refresh_every == 0:
                     row = curriculum_check()
-                    metrics_file.write(json.dumps({"step": step, "curriculum": row}) + "\n")
-                    metrics_file.flush()
+                    log({"step": step, "curriculum": row})
                     tb.add_scalar("curriculum/p_entity", row["probs"][0], step)
                     tb.add_scalar("curriculum/heldout_r1", row["heldout_r1"], step)
 
@@ -527,116 +628,23 @@ def train(cfg: Config, resume: bool = False) -> dict:
                         for k, v in last_eval.items():
                             if isinstance(v, float):
                                 tb.add_scalar(f"val/{k}", v, step)
-                        metrics_file.write(json.dumps({"step": step, "val": last_eval}) + "\n")
-                        metrics_file.flush()
+                        log({"step": step, "val": last_eval})
+                        _plot_learning_curve(rows, out / "learning_curve.png")
                         if last_eval["mean_recall"] > best:
                             best = last_eval["mean_recall"]
-                            _save_atomic(checkpoint(), best_path)
+                            ckpt_io.save(checkpoint(), best_path)
 
                 # --- checkpoint
-                if step % cfg.ckpt_every == 0 or step == cfg.steps:
-                    _save_atomic(checkpoint(), last_path)
+                if (step % cfg.ckpt_every == 0 or step == cfg.steps
+                        or time.monotonic() - last_save >= 60 * cfg.ckpt_minutes):
+                    ckpt_io.save(checkpoint(), last_path)
+                    last_save = time.monotonic()
     finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
         metrics_file.close()
         tb.close()
     if not last_path.exists():  # resumed at or past the final step: still leave a checkpoint behind
-        _save_atomic(checkpoint(), last_path)
+        ckpt_io.save(checkpoint(), last_path)
     return {"step": step, "losses": losses_f, "eval": last_eval, "best_mean_recall": best if best >= 0 else None,
             "out": str(out)}
-
-
-# --- `vltrain eval` -----------------------------------------------------------------------------------------------
-
-
-def _class_label(caption: str, patterns: list[re.Pattern]) -> int | None:
-    """Index of the longest class name found as whole words in the caption (case-insensitive), else None."""
-    hits = [(len(p.pattern), i) for i, p in enumerate(patterns) if p.search(caption)]
-    return max(hits)[1] if hits else None
-
-
-@torch.no_grad()
-def evaluate_checkpoint(path, shards, zeroshot=None, itm_rerank_k: int = 0, device: str = "auto") -> dict:
-    """Retrieval R@1/5/10 over ALL samples of `shards` (optionally ITM re-ranked over the ITC top-k) and zero-shot.
-
-    Zero-shot reads class names from a file (one per line) and scores "a photo of a {name}". A sample's true
-    label is the class whose name appears as whole words in its caption (the longest such name when several
-    do); samples whose caption names no class are skipped and counted in `zeroshot.skipped`.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise TrainError(f"checkpoint not found: {path}")
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    cfg = from_dict(ckpt["config"])
-    dev = _device(device)
-    model = build_model(cfg.model)
-    model.load_state_dict(ckpt["model"])
-    model.to(dev).eval()
-    if cfg.data.triplets:
-        return _evaluate_triplets(model, cfg, [str(s) for s in shards], dev, path, ckpt.get("step"),
-                                  zeroshot is not None or itm_rerank_k > 0)
-    # val_frac 0 puts every sample in the "train" split: `vltrain eval` scores all samples of SHARDS.
-    emb = _embed(model, [str(s) for s in shards], "train", 0.0, cfg, dev, keep_inputs=itm_rerank_k > 0)
-    n = emb["n"]
-    if n < 2:
-        raise TrainError(f"evaluation needs at least 2 samples, found {n} in {', '.join(map(str, shards))}")
-    sim = emb["img"] @ emb["txt"].t()
-    txt2img = torch.arange(n)
-    result = {"checkpoint": str(path), "step": ckpt.get("step"), "n_samples": n,
-              "retrieval": recall_at_k(sim, txt2img), "chance": chance_recall(n, n)}
-
-    if itm_rerank_k > 0:
-        if model.fusion is None:
-            raise TrainError("--itm-rerank-k needs a model with a fusion encoder (this one has fusion_layers=0)")
-
-        def itm_score(img_idx: torch.Tensor, txt_idx: torch.Tensor) -> torch.Tensor:
-            x, ids, mask = (emb["inputs"][img_idx].to(dev), emb["ids"][txt_idx].to(dev),
-                            emb["mask"][txt_idx].to(dev))
-            with _autocast(dev):
-                tokens, _ = model.encode_image(x)
-                hidden, _ = model.encode_text(ids, mask)
-                return model.itm_logits(model.fuse(hidden, mask, tokens))[:, 1].float().cpu()
-
-        result["itm_rerank"] = {"k": itm_rerank_k, **rerank_recall(*itm_rerank(sim, itm_rerank_k, itm_score), txt2img)}
-
-    if zeroshot is not None:
-        zpath = Path(zeroshot)
-        if not zpath.is_file():
-            raise TrainError(f"class file not found: {zpath}")
-        names = [line.strip() for line in zpath.read_text().splitlines() if line.strip()]
-        if not names:
-            raise TrainError(f"{zpath}: no class names (one per line)")
-        patterns = [re.compile(r"\b" + re.escape(c.lower()) + r"\b") for c in names]
-        labels = [_class_label(c.lower(), patterns) for c in emb["captions"]]
-        keep = [i for i, y in enumerate(labels) if y is not None]
-        tok = _tokenizer(cfg.model.text_model)
-        enc = tok([PROMPT.format(c) for c in names], padding="longest", truncation=True, max_length=cfg.data.max_len,
-                  return_tensors="pt")
-        with _autocast(dev):
-            _, class_emb = model.encode_text(enc["input_ids"].to(dev), enc["attention_mask"].to(dev))
-        zs = {"classes": len(names), "samples": len(keep), "skipped": n - len(keep), "prompt": PROMPT}
-        if keep:
-            zs.update(zeroshot_accuracy(emb["img"][keep], class_emb.float().cpu(),
-                                        torch.tensor([labels[i] for i in keep])))
-        result["zeroshot"] = zs
-    return result
-
-
-def _evaluate_triplets(model, cfg: Config, shards: list[str], dev, path: Path, step, extra: bool) -> dict:
-    """A TOnICS aligner checkpoint: noun-to-image retrieval over the triplets of SHARDS (one per image)."""
-    if extra:
-        raise TrainError("--zeroshot and --itm-rerank-k need ITC / ITM heads; this is a TOnICS aligner checkpoint")
-    data = IndexedShards(shards)
-    try:
-        inst = tonics_instances(shards[0], data.keys, np.zeros(len(data), dtype=bool), triplets=True)["train"]
-    except ValueError as e:
-        raise TrainError(f"a TOnICS aligner checkpoint is scored on triplets: {e}") from None
-    tf = None if cfg.data.use_features else eval_transform(cfg.data.image_size, model.image_mean, model.image_std)
-    view = InstanceView(data, inst["samples"], tf, cfg.data.use_features, inst["spans"])
-    positions = _distinct_positions(view, len(view), cfg.seed)
-    n = len(positions)
-    if n < 2:
-        raise TrainError(f"evaluation needs at least 2 triplets of distinct images, found {n}")
-    collate = Collate(_tokenizer(cfg.model.text_model), cfg.data.max_len, cfg.data.use_features)
-    sim = _view_scores(model, view, positions, collate, cfg, dev).t()  # (image, noun)
-    return {"checkpoint": str(path), "step": step, "n_samples": n, "task": "noun-image retrieval, one triplet per image",
-            "retrieval": recall_at_k(sim, torch.arange(n)), "chance": chance_recall(n, n)}

@@ -1,0 +1,150 @@
+"""Checkpoints that hold only tensors and plain data, written atomically and read without the unpickler.
+
+`torch.load(weights_only=True)` accepts tensors, dicts, lists, tuples, strings, numbers, booleans and None and
+refuses every other pickle opcode, so a crafted file cannot run code. Everything we save is therefore converted
+to those types first (`plain`): numpy arrays become tensors, the numpy RNG state a list of ints, the config a
+dict of builtins. Every failure to read or fit a checkpoint is one line (`CheckpointError`).
+"""
+
+import os
+import pickle
+import random
+import zipfile
+from dataclasses import fields
+from pathlib import Path
+
+import numpy as np
+import torch
+
+FORMAT = 1  # bumped when the layout below changes incompatibly
+REQUIRED = {"model": dict, "config": dict}
+
+
+class CheckpointError(ValueError):
+    """A file that is not a vltrain checkpoint, or one that does not fit the model or the run; one line."""
+
+
+def plain(obj):
+    """`obj` with numpy arrays as tensors and numpy scalars as Python numbers, recursively (weights_only-safe)."""
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(obj))
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, dict):
+        return {k: plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(plain(v) for v in obj)
+    return obj
+
+
+def rng_states(generator: torch.Generator) -> dict:
+    """Every RNG a run draws from, as tensors and plain data."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"python": random.getstate(), "numpy": [name, keys.tolist(), pos, has_gauss, gauss],
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "generator": generator.get_state()}
+
+
+def set_rng_states(rng: dict, generator: torch.Generator) -> None:
+    """Restore what `rng_states` saved."""
+    version, state, gauss = rng["python"]
+    random.setstate((version, tuple(state), gauss))
+    name, keys, pos, has_gauss, cached = rng["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(rng["torch"])
+    if rng.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    generator.set_state(rng["generator"])
+
+
+def save(obj: dict, path: Path) -> None:
+    """torch.save of plain(obj) to a temporary file, then rename: a crash never leaves a half-written checkpoint."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"format": FORMAT, **plain(obj)}, tmp)
+    os.replace(tmp, path)
+
+
+def load(path, what: str = "checkpoint") -> dict:
+    """Read a checkpoint with weights_only=True and check its layout; CheckpointError (one line) otherwise."""
+    path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(f"{what} {path} is a folder, not a checkpoint file (last.pt or best.pt)")
+    if not path.is_file():
+        raise CheckpointError(f"{what} not found: {path}")
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; anything else is not ours
+        raise CheckpointError(f"{path}: not a vltrain checkpoint (not a torch.save file, or truncated)")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        # weights_only refused a pickle opcode or global: an old checkpoint, or a file crafted to run code.
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        why = next((ln for ln in lines if "unsupported" in ln.lower()), lines[-1] if lines else type(e).__name__)
+        raise CheckpointError(f"{path}: refused to load: it holds Python objects other than tensors and plain data, "
+                              f"which could run code ({why[:160]})") from None
+    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as e:
+        raise CheckpointError(f"{path}: not a readable vltrain checkpoint (truncated, or not a torch file: "
+                              f"{type(e).__name__})") from None
+    if not isinstance(ckpt, dict):
+        raise CheckpointError(f"{path}: not a vltrain checkpoint (expected a dict with 'model' and 'config')")
+    for key, typ in REQUIRED.items():
+        if not isinstance(ckpt.get(key), typ):
+            raise CheckpointError(f"{path}: not a vltrain checkpoint (no '{key}' {typ.__name__})")
+    if not isinstance(ckpt["config"].get("model"), dict):
+        raise CheckpointError(f"{path}: the checkpoint's config has no 'model' section")
+    bad = next((k for k, v in ckpt["model"].items() if not torch.is_tensor(v)), None)
+    if bad is not None:
+        raise CheckpointError(f"{path}: model entry {bad!r} is not a tensor")
+    if ckpt.get("format", FORMAT) > FORMAT:
+        raise CheckpointError(f"{path}: written by a newer vltrain (checkpoint format {ckpt['format']}, this "
+                              f"version reads {FORMAT})")
+    return ckpt
+
+
+def model_config(saved: dict, path):
+    """ModelConfig from a checkpoint's config['model']; keys unknown to this version are a CheckpointError."""
+    from vltrain.model import ModelConfig
+
+    known = {f.name for f in fields(ModelConfig)}
+    unknown = sorted(set(saved) - known)
+    if unknown:
+        raise CheckpointError(f"{path}: model config keys unknown to this version: {', '.join(unknown)}")
+    return ModelConfig(**saved)
+
+
+def load_weights(model, weights: dict, path) -> None:
+    """model.load_state_dict(weights) after checking names and shapes, each mismatch said in one line."""
+    ours = model.state_dict()
+    missing, extra = sorted(set(ours) - set(weights)), sorted(set(weights) - set(ours))
+    if missing or extra:
+        what = f"missing {missing[0]}" if missing else f"unexpected {extra[0]}"
+        raise CheckpointError(f"{path}: weights do not match the model its config builds ({len(missing)} missing, "
+                              f"{len(extra)} unexpected, e.g. {what})")
+    emb = model.cfg.embed_dim
+    saved_emb = weights.get("text_proj.weight", ours["text_proj.weight"]).shape[0]
+    if saved_emb != emb:
+        raise CheckpointError(f"{path}: checkpoint has embed_dim {saved_emb}, config asks {emb}")
+    for name, t in weights.items():
+        if tuple(t.shape) != tuple(ours[name].shape):
+            raise CheckpointError(f"{path}: dimensions do not match: {name} is {tuple(t.shape)} in the checkpoint "
+                                  f"but {tuple(ours[name].shape)} in the model its config builds")
+    model.load_state_dict(weights)
+
+
+# Keys a resumed run may change: how long it runs, where and how it reports, how it loads data.
+RESUMABLE = {"steps", "epochs", "out", "device", "log_every", "eval_every", "ckpt_every", "ckpt_minutes",
+             "data.workers"}
+
+
+def config_diff(saved: dict, now: dict, prefix: str = "") -> list[str]:
+    """'key: saved -> now' for every config key that differs, dotted, skipping RESUMABLE keys."""
+    diffs = []
+    for key in sorted(set(saved) | set(now)):
+        dotted = prefix + key
+        a, b = saved.get(key), now.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            diffs += config_diff(a, b, dotted + ".")
+        elif dotted not in RESUMABLE and a != b:
+            diffs.append(f"{dotted}: {a!r} -> {b!r}")
+    return diffs
