@@ -258,3 +258,27 @@ def test_a_shard_whose_captions_all_come_out_empty(tmp_path):
     side = read_sidecars(open_dataset(tmp_path / "b"))
     assert side.column("caption").to_pylist() == ["dog", "red cat"] and {"caption_raw", "bow"} <= set(side.column_names)
     assert [s["txt"] for s in iter_samples(tmp_path / "b")] == ["dog", "red cat"]
+
+
+def test_warns_when_rmtop_reaches_the_base_vocabulary(tmp_path):
+    # 40 captions over 6 content words: whatever the base split, its vocabulary after rmstop is at most 6 words.
+    words6 = ["red", "dog", "blue", "cat", "green", "tree"]
+    caps = [f"the {words6[i % 6]} and a {words6[(i + 1) % 6]}" for i in range(40)]
+    src = make_dataset(tmp_path, caps, per_shard=10)
+    warned = []
+    rep = bow(BowConfig(src=src, out=tmp_path / "t20", ops="rmstop,basevocab,rmtop:20", base_frac=0.5, workers=1),
+              warn=warned.append)
+    keys = read_sidecars(open_dataset(src), ["key"]).column("key").to_pylist()
+    base_left = {w for k, c in zip(keys, caps) if base_member(0, k, 0.5) for w in c.split() if w not in STOP}
+    assert warned and warned == rep["warnings"][:1]
+    m = re.search(r"rmtop:20 .* only (\d+) words after rmstop,basevocab", warned[0])
+    assert m and int(m.group(1)) == len(base_left) <= 6  # the stop words 'the', 'and', 'a' are not counted
+    # Every deformed caption came out empty: the second warning gives the count.
+    dropped, deformed = rep["dropped_empty"], rep["written"] - rep["base_samples"]
+    assert dropped > 0 and deformed == 0
+    assert any(f"{dropped:,} of {dropped:,} deformed captions (100%)" in w for w in rep["warnings"])
+    # A small t keeps most captions and says nothing.
+    quiet = []
+    rep = bow(BowConfig(src=src, out=tmp_path / "t1", ops="rmstop,basevocab,rmtop:1", base_frac=0.5, workers=1),
+              warn=quiet.append)
+    assert quiet == [] and rep["warnings"] == []

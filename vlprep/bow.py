@@ -229,6 +229,29 @@ def base_statistics(ds, cascade: list[Step], base_frac: float, seed: int) -> tup
     return ctx, {"samples": n, "base": n_base, "words": before, "lengths": lengths, "top": top}
 
 
+def emptying_warnings(cascade: list[Step], ctx: BowContext, deformed: int | None = None,
+                      dropped: int | None = None) -> list[str]:
+    """Warnings for a cascade that empties most captions: rmtop:T at or above the base vocabulary left by the ops
+    before it, and (once the counts are known) more than half of the deformed captions dropped as empty."""
+    out = []
+    at = next((i for i, s in enumerate(cascade) if s.name == "rmtop"), None)
+    if at is not None:
+        before = cascade[:at]
+        # The ops before rmtop filter word by word (shuffle and keep never drop a single word), so a word of the
+        # base vocabulary survives them iff the one-word caption survives them.
+        left = sum(1 for w in ctx.base_vocab if deform(w, before, ctx, random.Random(0))) if before else len(ctx.base_vocab)
+        t = cascade[at].arg
+        if t >= left:
+            after = f" after {','.join(s.label for s in before)}" if before else ""
+            out.append(f"rmtop:{t} removes the {t} most frequent base words, but the base vocabulary has only {left} "
+                       f"words{after}: nearly every deformed caption will come out empty and be dropped; use a much "
+                       f"smaller t (docs/BOW.md, 'Choosing t')")
+    if deformed is not None and dropped and dropped > (deformed + dropped) / 2:
+        out.append(f"{dropped:,} of {deformed + dropped:,} deformed captions ({dropped / (deformed + dropped):.0%}) "
+                   "came out empty and were dropped: the ops remove too much for these captions (docs/BOW.md)")
+    return out
+
+
 _worker: dict = {}
 
 
@@ -300,8 +323,10 @@ def bow_shard(src: Path, out: Path, shard: str, fp: str = "") -> dict:
     return stats
 
 
-def bow(cfg: BowConfig, progress=None) -> dict:
-    """Run the stage; returns the report (also written to OUT/report.json)."""
+def bow(cfg: BowConfig, progress=None, warn: Callable[[str], None] = lambda line: None) -> dict:
+    """Run the stage; returns the report (also written to OUT/report.json, with its `warnings`).
+
+    `warn` receives a warning line as soon as it is known (the CLI prints it before the progress bar runs)."""
     try:
         cascade = parse_ops(cfg.ops)
     except ValueError as e:
@@ -322,6 +347,8 @@ def bow(cfg: BowConfig, progress=None) -> dict:
     options = {k: v for k, v in asdict(cfg).items() if k not in ("src", "out", "workers", "overwrite")}
     options["src"] = str(ds.root.resolve())
     prepare_output(out, "bow", options, cfg.overwrite)
+    for line in emptying_warnings(cascade, ctx):  # before the long pass, so the user can stop it
+        warn(line)
 
     spec = ",".join(s.label for s in cascade)
     init = (spec, ctx, cfg.seed, cfg.base_frac, cfg.deform_base)
@@ -380,6 +407,7 @@ def bow(cfg: BowConfig, progress=None) -> dict:
         "length_hist_before": _hist(before["lengths"]), "length_hist_after": _hist(after_lengths),
         "shards": len(ds.shards), "shards_resumed": len(ds.shards) - len(todo),
         "elapsed_s": round(time.perf_counter() - t0, 3),
+        "warnings": emptying_warnings(cascade, ctx, deformed, dropped),
     }
     from vlprep.report import plot_bow
 

@@ -101,9 +101,18 @@ def bow(
                     overwrite=overwrite)
     if workers is not None:
         cfg.workers = workers
+    said = []
+
+    def warn(line: str) -> None:
+        said.append(line)
+        console.print("warning: " + line, style="yellow", highlight=False, markup=False)
+
     with progress_bar() as progress:
-        report = run_bow(cfg, progress=progress)
+        report = run_bow(cfg, progress=progress, warn=warn)
     print_bow_report(report, console)
+    for line in report["warnings"]:
+        if line not in said:
+            warn(line)
     console.print(f"wrote {out}/ (report.json has every figure)", highlight=False)
 
 
