@@ -153,7 +153,7 @@ def features(
     weights: Optional[Path] = typer.Option(None, help="torchvision:ARCH: a local state dict file, saved with "
                                            "torch.save(model.state_dict(), FILE); nothing is downloaded."),
     size: Optional[int] = typer.Option(None, help="Resize the shorter side to N and centre-crop N x N (vltrain's "
-                                       "eval view); N/32 x N/32 tokens, rounded up \\[default: 224]."),
+                                       "eval view); about N/32 x N/32 tokens (7 x 7 at 224) \\[default: 224]."),
     dtype: str = typer.Option("float16", help="npy dtype: float16 (half the disk) or float32."),
     batch_size: int = typer.Option(32, help="Images per encoder call."),
     workers: Optional[int] = typer.Option(None, help="Threads decoding and resizing images for the encoder; 0 = "
