@@ -377,7 +377,7 @@ def test_grit_preset_runs_and_resumes_exactly(onto, tmp_path):
     full = _rows(tmp_path / "full", "total")
     assert set(full) == set(range(1, 21)) and "itc_consistency_loss" in json.loads(
         (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()[0])
-    ckpt = torch.load(tmp_path / "full" / "last.pt", weights_only=False)
+    ckpt = torch.load(tmp_path / "full" / "last.pt", weights_only=True)
     assert ckpt["epoch"] == 20 // (N_TRAIN // 4) and sorted(ckpt["sampler"]["order"].tolist()) == list(range(N_TRAIN))
     r = _run(onto, tmp_path / "part", *common, "--steps", "13")  # mid-epoch, mid-queue
     assert r.exit_code == 0, r.output + repr(r.exception)

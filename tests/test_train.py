@@ -69,7 +69,7 @@ def test_run_overfits_and_eval_writes_json(shards, tmp_path, preset):
         for k in ("itc_loss", "itm_loss", "mlm_loss"):
             assert all(math.isfinite(v) for v in losses(out, k).values())
     assert (out / "last.pt").exists() and (out / "best.pt").exists() and any((out / "tb").iterdir())
-    ckpt = torch.load(out / "last.pt", weights_only=False)
+    ckpt = torch.load(out / "last.pt", weights_only=True)
     assert ckpt["step"] == 40 and ckpt["config"]["preset"] == preset
     if preset == "albef":
         assert any(k.startswith("momentum.") for k in ckpt["model"]) and "image_queue" in ckpt["model"]
@@ -99,7 +99,7 @@ def test_resume_continues_exactly(shards, tmp_path):
     assert r.exit_code == 0, r.output + repr(r.exception)
     r = run(shards, tmp_path / "part", *common, "--steps", "3")  # ends mid-epoch: ~19 train pairs, 2 batches/epoch
     assert r.exit_code == 0, r.output + repr(r.exception)
-    ckpt = torch.load(tmp_path / "part" / "last.pt", weights_only=False)
+    ckpt = torch.load(tmp_path / "part" / "last.pt", weights_only=True)
     assert (ckpt["step"], ckpt["epoch"], ckpt["consumed"]) == (3, 1, 1)
     with (tmp_path / "part" / "metrics.jsonl").open("a") as f:  # a row logged after the checkpoint is redone
         f.write(json.dumps({"step": 4, "total": -1.0}) + "\n")
@@ -129,7 +129,7 @@ def test_nan_loss_stops_and_keeps_last_checkpoint(shards, tmp_path, monkeypatch)
     r = run(shards, out, "--preset", "clip", "--steps", "5", "--set", "ckpt_every=2", "--set", "data.val_frac=0")
     assert r.exit_code == 2
     assert "error:" in r.output and "non-finite loss at step 3" in r.output and "last.pt" in r.output
-    assert torch.load(out / "last.pt", weights_only=False)["step"] == 2
+    assert torch.load(out / "last.pt", weights_only=True)["step"] == 2
     assert not (out / "last.pt.tmp").exists()
 
 

@@ -32,18 +32,9 @@ import torch
 from vlprep import VlprepError
 from vlprep.dataset import (image_ext, iter_aligned, open_dataset, prepare_output, read_sidecars, to_rgb,
                             write_json_atomic)
+from vlprep.encoders import resolve_device
 
 MODALITIES = ("image", "text")
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
-        raise VlprepError(f"--device must be auto, cpu or cuda[:N], got {name!r}")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise VlprepError(f"--device {name}: CUDA is not available on this machine")
-    return torch.device(name)
 
 
 class Encoder:
@@ -61,7 +52,9 @@ class Encoder:
         self.path = Path(checkpoint)
         self.dim = self.model.cfg.embed_dim
         self.max_len = int(data.get("max_len", 32))
-        self.image_size = int(data.get("image_size") or self.model.image_size or 224)
+        # A model trained on `vlprep features` tokens sees pixels at its recorded encoder's size.
+        feat_size = self.model.image_size if self.model.cfg.image_model == "features" else None
+        self.image_size = int(feat_size or data.get("image_size") or self.model.image_size or 224)
         self.min_crop_scale = float(data.get("min_crop_scale", 0.5))
         self.has_pixels = self.model.image_mean is not None  # image_model="features" reads npy tokens, not pixels
         if self.has_pixels:

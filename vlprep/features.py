@@ -30,7 +30,8 @@ import torch
 from vlprep import VlprepError
 from vlprep.dataset import (batches, finish_dataset, iter_aligned, open_derived, prepare_output, shard_done,
                             write_json_atomic, write_shard)
-from vlprep.embed import decode, resolve_device
+from vlprep.embed import decode
+from vlprep.encoders import resolve_device
 from vlprep.encoders import eval_view, load_token_encoder, normalise
 
 DTYPES = ("float16", "float32")

