@@ -24,9 +24,11 @@ demo: install
 	bash scripts/apt-deps.sh --required
 	PY=$(PY) VLPREP=$(VENV)/bin/vlprep VLTRAIN=$(VENV)/bin/vltrain $(if $(LIMIT),LIMIT=$(LIMIT)) bash examples/openclipart/run.sh
 
-# The sampler ablation (random vs TOnICS vs GRIT) on the demo's ontology shards: run `make demo` first.
+# The sampler ablation (random vs TOnICS vs GRIT, 3 seeds each) on the demo's ontology shards with cached image
+# tokens: run `make demo` first.
 ablation: install
-	$(PY) pipelines/ablation.py pipelines/samplers.yaml $(if $(STEPS),--steps $(STEPS))
+	$(VENV)/bin/vlprep features demo-out/openclipart/onto demo-out/openclipart/onto-feat
+	$(PY) pipelines/ablation.py pipelines/samplers.yaml $(if $(STEPS),--steps $(STEPS)) $(if $(SEEDS),--seeds $(SEEDS))
 
 clean:
 	rm -rf $(VENV) demo-out

@@ -409,6 +409,8 @@ def test_ablation_recipe_runs_every_arm_and_tabulates(onto, tmp_path, monkeypatc
     recipe["common"]["set"].update({k: yaml.safe_load(v) for k, v in (s.split("=") for s in TINY)})
     recipe["arms"]["tonics"]["set"]["sampler.refresh_every"] = 1
     recipe["common"]["batch_size"] = 4
+    recipe["common"]["set"]["sampler.ontology"] = ""  # the first folder: --data below
+    recipe["seeds"] = [0, 1]
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     spec = importlib.util.spec_from_file_location("ablation", root / "pipelines" / "ablation.py")
@@ -420,7 +422,14 @@ def test_ablation_recipe_runs_every_arm_and_tabulates(onto, tmp_path, monkeypatc
     rows = json.loads((tmp_path / "abl" / "results.json").read_text())
     assert list(rows) == ["random", "tonics", "grit", "chance"]
     assert all(rows[a]["n_val"] == N_VAL for a in ("random", "tonics", "grit"))  # one held-out split for all
-    assert (tmp_path / "abl" / "tonics" / "curriculum.json").exists()
+    assert (tmp_path / "abl" / "tonics" / "s1" / "curriculum.json").exists()
+    # Mean and sample standard deviation over the two seeds, re-derived from each run's result.json.
+    import statistics
+
+    vals = [json.loads((tmp_path / "abl" / "grit" / f"s{s}" / "result.json").read_text())["eval"]["t2i_r5"]
+            for s in (0, 1)]
+    assert rows["grit"]["t2i_r5"] == round(statistics.fmean(vals), 2)
+    assert rows["grit"]["t2i_r5_sd"] == round(statistics.stdev(vals), 2) and rows["grit"]["seeds"] == 2
     assert mod.main() == 0  # finished arms are reused, not retrained
     monkeypatch.setattr(sys, "argv", ["ablation.py", str(path), "--data", str(tmp_path)])
     assert mod.main() == 2  # not a shard dataset: a one-line error

@@ -5,10 +5,11 @@
 #      LIMIT (default 2000 evenly spaced files, about 6 minutes in all; LIMIT=all for all 8,121 images,
 #      about 20 minutes, most of it object detection at ~8 images/s).
 #      RMTOP (default 20): t of the bow stage's rmtop:t. MIN_SCORE (default 0.3): detection score threshold.
-#      TRAIN_STEPS (default 40): steps of the short vltrain run on the bow shards.
+#      TRAIN_STEPS (default 200): steps of each vltrain run (clip preset, batch 32, on `vlprep features` tokens).
+#      SEEDS (default "0 1 2"): seeds of the bow-only vs bow + pseudo comparison (mean and spread over them).
 #      UNALIGNED (default LIMIT/4) and EVAL (default LIMIT/8): images held out from the LIMIT subset, to be
 #      pseudo-captioned and to score retrieval on; CROPS (default 3): crops per unaligned image; PSEUDO=0 skips
-#      that part (it trains a second model, so it costs about as much again as `train`).
+#      that part (it trains 2 x SEEDS more short runs).
 # Re-runnable: every stage resumes; shards whose input changed are rebuilt.
 set -euo pipefail
 
@@ -17,7 +18,8 @@ ROOT="$(cd "$HERE/../.." && pwd)"
 PY="${PY:-$ROOT/.venv/bin/python}"
 VLPREP="${VLPREP:-$ROOT/.venv/bin/vlprep}"
 VLTRAIN="${VLTRAIN:-$ROOT/.venv/bin/vltrain}"
-TRAIN_STEPS="${TRAIN_STEPS:-40}"
+TRAIN_STEPS="${TRAIN_STEPS:-200}"
+SEEDS="${SEEDS:-0 1 2}"
 OUT="${OUT:-$ROOT/demo-out/openclipart}"
 LIMIT="${LIMIT-2000}"
 [ "$LIMIT" = all ] && LIMIT=""
@@ -47,14 +49,21 @@ step bow "$VLPREP" bow "$OUT/shards" "$OUT/bow" --ops "shuffle,rmstop,basevocab,
 # TOnICS: COCO objects in each image (packaged SSD-MobileNet-v2), then the noun-object PMI ontology.
 step detect "$VLPREP" detect "$OUT/shards" "$OUT/det" --min-score "$MIN_SCORE"
 step ontology "$VLPREP" ontology "$OUT/det" "$OUT/onto" --min-score "$MIN_SCORE"
-# vltrain: a short ALBEF run (packaged MiniLM + EfficientNet-Lite0) on the bag-of-words shards; the held-out
-# retrieval table is printed beside the chance level. A real run needs far more steps than a demo can afford.
-step train "$VLTRAIN" run "$OUT/bow" --preset albef --steps "$TRAIN_STEPS" --batch-size 16 --out "$OUT/run" \
-    --set model.queue_size=256 --set eval_every="$TRAIN_STEPS" --set ckpt_every="$TRAIN_STEPS" --set optim.warmup_steps=5
+# The image tower is frozen and cached once (`vlprep features`: EfficientNet-Lite0 tokens, 7x7x1280 float16), so
+# vltrain trains the text tower and the projections at ~100 samples/s on a CPU instead of a few (docs/FEATURES.md).
+step features "$VLPREP" features "$OUT/bow" "$OUT/bow-feat"
+# vltrain: CLIP-style ITC on the bow captions against the cached image tokens; retrieval on the held-out split
+# every 25 steps draws OUT/run/learning_curve.png. The whole model is retrained in each run: no weights are reused.
+TRAIN=(--preset clip --steps "$TRAIN_STEPS" --batch-size 32 --set optim.warmup_steps=20 --set eval_every=25
+       --set ckpt_every="$TRAIN_STEPS")
+again=(--overwrite)
+[ -f "$OUT/run/last.pt" ] && again=(--resume)
+step train "$VLTRAIN" run "$OUT/bow-feat" "${TRAIN[@]}" --out "$OUT/run" "${again[@]}"
+cp "$OUT/run/learning_curve.png" "$OUT/learning_curve.png"
 
 # A Fistful of Words, sec. 2.3: pseudo bag-of-words captions for images without one. Images outside the LIMIT
 # subset are held out: UNALIGNED of them lose their captions to `vlprep pseudolabel` (kNN over the bow run's
-# caption embeddings), EVAL others with distinct captions score both runs with `vltrain eval`.
+# caption embeddings), EVAL others with distinct captions score both arms with `vltrain eval`.
 if [ "${PSEUDO:-1}" = 0 ]; then
     echo "== pseudolabel: skipped (PSEUDO=0)"
     exit 0
@@ -70,27 +79,26 @@ step heldout "$PY" "$HERE/heldout.py" --all "$OUT/captions-all.parquet" --aligne
     --unaligned "$UNALIGNED" --eval "$EVAL" --out-unaligned "$OUT/unaligned.parquet" --out-eval "$OUT/eval.parquet"
 step unaligned-shards "$VLPREP" shards "$OUT/unaligned.parquet" "$OUT/unaligned" --resize 256 -n 1000 --prefix unaligned
 step eval-shards "$VLPREP" shards "$OUT/eval.parquet" "$OUT/eval" --resize 256 -n 1000 --prefix eval
+# The features-trained checkpoint reads the unaligned images' pixels through the same frozen encoder.
 step pseudolabel "$VLPREP" pseudolabel "$OUT/bow" "$OUT/unaligned" "$OUT/pseudo" --checkpoint "$OUT/run/last.pt" \
     --strategy weighted --crops "${CROPS:-3}" --k 10 --words 4 --batch-size 24
-# The same run as `train` on bow + pseudo; then both checkpoints on the held-out eval set.
-step train-pseudo "$VLTRAIN" run "$OUT/bow" "$OUT/pseudo" --preset albef --steps "$TRAIN_STEPS" --batch-size 16 \
-    --out "$OUT/run-pseudo" --set model.queue_size=256 --set eval_every="$TRAIN_STEPS" \
-    --set ckpt_every="$TRAIN_STEPS" --set optim.warmup_steps=5
-step eval-bow "$VLTRAIN" eval "$OUT/run/last.pt" "$OUT/eval" --out "$OUT/run/eval-heldout.json"
-step eval-pseudo "$VLTRAIN" eval "$OUT/run-pseudo/last.pt" "$OUT/eval" --out "$OUT/run-pseudo/eval-heldout.json"
-"$PY" - "$OUT" <<'PYEOF'
-import json, sys
-from pathlib import Path
-
-out = Path(sys.argv[1])
-runs = {"bow only": out / "run/eval-heldout.json", "bow + pseudo": out / "run-pseudo/eval-heldout.json"}
-res = {name: json.loads(p.read_text()) for name, p in runs.items()}
-n = next(iter(res.values()))["n_samples"]
-cols = ["i2t_r1", "t2i_r1", "i2t_r5", "t2i_r5", "i2t_r10", "t2i_r10", "mean_recall"]
-rows = {name: r["retrieval"] for name, r in res.items()}
-rows["chance"] = next(iter(res.values()))["chance"]
-print(f"held-out retrieval on {n} eval pairs (vltrain eval, same set for both runs)")
-print(f"{'':14}" + "".join(f"{c:>12}" for c in cols))
-for name, r in rows.items():
-    print(f"{name:14}" + "".join(f"{r[c]:>12.2f}" if c in r else f"{'':>12}" for c in cols))
-PYEOF
+step features-pseudo "$VLPREP" features "$OUT/pseudo" "$OUT/pseudo-feat"
+step features-eval "$VLPREP" features "$OUT/eval" "$OUT/eval-feat"
+# Two arms, the same runs but for the data: bow only, and bow + pseudo; each over SEEDS, scored on the eval set.
+for seed in $SEEDS; do
+    for arm in bow pseudo; do
+        run="$OUT/cmp/$arm-s$seed"
+        data=("$OUT/bow-feat")
+        [ "$arm" = pseudo ] && data+=("$OUT/pseudo-feat")
+        if [ "$arm" = bow ] && [ "$seed" = 0 ]; then
+            mkdir -p "$run" && cp "$OUT/run/last.pt" "$run/last.pt"  # the run above is this arm's seed 0
+        else
+            again=(--overwrite)
+            [ -f "$run/last.pt" ] && again=(--resume)  # a re-run of the demo keeps finished runs (same options)
+            step "train-$arm-s$seed" "$VLTRAIN" run "${data[@]}" "${TRAIN[@]}" --set eval_every=100000 \
+                --set seed="$seed" --out "$run" "${again[@]}" >/dev/null
+        fi
+        "$VLTRAIN" eval "$run/last.pt" "$OUT/eval-feat" --out "$run/eval-heldout.json" >/dev/null
+    done
+done
+"$PY" "$HERE/summary.py" "$OUT"
