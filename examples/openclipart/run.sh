@@ -5,7 +5,7 @@
 #      LIMIT (default 2000 evenly spaced files, about 6 minutes in all; LIMIT=all for all 8,121 images,
 #      about 20 minutes, most of it object detection at ~8 images/s).
 #      RMTOP (default 20): t of the bow stage's rmtop:t. MIN_SCORE (default 0.3): detection score threshold.
-#      TRAIN_STEPS (default 200): steps of each vltrain run (clip preset, batch 32, on `vlprep features` tokens).
+#      TRAIN_STEPS (default 120): steps of each vltrain run (clip preset, batch 32, on `vlprep features` tokens).
 #      SEEDS (default "0 1 2"): seeds of the bow-only vs bow + pseudo comparison (mean and spread over them).
 #      UNALIGNED (default LIMIT/4) and EVAL (default LIMIT/8): images held out from the LIMIT subset, to be
 #      pseudo-captioned and to score retrieval on; CROPS (default 3): crops per unaligned image; PSEUDO=0 skips
@@ -18,7 +18,7 @@ ROOT="$(cd "$HERE/../.." && pwd)"
 PY="${PY:-$ROOT/.venv/bin/python}"
 VLPREP="${VLPREP:-$ROOT/.venv/bin/vlprep}"
 VLTRAIN="${VLTRAIN:-$ROOT/.venv/bin/vltrain}"
-TRAIN_STEPS="${TRAIN_STEPS:-200}"
+TRAIN_STEPS="${TRAIN_STEPS:-120}"
 SEEDS="${SEEDS:-0 1 2}"
 OUT="${OUT:-$ROOT/demo-out/openclipart}"
 LIMIT="${LIMIT-2000}"
@@ -30,6 +30,12 @@ if [ ! -d /usr/share/openclipart/png ] || [ ! -d /usr/share/openclipart/svg ]; t
     exit 1
 fi
 mkdir -p "$OUT"
+
+quiet() {  # quiet LOG CMD...: run CMD with its output in LOG, shown only if CMD fails
+    local log="$1"
+    shift
+    "$@" >"$log" 2>&1 || { cat "$log" >&2; return 1; }
+}
 
 step() {  # step NAME CMD...: run CMD and print its wall time
     local name="$1" t0
@@ -53,8 +59,8 @@ step ontology "$VLPREP" ontology "$OUT/det" "$OUT/onto" --min-score "$MIN_SCORE"
 # vltrain trains the text tower and the projections at ~100 samples/s on a CPU instead of a few (docs/FEATURES.md).
 step features "$VLPREP" features "$OUT/bow" "$OUT/bow-feat"
 # vltrain: CLIP-style ITC on the bow captions against the cached image tokens; retrieval on the held-out split
-# every 25 steps draws OUT/run/learning_curve.png. The whole model is retrained in each run: no weights are reused.
-TRAIN=(--preset clip --steps "$TRAIN_STEPS" --batch-size 32 --set optim.warmup_steps=20 --set eval_every=25
+# every 20 steps draws OUT/run/learning_curve.png. The whole model is retrained in each run: no weights are reused.
+TRAIN=(--preset clip --steps "$TRAIN_STEPS" --batch-size 32 --set optim.warmup_steps=20 --set eval_every=20
        --set ckpt_every="$TRAIN_STEPS")
 again=(--overwrite)
 [ -f "$OUT/run/last.pt" ] && again=(--resume)
@@ -95,10 +101,11 @@ for seed in $SEEDS; do
         else
             again=(--overwrite)
             [ -f "$run/last.pt" ] && again=(--resume)  # a re-run of the demo keeps finished runs (same options)
-            step "train-$arm-s$seed" "$VLTRAIN" run "${data[@]}" "${TRAIN[@]}" --set eval_every=100000 \
-                --set seed="$seed" --out "$run" "${again[@]}" >/dev/null
+            mkdir -p "$OUT/cmp"
+            step "train-$arm-s$seed" quiet "$run.log" "$VLTRAIN" run "${data[@]}" "${TRAIN[@]}" \
+                --set eval_every=100000 --set seed="$seed" --out "$run" "${again[@]}"
         fi
-        "$VLTRAIN" eval "$run/last.pt" "$OUT/eval-feat" --out "$run/eval-heldout.json" >/dev/null
+        quiet "$run.eval.log" "$VLTRAIN" eval "$run/last.pt" "$OUT/eval-feat" --out "$run/eval-heldout.json"
     done
 done
 "$PY" "$HERE/summary.py" "$OUT"
