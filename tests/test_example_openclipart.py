@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from vlprep.dataset import iter_samples, open_dataset
 
@@ -21,7 +22,8 @@ pytestmark = [
 def test_run_sh_on_a_subset(tmp_path):
     bindir = Path(sys.executable).parent
     env = {**os.environ, "PY": sys.executable, "VLPREP": str(bindir / "vlprep"), "OUT": str(tmp_path), "LIMIT": "150",
-           "VLTRAIN": str(bindir / "vltrain"), "TRAIN_STEPS": "2", "UNALIGNED": "12", "EVAL": "10", "CROPS": "2"}
+           "VLTRAIN": str(bindir / "vltrain"), "TRAIN_STEPS": "2", "UNALIGNED": "12", "EVAL": "10", "CROPS": "2",
+           "SEEDS": "0 1"}
     r = subprocess.run(["bash", str(ROOT / "examples/openclipart/run.sh")], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     ds = open_dataset(tmp_path / "shards")
@@ -36,14 +38,26 @@ def test_run_sh_on_a_subset(tmp_path):
     onto = json.loads((tmp_path / "onto" / "ontology.json").read_text())
     assert onto["root"]["instances"] == ds.num_samples and (tmp_path / "onto" / "triplets.parquet").exists()
     assert json.loads((tmp_path / "det" / "report.json").read_text())["samples"] == ds.num_samples
+    feat = json.loads((tmp_path / "bow-feat" / "meta.json").read_text())["features"]
+    assert feat["encoder"] == "efficientnet-lite0" and (feat["tokens"], feat["dim"]) == (49, 1280)
     result = json.loads((tmp_path / "run" / "result.json").read_text())
-    assert "i2t_r1" in json.dumps(result)
+    assert "i2t_r1" in json.dumps(result) and (tmp_path / "learning_curve.png").stat().st_size > 1000
+    ck = torch.load(tmp_path / "run" / "last.pt", weights_only=True)["config"]
+    assert ck["data"]["input"] == "features" and ck["model"]["feature_encoder"] == feat
     pseudo = json.loads((tmp_path / "pseudo" / "report.json").read_text())
     n_un = open_dataset(tmp_path / "unaligned").num_samples
     assert 10 <= n_un <= 12 and pseudo["samples_in"] == n_un == pseudo["written"] + pseudo["dropped_no_words"]
     assert pseudo["index"]["vectors"] == bow["written"] and (tmp_path / "pseudo" / "pseudo_grid.png").exists()
     assert next(iter(iter_samples(tmp_path / "pseudo")))["json"]["pseudo"] is True
-    assert "bow + pseudo" in r.stdout and (tmp_path / "run-pseudo" / "eval-heldout.json").exists()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert "bow + pseudo" in r.stdout and set(summary["arms"]) == {"bow only", "bow + pseudo"}
+    for arm in ("bow", "pseudo"):
+        evals = [json.loads((tmp_path / "cmp" / f"{arm}-s{s}" / "eval-heldout.json").read_text()) for s in (0, 1)]
+        assert all(e["input"] == "features" and e["n_samples"] == summary["n_pairs"] for e in evals)
+        name = "bow only" if arm == "bow" else "bow + pseudo"
+        vals = [e["retrieval"]["i2t_r1"] for e in evals]
+        assert summary["arms"][name]["i2t_r1"]["values"] == vals
+        assert summary["arms"][name]["i2t_r1"]["mean"] == round(sum(vals) / 2, 2)
     env["PSEUDO"] = "0"  # the resume check below is about the earlier stages; pseudolabel's resume is tested apart
     # a second run resumes every stage
     r = subprocess.run(["bash", str(ROOT / "examples/openclipart/run.sh")], env=env, capture_output=True, text=True)
