@@ -22,7 +22,7 @@ from rich.table import Table
 
 from vltrain.config import ConfigError, load_config
 from vltrain import TrainError
-from vltrain.train import train
+from vltrain.train import Interrupted, train
 
 console = Console(stderr=True, emoji=False)
 COLS = ["i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10", "mean_recall"]
@@ -91,6 +91,10 @@ def main() -> int:
                     raise TrainError(f"{out}: no held-out evaluation (raise data.val_frac)")
                 evals.append(res["eval"])
             results[name] = evals
+    except Interrupted as e:
+        console.print(f"{str(e).split(':')[0]}: the same ablation command resumes this run", highlight=False,
+                      markup=False)
+        return 130
     except (ConfigError, TrainError, OSError, yaml.YAMLError, KeyError, ValueError) as e:
         console.print(f"error: {e}", highlight=False, markup=False)
         return 2
