@@ -13,15 +13,49 @@ Bare: the same packaged EfficientNet-Lite0 (loaded beforehand, untimed), channel
 Interleaved (bare, stage, bare, ...); medians decide. Target: stage / bare <= 1.2. CPU time (user + system of this
 process, all threads) is printed too: the machine is shared, and it is less sensitive to other load.
 
-    .venv/bin/python benchmarks/features.py [--images 300] [--repeats 3] [--batch-size 32] [--skip stage]
+Train: `vltrain.train.train(cfg)` of `--preset clip` (ITC only: no fusion, queue or momentum), batch --batch-size,
+   the packaged MiniLM text model, device cpu, data.val_frac 0 (no eval), log_every 5, eval and checkpoint only
+   after the last step, on --train-images images made as above (default 1,120: about the demo's bow set, 1,108, so
+   an epoch is as long as the demo's, ~34 batches; train() forks its DataLoader workers anew every epoch, and the
+   parent's first step after a fork pays copy-on-write faults on its weights and AdamW state, ~1 s here, so shorter
+   epochs cost more per sample). Three sides, interleaved, in an order that rotates each repeat:
+   - pixels: train() on the pixel shards with model.freeze_image=true and data.image_size=224: the DataLoader's
+     workers (data.workers, default) decode each PNG and RandomResizedCrop it to 224, and the packaged
+     EfficientNet-Lite0 runs forward (no grad, eval mode) on every batch; MiniLM, the projections and the
+     temperature train.
+   - features: train() on the `vlprep features` output of the same shards (made once, untimed; 49 x 1280 float16
+     tokens at 224); the trainer finds the "features" record in meta.json and trains on the tokens: its workers read
+     and decode the npy members and Collate tokenises the captions; the image side is a mean and a projection.
+   - bare: the same model (`build_model` of the features run's config, resolved as train() does), the same
+     weight-decay groups, fused AdamW, constant lr, float32, torch's default threads, deterministic algorithms off,
+     over the same feature tokens, all loaded beforehand as float32 and stacked into batches of a seeded shuffle (so
+     captions pad to the lengths the trainer's shuffled batches do), the captions tokenised per batch beforehand as
+     Collate does (padding longest, at most data.max_len = 32 tokens). Per step only: `encode_image`, `encode_text`,
+     ITC logits over the temperature, `itc_loss`, backward, `clip_grad_norm_(params, 1.0)`, `optimizer.step()`.
+   A train() side's samples/s is its steady state from OUT/metrics.jsonl: samples / seconds over the log intervals
+   after the first (warm-up and DataLoader start), epoch restarts included. Its CPU time is read over the same
+   intervals: user + system of this process and its DataLoader workers (live or reaped). The bare side times
+   --feature-steps steps after two untimed ones. Medians decide. Targets: features / pixels >= 5 and features /
+   bare >= 0.9 in samples/s; samples per CPU-second are printed beside them, and so are the cores other processes
+   used meanwhile. With torch's two OpenMP threads on two cores, another busy process slows a step ~10-20x (a
+   thread waits at each barrier for its partner to get a core back), in CPU time as much as in wall time. So each
+   side first waits (up to --wait s) for 3 quiet seconds, and a repeat in which others used over 0.25 cores during
+   a side is marked [busy] and left out of the medians when a quiet repeat exists. --threads 1 is less sensitive.
+
+    .venv/bin/python benchmarks/features.py [--images 300] [--repeats 3] [--batch-size 32] [--skip stage,train]
+        [--train-images 1120] [--pixel-steps 30] [--feature-steps 80] [--threads 0] [--wait 60]
 """
 
 import argparse
 import contextlib
+import io
+import json
+import os
 import resource
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -31,6 +65,11 @@ import torch
 DEFAULT_SRC = Path("/usr/share/openclipart/png")
 TARGET_RATIO = 1.2
 SHARD = 100
+TARGET_PIXELS = 5.0   # train: features / pixels samples/s at least this
+TARGET_BARE = 0.9     # train: features / bare samples/s at least this
+LOG_EVERY = 5
+BUSY_CORES = 0.25     # train: a repeat in which other processes used more is left out of the medians
+TICK = os.sysconf("SC_CLK_TCK")
 
 
 def cpu_seconds() -> float:
@@ -137,18 +176,241 @@ def bench_stage(args) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def tree_cpu_seconds() -> float:
+    """User + system CPU time of this process, its reaped children and its live children (DataLoader workers)."""
+    def fields(pid) -> list[str]:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()  # after the command name, which may hold spaces
+
+    me, total = os.getpid(), 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            f = fields(pid)
+        except OSError:  # gone meanwhile
+            continue
+        if int(pid) == me or int(f[1]) == me:  # f[1]: the parent's pid; utime, stime, cutime, cstime follow
+            total += sum(int(v) for v in f[11:15])
+    return total / TICK
+
+
+def machine_busy_seconds() -> float:
+    """CPU time all processes of the machine spent (user, nice, system, irq, softirq, steal), summed over cores."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:9]]
+    return (sum(v[:3]) + sum(v[5:8])) / TICK
+
+
+def wait_quiet(limit: float, window: float = 3.0, cores: float = 0.15) -> float:
+    """Wait (at most `limit` s) for `window` s in which other processes use under `cores` cores; the seconds waited."""
+    t0 = time.perf_counter()
+    while True:
+        b0, c0 = machine_busy_seconds(), tree_cpu_seconds()
+        time.sleep(window)
+        quiet = (machine_busy_seconds() - b0 - (tree_cpu_seconds() - c0)) / window < cores
+        if quiet or time.perf_counter() - t0 >= limit:
+            return time.perf_counter() - t0
+
+
+class RowClock(threading.Thread):
+    """Watches OUT/metrics.jsonl while train() runs: (step, wall s, tree CPU s, machine busy s) at each new row."""
+
+    def __init__(self, path: Path):
+        super().__init__(daemon=True)
+        self.path, self.marks, self.done = path, [], threading.Event()
+
+    def run(self) -> None:
+        seen = 0
+        while not self.done.wait(0.02):
+            try:
+                lines = self.path.read_text().splitlines()
+            except FileNotFoundError:
+                continue
+            if len(lines) > seen and lines[-1].endswith("}"):
+                now, cpu, busy = time.perf_counter(), tree_cpu_seconds(), machine_busy_seconds()
+                for line in lines[seen:]:
+                    row = json.loads(line)
+                    if "samples_per_s" in row:
+                        self.marks.append((row["step"], now, cpu, busy))
+                seen = len(lines)
+
+
+def train_cfg(shards: Path, out: Path, steps: int, batch_size: int, sets: list[str]):
+    """`--preset clip` on one dataset folder, cpu, no eval, log every LOG_EVERY, checkpoint only at the end."""
+    from vltrain.config import load_config
+
+    return load_config(preset="clip", sets=["data.val_frac=0", "model.text_model=minilm", *sets],
+                       shards=[str(shards)], out=str(out), steps=steps, batch_size=batch_size, device="cpu",
+                       log_every=LOG_EVERY, eval_every=steps + 1, ckpt_every=steps + 1)
+
+
+def train_run(cfg) -> tuple[float, float, float]:
+    """train(cfg) quietly -> steady (samples/s, samples per CPU-second, cores others used) after its first log
+    interval."""
+    from vltrain.train import train
+
+    clock = RowClock(Path(cfg.out) / "metrics.jsonl")
+    clock.start()
+    try:
+        with contextlib.redirect_stderr(None):
+            train(cfg)
+    finally:
+        clock.done.set()
+        clock.join()
+    rows = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "samples_per_s" in r]
+    steady = [(b["step"] - a["step"]) * cfg.batch_size for a, b in zip(rows, rows[1:])]
+    rate = sum(steady) / sum(n / r["samples_per_s"] for n, r in zip(steady, rows[1:]))
+    (s0, t0, c0, b0), (s1, t1, c1, b1) = clock.marks[0], clock.marks[-1]
+    others = max(0.0, b1 - b0 - (c1 - c0)) / max(t1 - t0, 1e-9)
+    return rate, (s1 - s0) * cfg.batch_size / max(c1 - c0, 1e-9), others
+
+
+def bare_setup(feat: Path, cfg, batch_size: int):
+    """(model, its step function, batches of (tokens (B, N, D) float32, ids (B, L), mask (B, L))) for the bare side."""
+    from vlprep.dataset import iter_tar, open_dataset
+    from vltrain.losses import itc_loss
+    from vltrain.model import build_model, tokenizer_for
+    from vltrain.train import _resolve_input
+
+    _resolve_input(cfg)  # as train() does: the features record -> image_model "features", feature_dim
+    tok = tokenizer_for(cfg.model.text_model)
+    ds, xs, caps = open_dataset(feat), [], []
+    for shard in ds.shards:
+        for raw in iter_tar(ds.root / shard):
+            xs.append(torch.from_numpy(np.load(io.BytesIO(raw["npy"]), allow_pickle=False)).float())
+            caps.append(raw["txt"].decode("utf-8"))
+    # Shuffled like the trainer's batches: a caption padded to the longest of 32 random ones is ~12 tokens here,
+    # of 32 neighbours in shard order (similar file names) ~10, and the text tower's cost follows the length.
+    order, batches = np.random.default_rng(0).permutation(len(xs)), []
+    for i in range(0, len(xs) - batch_size + 1, batch_size):
+        pick = order[i:i + batch_size]
+        t = tok([caps[j] for j in pick], padding="longest", truncation=True, max_length=cfg.data.max_len,
+                return_tensors="pt")
+        batches.append((torch.stack([xs[j] for j in pick]), t["input_ids"], t["attention_mask"]))
+    model = build_model(cfg.model).train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.optim.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), fused=True)
+
+    def step(x, ids, mask):
+        opt.zero_grad(set_to_none=True)
+        _, img = model.encode_image(x)
+        _, txt = model.encode_text(ids, mask)
+        temp = model.temperature()
+        itc_loss(img @ txt.t() / temp, txt @ img.t() / temp).backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+
+    return model, step, batches
+
+
+def bare_train_run(step, batches: list, steps: int) -> tuple[float, float, float]:
+    """Two untimed steps, then `steps` timed ones cycling over the batches -> (samples/s, samples per CPU-second,
+    cores others used)."""
+    # train() leaves deterministic algorithms on in the process; the bare loop runs with torch's default (off).
+    det, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(False)
+    try:
+        for x, ids, mask in batches[:2]:
+            step(x, ids, mask)
+        c0, b0, t0 = tree_cpu_seconds(), machine_busy_seconds(), time.perf_counter()
+        for i in range(steps):
+            step(*batches[(i + 2) % len(batches)])
+        t, c, b = time.perf_counter() - t0, tree_cpu_seconds() - c0, machine_busy_seconds() - b0
+    finally:
+        torch.use_deterministic_algorithms(det, warn_only=warn)
+    n = steps * batches[0][0].shape[0]
+    return n / t, n / max(c, 1e-9), max(0.0, b - c) / t
+
+
+def bench_train(args) -> list[dict]:
+    from vlprep.features import FeaturesConfig, features
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-train-"))
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        pixels, origin = make_shards(tmp, args.train_images)
+        feat = tmp / "feat"
+        t0 = time.perf_counter()
+        features(FeaturesConfig(src=pixels, out=feat, batch_size=args.batch_size, device="cpu"))
+        made = time.perf_counter() - t0
+        pix_sets = ["model.freeze_image=true", "data.image_size=224"]
+        probe = train_cfg(pixels, tmp / "probe", 1, args.batch_size, pix_sets)
+        _, step, batches = bare_setup(feat, train_cfg(feat, tmp / "bare", 1, args.batch_size, []), args.batch_size)
+        length = statistics.mean(ids.shape[1] for _, ids, _ in batches)
+        print(f"  {args.train_images} images ({origin}, 256 px; an epoch is ~{len(batches)} batches), features made in "
+              f"{made:.1f} s (untimed); preset clip, batch {args.batch_size}, text {probe.model.text_model}, "
+              f"data.workers {probe.data.workers}, torch threads {torch.get_num_threads()}; steps: pixels "
+              f"{args.pixel_steps}, features and bare {args.feature_steps}, log every {LOG_EVERY} (first interval "
+              f"dropped); bare batches pad captions to {length:.1f} tokens on average", flush=True)
+        runs = {"bare": lambda r: bare_train_run(step, batches, args.feature_steps),
+                "features": lambda r: train_run(train_cfg(feat, tmp / f"feat{r}", args.feature_steps,
+                                                          args.batch_size, [])),
+                "pixels": lambda r: train_run(train_cfg(pixels, tmp / f"pix{r}", args.pixel_steps, args.batch_size,
+                                                        pix_sets))}
+        names = list(runs)
+        sides, busy = {k: [] for k in names}, []
+        for r in range(args.repeats):
+            for k in names[r % 3:] + names[:r % 3]:  # the order rotates, so no side always follows the same one
+                wait_quiet(args.wait)
+                sides[k].append(runs[k](r))
+            busy.append(max(v[-1][2] for v in sides.values()) > BUSY_CORES)
+            print(f"  repeat {r + 1}: " + ", ".join(f"{k} {v[-1][0]:.1f}/s ({v[-1][1]:.1f}/cpu-s, others "
+                                                     f"{v[-1][2]:.2f} cores)" for k, v in sides.items())
+                  + ("  [busy]" if busy[-1] else ""), flush=True)
+        # With torch's OpenMP threads spinning at every barrier, a thread whose partner lost its core to another
+        # process waits out whole time slices: a repeat during which others used a core measures them, not us.
+        used = [r for r in range(args.repeats) if not busy[r]] or list(range(args.repeats))
+        med = {k: (statistics.median(v[r][0] for r in used), statistics.median(v[r][1] for r in used))
+               for k, v in sides.items()}
+        what = (f"medians of {len(used)} quiet repeat(s) of {args.repeats}" if len(used) < args.repeats or not any(busy)
+                else f"medians of {args.repeats}; warning: other processes used over {BUSY_CORES} cores in every "
+                "repeat, so these are not the machine's figures (see --threads 1, --wait)")
+        print(f"  {'side':<10} {'samples/s':>10} {'samples/cpu-s':>14}   ({what})")
+        for k, (a, c) in med.items():
+            print(f"  {k:<10} {a:>10.1f} {c:>14.1f}")
+        out = []
+        for base, target in (("pixels", TARGET_PIXELS), ("bare", TARGET_BARE)):
+            ratio, cpu_ratio = med["features"][0] / med[base][0], med["features"][1] / med[base][1]
+            ok = ratio >= target
+            print(f"  features / {base}: {ratio:.2f}x (per cpu-s {cpu_ratio:.2f}x), target >= {target}: "
+                  f"{'PASS' if ok else 'FAIL'}", flush=True)
+            out.append({"name": f"train on features vs {base}, clip, batch {args.batch_size}",
+                        "value": f"{med['features'][0]:.1f} samples/s",
+                        "baseline": f"{base} {med[base][0]:.1f}/s ({ratio:.2f}x; per cpu-s {cpu_ratio:.2f}x)",
+                        "target": f">= {target}x", "ok": ok})
+        return out
+    finally:
+        torch.set_num_threads(threads)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--images", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--skip", default="", help="comma-separated sections to skip: stage")
+    ap.add_argument("--train-images", type=int, default=1120)
+    ap.add_argument("--pixel-steps", type=int, default=30)
+    ap.add_argument("--feature-steps", type=int, default=80)
+    ap.add_argument("--threads", type=int, default=0, help="train: torch threads of every side (0: torch's default)")
+    ap.add_argument("--wait", type=float, default=60,
+                    help="train: before each side, wait up to this many seconds for the other processes to go quiet")
+    ap.add_argument("--skip", default="", help="comma-separated sections to skip: stage, train")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     results = []
     if "stage" not in skip:
         print("stage: vlprep features vs a bare encoder loop", flush=True)
         results.append(bench_stage(args))
+    if "train" not in skip:
+        print("train: vltrain on cached features vs the frozen-tower pixel path and a bare loop", flush=True)
+        results.extend(bench_train(args))
     print()
     for r in results:
         print(f"{'PASS' if r['ok'] else 'FAIL'}  {r['name']}: {r['value']} vs {r['baseline']}, target {r['target']}")
