@@ -279,6 +279,9 @@ def _seed_everything(seed: int, device: torch.device) -> None:
         torch.backends.cudnn.benchmark = False
     # warn_only: an op without a deterministic kernel warns instead of stopping the run.
     torch.use_deterministic_algorithms(True, warn_only=True)
+    # ...without filling every new tensor first (~5 ms of a 0.2 s CPU step): that guards reads of uninitialised
+    # memory, which no op here does; results do not depend on it.
+    torch.utils.deterministic.fill_uninitialized_memory = False
 
 
 def _resolve_input(cfg: Config) -> None:
@@ -433,7 +436,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.optim.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     # The fused kernel: on a CPU the plain per-tensor loop was a third of a cached-features step (MiniLM's 11.7M
-    # word-embedding weights are updated every step); fused is ~6x faster (benchmarks/features.py).
+    # word-embedding weights are updated every step); fused took 0.016 s against 0.097 s for batch 32 here.
     optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                   fused=device.type in ("cpu", "cuda"))
 
