@@ -23,7 +23,7 @@ class DataConfig:
     max_len: int = 32
     val_frac: float = 0.05          # held out by key hash, never trained on
     input: str = "auto"             # auto (features when every folder has `vlprep features` tokens), features, pixels
-    workers: int = 2
+    workers: int = -1               # DataLoader workers; -1 = auto: 0 on cached tokens on a CPU, else 2
     min_crop_scale: float = 0.5     # RandomResizedCrop scale lower bound (ALBEF: 0.5)
     triplets: bool = False          # TOnICS triplet mode: instances are (caption, image, noun span) triplets
 
@@ -207,6 +207,8 @@ INPUTS = ("auto", "features", "pixels")
 def validate(cfg: Config) -> None:
     if cfg.device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", cfg.device):
         raise ConfigError(f"unknown device {cfg.device!r}; use auto (CUDA when present), cpu, cuda or cuda:N")
+    if cfg.data.workers < -1:
+        raise ConfigError("data.workers must be >= 0, or -1 for auto")
     if cfg.data.input not in INPUTS:
         raise ConfigError(f"unknown data.input {cfg.data.input!r}; use one of {', '.join(INPUTS)}")
     if cfg.ckpt_every < 1 or cfg.ckpt_minutes <= 0 or cfg.eval_every < 1 or cfg.log_every < 1:

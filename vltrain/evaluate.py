@@ -221,7 +221,7 @@ def evaluate_checkpoint(path, shards, zeroshot=None, itm_rerank_k: int = 0, devi
     # val_frac 0 puts every sample in the "train" split: `vltrain eval` scores all samples of SHARDS.
     use_features = reads_features(model, shards)
     emb = embed_split(model, shards, "train", 0.0, cfg.data.max_len, cfg.batch_size, cfg.data.image_size,
-                      cfg.data.workers, dev, use_features, keep_inputs=itm_rerank_k > 0)
+                      max(cfg.data.workers, 0), dev, use_features, keep_inputs=itm_rerank_k > 0)
     n = emb["n"]
     if n < 2:
         raise TrainError(f"evaluation needs at least 2 samples, found {n} in {', '.join(shards)}")

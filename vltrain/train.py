@@ -299,6 +299,13 @@ def _resolve_input(cfg: Config) -> None:
     cfg.model.image_model, cfg.model.feature_dim, cfg.model.feature_encoder = "features", int(spec["dim"]), spec
 
 
+def _resolve_workers(cfg: Config, device: torch.device) -> None:
+    """data.workers -1 (auto): 0 for cached tokens on a CPU, where loading is light and worker processes only
+    compete with torch's threads (and are forked anew each epoch: benchmarks/features.py), 2 otherwise."""
+    if cfg.data.workers < 0:
+        cfg.data.workers = 0 if cfg.data.input == "features" and device.type == "cpu" else 2
+
+
 def _fmt_duration(seconds: float) -> str:
     if seconds < 90:
         return f"{seconds:.0f} s"
@@ -372,6 +379,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
     ckpt = ckpt_io.load(last_path, "--resume checkpoint") if resume else None
     _seed_everything(cfg.seed, device)
     _resolve_input(cfg)
+    _resolve_workers(cfg, device)
 
     # --- data
     tok = tokenizer_for(cfg.model.text_model)
