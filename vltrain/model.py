@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlprep.encoders import resolve_device  # noqa: F401  (one device resolver for vlprep and vltrain)
+
 TEMP_MIN, TEMP_MAX = 0.001, 0.5  # ALBEF's clamp on the learnable ITC temperature
 
 # Pixel statistics (on [0, 1] inputs) and input size per image encoder, for the data pipeline to match.
@@ -95,13 +97,6 @@ def build_tokenizer(cfg: ModelConfig):
 def tokenizer_for(text_model: str):
     """The tokenizer for a text model name, loaded once per process."""
     return build_tokenizer(ModelConfig(text_model=text_model))
-
-
-def resolve_device(name: str) -> torch.device:
-    """auto (CUDA when present), cpu, cuda or cuda:N -> a device; ValueError (one line) for anything else."""
-    from vlprep.encoders import resolve_device as resolve  # one resolver for vlprep and vltrain
-
-    return resolve(name)
 
 
 def autocast(device: torch.device):

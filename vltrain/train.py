@@ -23,6 +23,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, 
                            TimeRemainingColumn)
 from torch.utils.data import DataLoader
 
+from vlprep import VlprepError
 from vltrain import TrainError
 from vltrain import checkpoint as ckpt_io
 from vltrain.config import Config, grit_sizes, to_dict
@@ -373,7 +374,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
     last_path, best_path = out / "last.pt", out / "best.pt"
     try:
         device = resolve_device(cfg.device)
-    except Exception as e:  # VlprepError / ValueError from the shared resolver: one line either way
+    except VlprepError as e:  # the shared resolver's one-line error
         raise TrainError(str(e)) from None
     _prepare_out(out, resume, overwrite)
     ckpt = ckpt_io.load(last_path, "--resume checkpoint") if resume else None
