@@ -34,8 +34,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from vlprep import VlprepError
-from vlprep.dataset import (decode_sample, finish_dataset, iter_aligned, open_derived, prepare_output, shard_done,
-                            write_json_atomic, write_shard)
+from vlprep.dataset import (decode_sample, finish_dataset, iter_aligned, open_derived, prepare_output, release_output,
+                            shard_done, write_json_atomic, write_shard)
 from vlprep.text import stop_words, tokenize, words
 
 DEFAULT_OPS = "shuffle,rmstop,basevocab,rmtop:1000,keep:4"
@@ -202,6 +202,7 @@ class BowConfig:
     deform_base: bool = False
     workers: int = field(default_factory=lambda: min(4, os.cpu_count() or 1))
     overwrite: bool = False
+    skip_bad_shards: bool = False  # leave out shards whose tar, sidecar and sizes.json disagree (counted)
 
 
 def base_statistics(ds, cascade: list[Step], base_frac: float, seed: int) -> tuple[BowContext, dict]:
@@ -339,12 +340,12 @@ def bow(cfg: BowConfig, progress=None, warn: Callable[[str], None] = lambda line
     if cfg.workers < 1:
         raise VlprepError("--workers must be at least 1")
     t0 = time.perf_counter()
-    ds, out = open_derived(cfg.src, cfg.out)
+    ds, out = open_derived(cfg.src, cfg.out, cfg.skip_bad_shards)
     ctx, before = base_statistics(ds, cascade, cfg.base_frac, cfg.seed)
     if needs_base and before["base"] == 0:
         raise VlprepError(f"the base set is empty ({before['samples']} samples x --base-frac {cfg.base_frac}); "
                           "raise --base-frac")
-    options = {k: v for k, v in asdict(cfg).items() if k not in ("src", "out", "workers", "overwrite")}
+    options = {k: v for k, v in asdict(cfg).items() if k not in ("src", "out", "workers", "overwrite", "skip_bad_shards")}
     options["src"] = str(ds.root.resolve())
     prepare_output(out, "bow", options, cfg.overwrite)
     for line in emptying_warnings(cascade, ctx):  # before the long pass, so the user can stop it
@@ -405,7 +406,7 @@ def bow(cfg: BowConfig, progress=None, warn: Callable[[str], None] = lambda line
         "tokens_removed": {s.label: n for s, n in zip(cascade, removed)},
         "base_vocab_size": len(ctx.base_vocab), "rmtop_tokens": before["top"][:50],
         "length_hist_before": _hist(before["lengths"]), "length_hist_after": _hist(after_lengths),
-        "shards": len(ds.shards), "shards_resumed": len(ds.shards) - len(todo),
+        "shards": len(ds.shards), "shards_resumed": len(ds.shards) - len(todo), "bad_shards": ds.bad,
         "elapsed_s": round(time.perf_counter() - t0, 3),
         "warnings": emptying_warnings(cascade, ctx, deformed, dropped),
     }
@@ -413,6 +414,7 @@ def bow(cfg: BowConfig, progress=None, warn: Callable[[str], None] = lambda line
 
     report["plots"] = plot_bow(out, before["words"], after_words, before["lengths"], after_lengths)
     write_json_atomic(out / "report.json", report)
+    release_output(out)
     return report
 
 

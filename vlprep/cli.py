@@ -30,6 +30,22 @@ def progress_bar() -> Progress:
                     disable=not console.is_terminal)
 
 
+def skip_bad_option():
+    return typer.Option(False, "--skip-bad-shards", help="Leave out (and count) input shards whose tar does not hold "
+                        "the samples its sidecar and sizes.json list, instead of stopping at the first one; costs a "
+                        "scan of every tar's headers first.")
+
+
+def warn_report(report: dict) -> None:
+    """The report's data warnings as one yellow line each: bad shards left out, duplicate uids."""
+    for shard, why in report.get("bad_shards", {}).items():
+        console.print(f"warning: left out bad shard {shard}: {why}", style="yellow", highlight=False, markup=False)
+    if report.get("duplicate_uids"):
+        console.print(f"warning: {report['duplicate_uids']:,} written samples repeat an earlier uid (e.g. "
+                      f"{', '.join(map(str, report['duplicate_uid_examples'][:3]))}); they are kept, and the report "
+                      "counts them", style="yellow", highlight=False, markup=False)
+
+
 def _version(value: bool) -> None:
     if value:
         print(__version__)
@@ -75,6 +91,7 @@ def shards(
     with progress_bar() as progress:
         report = build_shards(cfg, progress=progress)
     print_shards_report(report, console)
+    warn_report(report)
     if report["written"] == 0:
         console.print("[yellow]warning:[/] no sample was written; the skip reasons above say why")
     console.print(f"wrote {out}/ (report.json has the skip counts)", highlight=False)
@@ -91,6 +108,7 @@ def bow(
     deform_base: bool = typer.Option(False, "--deform-base", help="Deform the base captions too."),
     workers: Optional[int] = typer.Option(None, help="Worker processes, one shard at a time each "
                                           "(default: CPU count, at most 4)."),
+    skip_bad_shards: bool = skip_bad_option(),
     overwrite: bool = typer.Option(False, help="Replace the vlprep files in a non-empty OUT written otherwise."),
 ) -> None:
     """Deform captions into bags of words (A Fistful of Words, sec. 2.2); images are copied untouched."""
@@ -98,7 +116,8 @@ def bow(
     from vlprep.report import print_bow_report
 
     cfg = BowConfig(src=src, out=out, ops=ops, base_frac=base_frac, seed=seed, deform_base=deform_base,
-                    overwrite=overwrite)
+                    overwrite=overwrite,
+                    skip_bad_shards=skip_bad_shards)
     if workers is not None:
         cfg.workers = workers
     said = []
@@ -110,6 +129,7 @@ def bow(
     with progress_bar() as progress:
         report = run_bow(cfg, progress=progress, warn=warn)
     print_bow_report(report, console)
+    warn_report(report)
     for line in report["warnings"]:
         if line not in said:
             warn(line)
@@ -128,6 +148,7 @@ def detect(
     min_score: float = typer.Option(0.3, help="Keep detections with at least this score."),
     batch_size: int = typer.Option(8, help="Images per detector call."),
     device: str = typer.Option("auto", help="torchvision backend: auto (CUDA when present), cpu, cuda."),
+    skip_bad_shards: bool = skip_bad_option(),
     overwrite: bool = typer.Option(False, help="Replace the vlprep files in a non-empty OUT written otherwise."),
 ) -> None:
     """Detect objects in every image (boxes normalised to [0, 1]); images are copied untouched."""
@@ -135,10 +156,12 @@ def detect(
     from vlprep.report import print_detect_report
 
     cfg = DetectConfig(src=src, out=out, backend=backend, weights=weights, from_file=from_file, min_score=min_score,
-                       batch_size=batch_size, device=device, overwrite=overwrite)
+                       batch_size=batch_size, device=device, overwrite=overwrite,
+                       skip_bad_shards=skip_bad_shards)
     with progress_bar() as progress:
         report = run_detect(cfg, progress=progress)
     print_detect_report(report, console)
+    warn_report(report)
     console.print(f"wrote {out}/", highlight=False)
 
 
@@ -159,18 +182,21 @@ def features(
     workers: Optional[int] = typer.Option(None, help="Threads decoding and resizing images for the encoder; 0 = "
                                           "in the main thread \\[default: CPU count, at most 2]."),
     device: str = typer.Option("auto", help="auto (CUDA when present, bf16 autocast there), cpu, cuda."),
+    skip_bad_shards: bool = skip_bad_option(),
     overwrite: bool = typer.Option(False, help="Replace the vlprep files in a non-empty OUT written otherwise."),
 ) -> None:
     """Cache a frozen image encoder's tokens as an npy member of every sample (fast training on a CPU)."""
     from vlprep.features import FeaturesConfig, features as run_features, print_features_report
 
     cfg = FeaturesConfig(src=src, out=out, image_model=image_model, weights=weights, size=size, dtype=dtype,
-                         batch_size=batch_size, device=device, overwrite=overwrite)
+                         batch_size=batch_size, device=device, overwrite=overwrite,
+                         skip_bad_shards=skip_bad_shards)
     if workers is not None:
         cfg.workers = workers
     with progress_bar() as progress:
         report = run_features(cfg, progress=progress)
     print_features_report(report, console)
+    warn_report(report)
     if report["written"] == 0:
         console.print("[yellow]warning:[/] no sample was written; the skip reasons above say why")
     console.print(f"wrote {out}/ (report.json has every figure)", highlight=False)
@@ -185,6 +211,7 @@ def ontology(
     min_cooccur: int = typer.Option(5, help="Noun-class pairs must co-occur this often to be mapped."),
     min_score: float = typer.Option(0.3, help="Object labels count when their score is at least this."),
     overrides: Optional[Path] = typer.Option(None, help="YAML of noun: class (force) or noun: null (exclude)."),
+    skip_bad_shards: bool = skip_bad_option(),
     overwrite: bool = typer.Option(False, help="Replace the vlprep files in a non-empty OUT written otherwise."),
 ) -> None:
     """Build the TOnICS noun-object PMI ontology and its triplets (sample, noun span, class)."""
@@ -192,10 +219,12 @@ def ontology(
     from vlprep.report import print_ontology_report
 
     cfg = OntologyConfig(src=src, out=out, min_instances=min_instances, min_cooccur=min_cooccur, min_score=min_score,
-                         overrides=overrides, overwrite=overwrite)
+                         overrides=overrides, overwrite=overwrite,
+                         skip_bad_shards=skip_bad_shards)
     with progress_bar() as progress:
         report = run_ontology(cfg, progress=progress)
     print_ontology_report(report, Console(emoji=False))
+    warn_report(report)
     console.print(f"wrote {out}/ (ontology.json, triplets.parquet, report.json, pmi_heatmap.png)", highlight=False)
 
 
@@ -212,6 +241,7 @@ def embed(
                                   "caption_raw is there."),
     batch_size: int = typer.Option(64, help="Images or captions per encoder call."),
     device: str = typer.Option("auto", help="auto (CUDA when present), cpu, cuda."),
+    skip_bad_shards: bool = skip_bad_option(),
     overwrite: bool = typer.Option(False, help="Replace the files of an earlier run in OUT written otherwise."),
 ) -> None:
     """L2-normalised ITC embeddings of every image or caption of DATASET, keyed by sample key."""
@@ -219,10 +249,12 @@ def embed(
     from vlprep.report import print_embed_report
 
     cfg = EmbedConfig(src=dataset, out=out, checkpoint=checkpoint, modality=modality, batch_size=batch_size,
-                      device=device, deformed=deformed, overwrite=overwrite)
+                      device=device, deformed=deformed, overwrite=overwrite,
+                      skip_bad_shards=skip_bad_shards)
     with progress_bar() as progress:
         report = run_embed(cfg, progress=progress)
     print_embed_report(report, console)
+    warn_report(report)
     console.print(f"wrote {out}/", highlight=False)
 
 
@@ -247,6 +279,7 @@ def pseudolabel(
     batch_size: int = typer.Option(16, help="Images per encoder call (each brings --crops crops)."),
     device: str = typer.Option("auto", help="auto (CUDA when present; the index goes to GPU with faiss-gpu), "
                                "cpu, cuda."),
+    skip_bad_shards: bool = skip_bad_option(),
     overwrite: bool = typer.Option(False, help="Replace the vlprep files in a non-empty OUT written otherwise."),
 ) -> None:
     """Pseudo bag-of-words captions for uncaptioned images by kNN over ALIGNED's captions (Fistful of Words 2.3)."""
@@ -255,10 +288,12 @@ def pseudolabel(
 
     cfg = PseudolabelConfig(aligned=aligned, unaligned=unaligned, out=out, checkpoint=checkpoint, strategy=strategy,
                             k=k, crops=crops, words=words, rmtop=rmtop, index=index, nprobe=nprobe, seed=seed,
-                            batch_size=batch_size, device=device, overwrite=overwrite)
+                            batch_size=batch_size, device=device, overwrite=overwrite,
+                            skip_bad_shards=skip_bad_shards)
     with progress_bar() as progress:
         report = run_pseudolabel(cfg, progress=progress)
     print_pseudolabel_report(report, Console(emoji=False))
+    warn_report(report)
     if report["written"] == 0:
         console.print("[yellow]warning:[/] no image got a pseudo-caption; the counts above say why")
     console.print(f"wrote {out}/ (report.json has every figure)", highlight=False)

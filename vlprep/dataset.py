@@ -10,7 +10,7 @@ import os
 import re
 import tarfile
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
@@ -32,17 +32,25 @@ class ShardFormatError(VlprepError):
     """A tar member breaks the contract (pickle payload, unsafe name)."""
 
 
+class BadShardError(VlprepError):
+    """A shard whose tar does not hold the samples its sidecar and sizes.json list (a corrupt or cut tar)."""
+
+
+SKIP_HINT = "re-create it, or pass --skip-bad-shards to leave bad shards out"
+
+
 def reraise(exn: Exception) -> bool:
     raise exn
 
 
 @dataclass
 class Dataset:
-    """A finished dataset folder: its shard files (in order) and their sample counts."""
+    """A finished dataset folder: its shard files (in order), their sample counts, and any shards left out as bad."""
 
     root: Path
     shards: list[str]
     sizes: dict[str, int]
+    bad: dict[str, str] = field(default_factory=dict)
 
     @property
     def num_samples(self) -> int:
@@ -54,6 +62,12 @@ class Dataset:
 
 def sidecar_name(shard: str) -> str:
     return shard[: -len(".tar")] + ".parquet"
+
+
+def plain_shard_name(name) -> bool:
+    """A shard name is a plain `*.tar` file name: never a path, so stages cannot be steered to write elsewhere."""
+    return (isinstance(name, str) and name.endswith(".tar") and len(name) > 4 and not name.startswith(".")
+            and "/" not in name and "\\" not in name and "\0" not in name)
 
 
 def open_dataset(path: str | os.PathLike) -> Dataset:
@@ -76,8 +90,11 @@ def open_dataset(path: str | os.PathLike) -> Dataset:
         sizes = json.loads(sizes_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise VlprepError(f"{sizes_file}: not valid JSON ({e})") from None
-    if not isinstance(sizes, dict) or not all(isinstance(v, int) for v in sizes.values()):
+    if not isinstance(sizes, dict) or not all(isinstance(v, int) and v >= 0 for v in sizes.values()):
         raise VlprepError(f"{sizes_file}: expected {{shard name: sample count}}")
+    unsafe = [s for s in sizes if not plain_shard_name(s)]
+    if unsafe:  # derived stages write OUT/<name>: a path here would write outside OUT
+        raise VlprepError(f"{sizes_file}: shard name {unsafe[0]!r} is not a plain .tar file name in the folder")
     missing = [s for s in sizes if not (root / s).exists()]
     if missing:
         raise VlprepError(f"{root}: {len(missing)} shard(s) listed in sizes.json are missing, e.g. {missing[0]}")
@@ -139,11 +156,59 @@ def iter_tar(path: str | os.PathLike, handler: Callable[[Exception], bool] = rer
 
 
 def iter_aligned(tar_path: Path, keys: list[str]) -> Iterator[tuple[int, dict]]:
-    """(sidecar row index, raw sample) for one shard; a sidecar out of step with its tar is an error."""
+    """(sidecar row index, raw sample) for one shard; a sidecar out of step with its tar is an error.
+
+    A tar that ends early is a BadShardError: tarfile takes a corrupt header for the end of the archive, so
+    without this count a damaged shard would be read half and the stage would exit 0.
+    """
+    n = 0
     for i, raw in enumerate(iter_tar(tar_path)):
         if i >= len(keys) or keys[i] != raw["__key__"]:
             raise VlprepError(f"{tar_path}: sidecar does not match the tar at sample {i} ({raw['__key__']})")
+        n = i + 1
         yield i, raw
+    if n != len(keys):
+        raise BadShardError(f"{tar_path}: the tar holds {n} samples, its sidecar lists {len(keys)} "
+                            f"(a corrupt or cut tar); {SKIP_HINT}")
+
+
+def count_tar_samples(path: Path) -> int:
+    """Samples in a tar by its member headers alone (no payload reads), grouped as `iter_tar` groups them."""
+    n, last = 0, None
+    try:
+        with tarfile.open(path, mode="r:") as tf:
+            for info in tf:
+                dirname, _, base = info.name.rpartition("/")
+                stem, dot, _ = base.partition(".")
+                if not info.isfile() or not dot or _META.match(info.name):
+                    continue
+                key = f"{dirname}/{stem}"
+                if key != last:
+                    n, last = n + 1, key
+    except tarfile.ReadError:
+        return -1
+    return n
+
+
+def check_shards(ds: Dataset) -> Dataset:
+    """`ds` without its bad shards (tar, sidecar and sizes.json disagree on the count), which go to `ds.bad`.
+
+    For --skip-bad-shards: a scan of every tar's headers first (about as long as reading the headers once more);
+    without it, stages find a bad shard for free when they reach its end, and stop there.
+    """
+    bad = {}
+    for shard in ds.shards:
+        side = ds.sidecar(shard)
+        try:
+            rows = pq.read_metadata(side).num_rows
+        except Exception:  # missing or unreadable sidecar
+            rows = -1
+        n = count_tar_samples(ds.root / shard)
+        if not n == rows == ds.sizes[shard]:
+            bad[shard] = (f"the tar holds {n if n >= 0 else 'no readable'} samples, its sidecar "
+                          f"{'is unreadable' if rows < 0 else f'lists {rows}'}, sizes.json says {ds.sizes[shard]}")
+    keep = [s for s in ds.shards if s not in bad]
+    return Dataset(root=ds.root, shards=keep, sizes={s: ds.sizes[s] for s in keep}, bad={**ds.bad, **bad})
 
 
 def batches(it: Iterable, n: int) -> Iterator[list]:
@@ -158,13 +223,30 @@ def batches(it: Iterable, n: int) -> Iterator[list]:
         yield batch
 
 
-def open_derived(src, out) -> tuple[Dataset, Path]:
-    """A derived stage's input dataset and output folder, which must be another folder."""
-    ds = open_dataset(src)
+def check_out(out, *inputs) -> Path:
+    """OUT as a Path; a one-line error when it is an input, holds one, or lies inside one.
+
+    `--overwrite` clears vlprep's files in OUT and a run removes its stale `*.tmp`, so an OUT that overlaps an
+    input could delete that input (`vlprep shards imgdir imgdir --overwrite` once deleted every image).
+    """
     out = Path(out)
-    if out.resolve() == ds.root.resolve():
-        raise VlprepError("OUT must be a different folder from IN")
-    return ds, out
+    o = out.resolve()
+    for src in inputs:
+        i = Path(src).resolve()
+        if o == i:
+            raise VlprepError(f"OUT {out} is the input {src}; choose another folder")
+        if o in i.parents:
+            raise VlprepError(f"OUT {out} contains the input {src}; choose a folder outside it")
+        if i in o.parents:
+            raise VlprepError(f"OUT {out} lies inside the input {src}; choose a folder outside it")
+    return out
+
+
+def open_derived(src, out, skip_bad_shards: bool = False) -> tuple[Dataset, Path]:
+    """A derived stage's input dataset (its bad shards left out when asked) and output folder, kept apart."""
+    ds = open_dataset(src)
+    out = check_out(out, ds.root)
+    return (check_shards(ds) if skip_bad_shards else ds), out
 
 
 def to_rgb(data: bytes) -> Image.Image:
@@ -195,9 +277,14 @@ def iter_samples(path: str | os.PathLike | Dataset, decode: bool = True,
     """Every sample of a finished dataset folder, in shard order, with '__shard__' set."""
     ds = path if isinstance(path, Dataset) else open_dataset(path)
     for shard in ds.shards:
+        n = 0
         for raw in iter_tar(ds.root / shard, handler=handler):
             raw["__shard__"] = shard
+            n += 1
             yield decode_sample(raw) if decode else raw
+        if n != ds.sizes[shard] and handler is reraise:
+            raise BadShardError(f"{ds.root / shard}: the tar holds {n} samples, sizes.json says {ds.sizes[shard]} "
+                                f"(a corrupt or cut tar); {SKIP_HINT}")
 
 
 # --- writing -----------------------------------------------------------------------------------
@@ -378,36 +465,78 @@ def finish_dataset(root: Path, sizes: dict[str, int], meta: dict) -> None:
 
 
 RUN_MARKER = ".vlprep-run.json"
+LOCK_FILE = ".vlprep.lock"
+_locks: dict[Path, int] = {}  # OUT (resolved) -> the open lock file this process holds
+
+
+def lock_output(root: Path) -> None:
+    """Hold an exclusive lock on OUT until `release_output` or the process ends; one line if another holds it.
+
+    fcntl.flock on OUT/.vlprep.lock: the kernel drops it when the holder dies (even kill -9), so there is no
+    stale-lock clean-up. Re-entrant within a process (a library user may run stages one after another).
+    """
+    import fcntl
+
+    root.mkdir(parents=True, exist_ok=True)
+    key = root.resolve()
+    if key in _locks:
+        return
+    fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise VlprepError(f"OUT {root} is being written by another vlprep process (pid {pid}); wait for it to "
+                          "finish or choose another folder") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _locks[key] = fd
+
+
+def release_output(root: Path) -> None:
+    """Let other processes write OUT again (the stage has finished with it)."""
+    import fcntl
+
+    fd = _locks.pop(Path(root).resolve(), None)
+    if fd is not None:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
 
 
 def prepare_output(root: Path, stage: str, options: dict, overwrite: bool = False) -> None:
     """Make `root` ready for a stage: new, a resumable earlier run with the same options, or refused.
 
-    A folder with anything else in it is never modified without `--overwrite`, so a typo in OUT
-    cannot delete a user's files; with it, only files a stage writes (*.tar, *.parquet, *.json,
-    *.tmp, *.png) are removed.
+    Takes OUT's lock first, so two writers never clean up each other's files. A folder with anything else in
+    it is never modified without `--overwrite`, and even then only if an earlier vlprep run wrote it (it has the
+    run marker), so a typo in OUT cannot delete a user's files; only files a stage writes (*.tar, *.parquet,
+    *.json, *.tmp, *.png, *.npy, *.faiss) are removed.
     """
     marker = root / RUN_MARKER
     run = {"stage": stage, "options": options}
     if root.exists() and not root.is_dir():
         raise VlprepError(f"output exists and is not a folder: {root}")
-    if root.exists() and any(root.iterdir()):
+    existing = [p for p in root.iterdir() if p.name != LOCK_FILE] if root.exists() else []
+    if existing and not marker.exists() and not (root / "sizes.json").exists():
+        raise VlprepError(f"output folder {root} is not empty and was not written by vlprep; choose a new or "
+                          "empty folder (--overwrite only clears vlprep's own output)")
+    lock_output(root)
+    if existing:
         previous = None
-        if marker.exists():
-            try:
-                previous = json.loads(marker.read_text())
-            except json.JSONDecodeError:
-                previous = None
+        try:
+            previous = json.loads(marker.read_text())
+        except (OSError, json.JSONDecodeError):
+            previous = None
         if previous != run:
             if not overwrite:
+                release_output(root)
                 why = "was written with other options" if previous else "is not empty"
                 raise VlprepError(f"output folder {root} {why}; choose another folder or pass --overwrite")
             for p in root.iterdir():
-                if p.is_file() and p.suffix in (".tar", ".parquet", ".json", ".tmp", ".png"):
+                if p.is_file() and p.suffix in (".tar", ".parquet", ".json", ".tmp", ".png", ".npy", ".faiss"):
                     p.unlink()
-    root.mkdir(parents=True, exist_ok=True)
     for p in root.glob("*.tmp"):
-        p.unlink()  # half-written shards of an interrupted run
+        p.unlink()  # half-written shards of an interrupted run: safe to remove only while holding the lock
     write_json_atomic(marker, run)
 
 

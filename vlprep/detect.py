@@ -26,7 +26,7 @@ from PIL import Image
 
 from vlprep import VlprepError
 from vlprep.dataset import (batches, decode_sample, finish_dataset, image_ext, iter_aligned, open_derived,
-                            prepare_output, shard_done, to_rgb, write_json_atomic, write_shard)
+                            prepare_output, release_output, shard_done, to_rgb, write_json_atomic, write_shard)
 
 OBJECT_TYPE = pa.list_(pa.struct([("label", pa.string()), ("score", pa.float32()), ("box", pa.list_(pa.float32()))]))
 
@@ -170,6 +170,7 @@ class DetectConfig:
     batch_size: int = 8
     device: str = "auto"
     overwrite: bool = False
+    skip_bad_shards: bool = False  # leave out shards whose tar, sidecar and sizes.json disagree (counted)
 
 
 def make_detector(cfg: DetectConfig):
@@ -231,7 +232,7 @@ def detect(cfg: DetectConfig, progress=None) -> dict:
     if cfg.batch_size < 1:
         raise VlprepError("--batch-size must be at least 1")
     t0 = time.perf_counter()
-    ds, out = open_derived(cfg.src, cfg.out)
+    ds, out = open_derived(cfg.src, cfg.out, cfg.skip_bad_shards)
     imported, detector = None, None
     if cfg.from_file is not None:
         keys = set()
@@ -243,7 +244,7 @@ def detect(cfg: DetectConfig, progress=None) -> dict:
         detector = make_detector(cfg)
         backend = detector.name
     options = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()
-               if k not in ("src", "out", "overwrite", "batch_size", "device")}
+               if k not in ("src", "out", "overwrite", "batch_size", "device", "skip_bad_shards")}
     options["src"] = str(ds.root.resolve())
     prepare_output(out, "detect", options, cfg.overwrite)
     salt = json.dumps({"backend": backend, "min_score": cfg.min_score}).encode()
@@ -276,8 +277,9 @@ def detect(cfg: DetectConfig, progress=None) -> dict:
         "stage": "detect", "source": str(cfg.src), "backend": backend, "min_score": cfg.min_score,
         "samples": total["written"], "with_objects": total["with_objects"], "objects": total["objects"],
         "undecodable": total["undecodable"], "images_per_label": dict(labels.most_common()),
-        "shards": len(ds.shards), "shards_resumed": resumed, "elapsed_s": round(elapsed, 3),
+        "shards": len(ds.shards), "shards_resumed": resumed, "bad_shards": ds.bad, "elapsed_s": round(elapsed, 3),
         "images_per_s": round(processed / elapsed, 2) if processed else None,
     }
     write_json_atomic(out / "report.json", report)
+    release_output(out)
     return report

@@ -30,8 +30,8 @@ import pyarrow.parquet as pq
 import torch
 
 from vlprep import VlprepError
-from vlprep.dataset import (image_ext, iter_aligned, open_dataset, prepare_output, read_sidecars, to_rgb,
-                            write_json_atomic)
+from vlprep.dataset import (image_ext, iter_aligned, open_derived, prepare_output, read_sidecars, release_output,
+                            to_rgb, write_json_atomic)
 from vlprep.encoders import resolve_device
 
 MODALITIES = ("image", "text")
@@ -155,6 +155,7 @@ class EmbedConfig:
     device: str = "auto"
     deformed: bool = False      # text: embed `caption` even when `caption_raw` is there
     overwrite: bool = False
+    skip_bad_shards: bool = False  # leave out shards whose tar, sidecar and sizes.json disagree (counted)
 
 
 def embed(cfg: EmbedConfig, progress=None) -> dict:
@@ -164,10 +165,7 @@ def embed(cfg: EmbedConfig, progress=None) -> dict:
     if cfg.batch_size < 1:
         raise VlprepError("--batch-size must be at least 1")
     t0 = time.perf_counter()
-    ds = open_dataset(cfg.src)
-    out = Path(cfg.out)
-    if out.resolve() == ds.root.resolve():
-        raise VlprepError("OUT must be a different folder from DATASET")
+    ds, out = open_derived(cfg.src, cfg.out, cfg.skip_bad_shards)
     enc = Encoder(cfg.checkpoint, cfg.device)
     if cfg.modality == "image":
         enc.check_images()
@@ -236,12 +234,13 @@ def embed(cfg: EmbedConfig, progress=None) -> dict:
     elapsed = time.perf_counter() - t0
     report = {"stage": "embed", "source": str(cfg.src), "checkpoint": str(cfg.checkpoint), "modality": cfg.modality,
               "dim": enc.dim, "samples_in": len(keys), "written": n, "skipped": dict(skipped),
-              "device": str(enc.device), "elapsed_s": round(elapsed, 3),
+              "device": str(enc.device), "bad_shards": ds.bad, "elapsed_s": round(elapsed, 3),
               "per_s": round(n / elapsed, 2) if elapsed > 0 else None,
               "outputs": [str(out / "embeddings.npy"), str(out / "keys.parquet")]}
     write_json_atomic(out / "meta.json", {"stage": "embed", "options": options, "dim": enc.dim, "count": n,
                                           "model": asdict(enc.model.cfg)})
     write_json_atomic(out / "report.json", report)
+    release_output(out)
     return report
 
 

@@ -28,8 +28,8 @@ import pyarrow.parquet as pq
 import torch
 
 from vlprep import VlprepError
-from vlprep.dataset import (batches, finish_dataset, iter_aligned, open_derived, prepare_output, shard_done,
-                            write_json_atomic, write_shard)
+from vlprep.dataset import (batches, finish_dataset, iter_aligned, open_derived, prepare_output, release_output,
+                            shard_done, write_json_atomic, write_shard)
 from vlprep.embed import decode
 from vlprep.encoders import resolve_device
 from vlprep.encoders import eval_view, load_token_encoder, normalise
@@ -52,6 +52,7 @@ class FeaturesConfig:
     workers: int = field(default_factory=lambda: min(2, os.cpu_count() or 1))
     device: str = "auto"
     overwrite: bool = False
+    skip_bad_shards: bool = False  # leave out shards whose tar, sidecar and sizes.json disagree (counted)
 
 
 def _view(raw: dict, size: int) -> tuple[torch.Tensor | None, str | None]:
@@ -131,7 +132,7 @@ def features(cfg: FeaturesConfig, progress=None) -> dict:
     if cfg.workers < 0:
         raise VlprepError("--workers must be 0 (decode in the main thread) or more")
     t0 = time.perf_counter()
-    ds, out = open_derived(cfg.src, cfg.out)
+    ds, out = open_derived(cfg.src, cfg.out, cfg.skip_bad_shards)
     device = resolve_device(cfg.device)
     enc = load_token_encoder(cfg.image_model, cfg.weights, cfg.size).to(device)
     spec = {**enc.spec, "dtype": cfg.dtype}
@@ -171,10 +172,11 @@ def features(cfg: FeaturesConfig, progress=None) -> dict:
         "stage": "features", "source": str(cfg.src), "features": spec, "samples_in": n_in, "written": written,
         "skipped": dict(sorted(skipped.items())), "skipped_examples": dict(sorted(examples.items())),
         "npy_bytes": spec["tokens"] * spec["dim"] * np.dtype(cfg.dtype).itemsize, "device": str(device),
-        "shards": len(ds.shards), "shards_resumed": resumed, "elapsed_s": round(elapsed, 3),
+        "shards": len(ds.shards), "shards_resumed": resumed, "bad_shards": ds.bad, "elapsed_s": round(elapsed, 3),
         "images_per_s": round(processed / elapsed, 2) if processed else None,
     }
     write_json_atomic(out / "report.json", report)
+    release_output(out)
     return report
 
 

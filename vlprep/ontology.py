@@ -28,8 +28,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from vlprep import VlprepError
-from vlprep.dataset import (decode_sample, finish_dataset, iter_aligned, open_derived, prepare_output, shard_done,
-                            write_json_atomic, write_shard)
+from vlprep.dataset import (decode_sample, finish_dataset, iter_aligned, open_derived, prepare_output, release_output,
+                            shard_done, write_json_atomic, write_shard)
 
 PAPER_RATIO = 5000 / 5_800_000  # min instances per triplet in TOnICS (5,000 on 5.8M triplets)
 NOUN_TYPE = pa.list_(pa.struct([("noun", pa.string()), ("start", pa.int32()), ("end", pa.int32())]))
@@ -135,6 +135,7 @@ class OntologyConfig:
     min_score: float = 0.3
     overrides: Path | None = None
     overwrite: bool = False
+    skip_bad_shards: bool = False  # leave out shards whose tar, sidecar and sizes.json disagree (counted)
 
 
 def _nouns_per_shard(ds, out: Path, progress=None) -> dict[str, list]:
@@ -181,12 +182,12 @@ def ontology(cfg: OntologyConfig, progress=None) -> dict:
     if not 0 <= cfg.min_score <= 1:
         raise VlprepError("--min-score must be between 0 and 1")
     t0 = time.perf_counter()
-    ds, out = open_derived(cfg.src, cfg.out)
+    ds, out = open_derived(cfg.src, cfg.out, cfg.skip_bad_shards)
     keys, labels = _keys_and_labels(ds, cfg.min_score)
     all_labels = set().union(*(s for rows in labels.values() for s in rows))
     overrides = load_overrides(cfg.overrides, all_labels)
     options = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()
-               if k not in ("src", "out", "overwrite")}
+               if k not in ("src", "out", "overwrite", "skip_bad_shards")}
     options["src"] = str(ds.root.resolve())
     prepare_output(out, "ontology", options, cfg.overwrite)
     nouns = _nouns_per_shard(ds, out, progress)
@@ -244,12 +245,13 @@ def ontology(cfg: OntologyConfig, progress=None) -> dict:
         "min_instances": min_inst, "classes": len(nodes), "mapped_nouns": len(mapping), "triplets": len(triplets),
         "coverage": round(covered / ds.num_samples, 4) if ds.num_samples else 0.0,
         "dropped_classes": {c: per_class[c] for c in sorted(set(per_class) - kept)},
-        "nodes": nodes, "shards_resumed": resumed, "elapsed_s": round(time.perf_counter() - t0, 3),
+        "nodes": nodes, "shards_resumed": resumed, "bad_shards": ds.bad, "elapsed_s": round(time.perf_counter() - t0, 3),
     }
     from vlprep.report import plot_pmi
 
     report["plots"] = plot_pmi(out / "pmi_heatmap.png", table, mapping, nodes)
     write_json_atomic(out / "report.json", report)
+    release_output(out)
     return report
 
 

@@ -42,8 +42,9 @@ import pyarrow.parquet as pq
 
 from vlprep import VlprepError
 from vlprep import knn
-from vlprep.dataset import (batches, decode_sample, finish_dataset, iter_aligned, open_dataset, prepare_output,
-                            read_sidecars, shard_done, write_json_atomic, write_shard)
+from vlprep.dataset import (batches, check_out, check_shards, decode_sample, finish_dataset, iter_aligned,
+                            open_dataset, prepare_output, read_sidecars, release_output, shard_done,
+                            write_json_atomic, write_shard)
 from vlprep.text import stop_words, tokenize
 
 STRATEGIES = ("maxcount", "rmtopmaxcount", "rmtoprand", "weighted")
@@ -150,6 +151,7 @@ class PseudolabelConfig:
     batch_size: int = 16            # images per encoder call (x crops)
     device: str = "auto"
     overwrite: bool = False
+    skip_bad_shards: bool = False  # leave out shards whose tar, sidecar and sizes.json disagree (counted)
 
 
 def _check(cfg: PseudolabelConfig) -> None:
@@ -306,9 +308,9 @@ def pseudolabel(cfg: PseudolabelConfig, progress=None) -> dict:
         ds = open_dataset(cfg.unaligned)
     except VlprepError as e:
         raise VlprepError(f"UNALIGNED: {e}") from None
-    out = Path(cfg.out)
-    if out.resolve() in (aligned.root.resolve(), ds.root.resolve()):
-        raise VlprepError("OUT must be a different folder from ALIGNED and UNALIGNED")
+    out = check_out(cfg.out, aligned.root, ds.root)
+    if cfg.skip_bad_shards:  # ALIGNED is read through its sidecars only, so only UNALIGNED's tars matter
+        ds = check_shards(ds)
     _need_sidecars(aligned, "ALIGNED")
     _need_sidecars(ds, "UNALIGNED")
     keys, captions = _aligned_captions(aligned)
@@ -316,7 +318,8 @@ def pseudolabel(cfg: PseudolabelConfig, progress=None) -> dict:
     enc.check_images()
     ckpt = Path(cfg.checkpoint)
     options = {k: v for k, v in asdict(cfg).items() if k not in ("aligned", "unaligned", "out", "checkpoint",
-                                                                  "batch_size", "device", "overwrite")}
+                                                                  "batch_size", "device", "overwrite",
+                                                                  "skip_bad_shards")}
     options.update(aligned=str(aligned.root.resolve()), unaligned=str(ds.root.resolve()),
                    checkpoint=str(ckpt.resolve()))
     prepare_output(out, "pseudolabel", options, cfg.overwrite)
@@ -389,10 +392,11 @@ def pseudolabel(cfg: PseudolabelConfig, progress=None) -> dict:
         "avg_words": round(sum(k * v for k, v in lengths.items()) / written, 3) if written else 0.0,
         "words_hist": {str(k): lengths[k] for k in sorted(lengths)}, "vocab": len(pseudo_words),
         "top_words": [[w, n, df[w]] for w, n in pseudo_words.most_common(30)],
-        "shards": len(ds.shards), "shards_resumed": resumed,
+        "shards": len(ds.shards), "shards_resumed": resumed, "bad_shards": ds.bad,
         "images_per_s": round(processed / images_s, 2) if processed and images_s > 0 else None,
     }
     report["plots"] = pseudolabel_figures(out, ds, report)
     report["elapsed_s"] = round(time.perf_counter() - t0, 3)
     write_json_atomic(out / "report.json", report)
+    release_output(out)
     return report

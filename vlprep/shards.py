@@ -26,11 +26,12 @@ from itertools import islice
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from vlprep import VlprepError
-from vlprep.dataset import (KEY_RE, finish_dataset, prepare_output, remove_extra_shards, shard_done,
-                            shard_name, write_json_atomic, write_shard)
+from vlprep.dataset import (KEY_RE, check_out, finish_dataset, prepare_output, release_output, remove_extra_shards,
+                            shard_done, shard_name, sidecar_name, write_json_atomic, write_shard)
 from vlprep.sources import Item, open_source
 
 FORMATS = {"jpg": "JPEG", "png": "PNG", "webp": "WEBP"}
@@ -253,8 +254,8 @@ def build_shards(cfg: ShardsConfig, progress=None) -> dict:
     """Run the stage; returns the report (also written to OUT/report.json)."""
     cfg.validate()
     t0 = time.perf_counter()
+    out = check_out(cfg.out, cfg.src)
     source = open_source(cfg.src, cfg.image_col, cfg.caption_col, cfg.uid_col)
-    out = Path(cfg.out)
     options = {k: v for k, v in asdict(cfg).items() if k not in ("src", "out", "workers", "overwrite", "progress")}
     options["src"] = str(Path(cfg.src).resolve())
     prepare_output(out, "shards", options, cfg.overwrite)
@@ -315,13 +316,29 @@ def build_shards(cfg: ShardsConfig, progress=None) -> dict:
         "stage": "shards", "input": str(cfg.src), "source_kind": source.kind, "columns": source.columns,
         "options": options, "counts": {"in": n_in, "written": written, "skipped": dict(sorted(skipped.items()))},
     })
+    dups = duplicate_uids(out, planned)
     elapsed = time.perf_counter() - t0
     report = {
         "stage": "shards", "source": str(cfg.src), "source_kind": source.kind, "columns": source.columns,
         "samples_in": n_in, "written": written, "skipped_total": sum(skipped.values()),
         "skipped": dict(sorted(skipped.items())), "skipped_examples": dict(sorted(examples.items())),
+        "duplicate_uids": dups["rows"], "duplicate_uid_examples": dups["examples"],
         "shards": len(planned), "shards_resumed": resumed, "elapsed_s": round(elapsed, 3),
         "samples_per_s": round(n_in / elapsed, 1) if elapsed > 0 else None,
     }
     write_json_atomic(out / "report.json", report)
+    release_output(out)
     return report
+
+
+def duplicate_uids(out: Path, shards: list[str]) -> dict:
+    """Written rows whose uid an earlier row already has ({'rows', 'examples'}); they are kept: the data is the user's."""
+    seen, dup, examples = set(), 0, []
+    for shard in shards:
+        for uid in pq.read_table(out / sidecar_name(shard), columns=["uid"]).column(0).to_pylist():
+            if uid in seen:
+                dup += 1
+                if len(examples) < MAX_EXAMPLES and uid not in examples:
+                    examples.append(uid)
+            seen.add(uid)
+    return {"rows": dup, "examples": examples}

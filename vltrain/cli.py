@@ -36,7 +36,10 @@ def user_errors():
         console.print(str(e), highlight=False, markup=False, soft_wrap=True)
         raise typer.Exit(130) from None
     except (VlprepError, ConfigError, TrainError, ValueError, FileNotFoundError) as e:
-        console.print("error: " + str(e), style="bold red", highlight=False, markup=False, soft_wrap=True)
+        from vltrain.data import loader_error  # a DataLoader worker's error: its own line, not torch's traceback
+
+        console.print("error: " + str(loader_error(e)), style="bold red", highlight=False, markup=False,
+                      soft_wrap=True)
         raise typer.Exit(2) from None
 
 

@@ -9,6 +9,7 @@ samplers. wids never unpickles anything here: only the caption, image and `npy` 
 import contextlib
 import hashlib
 import io
+import json
 import os
 import random
 from collections.abc import Iterator
@@ -19,7 +20,9 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 from torchvision.transforms import v2
 
-from vlprep.dataset import image_ext, iter_tar, open_dataset, to_rgb
+from vlprep import VlprepError
+from vlprep.dataset import (PICKLE_EXTS, BadShardError, ShardFormatError, image_ext, iter_tar, open_dataset,
+                            plain_shard_name, to_rgb)
 
 
 def in_val(key: str, frac: float) -> bool:
@@ -73,13 +76,55 @@ def eval_transform(size: int, mean, std) -> v2.Compose:
                        v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
 
 
-def shard_paths(folders: list[str | Path]) -> list[Path]:
-    """All shards of the given dataset folders, interleaved so that every folder is mixed from the start."""
-    lists = [[ds.root / s for s in ds.shards] for ds in map(open_dataset, folders)]
-    out = []
+def shard_sizes(folders: list[str | Path]) -> dict[Path, int]:
+    """Every shard of the given dataset folders -> its sizes.json count, interleaved so that every folder is mixed
+    from the start."""
+    lists = [[(ds.root / s, n) for s, n in ds.sizes.items()] for ds in map(open_dataset, folders)]
+    out = {}
     for i in range(max((len(x) for x in lists), default=0)):
-        out.extend(x[i] for x in lists if i < len(x))
+        out.update(x[i] for x in lists if i < len(x))
     return out
+
+
+def shard_paths(folders: list[str | Path]) -> list[Path]:
+    return list(shard_sizes(folders))
+
+
+class LoadCounts:
+    """Samples read and samples skipped as undecodable, summed over the main process and DataLoader workers.
+
+    The counts live in a shared-memory tensor with one row per worker (no locks needed): workers are new
+    processes every epoch, and only shared memory carries their counts back to the training loop.
+    """
+
+    SLOTS = 65
+
+    def __init__(self):
+        self.counts = torch.zeros((self.SLOTS, 2), dtype=torch.int64).share_memory_()
+
+    def add(self, read: int, bad: int) -> None:
+        info = get_worker_info()
+        slot = 0 if info is None else 1 + info.id % (self.SLOTS - 1)
+        self.counts[slot, 0] += read
+        self.counts[slot, 1] += bad
+
+    def totals(self) -> tuple[int, int]:
+        """(samples read, of which undecodable)."""
+        read, bad = self.counts.sum(dim=0).tolist()
+        return int(read), int(bad)
+
+
+def loader_error(e: Exception) -> Exception:
+    """The one line a DataLoader worker's exception had there (torch prefixes its text with the worker traceback)."""
+    text = str(e)
+    if "Original Traceback" not in text:
+        return e
+    last = text.strip().splitlines()[-1]  # "vlprep.BadShardError: the message"
+    _, sep, msg = last.partition(": ")
+    try:
+        return type(e)(msg) if sep else e
+    except TypeError:
+        return e
 
 
 def load_sample(raw: dict, transform, use_features: bool) -> tuple:
@@ -97,17 +142,21 @@ def load_sample(raw: dict, transform, use_features: bool) -> tuple:
 class ShardStream(IterableDataset):
     """(image tensor or feature tokens, caption, key) from shard folders, one split, shuffled per epoch.
 
-    DataLoader workers take disjoint shards; the order depends only on (seed, epoch).
+    DataLoader workers take disjoint shards; the order depends only on (seed, epoch). A sample that cannot be
+    decoded is skipped and counted in `self.counts` (webdataset's warn_and_continue, with a count); a shard whose
+    tar ends before its sizes.json count is a BadShardError.
     """
 
     def __init__(self, folders, split: str, val_frac: float, transform, shuffle: bool = True,
                  buffer: int = 1000, seed: int = 0, use_features: bool = False):
-        self.shards = shard_paths(folders)
+        self.sizes = shard_sizes(folders)
+        self.shards = list(self.sizes)
         if not self.shards:
             raise ValueError("no shards in " + ", ".join(map(str, folders)))
         self.split, self.val_frac, self.transform = split, val_frac, transform
         self.shuffle, self.buffer, self.seed, self.epoch = shuffle, buffer, seed, 0
         self.use_features = use_features
+        self.counts = LoadCounts()
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -116,7 +165,25 @@ class ShardStream(IterableDataset):
         return in_val(key, self.val_frac) == (self.split == "val")
 
     def _load(self, raw: dict):
-        return load_sample(raw, self.transform, self.use_features)
+        """The loaded sample, or None (counted) when it cannot be decoded."""
+        try:
+            sample = load_sample(raw, self.transform, self.use_features)
+        except Exception:  # a corrupt image, caption or npy: any decoder error is the sample's, not ours
+            self.counts.add(1, 1)
+            return None
+        self.counts.add(1, 0)
+        return sample
+
+    def _samples(self, shard: Path) -> Iterator[dict]:
+        """The raw samples of one shard; a tar that ends before its sizes.json count is a BadShardError."""
+        n = 0
+        for raw in iter_tar(shard):
+            n += 1
+            yield raw
+        if n != self.sizes[shard]:
+            raise BadShardError(f"{shard}: the tar holds {n} samples, sizes.json says {self.sizes[shard]} "
+                                f"(a corrupt or cut tar); re-create it with the vlprep stage that "
+                                "wrote it")
 
     def __iter__(self) -> Iterator[tuple]:
         rng = random.Random(self.seed * 1_000_003 + self.epoch)
@@ -131,17 +198,18 @@ class ShardStream(IterableDataset):
         # 3x224x224 floats would be 600 MB per worker and slow everything down.
         buf = []
         for shard in shards:
-            for raw in iter_tar(shard):
+            for raw in self._samples(shard):
                 if not self._wanted(raw["__key__"]):
                     continue
                 if not self.shuffle:
-                    yield self._load(raw)
+                    if (sample := self._load(raw)) is not None:
+                        yield sample
                     continue
                 buf.append(raw)
-                if len(buf) >= self.buffer:
-                    yield self._load(buf.pop(rng.randrange(len(buf))))
+                if len(buf) >= self.buffer and (sample := self._load(buf.pop(rng.randrange(len(buf))))) is not None:
+                    yield sample
         rng.shuffle(buf)
-        yield from map(self._load, buf)
+        yield from (s for s in map(self._load, buf) if s is not None)
 
 
 class IndexedShards:
@@ -151,7 +219,10 @@ class IndexedShards:
         import pyarrow.parquet as pq
 
         datasets = [open_dataset(f) for f in folders]
+        for ds in datasets:
+            check_index(ds)
         self.roots = [ds.root for ds in datasets]
+        self.counts = LoadCounts()
         self.offsets = np.concatenate([[0], np.cumsum([ds.num_samples for ds in datasets])]).astype(np.int64)
         keys = []
         for ds in datasets:
@@ -182,13 +253,40 @@ class IndexedShards:
         if self._wids is None:
             self._wids = self._open()
         f = int(np.searchsorted(self.offsets, index, side="right")) - 1
-        sample = self._wids[f][int(index - self.offsets[f])]
+        try:
+            shard, inner, desc = self._wids[f].get_shard(int(index - self.offsets[f]))
+        except (OSError, ValueError, AssertionError) as e:  # wids could not index the tar at all
+            raise BadShardError(f"{self.roots[f]}: a shard cannot be read as a tar ({e})") from None
+        if len(shard) != desc["nsamples"]:  # a corrupt header ends the tar early, for wids as for tarfile
+            raise BadShardError(f"{self.roots[f] / desc['url']}: the tar holds {len(shard)} samples, index.json "
+                                f"says {desc['nsamples']} (a corrupt or cut tar); re-create it with the vlprep "
+                                "stage that wrote it")
+        sample = shard[inner]
+        for ext in sample:
+            if ext.startswith(".") and ext.rsplit(".", 1)[-1].lower() in PICKLE_EXTS:
+                raise ShardFormatError(f"{self.roots[f] / desc['url']}: refusing pickled member "
+                                       f"{sample['__key__']}{ext}")
         raw = {k[1:]: v.getvalue() for k, v in sample.items() if k.startswith(".")}
         raw["__key__"] = sample["__key__"]
         if raw["__key__"] != self.keys[index]:
             raise ValueError(f"wids returned {raw['__key__']} for index {index}, the sidecars say "
                              f"{self.keys[index]}: index.json is out of date")
         return raw
+
+
+def check_index(ds) -> None:
+    """index.json must list exactly sizes.json's shards and counts, by plain file name (wids opens those paths)."""
+    path = ds.root / "index.json"
+    try:
+        shardlist = json.loads(path.read_text())["shardlist"]
+        listed = {s["url"]: s["nsamples"] for s in shardlist}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise VlprepError(f"{path}: not a wids index ({type(e).__name__}: {e}); re-create the dataset") from None
+    bad = [u for u in listed if not plain_shard_name(u)]
+    if bad:
+        raise VlprepError(f"{path}: shard url {bad[0]!r} is not a plain .tar file name in the folder")
+    if list(listed.items()) != list(ds.sizes.items()) or len(shardlist) != len(listed):
+        raise VlprepError(f"{path} and sizes.json list different shards or counts; re-create the dataset")
 
 
 class InstanceView(torch.utils.data.Dataset):
@@ -205,8 +303,15 @@ class InstanceView(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, p: int) -> tuple:
-        x, caption, key = load_sample(self.shards.raw(int(self.samples[p])), self.transform, self.use_features)
+    def __getitem__(self, p: int) -> tuple | None:
+        """The sample at position p, or None (counted in shards.counts) when it cannot be decoded."""
+        raw = self.shards.raw(int(self.samples[p]))
+        try:
+            x, caption, key = load_sample(raw, self.transform, self.use_features)
+        except Exception:  # a corrupt image, caption or npy: the sample's fault; Collate drops the None
+            self.shards.counts.add(1, 1)
+            return None
+        self.shards.counts.add(1, 0)
         if self.spans is None:
             return x, caption, key, int(p)
         return x, caption, key, int(p), tuple(int(v) for v in self.spans[p])
@@ -228,7 +333,10 @@ class Collate:
     def __init__(self, tokenizer, max_len: int, use_features: bool = False):
         self.tokenizer, self.max_len, self.use_features = tokenizer, max_len, use_features
 
-    def __call__(self, batch: list[tuple]) -> dict:
+    def __call__(self, batch: list[tuple | None]) -> dict | None:
+        batch = [b for b in batch if b is not None]  # undecodable samples (counted where they were read)
+        if not batch:
+            return None
         xs, captions, keys, *extra = zip(*batch)
         spans = len(extra) > 1
         extra_args = {"return_offsets_mapping": True} if spans else {}  # fast tokenizers only: triplets need it

@@ -116,6 +116,8 @@ def embed_split(model, folders, split: str, val_frac: float, max_len: int, batch
     model.eval()
     out = {"img": [], "txt": [], "ids": [], "mask": [], "captions": [], "inputs": []}
     for batch in loader:
+        if batch is None:  # every sample undecodable (skipped and counted by the reader)
+            continue
         batch = to_device(batch, device)
         x = batch["features"] if use_features else batch["images"]
         with autocast(device):
@@ -152,7 +154,10 @@ def view_scores(model, view: InstanceView, positions, collate: Collate, batch_si
     nouns, tokens, txt, img = [], [], [], []
     bs = batch_size
     for a in range(0, len(positions), bs):
-        batch = to_device(collate([view[int(p)] for p in positions[a:a + bs]]), device)
+        batch = collate([view[int(p)] for p in positions[a:a + bs]])
+        if batch is None:  # undecodable samples drop out of both sides, so row i still matches column i
+            continue
+        batch = to_device(batch, device)
         with autocast(device):
             tok, i_feat = model.encode_image(batch["features"] if view.use_features else batch["images"])
             hidden, t_feat = model.encode_text(batch["input_ids"], batch["attention_mask"])

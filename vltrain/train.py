@@ -28,7 +28,7 @@ from vltrain import TrainError
 from vltrain import checkpoint as ckpt_io
 from vltrain.config import Config, grit_sizes, to_dict
 from vltrain.data import (Collate, IndexedShards, InstanceView, ShardStream, count_split, eval_transform,
-                          feature_input, in_val, to_device, train_transform)
+                          feature_input, in_val, loader_error, to_device, train_transform)
 from vltrain.evaluate import chance_recall, distinct_positions, embed_split, recall_at_k, view_scores
 from vltrain.losses import (distill_targets, focal_itc_loss, hard_negative_weights, itc_consistency_loss, itc_loss,
                             itm_loss, mlm_loss, mlm_mask, sample_hard_negatives, tonics_ir_loss, tonics_tr_loss)
@@ -156,6 +156,37 @@ def _next_batch(batches, rng_state: torch.Tensor) -> tuple[dict, torch.Tensor]:
         torch.set_rng_state(rng_state)
         batch = next(batches)
         return batch, torch.get_rng_state()
+
+
+def _fit_workers(cfg: Config, n_train: int, n_shards: int) -> None:
+    """Fewer streaming workers when some would get no shard, or when the data fill less than a batch per worker.
+
+    Each worker batches its own shards and drops its last partial batch, so with W workers and fewer than W * B
+    training samples an epoch can yield no batch at all, and the run would wait forever.
+    """
+    w = cfg.data.workers
+    fit = min(w, n_shards, max(1, n_train // cfg.batch_size))
+    if fit < w:
+        why = (f"{n_train} training samples fill fewer than one batch of {cfg.batch_size} per worker"
+               if fit < n_shards else f"the data has {n_shards} shard(s), one worker's share at most")
+        console.print(f"warning: data.workers {w} -> {fit}: {why}", highlight=False)
+        cfg.data.workers = fit
+
+
+# Undecodable samples are skipped and counted; past this share of the samples read the data is called broken.
+MAX_BAD_FRACTION = 0.01
+MIN_READ_FOR_BAD_CHECK = 200  # before that, one bad sample among the first few is not yet a 1% problem
+
+
+def _check_bad_samples(counts, final: bool = False) -> int:
+    """The undecodable samples so far; a TrainError once they are more than 1% of those read (checked after 200
+    reads, or at an epoch's end)."""
+    read, bad = counts.totals()
+    if bad > MAX_BAD_FRACTION * read and (final or read >= MIN_READ_FOR_BAD_CHECK):
+        raise TrainError(f"{bad} of {read} samples read could not be decoded ({100 * bad / read:.1f}%, more than "
+                         f"{100 * MAX_BAD_FRACTION:g}%): the data is damaged; check it with `vlprep stats`, or "
+                         "re-create it with `vlprep shards --decode-check`")
+    return bad
 
 
 # --- index-based sampling: TOnICS, GRIT and triplets (vltrain.samplers) ------------------------------------------
@@ -402,6 +433,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
         raise TrainError(f"the training split has {n_train} {'triplets' if cfg.data.triplets else 'samples'}, fewer "
                          f"than one batch of {cfg.batch_size}; lower --batch-size or data.val_frac")
     per_epoch = n_train // cfg.batch_size  # drop_last: every batch is full (hard negatives need B >= 2)
+    if sampler is None:
+        _fit_workers(cfg, n_train, len(stream.shards))
+    load_counts = stream.counts if sampler is None else data["train"].shards.counts
     if cfg.epochs > 0:
         cfg.steps = max(1, math.ceil(cfg.epochs * per_epoch))
     asked_queue = cfg.model.queue_size
@@ -503,7 +537,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
     def curriculum_check() -> dict:
         """TOnICS: held-out image retrieval R@1, and a curriculum refresh when it reaches the threshold."""
         scores = view_scores(model, data["val"], heldout, collate, cfg.batch_size, cfg.data.triplets, device)
-        acc = float((scores.argmax(dim=1) == torch.arange(len(heldout))).float().mean())
+        acc = float((scores.argmax(dim=1) == torch.arange(len(scores))).float().mean())
         refreshed = acc >= cfg.sampler.threshold
         if refreshed:
             sampler.curriculum.refresh()
@@ -568,14 +602,21 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
                 try:
                     batch, data_rng = _next_batch(batches, data_rng)
                 except StopIteration:
+                    if consumed == 0:  # never loop forever on an epoch that yields nothing
+                        raise TrainError(f"epoch {epoch} gave no batch of {cfg.batch_size} from {n_train} training "
+                                         "samples; lower --batch-size or data.workers") from None
+                    _check_bad_samples(load_counts, final=True)
                     epoch, consumed = epoch + 1, 0
                     batches, data_rng = epoch_batches(epoch)
                     continue
-                except Exception:
+                except Exception as e:
                     if stop["signal"] is not None:  # the signal reached a loader worker too: the state is intact
                         interrupted()
-                    raise
+                    raise loader_error(e) from None
                 consumed += 1
+                if batch is None:  # every sample of this batch was undecodable (counted)
+                    continue
+                bad_samples = _check_bad_samples(load_counts)
                 step += 1
                 lr = lr_at(step, cfg)
                 for g in optimizer.param_groups:
@@ -618,7 +659,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
                 if step % cfg.log_every == 0 or step == cfg.steps:
                     rate = seen / max(time.perf_counter() - t0, 1e-9)
                     t0, seen = time.perf_counter(), 0
-                    row = {"step": step, **losses_f, "lr": lr, "samples_per_s": round(rate, 2)}
+                    row = {"step": step, **losses_f, "lr": lr, "samples_per_s": round(rate, 2),
+                           "bad_samples": bad_samples}
                     log(row)
                     for k, v in row.items():
                         if k != "step":
