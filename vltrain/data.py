@@ -253,18 +253,21 @@ class IndexedShards:
         if self._wids is None:
             self._wids = self._open()
         f = int(np.searchsorted(self.offsets, index, side="right")) - 1
+        w, local = self._wids[f], int(index - self.offsets[f])
+        url = Path(w.shards[int(np.searchsorted(w.cum_lengths, local, side="right"))]["url"]).name
         try:
-            shard, inner, desc = self._wids[f].get_shard(int(index - self.offsets[f]))
-        except (OSError, ValueError, AssertionError) as e:  # wids could not index the tar at all
-            raise BadShardError(f"{self.roots[f]}: a shard cannot be read as a tar ({e})") from None
+            shard, inner, desc = w.get_shard(local)
+        except (OSError, ValueError, AssertionError) as e:  # wids could not index the tar (e.g. a corrupt header)
+            raise BadShardError(f"{self.roots[f] / url}: not a readable tar ({type(e).__name__}: {e}); re-create it "
+                                "with the vlprep stage that wrote it") from None
         if len(shard) != desc["nsamples"]:  # a corrupt header ends the tar early, for wids as for tarfile
-            raise BadShardError(f"{self.roots[f] / desc['url']}: the tar holds {len(shard)} samples, index.json "
+            raise BadShardError(f"{self.roots[f] / url}: the tar holds {len(shard)} samples, index.json "
                                 f"says {desc['nsamples']} (a corrupt or cut tar); re-create it with the vlprep "
                                 "stage that wrote it")
         sample = shard[inner]
         for ext in sample:
             if ext.startswith(".") and ext.rsplit(".", 1)[-1].lower() in PICKLE_EXTS:
-                raise ShardFormatError(f"{self.roots[f] / desc['url']}: refusing pickled member "
+                raise ShardFormatError(f"{self.roots[f] / url}: refusing pickled member "
                                        f"{sample['__key__']}{ext}")
         raw = {k[1:]: v.getvalue() for k, v in sample.items() if k.startswith(".")}
         raw["__key__"] = sample["__key__"]

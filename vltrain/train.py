@@ -184,8 +184,8 @@ def _check_bad_samples(counts, final: bool = False) -> int:
     read, bad = counts.totals()
     if bad > MAX_BAD_FRACTION * read and (final or read >= MIN_READ_FOR_BAD_CHECK):
         raise TrainError(f"{bad} of {read} samples read could not be decoded ({100 * bad / read:.1f}%, more than "
-                         f"{100 * MAX_BAD_FRACTION:g}%): the data is damaged; check it with `vlprep stats`, or "
-                         "re-create it with `vlprep shards --decode-check`")
+                         f"{100 * MAX_BAD_FRACTION:g}%): the data is damaged; re-create it with `vlprep shards "
+                         "--decode-check`, which leaves such images out")
     return bad
 
 
