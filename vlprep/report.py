@@ -171,6 +171,10 @@ def print_bow_report(r: dict, console: Console) -> None:
     t.add_row("tokens removed", "", ", ".join(f"{k}: {v:,}" for k, v in r["tokens_removed"].items()))
     t.add_row("top words", ", ".join(w for w, _ in r["top_words_before"]),
               ", ".join(w for w, _ in r["top_words_after"]))
+    if r.get("rmtop_ranked_after") is not None:  # the set rmtop removes, ranked after the ops before it
+        after = f" (ranked after {r['rmtop_ranked_after']})" if r["rmtop_ranked_after"] else ""
+        t.add_row(f"rmtop set{after}", f"{r['rmtop_candidates']:,} ranked",
+                  ", ".join(r["rmtop_tokens"][:20]) + (", ..." if len(r["rmtop_tokens"]) > 20 else ""))
     console.print(t)
     extra = f", {r['shards_resumed']} shard(s) resumed" if r["shards_resumed"] else ""
     console.print(f"{r['elapsed_s']:.1f}s{extra}; plots: {', '.join(r['plots'])}", highlight=False)
