@@ -127,16 +127,18 @@ def test_cascade_on_a_small_dataset_worked_by_hand(tmp_path):
     ds = make_dataset(tmp_path, HAND)
     keys = [f"shard_{i:09d}" for i in range(6)]
     seed = _seed_with_base({keys[0], keys[1]}, keys, 0.3)
-    rep = run(ds, tmp_path / "bow", ops="keep:2,rmstop,basevocab,rmtop:3", base_frac=0.3, seed=seed)
-    # base df: '.', a, dog, the -> 2; ties broken by the token: top-3 = {'.', 'a', 'dog'}
+    rep = run(ds, tmp_path / "bow", ops="keep:2,rmstop,basevocab,rmtop:1", base_frac=0.3, seed=seed)
+    # base captions after rmstop: {dog, runs, grass}, {dog, cat, sleep}; df: dog 2, the rest 1 -> top-1 = {dog}
+    # (ranked on raw tokens, '.', 'a' and 'the' would tie with dog and take the first slots)
     got = {s["__key__"]: s for s in iter_samples(tmp_path / "bow")}
     assert {k: s["txt"] for k, s in got.items()} == {
         keys[0]: "A dog runs on the grass.", keys[1]: "The dog and a cat sleep.",  # base: intact
         keys[2]: "cat", keys[3]: "grass", keys[5]: "cat grass"}                     # keys[4] -> "" -> dropped
     assert got[keys[2]]["json"]["caption_raw"] == HAND[2] and got[keys[2]]["json"]["bow"] is True
     assert got[keys[0]]["json"]["bow"] is False and got[keys[0]]["json"]["caption_raw"] == HAND[0]
-    assert rep["tokens_removed"] == {"rmstop": 11, "basevocab": 6, "rmtop:3": 2, "keep:2": 2}
-    assert rep["rmtop_tokens"] == [".", "a", "dog"]
+    assert rep["tokens_removed"] == {"rmstop": 11, "basevocab": 6, "rmtop:1": 2, "keep:2": 2}
+    assert rep["rmtop_tokens"] == ["dog"] and rep["rmtop_ranked_after"] == "rmstop,basevocab"
+    assert rep["rmtop_candidates"] == 5  # dog, runs, grass, cat, sleep
     assert (rep["samples_in"], rep["written"], rep["dropped_empty"], rep["base_samples"]) == (6, 5, 1, 2)
     assert rep["size_change_pct"] == round(-100 / 6, 2) and rep["deformed_fraction"] == 0.6
     assert rep["avg_words_before"] == round((6 + 6 + 7 + 5 + 2 + 7) / 6, 3)
@@ -173,7 +175,7 @@ def test_invariants_on_a_generated_dataset(tmp_path):
     tok = lambda c: re.findall(r"\w+|[^\w\s]", c.lower())  # noqa: E731
     base = [k for k in raw if base_member(1, k, 0.2)]
     vocab = set().union(*(set(tok(raw[k]["txt"])) for k in base))
-    df = Counter(t for k in base for t in set(tok(raw[k]["txt"])))
+    df = Counter(t for k in base for t in set(tok(raw[k]["txt"])) if t.isalpha() and t not in STOP)
     top5 = set(sorted(df, key=lambda t: (-df[t], t))[:5])
     out = list(iter_samples(tmp_path / "bow"))
     assert 0 < len(out) <= len(raw)
@@ -273,6 +275,8 @@ def test_warns_when_rmtop_reaches_the_base_vocabulary(tmp_path):
     assert warned and warned == rep["warnings"][:1]
     m = re.search(r"rmtop:20 .* only (\d+) words after rmstop,basevocab", warned[0])
     assert m and int(m.group(1)) == len(base_left) <= 6  # the stop words 'the', 'and', 'a' are not counted
+    # rmtop ranks exactly these words, so t >= their number removes every one of them
+    assert rep["rmtop_candidates"] == len(base_left) and set(rep["rmtop_tokens"]) == base_left
     # Every deformed caption came out empty: the second warning gives the count.
     dropped, deformed = rep["dropped_empty"], rep["written"] - rep["base_samples"]
     assert dropped > 0 and deformed == 0
@@ -282,3 +286,100 @@ def test_warns_when_rmtop_reaches_the_base_vocabulary(tmp_path):
     rep = bow(BowConfig(src=src, out=tmp_path / "t1", ops="rmstop,basevocab,rmtop:1", base_frac=0.5, workers=1),
               warn=quiet.append)
     assert quiet == [] and rep["warnings"] == []
+
+
+# --- RmTopFreq ranks what the ops before it leave (Fistful, Figure 2) ---------------------------------------------
+
+# Stop words and punctuation first, so that a ranking over raw tokens would differ from one over content words.
+FREQUENT_JUNK = ["the", ".", "a", ",", "of", "dog", "cat", "tree", "car", "red", "blue", "man", "ball", "sky", "grass",
+                 "boat", "kite", "road", "house", "2", "!", "on"]
+
+
+def junk_heavy_captions(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    weights = [1 / (r + 1) for r in range(len(FREQUENT_JUNK))]
+    return [" ".join(rng.choices(FREQUENT_JUNK, weights, k=rng.randint(2, 9))) for _ in range(n)]
+
+
+def reference_top(captions: list[str], keys: list[str], seed: int, frac: float, t: int, content_only: bool) -> list[str]:
+    """Re-derivation: document frequency over the base captions, counted after rmstop when it precedes rmtop."""
+    df = Counter()
+    for key, c in zip(keys, captions):
+        if not base_member(seed, key, frac):
+            continue
+        seen = set()
+        for tok in re.findall(r"\w+|[^\w\s]", c.lower()):
+            if content_only and not (tok.isalpha() and tok not in STOP):
+                continue
+            seen.add(tok)
+        for tok in seen:
+            df[tok] += 1
+    ranked = sorted(df.items(), key=lambda kv: (-kv[1], kv[0]))
+    return [tok for tok, _ in ranked[:t]]
+
+
+@pytest.mark.parametrize("ops,content_only", [
+    ("shuffle,rmstop,basevocab,rmtop:6,keep:3", True),  # the paper's order: content words
+    ("rmstop,rmtop:6", True),
+    ("basevocab,rmtop:6", False),                        # nothing filtered before rmtop: every token counts
+    ("shuffle,rmtop:6,rmstop,basevocab,keep:3", False),  # rmtop first: the ranking over raw tokens
+])
+def test_rmtop_ranks_the_base_captions_after_the_ops_before_it(tmp_path, ops, content_only):
+    caps = junk_heavy_captions(150, seed=3)
+    ds = make_dataset(tmp_path, caps, per_shard=40)
+    keys = read_sidecars(open_dataset(ds), ["key"]).column("key").to_pylist()
+    rep = run(ds, tmp_path / "b", ops=ops, base_frac=0.3, seed=2)
+    expected = reference_top(caps, keys, 2, 0.3, 6, content_only)
+    assert rep["rmtop_tokens"] == expected
+    assert rep["rmtop_ranked_after"] == ops[:ops.index("rmtop")].rstrip(",")
+    raw_top = reference_top(caps, keys, 2, 0.3, 6, False)
+    assert (expected != raw_top) == content_only  # the two rankings really differ on this data
+    if content_only:
+        assert all(t.isalpha() and t not in STOP for t in rep["rmtop_tokens"])
+    else:
+        assert {".", "the"} <= set(rep["rmtop_tokens"])
+    assert rep["rmtop_candidates"] == len(reference_top(caps, keys, 2, 0.3, 10**6, content_only))
+
+
+def test_rmtop_output_matches_a_re_derivation_of_the_cascade(tmp_path):
+    caps = junk_heavy_captions(120, seed=5)
+    ds = make_dataset(tmp_path, caps, per_shard=25)
+    keys = read_sidecars(open_dataset(ds), ["key"]).column("key").to_pylist()
+    run(ds, tmp_path / "b", ops="rmstop,basevocab,rmtop:4,keep:3", base_frac=0.25, seed=1)
+    tok = lambda c: re.findall(r"\w+|[^\w\s]", c.lower())  # noqa: E731
+    vocab = {t for k, c in zip(keys, caps) if base_member(1, k, 0.25) for t in tok(c)}
+    top = set(reference_top(caps, keys, 1, 0.25, 4, True))
+    expected = {}
+    for k, c in zip(keys, caps):
+        if base_member(1, k, 0.25):
+            expected[k] = c
+            continue
+        words_ = [t for t in tok(c) if t.isalpha() and t not in STOP and t in vocab and t not in top][:3]
+        if words_:
+            expected[k] = " ".join(words_)
+    assert {s["__key__"]: s["txt"] for s in iter_samples(tmp_path / "b")} == expected
+
+
+def test_rmtop_first_gives_the_same_shards_as_the_raw_ranking_after_rmstop(tmp_path):
+    # Word filters commute, so `rmtop:t` written before rmstop gives exactly what ranking raw tokens and removing
+    # them after rmstop gave: the way to get the old behaviour (docs/BOW.md). Checked against a re-derivation,
+    # and byte-identical for 1 and 2 workers.
+    caps = junk_heavy_captions(90, seed=8)
+    ds = make_dataset(tmp_path, caps, per_shard=20)
+    keys = read_sidecars(open_dataset(ds), ["key"]).column("key").to_pylist()
+    run(ds, tmp_path / "w1", ops="shuffle,rmtop:5,rmstop,basevocab,keep:4", base_frac=0.3, seed=4, workers=1)
+    run(ds, tmp_path / "w2", ops="shuffle,rmtop:5,rmstop,basevocab,keep:4", base_frac=0.3, seed=4, workers=2)
+    files = lambda d: {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.suffix in (".tar", ".parquet")}  # noqa
+    assert files(tmp_path / "w1") == files(tmp_path / "w2") and len(files(tmp_path / "w1")) == 10
+    tok = lambda c: re.findall(r"\w+|[^\w\s]", c.lower())  # noqa: E731
+    vocab = {t for k, c in zip(keys, caps) if base_member(4, k, 0.3) for t in tok(c)}
+    raw_top = set(reference_top(caps, keys, 4, 0.3, 5, False))
+    got = {s["__key__"]: s["txt"] for s in iter_samples(tmp_path / "w1")}
+    for k, c in zip(keys, caps):
+        if base_member(4, k, 0.3):
+            assert got[k] == c
+            continue
+        bag = sorted(t for t in tok(c) if t.isalpha() and t not in STOP and t in vocab and t not in raw_top)
+        assert (k in got) == bool(bag)
+        if k in got:  # shuffled, then the first 4 kept: a sub-multiset of the filtered bag
+            assert not Counter(got[k].split(" ")) - Counter(bag) and len(got[k].split(" ")) == min(4, len(bag))

@@ -48,11 +48,14 @@ def test_mapping_tie_rules_min_cooccur_and_overrides():
         "animal": "cat", "kitten": "cat", "puppy": "cat", "rare": "cat"}
 
 
-def test_triplets_one_per_distinct_mapped_noun_with_a_detected_class():
-    nouns = [("dog", 2, 6), ("frisbee", 20, 28), ("dog", 40, 44), ("park", 50, 54)]
+def test_triplets_one_per_distinct_mapped_noun_all_or_with_a_detected_class():
+    nouns = [("dog", 2, 6), ("frisbee", 20, 28), ("dog", 40, 44), ("park", 50, 54), ("sky", 60, 63)]
     mapping = {"dog": "dog", "frisbee": "frisbee", "park": "bench"}
-    assert make_triplets(nouns, {"dog", "frisbee"}, mapping) == [("dog", 2, 6, "dog"), ("frisbee", 20, 28, "frisbee")]
-    assert make_triplets(nouns, set(), mapping) == []
+    # all (appendix A.1): every distinct set noun, first span, whatever the detector found; sky is in no set
+    assert make_triplets(nouns, mapping) == [("dog", 2, 6, "dog"), ("frisbee", 20, 28, "frisbee"),
+                                             ("park", 50, 54, "bench")]
+    assert make_triplets(nouns, mapping, {"dog", "frisbee"}) == [("dog", 2, 6, "dog"), ("frisbee", 20, 28, "frisbee")]
+    assert make_triplets(nouns, mapping, set()) == []
     assert default_min_instances(10) == 5 and default_min_instances(5_800_000) == 5000
     assert default_min_instances(11_600_000) == 10000
 
@@ -64,23 +67,28 @@ CAPTIONS = ["A dog runs on the grass.", "Two dogs and a man in a park.", "A man 
 OBJECTS = [["dog"], ["dog", "person"], ["person"], ["cat"], ["dog", "cat"], []]
 
 
-@pytest.fixture
-def detected(tmp_path) -> Path:
+def detected_dataset(tmp_path: Path, captions: list[str], objects: list[list[str]]) -> Path:
+    """Shards of `captions` with detections imported from a file: `objects` at 0.9, plus a 0.1-score tv each."""
     src = tmp_path / "src"
     src.mkdir()
-    for i, c in enumerate(CAPTIONS):
+    for i, c in enumerate(captions):
         (src / f"{i}.png").write_bytes(image_bytes(16, 16, seed=i))
         (src / f"{i}.txt").write_text(c)
     build_shards(ShardsConfig(src=src, out=tmp_path / "raw", samples_per_shard=4, workers=1))
     lines = [json.dumps({"key": f"shard_{i:09d}", "objects": [{"label": o, "score": 0.9, "box": [0, 0, 0.5, 1]}
                                                               for o in objs] + [{"label": "tv", "score": 0.1,
                                                                                  "box": [0, 0, 1, 1]}]})
-             for i, objs in enumerate(OBJECTS)]
+             for i, objs in enumerate(objects)]
     (tmp_path / "dets.jsonl").write_text("\n".join(lines) + "\n")
-    rep = detect(DetectConfig(src=tmp_path / "raw", out=tmp_path / "det", from_file=tmp_path / "dets.jsonl",
-                              min_score=0.3))
-    assert rep["objects"] == 7 and rep["with_objects"] == 5  # the 0.1-score tv is below --min-score
+    detect(DetectConfig(src=tmp_path / "raw", out=tmp_path / "det", from_file=tmp_path / "dets.jsonl", min_score=0.3))
     return tmp_path / "det"
+
+
+@pytest.fixture
+def detected(tmp_path) -> Path:
+    det = detected_dataset(tmp_path, CAPTIONS, OBJECTS)
+    assert sum(len(s["json"]["objects"]) for s in iter_samples(det)) == 7  # the 0.1-score tv is below --min-score
+    return det
 
 
 def test_detect_from_file_keeps_images_and_adds_objects(detected, tmp_path):
@@ -215,3 +223,59 @@ def test_mixed_image_modes_are_detected_in_one_batch(tmp_path):
     build_shards(ShardsConfig(src=tmp_path / "img", out=tmp_path / "raw", workers=1))
     rep = detect(DetectConfig(src=tmp_path / "raw", out=tmp_path / "det", batch_size=4))
     assert rep["samples"] == 4 and rep["undecodable"] == 0
+
+
+# --- triplet rule: all (appendix A.1) vs detected -----------------------------------------------
+
+RULE_CAPTIONS = ["A dog.", "A dog.", "A dog and a cat.", "The cat.", "A cat and a dog.", "A man with a dog.", "A tree."]
+RULE_OBJECTS = [["dog"], [], ["cat"], ["cat"], ["dog", "cat"], ["person"], []]
+# Hand-worked, min_cooccur 1. Pairs with objects: 0, 2, 3, 4, 5 (N = 5). dog: PMI(dog, dog) = log(2*5/(4*2)) ties
+# PMI(dog, person) = log(1*5/(4*1)); the larger count (2) gives dog -> dog. cat -> cat (log(15/9)), man -> person
+# (log 5); tree is in no pair with objects. Triplets (index, noun, class, class detected in the image):
+RULE_TRIPLETS = {(0, "dog", "dog", True), (1, "dog", "dog", False), (2, "dog", "dog", False), (2, "cat", "cat", True),
+                 (3, "cat", "cat", True), (4, "cat", "cat", True), (4, "dog", "dog", True),
+                 (5, "man", "person", True), (5, "dog", "dog", False)}
+
+
+@pytest.mark.slow  # loads the packaged spaCy model
+def test_triplet_rules_all_and_detected_against_a_hand_count(tmp_path):
+    det = detected_dataset(tmp_path, RULE_CAPTIONS, RULE_OBJECTS)
+    rows = lambda d: {(t["index"], t["noun"], t["class"], t["detected"])  # noqa: E731
+                      for t in pq.read_table(d / "triplets.parquet").to_pylist()}
+    # all (default): 9 triplets found, 6 of them with a detected class; person (1 < 2) is dropped
+    rep = ontology(OntologyConfig(src=det, out=tmp_path / "all", min_cooccur=1, min_instances=2))
+    assert rep["triplet_rule"] == "all" and rep["triplet_counts"] == {
+        "rule": "all", "found": {"all": 9, "detected": 6}, "kept": {"all": 8, "detected": 5}}
+    assert rows(tmp_path / "all") == {t for t in RULE_TRIPLETS if t[2] != "person"} and rep["triplets"] == 8
+    onto = json.loads((tmp_path / "all" / "ontology.json").read_text())
+    assert [(n["class"], n["instances"], n["instances_detected"]) for n in onto["nodes"]] == [("dog", 5, 2),
+                                                                                             ("cat", 3, 3)]
+    assert onto["params"]["triplet_rule"] == "all"
+    nodes = {s["__key__"]: s["json"]["nodes"] for s in iter_samples(tmp_path / "all")}
+    assert nodes["shard_000000001"] == ["dog"] and nodes["shard_000000006"] == []  # no detection, still a triplet
+    assert rep["coverage"] == round(6 / 7, 4)
+    # detected: only the 6 with a detected class; the same 'found' counts, dog (2) and cat (3) kept
+    rep = ontology(OntologyConfig(src=det, out=tmp_path / "odet", min_cooccur=1, min_instances=2, triplets="detected"))
+    assert rep["triplet_counts"] == {"rule": "detected", "found": {"all": 9, "detected": 6},
+                                     "kept": {"all": 8, "detected": 5}}
+    assert rows(tmp_path / "odet") == {t for t in RULE_TRIPLETS if t[3] and t[2] != "person"}
+    assert rep["coverage"] == round(4 / 7, 4)  # pairs 0, 2, 3, 4
+    # the rule changes which classes pass --min-instances: at 3, dog has 5 triplets under all, 2 under detected
+    a = ontology(OntologyConfig(src=det, out=tmp_path / "a3", min_cooccur=1, min_instances=3))
+    d = ontology(OntologyConfig(src=det, out=tmp_path / "d3", min_cooccur=1, min_instances=3, triplets="detected"))
+    assert [n["class"] for n in a["nodes"]] == ["dog", "cat"] and [n["class"] for n in d["nodes"]] == ["cat"]
+    assert d["triplet_counts"]["kept"] == {"all": 3, "detected": 3} and d["dropped_classes"] == {"dog": 2, "person": 1}
+    # the triplet index stays what vltrain's TOnICS sampler reads: both rules load, triplet and sample mode
+    from vltrain.samplers import tonics_instances
+
+    keys = [f"shard_{i:09d}" for i in range(7)]
+    inst = tonics_instances(tmp_path / "all", keys, np.zeros(7, dtype=bool), triplets=True)["train"]
+    assert [(c, len(p)) for c, p in inst["nodes"]] == [("dog", 5), ("cat", 3)] and len(inst["samples"]) == 8
+    inst = tonics_instances(tmp_path / "odet", keys, np.zeros(7, dtype=bool), triplets=False)["train"]
+    assert [(c, sorted(p.tolist())) for c, p in inst["nodes"]] == [("cat", [2, 3, 4]), ("dog", [0, 4])]
+
+
+def test_bad_triplet_rule_is_a_one_line_error(detected, tmp_path):
+    with pytest.raises(VlprepError, match=r"^unknown --triplets 'some'; use all or detected$"):
+        ontology(OntologyConfig(src=detected, out=tmp_path / "o", triplets="some"))
+    assert not (tmp_path / "o").exists()

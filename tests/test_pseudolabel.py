@@ -61,6 +61,28 @@ def test_candidate_words_use_bows_tokeniser_and_stop_words():
     assert all(caption_words(c) == words_of(c) for c in NN)
 
 
+def test_top_t_agrees_with_bows_rmtop_after_rmstop(tmp_path):
+    # S_a given to both commands (bow with every caption in the base set): pseudolabel's top(t) and bow's
+    # `rmstop,rmtop:t` set are the same content words, in the order a plain Counter loop ranks them.
+    from vlprep.bow import BowConfig, bow, top_tokens
+    from vlprep.pseudolabel import document_frequency
+
+    rng = random.Random(0)
+    vocab = ["the", "a", ".", ",", "of", "dog", "cat", "red", "tree", "2", "grass", "man", "on", "sky", "boat"]
+    caps = [" ".join(rng.choices(vocab, [1 / (r + 1) for r in range(len(vocab))], k=rng.randint(2, 8)))
+            for _ in range(60)]
+    ds = make_dataset(tmp_path / "a", caps, per_shard=25)
+    rep = bow(BowConfig(src=ds, out=tmp_path / "b", ops="rmstop,rmtop:5", base_frac=1.0, workers=1))
+    df = {}
+    for c in caps:
+        for w in words_of(c):
+            df[w] = df.get(w, 0) + 1
+    expected = [w for w, _ in sorted(df.items(), key=lambda kv: (-kv[1], kv[0]))[:5]]
+    assert rep["rmtop_tokens"] == expected == top_tokens(document_frequency(caps), 5)
+    assert top_words(document_frequency(caps), 5) == set(expected)
+    assert not {"the", "a", ".", ",", "of", "on", "2"} & set(expected)  # the most frequent tokens are not ranked
+
+
 def test_maxcount_worked_by_hand():
     # count(w, NN): dog 5 (twice in one caption counts once; the duplicate "red dog" counts twice), red 4,
     # cat 2, grass 2, runs 1, sleeps 1, times 1; ties by the word: cat before grass, runs before sleeps.

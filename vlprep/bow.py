@@ -9,9 +9,11 @@ The contract (also in docs/BOW.md):
   shuffle      random permutation; the generator is SampleRng(seed, key), a blake2b stream per sample
   rmstop       RmStopNalpha: drop NLTK English stop words and tokens that are not str.isalpha()
   basevocab    LimitToBaseVocab: drop tokens that occur in no base caption
-  rmtop:t      RmTopFreq(t): drop the t tokens found in the most base captions (ties: token string)
+  rmtop:t      RmTopFreq(t): drop the t tokens found in the most base captions, counted after the ops that
+               precede rmtop in the cascade (ties: token string); after rmstop these are content words
   keep:n       Keep(n): keep the first n tokens
 - A sample whose deformed caption is empty is dropped and counted.
+- The same ranking (top_tokens) gives `vlprep pseudolabel` its top(t) over S_a, after rmstop's filter.
 - Base statistics come from a first pass over the Parquet sidecars; the second pass rewrites the
   shards (same names, same keys), copying image bytes untouched and setting json.caption_raw (the
   original caption, kept from an earlier bow) and json.bow (was this caption deformed).
@@ -23,7 +25,7 @@ import os
 import random
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -75,6 +77,11 @@ def rmtop(tokens: list[str], ctx: BowContext, rng: random.Random) -> list[str]:
 
 def keep(tokens: list[str], ctx: BowContext, rng: random.Random, n: int) -> list[str]:
     return tokens[:n]
+
+
+def top_tokens(df: Mapping[str, int], t: int) -> list[str]:
+    """RmTopFreq's ranking: the t tokens of highest document frequency, ties broken by the token string."""
+    return sorted(df, key=lambda tok: (-df[tok], tok))[:t]
 
 
 class OpSpec(NamedTuple):
@@ -134,6 +141,18 @@ def parse_ops(spec: str) -> list[Step]:
             raise bad(f"{name}:{n}: the count must be at least {op.min_arg}")
         steps.append(Step(name, n, partial(keep, n=n) if name == "keep" else op.fn))
     return [s for s in steps if s.name != "keep"] + [s for s in steps if s.name == "keep"]
+
+
+# Ops that cannot change which tokens a *base* caption holds: shuffle only reorders, and every token of a base
+# caption is in the base vocabulary by definition. The ranking skips them, which lets it run in the same streaming
+# pass that builds that vocabulary.
+_SAME_TOKENS_ON_BASE = ("shuffle", "basevocab")
+
+
+def ranking_prefix(cascade: list[Step]) -> list[Step]:
+    """The ops before rmtop that can drop a token of a base caption; RmTopFreq ranks what they leave."""
+    at = next((i for i, s in enumerate(cascade) if s.name == "rmtop"), 0)
+    return [s for s in cascade[:at] if s.name not in _SAME_TOKENS_ON_BASE]
 
 
 def deform(caption: str, cascade: list[Step], context: BowContext, rng: random.Random | None,
@@ -208,6 +227,10 @@ class BowConfig:
 def base_statistics(ds, cascade: list[Step], base_frac: float, seed: int) -> tuple[BowContext, dict]:
     """First pass, over the sidecars: base vocabulary, top-t set, and the 'before' statistics."""
     df, vocab, before, lengths = Counter(), set(), Counter(), Counter()
+    # Fistful's Figure 2 removes "cars, table, men, rocks": the most frequent words that survive the earlier ops,
+    # so the document frequencies are counted on base captions after the ops that precede rmtop, not on raw tokens
+    # (which would spend most of the t slots on stop words and punctuation that rmstop already removed).
+    prefix, no_ctx = ranking_prefix(cascade), BowContext()
     n = n_base = 0
     for shard in ds.shards:
         side = ds.sidecar(shard)
@@ -221,13 +244,16 @@ def base_statistics(ds, cascade: list[Step], base_frac: float, seed: int) -> tup
             lengths[len(ws)] += 1
             if is_base(seed, key, base_frac):
                 n_base += 1
-                toks = set(tokenize(caption))
-                vocab |= toks
-                df.update(toks)
+                toks = tokenize(caption)
+                vocab.update(toks)
+                for step in prefix:
+                    toks = step.fn(toks, no_ctx, None)
+                df.update(set(toks))
     t_top = next((s.arg for s in cascade if s.name == "rmtop"), 0)
-    top = [tok for tok, _ in sorted(df.items(), key=lambda kv: (-kv[1], kv[0]))[:t_top]]
+    top = top_tokens(df, t_top)
     ctx = BowContext(base_vocab=frozenset(vocab), top=frozenset(top))
-    return ctx, {"samples": n, "base": n_base, "words": before, "lengths": lengths, "top": top}
+    return ctx, {"samples": n, "base": n_base, "words": before, "lengths": lengths, "top": top,
+                 "ranked_tokens": len(df)}
 
 
 def emptying_warnings(cascade: list[Step], ctx: BowContext, deformed: int | None = None,
@@ -405,6 +431,8 @@ def bow(cfg: BowConfig, progress=None, warn: Callable[[str], None] = lambda line
         "top_words_after": [[w_, n] for w_, n in after_words.most_common(20)],
         "tokens_removed": {s.label: n for s, n in zip(cascade, removed)},
         "base_vocab_size": len(ctx.base_vocab), "rmtop_tokens": before["top"][:50],
+        "rmtop_ranked_after": _ranked_after(cascade),
+        "rmtop_candidates": None if _ranked_after(cascade) is None else before["ranked_tokens"],
         "length_hist_before": _hist(before["lengths"]), "length_hist_after": _hist(after_lengths),
         "shards": len(ds.shards), "shards_resumed": len(ds.shards) - len(todo), "bad_shards": ds.bad,
         "elapsed_s": round(time.perf_counter() - t0, 3),
@@ -416,6 +444,12 @@ def bow(cfg: BowConfig, progress=None, warn: Callable[[str], None] = lambda line
     write_json_atomic(out / "report.json", report)
     release_output(out)
     return report
+
+
+def _ranked_after(cascade: list[Step]) -> str | None:
+    """The ops rmtop's ranking counts after, as written in the cascade (None without rmtop)."""
+    at = next((i for i, s in enumerate(cascade) if s.name == "rmtop"), None)
+    return None if at is None else ",".join(s.label for s in cascade[:at])
 
 
 def _mean(hist: Counter) -> float:

@@ -211,6 +211,8 @@ def ontology(
     min_cooccur: int = typer.Option(5, help="Noun-class pairs must co-occur this often to be mapped."),
     min_score: float = typer.Option(0.3, help="Object labels count when their score is at least this."),
     overrides: Optional[Path] = typer.Option(None, help="YAML of noun: class (force) or noun: null (exclude)."),
+    triplets: str = typer.Option("all", help="all: one triplet per mapped noun of the caption (TOnICS appendix "
+                                 "A.1); detected: only when the detector found the noun's class in the image."),
     skip_bad_shards: bool = skip_bad_option(),
     overwrite: bool = typer.Option(False, help="Replace the vlprep files in a non-empty OUT written otherwise."),
 ) -> None:
@@ -219,7 +221,7 @@ def ontology(
     from vlprep.report import print_ontology_report
 
     cfg = OntologyConfig(src=src, out=out, min_instances=min_instances, min_cooccur=min_cooccur, min_score=min_score,
-                         overrides=overrides, overwrite=overwrite,
+                         overrides=overrides, triplets=triplets, overwrite=overwrite,
                          skip_bad_shards=skip_bad_shards)
     with progress_bar() as progress:
         report = run_ontology(cfg, progress=progress)

@@ -8,10 +8,12 @@ The contract (also in docs/ONTOLOGY.md):
 - Mapping: among pairs co-occurring >= min_cooccur times, each noun maps to its highest-PMI class;
   ties go to the larger co-occurrence count, then to the smaller label. Overrides force
   (`noun: class`) or exclude (`noun: null`).
-- Triplets: per pair, one per distinct mapped noun of its caption (span of its first occurrence)
-  whose class is among the image's objects. X(o) = the triplets of class o; classes with fewer
-  than min_instances triplets are dropped (default: max(5, ceil(T * 5000 / 5.8M)), the paper's
-  5,000-in-5.8M ratio applied to this data's T triplets).
+- Triplets (--triplets): per pair, one per distinct mapped noun of its caption (span of its first
+  occurrence); `all` (default, appendix A.1) whether or not the detector found its class in this
+  image, `detected` only when it did. X(o) = the triplets of class o; classes with fewer than
+  min_instances triplets are dropped (default: max(5, ceil(T * 5000 / 5.8M)), the paper's
+  5,000-in-5.8M ratio applied to this data's T triplets under the chosen rule). Both rules' counts
+  are reported.
 - Outputs: ontology.json, triplets.parquet, annotated shards (json.nouns, json.nodes), report.
 """
 
@@ -32,6 +34,7 @@ from vlprep.dataset import (decode_sample, finish_dataset, iter_aligned, open_de
                             shard_done, write_json_atomic, write_shard)
 
 PAPER_RATIO = 5000 / 5_800_000  # min instances per triplet in TOnICS (5,000 on 5.8M triplets)
+TRIPLET_RULES = ("all", "detected")
 NOUN_TYPE = pa.list_(pa.struct([("noun", pa.string()), ("start", pa.int32()), ("end", pa.int32())]))
 
 
@@ -108,12 +111,13 @@ def load_overrides(path: Path | None, labels: set[str]) -> dict:
     return {str(k).lower(): v for k, v in data.items()}
 
 
-def make_triplets(nouns: list[tuple[str, int, int]], labels: set[str], mapping: dict[str, str]) -> list[tuple]:
-    """(noun, start, end, class) for each distinct mapped noun whose class is among `labels`."""
+def make_triplets(nouns: list[tuple[str, int, int]], mapping: dict[str, str],
+                  labels: set[str] | None = None) -> list[tuple]:
+    """(noun, start, end, class) per distinct mapped noun; with `labels`, only those whose class is among them."""
     out, seen = [], set()
     for noun, start, end in nouns:
         cls = mapping.get(noun)
-        if cls is not None and cls in labels and noun not in seen:
+        if cls is not None and (labels is None or cls in labels) and noun not in seen:
             seen.add(noun)
             out.append((noun, start, end, cls))
     return out
@@ -134,6 +138,7 @@ class OntologyConfig:
     min_cooccur: int = 5
     min_score: float = 0.3
     overrides: Path | None = None
+    triplets: str = "all"
     overwrite: bool = False
     skip_bad_shards: bool = False  # leave out shards whose tar, sidecar and sizes.json disagree (counted)
 
@@ -181,6 +186,8 @@ def ontology(cfg: OntologyConfig, progress=None) -> dict:
         raise VlprepError("--min-cooccur and --min-instances must be at least 1")
     if not 0 <= cfg.min_score <= 1:
         raise VlprepError("--min-score must be between 0 and 1")
+    if cfg.triplets not in TRIPLET_RULES:
+        raise VlprepError(f"unknown --triplets {cfg.triplets!r}; use {' or '.join(TRIPLET_RULES)}")
     t0 = time.perf_counter()
     ds, out = open_derived(cfg.src, cfg.out, cfg.skip_bad_shards)
     keys, labels = _keys_and_labels(ds, cfg.min_score)
@@ -196,36 +203,47 @@ def ontology(cfg: OntologyConfig, progress=None) -> dict:
     table = pmi_table(zip(pairs, (ls for shard in ds.shards for ls in labels[shard])))
     mapping = map_nouns(table, cfg.min_cooccur, overrides)
 
-    triplets, index = [], 0
+    # Every set noun of a caption gives a triplet (appendix A.1: "one triplet for each noun in our set ... that the
+    # text contains"); `detected` keeps only those whose class the detector found in the image. Each triplet
+    # carries that flag, so both rules' counts come from one pass.
+    every, index = [], 0
     for shard in ds.shards:
         for key, ns, ls in zip(keys[shard], nouns[shard], labels[shard]):
-            triplets.extend((key, index, *t) for t in make_triplets(ns, ls, mapping))
+            every.extend((key, index, *t, t[3] in ls) for t in make_triplets(ns, mapping))
             index += 1
+    triplets = every if cfg.triplets == "all" else [t for t in every if t[6]]
     per_class = Counter(t[5] for t in triplets)
+    per_class_detected = Counter(t[5] for t in triplets if t[6])
     min_inst = cfg.min_instances or default_min_instances(len(triplets))
     kept = {c for c, n in per_class.items() if n >= min_inst}
+    # both rules' counts: over every mapped class (before --min-instances), and over the classes this run kept
+    counts = {"rule": cfg.triplets,
+              "found": {"all": len(every), "detected": sum(t[6] for t in every)},
+              "kept": {"all": sum(t[5] in kept for t in every), "detected": sum(t[6] and t[5] in kept for t in every)}}
     triplets = [t for t in triplets if t[5] in kept]
     mapping = {n: c for n, c in mapping.items() if c in kept}
 
     nodes = []
     for cls in sorted(kept, key=lambda c: (-per_class[c], c)):
         nodes.append({"class": cls, "nouns": sorted(n for n, c in mapping.items() if c == cls),
-                      "instances": per_class[cls]})
+                      "instances": per_class[cls], "instances_detected": per_class_detected[cls]})
     onto = {"root": {"name": "entity", "instances": ds.num_samples}, "nodes": nodes, "noun_to_class": mapping,
             "params": {"min_instances": min_inst, "min_cooccur": cfg.min_cooccur, "min_score": cfg.min_score,
-                       "pairs_with_objects": table.attrs["pairs"], "triplets": len(triplets)}}
+                       "pairs_with_objects": table.attrs["pairs"], "triplets": len(triplets),
+                       "triplet_rule": cfg.triplets}}
     write_json_atomic(out / "ontology.json", onto)
-    cols = list(zip(*triplets)) if triplets else [[]] * 6
+    cols = list(zip(*triplets)) if triplets else [[]] * 7
     trip = pa.table({"key": pa.array(cols[0], pa.string()), "index": pa.array(cols[1], pa.int64()),
                      "noun": pa.array(cols[2], pa.string()), "start": pa.array(cols[3], pa.int32()),
-                     "end": pa.array(cols[4], pa.int32()), "class": pa.array(cols[5], pa.string())})
+                     "end": pa.array(cols[4], pa.int32()), "class": pa.array(cols[5], pa.string()),
+                     "detected": pa.array(cols[6], pa.bool_())})
     pq.write_table(trip, out / "triplets.parquet.tmp")
     (out / "triplets.parquet.tmp").replace(out / "triplets.parquet")
 
     sample_nodes: dict[str, set] = {}
     for t in triplets:
         sample_nodes.setdefault(t[0], set()).add(t[5])
-    salt = json.dumps([mapping, cfg.min_score]).encode()
+    salt = json.dumps([mapping, cfg.min_score, cfg.triplets]).encode()
     stats, resumed = {}, 0
     for shard in ds.shards:
         fp = hashlib.blake2b(salt + ds.sidecar(shard).read_bytes(), digest_size=16).hexdigest()
@@ -236,13 +254,15 @@ def ontology(cfg: OntologyConfig, progress=None) -> dict:
         stats[shard] = annotate_shard(ds, out, shard, nouns[shard], sample_nodes, fp)
     finish_dataset(out, {s: stats[s]["written"] for s in ds.shards},
                    {"stage": "ontology", "input": str(cfg.src), "options": options,
-                    "counts": {"pairs": ds.num_samples, "triplets": len(triplets), "classes": len(nodes)}})
+                    "counts": {"pairs": ds.num_samples, "triplets": len(triplets), "classes": len(nodes),
+                               "triplet_counts": counts}})
     covered = len(sample_nodes)
     report = {
         "stage": "ontology", "source": str(cfg.src), "pairs": ds.num_samples,
         "pairs_with_objects": table.attrs["pairs"], "nouns_seen": int(table["noun"].nunique()) if len(table) else 0,
         "candidate_pairs": int((table["count"] >= cfg.min_cooccur).sum()) if len(table) else 0,
         "min_instances": min_inst, "classes": len(nodes), "mapped_nouns": len(mapping), "triplets": len(triplets),
+        "triplet_rule": cfg.triplets, "triplet_counts": counts,
         "coverage": round(covered / ds.num_samples, 4) if ds.num_samples else 0.0,
         "dropped_classes": {c: per_class[c] for c in sorted(set(per_class) - kept)},
         "nodes": nodes, "shards_resumed": resumed, "bad_shards": ds.bad, "elapsed_s": round(time.perf_counter() - t0, 3),

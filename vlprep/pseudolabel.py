@@ -10,7 +10,8 @@ The contract (also in docs/PSEUDOLABEL.md):
 - Words of a caption (`caption_words`): the tokens of `vlprep bow`'s tokeniser (vlprep.text.tokenize, lowercased)
   that are str.isalpha() and not among NLTK's 179 English stop words, as a set.
 - count(w, NN_i): how many of the k*c captions of NN_i contain w. aligned_df[w] = count(w, S_a): how many ALIGNED
-  captions contain w. top(t): the t words with the highest aligned_df (ties: the word), t = --rmtop.
+  captions contain w. top(t): the t words with the highest aligned_df (ties: the word), t = --rmtop: bow's
+  RmTopFreq ranking (vlprep.bow.top_tokens) over S_a after bow's rmstop, so both commands remove content words.
 - Strategies (`rank_words`); every tie is broken by the word, ascending:
     maxcount       by count(w, NN_i), highest first                                  (MaxCount)
     rmtopmaxcount  maxcount over the words not in top(t)                             (RmTopMaxCount)
@@ -42,10 +43,11 @@ import pyarrow.parquet as pq
 
 from vlprep import VlprepError
 from vlprep import knn
+from vlprep.bow import rmstop, top_tokens
 from vlprep.dataset import (batches, check_out, check_shards, decode_sample, finish_dataset, iter_aligned,
                             open_dataset, prepare_output, read_sidecars, release_output, shard_done,
                             write_json_atomic, write_shard)
-from vlprep.text import stop_words, tokenize
+from vlprep.text import tokenize
 
 STRATEGIES = ("maxcount", "rmtopmaxcount", "rmtoprand", "weighted")
 DROP_META = ("caption_raw", "bow")  # json keys and sidecar columns about the input's caption, which is replaced
@@ -55,9 +57,8 @@ DROP_META = ("caption_raw", "bow")  # json keys and sidecar columns about the in
 
 
 def caption_words(caption: str) -> frozenset[str]:
-    """The candidate words of one caption: bow's tokens that are alphabetic and not stop words."""
-    stop = stop_words()
-    return frozenset(t for t in tokenize(caption) if t.isalpha() and t not in stop)
+    """The candidate words of one caption: bow's tokens that survive bow's rmstop (alphabetic, not stop words)."""
+    return frozenset(rmstop(tokenize(caption), None, None))
 
 
 def document_frequency(captions: Iterable[str]) -> Counter:
@@ -69,8 +70,8 @@ def document_frequency(captions: Iterable[str]) -> Counter:
 
 
 def top_words(aligned_df: Mapping[str, int], t: int) -> frozenset[str]:
-    """The t words of highest document frequency, ties broken by the word (RmTopFreq's rule)."""
-    return frozenset(sorted(aligned_df, key=lambda w: (-aligned_df[w], w))[:t])
+    """The t words of highest document frequency, ties broken by the word (bow's RmTopFreq ranking)."""
+    return frozenset(top_tokens(aligned_df, t))
 
 
 def rank_counts(counts: Mapping[str, int], strategy: str, aligned_df: Mapping[str, int] | None = None,

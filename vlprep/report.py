@@ -171,6 +171,10 @@ def print_bow_report(r: dict, console: Console) -> None:
     t.add_row("tokens removed", "", ", ".join(f"{k}: {v:,}" for k, v in r["tokens_removed"].items()))
     t.add_row("top words", ", ".join(w for w, _ in r["top_words_before"]),
               ", ".join(w for w, _ in r["top_words_after"]))
+    if r.get("rmtop_ranked_after") is not None:  # the set rmtop removes, ranked after the ops before it
+        after = f" (ranked after {r['rmtop_ranked_after']})" if r["rmtop_ranked_after"] else ""
+        t.add_row(f"rmtop set{after}", f"{r['rmtop_candidates']:,} ranked",
+                  ", ".join(r["rmtop_tokens"][:20]) + (", ..." if len(r["rmtop_tokens"]) > 20 else ""))
     console.print(t)
     extra = f", {r['shards_resumed']} shard(s) resumed" if r["shards_resumed"] else ""
     console.print(f"{r['elapsed_s']:.1f}s{extra}; plots: {', '.join(r['plots'])}", highlight=False)
@@ -205,13 +209,19 @@ def plot_pmi(path: Path, table, mapping: dict[str, str], nodes: list[dict], top:
 
 
 def print_ontology_report(r: dict, console: Console) -> None:
-    t = Table(title=f"vlprep ontology: {r['classes']} classes, {r['triplets']:,} triplets", show_header=True)
+    t = Table(title=f"vlprep ontology: {r['classes']} classes, {r['triplets']:,} triplets ({r['triplet_rule']})",
+              show_header=True)
     t.add_column("class")
     t.add_column("instances |X(o)|", justify="right")
+    t.add_column("class detected", justify="right")
     t.add_column("nouns w(o)", overflow="fold")
     for node in r["nodes"]:
-        t.add_row(node["class"], f"{node['instances']:,}", ", ".join(node["nouns"]))
+        t.add_row(node["class"], f"{node['instances']:,}", f"{node['instances_detected']:,}", ", ".join(node["nouns"]))
     console.print(t)
+    c = r["triplet_counts"]
+    console.print(f"triplets, rule all / detected: {c['found']['all']:,} / {c['found']['detected']:,} over every mapped "
+                  f"class, {c['kept']['all']:,} / {c['kept']['detected']:,} over the {r['classes']} kept classes",
+                  highlight=False)
     console.print(f"pairs {r['pairs']:,}, with objects {r['pairs_with_objects']:,}; coverage {r['coverage']:.1%} "
                   f"(pairs with >= 1 triplet); min instances {r['min_instances']}; "
                   f"{len(r['dropped_classes'])} class(es) dropped; {r['elapsed_s']:.1f}s", highlight=False)
