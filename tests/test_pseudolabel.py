@@ -425,7 +425,7 @@ def test_bad_inputs_are_one_line_errors(world, tmp_path):
         run({**w, "unaligned": plain}, tmp_path / "o")
     with pytest.raises(VlprepError, match="ALIGNED: dataset not found"):
         run({**w, "aligned": tmp_path / "missing"}, tmp_path / "o")
-    with pytest.raises(VlprepError, match="OUT must be a different folder"):
+    with pytest.raises(VlprepError, match="OUT .* is the input"):
         run(w, w["aligned"])
     nosidecar = shutil.copytree(w["unaligned"], tmp_path / "nosidecar")
     (nosidecar / "un-000001.parquet").unlink()
@@ -438,8 +438,10 @@ def test_nonempty_out_is_never_clobbered(world, tmp_path):
     out = tmp_path / "o"
     out.mkdir()
     (out / "notes.tar").write_bytes(b"mine")
-    with pytest.raises(VlprepError, match="not empty; choose another folder or pass --overwrite"):
+    with pytest.raises(VlprepError, match="not empty and was not written by vlprep"):
         run(world, out)
+    with pytest.raises(VlprepError, match="not empty and was not written by vlprep"):
+        run(world, out, overwrite=True)
     assert (out / "notes.tar").read_bytes() == b"mine"
 
 

@@ -194,15 +194,26 @@ def test_table_bad_rows_are_counted(tmp_path):
 def test_decode_check_catches_corrupt_data_with_intact_markers(tmp_path):
     from vlprep.shards import Skip
 
+    import zlib
+
     data = bytearray(image_bytes(64, 64, "PNG"))
-    data[200:1200] = b"\x00" * 1000  # pixel data destroyed, IEND intact
-    assert prepare_image(bytes(data))[1] == "png"  # the cheap check lets it through
+    data[200:1200] = b"\x00" * 1000  # pixel data destroyed, IEND intact: the chunk CRCs no longer match
     with pytest.raises(Skip) as e:
-        prepare_image(bytes(data), decode_check=True)
-    assert e.value.reason == "corrupt_image"
+        prepare_image(bytes(data))  # the cheap check walks the chunks
+    assert e.value.reason == "truncated_image"
+    # destroyed inside the zlib stream with the chunk's CRC recomputed: only decoding can tell
+    png = image_bytes(64, 64, "PNG")
+    at = png.index(b"IDAT") - 4
+    n = int.from_bytes(png[at:at + 4], "big")
+    body = bytes(png[at + 8:at + 8 + n // 2]) + b"\x00" * (n - n // 2)
+    data = png[:at + 8] + body + zlib.crc32(b"IDAT" + body).to_bytes(4, "big") + png[at + 12 + n:]
+    assert prepare_image(data)[1] == "png"  # the cheap check lets it through
     with pytest.raises(Skip) as e:
-        prepare_image(bytes(data), resize=16)  # re-encoding decodes too
-    assert e.value.reason == "corrupt_image"
+        prepare_image(data, decode_check=True)
+    assert e.value.reason in ("corrupt_image", "truncated_image")
+    with pytest.raises(Skip) as e:
+        prepare_image(data, resize=16)  # re-encoding decodes too
+    assert e.value.reason in ("corrupt_image", "truncated_image")
 
 
 # --- bad input: one-line errors ----------------------------------------------------------------

@@ -4,7 +4,7 @@
 # Env: PY, VLPREP (default: the repo's .venv), OUT (default: demo-out/openclipart in the repo),
 #      LIMIT (default 2000 evenly spaced files, about 6 minutes in all; LIMIT=all for all 8,121 images,
 #      about 20 minutes, most of it object detection at ~8 images/s).
-#      RMTOP (default 20): t of the bow stage's rmtop:t. MIN_SCORE (default 0.3): detection score threshold.
+#      RMTOP (default 15): t of the bow stage's rmtop:t. MIN_SCORE (default 0.3): detection score threshold.
 #      TRAIN_STEPS (default 120): steps of each vltrain run (clip preset, batch 32, on `vlprep features` tokens).
 #      SEEDS (default "0 1 2"): seeds of the bow-only vs bow + pseudo comparison (mean and spread over them).
 #      UNALIGNED (default LIMIT/4) and EVAL (default LIMIT/8): images held out from the LIMIT subset, to be
@@ -50,8 +50,9 @@ step captions "$PY" "$HERE/make_captions.py" --out "$OUT/captions.parquet" ${LIM
 step shards "$VLPREP" shards "$OUT/captions.parquet" "$OUT/shards" --resize 256 -n 1000
 step stats "$VLPREP" stats "$OUT/shards"
 # A Fistful of Words' default cascade. Clip-art captions are short (median 3 words), so rmtop uses a
-# much smaller t than the paper's 1000 (examples/openclipart/README.md, "Bag of words").
-step bow "$VLPREP" bow "$OUT/shards" "$OUT/bow" --ops "shuffle,rmstop,basevocab,rmtop:${RMTOP:-20},keep:4"
+# much smaller t than the paper's 1000: the 15 most frequent content words (examples/openclipart/README.md,
+# "Bag of words").
+step bow "$VLPREP" bow "$OUT/shards" "$OUT/bow" --ops "shuffle,rmstop,basevocab,rmtop:${RMTOP:-15},keep:4"
 # TOnICS: COCO objects in each image (packaged SSD-MobileNet-v2), then the noun-object PMI ontology.
 step detect "$VLPREP" detect "$OUT/shards" "$OUT/det" --min-score "$MIN_SCORE"
 step ontology "$VLPREP" ontology "$OUT/det" "$OUT/onto" --min-score "$MIN_SCORE"
