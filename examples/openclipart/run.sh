@@ -45,20 +45,23 @@ step() {  # step NAME CMD...: run CMD and print its wall time
     awk -v name="$name" -v t0="$t0" -v t1="$(date +%s.%N)" 'BEGIN { printf "== %s: %.1f s\n", name, t1 - t0 }'
 }
 
+# --overwrite on the vlprep stages: the same options resume; changed ones (another RMTOP, a new version's
+# stage options) redo that stage in its own folder instead of stopping with "written with other options".
+V=(--overwrite)
 step captions "$PY" "$HERE/make_captions.py" --out "$OUT/captions.parquet" ${LIMIT:+--limit "$LIMIT"}
 # Same options into the same folder resume; shards whose records changed (other LIMIT, new rules) are rebuilt.
-step shards "$VLPREP" shards "$OUT/captions.parquet" "$OUT/shards" --resize 256 -n 1000
+step shards "$VLPREP" shards "$OUT/captions.parquet" "$OUT/shards" --resize 256 -n 1000 "${V[@]}"
 step stats "$VLPREP" stats "$OUT/shards"
 # A Fistful of Words' default cascade. Clip-art captions are short (median 3 words), so rmtop uses a
 # much smaller t than the paper's 1000: the 15 most frequent content words (examples/openclipart/README.md,
 # "Bag of words").
-step bow "$VLPREP" bow "$OUT/shards" "$OUT/bow" --ops "shuffle,rmstop,basevocab,rmtop:${RMTOP:-15},keep:4"
+step bow "$VLPREP" bow "$OUT/shards" "$OUT/bow" --ops "shuffle,rmstop,basevocab,rmtop:${RMTOP:-15},keep:4" "${V[@]}"
 # TOnICS: COCO objects in each image (packaged SSD-MobileNet-v2), then the noun-object PMI ontology.
-step detect "$VLPREP" detect "$OUT/shards" "$OUT/det" --min-score "$MIN_SCORE"
-step ontology "$VLPREP" ontology "$OUT/det" "$OUT/onto" --min-score "$MIN_SCORE"
+step detect "$VLPREP" detect "$OUT/shards" "$OUT/det" --min-score "$MIN_SCORE" "${V[@]}"
+step ontology "$VLPREP" ontology "$OUT/det" "$OUT/onto" --min-score "$MIN_SCORE" "${V[@]}"
 # The image tower is frozen and cached once (`vlprep features`: EfficientNet-Lite0 tokens, 7x7x1280 float16), so
 # vltrain trains the text tower and the projections at ~100 samples/s on a CPU instead of a few (docs/FEATURES.md).
-step features "$VLPREP" features "$OUT/bow" "$OUT/bow-feat"
+step features "$VLPREP" features "$OUT/bow" "$OUT/bow-feat" "${V[@]}"
 # vltrain: CLIP-style ITC on the bow captions against the cached image tokens; retrieval on the held-out split
 # every 20 steps draws OUT/run/learning_curve.png. The whole model is retrained in each run: no weights are reused.
 TRAIN=(--preset clip --steps "$TRAIN_STEPS" --batch-size 32 --set optim.warmup_steps=20 --set eval_every=20
@@ -84,13 +87,13 @@ EVAL="${EVAL:-$((LIMIT / 8))}"
 step captions-all "$PY" "$HERE/make_captions.py" --out "$OUT/captions-all.parquet"
 step heldout "$PY" "$HERE/heldout.py" --all "$OUT/captions-all.parquet" --aligned "$OUT/captions.parquet" \
     --unaligned "$UNALIGNED" --eval "$EVAL" --out-unaligned "$OUT/unaligned.parquet" --out-eval "$OUT/eval.parquet"
-step unaligned-shards "$VLPREP" shards "$OUT/unaligned.parquet" "$OUT/unaligned" --resize 256 -n 1000 --prefix unaligned
-step eval-shards "$VLPREP" shards "$OUT/eval.parquet" "$OUT/eval" --resize 256 -n 1000 --prefix eval
+step unaligned-shards "$VLPREP" shards "$OUT/unaligned.parquet" "$OUT/unaligned" --resize 256 -n 1000 --prefix unaligned "${V[@]}"
+step eval-shards "$VLPREP" shards "$OUT/eval.parquet" "$OUT/eval" --resize 256 -n 1000 --prefix eval "${V[@]}"
 # The features-trained checkpoint reads the unaligned images' pixels through the same frozen encoder.
 step pseudolabel "$VLPREP" pseudolabel "$OUT/bow" "$OUT/unaligned" "$OUT/pseudo" --checkpoint "$OUT/run/last.pt" \
-    --strategy weighted --crops "${CROPS:-3}" --k 10 --words 4 --batch-size 24
-step features-pseudo "$VLPREP" features "$OUT/pseudo" "$OUT/pseudo-feat"
-step features-eval "$VLPREP" features "$OUT/eval" "$OUT/eval-feat"
+    --strategy weighted --crops "${CROPS:-3}" --k 10 --words 4 --batch-size 24 "${V[@]}"
+step features-pseudo "$VLPREP" features "$OUT/pseudo" "$OUT/pseudo-feat" "${V[@]}"
+step features-eval "$VLPREP" features "$OUT/eval" "$OUT/eval-feat" "${V[@]}"
 # Two arms, the same runs but for the data: bow only, and bow + pseudo; each over SEEDS, scored on the eval set.
 for seed in $SEEDS; do
     for arm in bow pseudo; do
