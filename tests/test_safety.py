@@ -341,3 +341,21 @@ def test_duplicate_uids_are_kept_counted_and_warned(tmp_path):
     report = json.loads((tmp_path / "ds" / "report.json").read_text())
     assert report["written"] == 12 and report["duplicate_uids"] == 9 and report["duplicate_uid_examples"] == ["same"]
     assert "warning: 9 written samples repeat an earlier uid (e.g. same)" in " ".join(r.stderr.split())
+
+
+def test_second_training_run_on_one_out_is_refused(tmp_path):
+    ds = make_ds(tmp_path, n=8)
+    out = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from vlprep.dataset import lock_output; "
+                               "lock_output(Path(sys.argv[1]), 'vltrain'); print('locked', flush=True); "
+                               "time.sleep(60)", str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        r = vltrain_run(ds, out, "--batch-size", "4", "--steps", "2", "--set", "data.workers=0")
+        assert r.exit_code == 2
+        assert one_line(r.output) == (f"error: OUT {out} is being written by another vltrain process "
+                                      f"(pid {holder.pid}); wait for it to finish or choose another folder")
+    finally:
+        holder.kill()
+        holder.wait()

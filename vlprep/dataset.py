@@ -469,7 +469,7 @@ LOCK_FILE = ".vlprep.lock"
 _locks: dict[Path, int] = {}  # OUT (resolved) -> the open lock file this process holds
 
 
-def lock_output(root: Path) -> None:
+def lock_output(root: Path, tool: str = "vlprep") -> None:
     """Hold an exclusive lock on OUT until `release_output` or the process ends; one line if another holds it.
 
     fcntl.flock on OUT/.vlprep.lock: the kernel drops it when the holder dies (even kill -9), so there is no
@@ -487,7 +487,7 @@ def lock_output(root: Path) -> None:
     except OSError:
         pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
         os.close(fd)
-        raise VlprepError(f"OUT {root} is being written by another vlprep process (pid {pid}); wait for it to "
+        raise VlprepError(f"OUT {root} is being written by another {tool} process (pid {pid}); wait for it to "
                           "finish or choose another folder") from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)

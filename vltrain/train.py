@@ -24,6 +24,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, 
 from torch.utils.data import DataLoader
 
 from vlprep import VlprepError
+from vlprep.dataset import lock_output, release_output
 from vltrain import TrainError
 from vltrain import checkpoint as ckpt_io
 from vltrain.config import Config, grit_sizes, to_dict
@@ -407,6 +408,10 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
         device = resolve_device(cfg.device)
     except VlprepError as e:  # the shared resolver's one-line error
         raise TrainError(str(e)) from None
+    try:  # one run per OUT: a second `--resume` on the same folder would interleave two runs' checkpoints
+        lock_output(out, "vltrain")
+    except VlprepError as e:
+        raise TrainError(str(e)) from None
     _prepare_out(out, resume, overwrite)
     ckpt = ckpt_io.load(last_path, "--resume checkpoint") if resume else None
     _seed_everything(cfg.seed, device)
@@ -704,5 +709,6 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
         tb.close()
     if not last_path.exists():  # resumed at or past the final step: still leave a checkpoint behind
         ckpt_io.save(checkpoint(), last_path)
+    release_output(out)
     return {"step": step, "losses": losses_f, "eval": last_eval, "best_mean_recall": best if best >= 0 else None,
             "out": str(out)}
