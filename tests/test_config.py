@@ -16,6 +16,7 @@ def test_presets_set_what_the_papers_say():
     assert (grit.sampler.kind, grit.loss.consistency, grit.loss.mlm_prob, grit.model.momentum) == ("grit", 0.2, 0.5,
                                                                                                    False)
     assert grit.loss.itm > 0 and grit.model.queue_size == 0
+    assert grit.loss.itm_negatives == "hardest" and albef.loss.itm_negatives == base.loss.itm_negatives == "sample"
     for name, tr in (("tonics", 1.0), ("tonics-ir", 0.0)):
         t = load_config(name)
         assert (t.sampler.kind, t.data.triplets, t.model.aligner, t.loss.tonics_ir, t.loss.tonics_tr) == (
@@ -55,6 +56,7 @@ def test_precedence_preset_file_set_flags(tmp_path):
     (["loss.itm"], r"--set expects key=value"),
     (["batch_size=1"], r"batch_size must be at least 2"),
     (["preset=clip", "loss.distill_alpha=0.4", "model.momentum=false"], r"distill_alpha > 0 needs model.momentum"),
+    (["loss.itm_negatives=top1"], r"^unknown loss.itm_negatives 'top1'; use one of sample, hardest$"),
 ])
 def test_bad_overrides_are_one_line_errors(sets, match):
     with pytest.raises(ConfigError, match=match) as e:

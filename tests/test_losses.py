@@ -3,8 +3,9 @@ import math
 import pytest
 import torch
 
-from vltrain.losses import (distill_targets, focal_itc_loss, hard_negative_weights, itc_consistency_loss, itc_loss,
-                            itm_loss, mlm_loss, mlm_mask, sample_hard_negatives, tonics_ir_loss, tonics_tr_loss)
+from vltrain.losses import (dedupe_targets, distill_targets, focal_itc_loss, hard_negative_weights, hardest_negatives,
+                            itc_consistency_loss, itc_logits as itc_logits_fn, itc_loss, itm_loss, mlm_loss, mlm_mask,
+                            sample_hard_negatives, tonics_ir_loss, tonics_tr_loss)
 
 # References below are re-derived from the papers with Python floats and loops, never by calling torch the way
 # vltrain.losses does, so a shared mistake cannot make both sides agree.
@@ -233,6 +234,57 @@ def test_sample_hard_negatives_masks_raw_weights_and_is_reproducible():
         assert (sample_hard_negatives(w) != torch.arange(b)).all()
     a = [sample_hard_negatives(w, torch.Generator().manual_seed(3)).tolist() for _ in range(2)]
     assert a[0] == a[1]
+
+
+def ref_hardest(w: list[list[float]]) -> list[int]:
+    """Per row the largest off-diagonal weight, the first one on ties (a strict > scan from the left)."""
+    out = []
+    for i, r in enumerate(w):
+        best = None
+        for j, v in enumerate(r):
+            if j != i and (best is None or v > r[best]):
+                best = j
+        out.append(best)
+    return out
+
+
+def test_hardest_negatives_match_a_loop_with_ties_and_never_the_diagonal():
+    w = torch.tensor([[9.0, 1.0, 3.0, 3.0],    # tie between 2 and 3 -> 2; the larger diagonal is never taken
+                      [2.0, 0.0, 2.0, 1.0],    # tie between 0 and 2 -> 0
+                      [0.0, 0.0, 5.0, 0.0],    # all off-diagonal equal -> 0
+                      [0.1, 0.7, 0.2, 0.0]])
+    assert hardest_negatives(w).tolist() == ref_hardest(rows(w)) == [2, 0, 0, 1]
+    for seed in range(5):  # random weights, and weights rounded so that ties are frequent
+        li, lt = itc_logits(6, 2, seed=40 + seed)
+        for m in (hard_negative_weights(li, lt)[0], torch.round(torch.rand(6, 6, generator=torch.Generator()
+                                                                            .manual_seed(seed)) * 3)):
+            idx = hardest_negatives(m)
+            assert idx.dtype == torch.long and idx.tolist() == ref_hardest(rows(m))
+            assert (idx != torch.arange(6)).all()
+    nan_row = torch.tensor([[1.0, float("nan"), 0.5], [float("nan")] * 3, [0.2, 0.9, 0.0]])
+    assert hardest_negatives(nan_row).tolist() == [2, 0, 1]  # NaN is never the max; an all-NaN row -> lowest off-diag
+    with pytest.raises(ValueError, match="square"):
+        hardest_negatives(torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="at least 2"):
+        hardest_negatives(torch.zeros(1, 1))
+
+
+def test_hard_negative_weights_exclude_pairs_and_empty_rows():
+    b = 4
+    li, lt = itc_logits(b, 1, seed=21)
+    exclude = torch.zeros(b, b, dtype=torch.bool)
+    exclude[0, 1] = exclude[1, 0] = True                                         # 0 and 1 share a caption
+    exclude[3, :] = exclude[:, 3] = True                                         # 3 shares one with everyone
+    w, _ = hard_negative_weights(li, lt, exclude)
+    for i in range(b):
+        p = softmax(rows(li)[i][:b])
+        want = [0.0 if i == j or exclude[i, j] else p[j] for j in range(b)]
+        assert w[i].tolist() == pytest.approx(want, abs=1e-6)
+    assert w[3].tolist() == [0.0] * b
+    dead = torch.zeros(b, b + 1)
+    dead[torch.arange(b), torch.arange(b)] = 1e4  # underflow: uniform over the allowed pairs only
+    w, _ = hard_negative_weights(dead, dead, exclude)
+    assert w[0].tolist() == pytest.approx([0, 0, 1, 0]) and w[2].tolist() == pytest.approx([0.5, 0.5, 0, 0])
 
 
 def test_itm_loss_matches_loops():

@@ -39,6 +39,7 @@ class LossConfig:
     consistency: float = 0.0        # GRIT-VLP ITC consistency weight (lambda_cons, paper: 0.2)
     tonics_ir: float = 0.0          # TOnICS aligner image retrieval loss L_IR (needs model.aligner, data.triplets)
     tonics_tr: float = 0.0          # TOnICS aligner text retrieval loss L_TR
+    itm_negatives: str = "sample"   # ITM hard negatives: sample (ALBEF: drawn by in-batch similarity) or hardest (GRIT)
 
 
 @dataclass
@@ -102,9 +103,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tonics-ir": {"sampler.kind": "tonics", "data.triplets": True, "model.aligner": True, "model.fusion_layers": 0,
                   "model.momentum": False, "model.queue_size": 0, "loss.itc": 0.0, "loss.itm": 0.0, "loss.mlm": 0.0,
                   "loss.distill_alpha": 0.0, "loss.tonics_ir": 1.0, "loss.tonics_tr": 0.0},
-    # GRIT-VLP: ALBEFBase + GRIT sampler + ITC consistency (lambda 0.2) + ITM hard negatives + MLM at 50%
+    # GRIT-VLP: ALBEFBase + GRIT sampler + ITC consistency (lambda 0.2) + ITM top-1 hard negatives + MLM at 50%
     "grit": {"sampler.kind": "grit", "model.momentum": False, "model.queue_size": 0, "loss.distill_alpha": 0.0,
-             "loss.consistency": 0.2, "loss.mlm_prob": 0.5},
+             "loss.consistency": 0.2, "loss.mlm_prob": 0.5, "loss.itm_negatives": "hardest"},
 }
 
 
@@ -202,6 +203,7 @@ def load_config(preset: str | None = None, config_file: str | Path | None = None
 
 
 INPUTS = ("auto", "features", "pixels")
+ITM_NEGATIVES = ("sample", "hardest")
 
 
 def validate(cfg: Config) -> None:
@@ -225,6 +227,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("loss.distill_alpha > 0 needs model.momentum=true")
     if (cfg.loss.itm > 0 or cfg.loss.mlm > 0) and cfg.model.fusion_layers == 0:
         raise ConfigError("loss.itm and loss.mlm need a fusion encoder (model.fusion_layers >= 1)")
+    if cfg.loss.itm_negatives not in ITM_NEGATIVES:
+        raise ConfigError(f"unknown loss.itm_negatives {cfg.loss.itm_negatives!r}; use one of {', '.join(ITM_NEGATIVES)}")
     s = cfg.sampler
     if s.kind not in SAMPLERS:
         raise ConfigError(f"unknown sampler {s.kind!r}; samplers: {', '.join(SAMPLERS)}")

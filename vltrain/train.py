@@ -30,8 +30,9 @@ from vltrain.config import Config, grit_sizes, to_dict
 from vltrain.data import (Collate, IndexedShards, InstanceView, ShardStream, count_split, eval_transform,
                           feature_input, in_val, to_device, train_transform)
 from vltrain.evaluate import chance_recall, distinct_positions, embed_split, recall_at_k, view_scores
-from vltrain.losses import (distill_targets, focal_itc_loss, hard_negative_weights, itc_consistency_loss, itc_loss,
-                            itm_loss, mlm_loss, mlm_mask, sample_hard_negatives, tonics_ir_loss, tonics_tr_loss)
+from vltrain.losses import (distill_targets, focal_itc_loss, hard_negative_weights, hardest_negatives,
+                            itc_consistency_loss, itc_loss, itm_loss, mlm_loss, mlm_mask, sample_hard_negatives,
+                            tonics_ir_loss, tonics_tr_loss)
 from vltrain.model import autocast, build_model, image_stats, noun_states, resolve_device, tokenizer_for
 from vltrain.samplers import GritSampler, TonicsBatchSampler, TonicsCurriculum, tonics_instances
 
@@ -104,8 +105,11 @@ def train_step(model, batch: dict, cfg: Config, generator: torch.Generator, toke
     if w.itm > 0:
         b = ids.shape[0]
         w_i2t, w_t2i = hard_negative_weights(logits_i2t, logits_t2i)
-        neg_text = sample_hard_negatives(w_i2t, generator)   # a hard negative caption for each image
-        neg_image = sample_hard_negatives(w_t2i, generator)  # a hard negative image for each caption
+        if w.itm_negatives == "hardest":  # GRIT-VLP's released code: the top-1 of the weights, no draw
+            neg_text, neg_image = hardest_negatives(w_i2t), hardest_negatives(w_t2i)
+        else:
+            neg_text = sample_hard_negatives(w_i2t, generator)   # a hard negative caption for each image
+            neg_image = sample_hard_negatives(w_t2i, generator)  # a hard negative image for each caption
         fused = model.fuse(torch.cat([text_hidden, text_hidden, text_hidden[neg_text]]),
                            torch.cat([mask, mask, mask[neg_text]]),
                            torch.cat([image_tokens, image_tokens[neg_image], image_tokens]))

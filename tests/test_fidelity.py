@@ -1,0 +1,92 @@
+"""Issue 12, method fidelity: what `train_step` does with each new option, on a tiny model and one batch.
+
+Each reference is re-derived here with plain Python loops over the model's own embeddings, never by calling
+vltrain.losses the way train_step does.
+"""
+
+import math
+
+import pytest
+import torch
+
+from vltrain import train as train_mod
+from vltrain.config import load_config
+from vltrain.model import build_model, build_tokenizer
+
+TINY = ["model.text_model=tiny", "model.image_model=tiny", "model.embed_dim=16", "data.max_len=12"]
+B = 6
+
+
+def cfg_for(preset: str, *sets: str):
+    return load_config(preset, sets=[*TINY, *sets])
+
+
+def make_batch(captions: list[str], seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    tok = build_tokenizer(cfg_for("clip").model)(captions, padding="longest", return_tensors="pt")
+    return {"images": torch.randn(len(captions), 3, 32, 32, generator=g), "input_ids": tok["input_ids"],
+            "attention_mask": tok["attention_mask"], "captions": captions}
+
+
+CAPTIONS = [f"a photo of thing {i} and colour {i % 4}" for i in range(B)]
+
+
+def model_for(cfg, seed: int = 0):
+    torch.manual_seed(seed)
+    return build_model(cfg.model).eval()  # eval: no dropout, so the test's own forward passes see the same numbers
+
+
+def record_fuse(model) -> list:
+    """Wrap model.fuse so the test sees what train_step fused (text hidden, mask, image tokens)."""
+    calls, real = [], model.fuse
+
+    def fuse(text_hidden, text_mask, image_tokens):
+        calls.append((text_hidden.detach(), text_mask, image_tokens.detach()))
+        return real(text_hidden, text_mask, image_tokens)
+
+    model.fuse = fuse
+    return calls
+
+
+def ref_argmax_off_diag(sim: list[list[float]], banned=lambda i, j: False) -> list[int | None]:
+    out = []
+    for i, r in enumerate(sim):
+        best = None
+        for j, v in enumerate(r):
+            if j != i and not banned(i, j) and (best is None or v > r[best]):
+                best = j
+        out.append(best)
+    return out
+
+
+def sims(model, batch) -> tuple[list[list[float]], list[list[float]], torch.Tensor, torch.Tensor]:
+    """Image->text and text->image cosine / temp as Python lists, plus the text hidden states and image tokens."""
+    with torch.no_grad():
+        tokens, img = model.encode_image(batch["images"])
+        hidden, txt = model.encode_text(batch["input_ids"], batch["attention_mask"])
+        t = float(model.temperature())
+    i2t = [[float(sum(a * b for a, b in zip(img[i].tolist(), txt[j].tolist()))) / t for j in range(len(img))]
+           for i in range(len(img))]
+    t2i = [[i2t[j][i] for j in range(len(img))] for i in range(len(img))]
+    return i2t, t2i, hidden, tokens
+
+
+# --- item 1: ITM hard negatives are the hardest (GRIT-VLP) -----------------------------------------------------
+
+
+def test_itm_hardest_negatives_are_the_argmax_of_in_batch_similarity():
+    cfg = cfg_for("albef-base", "loss.itm_negatives=hardest", "loss.mlm=0")
+    model = model_for(cfg)
+    batch = make_batch(CAPTIONS)
+    i2t, t2i, hidden, tokens = sims(model, batch)
+    calls = record_fuse(model)
+    train_mod.train_step(model, batch, cfg, torch.Generator().manual_seed(0))
+    (text_in, _, image_in), = calls
+    neg_text, neg_image = ref_argmax_off_diag(i2t), ref_argmax_off_diag(t2i)
+    # Rows B..2B: caption i with its hardest image; rows 2B..3B: image i with its hardest caption.
+    assert torch.allclose(image_in[B:2 * B], tokens[neg_image]) and torch.allclose(text_in[B:2 * B], hidden)
+    assert torch.allclose(text_in[2 * B:], hidden[neg_text]) and torch.allclose(image_in[2 * B:], tokens)
+    # The same batch again gives the same negatives: no draw is involved.
+    calls.clear()
+    train_mod.train_step(model, batch, cfg, torch.Generator().manual_seed(1))
+    assert torch.equal(calls[0][0], text_in) and torch.equal(calls[0][2], image_in)
