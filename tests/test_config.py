@@ -17,6 +17,7 @@ def test_presets_set_what_the_papers_say():
                                                                                                    False)
     assert grit.loss.itm > 0 and grit.model.queue_size == 0
     assert grit.loss.itm_negatives == "hardest" and albef.loss.itm_negatives == base.loss.itm_negatives == "sample"
+    assert grit.loss.itc_detach_keys and not base.loss.itc_detach_keys and not clip.loss.itc_detach_keys
     for name, tr in (("tonics", 1.0), ("tonics-ir", 0.0)):
         t = load_config(name)
         assert (t.sampler.kind, t.data.triplets, t.model.aligner, t.loss.tonics_ir, t.loss.tonics_tr) == (

@@ -64,7 +64,7 @@ def sims(model, batch) -> tuple[list[list[float]], list[list[float]], torch.Tens
     with torch.no_grad():
         tokens, img = model.encode_image(batch["images"])
         hidden, txt = model.encode_text(batch["input_ids"], batch["attention_mask"])
-        t = float(model.temperature())
+        t = float(model.temperature().detach())
     i2t = [[float(sum(a * b for a, b in zip(img[i].tolist(), txt[j].tolist()))) / t for j in range(len(img))]
            for i in range(len(img))]
     t2i = [[i2t[j][i] for j in range(len(img))] for i in range(len(img))]
@@ -90,3 +90,33 @@ def test_itm_hardest_negatives_are_the_argmax_of_in_batch_similarity():
     calls.clear()
     train_mod.train_step(model, batch, cfg, torch.Generator().manual_seed(1))
     assert torch.equal(calls[0][0], text_in) and torch.equal(calls[0][2], image_in)
+
+
+# --- item 2: ITC gradient through the query side only (GRIT-VLP's released code) --------------------------------
+
+
+def leaf_features(model, batch, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replace the ITC embeddings train_step sees by leaves the test owns, to read their gradients."""
+    g = torch.Generator().manual_seed(seed)
+    u = torch.nn.functional.normalize(torch.randn(B, 16, generator=g), dim=-1).requires_grad_()
+    v = torch.nn.functional.normalize(torch.randn(B, 16, generator=g), dim=-1).requires_grad_()
+    enc_i, enc_t = model.encode_image, model.encode_text
+    model.encode_image = lambda images: (enc_i(images)[0], u)
+    model.encode_text = lambda ids, mask: (enc_t(ids, mask)[0], v)
+    return u, v
+
+
+@pytest.mark.parametrize("detach", [True, False])
+def test_train_step_detaches_itc_keys_when_asked(detach):
+    cfg = cfg_for("clip", f"loss.itc_detach_keys={str(detach).lower()}")
+    model = model_for(cfg)
+    u, v = leaf_features(model, make_batch(CAPTIONS))
+    train_mod.train_step(model, make_batch(CAPTIONS), cfg, torch.Generator())["itc_loss"].backward()
+    tau = float(model.temperature().detach())
+    # Re-derivation: one-hot cross-entropy both ways, keys stopped by hand (or not).
+    ru, rv = u.detach().clone().requires_grad_(), v.detach().clone().requires_grad_()
+    ku, kv = (ru.detach(), rv.detach()) if detach else (ru, rv)
+    li, lt = ru @ kv.t() / tau, rv @ ku.t() / tau
+    ref = -(li.log_softmax(1).diagonal().mean() + lt.log_softmax(1).diagonal().mean()) / 2
+    ref.backward()
+    assert torch.allclose(u.grad, ru.grad, atol=1e-6) and torch.allclose(v.grad, rv.grad, atol=1e-6)

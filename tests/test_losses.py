@@ -85,6 +85,48 @@ def test_itc_loss_gradcheck_and_targets_are_constants():
     assert ti.grad is None
 
 
+def ref_itc_grads(u: list[list[float]], v: list[list[float]], uq: list[list[float]], vq: list[list[float]],
+                  tau: float, detach_keys: bool) -> tuple[list[list[float]], list[list[float]]]:
+    """d itc_loss / d image feats u and text feats v, derived by hand for one-hot targets.
+
+    L = 1/2 (1/B sum_i -log p_i2t[i, i] + 1/B sum_i -log p_t2i[i, i]), s_i2t[i, j] = u_i . k_j / tau with keys
+    k = [v; vq]. d(-log p[i, i]) / d s[i, j] = p[i, j] - [i == j]. The query side gets sum_j (p - y)[i, j] k_j / tau;
+    a key v_j (j < B) gets sum_i (p - y)[i, j] u_i / tau unless keys are detached. Queue columns carry no gradient.
+    """
+    b, e = len(u), len(u[0])
+    dot = lambda a, c: sum(x * y for x, y in zip(a, c))
+    gu, gv = [[0.0] * e for _ in range(b)], [[0.0] * e for _ in range(b)]
+    for q, k, gq, gk in ((u, v + vq, gu, gv), (v, u + uq, gv, gu)):
+        for i in range(b):
+            p = softmax([dot(q[i], kj) / tau for kj in k])
+            for j, kj in enumerate(k):
+                c = (p[j] - (1.0 if i == j else 0.0)) / (2 * b * tau)
+                for d in range(e):
+                    gq[i][d] += c * kj[d]
+                    if j < b and not detach_keys:
+                        gk[j][d] += c * q[i][d]
+    return gu, gv
+
+
+@pytest.mark.parametrize("detach", [True, False])
+@pytest.mark.parametrize("q", [0, 3])
+def test_itc_gradient_with_detached_keys_matches_the_hand_derivation(detach, q):
+    b, e, tau = 4, 5, 0.1
+    g = torch.Generator().manual_seed(31)
+    u = torch.nn.functional.normalize(torch.randn(b, e, generator=g, dtype=torch.float64), dim=-1).requires_grad_()
+    v = torch.nn.functional.normalize(torch.randn(b, e, generator=g, dtype=torch.float64), dim=-1).requires_grad_()
+    uq = torch.nn.functional.normalize(torch.randn(e, q, generator=g, dtype=torch.float64), dim=0) if q else None
+    vq = torch.nn.functional.normalize(torch.randn(e, q, generator=g, dtype=torch.float64), dim=0) if q else None
+    # No momentum model: the keys are the features themselves, as train_step passes them.
+    li, lt = itc_logits_fn(u, v, u, v, tau, uq, vq, detach_keys=detach)
+    assert li.shape == lt.shape == (b, b + q)
+    itc_loss(li, lt).backward()
+    cols = lambda t: [] if t is None else rows(t.t())
+    gu, gv = ref_itc_grads(rows(u), rows(v), cols(uq), cols(vq), tau, detach)
+    assert rows(u.grad) == [pytest.approx(r, abs=1e-12) for r in gu]
+    assert rows(v.grad) == [pytest.approx(r, abs=1e-12) for r in gv]
+
+
 def test_distill_targets_values_and_no_grad():
     lm, _ = itc_logits(seed=7)
     lm.requires_grad_(True)

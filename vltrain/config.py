@@ -40,6 +40,7 @@ class LossConfig:
     tonics_ir: float = 0.0          # TOnICS aligner image retrieval loss L_IR (needs model.aligner, data.triplets)
     tonics_tr: float = 0.0          # TOnICS aligner text retrieval loss L_TR
     itm_negatives: str = "sample"   # ITM hard negatives: sample (ALBEF: drawn by in-batch similarity) or hardest (GRIT)
+    itc_detach_keys: bool = False   # no momentum model: ITC keys are sg(features), gradient via queries only (GRIT code)
 
 
 @dataclass
@@ -105,7 +106,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                   "loss.distill_alpha": 0.0, "loss.tonics_ir": 1.0, "loss.tonics_tr": 0.0},
     # GRIT-VLP: ALBEFBase + GRIT sampler + ITC consistency (lambda 0.2) + ITM top-1 hard negatives + MLM at 50%
     "grit": {"sampler.kind": "grit", "model.momentum": False, "model.queue_size": 0, "loss.distill_alpha": 0.0,
-             "loss.consistency": 0.2, "loss.mlm_prob": 0.5, "loss.itm_negatives": "hardest"},
+             "loss.consistency": 0.2, "loss.mlm_prob": 0.5, "loss.itm_negatives": "hardest",
+             "loss.itc_detach_keys": True},
 }
 
 

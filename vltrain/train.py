@@ -31,7 +31,7 @@ from vltrain.data import (Collate, IndexedShards, InstanceView, ShardStream, cou
                           feature_input, in_val, to_device, train_transform)
 from vltrain.evaluate import chance_recall, distinct_positions, embed_split, recall_at_k, view_scores
 from vltrain.losses import (distill_targets, focal_itc_loss, hard_negative_weights, hardest_negatives,
-                            itc_consistency_loss, itc_loss, itm_loss, mlm_loss, mlm_mask, sample_hard_negatives,
+                            itc_consistency_loss, itc_logits, itc_loss, itm_loss, mlm_loss, mlm_mask, sample_hard_negatives,
                             tonics_ir_loss, tonics_tr_loss)
 from vltrain.model import autocast, build_model, image_stats, noun_states, resolve_device, tokenizer_for
 from vltrain.samplers import GritSampler, TonicsBatchSampler, TonicsCurriculum, tonics_instances
@@ -54,11 +54,6 @@ def lr_at(step: int, cfg: Config) -> float:
     progress = min(1.0, (step - o.warmup_steps) / max(cfg.steps - o.warmup_steps, 1))
     low = o.lr * o.min_lr_ratio
     return low + (o.lr - low) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def _with_queue(keys: torch.Tensor, queue: torch.Tensor | None) -> torch.Tensor:
-    """In-batch candidates (B, E) followed by queue columns (E, Q) -> (E, B+Q)."""
-    return keys.t() if queue is None else torch.cat([keys.t(), queue.clone().detach().to(keys.dtype)], dim=1)
 
 
 def train_step(model, batch: dict, cfg: Config, generator: torch.Generator, tokenizer=None) -> dict:
@@ -85,8 +80,8 @@ def train_step(model, batch: dict, cfg: Config, generator: torch.Generator, toke
             image_keys, text_keys = image_feat_m, text_feat_m
     if mom is None:
         image_keys, text_keys = image_feat, text_feat
-    image_all, text_all = _with_queue(image_keys, img_q), _with_queue(text_keys, txt_q)
-    logits_i2t, logits_t2i = image_feat @ text_all / temp, text_feat @ image_all / temp  # (B, B+Q) x2
+    logits_i2t, logits_t2i = itc_logits(image_feat, text_feat, image_keys, text_keys, temp, img_q, txt_q,
+                                        w.itc_detach_keys)  # (B, B+Q) x2
 
     losses = {}
     if w.itc > 0:
@@ -94,8 +89,10 @@ def train_step(model, batch: dict, cfg: Config, generator: torch.Generator, toke
             losses["itc_loss"] = focal_itc_loss(logits_i2t, logits_t2i, w.focal_gamma)
         elif distill:
             with torch.no_grad():
-                targets_i2t = distill_targets(image_feat_m @ text_all / temp, w.distill_alpha)
-                targets_t2i = distill_targets(text_feat_m @ image_all / temp, w.distill_alpha)
+                logits_m_i2t, logits_m_t2i = itc_logits(image_feat_m, text_feat_m, image_keys, text_keys, temp,
+                                                        img_q, txt_q)
+                targets_i2t = distill_targets(logits_m_i2t, w.distill_alpha)
+                targets_t2i = distill_targets(logits_m_t2i, w.distill_alpha)
             losses["itc_loss"] = itc_loss(logits_i2t, logits_t2i, targets_i2t, targets_t2i)
         else:
             losses["itc_loss"] = itc_loss(logits_i2t, logits_t2i)
