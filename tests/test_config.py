@@ -18,6 +18,10 @@ def test_presets_set_what_the_papers_say():
     assert grit.loss.itm > 0 and grit.model.queue_size == 0
     assert grit.loss.itm_negatives == "hardest" and albef.loss.itm_negatives == base.loss.itm_negatives == "sample"
     assert grit.loss.itc_detach_keys and not base.loss.itc_detach_keys and not clip.loss.itc_detach_keys
+    # ALBEF / ALBEFBase / GRIT split one BERT into text and fusion halves (BERT-base 6 + 6, MiniLM-L6 3 + 3)
+    for c in (albef, base, grit):
+        assert (c.model.fusion_from, c.model.fusion_layers) == ("split", 3)
+    assert clip.model.fusion_from == "copy"  # unchanged: no fusion encoder at all
     for name, tr in (("tonics", 1.0), ("tonics-ir", 0.0)):
         t = load_config(name)
         assert (t.sampler.kind, t.data.triplets, t.model.aligner, t.loss.tonics_ir, t.loss.tonics_tr) == (
@@ -57,6 +61,8 @@ def test_precedence_preset_file_set_flags(tmp_path):
     (["loss.itm"], r"--set expects key=value"),
     (["batch_size=1"], r"batch_size must be at least 2"),
     (["preset=clip", "loss.distill_alpha=0.4", "model.momentum=false"], r"distill_alpha > 0 needs model.momentum"),
+    (["model.fusion_from=share"], r"^unknown model.fusion_from 'share'; use one of copy, split$"),
+    (["model.fusion_layers=0"], r"^model.fusion_from=split needs model.fusion_layers >= 1"),
     (["loss.itm_negatives=top1"], r"^unknown loss.itm_negatives 'top1'; use one of sample, hardest$"),
 ])
 def test_bad_overrides_are_one_line_errors(sets, match):
@@ -82,3 +88,32 @@ def test_round_trip_through_a_checkpoint_dict():
     c = Config()
     apply_overrides(c, {"loss": {"itc": 2}})
     assert c.loss.itc == 2.0 and isinstance(c.loss.itc, float)
+
+
+# Keys added by issue 12; a checkpoint written before them has none of them.
+NEW_KEYS = {"loss": ["itm_negatives", "itc_detach_keys"], "model": ["fusion_from"]}
+
+
+def older(cfg_dict: dict) -> dict:
+    """The config dict as a checkpoint from before the NEW_KEYS would hold it."""
+    old = {k: dict(v) if isinstance(v, dict) else v for k, v in cfg_dict.items()}
+    for section, keys in NEW_KEYS.items():
+        for k in keys:
+            del old[section][k]
+    return old
+
+
+def test_keys_absent_from_an_older_checkpoint_count_as_their_defaults():
+    from vltrain.checkpoint import config_diff, model_config
+
+    defaults = to_dict(Config())
+    clip = to_dict(load_config("clip"))
+    assert config_diff(older(clip), clip, defaults=defaults) == []  # clip kept every former behaviour
+    grit = to_dict(load_config("grit"))
+    diffs = config_diff(older(grit), grit, defaults=defaults)
+    assert "loss.itm_negatives: 'sample' (absent from this older checkpoint) -> 'hardest'" in diffs
+    assert "model.fusion_from: 'copy' (absent from this older checkpoint) -> 'split'" in diffs
+    assert config_diff(older(clip), clip)[0].startswith("loss.itc_detach_keys: None ->")  # without defaults
+    # An older checkpoint's model section still builds its model: missing keys take the former layout.
+    assert model_config(older(clip)["model"], "x.pt").fusion_from == "copy"
+    assert from_dict(older(clip)) == load_config("clip")

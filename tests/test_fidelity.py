@@ -18,7 +18,9 @@ B = 6
 
 
 def cfg_for(preset: str, *sets: str):
-    return load_config(preset, sets=[*TINY, *sets])
+    # The tiny BERT has 2 layers: presets with a fusion encoder split it 1 + 1.
+    fusion = ["model.fusion_layers=1"] if load_config(preset).model.fusion_layers else []
+    return load_config(preset, sets=[*TINY, *fusion, *sets])
 
 
 def make_batch(captions: list[str], seed: int = 0) -> dict:

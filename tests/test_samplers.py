@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 from vlprep.shards import ShardsConfig, build_shards
 from vltrain.cli import app
 from vltrain.data import Collate, in_val, span_mask
-from vltrain.model import ModelConfig, NounAligner, build_model, build_tokenizer, noun_states
+from vltrain.layers import NounAligner, noun_states
+from vltrain.model import ModelConfig, build_model, build_tokenizer
 from vltrain.samplers import GritSampler, TonicsBatchSampler, TonicsCurriculum, grit_order, tonics_instances
 
 # --- TOnICS curriculum ------------------------------------------------------------------------------------------
@@ -362,6 +363,7 @@ def test_tonics_preset_runs_refreshes_and_resumes_exactly(onto, tmp_path, preset
 
 def test_tonics_sampler_on_samples_with_albef_objectives(onto, tmp_path):
     r = _run(onto, tmp_path / "run", "--preset", "albef-base", "--set", "sampler.kind=tonics",
+             "--set", "model.fusion_layers=1",
              "--set", "sampler.refresh_every=2", "--set", "sampler.threshold=0", "--steps", "4")
     assert r.exit_code == 0, r.output + repr(r.exception)
     assert set(_rows(tmp_path / "run", "itm_loss")) == {1, 2, 3, 4}
@@ -370,7 +372,8 @@ def test_tonics_sampler_on_samples_with_albef_objectives(onto, tmp_path):
 
 def test_grit_preset_runs_and_resumes_exactly(onto, tmp_path):
     # N_TRAIN training pairs, N=4; M=6, L=12: several groupings an epoch, and a remainder at its end
-    common = ["--preset", "grit", "--set", "sampler.search_space=6", "--set", "sampler.queue_size=12",
+    common = ["--preset", "grit", "--set", "model.fusion_layers=1", "--set", "sampler.search_space=6",
+              "--set", "sampler.queue_size=12",
               "--set", "eval_every=100"]
     r = _run(onto, tmp_path / "full", *common, "--steps", "20")
     assert r.exit_code == 0, r.output + repr(r.exception)
@@ -408,6 +411,7 @@ def test_ablation_recipe_runs_every_arm_and_tabulates(onto, tmp_path, monkeypatc
     assert set(recipe["arms"]) == {"random", "tonics", "grit"}
     recipe["common"]["set"].update({k: yaml.safe_load(v) for k, v in (s.split("=") for s in TINY)})
     recipe["arms"]["tonics"]["set"]["sampler.refresh_every"] = 1
+    recipe["common"]["set"]["model.fusion_layers"] = 1  # albef-base splits the tiny 2-layer BERT 1 + 1
     recipe["common"]["batch_size"] = 4
     recipe["common"]["set"]["sampler.ontology"] = ""  # the first folder: --data below
     recipe["seeds"] = [0, 1]

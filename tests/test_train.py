@@ -57,7 +57,8 @@ def test_lr_warmup_then_cosine():
 @pytest.mark.parametrize("preset", ["clip", "albef"])
 def test_run_overfits_and_eval_writes_json(shards, tmp_path, preset):
     out = tmp_path / preset
-    extra = ["--set", "model.queue_size=16", "--set", "model.momentum_m=0.9"] if preset == "albef" else []
+    extra = ["--set", "model.queue_size=16", "--set", "model.momentum_m=0.9", "--set", "model.fusion_layers=1"] \
+        if preset == "albef" else []  # the tiny BERT has 2 layers: split 1 + 1
     r = run(shards, out, "--preset", preset, "--steps", "40", "--set", "data.val_frac=0.2", "--set",
             "eval_every=20", "--set", "ckpt_every=20", *extra)
     assert r.exit_code == 0, r.output + repr(r.exception)
@@ -93,7 +94,8 @@ def test_run_overfits_and_eval_writes_json(shards, tmp_path, preset):
 
 def test_resume_continues_exactly(shards, tmp_path):
     # A constant lr makes the K-step run's schedule the same as the N-step run's.
-    common = ["--preset", "albef", "--set", "model.queue_size=16", "--set", "optim.warmup_steps=0", "--set",
+    common = ["--preset", "albef", "--set", "model.fusion_layers=1", "--set", "model.queue_size=16",
+              "--set", "optim.warmup_steps=0", "--set",
               "optim.min_lr_ratio=1.0", "--set", "data.val_frac=0.2", "--set", "eval_every=2"]
     r = run(shards, tmp_path / "full", *common, "--steps", "6")
     assert r.exit_code == 0, r.output + repr(r.exception)

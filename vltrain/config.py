@@ -10,7 +10,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 import yaml
 
-from vltrain.model import ModelConfig
+from vltrain.model import FUSION_FROM, ModelConfig
 
 
 class ConfigError(ValueError):
@@ -40,7 +40,7 @@ class LossConfig:
     tonics_ir: float = 0.0          # TOnICS aligner image retrieval loss L_IR (needs model.aligner, data.triplets)
     tonics_tr: float = 0.0          # TOnICS aligner text retrieval loss L_TR
     itm_negatives: str = "sample"   # ITM hard negatives: sample (ALBEF: drawn by in-batch similarity) or hardest (GRIT)
-    itc_detach_keys: bool = False   # no momentum model: ITC keys are sg(features), gradient via queries only (GRIT code)
+    itc_detach_keys: bool = False   # no momentum model: keys are sg(features), gradient via queries only (GRIT code)
 
 
 @dataclass
@@ -91,11 +91,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     # dual encoder, ITC only (in-batch; --set model.queue_size=N for a queue)
     "clip": {"model.fusion_layers": 0, "model.momentum": False, "model.queue_size": 0,
              "loss.itm": 0.0, "loss.mlm": 0.0, "loss.distill_alpha": 0.0},
-    # ALBEF: ITC with queue + momentum distillation (alpha 0.4), ITM with hard negatives, MLM 15%
-    "albef": {"model.momentum": True, "model.queue_size": 4096, "loss.distill_alpha": 0.4, "loss.mlm_prob": 0.15},
-    # GRIT-VLP's ALBEFBase: ALBEF without the momentum model (so no distillation and no queue)
+    # ALBEF: ITC with queue + momentum distillation (alpha 0.4), ITM with hard negatives, MLM 15%; one BERT split
+    # into text and fusion halves (BERT-base 6 + 6; the 6-layer MiniLM 3 + 3)
+    "albef": {"model.momentum": True, "model.queue_size": 4096, "loss.distill_alpha": 0.4, "loss.mlm_prob": 0.15,
+              "model.fusion_from": "split", "model.fusion_layers": 3},
+    # GRIT-VLP's ALBEFBase: ALBEF without the momentum model (so no distillation and no queue), same split (5.1)
     "albef-base": {"model.momentum": False, "model.queue_size": 0, "loss.distill_alpha": 0.0,
-                   "loss.mlm_prob": 0.15},
+                   "loss.mlm_prob": 0.15, "model.fusion_from": "split", "model.fusion_layers": 3},
     # TOnICS: the noun-query aligner on triplets with the ontology curriculum, L_IR + L_TR (no ITC/ITM/MLM)
     "tonics": {"sampler.kind": "tonics", "data.triplets": True, "model.aligner": True, "model.fusion_layers": 0,
                "model.momentum": False, "model.queue_size": 0, "loss.itc": 0.0, "loss.itm": 0.0, "loss.mlm": 0.0,
@@ -106,8 +108,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                   "loss.distill_alpha": 0.0, "loss.tonics_ir": 1.0, "loss.tonics_tr": 0.0},
     # GRIT-VLP: ALBEFBase + GRIT sampler + ITC consistency (lambda 0.2) + ITM top-1 hard negatives + MLM at 50%
     "grit": {"sampler.kind": "grit", "model.momentum": False, "model.queue_size": 0, "loss.distill_alpha": 0.0,
-             "loss.consistency": 0.2, "loss.mlm_prob": 0.5, "loss.itm_negatives": "hardest",
-             "loss.itc_detach_keys": True},
+             "model.fusion_from": "split", "model.fusion_layers": 3, "loss.consistency": 0.2, "loss.mlm_prob": 0.5,
+             "loss.itm_negatives": "hardest", "loss.itc_detach_keys": True},
 }
 
 
@@ -227,10 +229,16 @@ def validate(cfg: Config) -> None:
         raise ConfigError("loss.mlm_prob must be in (0, 1) when loss.mlm > 0")
     if cfg.loss.distill_alpha > 0 and not cfg.model.momentum:
         raise ConfigError("loss.distill_alpha > 0 needs model.momentum=true")
+    if cfg.model.fusion_from not in FUSION_FROM:
+        raise ConfigError(f"unknown model.fusion_from {cfg.model.fusion_from!r}; use one of {', '.join(FUSION_FROM)}")
+    if cfg.model.fusion_from == "split" and cfg.model.fusion_layers == 0:
+        raise ConfigError("model.fusion_from=split needs model.fusion_layers >= 1 (the last N text layers become the "
+                          "fusion encoder)")
     if (cfg.loss.itm > 0 or cfg.loss.mlm > 0) and cfg.model.fusion_layers == 0:
         raise ConfigError("loss.itm and loss.mlm need a fusion encoder (model.fusion_layers >= 1)")
     if cfg.loss.itm_negatives not in ITM_NEGATIVES:
-        raise ConfigError(f"unknown loss.itm_negatives {cfg.loss.itm_negatives!r}; use one of {', '.join(ITM_NEGATIVES)}")
+        raise ConfigError(f"unknown loss.itm_negatives {cfg.loss.itm_negatives!r}; use one of "
+                          f"{', '.join(ITM_NEGATIVES)}")
     s = cfg.sampler
     if s.kind not in SAMPLERS:
         raise ConfigError(f"unknown sampler {s.kind!r}; samplers: {', '.join(SAMPLERS)}")

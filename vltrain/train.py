@@ -31,9 +31,10 @@ from vltrain.data import (Collate, IndexedShards, InstanceView, ShardStream, cou
                           feature_input, in_val, to_device, train_transform)
 from vltrain.evaluate import chance_recall, distinct_positions, embed_split, recall_at_k, view_scores
 from vltrain.losses import (distill_targets, focal_itc_loss, hard_negative_weights, hardest_negatives,
-                            itc_consistency_loss, itc_logits, itc_loss, itm_loss, mlm_loss, mlm_mask, sample_hard_negatives,
-                            tonics_ir_loss, tonics_tr_loss)
-from vltrain.model import autocast, build_model, image_stats, noun_states, resolve_device, tokenizer_for
+                            itc_consistency_loss, itc_logits, itc_loss, itm_loss, mlm_loss, mlm_mask,
+                            sample_hard_negatives, tonics_ir_loss, tonics_tr_loss)
+from vltrain.layers import noun_states
+from vltrain.model import autocast, build_model, image_stats, resolve_device, tokenizer_for
 from vltrain.samplers import GritSampler, TonicsBatchSampler, TonicsCurriculum, tonics_instances
 
 console = Console(stderr=True, emoji=False, soft_wrap=True)
@@ -408,7 +409,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
     asked_queue = cfg.model.queue_size
     cfg.model.queue_size = min(asked_queue, n_train)
     if ckpt is not None:
-        diffs = ckpt_io.config_diff(ckpt["config"], to_dict(cfg))
+        diffs = ckpt_io.config_diff(ckpt["config"], to_dict(cfg), defaults=to_dict(Config()))
         if diffs:
             raise TrainError(f"--resume: {last_path} was trained with another config ({'; '.join(diffs[:8])}"
                              f"{'; ...' if len(diffs) > 8 else ''}); use the same options, or a new --out")
