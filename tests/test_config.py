@@ -32,8 +32,10 @@ def test_presets_set_what_the_papers_say():
 
 
 def test_grit_sizes_default_to_the_papers_ratios():
-    cfg = load_config("grit", batch_size=128)
-    assert grit_sizes(cfg) == (1920, 48000)  # the paper's N=128, M=1920, L=48,000
+    cfg = load_config("grit", batch_size=96)
+    assert grit_sizes(cfg) == (960, 48000)  # GRIT-VLP 5.1: N = 96, M = 960 = 10 N, L = 48,000 = 50 M
+    assert grit_sizes(load_config("grit", batch_size=32)) == (320, 16000)
+    assert grit_sizes(load_config("grit", batch_size=128), (15, 25)) == (1920, 48000)  # the former ratios (Table 3)
     cfg = load_config("grit", sets=["sampler.search_space=100", "sampler.queue_size=400"])
     assert grit_sizes(cfg) == (100, 400)
     with pytest.raises(ConfigError, match="queue_size >= sampler.search_space"):

@@ -12,6 +12,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from vlprep.shards import ShardsConfig, build_shards
+from vltrain import checkpoint as ckpt_io
 from vltrain.cli import app
 from vltrain.data import Collate, in_val, span_mask
 from vltrain.layers import NounAligner, noun_states
@@ -248,6 +249,12 @@ def test_grit_state_round_trip_gives_the_same_next_epoch(tmp_path):
     assert a.order.tolist() == b.order.tolist()
     with pytest.raises(ValueError, match="in order"):
         a.set_epoch(3)
+    state = a.state_dict()
+    assert (state["m"], state["l"]) == (6, 14)
+    with pytest.raises(ValueError, match=r"GRIT state was built with M = 6, L = 14; this sampler has M = 7, L = 14"):
+        GritSampler(50, 5, search_space=7, queue_size=14).load_state_dict(state)
+    del state["m"], state["l"]  # a state from before the sizes were saved loads into a sampler of the same sizes
+    GritSampler(50, 5, search_space=6, queue_size=14).load_state_dict(state)
 
 
 # --- end to end on tiny data -------------------------------------------------------------------------------------
@@ -387,6 +394,20 @@ def test_grit_preset_runs_and_resumes_exactly(onto, tmp_path):
     r = _run(onto, tmp_path / "part", *common, "--steps", "20", "--resume")
     assert r.exit_code == 0, r.output + repr(r.exception)
     assert _rows(tmp_path / "part", "total") == full  # bit for bit, epoch 2 grouped from restored features
+
+
+def test_grit_default_sizes_and_an_older_checkpoint_keeps_its_own(onto, tmp_path):
+    common = ["--preset", "grit", "--set", "model.fusion_layers=1", "--set", "eval_every=100"]
+    r = _run(onto, tmp_path / "run", *common, "--steps", "3")
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    ckpt = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
+    assert (ckpt["sampler"]["m"], ckpt["sampler"]["l"]) == (40, 2000)  # N = 4: M = 10 N, L = 50 M (GRIT 5.1)
+    del ckpt["sampler"]["m"], ckpt["sampler"]["l"]  # as written before the sizes were saved, when 0 meant 15 N, 25 M
+    ckpt_io.save(ckpt, tmp_path / "run" / "last.pt")
+    r = _run(onto, tmp_path / "run", *common, "--steps", "4", "--resume")
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    ckpt = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
+    assert (ckpt["sampler"]["m"], ckpt["sampler"]["l"]) == (60, 1500)
 
 
 def test_sampler_errors_are_one_line(onto, tmp_path):

@@ -52,8 +52,8 @@ class SamplerConfig:
     refresh_every: int = 500        # TOnICS: steps between held-out checks (paper: 5K of 500K steps)
     threshold: float = 0.9          # TOnICS: refresh when held-out image retrieval R@1 >= threshold
     heldout: int = 100              # TOnICS: held-out instances for the check (from the validation split)
-    search_space: int = 0           # GRIT M; 0 = 15 * batch_size (paper: N=128, M=1920)
-    queue_size: int = 0             # GRIT L; 0 = 25 * M (paper: L=48,000 = 25 * 1920)
+    search_space: int = 0           # GRIT M; 0 = 10 * batch_size (paper 5.1: N=96, M=960)
+    queue_size: int = 0             # GRIT L; 0 = 50 * M (paper 5.1: L=48,000 = 50 * 960)
 
 
 @dataclass
@@ -261,10 +261,14 @@ def validate(cfg: Config) -> None:
 SAMPLERS = ("random", "tonics", "grit")
 
 
-def grit_sizes(cfg: Config) -> tuple[int, int]:
-    """GRIT's (M, L): the configured values, or the paper's ratios M = 15 N and L = 25 M when left at 0."""
-    m = cfg.sampler.search_space or 15 * cfg.batch_size
-    return m, cfg.sampler.queue_size or 25 * m
+GRIT_RATIOS = (10, 50)         # GRIT-VLP 5.1's defaults: N = 96, M = 960 = 10 N, L = 48,000 = 50 M
+GRIT_RATIOS_BEFORE = (15, 25)  # what 0 meant before (Table 3's M = 15 N, L = 25 M); for older checkpoints
+
+
+def grit_sizes(cfg: Config, ratios: tuple[int, int] = GRIT_RATIOS) -> tuple[int, int]:
+    """GRIT's (M, L): the configured values, or M = 10 N and L = 50 M (the paper's 5.1 defaults) when left at 0."""
+    m = cfg.sampler.search_space or ratios[0] * cfg.batch_size
+    return m, cfg.sampler.queue_size or ratios[1] * m
 
 
 def to_dict(cfg: Config) -> dict:

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 from vlprep import VlprepError
 from vltrain import TrainError
 from vltrain import checkpoint as ckpt_io
-from vltrain.config import Config, grit_sizes, to_dict
+from vltrain.config import GRIT_RATIOS, GRIT_RATIOS_BEFORE, Config, grit_sizes, to_dict
 from vltrain.data import (Collate, IndexedShards, InstanceView, ShardStream, count_split, eval_transform,
                           feature_input, in_val, to_device, train_transform)
 from vltrain.evaluate import chance_recall, distinct_positions, embed_split, recall_at_k, view_scores
@@ -163,7 +163,7 @@ def _next_batch(batches, rng_state: torch.Tensor) -> tuple[dict, torch.Tensor]:
 # --- index-based sampling: TOnICS, GRIT and triplets (vltrain.samplers) ------------------------------------------
 
 
-def _indexed_data(cfg: Config, tf_train, tf_eval) -> dict:
+def _indexed_data(cfg: Config, tf_train, tf_eval, grit_ratios: tuple[int, int] = GRIT_RATIOS) -> dict:
     """Train / val views read through wids, the batch sampler over the train view and the curriculum's node names."""
     shards = IndexedShards(cfg.shards)
     is_val = np.array([in_val(k, cfg.data.val_frac) for k in shards.keys], dtype=bool)
@@ -172,7 +172,7 @@ def _indexed_data(cfg: Config, tf_train, tf_eval) -> dict:
     if s.kind == "grit":
         splits = {"train": {"samples": np.flatnonzero(~is_val), "spans": None},
                   "val": {"samples": np.flatnonzero(is_val), "spans": None}}
-        m, q = grit_sizes(cfg)
+        m, q = grit_sizes(cfg, grit_ratios)
         sampler = GritSampler(len(splits["train"]["samples"]), n, m, q, cfg.seed)
     else:  # tonics, or random batches of triplets (P(entity) stays 1)
         try:
@@ -393,7 +393,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
     collate = Collate(tok, cfg.data.max_len, use_features)
     indexed = cfg.sampler.kind != "random" or cfg.data.triplets
     if indexed:  # TOnICS / GRIT / triplets: positions from a batch sampler, samples read through wids
-        data = _indexed_data(cfg, tf_train, tf_eval)
+        # A GRIT checkpoint from before the sizes were saved in its state used the former default ratios.
+        old_grit = ckpt is not None and isinstance(ckpt.get("sampler"), dict) and "m" not in ckpt["sampler"]
+        data = _indexed_data(cfg, tf_train, tf_eval, GRIT_RATIOS_BEFORE if old_grit else GRIT_RATIOS)
         sampler, n_train, n_val = data["sampler"], len(data["train"]), len(data["val"])
     else:
         counts = count_split(cfg.shards, cfg.data.val_frac)
