@@ -65,6 +65,7 @@ def test_precedence_preset_file_set_flags(tmp_path):
     (["preset=clip", "loss.distill_alpha=0.4", "model.momentum=false"], r"distill_alpha > 0 needs model.momentum"),
     (["model.fusion_from=share"], r"^unknown model.fusion_from 'share'; use one of copy, split$"),
     (["model.fusion_layers=0"], r"^model.fusion_from=split needs model.fusion_layers >= 1"),
+    (["loss.distill_warmup_steps=-2"], r"^loss.distill_warmup_steps must be >= 0, or -1 for one epoch"),
     (["loss.itm_negatives=top1"], r"^unknown loss.itm_negatives 'top1'; use one of sample, hardest$"),
 ])
 def test_bad_overrides_are_one_line_errors(sets, match):
@@ -93,7 +94,7 @@ def test_round_trip_through_a_checkpoint_dict():
 
 
 # Keys added by issue 12; a checkpoint written before them has none of them.
-NEW_KEYS = {"loss": ["itm_negatives", "itc_detach_keys"], "model": ["fusion_from"]}
+NEW_KEYS = {"loss": ["itm_negatives", "itc_detach_keys", "distill_warmup_steps"], "model": ["fusion_from"]}
 
 
 def older(cfg_dict: dict) -> dict:

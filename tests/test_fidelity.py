@@ -122,3 +122,39 @@ def test_train_step_detaches_itc_keys_when_asked(detach):
     ref = -(li.log_softmax(1).diagonal().mean() + lt.log_softmax(1).diagonal().mean()) / 2
     ref.backward()
     assert torch.allclose(u.grad, ru.grad, atol=1e-6) and torch.allclose(v.grad, rv.grad, atol=1e-6)
+
+
+# --- item 4: the distillation weight train_step uses is the one it is given (the warm-up ramp) --------------------
+
+
+def test_train_step_distils_with_the_given_alpha():
+    cfg = cfg_for("albef", "model.queue_size=0", "loss.itm=0", "loss.mlm=0")
+    model = model_for(cfg)
+    batch = make_batch(CAPTIONS)
+    with torch.no_grad():
+        _, u = model.encode_image(batch["images"])
+        _, v = model.encode_text(batch["input_ids"], batch["attention_mask"])
+        _, um = model.momentum.encode_image(batch["images"])
+        _, vm = model.momentum.encode_text(batch["input_ids"], batch["attention_mask"])
+        tau = float(model.temperature().detach())
+    dot = lambda a, b: sum(x * y for x, y in zip(a.tolist(), b.tolist()))
+
+    def ref(alpha: float) -> float:
+        """ALBEF ITC with momentum distillation: keys and targets from the momentum encoders."""
+        total = 0.0
+        for q, k, qm in ((u, vm, um), (v, um, vm)):
+            for i in range(B):
+                s = [dot(q[i], k[j]) / tau for j in range(B)]
+                sm = [dot(qm[i], k[j]) / tau for j in range(B)]
+                lse = max(s) + math.log(sum(math.exp(x - max(s)) for x in s))
+                pm = [math.exp(x - max(sm)) for x in sm]
+                pm = [x / sum(pm) for x in pm]
+                y = [alpha * pm[j] + (1 - alpha) * (i == j) for j in range(B)]
+                total -= sum(y[j] * (s[j] - lse) for j in range(B)) / B
+        return total / 2
+
+    for alpha in (0.0, 0.1, 0.4):
+        got = train_mod.train_step(model, batch, cfg, torch.Generator(), alpha=alpha)["itc_loss"].detach()
+        assert float(got) == pytest.approx(ref(alpha), rel=1e-5)
+    assert float(train_mod.train_step(model, batch, cfg, torch.Generator())["itc_loss"].detach()) == pytest.approx(
+        ref(0.4), rel=1e-5)

@@ -35,6 +35,7 @@ class LossConfig:
     mlm: float = 1.0
     mlm_prob: float = 0.15
     distill_alpha: float = 0.0      # momentum distillation weight (ALBEF: 0.4); needs model.momentum
+    distill_warmup_steps: int = 0   # alpha ramps up linearly over these steps; 0 = none, -1 = one epoch (ALBEF)
     focal_gamma: float = 0.0        # > 0: SoftMask++ focal ITC instead of plain ITC
     consistency: float = 0.0        # GRIT-VLP ITC consistency weight (lambda_cons, paper: 0.2)
     tonics_ir: float = 0.0          # TOnICS aligner image retrieval loss L_IR (needs model.aligner, data.triplets)
@@ -91,10 +92,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     # dual encoder, ITC only (in-batch; --set model.queue_size=N for a queue)
     "clip": {"model.fusion_layers": 0, "model.momentum": False, "model.queue_size": 0,
              "loss.itm": 0.0, "loss.mlm": 0.0, "loss.distill_alpha": 0.0},
-    # ALBEF: ITC with queue + momentum distillation (alpha 0.4), ITM with hard negatives, MLM 15%; one BERT split
-    # into text and fusion halves (BERT-base 6 + 6; the 6-layer MiniLM 3 + 3)
+    # ALBEF: ITC with queue + momentum distillation (alpha 0.4, ramped up over the first epoch), ITM with hard
+    # negatives, MLM 15%; one BERT split into text and fusion halves (BERT-base 6 + 6; the 6-layer MiniLM 3 + 3)
     "albef": {"model.momentum": True, "model.queue_size": 4096, "loss.distill_alpha": 0.4, "loss.mlm_prob": 0.15,
-              "model.fusion_from": "split", "model.fusion_layers": 3},
+              "loss.distill_warmup_steps": -1, "model.fusion_from": "split", "model.fusion_layers": 3},
     # GRIT-VLP's ALBEFBase: ALBEF without the momentum model (so no distillation and no queue), same split (5.1)
     "albef-base": {"model.momentum": False, "model.queue_size": 0, "loss.distill_alpha": 0.0,
                    "loss.mlm_prob": 0.15, "model.fusion_from": "split", "model.fusion_layers": 3},
@@ -227,6 +228,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("data.val_frac must be in [0, 1)")
     if not 0 < cfg.loss.mlm_prob < 1 and cfg.loss.mlm > 0:
         raise ConfigError("loss.mlm_prob must be in (0, 1) when loss.mlm > 0")
+    if cfg.loss.distill_warmup_steps < -1:
+        raise ConfigError("loss.distill_warmup_steps must be >= 0, or -1 for one epoch of the training split")
     if cfg.loss.distill_alpha > 0 and not cfg.model.momentum:
         raise ConfigError("loss.distill_alpha > 0 needs model.momentum=true")
     if cfg.model.fusion_from not in FUSION_FROM:

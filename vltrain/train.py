@@ -57,10 +57,21 @@ def lr_at(step: int, cfg: Config) -> float:
     return low + (o.lr - low) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def train_step(model, batch: dict, cfg: Config, generator: torch.Generator, tokenizer=None) -> dict:
+def distill_alpha_at(step: int, cfg: Config) -> float:
+    """Distillation weight of the step-th optimiser step (1-based): ALBEF's alpha * min(1, i / warm-up), i = step - 1."""
+    w = cfg.loss
+    if w.distill_warmup_steps <= 0:
+        return w.distill_alpha
+    # ALBEF's Pretrain.py counts i from 0 within the first epoch, so its first step distils with weight 0.
+    return w.distill_alpha * min(1.0, (step - 1) / w.distill_warmup_steps)
+
+
+def train_step(model, batch: dict, cfg: Config, generator: torch.Generator, tokenizer=None,
+               alpha: float | None = None) -> dict:
     """Forward pass and named losses (*_loss and the weighted `total`) for one batch; grads are left to the caller.
 
-    The dict also holds `queue_feats`, the detached (image, text) features (B, E) x2 to enqueue after the step.
+    `alpha` is this step's distillation weight (`distill_alpha_at`; None = loss.distill_alpha). The dict also holds
+    `queue_feats`, the detached (image, text) features (B, E) x2 to enqueue after the step.
     """
     w = cfg.loss
     images = batch["features"] if "features" in batch else batch["images"]
@@ -70,6 +81,7 @@ def train_step(model, batch: dict, cfg: Config, generator: torch.Generator, toke
     temp = model.temperature()
     mom = model.momentum
     distill = w.distill_alpha > 0 and mom is not None
+    alpha = w.distill_alpha if alpha is None else alpha
     queued = model.cfg.queue_size > 0
     img_q, txt_q = (model.image_queue, model.text_queue) if queued else (None, None)
 
@@ -92,8 +104,8 @@ def train_step(model, batch: dict, cfg: Config, generator: torch.Generator, toke
             with torch.no_grad():
                 logits_m_i2t, logits_m_t2i = itc_logits(image_feat_m, text_feat_m, image_keys, text_keys, temp,
                                                         img_q, txt_q)
-                targets_i2t = distill_targets(logits_m_i2t, w.distill_alpha)
-                targets_t2i = distill_targets(logits_m_t2i, w.distill_alpha)
+                targets_i2t = distill_targets(logits_m_i2t, alpha)
+                targets_t2i = distill_targets(logits_m_t2i, alpha)
             losses["itc_loss"] = itc_loss(logits_i2t, logits_t2i, targets_i2t, targets_t2i)
         else:
             losses["itc_loss"] = itc_loss(logits_i2t, logits_t2i)
@@ -125,7 +137,7 @@ def train_step(model, batch: dict, cfg: Config, generator: torch.Generator, toke
             with torch.no_grad():
                 hidden_m, _ = mom.encode_text(masked, mask)
                 soft = mom.mlm_logits(mom.fuse(hidden_m, mask, image_tokens_m)).float().softmax(dim=-1)
-        losses["mlm_loss"] = mlm_loss(logits, labels, soft, w.distill_alpha if distill else 0.0)
+        losses["mlm_loss"] = mlm_loss(logits, labels, soft, alpha if distill else 0.0)
 
     if w.tonics_ir > 0 or w.tonics_tr > 0:
         # TOnICS aligner: s(i, j) for every noun i and image j; the sampler keeps one image out of a batch twice.
@@ -340,7 +352,8 @@ def _summary(cfg: Config, model, device, n_train: int, n_val: int, per_epoch: in
                                                   ("consistency", w.consistency), ("tonics_ir", w.tonics_ir),
                                                   ("tonics_tr", w.tonics_tr)) if v > 0)
     extras = [f"focal gamma {w.focal_gamma:g}"] if w.focal_gamma > 0 else []
-    extras += [f"distill {w.distill_alpha:g}"] if w.distill_alpha > 0 else []
+    extras += [f"distill {w.distill_alpha:g}" + (f", ramped up over {w.distill_warmup_steps:,} steps"
+                                                 if w.distill_warmup_steps > 0 else "")] if w.distill_alpha > 0 else []
     extras += [f"MLM {w.mlm_prob:.0%}"] if w.mlm > 0 else []
     dtype = "bf16 autocast" if device.type == "cuda" else "float32"
     lines = [
@@ -408,6 +421,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
     per_epoch = n_train // cfg.batch_size  # drop_last: every batch is full (hard negatives need B >= 2)
     if cfg.epochs > 0:
         cfg.steps = max(1, math.ceil(cfg.epochs * per_epoch))
+    if cfg.loss.distill_warmup_steps < 0:  # -1: one epoch of this training split (ALBEF); the checkpoint keeps it
+        cfg.loss.distill_warmup_steps = per_epoch
     asked_queue = cfg.model.queue_size
     cfg.model.queue_size = min(asked_queue, n_train)
     if ckpt is not None:
@@ -585,8 +600,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
                 for g in optimizer.param_groups:
                     g["lr"] = lr
                 batch = to_device(batch, device)
+                alpha = distill_alpha_at(step, cfg)
                 with autocast(device):
-                    losses = train_step(model, batch, cfg, generator, tok)
+                    losses = train_step(model, batch, cfg, generator, tok, alpha)
                 queue_feats = losses.pop("queue_feats")
                 losses_f = {k: float(v.detach()) for k, v in losses.items()}
                 if not math.isfinite(losses_f["total"]):
@@ -623,6 +639,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
                     rate = seen / max(time.perf_counter() - t0, 1e-9)
                     t0, seen = time.perf_counter(), 0
                     row = {"step": step, **losses_f, "lr": lr, "samples_per_s": round(rate, 2)}
+                    if cfg.loss.distill_alpha > 0:
+                        row["distill_alpha"] = alpha
                     log(row)
                     for k, v in row.items():
                         if k != "step":
