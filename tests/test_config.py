@@ -116,7 +116,7 @@ def test_keys_absent_from_an_older_checkpoint_count_as_their_defaults():
     diffs = config_diff(older(grit), grit, defaults=defaults)
     assert "loss.itm_negatives: 'sample' (absent from this older checkpoint) -> 'hardest'" in diffs
     assert "model.fusion_from: 'copy' (absent from this older checkpoint) -> 'split'" in diffs
-    assert config_diff(older(clip), clip)[0].startswith("loss.itc_detach_keys: None ->")  # without defaults
+    assert "loss.itc_detach_keys: None -> False" in config_diff(older(clip), clip)  # without defaults
     # An older checkpoint's model section still builds its model: missing keys take the former layout.
     assert model_config(older(clip)["model"], "x.pt").fusion_from == "copy"
     assert from_dict(older(clip)) == load_config("clip")
