@@ -22,11 +22,13 @@ def test_presets_set_what_the_papers_say():
     for c in (albef, base, grit):
         assert (c.model.fusion_from, c.model.fusion_layers) == ("split", 3)
     assert clip.model.fusion_from == "copy"  # unchanged: no fusion encoder at all
+    assert not any(load_config(p).model.freeze_image for p in ("clip", "albef", "albef-base", "grit"))
     for name, tr in (("tonics", 1.0), ("tonics-ir", 0.0)):
         t = load_config(name)
         assert (t.sampler.kind, t.data.triplets, t.model.aligner, t.loss.tonics_ir, t.loss.tonics_tr) == (
             "tonics", True, True, 1.0, tr)
         assert t.loss.itc == t.loss.itm == t.loss.mlm == 0.0
+        assert t.model.freeze_image  # the paper's VinVL region features are frozen
         assert (t.sampler.alpha, t.sampler.beta, t.sampler.threshold, t.sampler.heldout) == (0.9, 0.2, 0.9, 100)
     assert set(PRESETS) == {"clip", "albef", "albef-base", "tonics", "tonics-ir", "grit"}
 

@@ -346,6 +346,13 @@ def test_tonics_preset_runs_refreshes_and_resumes_exactly(onto, tmp_path, preset
               "--set", "eval_every=6"]
     r = _run(onto, tmp_path / "full", *common, "--steps", "8")
     assert r.exit_code == 0, r.output + repr(r.exception)
+    assert "image    tiny on 32px pixels (frozen)" in r.output  # TOnICS trains on frozen image features
+    ckpt = torch.load(tmp_path / "full" / "last.pt", weights_only=True)
+    torch.manual_seed(0)
+    fresh = build_model(ModelConfig(text_model="tiny", image_model="tiny", embed_dim=16, fusion_layers=0,
+                                    aligner=True, freeze_image=True))
+    for k, v in fresh.image_encoder.state_dict().items():  # the run's seed-0 image encoder never moved
+        assert torch.equal(ckpt["model"]["image_encoder." + k], v), k
     log = json.loads((tmp_path / "full" / "curriculum.json").read_text())
     assert log["nodes"] == ["entity", "cat", "dog", "bird"]
     assert [row["step"] for row in log["log"]] == [3, 6]  # threshold 0: every check refreshes
@@ -366,6 +373,21 @@ def test_tonics_preset_runs_refreshes_and_resumes_exactly(onto, tmp_path, preset
     assert r.exit_code == 0, r.output + repr(r.exception)
     res = json.loads((tmp_path / "full" / "eval.json").read_text())
     assert res["n_samples"] == 48 and 0 <= res["retrieval"]["t2i_r1"] <= res["retrieval"]["t2i_r10"] <= 100
+
+
+def test_tonics_preset_on_vlprep_features_output_finds_its_ontology(onto, tmp_path):
+    from vlprep.features import FeaturesConfig, features
+
+    features(FeaturesConfig(src=onto, out=tmp_path / "feat", size=64, device="cpu", workers=0))
+    assert not (tmp_path / "feat" / "ontology.json").exists()  # `vlprep features` does not copy it
+    r = _run(tmp_path / "feat", tmp_path / "run", "--preset", "tonics", "--set", "sampler.refresh_every=2",
+             "--set", "sampler.threshold=0", "--steps", "4")
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    assert f"tonics: ontology from {onto.resolve()}" in " ".join(r.output.split())
+    assert "cached efficientnet-lite0 tokens 4x1280 float16 (frozen" in r.output
+    ckpt = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
+    assert ckpt["config"]["data"]["input"] == "features" and ckpt["config"]["model"]["freeze_image"]
+    assert len(_rows(tmp_path / "run", "curriculum")) == 2
 
 
 def test_tonics_sampler_on_samples_with_albef_objectives(onto, tmp_path):

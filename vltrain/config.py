@@ -47,7 +47,8 @@ class LossConfig:
 @dataclass
 class SamplerConfig:
     kind: str = "random"            # random (streamed shuffle), tonics (ontology curriculum) or grit (grouping)
-    ontology: str = ""              # folder with ontology.json + triplets.parquet [default: the first shard folder]
+    ontology: str = ""              # folder with ontology.json + triplets.parquet [default: the first shard folder,
+                                    # or the folder `vlprep features` made it from]
     alpha: float = 0.9              # TOnICS: P(entity) <- max(alpha * P(entity), beta) at each refresh
     beta: float = 0.2
     refresh_every: int = 500        # TOnICS: steps between held-out checks (paper: 5K of 500K steps)
@@ -99,12 +100,15 @@ PRESETS: dict[str, dict[str, Any]] = {
     # GRIT-VLP's ALBEFBase: ALBEF without the momentum model (so no distillation and no queue), same split (5.1)
     "albef-base": {"model.momentum": False, "model.queue_size": 0, "loss.distill_alpha": 0.0,
                    "loss.mlm_prob": 0.15, "model.fusion_from": "split", "model.fusion_layers": 3},
-    # TOnICS: the noun-query aligner on triplets with the ontology curriculum, L_IR + L_TR (no ITC/ITM/MLM)
+    # TOnICS: the noun-query aligner on triplets with the ontology curriculum, L_IR + L_TR (no ITC/ITM/MLM); the
+    # image encoder is frozen, as the paper's VinVL features are (on `vlprep features` output it is cached anyway)
     "tonics": {"sampler.kind": "tonics", "data.triplets": True, "model.aligner": True, "model.fusion_layers": 0,
+               "model.freeze_image": True,
                "model.momentum": False, "model.queue_size": 0, "loss.itc": 0.0, "loss.itm": 0.0, "loss.mlm": 0.0,
                "loss.distill_alpha": 0.0, "loss.tonics_ir": 1.0, "loss.tonics_tr": 1.0},
     # TOnICS with the image retrieval loss alone
     "tonics-ir": {"sampler.kind": "tonics", "data.triplets": True, "model.aligner": True, "model.fusion_layers": 0,
+                  "model.freeze_image": True,
                   "model.momentum": False, "model.queue_size": 0, "loss.itc": 0.0, "loss.itm": 0.0, "loss.mlm": 0.0,
                   "loss.distill_alpha": 0.0, "loss.tonics_ir": 1.0, "loss.tonics_tr": 0.0},
     # GRIT-VLP: ALBEFBase + GRIT sampler + ITC consistency (lambda 0.2) + ITM top-1 hard negatives + MLM at 50%

@@ -175,6 +175,21 @@ def _next_batch(batches, rng_state: torch.Tensor) -> tuple[dict, torch.Tensor]:
 # --- index-based sampling: TOnICS, GRIT and triplets (vltrain.samplers) ------------------------------------------
 
 
+def _default_ontology(folder: str) -> str:
+    """The folder holding the TOnICS ontology: `folder` itself, or the ontology folder it was cached from."""
+    root = Path(folder)
+    if (root / "ontology.json").is_file():
+        return folder
+    # `vlprep features` copies samples (same keys, same order) but not the ontology files; its meta.json names
+    # the folder it read. A sample it skipped shifts the indices, which tonics_instances reports as a key mismatch.
+    try:
+        meta = json.loads((root / "meta.json").read_text())
+    except (OSError, ValueError):
+        return folder
+    src = (meta.get("options") or {}).get("src") if meta.get("stage") == "features" else None
+    return src if src and (Path(src) / "ontology.json").is_file() else folder
+
+
 def _indexed_data(cfg: Config, tf_train, tf_eval, grit_ratios: tuple[int, int] = GRIT_RATIOS) -> dict:
     """Train / val views read through wids, the batch sampler over the train view and the curriculum's node names."""
     shards = IndexedShards(cfg.shards)
@@ -188,7 +203,11 @@ def _indexed_data(cfg: Config, tf_train, tf_eval, grit_ratios: tuple[int, int] =
         sampler = GritSampler(len(splits["train"]["samples"]), n, m, q, cfg.seed)
     else:  # tonics, or random batches of triplets (P(entity) stays 1)
         try:
-            splits = tonics_instances(s.ontology or cfg.shards[0], shards.keys, is_val, cfg.data.triplets)
+            onto = s.ontology or _default_ontology(cfg.shards[0])
+            if onto != cfg.shards[0] and not s.ontology:
+                console.print(f"tonics: ontology from {onto}, the folder {cfg.shards[0]} was cached from",
+                              highlight=False)
+            splits = tonics_instances(onto, shards.keys, is_val, cfg.data.triplets)
         except ValueError as e:
             raise TrainError(str(e)) from None
         image_of = splits["train"]["samples"]
