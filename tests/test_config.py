@@ -30,7 +30,12 @@ def test_presets_set_what_the_papers_say():
         assert t.loss.itc == t.loss.itm == t.loss.mlm == 0.0
         assert t.model.freeze_image  # the paper's VinVL region features are frozen
         assert (t.sampler.alpha, t.sampler.beta, t.sampler.threshold, t.sampler.heldout) == (0.9, 0.2, 0.9, 100)
-    assert set(PRESETS) == {"clip", "albef", "albef-base", "tonics", "tonics-ir", "grit"}
+    assert set(PRESETS) == {"clip", "fistful", "albef", "albef-base", "tonics", "tonics-ir", "grit"}
+    fist = load_config("fistful")  # A Fistful of Words 3: dual encoder, EMA keys in an 8,192 bank, fixed tau 0.02
+    assert (fist.model.fusion_layers, fist.model.momentum, fist.model.queue_size) == (0, True, 8192)
+    assert (fist.model.temp, fist.model.temp_learnable, fist.model.pooling) == (0.02, False, "mean")
+    assert fist.loss.itc == 1.0 and fist.loss.itm == fist.loss.mlm == fist.loss.distill_alpha == 0.0
+    assert (clip.model.temp, clip.model.temp_learnable, clip.model.pooling) == (0.07, True, "cls")  # unchanged
 
 
 def test_grit_sizes_default_to_the_papers_ratios():
@@ -68,6 +73,8 @@ def test_precedence_preset_file_set_flags(tmp_path):
     (["model.fusion_from=share"], r"^unknown model.fusion_from 'share'; use one of copy, split$"),
     (["model.fusion_layers=0"], r"^model.fusion_from=split needs model.fusion_layers >= 1"),
     (["loss.distill_warmup_steps=-2"], r"^loss.distill_warmup_steps must be >= 0, or -1 for one epoch"),
+    (["model.pooling=max"], r"^unknown model.pooling 'max'; use one of cls, mean$"),
+    (["model.temp=0.9"], r"^model.temp must be in \[0.001, 0.5\]"),
     (["loss.itm_negatives=top1"], r"^unknown loss.itm_negatives 'top1'; use one of sample, hardest$"),
 ])
 def test_bad_overrides_are_one_line_errors(sets, match):
@@ -96,7 +103,8 @@ def test_round_trip_through_a_checkpoint_dict():
 
 
 # Keys added by issue 12; a checkpoint written before them has none of them.
-NEW_KEYS = {"loss": ["itm_negatives", "itc_detach_keys", "distill_warmup_steps"], "model": ["fusion_from"]}
+NEW_KEYS = {"loss": ["itm_negatives", "itc_detach_keys", "distill_warmup_steps"],
+            "model": ["fusion_from", "temp_learnable", "pooling"]}
 
 
 def older(cfg_dict: dict) -> dict:

@@ -158,3 +158,34 @@ def test_train_step_distils_with_the_given_alpha():
         assert float(got) == pytest.approx(ref(alpha), rel=1e-5)
     assert float(train_mod.train_step(model, batch, cfg, torch.Generator())["itc_loss"].detach()) == pytest.approx(
         ref(0.4), rel=1e-5)
+
+
+# --- item 9: the fistful preset (A Fistful of Words 3, eq. 1-2) ------------------------------------------------
+
+
+def test_fistful_step_is_infonce_against_momentum_keys_and_a_memory_bank_at_fixed_tau():
+    cfg = cfg_for("fistful", "model.queue_size=8")
+    model = model_for(cfg)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        model.image_queue.copy_(torch.nn.functional.normalize(torch.randn(16, 8, generator=g), dim=0))
+        model.text_queue.copy_(torch.nn.functional.normalize(torch.randn(16, 8, generator=g), dim=0))
+    batch = make_batch(CAPTIONS)
+    with torch.no_grad():
+        u = model.encode_image(batch["images"])[1].tolist()
+        v = model.encode_text(batch["input_ids"], batch["attention_mask"])[1].tolist()
+        um = model.momentum.encode_image(batch["images"])[1].tolist()
+        vm = model.momentum.encode_text(batch["input_ids"], batch["attention_mask"])[1].tolist()
+    bank_t, bank_i = model.text_queue.t().tolist(), model.image_queue.t().tolist()
+    d = lambda a, b: sum(x * y for x, y in zip(a, b))  # cosine: every vector is unit length
+    tau, total = 0.02, 0.0
+    for i in range(B):  # L_i^image (eq. 1) and L_i^text (eq. 2) over the batch's EMA keys and the bank
+        for q, keys in ((u[i], vm + bank_t), (v[i], um + bank_i)):
+            s = [d(q, k) / tau for k in keys]
+            top = max(s)
+            total += -(s[i] - top - math.log(sum(math.exp(x - top) for x in s))) / (2 * B)
+    losses = train_mod.train_step(model, batch, cfg, torch.Generator())
+    assert set(losses) == {"itc_loss", "total", "queue_feats"}  # no ITM, MLM or distillation
+    assert float(losses["itc_loss"].detach()) == pytest.approx(total, rel=1e-5)
+    losses["total"].backward()
+    assert model.temp.grad is None and float(model.temperature().detach()) == pytest.approx(0.02)

@@ -178,6 +178,41 @@ def test_split_needs_a_text_layer_left():
         build_model(tiny(fusion_from="albef"))
 
 
+def test_mean_pooling_is_the_masked_mean_of_the_token_states():
+    torch.manual_seed(0)
+    m = build_model(tiny(fusion_layers=0, pooling="mean")).eval()
+    _, ids, mask = batch()
+    hidden, emb = m.encode_text(ids, mask)
+    for b in range(B):  # by hand: the attended tokens' states summed one by one, divided by their count
+        n = int(mask[b].sum())
+        mean = sum(hidden[b, t] for t in range(L) if mask[b, t]) / n
+        proj = m.text_proj(mean)
+        torch.testing.assert_close(emb[b], proj / proj.norm(), rtol=1e-5, atol=1e-6)
+    # padding does not move it: the same caption padded further gives the same embedding
+    ids2, mask2 = torch.cat([ids, torch.zeros(B, 3, dtype=ids.dtype)], 1), torch.cat([mask, torch.zeros(B, 3)], 1)
+    torch.testing.assert_close(m.encode_text(ids2, mask2.long())[1], emb, rtol=1e-5, atol=1e-6)
+    cls = build_model(tiny(fusion_layers=0)).eval()
+    cls.load_state_dict(m.state_dict())
+    hidden, emb = cls.encode_text(ids, mask)
+    proj = cls.text_proj(hidden[:, 0])
+    torch.testing.assert_close(emb, proj / proj.norm(dim=-1, keepdim=True))
+    with pytest.raises(ValueError, match="pooling must be one of cls, mean"):
+        build_model(tiny(pooling="max"))
+
+
+def test_fixed_temperature_gets_no_gradient_and_keeps_its_checkpoint_name():
+    torch.manual_seed(0)
+    m = build_model(tiny(fusion_layers=0, temp=0.02, temp_learnable=False))
+    assert not m.temp.requires_grad and float(m.temperature()) == pytest.approx(0.02)
+    images, ids, mask = batch()
+    (m.encode_image(images)[1] @ m.encode_text(ids, mask)[1].t() / m.temperature()).sum().backward()
+    assert m.temp.grad is None and m.text_proj.weight.grad is not None
+    assert "temp" in m.state_dict() and "temp" in dict(m.named_parameters())
+    learn = build_model(tiny(fusion_layers=0))
+    learn.load_state_dict(m.state_dict())  # same names: a fixed-tau checkpoint loads into either
+    assert learn.temp.requires_grad
+
+
 def test_mlm_decoder_tied_to_word_embeddings(model):
     emb = model.text_encoder.get_input_embeddings().weight
     assert model.mlm_decoder.weight is emb

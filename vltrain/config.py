@@ -10,7 +10,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 import yaml
 
-from vltrain.model import FUSION_FROM, ModelConfig
+from vltrain.model import FUSION_FROM, POOLING, TEMP_MAX, TEMP_MIN, ModelConfig
 
 
 class ConfigError(ValueError):
@@ -111,6 +111,11 @@ PRESETS: dict[str, dict[str, Any]] = {
                   "model.freeze_image": True,
                   "model.momentum": False, "model.queue_size": 0, "loss.itc": 0.0, "loss.itm": 0.0, "loss.mlm": 0.0,
                   "loss.distill_alpha": 0.0, "loss.tonics_ir": 1.0, "loss.tonics_tr": 0.0},
+    # A Fistful of Words 3: dual encoder, InfoNCE against momentum (EMA) keys in an 8,192-entry memory bank,
+    # fixed tau = 0.02, mean-pooled text
+    "fistful": {"model.fusion_layers": 0, "model.momentum": True, "model.queue_size": 8192, "model.temp": 0.02,
+                "model.temp_learnable": False, "model.pooling": "mean", "loss.itm": 0.0, "loss.mlm": 0.0,
+                "loss.distill_alpha": 0.0},
     # GRIT-VLP: ALBEFBase + GRIT sampler + ITC consistency (lambda 0.2) + ITM top-1 hard negatives + MLM at 50%
     "grit": {"sampler.kind": "grit", "model.momentum": False, "model.queue_size": 0, "loss.distill_alpha": 0.0,
              "model.fusion_from": "split", "model.fusion_layers": 3, "loss.consistency": 0.2, "loss.mlm_prob": 0.5,
@@ -236,6 +241,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError("loss.distill_warmup_steps must be >= 0, or -1 for one epoch of the training split")
     if cfg.loss.distill_alpha > 0 and not cfg.model.momentum:
         raise ConfigError("loss.distill_alpha > 0 needs model.momentum=true")
+    if cfg.model.pooling not in POOLING:
+        raise ConfigError(f"unknown model.pooling {cfg.model.pooling!r}; use one of {', '.join(POOLING)}")
+    if not TEMP_MIN <= cfg.model.temp <= TEMP_MAX:
+        raise ConfigError(f"model.temp must be in [{TEMP_MIN}, {TEMP_MAX}] (the ITC temperature's clamp), got "
+                          f"{cfg.model.temp:g}")
     if cfg.model.fusion_from not in FUSION_FROM:
         raise ConfigError(f"unknown model.fusion_from {cfg.model.fusion_from!r}; use one of {', '.join(FUSION_FROM)}")
     if cfg.model.fusion_from == "split" and cfg.model.fusion_layers == 0:

@@ -15,6 +15,7 @@ from vltrain.layers import FusionLayer, NounAligner, bert_init
 
 TEMP_MIN, TEMP_MAX = 0.001, 0.5  # ALBEF's clamp on the learnable ITC temperature
 FUSION_FROM = ("copy", "split")
+POOLING = ("cls", "mean")
 
 # Pixel statistics (on [0, 1] inputs) and input size per image encoder, for the data pipeline to match.
 # The EfficientNet-Lite weights are converted from TensorFlow, which normalises Lite models with mean 127 and
@@ -44,6 +45,8 @@ class ModelConfig:
     fusion_from: str = "copy"
     freeze_image: bool = False
     temp: float = 0.07  # initial ITC temperature
+    temp_learnable: bool = True  # false: tau stays at `temp` (A Fistful of Words: fixed 0.02)
+    pooling: str = "cls"  # text ITC embedding from the [CLS] state (ALBEF) or the masked mean of all states (Fistful)
     momentum: bool = False  # keep an EMA copy (ALBEF momentum distillation)
     momentum_m: float = 0.995
     queue_size: int = 0  # MoCo queue length Q; 0 = in-batch negatives only
@@ -158,7 +161,10 @@ class VLModel(nn.Module):
         tc = self.text_encoder.config
         d_txt, n_text = tc.hidden_size, tc.num_hidden_layers
         self.image_proj, self.text_proj = nn.Linear(d_img, cfg.embed_dim), nn.Linear(d_txt, cfg.embed_dim)
-        self.temp = nn.Parameter(torch.tensor(float(cfg.temp)))
+        # A fixed temperature stays a (frozen) parameter so that checkpoints hold it under the same name either way.
+        self.temp = nn.Parameter(torch.tensor(float(cfg.temp)), requires_grad=cfg.temp_learnable)
+        if cfg.pooling not in POOLING:
+            raise ValueError(f"pooling must be one of {', '.join(POOLING)}, got {cfg.pooling!r}")
 
         self.fusion = self.image_to_text = self.itm_head = self.mlm_transform = self.mlm_decoder = None
         if cfg.fusion_from not in FUSION_FROM:
@@ -256,9 +262,15 @@ class VLModel(nn.Module):
         return enc(images).to(getattr(torch, spec.get("dtype", "float32"))).float()
 
     def encode_text(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """ids, mask (B, L) -> hidden (B, L, D_txt), ITC embeds of [CLS] (B, E) L2-normed."""
+        """ids, mask (B, L) -> hidden (B, L, D_txt), ITC embeds (B, E) L2-normed of [CLS] or the token mean."""
         hidden = self.text_encoder(input_ids=ids, attention_mask=mask).last_hidden_state
-        return hidden, F.normalize(self.text_proj(hidden[:, 0]), dim=-1)
+        if self.cfg.pooling == "mean":
+            # Over every attended token, [CLS] and [SEP] included, as sentence-transformers pools (MiniLM's training).
+            m = mask.to(hidden.dtype).unsqueeze(-1)
+            pooled = (hidden * m).sum(dim=1) / m.sum(dim=1).clamp(min=1)
+        else:
+            pooled = hidden[:, 0]
+        return hidden, F.normalize(self.text_proj(pooled), dim=-1)
 
     def temperature(self) -> torch.Tensor:
         """The ITC temperature, kept in [0.001, 0.5]: () scalar; divide the cosine similarities by it."""

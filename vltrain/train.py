@@ -371,6 +371,7 @@ def _summary(cfg: Config, model, device, n_train: int, n_val: int, per_epoch: in
                                                   ("consistency", w.consistency), ("tonics_ir", w.tonics_ir),
                                                   ("tonics_tr", w.tonics_tr)) if v > 0)
     extras = [f"focal gamma {w.focal_gamma:g}"] if w.focal_gamma > 0 else []
+    extras += [f"tau fixed at {m.temp:g}"] if not m.temp_learnable else []
     extras += [f"distill {w.distill_alpha:g}" + (f", ramped up over {w.distill_warmup_steps:,} steps"
                                                  if w.distill_warmup_steps > 0 else "")] if w.distill_alpha > 0 else []
     extras += [f"MLM {w.mlm_prob:.0%}"] if w.mlm > 0 else []
@@ -381,7 +382,8 @@ def _summary(cfg: Config, model, device, n_train: int, n_val: int, per_epoch: in
         f"  data     {', '.join(cfg.shards)}: train {n_train:,}, held out {n_val:,} (val_frac {d.val_frac:g}); "
         f"sampler {cfg.sampler.kind}",
         f"  image    {image}",
-        f"  text     {m.text_model}, max {d.max_len} tokens; fusion layers {m.fusion_layers}"
+        f"  text     {m.text_model}, max {d.max_len} tokens, {m.pooling} pooling; fusion layers {m.fusion_layers}"
+        + (f" ({m.fusion_from})" if m.fusion_layers else "")
         + (f"; momentum {m.momentum_m:g}" if m.momentum else "") + f"; queue {m.queue_size:,}",
         f"  losses   {losses}" + (f" ({', '.join(extras)})" if extras else ""),
         f"  trains   {n_params / 1e6:.1f}M parameters in {', '.join(trained) or 'nothing'}"
