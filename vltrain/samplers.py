@@ -283,8 +283,8 @@ class GritSampler:
         # sizes of their time (config.GRIT_RATIOS_BEFORE).
         saved = (int(state.get("m", self.m)), int(state.get("l", self.l)))
         if saved != (self.m, self.l) or len(state["q_idx"]) > self.l:
-            raise ValueError(f"GRIT state was built with M = {saved[0]}, L = {saved[1]}; this sampler has M = {self.m}, "
-                             f"L = {self.l}")
+            raise ValueError(f"GRIT state was built with M = {saved[0]}, L = {saved[1]}; this sampler has "
+                             f"M = {self.m}, L = {self.l}")
         self.epoch, self.order = int(state["epoch"]), np.asarray(state["order"]).copy()
         self.grouped = [np.asarray(g).copy() for g in state["grouped"]]
         # (n, dim) as saved; reshape(0, -1) cannot infer dim, so an empty queue (a checkpoint right after a grouping)

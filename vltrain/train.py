@@ -58,7 +58,7 @@ def lr_at(step: int, cfg: Config) -> float:
 
 
 def distill_alpha_at(step: int, cfg: Config) -> float:
-    """Distillation weight of the step-th optimiser step (1-based): ALBEF's alpha * min(1, i / warm-up), i = step - 1."""
+    """Distillation weight of the step-th optimiser step (1-based): ALBEF's alpha * min(1, i / W), i = step - 1."""
     w = cfg.loss
     if w.distill_warmup_steps <= 0:
         return w.distill_alpha
