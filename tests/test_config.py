@@ -23,6 +23,7 @@ def test_presets_set_what_the_papers_say():
         assert (c.model.fusion_from, c.model.fusion_layers) == ("split", 3)
     assert clip.model.fusion_from == "copy"  # unchanged: no fusion encoder at all
     assert not any(load_config(p).model.freeze_image for p in ("clip", "albef", "albef-base", "grit"))
+    assert all(load_config(p).loss.dedupe == "none" for p in PRESETS)  # opt-in: no paper deduplicates
     for name, tr in (("tonics", 1.0), ("tonics-ir", 0.0)):
         t = load_config(name)
         assert (t.sampler.kind, t.data.triplets, t.model.aligner, t.loss.tonics_ir, t.loss.tonics_tr) == (
@@ -75,6 +76,8 @@ def test_precedence_preset_file_set_flags(tmp_path):
     (["loss.distill_warmup_steps=-2"], r"^loss.distill_warmup_steps must be >= 0, or -1 for one epoch"),
     (["model.pooling=max"], r"^unknown model.pooling 'max'; use one of cls, mean$"),
     (["model.temp=0.9"], r"^model.temp must be in \[0.001, 0.5\]"),
+    (["loss.dedupe=image"], r"^unknown loss.dedupe 'image'; use one of none, caption$"),
+    (["loss.dedupe=caption", "loss.focal_gamma=2"], r"^loss.dedupe=caption needs plain or distilled ITC"),
     (["loss.itm_negatives=top1"], r"^unknown loss.itm_negatives 'top1'; use one of sample, hardest$"),
 ])
 def test_bad_overrides_are_one_line_errors(sets, match):
@@ -103,7 +106,7 @@ def test_round_trip_through_a_checkpoint_dict():
 
 
 # Keys added by issue 12; a checkpoint written before them has none of them.
-NEW_KEYS = {"loss": ["itm_negatives", "itc_detach_keys", "distill_warmup_steps"],
+NEW_KEYS = {"loss": ["itm_negatives", "itc_detach_keys", "distill_warmup_steps", "dedupe"],
             "model": ["fusion_from", "temp_learnable", "pooling"]}
 
 

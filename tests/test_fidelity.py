@@ -189,3 +189,70 @@ def test_fistful_step_is_infonce_against_momentum_keys_and_a_memory_bank_at_fixe
     assert float(losses["itc_loss"].detach()) == pytest.approx(total, rel=1e-5)
     losses["total"].backward()
     assert model.temp.grad is None and float(model.temperature().detach()) == pytest.approx(0.02)
+
+
+# --- item 10: loss.dedupe=caption -------------------------------------------------------------------------------
+
+DUP = ["Star. geometry, shapes", "a red cat", "Star. geometry, shapes", "a dog", "a red cat",
+       "Star. geometry, shapes"]
+# Lowercase and truncation give these the same token ids as DUP[0]; they are different captions, so negatives.
+NEAR = ["star. geometry, shapes", "a red cat", "Star. geometry, shapes", "a dog", "a red cat",
+        "Star. geometry, shapes "]
+
+
+def test_dedupe_caption_itc_targets_are_the_hand_built_ones():
+    cfg = cfg_for("clip", "loss.dedupe=caption")
+    model = model_for(cfg)
+    for caps in (DUP, NEAR):
+        batch = make_batch(caps)
+        i2t, t2i, _, _ = sims(model, batch)
+        total = 0.0
+        for s in (i2t, t2i):
+            for i in range(B):
+                pos = [j for j in range(B) if caps[j].encode() == caps[i].encode()]  # byte-identical
+                top = max(s[i])
+                lse = top + math.log(sum(math.exp(x - top) for x in s[i]))
+                total -= sum((s[i][j] - lse) / len(pos) for j in pos) / B
+        got = train_mod.train_step(model, batch, cfg, torch.Generator())["itc_loss"]
+        assert float(got.detach()) == pytest.approx(total / 2, rel=1e-5)
+    off = cfg_for("clip")  # dedupe none: plain one-hot ITC, duplicates are negatives
+    i2t, t2i, _, _ = sims(model, make_batch(DUP))
+    plain = -sum(s[i][i] - max(s[i]) - math.log(sum(math.exp(x - max(s[i])) for x in s[i]))
+                 for s in (i2t, t2i) for i in range(B)) / (2 * B)
+    got = train_mod.train_step(model, make_batch(DUP), off, torch.Generator())["itc_loss"]
+    assert float(got.detach()) == pytest.approx(plain, rel=1e-5)
+
+
+@pytest.mark.parametrize("negatives", ["sample", "hardest"])
+def test_dedupe_caption_never_draws_a_duplicate_as_itm_negative(negatives):
+    cfg = cfg_for("albef-base", "loss.dedupe=caption", f"loss.itm_negatives={negatives}", "loss.mlm=0")
+    model = model_for(cfg)
+    batch = make_batch(DUP)
+    i2t, t2i, hidden, tokens = sims(model, batch)
+    calls = record_fuse(model)
+    dup = lambda i, j: DUP[i] == DUP[j]
+    for seed in range(20 if negatives == "sample" else 1):
+        calls.clear()
+        out = train_mod.train_step(model, batch, cfg, torch.Generator().manual_seed(seed))
+        text_in, _, image_in = calls[0]
+        assert text_in.shape[0] == 3 * B and torch.isfinite(out["itm_loss"])  # every row has a negative here
+        for i in range(B):
+            img = next(j for j in range(B) if torch.equal(image_in[B + i], tokens[j]))  # caption i's negative image
+            txt = next(j for j in range(B) if torch.equal(text_in[2 * B + i], hidden[j]))  # image i's negative caption
+            assert not dup(i, img) and not dup(i, txt) and img != i and txt != i
+            if negatives == "hardest":  # the hardest among the allowed ones
+                assert img == ref_argmax_off_diag(t2i, dup)[i] and txt == ref_argmax_off_diag(i2t, dup)[i]
+
+
+def test_dedupe_caption_rows_without_any_negative_sit_out_of_itm():
+    cfg = cfg_for("albef-base", "loss.dedupe=caption", "loss.mlm=0")
+    model = model_for(cfg)
+    caps = ["same"] * 4 + ["other", "third"]  # the four "same" rows can only pair with 4 and 5
+    batch = make_batch(caps)
+    calls = record_fuse(model)
+    train_mod.train_step(model, batch, cfg, torch.Generator())
+    assert calls[0][0].shape[0] == 3 * B
+    calls.clear()
+    batch = make_batch(["same"] * B)  # nothing but duplicates: no negative at all, only the B positives
+    out = train_mod.train_step(model, batch, cfg, torch.Generator())
+    assert calls[0][0].shape[0] == B and torch.isfinite(out["itm_loss"])

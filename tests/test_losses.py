@@ -127,6 +127,27 @@ def test_itc_gradient_with_detached_keys_matches_the_hand_derivation(detach, q):
     assert rows(v.grad) == [pytest.approx(r, abs=1e-12) for r in gv]
 
 
+def test_dedupe_targets_spread_mass_evenly_over_duplicates():
+    caps = ["a", "b", "a", "c", "a", "b"]
+    same = torch.tensor([[x == y for y in caps] for x in caps])
+    t = dedupe_targets(same, len(caps) + 2)
+    for i, x in enumerate(caps):  # hand-built: 1/k on each of the k captions equal to row i's, queue columns 0
+        k = caps.count(x)
+        want = [1 / k if y == x else 0.0 for y in caps] + [0.0, 0.0]
+        assert t[i].tolist() == pytest.approx(want)
+    eye = dedupe_targets(torch.zeros(3, 3, dtype=torch.bool), 3)  # no duplicates (even a False diagonal): one-hot
+    assert eye.tolist() == torch.eye(3).tolist()
+    li, lt = itc_logits(6, 2, seed=9)  # with the targets, itc_loss is the soft cross-entropy against them
+    want = (ref_soft_xent(rows(li), rows(t)) + ref_soft_xent(rows(lt), rows(t))) / 2
+    assert itc_loss(li, lt, t, t).item() == pytest.approx(want, rel=1e-5)
+    d = distill_targets(li, 0.4, t)  # ALBEF's mix with the deduplicated hard part
+    for i in range(6):
+        p = softmax(rows(li)[i])
+        assert d[i].tolist() == pytest.approx([0.4 * p[j] + 0.6 * float(t[i, j]) for j in range(8)], abs=1e-6)
+    with pytest.raises(ValueError, match="square"):
+        dedupe_targets(torch.zeros(2, 3, dtype=torch.bool), 3)
+
+
 def test_distill_targets_values_and_no_grad():
     lm, _ = itc_logits(seed=7)
     lm.requires_grad_(True)

@@ -42,6 +42,7 @@ class LossConfig:
     tonics_tr: float = 0.0          # TOnICS aligner text retrieval loss L_TR
     itm_negatives: str = "sample"   # ITM hard negatives: sample (ALBEF: drawn by in-batch similarity) or hardest (GRIT)
     itc_detach_keys: bool = False   # no momentum model: keys are sg(features), gradient via queries only (GRIT code)
+    dedupe: str = "none"            # caption: in-batch byte-identical captions are ITC positives, never ITM negatives
 
 
 @dataclass
@@ -218,6 +219,7 @@ def load_config(preset: str | None = None, config_file: str | Path | None = None
 
 INPUTS = ("auto", "features", "pixels")
 ITM_NEGATIVES = ("sample", "hardest")
+DEDUPE = ("none", "caption")
 
 
 def validate(cfg: Config) -> None:
@@ -253,6 +255,11 @@ def validate(cfg: Config) -> None:
                           "fusion encoder)")
     if (cfg.loss.itm > 0 or cfg.loss.mlm > 0) and cfg.model.fusion_layers == 0:
         raise ConfigError("loss.itm and loss.mlm need a fusion encoder (model.fusion_layers >= 1)")
+    if cfg.loss.dedupe not in DEDUPE:
+        raise ConfigError(f"unknown loss.dedupe {cfg.loss.dedupe!r}; use one of {', '.join(DEDUPE)}")
+    if cfg.loss.dedupe != "none" and cfg.loss.focal_gamma > 0:
+        raise ConfigError("loss.dedupe=caption needs plain or distilled ITC: focal ITC (loss.focal_gamma > 0) has one "
+                          "positive per row")
     if cfg.loss.itm_negatives not in ITM_NEGATIVES:
         raise ConfigError(f"unknown loss.itm_negatives {cfg.loss.itm_negatives!r}; use one of "
                           f"{', '.join(ITM_NEGATIVES)}")

@@ -30,7 +30,7 @@ from vltrain.config import GRIT_RATIOS, GRIT_RATIOS_BEFORE, Config, grit_sizes, 
 from vltrain.data import (Collate, IndexedShards, InstanceView, ShardStream, count_split, eval_transform,
                           feature_input, in_val, to_device, train_transform)
 from vltrain.evaluate import chance_recall, distinct_positions, embed_split, recall_at_k, view_scores
-from vltrain.losses import (distill_targets, focal_itc_loss, hard_negative_weights, hardest_negatives,
+from vltrain.losses import (dedupe_targets, distill_targets, focal_itc_loss, hard_negative_weights, hardest_negatives,
                             itc_consistency_loss, itc_logits, itc_loss, itm_loss, mlm_loss, mlm_mask,
                             sample_hard_negatives, tonics_ir_loss, tonics_tr_loss)
 from vltrain.layers import noun_states
@@ -96,6 +96,15 @@ def train_step(model, batch: dict, cfg: Config, generator: torch.Generator, toke
     logits_i2t, logits_t2i = itc_logits(image_feat, text_feat, image_keys, text_keys, temp, img_q, txt_q,
                                         w.itc_detach_keys)  # (B, B+Q) x2
 
+    # loss.dedupe=caption: pairs whose captions are byte-identical (str equality of the decoded UTF-8) are not
+    # negatives of each other: extra ITC positives, never ITM negatives. Token ids would not do: the tokenizer
+    # lowercases and truncates, so different captions can share ids.
+    same = None
+    if w.dedupe == "caption":
+        caps = batch["captions"]
+        same = torch.tensor([[a == c for c in caps] for a in caps], dtype=torch.bool, device=ids.device)  # (B, B)
+    hard = None if same is None else dedupe_targets(same, logits_i2t.shape[1])  # (B, B+Q), symmetric
+
     losses = {}
     if w.itc > 0:
         if w.focal_gamma > 0:
@@ -104,26 +113,34 @@ def train_step(model, batch: dict, cfg: Config, generator: torch.Generator, toke
             with torch.no_grad():
                 logits_m_i2t, logits_m_t2i = itc_logits(image_feat_m, text_feat_m, image_keys, text_keys, temp,
                                                         img_q, txt_q)
-                targets_i2t = distill_targets(logits_m_i2t, alpha)
-                targets_t2i = distill_targets(logits_m_t2i, alpha)
+                targets_i2t = distill_targets(logits_m_i2t, alpha, hard)
+                targets_t2i = distill_targets(logits_m_t2i, alpha, hard)
             losses["itc_loss"] = itc_loss(logits_i2t, logits_t2i, targets_i2t, targets_t2i)
         else:
-            losses["itc_loss"] = itc_loss(logits_i2t, logits_t2i)
+            losses["itc_loss"] = itc_loss(logits_i2t, logits_t2i, hard, hard)
     if w.consistency > 0:
         losses["itc_consistency_loss"] = itc_consistency_loss(logits_i2t, logits_t2i)
 
     if w.itm > 0:
         b = ids.shape[0]
-        w_i2t, w_t2i = hard_negative_weights(logits_i2t, logits_t2i)
+        w_i2t, w_t2i = hard_negative_weights(logits_i2t, logits_t2i, same)
+        # A row whose every other caption is a duplicate of its own has no negative: it sits out of ITM this step
+        # (its draw still happens, from placeholder weights, so the generator advances as in any other step).
+        has_t, has_i = w_i2t.sum(dim=1) > 0, w_t2i.sum(dim=1) > 0
+        anywhere = 1.0 - torch.eye(b, device=w_i2t.device, dtype=w_i2t.dtype)
+        w_i2t = torch.where(has_t[:, None], w_i2t, anywhere)
+        w_t2i = torch.where(has_i[:, None], w_t2i, anywhere)
         if w.itm_negatives == "hardest":  # GRIT-VLP's released code: the top-1 of the weights, no draw
             neg_text, neg_image = hardest_negatives(w_i2t), hardest_negatives(w_t2i)
         else:
             neg_text = sample_hard_negatives(w_i2t, generator)   # a hard negative caption for each image
             neg_image = sample_hard_negatives(w_t2i, generator)  # a hard negative image for each caption
-        fused = model.fuse(torch.cat([text_hidden, text_hidden, text_hidden[neg_text]]),
-                           torch.cat([mask, mask, mask[neg_text]]),
-                           torch.cat([image_tokens, image_tokens[neg_image], image_tokens]))
-        labels = torch.cat([torch.ones(b, dtype=torch.long), torch.zeros(2 * b, dtype=torch.long)]).to(ids.device)
+        # Rows: B positives, caption i with its negative image, image i with its negative caption.
+        fused = model.fuse(torch.cat([text_hidden, text_hidden[has_i], text_hidden[neg_text][has_t]]),
+                           torch.cat([mask, mask[has_i], mask[neg_text][has_t]]),
+                           torch.cat([image_tokens, image_tokens[neg_image][has_i], image_tokens[has_t]]))
+        n_neg = int(has_i.sum()) + int(has_t.sum())
+        labels = torch.cat([torch.ones(b, dtype=torch.long), torch.zeros(n_neg, dtype=torch.long)]).to(ids.device)
         losses["itm_loss"] = itm_loss(model.itm_logits(fused), labels)
 
     if w.mlm > 0:
