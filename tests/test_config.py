@@ -16,18 +16,34 @@ def test_presets_set_what_the_papers_say():
     assert (grit.sampler.kind, grit.loss.consistency, grit.loss.mlm_prob, grit.model.momentum) == ("grit", 0.2, 0.5,
                                                                                                    False)
     assert grit.loss.itm > 0 and grit.model.queue_size == 0
+    assert grit.loss.itm_negatives == "hardest" and albef.loss.itm_negatives == base.loss.itm_negatives == "sample"
+    assert grit.loss.itc_detach_keys and not base.loss.itc_detach_keys and not clip.loss.itc_detach_keys
+    # ALBEF / ALBEFBase / GRIT split one BERT into text and fusion halves (BERT-base 6 + 6, MiniLM-L6 3 + 3)
+    for c in (albef, base, grit):
+        assert (c.model.fusion_from, c.model.fusion_layers) == ("split", 3)
+    assert clip.model.fusion_from == "copy"  # unchanged: no fusion encoder at all
+    assert not any(load_config(p).model.freeze_image for p in ("clip", "albef", "albef-base", "grit"))
+    assert all(load_config(p).loss.dedupe == "none" for p in PRESETS)  # opt-in: no paper deduplicates
     for name, tr in (("tonics", 1.0), ("tonics-ir", 0.0)):
         t = load_config(name)
         assert (t.sampler.kind, t.data.triplets, t.model.aligner, t.loss.tonics_ir, t.loss.tonics_tr) == (
             "tonics", True, True, 1.0, tr)
         assert t.loss.itc == t.loss.itm == t.loss.mlm == 0.0
+        assert t.model.freeze_image  # the paper's VinVL region features are frozen
         assert (t.sampler.alpha, t.sampler.beta, t.sampler.threshold, t.sampler.heldout) == (0.9, 0.2, 0.9, 100)
-    assert set(PRESETS) == {"clip", "albef", "albef-base", "tonics", "tonics-ir", "grit"}
+    assert set(PRESETS) == {"clip", "fistful", "albef", "albef-base", "tonics", "tonics-ir", "grit"}
+    fist = load_config("fistful")  # A Fistful of Words 3: dual encoder, EMA keys in an 8,192 bank, fixed tau 0.02
+    assert (fist.model.fusion_layers, fist.model.momentum, fist.model.queue_size) == (0, True, 8192)
+    assert (fist.model.temp, fist.model.temp_learnable, fist.model.pooling) == (0.02, False, "mean")
+    assert fist.loss.itc == 1.0 and fist.loss.itm == fist.loss.mlm == fist.loss.distill_alpha == 0.0
+    assert (clip.model.temp, clip.model.temp_learnable, clip.model.pooling) == (0.07, True, "cls")  # unchanged
 
 
 def test_grit_sizes_default_to_the_papers_ratios():
-    cfg = load_config("grit", batch_size=128)
-    assert grit_sizes(cfg) == (1920, 48000)  # the paper's N=128, M=1920, L=48,000
+    cfg = load_config("grit", batch_size=96)
+    assert grit_sizes(cfg) == (960, 48000)  # GRIT-VLP 5.1: N = 96, M = 960 = 10 N, L = 48,000 = 50 M
+    assert grit_sizes(load_config("grit", batch_size=32)) == (320, 16000)
+    assert grit_sizes(load_config("grit", batch_size=128), (15, 25)) == (1920, 48000)  # the former ratios (Table 3)
     cfg = load_config("grit", sets=["sampler.search_space=100", "sampler.queue_size=400"])
     assert grit_sizes(cfg) == (100, 400)
     with pytest.raises(ConfigError, match="queue_size >= sampler.search_space"):
@@ -55,6 +71,14 @@ def test_precedence_preset_file_set_flags(tmp_path):
     (["loss.itm"], r"--set expects key=value"),
     (["batch_size=1"], r"batch_size must be at least 2"),
     (["preset=clip", "loss.distill_alpha=0.4", "model.momentum=false"], r"distill_alpha > 0 needs model.momentum"),
+    (["model.fusion_from=share"], r"^unknown model.fusion_from 'share'; use one of copy, split$"),
+    (["model.fusion_layers=0"], r"^model.fusion_from=split needs model.fusion_layers >= 1"),
+    (["loss.distill_warmup_steps=-2"], r"^loss.distill_warmup_steps must be >= 0, or -1 for one epoch"),
+    (["model.pooling=max"], r"^unknown model.pooling 'max'; use one of cls, mean$"),
+    (["model.temp=0.9"], r"^model.temp must be in \[0.001, 0.5\]"),
+    (["loss.dedupe=image"], r"^unknown loss.dedupe 'image'; use one of none, caption$"),
+    (["loss.dedupe=caption", "loss.focal_gamma=2"], r"^loss.dedupe=caption needs plain or distilled ITC"),
+    (["loss.itm_negatives=top1"], r"^unknown loss.itm_negatives 'top1'; use one of sample, hardest$"),
 ])
 def test_bad_overrides_are_one_line_errors(sets, match):
     with pytest.raises(ConfigError, match=match) as e:
@@ -79,3 +103,33 @@ def test_round_trip_through_a_checkpoint_dict():
     c = Config()
     apply_overrides(c, {"loss": {"itc": 2}})
     assert c.loss.itc == 2.0 and isinstance(c.loss.itc, float)
+
+
+# Keys added by issue 12; a checkpoint written before them has none of them.
+NEW_KEYS = {"loss": ["itm_negatives", "itc_detach_keys", "distill_warmup_steps", "dedupe"],
+            "model": ["fusion_from", "temp_learnable", "pooling"]}
+
+
+def older(cfg_dict: dict) -> dict:
+    """The config dict as a checkpoint from before the NEW_KEYS would hold it."""
+    old = {k: dict(v) if isinstance(v, dict) else v for k, v in cfg_dict.items()}
+    for section, keys in NEW_KEYS.items():
+        for k in keys:
+            del old[section][k]
+    return old
+
+
+def test_keys_absent_from_an_older_checkpoint_count_as_their_defaults():
+    from vltrain.checkpoint import config_diff, model_config
+
+    defaults = to_dict(Config())
+    clip = to_dict(load_config("clip"))
+    assert config_diff(older(clip), clip, defaults=defaults) == []  # clip kept every former behaviour
+    grit = to_dict(load_config("grit"))
+    diffs = config_diff(older(grit), grit, defaults=defaults)
+    assert "loss.itm_negatives: 'sample' (absent from this older checkpoint) -> 'hardest'" in diffs
+    assert "model.fusion_from: 'copy' (absent from this older checkpoint) -> 'split'" in diffs
+    assert "loss.itc_detach_keys: None -> False" in config_diff(older(clip), clip)  # without defaults
+    # An older checkpoint's model section still builds its model: missing keys take the former layout.
+    assert model_config(older(clip)["model"], "x.pt").fusion_from == "copy"
+    assert from_dict(older(clip)) == load_config("clip")

@@ -3,8 +3,9 @@ import math
 import pytest
 import torch
 
-from vltrain.losses import (distill_targets, focal_itc_loss, hard_negative_weights, itc_consistency_loss, itc_loss,
-                            itm_loss, mlm_loss, mlm_mask, sample_hard_negatives, tonics_ir_loss, tonics_tr_loss)
+from vltrain.losses import (dedupe_targets, distill_targets, focal_itc_loss, hard_negative_weights, hardest_negatives,
+                            itc_consistency_loss, itc_logits as itc_logits_fn, itc_loss, itm_loss, mlm_loss, mlm_mask,
+                            sample_hard_negatives, tonics_ir_loss, tonics_tr_loss)
 
 # References below are re-derived from the papers with Python floats and loops, never by calling torch the way
 # vltrain.losses does, so a shared mistake cannot make both sides agree.
@@ -82,6 +83,69 @@ def test_itc_loss_gradcheck_and_targets_are_constants():
     ti = random_probs(li.shape, 6).double().requires_grad_(True)
     itc_loss(li, lt, ti, None).backward()
     assert ti.grad is None
+
+
+def ref_itc_grads(u: list[list[float]], v: list[list[float]], uq: list[list[float]], vq: list[list[float]],
+                  tau: float, detach_keys: bool) -> tuple[list[list[float]], list[list[float]]]:
+    """d itc_loss / d image feats u and text feats v, derived by hand for one-hot targets.
+
+    L = 1/2 (1/B sum_i -log p_i2t[i, i] + 1/B sum_i -log p_t2i[i, i]), s_i2t[i, j] = u_i . k_j / tau with keys
+    k = [v; vq]. d(-log p[i, i]) / d s[i, j] = p[i, j] - [i == j]. The query side gets sum_j (p - y)[i, j] k_j / tau;
+    a key v_j (j < B) gets sum_i (p - y)[i, j] u_i / tau unless keys are detached. Queue columns carry no gradient.
+    """
+    b, e = len(u), len(u[0])
+    dot = lambda a, c: sum(x * y for x, y in zip(a, c))
+    gu, gv = [[0.0] * e for _ in range(b)], [[0.0] * e for _ in range(b)]
+    for q, k, gq, gk in ((u, v + vq, gu, gv), (v, u + uq, gv, gu)):
+        for i in range(b):
+            p = softmax([dot(q[i], kj) / tau for kj in k])
+            for j, kj in enumerate(k):
+                c = (p[j] - (1.0 if i == j else 0.0)) / (2 * b * tau)
+                for d in range(e):
+                    gq[i][d] += c * kj[d]
+                    if j < b and not detach_keys:
+                        gk[j][d] += c * q[i][d]
+    return gu, gv
+
+
+@pytest.mark.parametrize("detach", [True, False])
+@pytest.mark.parametrize("q", [0, 3])
+def test_itc_gradient_with_detached_keys_matches_the_hand_derivation(detach, q):
+    b, e, tau = 4, 5, 0.1
+    g = torch.Generator().manual_seed(31)
+    u = torch.nn.functional.normalize(torch.randn(b, e, generator=g, dtype=torch.float64), dim=-1).requires_grad_()
+    v = torch.nn.functional.normalize(torch.randn(b, e, generator=g, dtype=torch.float64), dim=-1).requires_grad_()
+    uq = torch.nn.functional.normalize(torch.randn(e, q, generator=g, dtype=torch.float64), dim=0) if q else None
+    vq = torch.nn.functional.normalize(torch.randn(e, q, generator=g, dtype=torch.float64), dim=0) if q else None
+    # No momentum model: the keys are the features themselves, as train_step passes them.
+    li, lt = itc_logits_fn(u, v, u, v, tau, uq, vq, detach_keys=detach)
+    assert li.shape == lt.shape == (b, b + q)
+    itc_loss(li, lt).backward()
+    cols = lambda t: [] if t is None else rows(t.t())
+    gu, gv = ref_itc_grads(rows(u), rows(v), cols(uq), cols(vq), tau, detach)
+    assert rows(u.grad) == [pytest.approx(r, abs=1e-12) for r in gu]
+    assert rows(v.grad) == [pytest.approx(r, abs=1e-12) for r in gv]
+
+
+def test_dedupe_targets_spread_mass_evenly_over_duplicates():
+    caps = ["a", "b", "a", "c", "a", "b"]
+    same = torch.tensor([[x == y for y in caps] for x in caps])
+    t = dedupe_targets(same, len(caps) + 2)
+    for i, x in enumerate(caps):  # hand-built: 1/k on each of the k captions equal to row i's, queue columns 0
+        k = caps.count(x)
+        want = [1 / k if y == x else 0.0 for y in caps] + [0.0, 0.0]
+        assert t[i].tolist() == pytest.approx(want)
+    eye = dedupe_targets(torch.zeros(3, 3, dtype=torch.bool), 3)  # no duplicates (even a False diagonal): one-hot
+    assert eye.tolist() == torch.eye(3).tolist()
+    li, lt = itc_logits(6, 2, seed=9)  # with the targets, itc_loss is the soft cross-entropy against them
+    want = (ref_soft_xent(rows(li), rows(t)) + ref_soft_xent(rows(lt), rows(t))) / 2
+    assert itc_loss(li, lt, t, t).item() == pytest.approx(want, rel=1e-5)
+    d = distill_targets(li, 0.4, t)  # ALBEF's mix with the deduplicated hard part
+    for i in range(6):
+        p = softmax(rows(li)[i])
+        assert d[i].tolist() == pytest.approx([0.4 * p[j] + 0.6 * float(t[i, j]) for j in range(8)], abs=1e-6)
+    with pytest.raises(ValueError, match="square"):
+        dedupe_targets(torch.zeros(2, 3, dtype=torch.bool), 3)
 
 
 def test_distill_targets_values_and_no_grad():
@@ -233,6 +297,57 @@ def test_sample_hard_negatives_masks_raw_weights_and_is_reproducible():
         assert (sample_hard_negatives(w) != torch.arange(b)).all()
     a = [sample_hard_negatives(w, torch.Generator().manual_seed(3)).tolist() for _ in range(2)]
     assert a[0] == a[1]
+
+
+def ref_hardest(w: list[list[float]]) -> list[int]:
+    """Per row the largest off-diagonal weight, the first one on ties (a strict > scan from the left)."""
+    out = []
+    for i, r in enumerate(w):
+        best = None
+        for j, v in enumerate(r):
+            if j != i and (best is None or v > r[best]):
+                best = j
+        out.append(best)
+    return out
+
+
+def test_hardest_negatives_match_a_loop_with_ties_and_never_the_diagonal():
+    w = torch.tensor([[9.0, 1.0, 3.0, 3.0],    # tie between 2 and 3 -> 2; the larger diagonal is never taken
+                      [2.0, 0.0, 2.0, 1.0],    # tie between 0 and 2 -> 0
+                      [0.0, 0.0, 5.0, 0.0],    # all off-diagonal equal -> 0
+                      [0.1, 0.7, 0.2, 0.0]])
+    assert hardest_negatives(w).tolist() == ref_hardest(rows(w)) == [2, 0, 0, 1]
+    for seed in range(5):  # random weights, and weights rounded so that ties are frequent
+        li, lt = itc_logits(6, 2, seed=40 + seed)
+        for m in (hard_negative_weights(li, lt)[0], torch.round(torch.rand(6, 6, generator=torch.Generator()
+                                                                            .manual_seed(seed)) * 3)):
+            idx = hardest_negatives(m)
+            assert idx.dtype == torch.long and idx.tolist() == ref_hardest(rows(m))
+            assert (idx != torch.arange(6)).all()
+    nan_row = torch.tensor([[1.0, float("nan"), 0.5], [float("nan")] * 3, [0.2, 0.9, 0.0]])
+    assert hardest_negatives(nan_row).tolist() == [2, 0, 1]  # NaN is never the max; an all-NaN row -> lowest off-diag
+    with pytest.raises(ValueError, match="square"):
+        hardest_negatives(torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="at least 2"):
+        hardest_negatives(torch.zeros(1, 1))
+
+
+def test_hard_negative_weights_exclude_pairs_and_empty_rows():
+    b = 4
+    li, lt = itc_logits(b, 1, seed=21)
+    exclude = torch.zeros(b, b, dtype=torch.bool)
+    exclude[0, 1] = exclude[1, 0] = True                                         # 0 and 1 share a caption
+    exclude[3, :] = exclude[:, 3] = True                                         # 3 shares one with everyone
+    w, _ = hard_negative_weights(li, lt, exclude)
+    for i in range(b):
+        p = softmax(rows(li)[i][:b])
+        want = [0.0 if i == j or exclude[i, j] else p[j] for j in range(b)]
+        assert w[i].tolist() == pytest.approx(want, abs=1e-6)
+    assert w[3].tolist() == [0.0] * b
+    dead = torch.zeros(b, b + 1)
+    dead[torch.arange(b), torch.arange(b)] = 1e4  # underflow: uniform over the allowed pairs only
+    w, _ = hard_negative_weights(dead, dead, exclude)
+    assert w[0].tolist() == pytest.approx([0, 0, 1, 0]) and w[2].tolist() == pytest.approx([0.5, 0.5, 0, 0])
 
 
 def test_itm_loss_matches_loops():

@@ -120,6 +120,99 @@ def test_fusion_initialised_from_last_text_layers():
         assert abs(lin.weight.std().item() - 0.02) < 0.01
 
 
+def bert_layer_pairs(f, t):
+    """(ours, theirs) module pairs a fusion layer takes from a HF BertLayer: self-attention and feed-forward."""
+    att = t.attention
+    return [(f.self_attn.q, att.self.query), (f.self_attn.k, att.self.key), (f.self_attn.v, att.self.value),
+            (f.self_attn.o, att.output.dense), (f.self_attn.ln, att.output.LayerNorm), (f.ffn_in, t.intermediate.dense),
+            (f.ffn_out, t.output.dense), (f.ffn_ln, t.output.LayerNorm)]
+
+
+@pytest.mark.parametrize("fusion_from", ["copy", "split"])
+def test_fusion_layout_copy_or_split_takes_the_right_layers(monkeypatch, fusion_from):
+    """split (ALBEF): text = first L - N layers, fusion = last N with fresh cross-attention; copy keeps all L."""
+    import copy
+
+    import vltrain.model as model_mod
+
+    torch.manual_seed(1)
+    pretrained = model_mod._build_text_encoder("tiny")  # the "pretrained" BERT both layouts start from
+    ref = {k: v.clone() for k, v in pretrained.state_dict().items()}
+    monkeypatch.setattr(model_mod, "_build_text_encoder", lambda name: copy.deepcopy(pretrained))
+    n_layers, n = 2, 1
+    m = build_model(tiny(fusion_layers=n, fusion_from=fusion_from))
+    keep = n_layers - n if fusion_from == "split" else n_layers
+    text = m.text_encoder
+    assert len(text.encoder.layer) == text.config.num_hidden_layers == keep
+    # The text encoder holds exactly the pretrained embeddings and its first `keep` layers, unchanged.
+    want = {k: v for k, v in ref.items() if not k.startswith("encoder.layer.") or int(k.split(".")[2]) < keep}
+    got = text.state_dict()
+    assert set(got) == set(want)
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=0, atol=0)
+    # Fusion layer k = pretrained layer L - N + k (self-attention + FFN), in both layouts.
+    for k, f in enumerate(m.fusion):
+        i = n_layers - n + k
+        for ours, theirs in bert_layer_pairs(f, pretrained.encoder.layer[i]):
+            torch.testing.assert_close(ours.weight, ref[_name(pretrained, theirs) + ".weight"], rtol=0, atol=0)
+            torch.testing.assert_close(ours.bias, ref[_name(pretrained, theirs) + ".bias"], rtol=0, atol=0)
+        for lin in (f.cross_attn.q, f.cross_attn.k, f.cross_attn.v, f.cross_attn.o):  # fresh: BERT init
+            assert torch.count_nonzero(lin.bias) == 0 and abs(lin.weight.std().item() - 0.02) < 0.01
+            assert all(not torch.equal(lin.weight, v) for v in ref.values() if v.shape == lin.weight.shape)
+    # The split model's text path is the pretrained BERT's first L - N layers: same hidden states.
+    _, ids, mask = batch()
+    with torch.no_grad():
+        full = pretrained.eval()(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+        hidden, _ = m.eval().encode_text(ids, mask)
+    torch.testing.assert_close(hidden, full[keep])
+
+
+def _name(root, module) -> str:
+    return next(name for name, mod in root.named_modules() if mod is module)
+
+
+def test_split_needs_a_text_layer_left():
+    with pytest.raises(ValueError, match=r"fusion_from=split needs fusion_layers in 1..1"):
+        build_model(tiny(fusion_layers=2, fusion_from="split"))
+    with pytest.raises(ValueError, match="fusion_from must be one of copy, split"):
+        build_model(tiny(fusion_from="albef"))
+
+
+def test_mean_pooling_is_the_masked_mean_of_the_token_states():
+    torch.manual_seed(0)
+    m = build_model(tiny(fusion_layers=0, pooling="mean")).eval()
+    _, ids, mask = batch()
+    hidden, emb = m.encode_text(ids, mask)
+    for b in range(B):  # by hand: the attended tokens' states summed one by one, divided by their count
+        n = int(mask[b].sum())
+        mean = sum(hidden[b, t] for t in range(L) if mask[b, t]) / n
+        proj = m.text_proj(mean)
+        torch.testing.assert_close(emb[b], proj / proj.norm(), rtol=1e-5, atol=1e-6)
+    # padding does not move it: the same caption padded further gives the same embedding
+    ids2, mask2 = torch.cat([ids, torch.zeros(B, 3, dtype=ids.dtype)], 1), torch.cat([mask, torch.zeros(B, 3)], 1)
+    torch.testing.assert_close(m.encode_text(ids2, mask2.long())[1], emb, rtol=1e-5, atol=1e-6)
+    cls = build_model(tiny(fusion_layers=0)).eval()
+    cls.load_state_dict(m.state_dict())
+    hidden, emb = cls.encode_text(ids, mask)
+    proj = cls.text_proj(hidden[:, 0])
+    torch.testing.assert_close(emb, proj / proj.norm(dim=-1, keepdim=True))
+    with pytest.raises(ValueError, match="pooling must be one of cls, mean"):
+        build_model(tiny(pooling="max"))
+
+
+def test_fixed_temperature_gets_no_gradient_and_keeps_its_checkpoint_name():
+    torch.manual_seed(0)
+    m = build_model(tiny(fusion_layers=0, temp=0.02, temp_learnable=False))
+    assert not m.temp.requires_grad and float(m.temperature()) == pytest.approx(0.02)
+    images, ids, mask = batch()
+    (m.encode_image(images)[1] @ m.encode_text(ids, mask)[1].t() / m.temperature()).sum().backward()
+    assert m.temp.grad is None and m.text_proj.weight.grad is not None
+    assert "temp" in m.state_dict() and "temp" in dict(m.named_parameters())
+    learn = build_model(tiny(fusion_layers=0))
+    learn.load_state_dict(m.state_dict())  # same names: a fixed-tau checkpoint loads into either
+    assert learn.temp.requires_grad
+
+
 def test_mlm_decoder_tied_to_word_embeddings(model):
     emb = model.text_encoder.get_input_embeddings().weight
     assert model.mlm_decoder.weight is emb

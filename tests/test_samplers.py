@@ -12,9 +12,11 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from vlprep.shards import ShardsConfig, build_shards
+from vltrain import checkpoint as ckpt_io
 from vltrain.cli import app
 from vltrain.data import Collate, in_val, span_mask
-from vltrain.model import ModelConfig, NounAligner, build_model, build_tokenizer, noun_states
+from vltrain.layers import NounAligner, noun_states
+from vltrain.model import ModelConfig, build_model, build_tokenizer
 from vltrain.samplers import GritSampler, TonicsBatchSampler, TonicsCurriculum, grit_order, tonics_instances
 
 # --- TOnICS curriculum ------------------------------------------------------------------------------------------
@@ -247,6 +249,12 @@ def test_grit_state_round_trip_gives_the_same_next_epoch(tmp_path):
     assert a.order.tolist() == b.order.tolist()
     with pytest.raises(ValueError, match="in order"):
         a.set_epoch(3)
+    state = a.state_dict()
+    assert (state["m"], state["l"]) == (6, 14)
+    with pytest.raises(ValueError, match=r"GRIT state was built with M = 6, L = 14; this sampler has M = 7, L = 14"):
+        GritSampler(50, 5, search_space=7, queue_size=14).load_state_dict(state)
+    del state["m"], state["l"]  # a state from before the sizes were saved loads into a sampler of the same sizes
+    GritSampler(50, 5, search_space=6, queue_size=14).load_state_dict(state)
 
 
 # --- end to end on tiny data -------------------------------------------------------------------------------------
@@ -338,6 +346,13 @@ def test_tonics_preset_runs_refreshes_and_resumes_exactly(onto, tmp_path, preset
               "--set", "eval_every=6"]
     r = _run(onto, tmp_path / "full", *common, "--steps", "8")
     assert r.exit_code == 0, r.output + repr(r.exception)
+    assert "image    tiny on 32px pixels (frozen)" in r.output  # TOnICS trains on frozen image features
+    ckpt = torch.load(tmp_path / "full" / "last.pt", weights_only=True)
+    torch.manual_seed(0)
+    fresh = build_model(ModelConfig(text_model="tiny", image_model="tiny", embed_dim=16, fusion_layers=0,
+                                    aligner=True, freeze_image=True))
+    for k, v in fresh.image_encoder.state_dict().items():  # the run's seed-0 image encoder never moved
+        assert torch.equal(ckpt["model"]["image_encoder." + k], v), k
     log = json.loads((tmp_path / "full" / "curriculum.json").read_text())
     assert log["nodes"] == ["entity", "cat", "dog", "bird"]
     assert [row["step"] for row in log["log"]] == [3, 6]  # threshold 0: every check refreshes
@@ -360,8 +375,24 @@ def test_tonics_preset_runs_refreshes_and_resumes_exactly(onto, tmp_path, preset
     assert res["n_samples"] == 48 and 0 <= res["retrieval"]["t2i_r1"] <= res["retrieval"]["t2i_r10"] <= 100
 
 
+def test_tonics_preset_on_vlprep_features_output_finds_its_ontology(onto, tmp_path):
+    from vlprep.features import FeaturesConfig, features
+
+    features(FeaturesConfig(src=onto, out=tmp_path / "feat", size=64, device="cpu", workers=0))
+    assert not (tmp_path / "feat" / "ontology.json").exists()  # `vlprep features` does not copy it
+    r = _run(tmp_path / "feat", tmp_path / "run", "--preset", "tonics", "--set", "sampler.refresh_every=2",
+             "--set", "sampler.threshold=0", "--steps", "4")
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    assert f"tonics: ontology from {onto.resolve()}" in " ".join(r.output.split())
+    assert "cached efficientnet-lite0 tokens 4x1280 float16 (frozen" in r.output
+    ckpt = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
+    assert ckpt["config"]["data"]["input"] == "features" and ckpt["config"]["model"]["freeze_image"]
+    assert len(_rows(tmp_path / "run", "curriculum")) == 2
+
+
 def test_tonics_sampler_on_samples_with_albef_objectives(onto, tmp_path):
     r = _run(onto, tmp_path / "run", "--preset", "albef-base", "--set", "sampler.kind=tonics",
+             "--set", "model.fusion_layers=1",
              "--set", "sampler.refresh_every=2", "--set", "sampler.threshold=0", "--steps", "4")
     assert r.exit_code == 0, r.output + repr(r.exception)
     assert set(_rows(tmp_path / "run", "itm_loss")) == {1, 2, 3, 4}
@@ -370,7 +401,8 @@ def test_tonics_sampler_on_samples_with_albef_objectives(onto, tmp_path):
 
 def test_grit_preset_runs_and_resumes_exactly(onto, tmp_path):
     # N_TRAIN training pairs, N=4; M=6, L=12: several groupings an epoch, and a remainder at its end
-    common = ["--preset", "grit", "--set", "sampler.search_space=6", "--set", "sampler.queue_size=12",
+    common = ["--preset", "grit", "--set", "model.fusion_layers=1", "--set", "sampler.search_space=6",
+              "--set", "sampler.queue_size=12",
               "--set", "eval_every=100"]
     r = _run(onto, tmp_path / "full", *common, "--steps", "20")
     assert r.exit_code == 0, r.output + repr(r.exception)
@@ -384,6 +416,20 @@ def test_grit_preset_runs_and_resumes_exactly(onto, tmp_path):
     r = _run(onto, tmp_path / "part", *common, "--steps", "20", "--resume")
     assert r.exit_code == 0, r.output + repr(r.exception)
     assert _rows(tmp_path / "part", "total") == full  # bit for bit, epoch 2 grouped from restored features
+
+
+def test_grit_default_sizes_and_an_older_checkpoint_keeps_its_own(onto, tmp_path):
+    common = ["--preset", "grit", "--set", "model.fusion_layers=1", "--set", "eval_every=100"]
+    r = _run(onto, tmp_path / "run", *common, "--steps", "3")
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    ckpt = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
+    assert (ckpt["sampler"]["m"], ckpt["sampler"]["l"]) == (40, 2000)  # N = 4: M = 10 N, L = 50 M (GRIT 5.1)
+    del ckpt["sampler"]["m"], ckpt["sampler"]["l"]  # as written before the sizes were saved, when 0 meant 15 N, 25 M
+    ckpt_io.save(ckpt, tmp_path / "run" / "last.pt")
+    r = _run(onto, tmp_path / "run", *common, "--steps", "4", "--resume")
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    ckpt = torch.load(tmp_path / "run" / "last.pt", weights_only=True)
+    assert (ckpt["sampler"]["m"], ckpt["sampler"]["l"]) == (60, 1500)
 
 
 def test_sampler_errors_are_one_line(onto, tmp_path):
@@ -408,6 +454,7 @@ def test_ablation_recipe_runs_every_arm_and_tabulates(onto, tmp_path, monkeypatc
     assert set(recipe["arms"]) == {"random", "tonics", "grit"}
     recipe["common"]["set"].update({k: yaml.safe_load(v) for k, v in (s.split("=") for s in TINY)})
     recipe["arms"]["tonics"]["set"]["sampler.refresh_every"] = 1
+    recipe["common"]["set"]["model.fusion_layers"] = 1  # albef-base splits the tiny 2-layer BERT 1 + 1
     recipe["common"]["batch_size"] = 4
     recipe["common"]["set"]["sampler.ontology"] = ""  # the first folder: --data below
     recipe["seeds"] = [0, 1]

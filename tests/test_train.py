@@ -1,5 +1,6 @@
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from vlprep.shards import ShardsConfig, build_shards
 from vltrain import train as train_mod
 from vltrain.cli import app
 from vltrain.config import load_config
-from vltrain.train import lr_at
+from vltrain.train import distill_alpha_at, lr_at
 
 WORDS = ["red", "green", "blue", "cat", "dog", "bird", "tree", "car", "boat", "house", "sun", "moon"]
 TINY = ["model.text_model=tiny", "model.image_model=tiny", "model.embed_dim=16", "data.image_size=32",
@@ -54,10 +55,24 @@ def test_lr_warmup_then_cosine():
     assert all(a >= b for a, b in zip(falling, falling[1:]))
 
 
+def test_distill_alpha_ramps_up_over_the_warmup_as_albef():
+    # ALBEF Pretrain.py, epoch 0: alpha = config['alpha'] * min(1, i / len(data_loader)), i = 0, 1, ... per step.
+    cfg = load_config("albef", sets=["loss.distill_alpha=0.4", "loss.distill_warmup_steps=8"])
+    for step in range(1, 20):
+        i = step - 1
+        want = 0.4 * (i / 8 if i < 8 else 1.0)
+        assert distill_alpha_at(step, cfg) == pytest.approx(want, abs=1e-12)
+    assert distill_alpha_at(1, cfg) == 0.0 and distill_alpha_at(9, cfg) == pytest.approx(0.4)
+    flat = load_config("albef", sets=["loss.distill_warmup_steps=0"])
+    assert [distill_alpha_at(s, flat) for s in (1, 2, 50)] == [0.4, 0.4, 0.4]
+    assert load_config("albef").loss.distill_warmup_steps == -1  # one epoch, resolved when the run starts
+
+
 @pytest.mark.parametrize("preset", ["clip", "albef"])
 def test_run_overfits_and_eval_writes_json(shards, tmp_path, preset):
     out = tmp_path / preset
-    extra = ["--set", "model.queue_size=16", "--set", "model.momentum_m=0.9"] if preset == "albef" else []
+    extra = ["--set", "model.queue_size=16", "--set", "model.momentum_m=0.9", "--set", "model.fusion_layers=1"] \
+        if preset == "albef" else []  # the tiny BERT has 2 layers: split 1 + 1
     r = run(shards, out, "--preset", preset, "--steps", "40", "--set", "data.val_frac=0.2", "--set",
             "eval_every=20", "--set", "ckpt_every=20", *extra)
     assert r.exit_code == 0, r.output + repr(r.exception)
@@ -73,6 +88,12 @@ def test_run_overfits_and_eval_writes_json(shards, tmp_path, preset):
     assert ckpt["step"] == 40 and ckpt["config"]["preset"] == preset
     if preset == "albef":
         assert any(k.startswith("momentum.") for k in ckpt["model"]) and "image_queue" in ckpt["model"]
+        # -1 became one epoch of this training split, and alpha followed the ramp step by step.
+        per_epoch = ckpt["config"]["loss"]["distill_warmup_steps"]
+        n_train = int(re.search(r"train (\d+), held out", r.output).group(1))
+        assert per_epoch == n_train // 8
+        alphas = losses(out, "distill_alpha")
+        assert alphas == {s: pytest.approx(0.4 * min(1.0, (s - 1) / per_epoch)) for s in range(1, 41)}
     result = json.loads((out / "result.json").read_text())
     assert 0 <= result["eval"]["mean_recall"] <= 100
 
@@ -93,7 +114,8 @@ def test_run_overfits_and_eval_writes_json(shards, tmp_path, preset):
 
 def test_resume_continues_exactly(shards, tmp_path):
     # A constant lr makes the K-step run's schedule the same as the N-step run's.
-    common = ["--preset", "albef", "--set", "model.queue_size=16", "--set", "optim.warmup_steps=0", "--set",
+    common = ["--preset", "albef", "--set", "model.fusion_layers=1", "--set", "model.queue_size=16",
+              "--set", "optim.warmup_steps=0", "--set",
               "optim.min_lr_ratio=1.0", "--set", "data.val_frac=0.2", "--set", "eval_every=2"]
     r = run(shards, tmp_path / "full", *common, "--steps", "6")
     assert r.exit_code == 0, r.output + repr(r.exception)

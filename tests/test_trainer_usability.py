@@ -191,6 +191,24 @@ def test_resume_with_another_config_names_the_keys(shards, trained, tmp_path):
     assert "preset: 'clip' -> 'albef'" in line and "model.embed_dim: 16 -> 8" in line
 
 
+def test_a_checkpoint_older_than_the_fidelity_keys_still_resumes(shards, trained, tmp_path):
+    """Keys added later (issue 12) are absent from older checkpoints: they count as their former behaviour."""
+    out = tmp_path / "old"
+    out.mkdir()
+    ckpt = torch.load(trained / "last.pt", weights_only=True)
+    for section, keys in (("loss", ("itm_negatives", "itc_detach_keys", "distill_warmup_steps", "dedupe")),
+                          ("model", ("fusion_from", "temp_learnable", "pooling"))):
+        for k in keys:
+            ckpt["config"][section].pop(k, None)
+    ckpt_io.save(ckpt, out / "last.pt")
+    r = run(shards, out, "--preset", "clip", "--steps", "5", "--resume")
+    assert r.exit_code == 0, r.output
+    assert "resumed from step 4 of 5" in r.output
+    line = error_line(run(shards, out, "--preset", "clip", "--steps", "6", "--resume",
+                          "--set", "loss.itc_detach_keys=true"))
+    assert "loss.itc_detach_keys: False -> True" in line
+
+
 # --- protecting earlier runs, resuming, Ctrl-C --------------------------------------------------------------------
 
 
@@ -255,6 +273,7 @@ def test_checkpoints_also_follow_the_wall_clock(shards, tmp_path, monkeypatch):
 
 def test_start_summary_estimate_and_queue_clamp(shards, tmp_path):
     r = run(shards, tmp_path / "r", "--preset", "albef", "--steps", "12", "--set", "model.queue_size=4096",
+            "--set", "model.fusion_layers=1",
             "--set", "data.val_frac=0.2")
     assert r.exit_code == 0, r.output
     text = r.output
@@ -308,7 +327,8 @@ def test_loading_the_packaged_text_model_is_quiet(capfd):
 
 def test_fresh_runs_are_a_function_of_the_seed(shards, tmp_path):
     cmd = [*VLTRAIN, "run", str(shards), "--preset", "albef", "--batch-size", "4", "--device", "cpu", "--steps", "6",
-           *tiny_args("--set", "model.queue_size=8", "--set", "data.workers=2")]
+           *tiny_args("--set", "model.queue_size=8", "--set", "data.workers=2",
+                     "--set", "model.fusion_layers=1")]
     for name, seed in (("a", 0), ("b", 0), ("c", 1)):
         subprocess.run([*cmd, "--out", str(tmp_path / name), "--set", f"seed={seed}"], check=True,
                        capture_output=True)

@@ -137,15 +137,20 @@ RESUMABLE = {"steps", "epochs", "out", "device", "log_every", "eval_every", "ckp
              "data.workers"}
 
 
-def config_diff(saved: dict, now: dict, prefix: str = "") -> list[str]:
-    """'key: saved -> now' for every config key that differs, dotted, skipping RESUMABLE keys."""
-    diffs = []
+def config_diff(saved: dict, now: dict, prefix: str = "", defaults: dict | None = None) -> list[str]:
+    """'key: saved -> now' for every config key that differs, dotted, skipping RESUMABLE keys.
+
+    A key absent from `saved` (a checkpoint older than the key) counts as its value in `defaults`, the dataclass
+    defaults, which keep the behaviour from before the key existed."""
+    diffs, defaults = [], defaults or {}
     # The preset first: when it differs, it explains most of the other differences.
     for key in sorted(set(saved) | set(now), key=lambda k: (k != "preset", k)):
         dotted = prefix + key
-        a, b = saved.get(key), now.get(key)
+        a, b = saved.get(key, defaults.get(key)), now.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
-            diffs += config_diff(a, b, dotted + ".")
+            sub = defaults.get(key)
+            diffs += config_diff(a, b, dotted + ".", sub if isinstance(sub, dict) else None)
         elif dotted not in RESUMABLE and a != b:
-            diffs.append(f"{dotted}: {a!r} -> {b!r}")
+            older = " (absent from this older checkpoint)" if key not in saved and key in defaults else ""
+            diffs.append(f"{dotted}: {a!r}{older} -> {b!r}")
     return diffs

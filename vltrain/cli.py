@@ -67,7 +67,7 @@ def _main() -> None:
 @app.command()
 def run(
     shards: list[Path] = typer.Argument(..., help="One or more shard dataset folders (mixed)."),
-    preset: Optional[str] = typer.Option(None, help="clip, albef, albef-base, tonics, tonics-ir or grit "
+    preset: Optional[str] = typer.Option(None, help="clip, fistful, albef, albef-base, tonics, tonics-ir or grit "
                                          "\\[default: albef]; docs/TRAINING.md and docs/SAMPLERS.md."),
     config: Optional[Path] = typer.Option(None, "--config", help="YAML file of config keys."),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="Dotted override key=value (repeatable), "

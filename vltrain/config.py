@@ -10,7 +10,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 import yaml
 
-from vltrain.model import ModelConfig
+from vltrain.model import FUSION_FROM, POOLING, TEMP_MAX, TEMP_MIN, ModelConfig
 
 
 class ConfigError(ValueError):
@@ -35,23 +35,28 @@ class LossConfig:
     mlm: float = 1.0
     mlm_prob: float = 0.15
     distill_alpha: float = 0.0      # momentum distillation weight (ALBEF: 0.4); needs model.momentum
+    distill_warmup_steps: int = 0   # alpha ramps up linearly over these steps; 0 = none, -1 = one epoch (ALBEF)
     focal_gamma: float = 0.0        # > 0: SoftMask++ focal ITC instead of plain ITC
     consistency: float = 0.0        # GRIT-VLP ITC consistency weight (lambda_cons, paper: 0.2)
     tonics_ir: float = 0.0          # TOnICS aligner image retrieval loss L_IR (needs model.aligner, data.triplets)
     tonics_tr: float = 0.0          # TOnICS aligner text retrieval loss L_TR
+    itm_negatives: str = "sample"   # ITM hard negatives: sample (ALBEF: drawn by in-batch similarity) or hardest (GRIT)
+    itc_detach_keys: bool = False   # no momentum model: keys are sg(features), gradient via queries only (GRIT code)
+    dedupe: str = "none"            # caption: in-batch byte-identical captions are ITC positives, never ITM negatives
 
 
 @dataclass
 class SamplerConfig:
     kind: str = "random"            # random (streamed shuffle), tonics (ontology curriculum) or grit (grouping)
-    ontology: str = ""              # folder with ontology.json + triplets.parquet [default: the first shard folder]
+    ontology: str = ""              # folder with ontology.json + triplets.parquet [default: the first shard folder,
+                                    # or the folder `vlprep features` made it from]
     alpha: float = 0.9              # TOnICS: P(entity) <- max(alpha * P(entity), beta) at each refresh
     beta: float = 0.2
     refresh_every: int = 500        # TOnICS: steps between held-out checks (paper: 5K of 500K steps)
     threshold: float = 0.9          # TOnICS: refresh when held-out image retrieval R@1 >= threshold
     heldout: int = 100              # TOnICS: held-out instances for the check (from the validation split)
-    search_space: int = 0           # GRIT M; 0 = 15 * batch_size (paper: N=128, M=1920)
-    queue_size: int = 0             # GRIT L; 0 = 25 * M (paper: L=48,000 = 25 * 1920)
+    search_space: int = 0           # GRIT M; 0 = 10 * batch_size (paper 5.1: N=96, M=960)
+    queue_size: int = 0             # GRIT L; 0 = 50 * M (paper 5.1: L=48,000 = 50 * 960)
 
 
 @dataclass
@@ -89,22 +94,33 @@ PRESETS: dict[str, dict[str, Any]] = {
     # dual encoder, ITC only (in-batch; --set model.queue_size=N for a queue)
     "clip": {"model.fusion_layers": 0, "model.momentum": False, "model.queue_size": 0,
              "loss.itm": 0.0, "loss.mlm": 0.0, "loss.distill_alpha": 0.0},
-    # ALBEF: ITC with queue + momentum distillation (alpha 0.4), ITM with hard negatives, MLM 15%
-    "albef": {"model.momentum": True, "model.queue_size": 4096, "loss.distill_alpha": 0.4, "loss.mlm_prob": 0.15},
-    # GRIT-VLP's ALBEFBase: ALBEF without the momentum model (so no distillation and no queue)
+    # ALBEF: ITC with queue + momentum distillation (alpha 0.4, ramped up over the first epoch), ITM with hard
+    # negatives, MLM 15%; one BERT split into text and fusion halves (BERT-base 6 + 6; the 6-layer MiniLM 3 + 3)
+    "albef": {"model.momentum": True, "model.queue_size": 4096, "loss.distill_alpha": 0.4, "loss.mlm_prob": 0.15,
+              "loss.distill_warmup_steps": -1, "model.fusion_from": "split", "model.fusion_layers": 3},
+    # GRIT-VLP's ALBEFBase: ALBEF without the momentum model (so no distillation and no queue), same split (5.1)
     "albef-base": {"model.momentum": False, "model.queue_size": 0, "loss.distill_alpha": 0.0,
-                   "loss.mlm_prob": 0.15},
-    # TOnICS: the noun-query aligner on triplets with the ontology curriculum, L_IR + L_TR (no ITC/ITM/MLM)
+                   "loss.mlm_prob": 0.15, "model.fusion_from": "split", "model.fusion_layers": 3},
+    # TOnICS: the noun-query aligner on triplets with the ontology curriculum, L_IR + L_TR (no ITC/ITM/MLM); the
+    # image encoder is frozen, as the paper's VinVL features are (on `vlprep features` output it is cached anyway)
     "tonics": {"sampler.kind": "tonics", "data.triplets": True, "model.aligner": True, "model.fusion_layers": 0,
+               "model.freeze_image": True,
                "model.momentum": False, "model.queue_size": 0, "loss.itc": 0.0, "loss.itm": 0.0, "loss.mlm": 0.0,
                "loss.distill_alpha": 0.0, "loss.tonics_ir": 1.0, "loss.tonics_tr": 1.0},
     # TOnICS with the image retrieval loss alone
     "tonics-ir": {"sampler.kind": "tonics", "data.triplets": True, "model.aligner": True, "model.fusion_layers": 0,
+                  "model.freeze_image": True,
                   "model.momentum": False, "model.queue_size": 0, "loss.itc": 0.0, "loss.itm": 0.0, "loss.mlm": 0.0,
                   "loss.distill_alpha": 0.0, "loss.tonics_ir": 1.0, "loss.tonics_tr": 0.0},
-    # GRIT-VLP: ALBEFBase + GRIT sampler + ITC consistency (lambda 0.2) + ITM hard negatives + MLM at 50%
+    # A Fistful of Words 3: dual encoder, InfoNCE against momentum (EMA) keys in an 8,192-entry memory bank,
+    # fixed tau = 0.02, mean-pooled text
+    "fistful": {"model.fusion_layers": 0, "model.momentum": True, "model.queue_size": 8192, "model.temp": 0.02,
+                "model.temp_learnable": False, "model.pooling": "mean", "loss.itm": 0.0, "loss.mlm": 0.0,
+                "loss.distill_alpha": 0.0},
+    # GRIT-VLP: ALBEFBase + GRIT sampler + ITC consistency (lambda 0.2) + ITM top-1 hard negatives + MLM at 50%
     "grit": {"sampler.kind": "grit", "model.momentum": False, "model.queue_size": 0, "loss.distill_alpha": 0.0,
-             "loss.consistency": 0.2, "loss.mlm_prob": 0.5},
+             "model.fusion_from": "split", "model.fusion_layers": 3, "loss.consistency": 0.2, "loss.mlm_prob": 0.5,
+             "loss.itm_negatives": "hardest", "loss.itc_detach_keys": True},
 }
 
 
@@ -202,6 +218,8 @@ def load_config(preset: str | None = None, config_file: str | Path | None = None
 
 
 INPUTS = ("auto", "features", "pixels")
+ITM_NEGATIVES = ("sample", "hardest")
+DEDUPE = ("none", "caption")
 
 
 def validate(cfg: Config) -> None:
@@ -221,10 +239,30 @@ def validate(cfg: Config) -> None:
         raise ConfigError("data.val_frac must be in [0, 1)")
     if not 0 < cfg.loss.mlm_prob < 1 and cfg.loss.mlm > 0:
         raise ConfigError("loss.mlm_prob must be in (0, 1) when loss.mlm > 0")
+    if cfg.loss.distill_warmup_steps < -1:
+        raise ConfigError("loss.distill_warmup_steps must be >= 0, or -1 for one epoch of the training split")
     if cfg.loss.distill_alpha > 0 and not cfg.model.momentum:
         raise ConfigError("loss.distill_alpha > 0 needs model.momentum=true")
+    if cfg.model.pooling not in POOLING:
+        raise ConfigError(f"unknown model.pooling {cfg.model.pooling!r}; use one of {', '.join(POOLING)}")
+    if not TEMP_MIN <= cfg.model.temp <= TEMP_MAX:
+        raise ConfigError(f"model.temp must be in [{TEMP_MIN}, {TEMP_MAX}] (the ITC temperature's clamp), got "
+                          f"{cfg.model.temp:g}")
+    if cfg.model.fusion_from not in FUSION_FROM:
+        raise ConfigError(f"unknown model.fusion_from {cfg.model.fusion_from!r}; use one of {', '.join(FUSION_FROM)}")
+    if cfg.model.fusion_from == "split" and cfg.model.fusion_layers == 0:
+        raise ConfigError("model.fusion_from=split needs model.fusion_layers >= 1 (the last N text layers become the "
+                          "fusion encoder)")
     if (cfg.loss.itm > 0 or cfg.loss.mlm > 0) and cfg.model.fusion_layers == 0:
         raise ConfigError("loss.itm and loss.mlm need a fusion encoder (model.fusion_layers >= 1)")
+    if cfg.loss.dedupe not in DEDUPE:
+        raise ConfigError(f"unknown loss.dedupe {cfg.loss.dedupe!r}; use one of {', '.join(DEDUPE)}")
+    if cfg.loss.dedupe != "none" and cfg.loss.focal_gamma > 0:
+        raise ConfigError("loss.dedupe=caption needs plain or distilled ITC: focal ITC (loss.focal_gamma > 0) has one "
+                          "positive per row")
+    if cfg.loss.itm_negatives not in ITM_NEGATIVES:
+        raise ConfigError(f"unknown loss.itm_negatives {cfg.loss.itm_negatives!r}; use one of "
+                          f"{', '.join(ITM_NEGATIVES)}")
     s = cfg.sampler
     if s.kind not in SAMPLERS:
         raise ConfigError(f"unknown sampler {s.kind!r}; samplers: {', '.join(SAMPLERS)}")
@@ -247,10 +285,14 @@ def validate(cfg: Config) -> None:
 SAMPLERS = ("random", "tonics", "grit")
 
 
-def grit_sizes(cfg: Config) -> tuple[int, int]:
-    """GRIT's (M, L): the configured values, or the paper's ratios M = 15 N and L = 25 M when left at 0."""
-    m = cfg.sampler.search_space or 15 * cfg.batch_size
-    return m, cfg.sampler.queue_size or 25 * m
+GRIT_RATIOS = (10, 50)         # GRIT-VLP 5.1's defaults: N = 96, M = 960 = 10 N, L = 48,000 = 50 M
+GRIT_RATIOS_BEFORE = (15, 25)  # what 0 meant before (Table 3's M = 15 N, L = 25 M); for older checkpoints
+
+
+def grit_sizes(cfg: Config, ratios: tuple[int, int] = GRIT_RATIOS) -> tuple[int, int]:
+    """GRIT's (M, L): the configured values, or M = 10 N and L = 50 M (the paper's 5.1 defaults) when left at 0."""
+    m = cfg.sampler.search_space or ratios[0] * cfg.batch_size
+    return m, cfg.sampler.queue_size or ratios[1] * m
 
 
 def to_dict(cfg: Config) -> dict:

@@ -15,7 +15,8 @@ from torch.utils.data import DataLoader
 from vltrain import TrainError
 from vltrain.data import (SAME_ENCODER, Collate, IndexedShards, InstanceView, ShardStream, eval_transform,
                           feature_input, to_device)
-from vltrain.model import autocast, noun_states, resolve_device, tokenizer_for
+from vltrain.layers import noun_states
+from vltrain.model import autocast, resolve_device, tokenizer_for
 
 PROMPT = "a photo of a {}"
 

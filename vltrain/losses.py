@@ -1,5 +1,6 @@
 """Pure loss and sampling functions for ITC (plain, distilled, focal, consistency), ITM, MLM and TOnICS."""
 
+import math
 from collections.abc import Iterable
 
 import torch
@@ -40,6 +41,34 @@ def _soft_xent(logits: torch.Tensor, targets: torch.Tensor | None) -> torch.Tens
     return -(targets.detach().to(logp.dtype) * logp).sum(dim=-1).mean()
 
 
+def itc_logits(image_feat: torch.Tensor, text_feat: torch.Tensor, image_keys: torch.Tensor, text_keys: torch.Tensor,
+               temp: torch.Tensor | float, image_queue: torch.Tensor | None = None,
+               text_queue: torch.Tensor | None = None, detach_keys: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries against in-batch keys then queue columns, over temp: (B, E) x4, (E, Q) x2 -> (B, B+Q) x2."""
+    if detach_keys:
+        # GRIT-VLP's released code: sim_i2t = image_feat @ sg(text_feat).T, sim_t2i = text_feat @ sg(image_feat).T,
+        # so each direction's gradient reaches its query side only.
+        image_keys, text_keys = image_keys.detach(), text_keys.detach()
+    text_all, image_all = _with_queue(text_keys, text_queue), _with_queue(image_keys, image_queue)
+    return image_feat @ text_all / temp, text_feat @ image_all / temp
+
+
+def _with_queue(keys: torch.Tensor, queue: torch.Tensor | None) -> torch.Tensor:
+    """In-batch keys (B, E) followed by queue columns (E, Q), which never carry gradient -> (E, B+Q)."""
+    return keys.t() if queue is None else torch.cat([keys.t(), queue.clone().detach().to(keys.dtype)], dim=1)
+
+
+def dedupe_targets(same: torch.Tensor, columns: int) -> torch.Tensor:
+    """ITC targets with every in-batch duplicate as a positive, mass spread evenly: (B, B) bool -> (B, columns)."""
+    b = same.shape[0]
+    if same.shape != (b, b) or columns < b:
+        raise ValueError(f"expected a square (B, B) mask and columns >= B, got {tuple(same.shape)} and {columns}")
+    # The diagonal is always a positive, whatever the mask says; queue columns stay negatives (no caption known).
+    pos = same.bool() | torch.eye(b, dtype=torch.bool, device=same.device)
+    t = pos.float() / pos.sum(dim=1, keepdim=True)
+    return F.pad(t, (0, columns - b))
+
+
 def itc_loss(logits_i2t: torch.Tensor, logits_t2i: torch.Tensor,
              targets_i2t: torch.Tensor | None = None, targets_t2i: torch.Tensor | None = None) -> torch.Tensor:
     """ALBEF ITC: mean over both directions of the row-mean soft cross-entropy: (B, B+Q) x2 [+ targets] -> ()."""
@@ -47,14 +76,17 @@ def itc_loss(logits_i2t: torch.Tensor, logits_t2i: torch.Tensor,
 
 
 @torch.no_grad()
-def distill_targets(logits_m: torch.Tensor, alpha: float) -> torch.Tensor:
-    """ALBEF momentum-distillation targets alpha*softmax(logits_m) + (1-alpha)*one-hot(i): (B, B+Q) -> (B, B+Q)."""
+def distill_targets(logits_m: torch.Tensor, alpha: float, hard: torch.Tensor | None = None) -> torch.Tensor:
+    """ALBEF targets alpha*softmax(logits_m) + (1-alpha)*hard, hard = one-hot(i) by default: (B, B+Q) -> (B, B+Q)."""
     _check_itc(logits_m)
     p = _f32(logits_m.detach()).softmax(dim=-1)
-    onehot = torch.zeros_like(p)
-    idx = torch.arange(p.shape[0], device=p.device)
-    onehot[idx, idx] = 1.0
-    return alpha * p + (1 - alpha) * onehot
+    if hard is None:
+        hard = torch.zeros_like(p)
+        idx = torch.arange(p.shape[0], device=p.device)
+        hard[idx, idx] = 1.0
+    elif hard.shape != p.shape:
+        raise ValueError(f"hard targets shape {tuple(hard.shape)} != logits shape {tuple(p.shape)}")
+    return alpha * p + (1 - alpha) * hard.to(p.dtype)
 
 
 def _focal_row_mean(logits: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -88,23 +120,46 @@ def itc_consistency_loss(logits_i2t: torch.Tensor, logits_t2i: torch.Tensor) -> 
 
 
 @torch.no_grad()
-def _hard_negative_weights_1(logits: torch.Tensor) -> torch.Tensor:
-    """In-batch softmax with a zero diagonal, uniform off-diagonal for dead rows: (B, B+Q) -> (B, B)."""
+def _hard_negative_weights_1(logits: torch.Tensor, exclude: torch.Tensor | None) -> torch.Tensor:
+    """In-batch softmax, 0 on the diagonal and excluded pairs, uniform over allowed pairs for dead rows: -> (B, B)."""
     _check_itc(logits)
     b = logits.shape[0]
     w = _f32(logits[:, :b].detach()).softmax(dim=-1)
-    off_diag = ~torch.eye(b, dtype=torch.bool, device=w.device)
+    allowed = ~torch.eye(b, dtype=torch.bool, device=w.device)
+    if exclude is not None:
+        allowed &= ~exclude.bool()
     # Non-finite logits give NaN rows; treat them like underflowed rows rather than crash torch.multinomial.
-    w = torch.where(off_diag & torch.isfinite(w), w, torch.zeros_like(w))
+    w = torch.where(allowed & torch.isfinite(w), w, torch.zeros_like(w))
     # A confident positive can underflow every negative to 0 in float32; sampling still needs a distribution.
+    # A row with no allowed pair at all stays 0: it has no negative to give.
     dead = w.sum(dim=-1, keepdim=True) <= 0
-    uniform = off_diag.to(w.dtype) / max(b - 1, 1)
+    uniform = allowed.to(w.dtype) / allowed.sum(dim=-1, keepdim=True).clamp(min=1)
     return torch.where(dead, uniform, w)
 
 
-def hard_negative_weights(logits_i2t: torch.Tensor, logits_t2i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """ALBEF ITM hard-negative weights (unnormalised, diagonal 0, no grad): (B, B+Q) x2 -> (B, B) x2."""
-    return _hard_negative_weights_1(logits_i2t), _hard_negative_weights_1(logits_t2i)
+def hard_negative_weights(logits_i2t: torch.Tensor, logits_t2i: torch.Tensor, exclude: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """ALBEF ITM hard-negative weights (unnormalised, 0 on the diagonal and on `exclude` (B, B) pairs, no grad):
+    (B, B+Q) x2 -> (B, B) x2; a row whose every pair is excluded is all 0."""
+    return _hard_negative_weights_1(logits_i2t, exclude), _hard_negative_weights_1(logits_t2i, exclude)
+
+
+@torch.no_grad()
+def hardest_negatives(weights: torch.Tensor) -> torch.Tensor:
+    """GRIT-VLP's top-1: per row the argmax over off-diagonal weights, ties to the lowest index: (B, B) -> (B,) long."""
+    b = weights.shape[0]
+    if weights.dim() != 2 or weights.shape[1] != b:
+        raise ValueError(f"expected square (B, B) weights, got {tuple(weights.shape)}")
+    if b < 2:
+        raise ValueError("hard negatives need a batch of at least 2 pairs")
+    w = _f32(weights.detach()).nan_to_num(nan=-math.inf)
+    w = w.masked_fill(torch.eye(b, dtype=torch.bool, device=w.device), -math.inf)
+    # Explicit lowest-index tie-break rather than relying on argmax's (device-dependent in older torch) choice.
+    # A row of -inf off the diagonal (all NaN) still gets the lowest off-diagonal index, never the diagonal.
+    best = w.max(dim=1, keepdim=True).values
+    cols = torch.arange(b, device=w.device).expand(b, b)
+    hit = (w == best) & ~torch.eye(b, dtype=torch.bool, device=w.device)
+    return torch.where(hit, cols, torch.full_like(cols, b)).min(dim=1).values
 
 
 @torch.no_grad()

@@ -11,8 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlprep.encoders import resolve_device  # noqa: F401  (one device resolver for vlprep and vltrain)
+from vltrain.layers import FusionLayer, NounAligner, bert_init
 
 TEMP_MIN, TEMP_MAX = 0.001, 0.5  # ALBEF's clamp on the learnable ITC temperature
+FUSION_FROM = ("copy", "split")
+POOLING = ("cls", "mean")
 
 # Pixel statistics (on [0, 1] inputs) and input size per image encoder, for the data pipeline to match.
 # The EfficientNet-Lite weights are converted from TensorFlow, which normalises Lite models with mean 127 and
@@ -36,9 +39,14 @@ class ModelConfig:
     # "features"); with it, raw-pixel images are run through that encoder first. {} = tokens only.
     feature_encoder: dict = field(default_factory=dict)
     embed_dim: int = 256  # ITC projection size
-    fusion_layers: int = 2  # 0 = no fusion encoder and no ITM/MLM heads (CLIP-style dual encoder)
+    fusion_layers: int = 2  # N; 0 = no fusion encoder and no ITM/MLM heads (CLIP-style dual encoder)
+    # Where the N fusion layers come from: "copy" = self-attention + FFN copied from the text encoder's last N
+    # layers, which it keeps (all L); "split" = ALBEF's layout: text encoder = first L - N layers, fusion = last N.
+    fusion_from: str = "copy"
     freeze_image: bool = False
     temp: float = 0.07  # initial ITC temperature
+    temp_learnable: bool = True  # false: tau stays at `temp` (A Fistful of Words: fixed 0.02)
+    pooling: str = "cls"  # text ITC embedding from the [CLS] state (ALBEF) or the masked mean of all states (Fistful)
     momentum: bool = False  # keep an EMA copy (ALBEF momentum distillation)
     momentum_m: float = 0.995
     queue_size: int = 0  # MoCo queue length Q; 0 = in-batch negatives only
@@ -134,116 +142,6 @@ def _build_image_encoder(cfg: ModelConfig) -> tuple[nn.Module, int]:
     raise ValueError(f"image_model must be one of {sorted(IMAGE_STATS)}, got {cfg.image_model!r}")
 
 
-# --- fusion encoder ---------------------------------------------------------------------------------------------
-
-
-def _bert_init(module: nn.Module, std: float = 0.02) -> None:
-    """BERT's initialisation (normal(0, std) weights, zero bias, unit LayerNorm) for fresh layers."""
-    for m in module.modules():
-        if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, std=std)
-            nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.LayerNorm):
-            nn.init.ones_(m.weight)
-            nn.init.zeros_(m.bias)
-
-
-class Attention(nn.Module):
-    """Multi-head attention with BERT's post-LN residual: LN(x + drop(o(attn(q(x), k(c), v(c)))))."""
-
-    def __init__(self, dim: int, heads: int, eps: float, attn_drop: float, drop: float):
-        super().__init__()
-        self.heads, self.attn_drop = heads, attn_drop
-        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
-        self.ln, self.drop = nn.LayerNorm(dim, eps=eps), nn.Dropout(drop)
-
-    def forward(self, x: torch.Tensor, ctx: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """x (B, L, D) attends to ctx (B, S, D); key_mask (B, S) bool, True = attend -> (B, L, D)."""
-        b, l, d = x.shape
-
-        def split(t: torch.Tensor) -> torch.Tensor:
-            return t.view(b, -1, self.heads, d // self.heads).transpose(1, 2)
-
-        # No causal mask anywhere: every caption token, [CLS] included, sees the whole caption (DESIGN 5.1 trap).
-        mask = None if key_mask is None else key_mask[:, None, None, :]
-        a = F.scaled_dot_product_attention(split(self.q(x)), split(self.k(ctx)), split(self.v(ctx)), attn_mask=mask,
-                                           dropout_p=self.attn_drop if self.training else 0.0)
-        return self.ln(x + self.drop(self.o(a.transpose(1, 2).reshape(b, l, d))))
-
-
-class FusionLayer(nn.Module):
-    """ALBEF fusion layer: bidirectional self-attention, cross-attention to image tokens, feed-forward; post-LN."""
-
-    def __init__(self, dim: int, heads: int, ffn_dim: int, eps: float, attn_drop: float, drop: float):
-        super().__init__()
-        self.self_attn = Attention(dim, heads, eps, attn_drop, drop)
-        self.cross_attn = Attention(dim, heads, eps, attn_drop, drop)
-        self.ffn_in, self.ffn_out = nn.Linear(dim, ffn_dim), nn.Linear(ffn_dim, dim)
-        self.ffn_ln, self.drop = nn.LayerNorm(dim, eps=eps), nn.Dropout(drop)
-
-    def forward(self, x: torch.Tensor, text_mask: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
-        """x (B, L, D), text_mask (B, L) bool, image (B, N, D) -> (B, L, D)."""
-        x = self.cross_attn(self.self_attn(x, x, text_mask), image)
-        return self.ffn_ln(x + self.drop(self.ffn_out(F.gelu(self.ffn_in(x)))))
-
-    @torch.no_grad()
-    def load_bert_layer(self, layer: nn.Module) -> None:
-        """Copy self-attention and feed-forward weights from a HF BertLayer; cross-attention stays fresh."""
-        att = layer.attention
-        pairs = [(self.self_attn.q, att.self.query), (self.self_attn.k, att.self.key),
-                 (self.self_attn.v, att.self.value), (self.self_attn.o, att.output.dense),
-                 (self.self_attn.ln, att.output.LayerNorm), (self.ffn_in, layer.intermediate.dense),
-                 (self.ffn_out, layer.output.dense), (self.ffn_ln, layer.output.LayerNorm)]
-        for ours, theirs in pairs:
-            ours.load_state_dict(theirs.state_dict())
-
-
-class NounAligner(nn.Module):
-    """TOnICS aligner head: s(i, j) = h_i . v_att(i, j) for every noun i and image j of a batch.
-
-    v_att(i, j) is one transformer cross-attention layer (BERT's post-LN layout: attention with a residual on the
-    query, then a feed-forward block) whose only query is the noun representation h_i and whose keys and values
-    are the tokens of image j after a learnable linear projection. Keys and values are projected once per image
-    and the B x B pairs are formed inside the attention einsums, so no (B*B, N, D) copy is ever built.
-    """
-
-    def __init__(self, dim: int, image_dim: int, heads: int, ffn_dim: int, eps: float, attn_drop: float,
-                 drop: float):
-        super().__init__()
-        self.heads = heads
-        self.image_proj = nn.Linear(image_dim, dim)
-        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
-        self.ln, self.attn_drop, self.drop = nn.LayerNorm(dim, eps=eps), nn.Dropout(attn_drop), nn.Dropout(drop)
-        self.ffn_in, self.ffn_out = nn.Linear(dim, ffn_dim), nn.Linear(ffn_dim, dim)
-        self.ffn_ln = nn.LayerNorm(dim, eps=eps)
-
-    def attend(self, nouns: torch.Tensor, image_tokens: torch.Tensor) -> torch.Tensor:
-        """nouns (Bt, D), image tokens (Bi, N, D_img) -> v_att (Bt, Bi, D)."""
-        bt, d = nouns.shape
-        bi, n, _ = image_tokens.shape
-        hd = d // self.heads
-        img = self.image_proj(image_tokens)
-        q = self.q(nouns).view(bt, self.heads, hd)
-        k, v = self.k(img).view(bi, n, self.heads, hd), self.v(img).view(bi, n, self.heads, hd)
-        att = self.attn_drop((torch.einsum("ahd,bnhd->abhn", q, k) / hd ** 0.5).softmax(dim=-1))
-        a = torch.einsum("abhn,bnhd->abhd", att, v).reshape(bt, bi, d)
-        x = self.ln(nouns[:, None, :] + self.drop(self.o(a)))
-        return self.ffn_ln(x + self.drop(self.ffn_out(F.gelu(self.ffn_in(x)))))
-
-    def forward(self, nouns: torch.Tensor, image_tokens: torch.Tensor) -> torch.Tensor:
-        """nouns (Bt, D), image tokens (Bi, N, D_img) -> scores s (Bt, Bi), s[i, j] = nouns[i] . v_att(i, j)."""
-        return torch.einsum("ad,abd->ab", nouns, self.attend(nouns, image_tokens))
-
-
-def noun_states(hidden: torch.Tensor, noun_mask: torch.Tensor) -> torch.Tensor:
-    """Mean of the word-piece states of each noun: hidden (B, L, D), noun_mask (B, L) bool -> (B, D).
-
-    A noun cut off by truncation (an empty mask) gives a zero vector rather than NaN.
-    """
-    m = noun_mask.to(hidden.dtype).unsqueeze(-1)
-    return (hidden * m).sum(dim=1) / m.sum(dim=1).clamp(min=1)
-
-
 # --- the model --------------------------------------------------------------------------------------------------
 
 
@@ -263,13 +161,22 @@ class VLModel(nn.Module):
         tc = self.text_encoder.config
         d_txt, n_text = tc.hidden_size, tc.num_hidden_layers
         self.image_proj, self.text_proj = nn.Linear(d_img, cfg.embed_dim), nn.Linear(d_txt, cfg.embed_dim)
-        self.temp = nn.Parameter(torch.tensor(float(cfg.temp)))
+        # A fixed temperature stays a (frozen) parameter so that checkpoints hold it under the same name either way.
+        self.temp = nn.Parameter(torch.tensor(float(cfg.temp)), requires_grad=cfg.temp_learnable)
+        if cfg.pooling not in POOLING:
+            raise ValueError(f"pooling must be one of {', '.join(POOLING)}, got {cfg.pooling!r}")
 
         self.fusion = self.image_to_text = self.itm_head = self.mlm_transform = self.mlm_decoder = None
+        if cfg.fusion_from not in FUSION_FROM:
+            raise ValueError(f"fusion_from must be one of {', '.join(FUSION_FROM)}, got {cfg.fusion_from!r}")
+        split = cfg.fusion_from == "split"
         if cfg.fusion_layers:
             if not 0 < cfg.fusion_layers <= n_text:
                 raise ValueError(f"fusion_layers must be in 0..{n_text} (the text encoder's depth), "
                                  f"got {cfg.fusion_layers}")
+            if split and cfg.fusion_layers == n_text:
+                raise ValueError(f"fusion_from=split needs fusion_layers in 1..{n_text - 1}: the text encoder keeps "
+                                 f"the first {n_text} - N of its {n_text} layers, got N = {cfg.fusion_layers}")
             layers = getattr(getattr(self.text_encoder, "encoder", None), "layer", None)
             if layers is None:
                 raise ValueError(f"text model {cfg.text_model!r} is not BERT-like (no .encoder.layer to copy from)")
@@ -282,23 +189,29 @@ class VLModel(nn.Module):
                             tc.attention_probs_dropout_prob, tc.hidden_dropout_prob)
                 for _ in range(cfg.fusion_layers))
             std = tc.initializer_range
-            _bert_init(self.image_to_text, std)
-            # Fresh cross-attention, self-attention + FFN from the text encoder's last N layers (ALBEF: BERT 7-12).
+            bert_init(self.image_to_text, std)
+            # Fresh cross-attention; self-attention + FFN from the text encoder's last N layers.
             for ours, theirs in zip(self.fusion, layers[n_text - cfg.fusion_layers:]):
-                _bert_init(ours, std)
+                bert_init(ours, std)
                 ours.load_bert_layer(theirs)
+            if split:
+                # ALBEF (and GRIT-VLP's ALBEFBase): one BERT cut in two, text = layers 1..6 and fusion = 7..12 of
+                # BERT-base, so no layer is used twice. "copy" instead keeps all L text layers and duplicates the
+                # last N into the fusion encoder, which is not ALBEF's layout.
+                self.text_encoder.encoder.layer = nn.ModuleList(layers[:n_text - cfg.fusion_layers])
+                tc.num_hidden_layers = n_text - cfg.fusion_layers
             self.itm_head = nn.Linear(d_txt, 2)
             # BERT's MLM transform; the packaged MiniLM ships none, so it starts random.
             self.mlm_transform = nn.Sequential(nn.Linear(d_txt, d_txt), nn.GELU(), nn.LayerNorm(d_txt, eps=eps))
             self.mlm_decoder = nn.Linear(d_txt, tc.vocab_size)
-            _bert_init(nn.ModuleList([self.itm_head, self.mlm_transform, self.mlm_decoder]), std)
+            bert_init(nn.ModuleList([self.itm_head, self.mlm_transform, self.mlm_decoder]), std)
             self.mlm_decoder.weight = self.text_encoder.get_input_embeddings().weight  # tied (B, L, D) -> (B, L, V)
 
         self.aligner = None
         if cfg.aligner:
             self.aligner = NounAligner(d_txt, d_img, tc.num_attention_heads, tc.intermediate_size, tc.layer_norm_eps,
                                        tc.attention_probs_dropout_prob, tc.hidden_dropout_prob)
-            _bert_init(self.aligner, tc.initializer_range)
+            bert_init(self.aligner, tc.initializer_range)
 
         # The EMA copy is taken from the finished online model, before the queues exist: it holds every module
         # (ALBEF keeps momentum encoders, projections and fusion/MLM), answers the same methods, never trains.
@@ -349,9 +262,15 @@ class VLModel(nn.Module):
         return enc(images).to(getattr(torch, spec.get("dtype", "float32"))).float()
 
     def encode_text(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """ids, mask (B, L) -> hidden (B, L, D_txt), ITC embeds of [CLS] (B, E) L2-normed."""
+        """ids, mask (B, L) -> hidden (B, L, D_txt), ITC embeds (B, E) L2-normed of [CLS] or the token mean."""
         hidden = self.text_encoder(input_ids=ids, attention_mask=mask).last_hidden_state
-        return hidden, F.normalize(self.text_proj(hidden[:, 0]), dim=-1)
+        if self.cfg.pooling == "mean":
+            # Over every attended token, [CLS] and [SEP] included, as sentence-transformers pools (MiniLM's training).
+            m = mask.to(hidden.dtype).unsqueeze(-1)
+            pooled = (hidden * m).sum(dim=1) / m.sum(dim=1).clamp(min=1)
+        else:
+            pooled = hidden[:, 0]
+        return hidden, F.normalize(self.text_proj(pooled), dim=-1)
 
     def temperature(self) -> torch.Tensor:
         """The ITC temperature, kept in [0.001, 0.5]: () scalar; divide the cosine similarities by it."""

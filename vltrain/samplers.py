@@ -271,16 +271,26 @@ class GritSampler:
 
     def state_dict(self) -> dict:
         n = self.q_len
-        return {"epoch": self.epoch, "order": self.order.copy(), "grouped": [g.copy() for g in self.grouped],
+        return {"m": self.m, "l": self.l, "epoch": self.epoch, "order": self.order.copy(),
+                "grouped": [g.copy() for g in self.grouped],
                 "q_idx": self.q_idx[:n].copy(), "q_img": self.q_img[:n].copy(), "q_txt": self.q_txt[:n].copy(),
                 "rng": self.rng.bit_generator.state}
 
     def load_state_dict(self, state: dict) -> None:
         if len(state["order"]) != self.size:
             raise ValueError(f"GRIT state is for {len(state['order'])} examples, this dataset has {self.size}")
+        # States written before the sizes were saved hold no "m"/"l"; the trainer rebuilds those samplers with the
+        # sizes of their time (config.GRIT_RATIOS_BEFORE).
+        saved = (int(state.get("m", self.m)), int(state.get("l", self.l)))
+        if saved != (self.m, self.l) or len(state["q_idx"]) > self.l:
+            raise ValueError(f"GRIT state was built with M = {saved[0]}, L = {saved[1]}; this sampler has "
+                             f"M = {self.m}, L = {self.l}")
         self.epoch, self.order = int(state["epoch"]), np.asarray(state["order"]).copy()
         self.grouped = [np.asarray(g).copy() for g in state["grouped"]]
-        n, dim = len(state["q_idx"]), np.asarray(state["q_img"]).reshape(len(state["q_idx"]), -1).shape[1]
+        # (n, dim) as saved; reshape(0, -1) cannot infer dim, so an empty queue (a checkpoint right after a grouping)
+        # reads its width from the shape.
+        q_img = np.asarray(state["q_img"])
+        n, dim = len(state["q_idx"]), (q_img.shape[1] if q_img.ndim == 2 else 0)
         self._reset_queue(dim)
         self.q_idx[:n], self.q_img[:n], self.q_txt[:n] = state["q_idx"], state["q_img"], state["q_txt"]
         self.q_len = n

@@ -27,13 +27,15 @@ from vlprep import VlprepError
 from vlprep.dataset import lock_output, release_output
 from vltrain import TrainError
 from vltrain import checkpoint as ckpt_io
-from vltrain.config import Config, grit_sizes, to_dict
+from vltrain.config import GRIT_RATIOS, GRIT_RATIOS_BEFORE, Config, grit_sizes, to_dict
 from vltrain.data import (Collate, IndexedShards, InstanceView, ShardStream, count_split, eval_transform,
                           feature_input, in_val, loader_error, to_device, train_transform)
 from vltrain.evaluate import chance_recall, distinct_positions, embed_split, recall_at_k, view_scores
-from vltrain.losses import (distill_targets, focal_itc_loss, hard_negative_weights, itc_consistency_loss, itc_loss,
-                            itm_loss, mlm_loss, mlm_mask, sample_hard_negatives, tonics_ir_loss, tonics_tr_loss)
-from vltrain.model import autocast, build_model, image_stats, noun_states, resolve_device, tokenizer_for
+from vltrain.losses import (dedupe_targets, distill_targets, focal_itc_loss, hard_negative_weights, hardest_negatives,
+                            itc_consistency_loss, itc_logits, itc_loss, itm_loss, mlm_loss, mlm_mask,
+                            sample_hard_negatives, tonics_ir_loss, tonics_tr_loss)
+from vltrain.layers import noun_states
+from vltrain.model import autocast, build_model, image_stats, resolve_device, tokenizer_for
 from vltrain.samplers import GritSampler, TonicsBatchSampler, TonicsCurriculum, tonics_instances
 
 console = Console(stderr=True, emoji=False, soft_wrap=True)
@@ -56,15 +58,21 @@ def lr_at(step: int, cfg: Config) -> float:
     return low + (o.lr - low) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def _with_queue(keys: torch.Tensor, queue: torch.Tensor | None) -> torch.Tensor:
-    """In-batch candidates (B, E) followed by queue columns (E, Q) -> (E, B+Q)."""
-    return keys.t() if queue is None else torch.cat([keys.t(), queue.clone().detach().to(keys.dtype)], dim=1)
+def distill_alpha_at(step: int, cfg: Config) -> float:
+    """Distillation weight of the step-th optimiser step (1-based): ALBEF's alpha * min(1, i / W), i = step - 1."""
+    w = cfg.loss
+    if w.distill_warmup_steps <= 0:
+        return w.distill_alpha
+    # ALBEF's Pretrain.py counts i from 0 within the first epoch, so its first step distils with weight 0.
+    return w.distill_alpha * min(1.0, (step - 1) / w.distill_warmup_steps)
 
 
-def train_step(model, batch: dict, cfg: Config, generator: torch.Generator, tokenizer=None) -> dict:
+def train_step(model, batch: dict, cfg: Config, generator: torch.Generator, tokenizer=None,
+               alpha: float | None = None) -> dict:
     """Forward pass and named losses (*_loss and the weighted `total`) for one batch; grads are left to the caller.
 
-    The dict also holds `queue_feats`, the detached (image, text) features (B, E) x2 to enqueue after the step.
+    `alpha` is this step's distillation weight (`distill_alpha_at`; None = loss.distill_alpha). The dict also holds
+    `queue_feats`, the detached (image, text) features (B, E) x2 to enqueue after the step.
     """
     w = cfg.loss
     images = batch["features"] if "features" in batch else batch["images"]
@@ -74,6 +82,7 @@ def train_step(model, batch: dict, cfg: Config, generator: torch.Generator, toke
     temp = model.temperature()
     mom = model.momentum
     distill = w.distill_alpha > 0 and mom is not None
+    alpha = w.distill_alpha if alpha is None else alpha
     queued = model.cfg.queue_size > 0
     img_q, txt_q = (model.image_queue, model.text_queue) if queued else (None, None)
 
@@ -85,8 +94,17 @@ def train_step(model, batch: dict, cfg: Config, generator: torch.Generator, toke
             image_keys, text_keys = image_feat_m, text_feat_m
     if mom is None:
         image_keys, text_keys = image_feat, text_feat
-    image_all, text_all = _with_queue(image_keys, img_q), _with_queue(text_keys, txt_q)
-    logits_i2t, logits_t2i = image_feat @ text_all / temp, text_feat @ image_all / temp  # (B, B+Q) x2
+    logits_i2t, logits_t2i = itc_logits(image_feat, text_feat, image_keys, text_keys, temp, img_q, txt_q,
+                                        w.itc_detach_keys)  # (B, B+Q) x2
+
+    # loss.dedupe=caption: pairs whose captions are byte-identical (str equality of the decoded UTF-8) are not
+    # negatives of each other: extra ITC positives, never ITM negatives. Token ids would not do: the tokenizer
+    # lowercases and truncates, so different captions can share ids.
+    same = None
+    if w.dedupe == "caption":
+        caps = batch["captions"]
+        same = torch.tensor([[a == c for c in caps] for a in caps], dtype=torch.bool, device=ids.device)  # (B, B)
+    hard = None if same is None else dedupe_targets(same, logits_i2t.shape[1])  # (B, B+Q), symmetric
 
     losses = {}
     if w.itc > 0:
@@ -94,23 +112,36 @@ def train_step(model, batch: dict, cfg: Config, generator: torch.Generator, toke
             losses["itc_loss"] = focal_itc_loss(logits_i2t, logits_t2i, w.focal_gamma)
         elif distill:
             with torch.no_grad():
-                targets_i2t = distill_targets(image_feat_m @ text_all / temp, w.distill_alpha)
-                targets_t2i = distill_targets(text_feat_m @ image_all / temp, w.distill_alpha)
+                logits_m_i2t, logits_m_t2i = itc_logits(image_feat_m, text_feat_m, image_keys, text_keys, temp,
+                                                        img_q, txt_q)
+                targets_i2t = distill_targets(logits_m_i2t, alpha, hard)
+                targets_t2i = distill_targets(logits_m_t2i, alpha, hard)
             losses["itc_loss"] = itc_loss(logits_i2t, logits_t2i, targets_i2t, targets_t2i)
         else:
-            losses["itc_loss"] = itc_loss(logits_i2t, logits_t2i)
+            losses["itc_loss"] = itc_loss(logits_i2t, logits_t2i, hard, hard)
     if w.consistency > 0:
         losses["itc_consistency_loss"] = itc_consistency_loss(logits_i2t, logits_t2i)
 
     if w.itm > 0:
         b = ids.shape[0]
-        w_i2t, w_t2i = hard_negative_weights(logits_i2t, logits_t2i)
-        neg_text = sample_hard_negatives(w_i2t, generator)   # a hard negative caption for each image
-        neg_image = sample_hard_negatives(w_t2i, generator)  # a hard negative image for each caption
-        fused = model.fuse(torch.cat([text_hidden, text_hidden, text_hidden[neg_text]]),
-                           torch.cat([mask, mask, mask[neg_text]]),
-                           torch.cat([image_tokens, image_tokens[neg_image], image_tokens]))
-        labels = torch.cat([torch.ones(b, dtype=torch.long), torch.zeros(2 * b, dtype=torch.long)]).to(ids.device)
+        w_i2t, w_t2i = hard_negative_weights(logits_i2t, logits_t2i, same)
+        # A row whose every other caption is a duplicate of its own has no negative: it sits out of ITM this step
+        # (its draw still happens, from placeholder weights, so the generator advances as in any other step).
+        has_t, has_i = w_i2t.sum(dim=1) > 0, w_t2i.sum(dim=1) > 0
+        anywhere = 1.0 - torch.eye(b, device=w_i2t.device, dtype=w_i2t.dtype)
+        w_i2t = torch.where(has_t[:, None], w_i2t, anywhere)
+        w_t2i = torch.where(has_i[:, None], w_t2i, anywhere)
+        if w.itm_negatives == "hardest":  # GRIT-VLP's released code: the top-1 of the weights, no draw
+            neg_text, neg_image = hardest_negatives(w_i2t), hardest_negatives(w_t2i)
+        else:
+            neg_text = sample_hard_negatives(w_i2t, generator)   # a hard negative caption for each image
+            neg_image = sample_hard_negatives(w_t2i, generator)  # a hard negative image for each caption
+        # Rows: B positives, caption i with its negative image, image i with its negative caption.
+        fused = model.fuse(torch.cat([text_hidden, text_hidden[has_i], text_hidden[neg_text][has_t]]),
+                           torch.cat([mask, mask[has_i], mask[neg_text][has_t]]),
+                           torch.cat([image_tokens, image_tokens[neg_image][has_i], image_tokens[has_t]]))
+        n_neg = int(has_i.sum()) + int(has_t.sum())
+        labels = torch.cat([torch.ones(b, dtype=torch.long), torch.zeros(n_neg, dtype=torch.long)]).to(ids.device)
         losses["itm_loss"] = itm_loss(model.itm_logits(fused), labels)
 
     if w.mlm > 0:
@@ -124,7 +155,7 @@ def train_step(model, batch: dict, cfg: Config, generator: torch.Generator, toke
             with torch.no_grad():
                 hidden_m, _ = mom.encode_text(masked, mask)
                 soft = mom.mlm_logits(mom.fuse(hidden_m, mask, image_tokens_m)).float().softmax(dim=-1)
-        losses["mlm_loss"] = mlm_loss(logits, labels, soft, w.distill_alpha if distill else 0.0)
+        losses["mlm_loss"] = mlm_loss(logits, labels, soft, alpha if distill else 0.0)
 
     if w.tonics_ir > 0 or w.tonics_tr > 0:
         # TOnICS aligner: s(i, j) for every noun i and image j; the sampler keeps one image out of a batch twice.
@@ -193,7 +224,22 @@ def _check_bad_samples(counts, final: bool = False) -> int:
 # --- index-based sampling: TOnICS, GRIT and triplets (vltrain.samplers) ------------------------------------------
 
 
-def _indexed_data(cfg: Config, tf_train, tf_eval) -> dict:
+def _default_ontology(folder: str) -> str:
+    """The folder holding the TOnICS ontology: `folder` itself, or the ontology folder it was cached from."""
+    root = Path(folder)
+    if (root / "ontology.json").is_file():
+        return folder
+    # `vlprep features` copies samples (same keys, same order) but not the ontology files; its meta.json names
+    # the folder it read. A sample it skipped shifts the indices, which tonics_instances reports as a key mismatch.
+    try:
+        meta = json.loads((root / "meta.json").read_text())
+    except (OSError, ValueError):
+        return folder
+    src = (meta.get("options") or {}).get("src") if meta.get("stage") == "features" else None
+    return src if src and (Path(src) / "ontology.json").is_file() else folder
+
+
+def _indexed_data(cfg: Config, tf_train, tf_eval, grit_ratios: tuple[int, int] = GRIT_RATIOS) -> dict:
     """Train / val views read through wids, the batch sampler over the train view and the curriculum's node names."""
     shards = IndexedShards(cfg.shards)
     is_val = np.array([in_val(k, cfg.data.val_frac) for k in shards.keys], dtype=bool)
@@ -202,11 +248,15 @@ def _indexed_data(cfg: Config, tf_train, tf_eval) -> dict:
     if s.kind == "grit":
         splits = {"train": {"samples": np.flatnonzero(~is_val), "spans": None},
                   "val": {"samples": np.flatnonzero(is_val), "spans": None}}
-        m, q = grit_sizes(cfg)
+        m, q = grit_sizes(cfg, grit_ratios)
         sampler = GritSampler(len(splits["train"]["samples"]), n, m, q, cfg.seed)
     else:  # tonics, or random batches of triplets (P(entity) stays 1)
         try:
-            splits = tonics_instances(s.ontology or cfg.shards[0], shards.keys, is_val, cfg.data.triplets)
+            onto = s.ontology or _default_ontology(cfg.shards[0])
+            if onto != cfg.shards[0] and not s.ontology:
+                console.print(f"tonics: ontology from {onto}, the folder {cfg.shards[0]} was cached from",
+                              highlight=False)
+            splits = tonics_instances(onto, shards.keys, is_val, cfg.data.triplets)
         except ValueError as e:
             raise TrainError(str(e)) from None
         image_of = splits["train"]["samples"]
@@ -370,7 +420,9 @@ def _summary(cfg: Config, model, device, n_train: int, n_val: int, per_epoch: in
                                                   ("consistency", w.consistency), ("tonics_ir", w.tonics_ir),
                                                   ("tonics_tr", w.tonics_tr)) if v > 0)
     extras = [f"focal gamma {w.focal_gamma:g}"] if w.focal_gamma > 0 else []
-    extras += [f"distill {w.distill_alpha:g}"] if w.distill_alpha > 0 else []
+    extras += [f"tau fixed at {m.temp:g}"] if not m.temp_learnable else []
+    extras += [f"distill {w.distill_alpha:g}" + (f", ramped up over {w.distill_warmup_steps:,} steps"
+                                                 if w.distill_warmup_steps > 0 else "")] if w.distill_alpha > 0 else []
     extras += [f"MLM {w.mlm_prob:.0%}"] if w.mlm > 0 else []
     dtype = "bf16 autocast" if device.type == "cuda" else "float32"
     lines = [
@@ -379,7 +431,8 @@ def _summary(cfg: Config, model, device, n_train: int, n_val: int, per_epoch: in
         f"  data     {', '.join(cfg.shards)}: train {n_train:,}, held out {n_val:,} (val_frac {d.val_frac:g}); "
         f"sampler {cfg.sampler.kind}",
         f"  image    {image}",
-        f"  text     {m.text_model}, max {d.max_len} tokens; fusion layers {m.fusion_layers}"
+        f"  text     {m.text_model}, max {d.max_len} tokens, {m.pooling} pooling; fusion layers {m.fusion_layers}"
+        + (f" ({m.fusion_from})" if m.fusion_layers else "")
         + (f"; momentum {m.momentum_m:g}" if m.momentum else "") + f"; queue {m.queue_size:,}",
         f"  losses   {losses}" + (f" ({', '.join(extras)})" if extras else ""),
         f"  trains   {n_params / 1e6:.1f}M parameters in {', '.join(trained) or 'nothing'}"
@@ -427,7 +480,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
     collate = Collate(tok, cfg.data.max_len, use_features)
     indexed = cfg.sampler.kind != "random" or cfg.data.triplets
     if indexed:  # TOnICS / GRIT / triplets: positions from a batch sampler, samples read through wids
-        data = _indexed_data(cfg, tf_train, tf_eval)
+        # A GRIT checkpoint from before the sizes were saved in its state used the former default ratios.
+        old_grit = ckpt is not None and isinstance(ckpt.get("sampler"), dict) and "m" not in ckpt["sampler"]
+        data = _indexed_data(cfg, tf_train, tf_eval, GRIT_RATIOS_BEFORE if old_grit else GRIT_RATIOS)
         sampler, n_train, n_val = data["sampler"], len(data["train"]), len(data["val"])
     else:
         counts = count_split(cfg.shards, cfg.data.val_frac)
@@ -443,10 +498,12 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
     load_counts = stream.counts if sampler is None else data["train"].shards.counts
     if cfg.epochs > 0:
         cfg.steps = max(1, math.ceil(cfg.epochs * per_epoch))
+    if cfg.loss.distill_warmup_steps < 0:  # -1: one epoch of this training split (ALBEF); the checkpoint keeps it
+        cfg.loss.distill_warmup_steps = per_epoch
     asked_queue = cfg.model.queue_size
     cfg.model.queue_size = min(asked_queue, n_train)
     if ckpt is not None:
-        diffs = ckpt_io.config_diff(ckpt["config"], to_dict(cfg))
+        diffs = ckpt_io.config_diff(ckpt["config"], to_dict(cfg), defaults=to_dict(Config()))
         if diffs:
             raise TrainError(f"--resume: {last_path} was trained with another config ({'; '.join(diffs[:8])}"
                              f"{'; ...' if len(diffs) > 8 else ''}); use the same options, or a new --out")
@@ -627,8 +684,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
                 for g in optimizer.param_groups:
                     g["lr"] = lr
                 batch = to_device(batch, device)
+                alpha = distill_alpha_at(step, cfg)
                 with autocast(device):
-                    losses = train_step(model, batch, cfg, generator, tok)
+                    losses = train_step(model, batch, cfg, generator, tok, alpha)
                 queue_feats = losses.pop("queue_feats")
                 losses_f = {k: float(v.detach()) for k, v in losses.items()}
                 if not math.isfinite(losses_f["total"]):
@@ -666,6 +724,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
                     t0, seen = time.perf_counter(), 0
                     row = {"step": step, **losses_f, "lr": lr, "samples_per_s": round(rate, 2),
                            "bad_samples": bad_samples}
+                    if cfg.loss.distill_alpha > 0:
+                        row["distill_alpha"] = alpha
                     log(row)
                     for k, v in row.items():
                         if k != "step":

@@ -1,0 +1,258 @@
+"""Issue 12, method fidelity: what `train_step` does with each new option, on a tiny model and one batch.
+
+Each reference is re-derived here with plain Python loops over the model's own embeddings, never by calling
+vltrain.losses the way train_step does.
+"""
+
+import math
+
+import pytest
+import torch
+
+from vltrain import train as train_mod
+from vltrain.config import load_config
+from vltrain.model import build_model, build_tokenizer
+
+TINY = ["model.text_model=tiny", "model.image_model=tiny", "model.embed_dim=16", "data.max_len=12"]
+B = 6
+
+
+def cfg_for(preset: str, *sets: str):
+    # The tiny BERT has 2 layers: presets with a fusion encoder split it 1 + 1.
+    fusion = ["model.fusion_layers=1"] if load_config(preset).model.fusion_layers else []
+    return load_config(preset, sets=[*TINY, *fusion, *sets])
+
+
+def make_batch(captions: list[str], seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    tok = build_tokenizer(cfg_for("clip").model)(captions, padding="longest", return_tensors="pt")
+    return {"images": torch.randn(len(captions), 3, 32, 32, generator=g), "input_ids": tok["input_ids"],
+            "attention_mask": tok["attention_mask"], "captions": captions}
+
+
+CAPTIONS = [f"a photo of thing {i} and colour {i % 4}" for i in range(B)]
+
+
+def model_for(cfg, seed: int = 0):
+    torch.manual_seed(seed)
+    return build_model(cfg.model).eval()  # eval: no dropout, so the test's own forward passes see the same numbers
+
+
+def record_fuse(model) -> list:
+    """Wrap model.fuse so the test sees what train_step fused (text hidden, mask, image tokens)."""
+    calls, real = [], model.fuse
+
+    def fuse(text_hidden, text_mask, image_tokens):
+        calls.append((text_hidden.detach(), text_mask, image_tokens.detach()))
+        return real(text_hidden, text_mask, image_tokens)
+
+    model.fuse = fuse
+    return calls
+
+
+def ref_argmax_off_diag(sim: list[list[float]], banned=lambda i, j: False) -> list[int | None]:
+    out = []
+    for i, r in enumerate(sim):
+        best = None
+        for j, v in enumerate(r):
+            if j != i and not banned(i, j) and (best is None or v > r[best]):
+                best = j
+        out.append(best)
+    return out
+
+
+def sims(model, batch) -> tuple[list[list[float]], list[list[float]], torch.Tensor, torch.Tensor]:
+    """Image->text and text->image cosine / temp as Python lists, plus the text hidden states and image tokens."""
+    with torch.no_grad():
+        tokens, img = model.encode_image(batch["images"])
+        hidden, txt = model.encode_text(batch["input_ids"], batch["attention_mask"])
+        t = float(model.temperature().detach())
+    i2t = [[float(sum(a * b for a, b in zip(img[i].tolist(), txt[j].tolist()))) / t for j in range(len(img))]
+           for i in range(len(img))]
+    t2i = [[i2t[j][i] for j in range(len(img))] for i in range(len(img))]
+    return i2t, t2i, hidden, tokens
+
+
+# --- item 1: ITM hard negatives are the hardest (GRIT-VLP) -----------------------------------------------------
+
+
+def test_itm_hardest_negatives_are_the_argmax_of_in_batch_similarity():
+    cfg = cfg_for("albef-base", "loss.itm_negatives=hardest", "loss.mlm=0")
+    model = model_for(cfg)
+    batch = make_batch(CAPTIONS)
+    i2t, t2i, hidden, tokens = sims(model, batch)
+    calls = record_fuse(model)
+    train_mod.train_step(model, batch, cfg, torch.Generator().manual_seed(0))
+    (text_in, _, image_in), = calls
+    neg_text, neg_image = ref_argmax_off_diag(i2t), ref_argmax_off_diag(t2i)
+    # Rows B..2B: caption i with its hardest image; rows 2B..3B: image i with its hardest caption.
+    assert torch.allclose(image_in[B:2 * B], tokens[neg_image]) and torch.allclose(text_in[B:2 * B], hidden)
+    assert torch.allclose(text_in[2 * B:], hidden[neg_text]) and torch.allclose(image_in[2 * B:], tokens)
+    # The same batch again gives the same negatives: no draw is involved.
+    calls.clear()
+    train_mod.train_step(model, batch, cfg, torch.Generator().manual_seed(1))
+    assert torch.equal(calls[0][0], text_in) and torch.equal(calls[0][2], image_in)
+
+
+# --- item 2: ITC gradient through the query side only (GRIT-VLP's released code) --------------------------------
+
+
+def leaf_features(model, batch, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replace the ITC embeddings train_step sees by leaves the test owns, to read their gradients."""
+    g = torch.Generator().manual_seed(seed)
+    u = torch.nn.functional.normalize(torch.randn(B, 16, generator=g), dim=-1).requires_grad_()
+    v = torch.nn.functional.normalize(torch.randn(B, 16, generator=g), dim=-1).requires_grad_()
+    enc_i, enc_t = model.encode_image, model.encode_text
+    model.encode_image = lambda images: (enc_i(images)[0], u)
+    model.encode_text = lambda ids, mask: (enc_t(ids, mask)[0], v)
+    return u, v
+
+
+@pytest.mark.parametrize("detach", [True, False])
+def test_train_step_detaches_itc_keys_when_asked(detach):
+    cfg = cfg_for("clip", f"loss.itc_detach_keys={str(detach).lower()}")
+    model = model_for(cfg)
+    u, v = leaf_features(model, make_batch(CAPTIONS))
+    train_mod.train_step(model, make_batch(CAPTIONS), cfg, torch.Generator())["itc_loss"].backward()
+    tau = float(model.temperature().detach())
+    # Re-derivation: one-hot cross-entropy both ways, keys stopped by hand (or not).
+    ru, rv = u.detach().clone().requires_grad_(), v.detach().clone().requires_grad_()
+    ku, kv = (ru.detach(), rv.detach()) if detach else (ru, rv)
+    li, lt = ru @ kv.t() / tau, rv @ ku.t() / tau
+    ref = -(li.log_softmax(1).diagonal().mean() + lt.log_softmax(1).diagonal().mean()) / 2
+    ref.backward()
+    assert torch.allclose(u.grad, ru.grad, atol=1e-6) and torch.allclose(v.grad, rv.grad, atol=1e-6)
+
+
+# --- item 4: the distillation weight train_step uses is the one it is given (the warm-up ramp) --------------------
+
+
+def test_train_step_distils_with_the_given_alpha():
+    cfg = cfg_for("albef", "model.queue_size=0", "loss.itm=0", "loss.mlm=0")
+    model = model_for(cfg)
+    batch = make_batch(CAPTIONS)
+    with torch.no_grad():
+        _, u = model.encode_image(batch["images"])
+        _, v = model.encode_text(batch["input_ids"], batch["attention_mask"])
+        _, um = model.momentum.encode_image(batch["images"])
+        _, vm = model.momentum.encode_text(batch["input_ids"], batch["attention_mask"])
+        tau = float(model.temperature().detach())
+    dot = lambda a, b: sum(x * y for x, y in zip(a.tolist(), b.tolist()))
+
+    def ref(alpha: float) -> float:
+        """ALBEF ITC with momentum distillation: keys and targets from the momentum encoders."""
+        total = 0.0
+        for q, k, qm in ((u, vm, um), (v, um, vm)):
+            for i in range(B):
+                s = [dot(q[i], k[j]) / tau for j in range(B)]
+                sm = [dot(qm[i], k[j]) / tau for j in range(B)]
+                lse = max(s) + math.log(sum(math.exp(x - max(s)) for x in s))
+                pm = [math.exp(x - max(sm)) for x in sm]
+                pm = [x / sum(pm) for x in pm]
+                y = [alpha * pm[j] + (1 - alpha) * (i == j) for j in range(B)]
+                total -= sum(y[j] * (s[j] - lse) for j in range(B)) / B
+        return total / 2
+
+    for alpha in (0.0, 0.1, 0.4):
+        got = train_mod.train_step(model, batch, cfg, torch.Generator(), alpha=alpha)["itc_loss"].detach()
+        assert float(got) == pytest.approx(ref(alpha), rel=1e-5)
+    assert float(train_mod.train_step(model, batch, cfg, torch.Generator())["itc_loss"].detach()) == pytest.approx(
+        ref(0.4), rel=1e-5)
+
+
+# --- item 9: the fistful preset (A Fistful of Words 3, eq. 1-2) ------------------------------------------------
+
+
+def test_fistful_step_is_infonce_against_momentum_keys_and_a_memory_bank_at_fixed_tau():
+    cfg = cfg_for("fistful", "model.queue_size=8")
+    model = model_for(cfg)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        model.image_queue.copy_(torch.nn.functional.normalize(torch.randn(16, 8, generator=g), dim=0))
+        model.text_queue.copy_(torch.nn.functional.normalize(torch.randn(16, 8, generator=g), dim=0))
+    batch = make_batch(CAPTIONS)
+    with torch.no_grad():
+        u = model.encode_image(batch["images"])[1].tolist()
+        v = model.encode_text(batch["input_ids"], batch["attention_mask"])[1].tolist()
+        um = model.momentum.encode_image(batch["images"])[1].tolist()
+        vm = model.momentum.encode_text(batch["input_ids"], batch["attention_mask"])[1].tolist()
+    bank_t, bank_i = model.text_queue.t().tolist(), model.image_queue.t().tolist()
+    d = lambda a, b: sum(x * y for x, y in zip(a, b))  # cosine: every vector is unit length
+    tau, total = 0.02, 0.0
+    for i in range(B):  # L_i^image (eq. 1) and L_i^text (eq. 2) over the batch's EMA keys and the bank
+        for q, keys in ((u[i], vm + bank_t), (v[i], um + bank_i)):
+            s = [d(q, k) / tau for k in keys]
+            top = max(s)
+            total += -(s[i] - top - math.log(sum(math.exp(x - top) for x in s))) / (2 * B)
+    losses = train_mod.train_step(model, batch, cfg, torch.Generator())
+    assert set(losses) == {"itc_loss", "total", "queue_feats"}  # no ITM, MLM or distillation
+    assert float(losses["itc_loss"].detach()) == pytest.approx(total, rel=1e-5)
+    losses["total"].backward()
+    assert model.temp.grad is None and float(model.temperature().detach()) == pytest.approx(0.02)
+
+
+# --- item 10: loss.dedupe=caption -------------------------------------------------------------------------------
+
+DUP = ["Star. geometry, shapes", "a red cat", "Star. geometry, shapes", "a dog", "a red cat",
+       "Star. geometry, shapes"]
+# Lowercase and truncation give these the same token ids as DUP[0]; they are different captions, so negatives.
+NEAR = ["star. geometry, shapes", "a red cat", "Star. geometry, shapes", "a dog", "a red cat",
+        "Star. geometry, shapes "]
+
+
+def test_dedupe_caption_itc_targets_are_the_hand_built_ones():
+    cfg = cfg_for("clip", "loss.dedupe=caption")
+    model = model_for(cfg)
+    for caps in (DUP, NEAR):
+        batch = make_batch(caps)
+        i2t, t2i, _, _ = sims(model, batch)
+        total = 0.0
+        for s in (i2t, t2i):
+            for i in range(B):
+                pos = [j for j in range(B) if caps[j].encode() == caps[i].encode()]  # byte-identical
+                top = max(s[i])
+                lse = top + math.log(sum(math.exp(x - top) for x in s[i]))
+                total -= sum((s[i][j] - lse) / len(pos) for j in pos) / B
+        got = train_mod.train_step(model, batch, cfg, torch.Generator())["itc_loss"]
+        assert float(got.detach()) == pytest.approx(total / 2, rel=1e-5)
+    off = cfg_for("clip")  # dedupe none: plain one-hot ITC, duplicates are negatives
+    i2t, t2i, _, _ = sims(model, make_batch(DUP))
+    plain = -sum(s[i][i] - max(s[i]) - math.log(sum(math.exp(x - max(s[i])) for x in s[i]))
+                 for s in (i2t, t2i) for i in range(B)) / (2 * B)
+    got = train_mod.train_step(model, make_batch(DUP), off, torch.Generator())["itc_loss"]
+    assert float(got.detach()) == pytest.approx(plain, rel=1e-5)
+
+
+@pytest.mark.parametrize("negatives", ["sample", "hardest"])
+def test_dedupe_caption_never_draws_a_duplicate_as_itm_negative(negatives):
+    cfg = cfg_for("albef-base", "loss.dedupe=caption", f"loss.itm_negatives={negatives}", "loss.mlm=0")
+    model = model_for(cfg)
+    batch = make_batch(DUP)
+    i2t, t2i, hidden, tokens = sims(model, batch)
+    calls = record_fuse(model)
+    dup = lambda i, j: DUP[i] == DUP[j]
+    for seed in range(20 if negatives == "sample" else 1):
+        calls.clear()
+        out = train_mod.train_step(model, batch, cfg, torch.Generator().manual_seed(seed))
+        text_in, _, image_in = calls[0]
+        assert text_in.shape[0] == 3 * B and torch.isfinite(out["itm_loss"])  # every row has a negative here
+        for i in range(B):
+            img = next(j for j in range(B) if torch.equal(image_in[B + i], tokens[j]))  # caption i's negative image
+            txt = next(j for j in range(B) if torch.equal(text_in[2 * B + i], hidden[j]))  # image i's negative caption
+            assert not dup(i, img) and not dup(i, txt) and img != i and txt != i
+            if negatives == "hardest":  # the hardest among the allowed ones
+                assert img == ref_argmax_off_diag(t2i, dup)[i] and txt == ref_argmax_off_diag(i2t, dup)[i]
+
+
+def test_dedupe_caption_rows_without_any_negative_sit_out_of_itm():
+    cfg = cfg_for("albef-base", "loss.dedupe=caption", "loss.mlm=0")
+    model = model_for(cfg)
+    caps = ["same"] * 4 + ["other", "third"]  # the four "same" rows can only pair with 4 and 5
+    batch = make_batch(caps)
+    calls = record_fuse(model)
+    train_mod.train_step(model, batch, cfg, torch.Generator())
+    assert calls[0][0].shape[0] == 3 * B
+    calls.clear()
+    batch = make_batch(["same"] * B)  # nothing but duplicates: no negative at all, only the B positives
+    out = train_mod.train_step(model, batch, cfg, torch.Generator())
+    assert calls[0][0].shape[0] == B and torch.isfinite(out["itm_loss"])
