@@ -31,7 +31,13 @@ def test_presets_set_what_the_papers_say():
         assert t.loss.itc == t.loss.itm == t.loss.mlm == 0.0
         assert t.model.freeze_image  # the paper's VinVL region features are frozen
         assert (t.sampler.alpha, t.sampler.beta, t.sampler.threshold, t.sampler.heldout) == (0.9, 0.2, 0.9, 100)
-    assert set(PRESETS) == {"clip", "fistful", "albef", "albef-base", "tonics", "tonics-ir", "grit"}
+    assert set(PRESETS) == {"clip", "fistful", "albef", "albef-base", "tonics", "tonics-ir", "grit", "softmask"}
+    sm = load_config("softmask")  # SoftMask++ 4: albef's model, focal ITC, soft ITM, masked text, MMDA, no distillation
+    assert (sm.loss.focal_gamma, sm.loss.distill_alpha, sm.loss.itm, sm.loss.softmask_itm, sm.loss.mlm,
+            sm.loss.mlm_prob) == (2.0, 0.0, 1.0, 1.0, 1.0, 0.15)
+    assert (sm.loss.softmask_source, sm.data.masked_text_all, sm.data.augment) == ("gradcam", True, "softmask")
+    assert (sm.model.fusion_from, sm.model.fusion_layers, sm.model.momentum) == ("split", 3, True)
+    assert albef.data.augment == "albef" and clip.data.augment == "none" and not albef.data.masked_text_all
     fist = load_config("fistful")  # A Fistful of Words 3: dual encoder, EMA keys in an 8,192 bank, fixed tau 0.02
     assert (fist.model.fusion_layers, fist.model.momentum, fist.model.queue_size) == (0, True, 8192)
     assert (fist.model.temp, fist.model.temp_learnable, fist.model.pooling) == (0.02, False, "mean")

@@ -42,9 +42,9 @@ def record_fuse(model) -> list:
     """Wrap model.fuse so the test sees what train_step fused (text hidden, mask, image tokens)."""
     calls, real = [], model.fuse
 
-    def fuse(text_hidden, text_mask, image_tokens):
+    def fuse(text_hidden, text_mask, image_tokens, **kw):
         calls.append((text_hidden.detach(), text_mask, image_tokens.detach()))
-        return real(text_hidden, text_mask, image_tokens)
+        return real(text_hidden, text_mask, image_tokens, **kw)
 
     model.fuse = fuse
     return calls

@@ -11,6 +11,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 import yaml
 
 from vltrain.model import FUSION_FROM, POOLING, TEMP_MAX, TEMP_MIN, ModelConfig
+from vltrain.softmask import parse_source
 
 
 class ConfigError(ValueError):
@@ -24,8 +25,10 @@ class DataConfig:
     val_frac: float = 0.05          # held out by key hash, never trained on
     input: str = "auto"             # auto (features when every folder has `vlprep features` tokens), features, pixels
     workers: int = -1               # DataLoader workers; -1 = auto: 0 on cached tokens on a CPU, else 2
-    min_crop_scale: float = 0.5     # RandomResizedCrop scale lower bound (ALBEF: 0.5)
+    min_crop_scale: float = 0.5     # RandomResizedCrop scale lower bound of augment=none (ALBEF fine-tuning: 0.5)
     triplets: bool = False          # TOnICS triplet mode: instances are (caption, image, noun span) triplets
+    augment: str = "none"           # training images: none (crop + flip), albef (+ RandAugment), softmask (+ colour)
+    masked_text_all: bool = False   # SoftMask++ MMDA: the MLM-masked caption is the text of ITC, ITM and MLM
 
 
 @dataclass
@@ -43,6 +46,8 @@ class LossConfig:
     itm_negatives: str = "sample"   # ITM hard negatives: sample (ALBEF: drawn by in-batch similarity) or hardest (GRIT)
     itc_detach_keys: bool = False   # no momentum model: keys are sg(features), gradient via queries only (GRIT code)
     dedupe: str = "none"            # caption: in-batch byte-identical captions are ITC positives, never ITM negatives
+    softmask_itm: float = 0.0       # SoftMask++ soft ITM: positives with soft-masked image tokens are still matches
+    softmask_source: str = "gradcam"  # the mask: gradcam (SoftMask++), attention (Table 9), random:R (RandMask)
 
 
 @dataclass
@@ -97,7 +102,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # ALBEF: ITC with queue + momentum distillation (alpha 0.4, ramped up over the first epoch), ITM with hard
     # negatives, MLM 15%; one BERT split into text and fusion halves (BERT-base 6 + 6; the 6-layer MiniLM 3 + 3)
     "albef": {"model.momentum": True, "model.queue_size": 4096, "loss.distill_alpha": 0.4, "loss.mlm_prob": 0.15,
-              "loss.distill_warmup_steps": -1, "model.fusion_from": "split", "model.fusion_layers": 3},
+              "loss.distill_warmup_steps": -1, "model.fusion_from": "split", "model.fusion_layers": 3,
+              "data.augment": "albef"},
     # GRIT-VLP's ALBEFBase: ALBEF without the momentum model (so no distillation and no queue), same split (5.1)
     "albef-base": {"model.momentum": False, "model.queue_size": 0, "loss.distill_alpha": 0.0,
                    "loss.mlm_prob": 0.15, "model.fusion_from": "split", "model.fusion_layers": 3},
@@ -117,6 +123,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "fistful": {"model.fusion_layers": 0, "model.momentum": True, "model.queue_size": 8192, "model.temp": 0.02,
                 "model.temp_learnable": False, "model.pooling": "mean", "loss.itm": 0.0, "loss.mlm": 0.0,
                 "loss.distill_alpha": 0.0},
+    # SoftMask++: albef's model with focal ITC (gamma 2), ITM, soft ITM on Grad-CAM masks, MLM 15% on the one masked
+    # caption every loss reads, strong image augmentation; no distillation (focal ITC replaces ITC)
+    "softmask": {"model.momentum": True, "model.queue_size": 4096, "model.fusion_from": "split",
+                 "model.fusion_layers": 3, "loss.distill_alpha": 0.0, "loss.focal_gamma": 2.0, "loss.itm": 1.0,
+                 "loss.softmask_itm": 1.0, "loss.softmask_source": "gradcam", "loss.mlm": 1.0, "loss.mlm_prob": 0.15,
+                 "data.masked_text_all": True, "data.augment": "softmask"},
     # GRIT-VLP: ALBEFBase + GRIT sampler + ITC consistency (lambda 0.2) + ITM top-1 hard negatives + MLM at 50%
     "grit": {"sampler.kind": "grit", "model.momentum": False, "model.queue_size": 0, "loss.distill_alpha": 0.0,
              "model.fusion_from": "split", "model.fusion_layers": 3, "loss.consistency": 0.2, "loss.mlm_prob": 0.5,
@@ -218,6 +230,7 @@ def load_config(preset: str | None = None, config_file: str | Path | None = None
 
 
 INPUTS = ("auto", "features", "pixels")
+AUGMENTS = ("none", "albef", "softmask")
 ITM_NEGATIVES = ("sample", "hardest")
 DEDUPE = ("none", "caption")
 
@@ -260,6 +273,22 @@ def validate(cfg: Config) -> None:
     if cfg.loss.dedupe != "none" and cfg.loss.focal_gamma > 0:
         raise ConfigError("loss.dedupe=caption needs plain or distilled ITC: focal ITC (loss.focal_gamma > 0) has one "
                           "positive per row")
+    if cfg.data.augment not in AUGMENTS:
+        raise ConfigError(f"unknown data.augment {cfg.data.augment!r}; use one of {', '.join(AUGMENTS)}")
+    if cfg.loss.focal_gamma > 0 and cfg.loss.distill_alpha > 0:
+        raise ConfigError("loss.focal_gamma > 0 (focal ITC) replaces ITC, and no published form combines it with "
+                          "momentum distillation: set loss.distill_alpha=0 or loss.focal_gamma=0")
+    try:
+        kind, _ = parse_source(cfg.loss.softmask_source)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if cfg.loss.softmask_itm > 0 and cfg.model.fusion_layers == 0:
+        raise ConfigError("loss.softmask_itm needs a fusion encoder (model.fusion_layers >= 1)")
+    if cfg.loss.softmask_itm > 0 and kind != "random" and cfg.loss.itm <= 0:
+        raise ConfigError(f"loss.softmask_source={kind} reads the ITM positives' cross-attention: set loss.itm > 0 "
+                          "(or use random:R)")
+    if cfg.data.masked_text_all and cfg.loss.mlm <= 0:
+        raise ConfigError("data.masked_text_all needs loss.mlm > 0 (it feeds the MLM-masked caption to every loss)")
     if cfg.loss.itm_negatives not in ITM_NEGATIVES:
         raise ConfigError(f"unknown loss.itm_negatives {cfg.loss.itm_negatives!r}; use one of "
                           f"{', '.join(ITM_NEGATIVES)}")

@@ -66,9 +66,24 @@ def feature_input(folders, mode: str = "auto") -> dict | None:
     return first
 
 
-def train_transform(size: int, mean, std, min_scale: float = 0.5) -> v2.Compose:
-    return v2.Compose([v2.ToImage(), v2.RandomResizedCrop(size, scale=(min_scale, 1.0), antialias=True),
-                       v2.RandomHorizontalFlip(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
+def train_transform(size: int, mean, std, min_scale: float = 0.5, augment: str = "none") -> v2.Compose:
+    """Training view of an image: augment none (crop at scale min_scale..1 + flip), albef or softmask (MMDA).
+
+    albef is ALBEF's pre-training recipe: crop at scale 0.2..1, flip, RandAugment with 2 ops at magnitude 7
+    (torchvision's op set, not ALBEF's hand-written one). softmask adds TCL's colour recipe, which SoftMask++'s MMDA
+    takes: ColorJitter(0.4, 0.4, 0.4, 0.1) at p 0.8, grayscale at p 0.2, Gaussian blur (sigma 0.1..2) at p 0.5.
+    """
+    if augment == "none":
+        return v2.Compose([v2.ToImage(), v2.RandomResizedCrop(size, scale=(min_scale, 1.0), antialias=True),
+                           v2.RandomHorizontalFlip(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
+    steps = [v2.ToImage(), v2.RandomResizedCrop(size, scale=(0.2, 1.0), antialias=True,
+                                                interpolation=v2.InterpolationMode.BICUBIC),
+             v2.RandomHorizontalFlip(), v2.RandAugment(num_ops=2, magnitude=7)]
+    if augment == "softmask":
+        kernel = 2 * max(1, round(0.05 * size)) + 1  # SimCLR's blur kernel: about a tenth of the image side, odd
+        steps += [v2.RandomApply([v2.ColorJitter(0.4, 0.4, 0.4, 0.1)], p=0.8), v2.RandomGrayscale(p=0.2),
+                  v2.RandomApply([v2.GaussianBlur(kernel, sigma=(0.1, 2.0))], p=0.5)]
+    return v2.Compose(steps + [v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
 
 
 def eval_transform(size: int, mean, std) -> v2.Compose:

@@ -25,8 +25,12 @@ class Attention(nn.Module):
         self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
         self.ln, self.drop = nn.LayerNorm(dim, eps=eps), nn.Dropout(drop)
 
-    def forward(self, x: torch.Tensor, ctx: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """x (B, L, D) attends to ctx (B, S, D); key_mask (B, S) bool, True = attend -> (B, L, D)."""
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, key_mask: torch.Tensor | None = None,
+                return_attn: bool = False):
+        """x (B, L, D) attends to ctx (B, S, D); key_mask (B, S) bool, True = attend -> (B, L, D).
+
+        return_attn: also the attention probabilities (B, H, L, S) before dropout, for Grad-CAM (SoftMask++).
+        """
         b, l, d = x.shape
 
         def split(t: torch.Tensor) -> torch.Tensor:
@@ -34,9 +38,21 @@ class Attention(nn.Module):
 
         # No causal mask anywhere: every caption token, [CLS] included, sees the whole caption (DESIGN 5.1 trap).
         mask = None if key_mask is None else key_mask[:, None, None, :]
-        a = F.scaled_dot_product_attention(split(self.q(x)), split(self.k(ctx)), split(self.v(ctx)), attn_mask=mask,
-                                           dropout_p=self.attn_drop if self.training else 0.0)
-        return self.ln(x + self.drop(self.o(a.transpose(1, 2).reshape(b, l, d))))
+        q, k, v = split(self.q(x)), split(self.k(ctx)), split(self.v(ctx))
+        probs = None
+        if return_attn:
+            # The explicit softmax(QK^T / sqrt(d)) V: the fused kernel never materialises the probabilities, and
+            # Grad-CAM needs them as a tensor in the graph. Only the steps that ask for maps pay for it.
+            scores = q @ k.transpose(-2, -1) / (d // self.heads) ** 0.5
+            if mask is not None:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            probs = scores.softmax(dim=-1)
+            a = F.dropout(probs, self.attn_drop, self.training) @ v
+        else:
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                               dropout_p=self.attn_drop if self.training else 0.0)
+        out = self.ln(x + self.drop(self.o(a.transpose(1, 2).reshape(b, l, d))))
+        return (out, probs) if return_attn else out
 
 
 class FusionLayer(nn.Module):
@@ -49,10 +65,12 @@ class FusionLayer(nn.Module):
         self.ffn_in, self.ffn_out = nn.Linear(dim, ffn_dim), nn.Linear(ffn_dim, dim)
         self.ffn_ln, self.drop = nn.LayerNorm(dim, eps=eps), nn.Dropout(drop)
 
-    def forward(self, x: torch.Tensor, text_mask: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
-        """x (B, L, D), text_mask (B, L) bool, image (B, N, D) -> (B, L, D)."""
-        x = self.cross_attn(self.self_attn(x, x, text_mask), image)
-        return self.ffn_ln(x + self.drop(self.ffn_out(F.gelu(self.ffn_in(x)))))
+    def forward(self, x: torch.Tensor, text_mask: torch.Tensor, image: torch.Tensor, return_attn: bool = False):
+        """x (B, L, D), text_mask (B, L) bool, image (B, N, D) -> (B, L, D) [, cross-attention probs (B, H, L, N)]."""
+        x = self.self_attn(x, x, text_mask)
+        x, probs = self.cross_attn(x, image, return_attn=True) if return_attn else (self.cross_attn(x, image), None)
+        x = self.ffn_ln(x + self.drop(self.ffn_out(F.gelu(self.ffn_in(x)))))
+        return (x, probs) if return_attn else x
 
     @torch.no_grad()
     def load_bert_layer(self, layer: nn.Module) -> None:

@@ -182,6 +182,12 @@ def itm_loss(itm_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(_f32(itm_logits), labels)
 
 
+def softmask_itm_loss(masked_itm_logits: torch.Tensor) -> torch.Tensor:
+    """SoftMask++ eq. 12: positive pairs with soft-masked image tokens are still matches: (B, 2) -> () CE, label 1."""
+    labels = torch.ones(masked_itm_logits.shape[0], dtype=torch.long, device=masked_itm_logits.device)
+    return F.cross_entropy(_f32(masked_itm_logits), labels)
+
+
 def mlm_mask(input_ids: torch.Tensor, prob: float, special_ids: Iterable[int], mask_id: int, vocab_size: int,
              generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """BERT masking (select w.p. prob; 80% [MASK], 10% random, 10% kept), labels -100 elsewhere: (B, L) -> (B, L) x2."""

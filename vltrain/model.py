@@ -288,15 +288,27 @@ class VLModel(nn.Module):
         if self.fusion is None:
             raise RuntimeError("this model has no fusion encoder (fusion_layers=0): ITM and MLM are unavailable")
 
-    def fuse(self, text_hidden: torch.Tensor, text_mask: torch.Tensor, image_tokens: torch.Tensor) -> torch.Tensor:
-        """Text hidden (B, L, D_txt) with mask (B, L) over image tokens (B, N, D_img) -> fused (B, L, D_txt)."""
+    def fuse(self, text_hidden: torch.Tensor, text_mask: torch.Tensor, image_tokens: torch.Tensor,
+             patch_weights: torch.Tensor | None = None, return_attn: bool = False):
+        """Text hidden (B, L, D_txt) with mask (B, L) over image tokens (B, N, D_img) -> fused (B, L, D_txt).
+
+        patch_weights (B, N): SoftMask++'s M, multiplied into the image tokens as cross-attention reads them (after
+        the projection and its LayerNorm, which would otherwise undo it). return_attn: also every fusion layer's
+        cross-attention probabilities, a list of (B, H, L, N).
+        """
         self._need_fusion()
         image = self.image_to_text(image_tokens)
+        if patch_weights is not None:
+            image = image * patch_weights.to(image.dtype).unsqueeze(-1)
         keep = text_mask.bool()
-        x = text_hidden
+        x, maps = text_hidden, []
         for layer in self.fusion:
-            x = layer(x, keep, image)
-        return x
+            if return_attn:
+                x, probs = layer(x, keep, image, return_attn=True)
+                maps.append(probs)
+            else:
+                x = layer(x, keep, image)
+        return (x, maps) if return_attn else x
 
     def itm_logits(self, fused: torch.Tensor) -> torch.Tensor:
         """Match / no-match logits from the fused [CLS]: (B, L, D) -> (B, 2); column 1 = match."""

@@ -33,10 +33,11 @@ from vltrain.data import (Collate, IndexedShards, InstanceView, ShardStream, cou
 from vltrain.evaluate import chance_recall, distinct_positions, embed_split, recall_at_k, view_scores
 from vltrain.losses import (dedupe_targets, distill_targets, focal_itc_loss, hard_negative_weights, hardest_negatives,
                             itc_consistency_loss, itc_logits, itc_loss, itm_loss, mlm_loss, mlm_mask,
-                            sample_hard_negatives, tonics_ir_loss, tonics_tr_loss)
+                            sample_hard_negatives, softmask_itm_loss, tonics_ir_loss, tonics_tr_loss)
 from vltrain.layers import noun_states
 from vltrain.model import autocast, build_model, image_stats, resolve_device, tokenizer_for
 from vltrain.samplers import GritSampler, TonicsBatchSampler, TonicsCurriculum, tonics_instances
+from vltrain.softmask import masks_for, parse_source
 
 console = Console(stderr=True, emoji=False, soft_wrap=True)
 EVAL_TRIPLETS = 1000  # triplet mode: validation retrieval over at most this many triplets (one per image)
@@ -77,8 +78,15 @@ def train_step(model, batch: dict, cfg: Config, generator: torch.Generator, toke
     w = cfg.loss
     images = batch["features"] if "features" in batch else batch["images"]
     ids, mask = batch["input_ids"], batch["attention_mask"]
+    mlm_masked = None
+    if cfg.data.masked_text_all and w.mlm > 0:
+        # SoftMask++ MMDA (3.4): the MLM-masked caption is the text of every loss, so the text encoder runs once.
+        tok = tokenizer or tokenizer_for(model.cfg.text_model)
+        mlm_masked = mlm_mask(ids, w.mlm_prob, tok.all_special_ids, tok.mask_token_id,
+                              model.text_encoder.config.vocab_size, generator)
+    text_ids = ids if mlm_masked is None else mlm_masked[0]
     image_tokens, image_feat = model.encode_image(images)
-    text_hidden, text_feat = model.encode_text(ids, mask)
+    text_hidden, text_feat = model.encode_text(text_ids, mask)
     temp = model.temperature()
     mom = model.momentum
     distill = w.distill_alpha > 0 and mom is not None
@@ -90,7 +98,7 @@ def train_step(model, batch: dict, cfg: Config, generator: torch.Generator, toke
     with torch.no_grad():
         if mom is not None:
             image_tokens_m, image_feat_m = mom.encode_image(images)
-            text_hidden_m, text_feat_m = mom.encode_text(ids, mask)
+            text_hidden_m, text_feat_m = mom.encode_text(text_ids, mask)
             image_keys, text_keys = image_feat_m, text_feat_m
     if mom is None:
         image_keys, text_keys = image_feat, text_feat
@@ -137,23 +145,35 @@ def train_step(model, batch: dict, cfg: Config, generator: torch.Generator, toke
             neg_text = sample_hard_negatives(w_i2t, generator)   # a hard negative caption for each image
             neg_image = sample_hard_negatives(w_t2i, generator)  # a hard negative image for each caption
         # Rows: B positives, caption i with its negative image, image i with its negative caption.
+        want_maps = w.softmask_itm > 0 and parse_source(w.softmask_source)[0] != "random"
         fused = model.fuse(torch.cat([text_hidden, text_hidden[has_i], text_hidden[neg_text][has_t]]),
                            torch.cat([mask, mask[has_i], mask[neg_text][has_t]]),
-                           torch.cat([image_tokens, image_tokens[neg_image][has_i], image_tokens[has_t]]))
+                           torch.cat([image_tokens, image_tokens[neg_image][has_i], image_tokens[has_t]]),
+                           return_attn=want_maps)
+        fused, maps = fused if want_maps else (fused, None)
         n_neg = int(has_i.sum()) + int(has_t.sum())
         labels = torch.cat([torch.ones(b, dtype=torch.long), torch.zeros(n_neg, dtype=torch.long)]).to(ids.device)
-        losses["itm_loss"] = itm_loss(model.itm_logits(fused), labels)
+        itm_out = model.itm_logits(fused)
+        losses["itm_loss"] = itm_loss(itm_out, labels)
+        if w.softmask_itm > 0:
+            losses["softmask_itm_loss"] = _softmask_itm(model, w.softmask_source, itm_out[:b], maps, text_hidden, mask,
+                                                        image_tokens, generator)
 
     if w.mlm > 0:
-        tok = tokenizer or tokenizer_for(model.cfg.text_model)
-        masked, labels = mlm_mask(ids, w.mlm_prob, tok.all_special_ids, tok.mask_token_id,
-                                  model.text_encoder.config.vocab_size, generator)
-        hidden, _ = model.encode_text(masked, mask)
-        logits = model.mlm_logits(model.fuse(hidden, mask, image_tokens))
+        if mlm_masked is not None:  # the text was encoded masked already; ITM's positive rows are this fusion
+            masked, labels = mlm_masked
+            logits = model.mlm_logits(fused[:ids.shape[0]] if w.itm > 0 else model.fuse(text_hidden, mask,
+                                                                                         image_tokens))
+        else:
+            tok = tokenizer or tokenizer_for(model.cfg.text_model)
+            masked, labels = mlm_mask(ids, w.mlm_prob, tok.all_special_ids, tok.mask_token_id,
+                                      model.text_encoder.config.vocab_size, generator)
+            hidden, _ = model.encode_text(masked, mask)
+            logits = model.mlm_logits(model.fuse(hidden, mask, image_tokens))
         soft = None
         if distill:
             with torch.no_grad():
-                hidden_m, _ = mom.encode_text(masked, mask)
+                hidden_m = text_hidden_m if mlm_masked is not None else mom.encode_text(masked, mask)[0]
                 soft = mom.mlm_logits(mom.fuse(hidden_m, mask, image_tokens_m)).float().softmax(dim=-1)
         losses["mlm_loss"] = mlm_loss(logits, labels, soft, alpha if distill else 0.0)
 
@@ -166,10 +186,31 @@ def train_step(model, batch: dict, cfg: Config, generator: torch.Generator, toke
             losses["tonics_tr_loss"] = tonics_tr_loss(scores)
 
     weights = {"itc_loss": w.itc, "itc_consistency_loss": w.consistency, "itm_loss": w.itm, "mlm_loss": w.mlm,
-               "tonics_ir_loss": w.tonics_ir, "tonics_tr_loss": w.tonics_tr}
+               "softmask_itm_loss": w.softmask_itm, "tonics_ir_loss": w.tonics_ir, "tonics_tr_loss": w.tonics_tr}
     losses["total"] = sum(weights[k] * v for k, v in losses.items())
     losses["queue_feats"] = (image_keys.detach(), text_keys.detach())
     return losses
+
+
+def _softmask_itm(model, source: str, pos_logits: torch.Tensor, maps: list | None, text_hidden: torch.Tensor,
+                  mask: torch.Tensor, image_tokens: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """SoftMask++ eq. 12: the positive pairs again, image tokens multiplied by this step's mask M, labelled match.
+
+    pos_logits (B, 2) are the positives' ITM logits and `maps` the ITM pass's cross-attention probabilities (rows
+    0..B-1 are the positives); M carries no gradient.
+    """
+    b = pos_logits.shape[0]
+    grads = None
+    if maps is not None:
+        maps = [a[:b] for a in maps]
+        if parse_source(source)[0] == "gradcam":
+            # s+ = the positives' match probability summed over the batch; d s+ / dA for every fusion layer. The
+            # maps are not parameters, so autograd.grad leaves every .grad alone; retain_graph keeps the step's graph.
+            s_pos = pos_logits.float().softmax(dim=-1)[:, 1].sum()
+            grads = [g.detach() for g in torch.autograd.grad(s_pos, maps, retain_graph=True)]
+        maps = [a.detach() for a in maps]
+    m = masks_for(source, maps, grads, mask.bool(), image_tokens.shape[1], generator)
+    return softmask_itm_loss(model.itm_logits(model.fuse(text_hidden, mask, image_tokens, patch_weights=m)))
 
 
 # --- helpers -----------------------------------------------------------------------------------------------------
@@ -475,7 +516,11 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
     tok = tokenizer_for(cfg.model.text_model)
     use_features = cfg.data.input == "features"
     mean, std, _ = image_stats(cfg.model)
-    tf_train = None if use_features else train_transform(cfg.data.image_size, mean, std, cfg.data.min_crop_scale)
+    tf_train = None if use_features else train_transform(cfg.data.image_size, mean, std, cfg.data.min_crop_scale,
+                                                         cfg.data.augment)
+    if use_features and cfg.data.augment != "none":
+        console.print(f"note: data.augment={cfg.data.augment} needs pixels; the cached tokens are fixed views, so "
+                      "images are not augmented (train on the pixel dataset to augment)", highlight=False)
     tf_eval = None if use_features else eval_transform(cfg.data.image_size, mean, std)
     collate = Collate(tok, cfg.data.max_len, use_features)
     indexed = cfg.sampler.kind != "random" or cfg.data.triplets
