@@ -17,7 +17,7 @@ from vlprep.shards import ShardsConfig, build_shards, prepare_image
 
 def build(src, out, **kw) -> dict:
     kw.setdefault("workers", 1)
-    return build_shards(ShardsConfig(src=Path(src), out=Path(out), progress=False, **kw))
+    return build_shards(ShardsConfig(src=Path(src), out=Path(out), **kw))
 
 
 def samples(out) -> list[dict]:
