@@ -408,7 +408,7 @@ def bow(cfg: BowConfig, progress=None, warn: Callable[[str], None] = lambda line
         "rmtop_ranked_after": _ranked_after(cascade),
         "rmtop_candidates": None if _ranked_after(cascade) is None else before["ranked_tokens"],
         "length_hist_before": _hist(before["lengths"]), "length_hist_after": _hist(after_lengths),
-        "shards": len(ds.shards), "shards_resumed": resumed, "bad_shards": ds.bad,
+        "shards": len(ds.shards), "shards_resumed": len(resumed), "bad_shards": ds.bad,
         "elapsed_s": round(time.perf_counter() - t0, 3),
         "warnings": emptying_warnings(cascade, ctx, deformed, dropped),
     }

@@ -183,8 +183,10 @@ def map_shards(out: Path, plan: Iterable[Work], fn: Callable[..., dict], *, init
                initargs: tuple = (), workers: int = 1, distributor: str = "local", progress=None,
                label: str = "", total: int | None = None, start: str = "fork", gpu: bool = False,
                done: Callable[[Path, Work], dict | None] = shard_fingerprint_done,
-               executor=None) -> tuple[dict[str, dict], int]:
+               executor=None) -> tuple[dict[str, dict], set[str]]:
     """fn(out, *work.args, work.fingerprint) -> counts, for each planned shard not done; ({shard: counts}, resumed).
+
+    `resumed` holds the shards found complete; `counts` is in plan order, a resumed shard's as stored.
 
     The plan may be a generator (`vlprep shards` streams its source): at most two shards per worker are in flight,
     so memory stays bounded by the shard size. The executor, and with it the models, starts only when a shard is
@@ -192,7 +194,7 @@ def map_shards(out: Path, plan: Iterable[Work], fn: Callable[..., dict], *, init
     """
     stats: dict[str, dict | None] = {}
     pending: dict[Future, Work] = {}
-    resumed = 0
+    resumed: set[str] = set()
     task = progress.add_task(label, total=total) if progress is not None else None
     ex, own = executor, executor is None
 
@@ -209,7 +211,8 @@ def map_shards(out: Path, plan: Iterable[Work], fn: Callable[..., dict], *, init
                 raise VlprepError(f"internal: shard {work.shard} planned twice")
             previous = done(out, work)
             if previous is not None:
-                stats[work.shard], resumed = previous, resumed + 1
+                stats[work.shard] = previous
+                resumed.add(work.shard)
                 if progress is not None:
                     progress.advance(task, work.size)
                 continue

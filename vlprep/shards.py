@@ -305,7 +305,7 @@ def build_shards(cfg: ShardsConfig, progress=None) -> dict:
         "samples_in": n_in, "written": written, "skipped_total": sum(skipped.values()),
         "skipped": dict(sorted(skipped.items())), "skipped_examples": dict(sorted(examples.items())),
         "duplicate_uids": dups["rows"], "duplicate_uid_examples": dups["examples"],
-        "shards": len(planned), "shards_resumed": resumed, "elapsed_s": round(elapsed, 3),
+        "shards": len(planned), "shards_resumed": len(resumed), "elapsed_s": round(elapsed, 3),
         "samples_per_s": round(n_in / elapsed, 1) if elapsed > 0 else None,
     }
     write_json_atomic(out / "report.json", report)
