@@ -32,8 +32,8 @@ def world(tmp_path_factory):
         Image.fromarray(img).save(src / f"{i:03d}.png")
         (src / f"{i:03d}.txt").write_text(f"thing {i} in colour {i % 6}")
     build_shards(ShardsConfig(src=src, out=tmp / "pix", samples_per_shard=8, workers=1))
-    features(FeaturesConfig(src=tmp / "pix", out=tmp / "f64", size=64, device="cpu", workers=0))
-    features(FeaturesConfig(src=tmp / "pix", out=tmp / "f96", size=96, device="cpu", workers=0))
+    features(FeaturesConfig(src=tmp / "pix", out=tmp / "f64", size=64, device="cpu", decode_threads=0))
+    features(FeaturesConfig(src=tmp / "pix", out=tmp / "f96", size=96, device="cpu", decode_threads=0))
     out = tmp / "run"
     r = CliRunner().invoke(app, ["run", str(tmp / "f64"), "--preset", "clip", "--steps", "6", "--batch-size", "6",
                                  "--device", "cpu", "--out", str(out), *[a for s in TINY_TEXT for a in ("--set", s)]])

@@ -36,6 +36,25 @@ def skip_bad_option():
                         "scan of every tar's headers first.")
 
 
+def distributor_option():
+    return typer.Option("local", help="Where the shards are processed: local (this machine: a process pool, or this "
+                        "process with --workers 1) or ray (Ray actors; RAY_ADDRESS or a local Ray; needs the "
+                        "[ray] extra, docs/SCALE.md).")
+
+
+def workers_option(default: str):
+    return typer.Option(None, help=f"Workers (processes or Ray actors), each processing one shard at a time and "
+                        f"loading any model once \\[default: {default}].")
+
+
+def engine(cfg, workers: int | None, distributor: str):
+    """Set the engine options on a stage config; they never enter the recorded options (outputs do not depend on them)."""
+    if workers is not None:
+        cfg.workers = workers
+    cfg.distributor = distributor
+    return cfg
+
+
 def warn_report(report: dict) -> None:
     """The report's data warnings as one yellow line each: bad shards left out, duplicate uids."""
     for shard, why in report.get("bad_shards", {}).items():
@@ -69,8 +88,8 @@ def shards(
     format: Optional[str] = typer.Option(None, "--format", help="Re-encode format: jpg, png or webp. Default: keep "
                                          "the source format (other formats become png)."),
     quality: int = typer.Option(95, help="JPEG/WebP quality when re-encoding."),
-    workers: Optional[int] = typer.Option(None, help="Worker processes, each building one shard at a time "
-                                          "(default: CPU count, at most 4)."),
+    workers: Optional[int] = workers_option("CPU count, at most 4"),
+    distributor: str = distributor_option(),
     prefix: str = typer.Option("shard", help="Shard name prefix: PREFIX-000000.tar; keys are PREFIX_000000000."),
     image_col: Optional[str] = typer.Option(None, help="Table column with image paths or bytes (auto-detected)."),
     caption_col: Optional[str] = typer.Option(None, help="Table column with captions (auto-detected)."),
@@ -86,8 +105,7 @@ def shards(
     cfg = ShardsConfig(src=src, out=out, samples_per_shard=samples_per_shard, resize=resize, format=format,
                        quality=quality, prefix=prefix, image_col=image_col, caption_col=caption_col,
                        uid_col=uid_col, decode_check=decode_check, overwrite=overwrite)
-    if workers is not None:
-        cfg.workers = workers
+    engine(cfg, workers, distributor)
     with progress_bar() as progress:
         report = build_shards(cfg, progress=progress)
     print_shards_report(report, console)
@@ -106,8 +124,8 @@ def bow(
     base_frac: float = typer.Option(0.1, help="Fraction of samples kept intact as the base set (chosen by key hash)."),
     seed: int = typer.Option(0, help="Seed of the base split and of shuffle."),
     deform_base: bool = typer.Option(False, "--deform-base", help="Deform the base captions too."),
-    workers: Optional[int] = typer.Option(None, help="Worker processes, one shard at a time each "
-                                          "(default: CPU count, at most 4)."),
+    workers: Optional[int] = workers_option("CPU count, at most 4"),
+    distributor: str = distributor_option(),
     skip_bad_shards: bool = skip_bad_option(),
     overwrite: bool = typer.Option(False, help="Replace the vlprep files in a non-empty OUT written otherwise."),
 ) -> None:
@@ -116,10 +134,8 @@ def bow(
     from vlprep.report import print_bow_report
 
     cfg = BowConfig(src=src, out=out, ops=ops, base_frac=base_frac, seed=seed, deform_base=deform_base,
-                    overwrite=overwrite,
-                    skip_bad_shards=skip_bad_shards)
-    if workers is not None:
-        cfg.workers = workers
+                    overwrite=overwrite, skip_bad_shards=skip_bad_shards)
+    engine(cfg, workers, distributor)
     said = []
 
     def warn(line: str) -> None:
@@ -148,6 +164,8 @@ def detect(
     min_score: float = typer.Option(0.3, help="Keep detections with at least this score."),
     batch_size: int = typer.Option(8, help="Images per detector call."),
     device: str = typer.Option("auto", help="torchvision backend: auto (CUDA when present), cpu, cuda."),
+    workers: Optional[int] = workers_option("1"),
+    distributor: str = distributor_option(),
     skip_bad_shards: bool = skip_bad_option(),
     overwrite: bool = typer.Option(False, help="Replace the vlprep files in a non-empty OUT written otherwise."),
 ) -> None:
@@ -158,6 +176,7 @@ def detect(
     cfg = DetectConfig(src=src, out=out, backend=backend, weights=weights, from_file=from_file, min_score=min_score,
                        batch_size=batch_size, device=device, overwrite=overwrite,
                        skip_bad_shards=skip_bad_shards)
+    engine(cfg, workers, distributor)
     with progress_bar() as progress:
         report = run_detect(cfg, progress=progress)
     print_detect_report(report, console)
@@ -179,8 +198,11 @@ def features(
                                        "eval view); about N/32 x N/32 tokens (7 x 7 at 224) \\[default: 224]."),
     dtype: str = typer.Option("float16", help="npy dtype: float16 (half the disk) or float32."),
     batch_size: int = typer.Option(32, help="Images per encoder call."),
-    workers: Optional[int] = typer.Option(None, help="Threads decoding and resizing images for the encoder; 0 = "
-                                          "in the main thread \\[default: CPU count, at most 2]."),
+    decode_threads: Optional[int] = typer.Option(None, help="Threads per worker decoding and resizing images for "
+                                                 "the encoder; 0 = in the worker's main thread \\[default: CPU count, "
+                                                 "at most 2]."),
+    workers: Optional[int] = workers_option("1"),
+    distributor: str = distributor_option(),
     device: str = typer.Option("auto", help="auto (CUDA when present, bf16 autocast there), cpu, cuda."),
     skip_bad_shards: bool = skip_bad_option(),
     overwrite: bool = typer.Option(False, help="Replace the vlprep files in a non-empty OUT written otherwise."),
@@ -191,8 +213,9 @@ def features(
     cfg = FeaturesConfig(src=src, out=out, image_model=image_model, weights=weights, size=size, dtype=dtype,
                          batch_size=batch_size, device=device, overwrite=overwrite,
                          skip_bad_shards=skip_bad_shards)
-    if workers is not None:
-        cfg.workers = workers
+    if decode_threads is not None:
+        cfg.decode_threads = decode_threads
+    engine(cfg, workers, distributor)
     with progress_bar() as progress:
         report = run_features(cfg, progress=progress)
     print_features_report(report, console)
@@ -213,6 +236,8 @@ def ontology(
     overrides: Optional[Path] = typer.Option(None, help="YAML of noun: class (force) or noun: null (exclude)."),
     triplets: str = typer.Option("all", help="all: one triplet per mapped noun of the caption (TOnICS appendix "
                                  "A.1); detected: only when the detector found the noun's class in the image."),
+    workers: Optional[int] = workers_option("1"),
+    distributor: str = distributor_option(),
     skip_bad_shards: bool = skip_bad_option(),
     overwrite: bool = typer.Option(False, help="Replace the vlprep files in a non-empty OUT written otherwise."),
 ) -> None:
@@ -223,6 +248,7 @@ def ontology(
     cfg = OntologyConfig(src=src, out=out, min_instances=min_instances, min_cooccur=min_cooccur, min_score=min_score,
                          overrides=overrides, triplets=triplets, overwrite=overwrite,
                          skip_bad_shards=skip_bad_shards)
+    engine(cfg, workers, distributor)
     with progress_bar() as progress:
         report = run_ontology(cfg, progress=progress)
     print_ontology_report(report, Console(emoji=False))
