@@ -73,9 +73,10 @@ def test_feature_trained_checkpoint_reads_pixels_through_the_same_encoder(world)
     assert results["f64"]["retrieval"] == results["pix"]["retrieval"]
     # vlprep embed on the pixel shards takes the same route.
     from vlprep.embed import EmbedConfig, embed, load_embeddings
+    from vltrain.encode import CheckpointEncoder
 
-    embed(EmbedConfig(src=world["pix"], out=world["tmp"] / "emb", checkpoint=world["run"] / "last.pt",
-                      modality="image", device="cpu"))
+    embed(EmbedConfig(src=world["pix"], out=world["tmp"] / "emb", modality="image"),
+          CheckpointEncoder(world["run"] / "last.pt", "cpu"))
     _, x = load_embeddings(world["tmp"] / "emb")
     assert np.allclose(x, a["img"].numpy(), atol=2e-3)
 

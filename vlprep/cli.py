@@ -55,6 +55,13 @@ def engine(cfg, workers: int | None, distributor: str):
     return cfg
 
 
+def checkpoint_encoder(checkpoint: Path, device: str):
+    """The one place vlprep brings in vltrain: a checkpoint's encoders as the object embed and pseudolabel take."""
+    from vltrain.encode import CheckpointEncoder
+
+    return CheckpointEncoder(checkpoint, device)
+
+
 def warn_report(report: dict) -> None:
     """The report's data warnings as one yellow line each: bad shards left out, duplicate uids."""
     for shard, why in report.get("bad_shards", {}).items():
@@ -269,6 +276,8 @@ def embed(
                                   "caption_raw is there."),
     batch_size: int = typer.Option(64, help="Images or captions per encoder call."),
     device: str = typer.Option("auto", help="auto (CUDA when present), cpu, cuda."),
+    workers: Optional[int] = workers_option("1"),
+    distributor: str = distributor_option(),
     skip_bad_shards: bool = skip_bad_option(),
     overwrite: bool = typer.Option(False, help="Replace the files of an earlier run in OUT written otherwise."),
 ) -> None:
@@ -276,11 +285,12 @@ def embed(
     from vlprep.embed import EmbedConfig, embed as run_embed
     from vlprep.report import print_embed_report
 
-    cfg = EmbedConfig(src=dataset, out=out, checkpoint=checkpoint, modality=modality, batch_size=batch_size,
-                      device=device, deformed=deformed, overwrite=overwrite,
-                      skip_bad_shards=skip_bad_shards)
+    cfg = EmbedConfig(src=dataset, out=out, modality=modality, batch_size=batch_size, deformed=deformed,
+                      gpu=device == "cuda", overwrite=overwrite, skip_bad_shards=skip_bad_shards)
+    engine(cfg, workers, distributor)
+    enc = checkpoint_encoder(checkpoint, device)
     with progress_bar() as progress:
-        report = run_embed(cfg, progress=progress)
+        report = run_embed(cfg, enc, progress=progress)
     print_embed_report(report, console)
     warn_report(report)
     console.print(f"wrote {out}/", highlight=False)
@@ -307,6 +317,8 @@ def pseudolabel(
     batch_size: int = typer.Option(16, help="Images per encoder call (each brings --crops crops)."),
     device: str = typer.Option("auto", help="auto (CUDA when present; the index goes to GPU with faiss-gpu), "
                                "cpu, cuda."),
+    workers: Optional[int] = workers_option("1"),
+    distributor: str = distributor_option(),
     skip_bad_shards: bool = skip_bad_option(),
     overwrite: bool = typer.Option(False, help="Replace the vlprep files in a non-empty OUT written otherwise."),
 ) -> None:
@@ -314,12 +326,13 @@ def pseudolabel(
     from vlprep.pseudolabel import PseudolabelConfig, pseudolabel as run_pseudolabel
     from vlprep.report import print_pseudolabel_report
 
-    cfg = PseudolabelConfig(aligned=aligned, unaligned=unaligned, out=out, checkpoint=checkpoint, strategy=strategy,
-                            k=k, crops=crops, words=words, rmtop=rmtop, index=index, nprobe=nprobe, seed=seed,
-                            batch_size=batch_size, device=device, overwrite=overwrite,
-                            skip_bad_shards=skip_bad_shards)
+    cfg = PseudolabelConfig(aligned=aligned, unaligned=unaligned, out=out, strategy=strategy, k=k, crops=crops,
+                            words=words, rmtop=rmtop, index=index, nprobe=nprobe, seed=seed, batch_size=batch_size,
+                            device=device, overwrite=overwrite, skip_bad_shards=skip_bad_shards)
+    engine(cfg, workers, distributor)
+    enc = checkpoint_encoder(checkpoint, device)
     with progress_bar() as progress:
-        report = run_pseudolabel(cfg, progress=progress)
+        report = run_pseudolabel(cfg, enc, progress=progress)
     print_pseudolabel_report(report, Console(emoji=False))
     warn_report(report)
     if report["written"] == 0:
