@@ -7,6 +7,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, SpinnerColumn,
                            TextColumn, TimeElapsedColumn, TimeRemainingColumn)
 from rich.text import Text
@@ -359,7 +360,8 @@ def main() -> None:
     try:
         app()
     except VlprepError as e:
-        console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        # escaped: a message may hold brackets (".[ray]", a path) that rich would take for markup and drop
+        console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:
         console.print("interrupted: completed shards are kept; run the same command again to resume")
