@@ -1,4 +1,5 @@
 import io
+import json
 from pathlib import Path
 
 import numpy as np
@@ -66,3 +67,23 @@ def world(tmp_path_factory):
             "aligned": make_dataset(tmp / "aligned", caps, 10, prefix="al"),
             "unaligned": make_dataset(tmp / "unaligned", ["a caption nobody reads"] * 14, 5, seed=500, prefix="un"),
             "captions": caps}
+
+
+def detected_dataset(tmp_path: Path, captions: list[str], objects: list[list[str]]) -> Path:
+    """Shards of `captions` with detections imported from a file: `objects` at 0.9, plus a 0.1-score tv each."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i, c in enumerate(captions):
+        (src / f"{i}.png").write_bytes(image_bytes(16, 16, seed=i))
+        (src / f"{i}.txt").write_text(c)
+    from vlprep.detect import DetectConfig, detect
+    from vlprep.shards import ShardsConfig, build_shards
+
+    build_shards(ShardsConfig(src=src, out=tmp_path / "raw", samples_per_shard=4, workers=1))
+    lines = [json.dumps({"key": f"shard_{i:09d}", "objects": [{"label": o, "score": 0.9, "box": [0, 0, 0.5, 1]}
+                                                              for o in objs] + [{"label": "tv", "score": 0.1,
+                                                                                 "box": [0, 0, 1, 1]}]})
+             for i, objs in enumerate(objects)]
+    (tmp_path / "dets.jsonl").write_text("\n".join(lines) + "\n")
+    detect(DetectConfig(src=tmp_path / "raw", out=tmp_path / "det", from_file=tmp_path / "dets.jsonl", min_score=0.3))
+    return tmp_path / "det"

@@ -11,7 +11,7 @@ import torch
 
 from vlprep import VlprepError
 from vlprep.dataset import iter_samples
-from vlprep.embed import EmbedConfig, crop_seed, crop_views, embed, intact_captions, load_embeddings
+from vlprep.embed import EmbedConfig, crop_seed, crop_views, embed, intact_captions
 from vltrain.encode import CheckpointEncoder
 
 
