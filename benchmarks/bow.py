@@ -42,6 +42,7 @@ import numpy as np
 from PIL import Image
 
 from vlprep.bow import DEFAULT_OPS, BowConfig, BowContext, bow, deform, parse_ops, SampleRng
+from vlprep.dataset import sidecar_name
 from vlprep.text import stop_words, tokenize
 
 DEFAULT_SRC = Path("/usr/share/openclipart/png")
@@ -392,7 +393,7 @@ def subset(ds: Path, dest: Path, shards: int) -> int:
     keep = dict(list(sizes.items())[:shards])
     dest.mkdir()
     for name in keep:
-        for f in (name, name[:-4] + ".parquet"):
+        for f in (name, sidecar_name(name)):
             (dest / f).symlink_to(ds / f)
     (dest / "sizes.json").write_text(json.dumps(keep))
     return sum(keep.values())
