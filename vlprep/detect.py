@@ -13,6 +13,7 @@ Detections below --min-score are not stored. Images that fail to decode are coun
 import hashlib
 import importlib.util
 import json
+import os
 import time
 import warnings
 from collections import Counter
@@ -197,8 +198,12 @@ _worker: dict = {}
 
 
 def _init_worker(backend: str | None, weights: Path | None, device: str) -> None:
-    # The detector loads once per worker; None when the detections come from a file.
-    _worker["detector"] = make_detector(backend, weights, device) if backend else None
+    """Load the detector once per worker (None when the detections come from a file); the driver's check loads it
+    through here too, so a single inline worker reuses that copy."""
+    st = os.stat(weights) if weights is not None and os.path.exists(weights) else None
+    key = (backend, str(weights), st and (st.st_size, st.st_mtime_ns), device)
+    if _worker.get("key") != key:
+        _worker.update(key=key, detector=make_detector(backend, weights, device) if backend else None)
 
 
 def detect_shard(out: Path, src: Path, shard: str, imported: dict | None, min_score: float, batch_size: int,
@@ -250,8 +255,9 @@ def detect(cfg: DetectConfig, progress=None) -> dict:
         imported = read_detections_file(Path(cfg.from_file), {k for ks in keys.values() for k in ks})
         backend = f"file:{Path(cfg.from_file).name}"
     else:
-        # Loaded here once to check the backend and weights before OUT is touched; the workers load their own.
-        backend = make_detector(cfg.backend, cfg.weights, cfg.device).name
+        # Loaded here to check the backend and weights before OUT is touched; other workers load their own.
+        _init_worker(cfg.backend, cfg.weights, cfg.device)
+        backend = _worker["detector"].name
     options = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()
                if k not in ("src", "out", "overwrite", "batch_size", "device", "workers", "distributor",
                             "skip_bad_shards")}
