@@ -1,15 +1,16 @@
-# The two commands of the README: `make demo` and `make test`.
+# The commands of the README: `make demo`, `make test` (everything, as CI runs it) and `make test-fast` (the unit
+# tier: no packaged models, no Ray).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install apt test demo ablation clean
+.PHONY: install apt test test-fast demo ablation clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test,ray]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -19,6 +20,9 @@ apt:
 
 test: apt install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 demo: install
 	bash scripts/apt-deps.sh --required

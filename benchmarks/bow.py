@@ -41,7 +41,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from vlprep.bow import DEFAULT_OPS, BowConfig, BowContext, bow, deform, parse_ops, sample_rng
+from vlprep.bow import DEFAULT_OPS, BowConfig, BowContext, bow, deform, parse_ops, SampleRng
+from vlprep.dataset import sidecar_name
 from vlprep.text import stop_words, tokenize
 
 DEFAULT_SRC = Path("/usr/share/openclipart/png")
@@ -145,14 +146,14 @@ def bench_deform(n: int, chunk: int) -> dict:
             tokenize(c)
         t1 = time.perf_counter()
         for c, k in zip(cs, ks):
-            deform(c, cascade, ctx, sample_rng(seed, k))
+            deform(c, cascade, ctx, SampleRng(seed, k))
         t2 = time.perf_counter()
         t_tok.append((t1 - t0) / len(cs))
         t_def.append((t2 - t1) / len(cs))
     sample = captions[:chunk]
-    empty = sum(not deform(c, cascade, ctx, sample_rng(seed, k)) for c, k in zip(sample, keys))
+    empty = sum(not deform(c, cascade, ctx, SampleRng(seed, k)) for c, k in zip(sample, keys))
     print(f"  {len(t_def)} chunks of {chunk:,}: deform {', '.join(f'{1 / t:,.0f}' for t in t_def)} captions/s")
-    print(f"  e.g. {sample[0]!r} -> {deform(sample[0], cascade, ctx, sample_rng(seed, keys[0]))!r}; "
+    print(f"  e.g. {sample[0]!r} -> {deform(sample[0], cascade, ctx, SampleRng(seed, keys[0]))!r}; "
           f"{100 * empty / len(sample):.1f}% come out empty")
 
     # Where the time goes: the cascade cut after each step (informational).
@@ -164,7 +165,7 @@ def bench_deform(n: int, chunk: int) -> dict:
         for _ in range(3):
             t0 = time.perf_counter()
             for c, k in zip(sample, keys):
-                deform(c, prefix, ctx, sample_rng(seed, k))
+                deform(c, prefix, ctx, SampleRng(seed, k))
             ts.append((time.perf_counter() - t0) / len(sample))
         cur = min(ts)
         parts.append(f"+{step.label} {1e6 * (cur - last):.2f}")
@@ -222,7 +223,7 @@ def make_image_dataset(folder: Path, ds: Path, n: int, per_shard: int, src: Path
         else:
             dest.write_bytes(synth_png(i, rng))
         (folder / f"{i:06d}.txt").write_text(caption + "\n", encoding="utf-8")
-    report = build_shards(ShardsConfig(src=folder, out=ds, samples_per_shard=per_shard, workers=1, progress=False))
+    report = build_shards(ShardsConfig(src=folder, out=ds, samples_per_shard=per_shard, workers=1))
     if report["written"] != n:
         sys.exit(f"build_shards wrote {report['written']} of {n} samples: {report['skipped']}")
     return f"{len(paths)} distinct openclipart PNGs of 5-20 KB from {src}" if paths else "synthetic PNGs"
@@ -392,7 +393,7 @@ def subset(ds: Path, dest: Path, shards: int) -> int:
     keep = dict(list(sizes.items())[:shards])
     dest.mkdir()
     for name in keep:
-        for f in (name, name[:-4] + ".parquet"):
+        for f in (name, sidecar_name(name)):
             (dest / f).symlink_to(ds / f)
     (dest / "sizes.json").write_text(json.dumps(keep))
     return sum(keep.values())

@@ -87,7 +87,8 @@ def bare_run(enc, captions: list[str], crops: list[torch.Tensor], k: int, batch:
 
 def bench_end_to_end(args) -> dict:
     from vlprep.dataset import iter_samples, read_sidecars, open_dataset
-    from vlprep.embed import Encoder, decode
+    from vlprep.embed import crop_views, decode
+    from vltrain.encode import CheckpointEncoder
     from vlprep.pseudolabel import PseudolabelConfig, pseudolabel
     from vltrain.config import Config, to_dict
     from vltrain.model import ModelConfig, build_model
@@ -97,12 +98,12 @@ def bench_end_to_end(args) -> dict:
         aligned, unaligned = make_data(tmp, args.images, args.captions)
         mc = ModelConfig(momentum=False, queue_size=0)
         torch.save({"model": build_model(mc).state_dict(), "config": to_dict(Config(model=mc))}, tmp / "ckpt.pt")
-        enc = Encoder(tmp / "ckpt.pt", "cpu")
+        enc = CheckpointEncoder(tmp / "ckpt.pt", "cpu")
         captions = read_sidecars(open_dataset(aligned), ["caption"]).column(0).to_pylist()
         crops = []
         for raw in iter_samples(unaligned, decode=False):
             image, _ = decode(raw)
-            crops.append(enc.crop_views(image, raw["__key__"], 0, args.crops))
+            crops.append(crop_views(image, raw["__key__"], 0, args.crops, enc.image_size, enc.min_crop_scale))
         bare, stage, rates, bare_cpu, stage_cpu = [], [], [], [], []
         for r in range(args.repeats):
             c0 = cpu_seconds()
@@ -110,7 +111,8 @@ def bench_end_to_end(args) -> dict:
             c1 = cpu_seconds()
             t0 = time.perf_counter()
             rep = pseudolabel(PseudolabelConfig(aligned=aligned, unaligned=unaligned, out=tmp / f"out{r}",
-                                                checkpoint=tmp / "ckpt.pt", crops=args.crops, k=10, device="cpu"))
+                                                crops=args.crops, k=10, device="cpu"),
+                              CheckpointEncoder(tmp / "ckpt.pt", "cpu"))
             stage.append(time.perf_counter() - t0)
             bare_cpu.append(c1 - c0)
             stage_cpu.append(cpu_seconds() - c1)

@@ -12,7 +12,7 @@ What each side does, exactly:
   every 1000 images open a `tarfile.open(..., "w")` (tarfile's defaults) and, per image, read the image
   file and its .txt file and `addfile` each with a `TarInfo` that has only its name and size set.
   A' also json.dumps a two-key dict per sample and adds it as a third member. No checks of any kind.
-- A vlprep (`build_shards(ShardsConfig(src, out, samples_per_shard=1000, workers=1, progress=False))`):
+- A vlprep (`build_shards(ShardsConfig(src, out, samples_per_shard=1000, workers=1))`):
   everything a user's run does, nothing skipped: detect the source type, walk the folder (sorted),
   claim the output folder (run marker, resume check), per planned shard a fingerprint (stat of every
   image) and a finished-shard check, per sample read the image and caption, clean and check the
@@ -137,8 +137,7 @@ def pil_resize(images: list[Path], every: bool = True) -> None:
 
 
 def vlprep(folder: Path, out: Path, resize: int | None, workers: int, expected: int) -> None:
-    cfg = ShardsConfig(src=folder, out=out, samples_per_shard=PER_SHARD, resize=resize, workers=workers,
-                       progress=False)
+    cfg = ShardsConfig(src=folder, out=out, samples_per_shard=PER_SHARD, resize=resize, workers=workers)
     report = build_shards(cfg, progress=None)
     # A skipped sample would make vlprep look faster than the baseline for the wrong reason.
     if report["written"] != expected:

@@ -60,7 +60,7 @@ def get_shards(arg: Path | None, images: int, tmp: Path) -> tuple[Path, str]:
         words = " ".join([p.parent.name, *p.stem.replace("-", "_").split("_")]).strip()
         (src / f"{i:06d}.txt").write_text(f"a clipart of {words}\n", encoding="utf-8")
     out = tmp / "shards"
-    report = build_shards(ShardsConfig(src=src, out=out, samples_per_shard=1000, resize=256, progress=False),
+    report = build_shards(ShardsConfig(src=src, out=out, samples_per_shard=1000, resize=256),
                           progress=None)
     return out, f"{report['written']} samples from {CLIPART} built with build_shards --resize 256"
 

@@ -1,9 +1,14 @@
 import io
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
+
+COLOURS = ["red", "green", "blue", "yellow", "purple", "orange"]
+THINGS = ["dog", "cat", "car", "boat", "tree", "house", "bird", "kite"]
 
 
 def image_bytes(w: int = 48, h: int = 32, fmt: str = "PNG", seed: int = 0, mode: str = "RGB") -> bytes:
@@ -27,3 +32,58 @@ def image_folder(tmp_path: Path) -> Path:
         (d / f"img{i:02d}.{ext}").write_bytes(image_bytes(40 + i, 30 + i, fmt, seed=i))
         (d / f"img{i:02d}.txt").write_text(f"a picture  of thing {i}\n")
     return root
+
+
+def tiny_checkpoint(path: Path, embed_dim: int = 16, image_model: str = "tiny", seed: int = 0) -> Path:
+    """A random tiny model saved in vltrain's checkpoint format (model state dict + the asdict'ed Config)."""
+    from vltrain.config import Config, DataConfig, to_dict
+    from vltrain.model import ModelConfig, build_model
+
+    torch.manual_seed(seed)
+    mc = ModelConfig(text_model="tiny", image_model=image_model, embed_dim=embed_dim, fusion_layers=0, feature_dim=8)
+    torch.save({"model": build_model(mc).state_dict(),
+                "config": to_dict(Config(model=mc, data=DataConfig(image_size=32, max_len=12)))}, path)
+    return path
+
+
+def make_dataset(root: Path, captions: list[str], per_shard: int, seed: int = 0, prefix: str = "shard") -> Path:
+    src = root.with_name(root.name + "-src")
+    src.mkdir(parents=True)
+    for i, c in enumerate(captions):
+        (src / f"{i:04d}.png").write_bytes(image_bytes(20 + i % 7, 16 + i % 5, seed=seed + i))
+        (src / f"{i:04d}.txt").write_text(c)
+    from vlprep.shards import ShardsConfig, build_shards
+
+    build_shards(ShardsConfig(src=src, out=root, samples_per_shard=per_shard, workers=1, prefix=prefix))
+    return root
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """(pseudolabel, embed) A tiny checkpoint, 40 distinct aligned captions in 4 shards, 14 unaligned images in 3 shards."""
+    tmp = tmp_path_factory.mktemp("pseudo")
+    caps = [f"A {COLOURS[i % 6]} {THINGS[i % 8]} and the {THINGS[(i * 3 + 1) % 8]}, number {i}" for i in range(40)]
+    return {"tmp": tmp, "ckpt": tiny_checkpoint(tmp / "ckpt.pt"),
+            "aligned": make_dataset(tmp / "aligned", caps, 10, prefix="al"),
+            "unaligned": make_dataset(tmp / "unaligned", ["a caption nobody reads"] * 14, 5, seed=500, prefix="un"),
+            "captions": caps}
+
+
+def detected_dataset(tmp_path: Path, captions: list[str], objects: list[list[str]]) -> Path:
+    """Shards of `captions` with detections imported from a file: `objects` at 0.9, plus a 0.1-score tv each."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i, c in enumerate(captions):
+        (src / f"{i}.png").write_bytes(image_bytes(16, 16, seed=i))
+        (src / f"{i}.txt").write_text(c)
+    from vlprep.detect import DetectConfig, detect
+    from vlprep.shards import ShardsConfig, build_shards
+
+    build_shards(ShardsConfig(src=src, out=tmp_path / "raw", samples_per_shard=4, workers=1))
+    lines = [json.dumps({"key": f"shard_{i:09d}", "objects": [{"label": o, "score": 0.9, "box": [0, 0, 0.5, 1]}
+                                                              for o in objs] + [{"label": "tv", "score": 0.1,
+                                                                                 "box": [0, 0, 1, 1]}]})
+             for i, objs in enumerate(objects)]
+    (tmp_path / "dets.jsonl").write_text("\n".join(lines) + "\n")
+    detect(DetectConfig(src=tmp_path / "raw", out=tmp_path / "det", from_file=tmp_path / "dets.jsonl", min_score=0.3))
+    return tmp_path / "det"

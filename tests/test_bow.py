@@ -54,12 +54,6 @@ def test_each_op_on_literal_tokens():
     assert sorted(out) == sorted(toks) and out != toks and toks[0] == "the"  # a new list; input untouched
 
 
-def test_stop_words_are_nltks_179():
-    from vlprep.text import stop_words
-
-    assert stop_words() == STOP and len(STOP) == 179 and {"the", "a", "don't", "wouldn"} <= STOP
-
-
 def test_sample_rng_is_the_documented_fisher_yates():
     x = list(range(40))
     SampleRng(7, "k_1").shuffle(x)

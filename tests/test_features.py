@@ -25,7 +25,7 @@ SPEC_KEYS = ["encoder", "weights", "weights_sha256", "size", "mean", "std", "tok
 
 
 def run(src, out, **kw) -> dict:
-    kw = {"size": 64, "workers": 1, "device": "cpu", **kw}
+    kw = {"size": 64, "decode_threads": 1, "device": "cpu", **kw}
     return features(FeaturesConfig(src=src, out=out, **kw))
 
 
@@ -138,7 +138,7 @@ def test_eval_pixels_is_vltrain_eval_transform_and_the_fast_path_is_identical():
 def test_tokens_do_not_depend_on_the_batch(raw, tmp_path):
     """At 224, batch sizes 1 and 7 give byte-identical float16 npy members (oneDNN channels_last)."""
     a = run(raw, tmp_path / "b1", size=224, batch_size=1)
-    b = run(raw, tmp_path / "b7", size=224, batch_size=7, workers=2)
+    b = run(raw, tmp_path / "b7", size=224, batch_size=7, decode_threads=2)
     assert a["features"] == b["features"]
     assert dataset_bytes(tmp_path / "b1") == dataset_bytes(tmp_path / "b7")
 
@@ -147,7 +147,7 @@ def test_small_sizes_depend_on_the_batch_only_within_rounding(raw, packaged, tmp
     # At 64 px oneDNN picks other kernels for other batch shapes (~1e-6 apart in float32), which can flip a
     # float16's last bit: equal to tolerance, not to the byte. (The module docstring says so.)
     out, _ = packaged
-    run(raw, tmp_path / "b1", batch_size=1, workers=0, dtype="float16")
+    run(raw, tmp_path / "b1", batch_size=1, decode_threads=0, dtype="float16")
     for x, y in zip(iter_samples(out, decode=False), iter_samples(tmp_path / "b1", decode=False), strict=True):
         np.testing.assert_allclose(load_npy(x["npy"]).astype(np.float32), load_npy(y["npy"]).astype(np.float32),
                                    rtol=2e-3, atol=2e-3)
@@ -167,7 +167,7 @@ def test_rerun_and_resume_are_byte_identical(raw, packaged, tmp_path):
     (again / "shard-000002.tar.tmp").write_bytes(b"half")
     for name in ("sizes.json", "index.json", "meta.json"):
         (again / name).unlink()
-    report = run(raw, again, batch_size=3, workers=2)  # batching and threads are not options of the run
+    report = run(raw, again, batch_size=3, decode_threads=2)  # batching and threads are not options of the run
     assert report["shards_resumed"] == 2 and not list(again.glob("*.tmp"))
     assert dataset_bytes(again) == want
     assert run(raw, again)["shards_resumed"] == 3
@@ -283,7 +283,7 @@ def test_cli_runs_the_stage(raw, tmp_path):
     from vlprep.cli import app
 
     r = CliRunner().invoke(app, ["features", str(raw), str(tmp_path / "o"), "--size", "64", "--dtype", "float32",
-                                 "--device", "cpu", "--workers", "0"])
+                                 "--device", "cpu", "--decode-threads", "0"])
     assert r.exit_code == 0, r.output
     assert features_spec(tmp_path / "o")["dtype"] == "float32" and open_dataset(tmp_path / "o").num_samples == 12
 

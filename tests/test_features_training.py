@@ -32,8 +32,8 @@ def world(tmp_path_factory):
         Image.fromarray(img).save(src / f"{i:03d}.png")
         (src / f"{i:03d}.txt").write_text(f"thing {i} in colour {i % 6}")
     build_shards(ShardsConfig(src=src, out=tmp / "pix", samples_per_shard=8, workers=1))
-    features(FeaturesConfig(src=tmp / "pix", out=tmp / "f64", size=64, device="cpu", workers=0))
-    features(FeaturesConfig(src=tmp / "pix", out=tmp / "f96", size=96, device="cpu", workers=0))
+    features(FeaturesConfig(src=tmp / "pix", out=tmp / "f64", size=64, device="cpu", decode_threads=0))
+    features(FeaturesConfig(src=tmp / "pix", out=tmp / "f96", size=96, device="cpu", decode_threads=0))
     out = tmp / "run"
     r = CliRunner().invoke(app, ["run", str(tmp / "f64"), "--preset", "clip", "--steps", "6", "--batch-size", "6",
                                  "--device", "cpu", "--out", str(out), *[a for s in TINY_TEXT for a in ("--set", s)]])
@@ -73,9 +73,10 @@ def test_feature_trained_checkpoint_reads_pixels_through_the_same_encoder(world)
     assert results["f64"]["retrieval"] == results["pix"]["retrieval"]
     # vlprep embed on the pixel shards takes the same route.
     from vlprep.embed import EmbedConfig, embed, load_embeddings
+    from vltrain.encode import CheckpointEncoder
 
-    embed(EmbedConfig(src=world["pix"], out=world["tmp"] / "emb", checkpoint=world["run"] / "last.pt",
-                      modality="image", device="cpu"))
+    embed(EmbedConfig(src=world["pix"], out=world["tmp"] / "emb", modality="image"),
+          CheckpointEncoder(world["run"] / "last.pt", "cpu"))
     _, x = load_embeddings(world["tmp"] / "emb")
     assert np.allclose(x, a["img"].numpy(), atol=2e-3)
 

@@ -13,12 +13,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import image_bytes
+from conftest import COLOURS, THINGS, image_bytes, make_dataset, tiny_checkpoint
 from vlprep import VlprepError, knn
 from vlprep.dataset import finish_dataset, iter_samples, open_dataset, read_sidecars, write_shard
 from vlprep.pseudolabel import (PseudolabelConfig, STRATEGIES, caption_words, neighbour_keys, pseudolabel,
                                 rank_words, top_words)
-from vlprep.shards import ShardsConfig, build_shards
+from vltrain.encode import CheckpointEncoder
 
 STOP = set((Path(__file__).parents[1] / "vlprep/data/stopwords/english").read_text().split())
 
@@ -65,7 +65,9 @@ def test_top_t_agrees_with_bows_rmtop_after_rmstop(tmp_path):
     # S_a given to both commands (bow with every caption in the base set): pseudolabel's top(t) and bow's
     # `rmstop,rmtop:t` set are the same content words, in the order a plain Counter loop ranks them.
     from vlprep.bow import BowConfig, bow, top_tokens
-    from vlprep.pseudolabel import document_frequency
+
+    def document_frequency(captions):  # count(w, S_a): captions containing each candidate word
+        return Counter(w for c in captions for w in caption_words(c))
 
     rng = random.Random(0)
     vocab = ["the", "a", ".", ",", "of", "dog", "cat", "red", "tree", "2", "grass", "man", "on", "sky", "boat"]
@@ -156,107 +158,8 @@ def test_neighbour_keys_most_retrieved_then_best_score_then_key():
 # --- the index ---------------------------------------------------------------------------------
 
 
-def unit(x: np.ndarray) -> np.ndarray:
-    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
-
-
-def test_flat_knn_equals_brute_force_numpy():
-    rng = np.random.default_rng(0)
-    x, q = unit(rng.standard_normal((700, 24))), unit(rng.standard_normal((60, 24)))
-    index = knn.build_index(x, "flat")
-    scores, ids = knn.search(index, q, 10)
-    sim = q @ x.T
-    expected = np.argsort(-sim, axis=1, kind="stable")[:, :10]
-    assert (ids == expected).all()
-    np.testing.assert_allclose(scores, np.take_along_axis(sim, expected, axis=1), rtol=1e-5, atol=1e-6)
-    assert knn.kind_of(index) == "flat" and knn.set_nprobe(index, 8) == 0
-
-
-def test_ivf_recall_at_10_on_clustered_data():
-    # 200 topics; a point is its topic's centre plus noise of norm ~0.8 (cosine ~0.7 to its 10th neighbour)
-    rng = np.random.default_rng(1)
-    centres = unit(rng.standard_normal((200, 64)))
-    x = unit(centres[rng.integers(0, 200, 20_000)] + 0.1 * rng.standard_normal((20_000, 64)))
-    q = unit(centres[rng.integers(0, 200, 400)] + 0.1 * rng.standard_normal((400, 64)))
-    flat_ids = knn.search(knn.build_index(x, "flat"), q, 10)[1]
-    ivf = knn.build_index(x, "ivf")
-    assert knn.kind_of(ivf) == "ivf" and knn.nlist(ivf) == knn.ivf_nlist(20_000) == 512
-    assert knn.set_nprobe(ivf, knn.DEFAULT_NPROBE) == knn.DEFAULT_NPROBE
-    ivf_ids = knn.search(ivf, q, 10)[1]
-    recall = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(flat_ids, ivf_ids)])
-    assert recall >= 0.95, recall
-    assert knn.set_nprobe(ivf, 1) == 1  # far fewer lists: recall drops, so the setting is really applied
-    low = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(flat_ids, knn.search(ivf, q, 10)[1])])
-    assert low < recall
-
-
-def test_auto_rule_and_list_count():
-    assert knn.choose_kind("auto", knn.FLAT_MAX - 1) == "flat" and knn.choose_kind("auto", knn.FLAT_MAX) == "ivf"
-    assert knn.choose_kind("ivf", 10) == "ivf" and knn.choose_kind("flat", 10**9) == "flat"
-    assert knn.ivf_nlist(10**6) == 4000 and knn.ivf_nlist(2000) == 51 and knn.ivf_nlist(5) == 1
-    with pytest.raises(ValueError, match="auto, flat, ivf"):
-        knn.choose_kind("hnsw", 10)
-    # a tiny forced IVF (one list) still returns the exact neighbours
-    x = unit(np.random.default_rng(2).standard_normal((20, 8)))
-    assert (knn.search(knn.build_index(x, "ivf"), x[:3], 1)[1][:, 0] == [0, 1, 2]).all()
-
-
-def test_gpu_only_when_faiss_has_one_and_device_allows():
-    import faiss
-
-    assert knn.use_gpu("cpu") is False
-    assert knn.use_gpu("auto") == (hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0)
-
-
-@pytest.mark.skipif(not hasattr(__import__("faiss"), "StandardGpuResources")
-                    or __import__("faiss").get_num_gpus() == 0, reason="needs faiss-gpu and a GPU")
-def test_gpu_index_matches_cpu():
-    x = unit(np.random.default_rng(3).standard_normal((1000, 32)))
-    for kind in ("flat", "ivf"):
-        cpu = knn.build_index(x, kind)
-        nprobe = knn.set_nprobe(cpu, 4)
-        gpu = knn.to_gpu(cpu, nprobe)
-        a, b = knn.search(gpu, x[:50], 5)[1], knn.search(cpu, x[:50], 5)[1]
-        assert knn.on_gpu(gpu) and np.mean([len(set(p) & set(q)) / 5 for p, q in zip(a, b)]) >= 0.98
-
-
 # --- the stage with a tiny checkpoint ----------------------------------------------------------
 
-COLOURS = ["red", "green", "blue", "yellow", "purple", "orange"]
-THINGS = ["dog", "cat", "car", "boat", "tree", "house", "bird", "kite"]
-
-
-def tiny_checkpoint(path: Path, embed_dim: int = 16, image_model: str = "tiny", seed: int = 0) -> Path:
-    """A random tiny model saved in vltrain's checkpoint format (model state dict + the asdict'ed Config)."""
-    from vltrain.config import Config, DataConfig, to_dict
-    from vltrain.model import ModelConfig, build_model
-
-    torch.manual_seed(seed)
-    mc = ModelConfig(text_model="tiny", image_model=image_model, embed_dim=embed_dim, fusion_layers=0, feature_dim=8)
-    torch.save({"model": build_model(mc).state_dict(),
-                "config": to_dict(Config(model=mc, data=DataConfig(image_size=32, max_len=12)))}, path)
-    return path
-
-
-def make_dataset(root: Path, captions: list[str], per_shard: int, seed: int = 0, prefix: str = "shard") -> Path:
-    src = root.with_name(root.name + "-src")
-    src.mkdir(parents=True)
-    for i, c in enumerate(captions):
-        (src / f"{i:04d}.png").write_bytes(image_bytes(20 + i % 7, 16 + i % 5, seed=seed + i))
-        (src / f"{i:04d}.txt").write_text(c)
-    build_shards(ShardsConfig(src=src, out=root, samples_per_shard=per_shard, workers=1, prefix=prefix))
-    return root
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    """A tiny checkpoint, 40 distinct aligned captions in 4 shards, 14 unaligned images in 3 shards."""
-    tmp = tmp_path_factory.mktemp("pseudo")
-    caps = [f"A {COLOURS[i % 6]} {THINGS[i % 8]} and the {THINGS[(i * 3 + 1) % 8]}, number {i}" for i in range(40)]
-    return {"tmp": tmp, "ckpt": tiny_checkpoint(tmp / "ckpt.pt"),
-            "aligned": make_dataset(tmp / "aligned", caps, 10, prefix="al"),
-            "unaligned": make_dataset(tmp / "unaligned", ["a caption nobody reads"] * 14, 5, seed=500, prefix="un"),
-            "captions": caps}
 
 
 def run(w, out, **kw) -> dict:
@@ -264,8 +167,8 @@ def run(w, out, **kw) -> dict:
     kw.setdefault("k", 3)
     kw.setdefault("crops", 2)
     kw.setdefault("batch_size", 4)
-    return pseudolabel(PseudolabelConfig(aligned=w["aligned"], unaligned=w["unaligned"], out=Path(out),
-                                         checkpoint=w["ckpt"], **kw))
+    enc = CheckpointEncoder(w["ckpt"], kw["device"])
+    return pseudolabel(PseudolabelConfig(aligned=w["aligned"], unaligned=w["unaligned"], out=Path(out), **kw), enc)
 
 
 def reference_pseudo_captions(w, strategy: str, k: int, crops: int, p: int, seed: int, rmtop: int = 1000) -> dict:
@@ -462,44 +365,6 @@ def test_cli_errors_are_one_line_with_exit_2(world, tmp_path):
             r.stderr
     r = cli("pseudolabel", "--help")
     assert r.returncode == 0 and all(o in r.stdout for o in ("--strategy", "--rmtop", "--nprobe", "--crops"))
-
-
-# --- vlprep embed ------------------------------------------------------------------------------
-
-
-def test_embed_text_and_image(world, tmp_path):
-    from vlprep.embed import EmbedConfig, embed, load_embeddings
-    from vltrain.model import load_checkpoint
-
-    rep = embed(EmbedConfig(src=world["aligned"], out=tmp_path / "t", checkpoint=world["ckpt"], modality="text",
-                            batch_size=7, device="cpu"))
-    keys, x = load_embeddings(tmp_path / "t")
-    assert keys == [f"al_{i:09d}" for i in range(40)] and x.shape == (40, 16) and x.dtype == np.float32
-    np.testing.assert_allclose(np.linalg.norm(x, axis=1), 1, atol=1e-5)
-    model, cfg = load_checkpoint(world["ckpt"])
-    from vltrain.model import build_tokenizer
-
-    enc = build_tokenizer(model.cfg)(world["captions"][:5], padding="longest", return_tensors="pt")
-    with torch.no_grad():
-        ref = model.encode_text(enc["input_ids"], enc["attention_mask"])[1].numpy()
-    np.testing.assert_allclose(x[:5], ref, atol=1e-5)
-    assert rep["written"] == 40 and rep["dim"] == 16
-
-    rep = embed(EmbedConfig(src=world["unaligned"], out=tmp_path / "i", checkpoint=world["ckpt"], modality="image",
-                            batch_size=4, device="cpu"))
-    keys, x = load_embeddings(tmp_path / "i")
-    assert len(keys) == 14 and x.shape == (14, 16) and rep["skipped"] == {}
-    from vltrain.data import eval_transform
-    from vlprep.dataset import to_rgb
-
-    first = next(iter_samples(world["unaligned"], decode=False))
-    with torch.no_grad():
-        ref = model.encode_image(eval_transform(32, model.image_mean, model.image_std)(to_rgb(first["png"]))[None])[1]
-    np.testing.assert_allclose(x[0], ref[0].numpy(), atol=1e-5)
-    with pytest.raises(VlprepError, match="--modality must be image or text"):
-        embed(EmbedConfig(src=world["aligned"], out=tmp_path / "z", checkpoint=world["ckpt"], modality="audio"))
-    r = cli("embed", world["aligned"], tmp_path / "z", "--checkpoint", tmp_path / "nope.pt", "--device", "cpu")
-    assert r.returncode == 2 and "checkpoint not found" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 # --- with a trained checkpoint, through both CLIs ----------------------------------------------

@@ -21,12 +21,10 @@ The contract (also in docs/BOW.md):
 """
 
 import hashlib
-import os
 import random
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -37,7 +35,8 @@ import pyarrow.parquet as pq
 
 from vlprep import VlprepError
 from vlprep.dataset import (decode_sample, finish_dataset, iter_aligned, open_derived, prepare_output, release_output,
-                            shard_done, write_json_atomic, write_shard)
+                            sidecar_name, write_json_atomic, write_shard)
+from vlprep.engine import Work, check_engine, default_workers, map_shards
 from vlprep.text import stop_words, tokenize, words
 
 DEFAULT_OPS = "shuffle,rmstop,basevocab,rmtop:1000,keep:4"
@@ -204,10 +203,6 @@ class SampleRng:
             x[i], x[j] = x[j], x[i]
 
 
-def sample_rng(seed: int, key: str) -> SampleRng:
-    return SampleRng(seed, key)
-
-
 # --- the stage ---------------------------------------------------------------------------------
 
 
@@ -219,7 +214,8 @@ class BowConfig:
     base_frac: float = 0.1
     seed: int = 0
     deform_base: bool = False
-    workers: int = field(default_factory=lambda: min(4, os.cpu_count() or 1))
+    workers: int = field(default_factory=default_workers)
+    distributor: str = "local"     # local | ray (docs/SCALE.md)
     overwrite: bool = False
     skip_bad_shards: bool = False  # leave out shards whose tar, sidecar and sizes.json disagree (counted)
 
@@ -306,12 +302,12 @@ def shard_fingerprints(ds, ctx: BowContext) -> dict[str, str]:
     return fps
 
 
-def bow_shard(src: Path, out: Path, shard: str, fp: str = "") -> dict:
+def bow_shard(out: Path, src: Path, shard: str, fp: str = "") -> dict:
     """Second pass over one shard: deform captions, copy everything else; returns the shard's counts."""
     w = _worker
     cascade, ctx, seed = w["cascade"], w["context"], w["seed"]
     needs_rng = any(s.name == "shuffle" for s in cascade)
-    side = pq.read_table(src / (shard[:-4] + ".parquet")).replace_schema_metadata(None)
+    side = pq.read_table(src / sidecar_name(shard)).replace_schema_metadata(None)
     removed = [0] * len(cascade)
     samples, kept, captions, raw_captions, flags = [], [], [], [], []
     dropped = 0
@@ -322,7 +318,7 @@ def bow_shard(src: Path, out: Path, shard: str, fp: str = "") -> dict:
         caption = s["txt"]
         deform_it = w["deform_base"] or not is_base(seed, key, w["base_frac"])
         if deform_it:
-            caption = deform(caption, cascade, ctx, sample_rng(seed, key) if needs_rng else None, removed)
+            caption = deform(caption, cascade, ctx, SampleRng(seed, key) if needs_rng else None, removed)
             if not caption:
                 dropped += 1
                 continue
@@ -363,47 +359,25 @@ def bow(cfg: BowConfig, progress=None, warn: Callable[[str], None] = lambda line
     needs_base = [s.label for s in cascade if OPS[s.name].needs_base]
     if needs_base and cfg.base_frac == 0:
         raise VlprepError(f"{', '.join(needs_base)} need a base set, but --base-frac is 0")
-    if cfg.workers < 1:
-        raise VlprepError("--workers must be at least 1")
+    check_engine(cfg.distributor, cfg.workers)
     t0 = time.perf_counter()
     ds, out = open_derived(cfg.src, cfg.out, cfg.skip_bad_shards)
     ctx, before = base_statistics(ds, cascade, cfg.base_frac, cfg.seed)
     if needs_base and before["base"] == 0:
         raise VlprepError(f"the base set is empty ({before['samples']} samples x --base-frac {cfg.base_frac}); "
                           "raise --base-frac")
-    options = {k: v for k, v in asdict(cfg).items() if k not in ("src", "out", "workers", "overwrite", "skip_bad_shards")}
+    options = {k: v for k, v in asdict(cfg).items() if k not in ("src", "out", "workers", "distributor", "overwrite", "skip_bad_shards")}
     options["src"] = str(ds.root.resolve())
     prepare_output(out, "bow", options, cfg.overwrite)
     for line in emptying_warnings(cascade, ctx):  # before the long pass, so the user can stop it
         warn(line)
 
     spec = ",".join(s.label for s in cascade)
-    init = (spec, ctx, cfg.seed, cfg.base_frac, cfg.deform_base)
-    todo = []
-    stats: dict[str, dict] = {}
     fps = shard_fingerprints(ds, ctx)
-    for shard in ds.shards:
-        done = shard_done(out, shard)
-        if done is not None and done.get("fingerprint") == fps[shard]:
-            stats[shard] = done
-        else:
-            todo.append(shard)
-    task = progress.add_task("bow", total=ds.num_samples) if progress else None
-    if progress:
-        progress.advance(task, sum(stats[s]["in"] for s in stats))
-    if cfg.workers > 1 and len(todo) > 1:
-        with ProcessPoolExecutor(cfg.workers, initializer=_init_worker, initargs=init) as pool:
-            for shard, st in zip(todo, pool.map(bow_shard, [ds.root] * len(todo), [out] * len(todo), todo,
-                                                [fps[s] for s in todo])):
-                stats[shard] = st
-                if progress:
-                    progress.advance(task, st["in"])
-    else:
-        _init_worker(*init)
-        for shard in todo:
-            stats[shard] = bow_shard(ds.root, out, shard, fps[shard])
-            if progress:
-                progress.advance(task, stats[shard]["in"])
+    plan = [Work(shard, (ds.root, shard), fps[shard], ds.sizes[shard]) for shard in ds.shards]
+    stats, resumed = map_shards(out, plan, bow_shard, init=_init_worker,
+                                initargs=(spec, ctx, cfg.seed, cfg.base_frac, cfg.deform_base), workers=cfg.workers,
+                                distributor=cfg.distributor, progress=progress, label="bow", total=ds.num_samples)
 
     sizes = {s: stats[s]["written"] for s in ds.shards}
     n_in, written = ds.num_samples, sum(sizes.values())
@@ -416,7 +390,7 @@ def bow(cfg: BowConfig, progress=None, warn: Callable[[str], None] = lambda line
     })
     after_words, after_lengths = Counter(), Counter()
     for shard in ds.shards:  # the 'after' statistics, from the sidecars just written
-        for caption in pq.read_table(out / (shard[:-4] + ".parquet"), columns=["caption"]).column(0).to_pylist():
+        for caption in pq.read_table(out / sidecar_name(shard), columns=["caption"]).column(0).to_pylist():
             ws = words(caption)
             after_words.update(ws)
             after_lengths[len(ws)] += 1
@@ -434,7 +408,7 @@ def bow(cfg: BowConfig, progress=None, warn: Callable[[str], None] = lambda line
         "rmtop_ranked_after": _ranked_after(cascade),
         "rmtop_candidates": None if _ranked_after(cascade) is None else before["ranked_tokens"],
         "length_hist_before": _hist(before["lengths"]), "length_hist_after": _hist(after_lengths),
-        "shards": len(ds.shards), "shards_resumed": len(ds.shards) - len(todo), "bad_shards": ds.bad,
+        "shards": len(ds.shards), "shards_resumed": len(resumed), "bad_shards": ds.bad,
         "elapsed_s": round(time.perf_counter() - t0, 3),
         "warnings": emptying_warnings(cascade, ctx, deformed, dropped),
     }

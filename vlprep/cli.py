@@ -7,6 +7,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, SpinnerColumn,
                            TextColumn, TimeElapsedColumn, TimeRemainingColumn)
 from rich.text import Text
@@ -34,6 +35,32 @@ def skip_bad_option():
     return typer.Option(False, "--skip-bad-shards", help="Leave out (and count) input shards whose tar does not hold "
                         "the samples its sidecar and sizes.json list, instead of stopping at the first one; costs a "
                         "scan of every tar's headers first.")
+
+
+def distributor_option():
+    return typer.Option("local", help="Where the shards are processed: local (this machine: a process pool, or this "
+                        "process with --workers 1) or ray (Ray actors; RAY_ADDRESS or a local Ray; needs the "
+                        "[ray] extra, docs/SCALE.md).")
+
+
+def workers_option(default: str):
+    return typer.Option(None, help=f"Workers (processes or Ray actors), each processing one shard at a time and "
+                        f"loading any model once \\[default: {default}].")
+
+
+def engine(cfg, workers: int | None, distributor: str):
+    """Set the engine options on a stage config; they never enter the recorded options (outputs do not depend on them)."""
+    if workers is not None:
+        cfg.workers = workers
+    cfg.distributor = distributor
+    return cfg
+
+
+def checkpoint_encoder(checkpoint: Path, device: str):
+    """The one place vlprep brings in vltrain: a checkpoint's encoders as the object embed and pseudolabel take."""
+    from vltrain.encode import CheckpointEncoder
+
+    return CheckpointEncoder(checkpoint, device)
 
 
 def warn_report(report: dict) -> None:
@@ -69,8 +96,8 @@ def shards(
     format: Optional[str] = typer.Option(None, "--format", help="Re-encode format: jpg, png or webp. Default: keep "
                                          "the source format (other formats become png)."),
     quality: int = typer.Option(95, help="JPEG/WebP quality when re-encoding."),
-    workers: Optional[int] = typer.Option(None, help="Worker processes, each building one shard at a time "
-                                          "(default: CPU count, at most 4)."),
+    workers: Optional[int] = workers_option("CPU count, at most 4"),
+    distributor: str = distributor_option(),
     prefix: str = typer.Option("shard", help="Shard name prefix: PREFIX-000000.tar; keys are PREFIX_000000000."),
     image_col: Optional[str] = typer.Option(None, help="Table column with image paths or bytes (auto-detected)."),
     caption_col: Optional[str] = typer.Option(None, help="Table column with captions (auto-detected)."),
@@ -86,8 +113,7 @@ def shards(
     cfg = ShardsConfig(src=src, out=out, samples_per_shard=samples_per_shard, resize=resize, format=format,
                        quality=quality, prefix=prefix, image_col=image_col, caption_col=caption_col,
                        uid_col=uid_col, decode_check=decode_check, overwrite=overwrite)
-    if workers is not None:
-        cfg.workers = workers
+    engine(cfg, workers, distributor)
     with progress_bar() as progress:
         report = build_shards(cfg, progress=progress)
     print_shards_report(report, console)
@@ -106,8 +132,8 @@ def bow(
     base_frac: float = typer.Option(0.1, help="Fraction of samples kept intact as the base set (chosen by key hash)."),
     seed: int = typer.Option(0, help="Seed of the base split and of shuffle."),
     deform_base: bool = typer.Option(False, "--deform-base", help="Deform the base captions too."),
-    workers: Optional[int] = typer.Option(None, help="Worker processes, one shard at a time each "
-                                          "(default: CPU count, at most 4)."),
+    workers: Optional[int] = workers_option("CPU count, at most 4"),
+    distributor: str = distributor_option(),
     skip_bad_shards: bool = skip_bad_option(),
     overwrite: bool = typer.Option(False, help="Replace the vlprep files in a non-empty OUT written otherwise."),
 ) -> None:
@@ -116,10 +142,8 @@ def bow(
     from vlprep.report import print_bow_report
 
     cfg = BowConfig(src=src, out=out, ops=ops, base_frac=base_frac, seed=seed, deform_base=deform_base,
-                    overwrite=overwrite,
-                    skip_bad_shards=skip_bad_shards)
-    if workers is not None:
-        cfg.workers = workers
+                    overwrite=overwrite, skip_bad_shards=skip_bad_shards)
+    engine(cfg, workers, distributor)
     said = []
 
     def warn(line: str) -> None:
@@ -148,6 +172,8 @@ def detect(
     min_score: float = typer.Option(0.3, help="Keep detections with at least this score."),
     batch_size: int = typer.Option(8, help="Images per detector call."),
     device: str = typer.Option("auto", help="torchvision backend: auto (CUDA when present), cpu, cuda."),
+    workers: Optional[int] = workers_option("1"),
+    distributor: str = distributor_option(),
     skip_bad_shards: bool = skip_bad_option(),
     overwrite: bool = typer.Option(False, help="Replace the vlprep files in a non-empty OUT written otherwise."),
 ) -> None:
@@ -158,6 +184,7 @@ def detect(
     cfg = DetectConfig(src=src, out=out, backend=backend, weights=weights, from_file=from_file, min_score=min_score,
                        batch_size=batch_size, device=device, overwrite=overwrite,
                        skip_bad_shards=skip_bad_shards)
+    engine(cfg, workers, distributor)
     with progress_bar() as progress:
         report = run_detect(cfg, progress=progress)
     print_detect_report(report, console)
@@ -179,8 +206,11 @@ def features(
                                        "eval view); about N/32 x N/32 tokens (7 x 7 at 224) \\[default: 224]."),
     dtype: str = typer.Option("float16", help="npy dtype: float16 (half the disk) or float32."),
     batch_size: int = typer.Option(32, help="Images per encoder call."),
-    workers: Optional[int] = typer.Option(None, help="Threads decoding and resizing images for the encoder; 0 = "
-                                          "in the main thread \\[default: CPU count, at most 2]."),
+    decode_threads: Optional[int] = typer.Option(None, help="Threads per worker decoding and resizing images for "
+                                                 "the encoder; 0 = in the worker's main thread \\[default: CPU count, "
+                                                 "at most 2]."),
+    workers: Optional[int] = workers_option("1"),
+    distributor: str = distributor_option(),
     device: str = typer.Option("auto", help="auto (CUDA when present, bf16 autocast there), cpu, cuda."),
     skip_bad_shards: bool = skip_bad_option(),
     overwrite: bool = typer.Option(False, help="Replace the vlprep files in a non-empty OUT written otherwise."),
@@ -191,8 +221,9 @@ def features(
     cfg = FeaturesConfig(src=src, out=out, image_model=image_model, weights=weights, size=size, dtype=dtype,
                          batch_size=batch_size, device=device, overwrite=overwrite,
                          skip_bad_shards=skip_bad_shards)
-    if workers is not None:
-        cfg.workers = workers
+    if decode_threads is not None:
+        cfg.decode_threads = decode_threads
+    engine(cfg, workers, distributor)
     with progress_bar() as progress:
         report = run_features(cfg, progress=progress)
     print_features_report(report, console)
@@ -213,6 +244,8 @@ def ontology(
     overrides: Optional[Path] = typer.Option(None, help="YAML of noun: class (force) or noun: null (exclude)."),
     triplets: str = typer.Option("all", help="all: one triplet per mapped noun of the caption (TOnICS appendix "
                                  "A.1); detected: only when the detector found the noun's class in the image."),
+    workers: Optional[int] = workers_option("1"),
+    distributor: str = distributor_option(),
     skip_bad_shards: bool = skip_bad_option(),
     overwrite: bool = typer.Option(False, help="Replace the vlprep files in a non-empty OUT written otherwise."),
 ) -> None:
@@ -223,6 +256,7 @@ def ontology(
     cfg = OntologyConfig(src=src, out=out, min_instances=min_instances, min_cooccur=min_cooccur, min_score=min_score,
                          overrides=overrides, triplets=triplets, overwrite=overwrite,
                          skip_bad_shards=skip_bad_shards)
+    engine(cfg, workers, distributor)
     with progress_bar() as progress:
         report = run_ontology(cfg, progress=progress)
     print_ontology_report(report, Console(emoji=False))
@@ -243,6 +277,8 @@ def embed(
                                   "caption_raw is there."),
     batch_size: int = typer.Option(64, help="Images or captions per encoder call."),
     device: str = typer.Option("auto", help="auto (CUDA when present), cpu, cuda."),
+    workers: Optional[int] = workers_option("1"),
+    distributor: str = distributor_option(),
     skip_bad_shards: bool = skip_bad_option(),
     overwrite: bool = typer.Option(False, help="Replace the files of an earlier run in OUT written otherwise."),
 ) -> None:
@@ -250,11 +286,12 @@ def embed(
     from vlprep.embed import EmbedConfig, embed as run_embed
     from vlprep.report import print_embed_report
 
-    cfg = EmbedConfig(src=dataset, out=out, checkpoint=checkpoint, modality=modality, batch_size=batch_size,
-                      device=device, deformed=deformed, overwrite=overwrite,
-                      skip_bad_shards=skip_bad_shards)
+    cfg = EmbedConfig(src=dataset, out=out, modality=modality, batch_size=batch_size, deformed=deformed,
+                      gpu=device == "cuda", overwrite=overwrite, skip_bad_shards=skip_bad_shards)
+    engine(cfg, workers, distributor)
+    enc = checkpoint_encoder(checkpoint, device)
     with progress_bar() as progress:
-        report = run_embed(cfg, progress=progress)
+        report = run_embed(cfg, enc, progress=progress)
     print_embed_report(report, console)
     warn_report(report)
     console.print(f"wrote {out}/", highlight=False)
@@ -281,6 +318,8 @@ def pseudolabel(
     batch_size: int = typer.Option(16, help="Images per encoder call (each brings --crops crops)."),
     device: str = typer.Option("auto", help="auto (CUDA when present; the index goes to GPU with faiss-gpu), "
                                "cpu, cuda."),
+    workers: Optional[int] = workers_option("1"),
+    distributor: str = distributor_option(),
     skip_bad_shards: bool = skip_bad_option(),
     overwrite: bool = typer.Option(False, help="Replace the vlprep files in a non-empty OUT written otherwise."),
 ) -> None:
@@ -288,12 +327,13 @@ def pseudolabel(
     from vlprep.pseudolabel import PseudolabelConfig, pseudolabel as run_pseudolabel
     from vlprep.report import print_pseudolabel_report
 
-    cfg = PseudolabelConfig(aligned=aligned, unaligned=unaligned, out=out, checkpoint=checkpoint, strategy=strategy,
-                            k=k, crops=crops, words=words, rmtop=rmtop, index=index, nprobe=nprobe, seed=seed,
-                            batch_size=batch_size, device=device, overwrite=overwrite,
-                            skip_bad_shards=skip_bad_shards)
+    cfg = PseudolabelConfig(aligned=aligned, unaligned=unaligned, out=out, strategy=strategy, k=k, crops=crops,
+                            words=words, rmtop=rmtop, index=index, nprobe=nprobe, seed=seed, batch_size=batch_size,
+                            device=device, overwrite=overwrite, skip_bad_shards=skip_bad_shards)
+    engine(cfg, workers, distributor)
+    enc = checkpoint_encoder(checkpoint, device)
     with progress_bar() as progress:
-        report = run_pseudolabel(cfg, progress=progress)
+        report = run_pseudolabel(cfg, enc, progress=progress)
     print_pseudolabel_report(report, Console(emoji=False))
     warn_report(report)
     if report["written"] == 0:
@@ -320,7 +360,8 @@ def main() -> None:
     try:
         app()
     except VlprepError as e:
-        console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        # escaped: a message may hold brackets (".[ray]", a path) that rich would take for markup and drop
+        console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:
         console.print("interrupted: completed shards are kept; run the same command again to resume")

@@ -12,6 +12,7 @@ import tarfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -110,8 +111,24 @@ def _check_member(name: str) -> str:
     return name
 
 
-def iter_tar(path: str | os.PathLike, handler: Callable[[Exception], bool] = reraise) -> Iterator[dict]:
+class TarRef(NamedTuple):
+    """Where a member's bytes sit in a tar: what travels to the worker that reads them (never the bytes)."""
+
+    path: str
+    offset: int
+    size: int
+
+    def read(self) -> bytes:
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            return f.read(self.size)
+
+
+def iter_tar(path: str | os.PathLike, handler: Callable[[Exception], bool] = reraise,
+             refs: tuple[str, ...] = ()) -> Iterator[dict]:
     """Samples of one tar, raw: {'__key__', '__url__', ext: bytes, ...}; unsafe or pickled members raise.
+
+    Members whose extension is in `refs` are not read: they come as a TarRef to their bytes.
 
     Grouping follows webdataset: the key is the member path up to the first dot of its file name,
     consecutive members with one key form a sample, `__*__` metadata members are skipped. Read with
@@ -137,7 +154,8 @@ def iter_tar(path: str | os.PathLike, handler: Callable[[Exception], bool] = rer
                     ext = ext.lower()
                     if sample is not None and key == sample["__key__"] and ext in sample:
                         raise ShardFormatError(f"duplicate member {info.name!r}")
-                    data = tf.extractfile(info).read()
+                    data = (TarRef(url, info.offset_data, info.size) if ext in refs
+                            else tf.extractfile(info).read())
                 except Exception as exn:
                     if hasattr(exn, "args") and exn.args and isinstance(exn.args[0], str):
                         exn.args = (f"{exn.args[0]} @ {url}",) + exn.args[1:]

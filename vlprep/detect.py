@@ -13,6 +13,7 @@ Detections below --min-score are not stored. Images that fail to decode are coun
 import hashlib
 import importlib.util
 import json
+import os
 import time
 import warnings
 from collections import Counter
@@ -26,7 +27,8 @@ from PIL import Image
 
 from vlprep import VlprepError
 from vlprep.dataset import (batches, decode_sample, finish_dataset, image_ext, iter_aligned, open_derived,
-                            prepare_output, release_output, shard_done, to_rgb, write_json_atomic, write_shard)
+                            prepare_output, release_output, sidecar_name, to_rgb, write_json_atomic, write_shard)
+from vlprep.engine import Work, check_engine, map_shards
 
 OBJECT_TYPE = pa.list_(pa.struct([("label", pa.string()), ("score", pa.float32()), ("box", pa.list_(pa.float32()))]))
 
@@ -169,16 +171,18 @@ class DetectConfig:
     min_score: float = 0.3
     batch_size: int = 8
     device: str = "auto"
+    workers: int = 1                     # each worker loads its own detector
+    distributor: str = "local"           # local | ray (docs/SCALE.md)
     overwrite: bool = False
     skip_bad_shards: bool = False  # leave out shards whose tar, sidecar and sizes.json disagree (counted)
 
 
-def make_detector(cfg: DetectConfig):
-    if cfg.backend == "ssd":
+def make_detector(backend: str, weights: Path | None = None, device: str = "auto"):
+    if backend == "ssd":
         return SSDDetector()
-    if cfg.backend.startswith("torchvision:"):
-        return TorchvisionDetector(cfg.backend.split(":", 1)[1], cfg.weights, cfg.device)
-    raise VlprepError(f"unknown --backend {cfg.backend!r}: use ssd or torchvision:ARCH")
+    if backend.startswith("torchvision:"):
+        return TorchvisionDetector(backend.split(":", 1)[1], weights, device)
+    raise VlprepError(f"unknown --backend {backend!r}: use ssd or torchvision:ARCH")
 
 
 def _decode(data: bytes) -> np.ndarray | None:
@@ -190,19 +194,32 @@ def _decode(data: bytes) -> np.ndarray | None:
         return None
 
 
-def detect_shard(ds, out: Path, shard: str, detector, imported: dict | None, cfg: DetectConfig, fp: str,
-                 progress=None, task=None) -> dict:
-    side = pq.read_table(ds.sidecar(shard))
+_worker: dict = {}
+
+
+def _init_worker(backend: str | None, weights: Path | None, device: str) -> None:
+    """Load the detector once per worker (None when the detections come from a file); the driver's check loads it
+    through here too, so a single inline worker reuses that copy."""
+    st = os.stat(weights) if weights is not None and os.path.exists(weights) else None
+    key = (backend, str(weights), st and (st.st_size, st.st_mtime_ns), device)
+    if _worker.get("key") != key:
+        _worker.update(key=key, detector=make_detector(backend, weights, device) if backend else None)
+
+
+def detect_shard(out: Path, src: Path, shard: str, imported: dict | None, min_score: float, batch_size: int,
+                 fp: str) -> dict:
+    """Detect (or look up) the objects of one shard's images and write it with json.objects; returns its counts."""
+    side = pq.read_table(src / sidecar_name(shard))
     rows_in = side.replace_schema_metadata(None).to_pylist()
     samples, rows, counts = [], [], Counter()
-    for batch in batches(iter_aligned(ds.root / shard, [r["key"] for r in rows_in]), cfg.batch_size):
+    for batch in batches(iter_aligned(src / shard, [r["key"] for r in rows_in]), batch_size):
         batch, batch_rows = [raw for _, raw in batch], [rows_in[i] for i, _ in batch]
         if imported is not None:
-            results = [[o for o in imported.get(r["__key__"], []) if o["score"] >= cfg.min_score] for r in batch]
+            results = [[o for o in imported.get(r["__key__"], []) if o["score"] >= min_score] for r in batch]
         else:
             arrays = [_decode(r[image_ext(r)]) if image_ext(r) else None for r in batch]
             ok = [i for i, a in enumerate(arrays) if a is not None]
-            found = detector([arrays[i] for i in ok], cfg.min_score) if ok else []
+            found = _worker["detector"]([arrays[i] for i in ok], min_score) if ok else []
             results = [[] for _ in batch]
             for i, objs in zip(ok, found):
                 results[i] = objs
@@ -214,8 +231,6 @@ def detect_shard(ds, out: Path, shard: str, detector, imported: dict | None, cfg
             samples.append({**{k: v for k, v in raw.items() if k not in ("json", "__url__")},
                             "json": {**(s.get("json") or {}), "objects": objs}})
             rows.append({**row, "objects": objs})
-        if progress:
-            progress.advance(task, len(batch))
     schema = side.schema.remove_metadata()
     if "objects" in schema.names:
         schema = schema.remove(schema.get_field_index("objects"))
@@ -226,49 +241,50 @@ def detect_shard(ds, out: Path, shard: str, detector, imported: dict | None, cfg
 
 
 def detect(cfg: DetectConfig, progress=None) -> dict:
-    """Run the stage; returns the report (also written to OUT/report.json)."""
+    """Run the stage (plan -> map_shards -> summarise); returns the report (also written to OUT/report.json)."""
     if not 0 <= cfg.min_score <= 1:
         raise VlprepError("--min-score must be between 0 and 1")
     if cfg.batch_size < 1:
         raise VlprepError("--batch-size must be at least 1")
+    check_engine(cfg.distributor, cfg.workers)
     t0 = time.perf_counter()
     ds, out = open_derived(cfg.src, cfg.out, cfg.skip_bad_shards)
-    imported, detector = None, None
+    keys = {s: pq.read_table(ds.sidecar(s), columns=["key"]).column(0).to_pylist() for s in ds.shards}
+    imported = None
     if cfg.from_file is not None:
-        keys = set()
-        for shard in ds.shards:
-            keys.update(pq.read_table(ds.sidecar(shard), columns=["key"]).column(0).to_pylist())
-        imported = read_detections_file(Path(cfg.from_file), keys)
+        imported = read_detections_file(Path(cfg.from_file), {k for ks in keys.values() for k in ks})
         backend = f"file:{Path(cfg.from_file).name}"
     else:
-        detector = make_detector(cfg)
-        backend = detector.name
+        # Loaded here to check the backend and weights before OUT is touched; other workers load their own.
+        _init_worker(cfg.backend, cfg.weights, cfg.device)
+        backend = _worker["detector"].name
     options = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()
-               if k not in ("src", "out", "overwrite", "batch_size", "device", "skip_bad_shards")}
+               if k not in ("src", "out", "overwrite", "batch_size", "device", "workers", "distributor",
+                            "skip_bad_shards")}
     options["src"] = str(ds.root.resolve())
     prepare_output(out, "detect", options, cfg.overwrite)
     salt = json.dumps({"backend": backend, "min_score": cfg.min_score}).encode()
     if cfg.from_file is not None:
         salt += hashlib.blake2b(Path(cfg.from_file).read_bytes(), digest_size=16).digest()
-    task = progress.add_task("detect", total=ds.num_samples) if progress else None
-    stats, resumed, processed = {}, 0, 0
+    plan = []
     for shard in ds.shards:
         fp = hashlib.blake2b(salt + ds.sidecar(shard).read_bytes(), digest_size=16).hexdigest()
-        done = shard_done(out, shard)
-        if done is not None and done.get("fingerprint") == fp:
-            stats[shard], resumed = done, resumed + 1
-            if progress:
-                progress.advance(task, done["in"])
-            continue
-        stats[shard] = detect_shard(ds, out, shard, detector, imported, cfg, fp, progress, task)
-        processed += stats[shard]["in"]
+        # Imported detections travel per shard (metadata, never image bytes); a detector sees only paths.
+        mine = None if imported is None else {k: imported[k] for k in keys[shard] if k in imported}
+        plan.append(Work(shard, (ds.root, shard, mine, cfg.min_score, cfg.batch_size), fp, ds.sizes[shard]))
+    t_work = time.perf_counter()
+    stats, resumed = map_shards(out, plan, detect_shard, init=_init_worker,
+                                initargs=(None if imported is not None else cfg.backend, cfg.weights, cfg.device),
+                                workers=cfg.workers, distributor=cfg.distributor, progress=progress, label="detect",
+                                total=ds.num_samples, start="spawn", gpu=cfg.device == "cuda")
+    processed = sum(ds.sizes[s] for s in ds.shards if s not in resumed)
     total = Counter()
     for st in stats.values():
         total.update({k: v for k, v in st.items() if isinstance(v, int)})
     sizes = {s: stats[s]["written"] for s in ds.shards}
     labels = Counter()
     for shard in ds.shards:
-        for objs in pq.read_table(out / (shard[:-4] + ".parquet"), columns=["objects"]).column(0).to_pylist():
+        for objs in pq.read_table(out / sidecar_name(shard), columns=["objects"]).column(0).to_pylist():
             labels.update({o["label"] for o in objs})
     finish_dataset(out, sizes, {"stage": "detect", "input": str(cfg.src), "backend": backend, "options": options,
                                 "counts": {"in": total["in"], "written": total["written"]}})
@@ -277,8 +293,8 @@ def detect(cfg: DetectConfig, progress=None) -> dict:
         "stage": "detect", "source": str(cfg.src), "backend": backend, "min_score": cfg.min_score,
         "samples": total["written"], "with_objects": total["with_objects"], "objects": total["objects"],
         "undecodable": total["undecodable"], "images_per_label": dict(labels.most_common()),
-        "shards": len(ds.shards), "shards_resumed": resumed, "bad_shards": ds.bad, "elapsed_s": round(elapsed, 3),
-        "images_per_s": round(processed / elapsed, 2) if processed else None,
+        "shards": len(ds.shards), "shards_resumed": len(resumed), "bad_shards": ds.bad, "elapsed_s": round(elapsed, 3),
+        "images_per_s": round(processed / (time.perf_counter() - t_work), 2) if processed else None,
     }
     write_json_atomic(out / "report.json", report)
     release_output(out)

@@ -1,27 +1,30 @@
-"""`vlprep embed` and the encoders of `vlprep pseudolabel`: L2-normalised ITC embeddings from a vltrain checkpoint.
+"""`vlprep embed` and the image views of `vlprep pseudolabel`: L2-normalised ITC embeddings from an encoder object.
 
 The contract (also in docs/PSEUDOLABEL.md):
-- The model is rebuilt from the checkpoint's own config (`vltrain.model.load_checkpoint`); image size, pixel
-  statistics and max caption length come from that config too, so embeddings match what the model was trained on.
-  This is the one place vlprep imports vltrain (its model module only).
+- An encoder is any object with `dim` (E), `texts(captions) -> (B, E)` and `images(uint8 (B, S, S, 3)) -> (B, E)`
+  (both L2-normalised float32), `image_size` (S; None when it cannot embed pixels), `min_crop_scale` (the scale range
+  it was trained with), `name` (recorded in the options), `fingerprint` (changes with the weights), `device` and
+  `info` (a dict for meta.json). With more than one worker it is pickled to each: its pickle should carry paths,
+  not weights. vlprep never imports vltrain: `vltrain.encode.CheckpointEncoder` is the one the CLI passes.
 - Text: the intact caption, i.e. the sidecar's `caption_raw` when the dataset went through `vlprep bow` and its
-  `caption` otherwise (`deformed=True` embeds `caption` as it is), tokenised like vltrain's collate.
-- Images: `vltrain.data.eval_transform` (resize the shorter side, centre crop) for `vlprep embed`; for pseudolabel,
-  c torchvision v2 RandomResizedCrops of the PIL image (`crop_views`), with the scale range the model was trained
-  with (data.min_crop_scale), drawn from the default torch generator seeded with blake2b("crop:{seed}:{key}")
-  inside fork_rng: v2 transforms take no generator argument, and this keeps the crops a function of (seed, key)
-  alone, whatever the batch, shard order or global RNG state.
+  `caption` otherwise (`deformed=True` embeds `caption` as it is).
+- Images: `center_view` (resize the shorter side to S, centre crop; vltrain's eval transform) for `vlprep embed`; for
+  pseudolabel, c torchvision v2 RandomResizedCrops of the PIL image (`crop_views`), with the encoder's scale range,
+  drawn from the default torch generator seeded with blake2b("crop:{seed}:{key}") inside fork_rng: v2 transforms
+  take no generator argument, and this keeps the crops a function of (seed, key) alone, whatever the batch, shard
+  order or global RNG state.
 - Output of `vlprep embed DATASET OUT`: OUT/embeddings.npy, float32 (N, E), row i for the key in row i of
-  OUT/keys.parquet (`key`, and `caption` for text), plus meta.json and report.json. Images that fail to decode
-  are skipped and counted.
+  OUT/keys.parquet (`key`, and `caption` for text), plus meta.json and report.json. Each input shard is embedded
+  on its own (map_shards, so a stopped run resumes) into OUT/_parts/, and the parts are joined in shard order.
+  Images that fail to decode are skipped and counted.
 """
 
-import contextlib
 import hashlib
+import json
 import os
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -30,95 +33,44 @@ import pyarrow.parquet as pq
 import torch
 
 from vlprep import VlprepError
-from vlprep.dataset import (image_ext, iter_aligned, open_derived, prepare_output, read_sidecars, release_output,
-                            to_rgb, write_json_atomic)
-from vlprep.encoders import resolve_device
+from vlprep.dataset import (batches, image_ext, iter_aligned, open_derived, prepare_output, release_output,
+                            sidecar_name, to_rgb, write_json_atomic)
+from vlprep.engine import Work, check_engine, map_shards
 
 MODALITIES = ("image", "text")
 
 
-class Encoder:
-    """A vltrain checkpoint's ITC encoders with the preprocessing of its config; every output is (B, E) float32."""
+def check_images(enc) -> None:
+    """A one-line error when the encoder cannot embed pixels (before any output is written)."""
+    if enc.image_size is None:
+        raise VlprepError(f"{enc.name}: the image encoder reads precomputed features, not pixels; "
+                          "it cannot embed images")
 
-    def __init__(self, checkpoint: str | os.PathLike, device: str = "auto"):
-        from vltrain.model import build_tokenizer, load_checkpoint
 
-        self.device = resolve_device(device)
-        try:
-            self.model, cfg = load_checkpoint(checkpoint, self.device)
-        except ValueError as e:
-            raise VlprepError(str(e)) from None
-        data = cfg.get("data", {})
-        self.path = Path(checkpoint)
-        self.dim = self.model.cfg.embed_dim
-        self.max_len = int(data.get("max_len", 32))
-        # A model trained on `vlprep features` tokens sees pixels at its recorded encoder's size.
-        feat_size = self.model.image_size if self.model.cfg.image_model == "features" else None
-        self.image_size = int(feat_size or data.get("image_size") or self.model.image_size or 224)
-        self.min_crop_scale = float(data.get("min_crop_scale", 0.5))
-        self.has_pixels = self.model.image_mean is not None  # image_model="features" reads npy tokens, not pixels
-        if self.has_pixels:
-            # NHWC convolutions: ~1.4x faster for EfficientNet-Lite0 on CPU (oneDNN), same outputs to ~1e-7.
-            self.model.image_encoder.to(memory_format=torch.channels_last)
-        self.tokenizer = build_tokenizer(self.model.cfg)
+def center_view(image, size: int) -> np.ndarray:
+    """PIL image -> uint8 (S, S, 3): vltrain's eval transform (resize, centre crop) before its float conversion."""
+    from torchvision.transforms import v2
 
-    def check_images(self) -> None:
-        if not self.has_pixels:
-            raise VlprepError(f"{self.path}: the image encoder reads precomputed features (image_model=features), "
-                              "not pixels; it cannot embed images")
+    tf = v2.Compose([v2.ToImage(), v2.Resize(size, antialias=True), v2.CenterCrop(size)])
+    return tf(image).permute(1, 2, 0).numpy()
 
-    def _autocast(self):
-        return torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else contextlib.nullcontext()
 
-    @torch.inference_mode()
-    def texts(self, captions: list[str]) -> np.ndarray:
-        """Captions -> (B, E) L2-normalised float32."""
-        enc = self.tokenizer(list(captions), padding="longest", truncation=True, max_length=self.max_len,
-                             return_tensors="pt")
-        with self._autocast():
-            _, feat = self.model.encode_text(enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device))
-        return _normalise(feat.float().cpu().numpy())
+def crop_views(image, key: str, seed: int, crops: int, size: int, min_scale: float) -> np.ndarray:
+    """PIL image -> uint8 (c, S, S, 3): c RandomResizedCrops drawn from a generator seeded by (seed, key)."""
+    from torchvision.transforms import v2
 
-    @torch.inference_mode()
-    def images(self, pixels: np.ndarray) -> np.ndarray:
-        """uint8 (B, S, S, 3) -> (B, E) L2-normalised float32; scaling and normalisation happen here, batched."""
-        # (B, S, S, 3) permuted to (B, 3, S, S) is already the channels_last layout: no copy before the convs.
-        x = torch.from_numpy(pixels).to(self.device, non_blocking=True).permute(0, 3, 1, 2).float().div_(255)
-        mean = torch.tensor(self.model.image_mean, device=self.device).view(1, 3, 1, 1)
-        std = torch.tensor(self.model.image_std, device=self.device).view(1, 3, 1, 1)
-        with self._autocast():
-            _, feat = self.model.encode_image((x - mean) / std)
-        return _normalise(feat.float().cpu().numpy())
-
-    def center_view(self, image) -> np.ndarray:
-        """PIL image -> uint8 (S, S, 3): vltrain's eval transform (resize, centre crop) before its float conversion."""
-        from torchvision.transforms import v2
-
-        tf = v2.Compose([v2.ToImage(), v2.Resize(self.image_size, antialias=True), v2.CenterCrop(self.image_size)])
-        return tf(image).permute(1, 2, 0).numpy()
-
-    def crop_views(self, image, key: str, seed: int, crops: int) -> np.ndarray:
-        """PIL image -> uint8 (c, S, S, 3): c RandomResizedCrops drawn from a generator seeded by (seed, key)."""
-        from torchvision.transforms import v2
-
-        # On the PIL image, not a tensor: PIL's uint8 crop + antialiased resize is several times faster than
-        # torch's on small images, and the crop boxes drawn are the same.
-        crop = v2.RandomResizedCrop(self.image_size, scale=(self.min_crop_scale, 1.0))
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(crop_seed(seed, key))
-            return np.stack([np.asarray(crop(image)) for _ in range(crops)])
+    # On the PIL image, not a tensor: PIL's uint8 crop + antialiased resize is several times faster than
+    # torch's on small images, and the crop boxes drawn are the same.
+    crop = v2.RandomResizedCrop(size, scale=(min_scale, 1.0))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(crop_seed(seed, key))
+        return np.stack([np.asarray(crop(image)) for _ in range(crops)])
 
 
 def crop_seed(seed: int, key: str) -> int:
     """The per-key seed of the crop generator: blake2b('crop:{seed}:{key}') as a 63-bit integer."""
     h = hashlib.blake2b(f"crop:{seed}:{key}".encode(), digest_size=8).digest()
     return int.from_bytes(h, "big") >> 1
-
-
-def _normalise(x: np.ndarray) -> np.ndarray:
-    """Rows to unit L2 norm in float32 (bf16 autocast on CUDA leaves them slightly off)."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
 
 
 def intact_captions(table: pa.Table, deformed: bool = False) -> list[str]:
@@ -149,96 +101,126 @@ def decode(raw: dict):
 class EmbedConfig:
     src: Path
     out: Path
-    checkpoint: Path
     modality: str = "image"
     batch_size: int = 64
-    device: str = "auto"
     deformed: bool = False      # text: embed `caption` even when `caption_raw` is there
+    workers: int = 1            # each worker has its own copy of the encoder
+    distributor: str = "local"  # local | ray (docs/SCALE.md)
+    gpu: bool = False           # Ray: give each actor a GPU share (the CLI sets it for --device cuda)
     overwrite: bool = False
     skip_bad_shards: bool = False  # leave out shards whose tar, sidecar and sizes.json disagree (counted)
 
 
-def embed(cfg: EmbedConfig, progress=None) -> dict:
-    """Run `vlprep embed`; returns the report (also OUT/report.json)."""
-    if cfg.modality not in MODALITIES:
-        raise VlprepError(f"--modality must be image or text, got {cfg.modality!r}")
-    if cfg.batch_size < 1:
-        raise VlprepError("--batch-size must be at least 1")
-    t0 = time.perf_counter()
-    ds, out = open_derived(cfg.src, cfg.out, cfg.skip_bad_shards)
-    enc = Encoder(cfg.checkpoint, cfg.device)
-    if cfg.modality == "image":
-        enc.check_images()
-    ckpt = Path(cfg.checkpoint).resolve()
-    options = {"src": str(ds.root.resolve()), "checkpoint": str(ckpt), "checkpoint_mtime": ckpt.stat().st_mtime,
-               "modality": cfg.modality, "deformed": cfg.deformed}
-    prepare_output(out, "embed", options, cfg.overwrite)
-    for name in ("embeddings.npy", "keys.parquet"):  # no resume: a stale pair must not outlive a failed run
-        (out / name).unlink(missing_ok=True)
+_worker: dict = {}
 
-    side = read_sidecars(ds)
-    keys = side.column("key").to_pylist()
-    tmp = out / "embeddings.npy.tmp"
-    # A memmap the size of the dataset: memory stays at one batch whatever N is.
-    arr = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(len(keys), enc.dim))
-    task = progress.add_task(f"embed {cfg.modality}", total=len(keys)) if progress else None
-    kept, skipped, n = [], Counter(), 0
-    if cfg.modality == "text":
-        captions = intact_captions(side, cfg.deformed)
-        for i in range(0, len(keys), cfg.batch_size):
-            batch = captions[i:i + cfg.batch_size]
-            arr[n:n + len(batch)] = enc.texts(batch)
-            n += len(batch)
-            if progress:
-                progress.advance(task, len(batch))
+
+def _init_worker(enc) -> None:
+    _worker["enc"] = enc  # unpickled in a worker process: the encoder loads its weights there, once
+
+
+def _part(out: Path, shard: str) -> Path:
+    return out / "_parts" / sidecar_name(shard)
+
+
+def embed_shard(out: Path, src: Path, shard: str, modality: str, deformed: bool, batch_size: int, fp: str) -> dict:
+    """One input shard's embeddings -> OUT/_parts/SHARD.npy + SHARD.parquet (its keys, the fingerprint)."""
+    enc = _worker["enc"]
+    side = pq.read_table(src / sidecar_name(shard))
+    keys, skipped = side.column("key").to_pylist(), Counter()
+    if modality == "text":
+        captions = intact_captions(side, deformed)
+        vectors = [enc.texts(captions[i:i + batch_size]) for i in range(0, len(captions), batch_size)]
         kept = list(range(len(keys)))
     else:
-        pending: list[tuple[int, np.ndarray]] = []
-
-        def flush() -> None:
-            nonlocal n
-            arr[n:n + len(pending)] = enc.images(np.stack([v for _, v in pending]))
-            n += len(pending)
-            kept.extend(i for i, _ in pending)
-            pending.clear()
-
-        offset = 0
-        for shard in ds.shards:
-            shard_keys = pq.read_table(ds.sidecar(shard), columns=["key"]).column(0).to_pylist()
-            for i, raw in iter_aligned(ds.root / shard, shard_keys):
+        vectors, kept = [], []
+        for batch in batches(iter_aligned(src / shard, keys), batch_size):
+            views = []
+            for i, raw in batch:
                 image, why = decode(raw)
                 if image is None:
                     skipped[why] += 1
                 else:
-                    pending.append((offset + i, enc.center_view(image)))
-                    if len(pending) == cfg.batch_size:
-                        flush()
-                if progress:
-                    progress.advance(task, 1)
-            offset += len(shard_keys)
-        if pending:
-            flush()
-    arr.flush()
-    arr = None  # closes the memmap
-    if n < len(keys):  # some images were skipped: keep the first n rows
-        full = np.load(tmp, mmap_mode="r")
-        np.save(out / "embeddings.npy.tmp2", np.ascontiguousarray(full[:n]))
-        del full
-        os.replace(out / "embeddings.npy.tmp2", tmp)
-    table = pa.table({"key": [keys[i] for i in kept]})
-    if cfg.modality == "text":
+                    kept.append(i)
+                    views.append(center_view(image, enc.image_size))
+            if views:
+                vectors.append(enc.images(np.stack(views)))
+    x = np.concatenate(vectors) if vectors else np.zeros((0, enc.dim), np.float32)
+    table = pa.table({"key": pa.array([keys[i] for i in kept], pa.string())})
+    if modality == "text":
         table = table.append_column("caption", pa.array(captions, pa.string()))
+    part = _part(out, shard)
+    with open(part.with_suffix(".npy.tmp"), "wb") as f:  # a file object: np.save would append .npy to the name
+        np.save(f, x, allow_pickle=False)
+    os.replace(part.with_suffix(".npy.tmp"), part.with_suffix(".npy"))
+    stats = {"in": len(keys), "written": len(kept), "skipped": dict(skipped)}
+    meta = {b"fingerprint": fp.encode(), b"stats": json.dumps(stats).encode()}
+    pq.write_table(table.replace_schema_metadata(meta), part.with_name(part.name + ".tmp"))
+    os.replace(part.with_name(part.name + ".tmp"), part)  # last: a part is complete when its parquet is there
+    return stats
+
+
+def _part_done(out: Path, work: Work) -> dict | None:
+    part = _part(out, work.shard)
+    if not (part.exists() and part.with_suffix(".npy").exists()):
+        return None
+    meta = pq.read_schema(part).metadata or {}
+    if meta.get(b"fingerprint") != work.fingerprint.encode():
+        return None
+    return json.loads(meta[b"stats"])
+
+
+def embed(cfg: EmbedConfig, enc, progress=None) -> dict:
+    """Run `vlprep embed` with an encoder object (see the module docstring); returns the report (also OUT/report.json)."""
+    if cfg.modality not in MODALITIES:
+        raise VlprepError(f"--modality must be image or text, got {cfg.modality!r}")
+    if cfg.batch_size < 1:
+        raise VlprepError("--batch-size must be at least 1")
+    check_engine(cfg.distributor, cfg.workers)
+    if cfg.modality == "image":
+        check_images(enc)
+    t0 = time.perf_counter()
+    ds, out = open_derived(cfg.src, cfg.out, cfg.skip_bad_shards)
+    options = {"src": str(ds.root.resolve()), "encoder": enc.name, "modality": cfg.modality, "deformed": cfg.deformed}
+    prepare_output(out, "embed", options, cfg.overwrite)
+    for name in ("embeddings.npy", "keys.parquet"):  # a stale pair must not outlive a failed run
+        (out / name).unlink(missing_ok=True)
+    (out / "_parts").mkdir(exist_ok=True)
+    salt = f"{enc.fingerprint}:{cfg.modality}:{cfg.deformed}:{cfg.batch_size}".encode()
+    plan = [Work(s, (ds.root, s, cfg.modality, cfg.deformed, cfg.batch_size),
+                 hashlib.blake2b(salt + ds.sidecar(s).read_bytes(), digest_size=16).hexdigest(), ds.sizes[s])
+            for s in ds.shards]
+    stats, resumed = map_shards(out, plan, embed_shard, init=_init_worker, initargs=(enc,), workers=cfg.workers,
+                                distributor=cfg.distributor, progress=progress, label=f"embed {cfg.modality}",
+                                total=ds.num_samples, start="spawn", gpu=cfg.gpu, done=_part_done)
+
+    # --- join the parts in shard order (a memmap: memory stays at one part whatever N is)
+    n = sum(st["written"] for st in stats.values())
+    tmp = out / "embeddings.npy.tmp"
+    arr = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(n, enc.dim))
+    tables, row = [], 0
+    for shard in ds.shards:
+        x = np.load(_part(out, shard).with_suffix(".npy"))
+        arr[row:row + len(x)] = x
+        row += len(x)
+        tables.append(pq.read_table(_part(out, shard)).replace_schema_metadata(None))
+    arr.flush()
+    del arr  # closes the memmap
+    table = pa.concat_tables(tables) if tables else pa.table({"key": pa.array([], pa.string())})
     pq.write_table(table, out / "keys.parquet.tmp")
     os.replace(out / "keys.parquet.tmp", out / "keys.parquet")
     os.replace(tmp, out / "embeddings.npy")
+    skipped = Counter()
+    for st in stats.values():
+        skipped.update(st["skipped"])
     elapsed = time.perf_counter() - t0
-    report = {"stage": "embed", "source": str(cfg.src), "checkpoint": str(cfg.checkpoint), "modality": cfg.modality,
-              "dim": enc.dim, "samples_in": len(keys), "written": n, "skipped": dict(skipped),
-              "device": str(enc.device), "bad_shards": ds.bad, "elapsed_s": round(elapsed, 3),
+    report = {"stage": "embed", "source": str(cfg.src), "encoder": enc.name, "modality": cfg.modality,
+              "dim": enc.dim, "samples_in": ds.num_samples, "written": n, "skipped": dict(skipped),
+              "device": str(enc.device), "shards": len(ds.shards), "shards_resumed": len(resumed),
+              "bad_shards": ds.bad, "elapsed_s": round(elapsed, 3),
               "per_s": round(n / elapsed, 2) if elapsed > 0 else None,
               "outputs": [str(out / "embeddings.npy"), str(out / "keys.parquet")]}
     write_json_atomic(out / "meta.json", {"stage": "embed", "options": options, "dim": enc.dim, "count": n,
-                                          "model": asdict(enc.model.cfg)})
+                                          "encoder": enc.info})
     write_json_atomic(out / "report.json", report)
     release_output(out)
     return report

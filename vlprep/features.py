@@ -29,10 +29,10 @@ import torch
 
 from vlprep import VlprepError
 from vlprep.dataset import (batches, finish_dataset, iter_aligned, open_derived, prepare_output, release_output,
-                            shard_done, write_json_atomic, write_shard)
+                            sidecar_name, write_json_atomic, write_shard)
 from vlprep.embed import decode
-from vlprep.encoders import resolve_device
-from vlprep.encoders import eval_view, load_token_encoder, normalise
+from vlprep.encoders import eval_view, load_token_encoder, normalise, resolve_device
+from vlprep.engine import Work, check_engine, map_shards
 
 DTYPES = ("float16", "float32")
 MAX_EXAMPLES = 5
@@ -47,9 +47,11 @@ class FeaturesConfig:
     size: int | None = None                   # None: the encoder's (224)
     dtype: str = "float16"
     batch_size: int = 32
-    # Decode threads: PIL decoding and torch's resize release the GIL, so two threads keep the encoder fed on 2
-    # cores while it runs (benchmarks/features.py); 0 decodes in the main thread.
-    workers: int = field(default_factory=lambda: min(2, os.cpu_count() or 1))
+    # Decode threads per worker: PIL decoding and torch's resize release the GIL, so two threads keep the encoder
+    # fed on 2 cores while it runs (benchmarks/features.py); 0 decodes in the worker's main thread.
+    decode_threads: int = field(default_factory=lambda: min(2, os.cpu_count() or 1))
+    workers: int = 1                          # processes (or Ray actors), each with its own encoder
+    distributor: str = "local"                # local | ray (docs/SCALE.md)
     device: str = "auto"
     overwrite: bool = False
     skip_bad_shards: bool = False  # leave out shards whose tar, sidecar and sizes.json disagree (counted)
@@ -84,17 +86,37 @@ def npy_bytes(tokens: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def features_shard(ds, out: Path, shard: str, enc, cfg: FeaturesConfig, device: torch.device, pool, fp: str,
-                   progress=None, task=None) -> dict:
+_worker: dict = {}
+
+
+def _init_worker(image_model: str, weights: Path | None, size: int | None, device: str, decode_threads: int,
+                 torch_threads: int = 0) -> None:
+    """Load the encoder once per worker (and once only in the driver, which checks it first)."""
+    st = os.stat(weights) if weights is not None and os.path.exists(weights) else None
+    key = (image_model, str(weights), st and (st.st_size, st.st_mtime_ns), size, device, decode_threads)
+    if _worker.get("key") == key:
+        return
+    if torch_threads:
+        torch.set_num_threads(torch_threads)  # worker processes share the cores instead of each taking all
+    dev = resolve_device(device)
+    if _worker.get("pool") is not None:
+        _worker["pool"].shutdown()
+    _worker.update(key=key, device=dev, enc=load_token_encoder(image_model, weights, size).to(dev),
+                   pool=ThreadPoolExecutor(decode_threads, thread_name_prefix="features-decode")
+                   if decode_threads else None)
+
+
+def features_shard(out: Path, src: Path, shard: str, dtype: str, batch_size: int, fp: str) -> dict:
     """Encode one shard's images and write the shard with npy members; returns its stats."""
-    side = pq.read_table(ds.sidecar(shard))
+    enc, device, pool = _worker["enc"], _worker["device"], _worker["pool"]
+    side = pq.read_table(src / sidecar_name(shard))
     rows_in = side.replace_schema_metadata(None).to_pylist()
     spec = enc.spec
-    size, dtype = spec["size"], np.dtype(cfg.dtype)
+    size, dtype = spec["size"], np.dtype(dtype)
     samples, rows, skipped, examples = [], [], Counter(), {}
     views = _prefetch(pool, lambda item: (*item, *_view(item[1], size)),
-                      iter_aligned(ds.root / shard, [r["key"] for r in rows_in]), ahead=2 * cfg.batch_size)
-    for batch in batches(views, cfg.batch_size):
+                      iter_aligned(src / shard, [r["key"] for r in rows_in]), ahead=2 * batch_size)
+    for batch in batches(views, batch_size):
         ok = []
         for i, raw, view, why in batch:
             if view is None:
@@ -115,8 +137,6 @@ def features_shard(ds, out: Path, shard: str, enc, cfg: FeaturesConfig, device: 
             for (i, raw, _), t in zip(ok, tokens):
                 samples.append({**{k: v for k, v in raw.items() if k != "__url__"}, "npy": npy_bytes(t)})
                 rows.append(rows_in[i])
-        if progress:
-            progress.advance(task, len(batch))
     stats = {"in": len(rows_in), "written": len(samples), "skipped": dict(skipped),
              "skipped_examples": examples, "fingerprint": fp}
     write_shard(out, shard, samples, rows, schema=side.schema.remove_metadata(), stats=stats)
@@ -124,40 +144,36 @@ def features_shard(ds, out: Path, shard: str, enc, cfg: FeaturesConfig, device: 
 
 
 def features(cfg: FeaturesConfig, progress=None) -> dict:
-    """Run the stage; returns the report (also written to OUT/report.json)."""
+    """Run the stage (plan -> map_shards -> summarise); returns the report (also written to OUT/report.json)."""
     if cfg.dtype not in DTYPES:
         raise VlprepError(f"--dtype must be float16 or float32, got {cfg.dtype!r}")
     if cfg.batch_size < 1:
         raise VlprepError("--batch-size must be at least 1")
-    if cfg.workers < 0:
-        raise VlprepError("--workers must be 0 (decode in the main thread) or more")
+    if cfg.decode_threads < 0:
+        raise VlprepError("--decode-threads must be 0 (decode in the worker's main thread) or more")
+    check_engine(cfg.distributor, cfg.workers)
     t0 = time.perf_counter()
     ds, out = open_derived(cfg.src, cfg.out, cfg.skip_bad_shards)
-    device = resolve_device(cfg.device)
-    enc = load_token_encoder(cfg.image_model, cfg.weights, cfg.size).to(device)
+    torch_threads = max(1, (os.cpu_count() or 1) // cfg.workers) if cfg.workers > 1 else 0
+    initargs = (cfg.image_model, cfg.weights, cfg.size, cfg.device, cfg.decode_threads, torch_threads)
+    _init_worker(*initargs)  # checks the encoder and weights before OUT is touched; one worker reuses it
+    enc, device = _worker["enc"], _worker["device"]
     spec = {**enc.spec, "dtype": cfg.dtype}
     options = {"image_model": cfg.image_model, "weights": spec["weights"], "size": spec["size"],
                "dtype": cfg.dtype, "src": str(ds.root.resolve())}
     prepare_output(out, "features", options, cfg.overwrite)
     # A shard is redone when its input sidecar or anything that changes the tokens (weights bytes included) differs.
     salt = json.dumps(spec, sort_keys=True).encode()
-    task = progress.add_task("features", total=ds.num_samples) if progress else None
-    stats, resumed, processed = {}, 0, 0
-    pool = ThreadPoolExecutor(cfg.workers, thread_name_prefix="features-decode") if cfg.workers else None
-    try:
-        for shard in ds.shards:
-            fp = hashlib.blake2b(salt + ds.sidecar(shard).read_bytes(), digest_size=16).hexdigest()
-            done = shard_done(out, shard)
-            if done is not None and done.get("fingerprint") == fp:
-                stats[shard], resumed = done, resumed + 1
-                if progress:
-                    progress.advance(task, done["in"])
-                continue
-            stats[shard] = features_shard(ds, out, shard, enc, cfg, device, pool, fp, progress, task)
-            processed += stats[shard]["in"]
-    finally:
-        if pool is not None:
-            pool.shutdown(cancel_futures=True)
+    plan = [Work(s, (ds.root, s, cfg.dtype, cfg.batch_size),
+                 hashlib.blake2b(salt + ds.sidecar(s).read_bytes(), digest_size=16).hexdigest(), ds.sizes[s])
+            for s in ds.shards]
+    t_work = time.perf_counter()
+    stats, resumed = map_shards(out, plan, features_shard, init=_init_worker,
+                                initargs=initargs,
+                                workers=cfg.workers, distributor=cfg.distributor, progress=progress,
+                                label="features", total=ds.num_samples, start="spawn", gpu=cfg.device == "cuda")
+    processed = sum(ds.sizes[s] for s in ds.shards if s not in resumed)
+    work_s = time.perf_counter() - t_work
     skipped, examples = Counter(), {}
     for st in stats.values():
         skipped.update(st["skipped"])
@@ -172,8 +188,8 @@ def features(cfg: FeaturesConfig, progress=None) -> dict:
         "stage": "features", "source": str(cfg.src), "features": spec, "samples_in": n_in, "written": written,
         "skipped": dict(sorted(skipped.items())), "skipped_examples": dict(sorted(examples.items())),
         "npy_bytes": spec["tokens"] * spec["dim"] * np.dtype(cfg.dtype).itemsize, "device": str(device),
-        "shards": len(ds.shards), "shards_resumed": resumed, "bad_shards": ds.bad, "elapsed_s": round(elapsed, 3),
-        "images_per_s": round(processed / elapsed, 2) if processed else None,
+        "shards": len(ds.shards), "shards_resumed": len(resumed), "bad_shards": ds.bad, "elapsed_s": round(elapsed, 3),
+        "images_per_s": round(processed / work_s, 2) if processed else None,
     }
     write_json_atomic(out / "report.json", report)
     release_output(out)

@@ -25,13 +25,15 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from vlprep import VlprepError
 from vlprep.dataset import (decode_sample, finish_dataset, iter_aligned, open_derived, prepare_output, release_output,
-                            shard_done, write_json_atomic, write_shard)
+                            sidecar_name, write_json_atomic, write_shard)
+from vlprep.engine import Work, check_engine, map_shards
 
 PAPER_RATIO = 5000 / 5_800_000  # min instances per triplet in TOnICS (5,000 on 5.8M triplets)
 TRIPLET_RULES = ("all", "detected")
@@ -111,6 +113,18 @@ def load_overrides(path: Path | None, labels: set[str]) -> dict:
     return {str(k).lower(): v for k, v in data.items()}
 
 
+class Triplet(NamedTuple):
+    """One row of triplets.parquet: a sample (key, index), a noun span of its caption, the noun's class."""
+
+    key: str
+    index: int
+    noun: str
+    start: int
+    end: int
+    cls: str          # the column `class`
+    detected: bool    # the detector found `cls` in this image
+
+
 def make_triplets(nouns: list[tuple[str, int, int]], mapping: dict[str, str],
                   labels: set[str] | None = None) -> list[tuple]:
     """(noun, start, end, class) per distinct mapped noun; with `labels`, only those whose class is among them."""
@@ -139,31 +153,44 @@ class OntologyConfig:
     min_score: float = 0.3
     overrides: Path | None = None
     triplets: str = "all"
+    workers: int = 1                   # each worker loads its own spaCy pipeline
+    distributor: str = "local"         # local | ray (docs/SCALE.md)
     overwrite: bool = False
     skip_bad_shards: bool = False  # leave out shards whose tar, sidecar and sizes.json disagree (counted)
 
 
-def _nouns_per_shard(ds, out: Path, progress=None) -> dict[str, list]:
-    """spaCy nouns of every caption, cached per shard in OUT/_nouns/ (keyed by the input sidecar's hash)."""
-    cache = out / "_nouns"
-    cache.mkdir(exist_ok=True)
-    task = progress.add_task("nouns", total=ds.num_samples) if progress else None
-    nlp, result = None, {}
-    for shard in ds.shards:
-        fp = hashlib.blake2b(ds.sidecar(shard).read_bytes(), digest_size=16).hexdigest().encode()
-        path = cache / (shard[:-4] + ".parquet")
-        if path.exists() and (pq.read_schema(path).metadata or {}).get(b"fingerprint") == fp:
-            result[shard] = [[tuple(d.values()) for d in row] for row in pq.read_table(path).column(0).to_pylist()]
-        else:
-            nlp = nlp or load_nlp()
-            captions = pq.read_table(ds.sidecar(shard), columns=["caption"]).column(0).to_pylist()
-            result[shard] = list(caption_nouns(nlp, captions))
-            table = pa.table({"nouns": pa.array([[{"noun": n, "start": s, "end": e} for n, s, e in row]
-                                                 for row in result[shard]], type=NOUN_TYPE)})
-            pq.write_table(table.replace_schema_metadata({b"fingerprint": fp}), path)
-        if progress:
-            progress.advance(task, len(result[shard]))
-    return result
+_worker: dict = {}
+
+
+def _init_nlp() -> None:
+    _worker["nlp"] = load_nlp()  # once per worker: loading spaCy takes about a second
+
+
+def nouns_file(out: Path, shard: str) -> Path:
+    return out / "_nouns" / sidecar_name(shard)
+
+
+def nouns_shard(out: Path, src: Path, shard: str, fp: str) -> dict:
+    """spaCy nouns of one shard's captions, cached as OUT/_nouns/SHARD.parquet with the input's fingerprint."""
+    captions = pq.read_table(src / sidecar_name(shard), columns=["caption"]).column(0).to_pylist()
+    nouns = list(caption_nouns(_worker["nlp"], captions))
+    table = pa.table({"nouns": pa.array([[{"noun": n, "start": s, "end": e} for n, s, e in row] for row in nouns],
+                                        type=NOUN_TYPE)})
+    path = nouns_file(out, shard)
+    pq.write_table(table.replace_schema_metadata({b"fingerprint": fp.encode()}), path.with_name(path.name + ".tmp"))
+    path.with_name(path.name + ".tmp").replace(path)
+    return {"in": len(captions)}
+
+
+def _nouns_done(out: Path, work: Work) -> dict | None:
+    path = nouns_file(out, work.shard)
+    if path.exists() and (pq.read_schema(path).metadata or {}).get(b"fingerprint") == work.fingerprint.encode():
+        return {"in": pq.read_metadata(path).num_rows}
+    return None
+
+
+def read_nouns(out: Path, shard: str) -> list[list[tuple[str, int, int]]]:
+    return [[tuple(d.values()) for d in row] for row in pq.read_table(nouns_file(out, shard)).column(0).to_pylist()]
 
 
 def _keys_and_labels(ds, min_score: float) -> tuple[dict[str, list[str]], dict[str, list[set[str]]]]:
@@ -188,16 +215,23 @@ def ontology(cfg: OntologyConfig, progress=None) -> dict:
         raise VlprepError("--min-score must be between 0 and 1")
     if cfg.triplets not in TRIPLET_RULES:
         raise VlprepError(f"unknown --triplets {cfg.triplets!r}; use {' or '.join(TRIPLET_RULES)}")
+    check_engine(cfg.distributor, cfg.workers)
     t0 = time.perf_counter()
     ds, out = open_derived(cfg.src, cfg.out, cfg.skip_bad_shards)
     keys, labels = _keys_and_labels(ds, cfg.min_score)
     all_labels = set().union(*(s for rows in labels.values() for s in rows))
     overrides = load_overrides(cfg.overrides, all_labels)
     options = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()
-               if k not in ("src", "out", "overwrite", "skip_bad_shards")}
+               if k not in ("src", "out", "overwrite", "skip_bad_shards", "workers", "distributor")}
     options["src"] = str(ds.root.resolve())
     prepare_output(out, "ontology", options, cfg.overwrite)
-    nouns = _nouns_per_shard(ds, out, progress)
+    (out / "_nouns").mkdir(exist_ok=True)
+    engine = {"workers": cfg.workers, "distributor": cfg.distributor, "progress": progress}
+    plan = [Work(s, (ds.root, s), hashlib.blake2b(ds.sidecar(s).read_bytes(), digest_size=16).hexdigest(),
+                 ds.sizes[s]) for s in ds.shards]
+    map_shards(out, plan, nouns_shard, init=_init_nlp, label="nouns", total=ds.num_samples, done=_nouns_done,
+               **engine)
+    nouns = {shard: read_nouns(out, shard) for shard in ds.shards}
 
     pairs = ((n for n, _, _ in ns) for shard in ds.shards for ns in nouns[shard])
     table = pmi_table(zip(pairs, (ls for shard in ds.shards for ls in labels[shard])))
@@ -209,18 +243,19 @@ def ontology(cfg: OntologyConfig, progress=None) -> dict:
     every, index = [], 0
     for shard in ds.shards:
         for key, ns, ls in zip(keys[shard], nouns[shard], labels[shard]):
-            every.extend((key, index, *t, t[3] in ls) for t in make_triplets(ns, mapping))
+            every.extend(Triplet(key, index, *t, t[3] in ls) for t in make_triplets(ns, mapping))
             index += 1
-    triplets = every if cfg.triplets == "all" else [t for t in every if t[6]]
-    per_class = Counter(t[5] for t in triplets)
-    per_class_detected = Counter(t[5] for t in triplets if t[6])
+    triplets = every if cfg.triplets == "all" else [t for t in every if t.detected]
+    per_class = Counter(t.cls for t in triplets)
+    per_class_detected = Counter(t.cls for t in triplets if t.detected)
     min_inst = cfg.min_instances or default_min_instances(len(triplets))
     kept = {c for c, n in per_class.items() if n >= min_inst}
     # both rules' counts: over every mapped class (before --min-instances), and over the classes this run kept
     counts = {"rule": cfg.triplets,
-              "found": {"all": len(every), "detected": sum(t[6] for t in every)},
-              "kept": {"all": sum(t[5] in kept for t in every), "detected": sum(t[6] and t[5] in kept for t in every)}}
-    triplets = [t for t in triplets if t[5] in kept]
+              "found": {"all": len(every), "detected": sum(t.detected for t in every)},
+              "kept": {"all": sum(t.cls in kept for t in every),
+                       "detected": sum(t.detected and t.cls in kept for t in every)}}
+    triplets = [t for t in triplets if t.cls in kept]
     mapping = {n: c for n, c in mapping.items() if c in kept}
 
     nodes = []
@@ -242,16 +277,14 @@ def ontology(cfg: OntologyConfig, progress=None) -> dict:
 
     sample_nodes: dict[str, set] = {}
     for t in triplets:
-        sample_nodes.setdefault(t[0], set()).add(t[5])
+        sample_nodes.setdefault(t.key, set()).add(t.cls)
     salt = json.dumps([mapping, cfg.min_score, cfg.triplets]).encode()
-    stats, resumed = {}, 0
+    plan = []
     for shard in ds.shards:
         fp = hashlib.blake2b(salt + ds.sidecar(shard).read_bytes(), digest_size=16).hexdigest()
-        done = shard_done(out, shard)
-        if done is not None and done.get("fingerprint") == fp:
-            stats[shard], resumed = done, resumed + 1
-            continue
-        stats[shard] = annotate_shard(ds, out, shard, nouns[shard], sample_nodes, fp)
+        nodes_of = {k: sorted(sample_nodes[k]) for k in keys[shard] if k in sample_nodes}
+        plan.append(Work(shard, (ds.root, shard, nodes_of), fp, ds.sizes[shard]))
+    stats, resumed = map_shards(out, plan, annotate_shard, label="annotate", total=ds.num_samples, **engine)
     finish_dataset(out, {s: stats[s]["written"] for s in ds.shards},
                    {"stage": "ontology", "input": str(cfg.src), "options": options,
                     "counts": {"pairs": ds.num_samples, "triplets": len(triplets), "classes": len(nodes),
@@ -265,7 +298,7 @@ def ontology(cfg: OntologyConfig, progress=None) -> dict:
         "triplet_rule": cfg.triplets, "triplet_counts": counts,
         "coverage": round(covered / ds.num_samples, 4) if ds.num_samples else 0.0,
         "dropped_classes": {c: per_class[c] for c in sorted(set(per_class) - kept)},
-        "nodes": nodes, "shards_resumed": resumed, "bad_shards": ds.bad, "elapsed_s": round(time.perf_counter() - t0, 3),
+        "nodes": nodes, "shards_resumed": len(resumed), "bad_shards": ds.bad, "elapsed_s": round(time.perf_counter() - t0, 3),
     }
     from vlprep.report import plot_pmi
 
@@ -275,19 +308,18 @@ def ontology(cfg: OntologyConfig, progress=None) -> dict:
     return report
 
 
-def annotate_shard(ds, out: Path, shard: str, nouns: list, sample_nodes: dict, fp: str) -> dict:
+def annotate_shard(out: Path, src: Path, shard: str, nodes_of: dict[str, list[str]], fp: str) -> dict:
     """Copy one shard, adding json.nouns ([noun, start, end] per NOUN token) and json.nodes (its classes)."""
-    side = pq.read_table(ds.sidecar(shard))
+    side = pq.read_table(src / sidecar_name(shard))
     rows_in = side.replace_schema_metadata(None).to_pylist()
+    nouns = read_nouns(out, shard)
     samples, rows = [], []
-    for i, raw in iter_aligned(ds.root / shard, [r["key"] for r in rows_in]):
-        row = rows_in[i]
+    for i, raw in iter_aligned(src / shard, [r["key"] for r in rows_in]):
         s = decode_sample(raw)
-        ns = [[n, a, b] for n, a, b in nouns[i]]
-        nodes = sorted(sample_nodes.get(raw["__key__"], ()))
+        nodes = nodes_of.get(raw["__key__"], [])
         samples.append({**{k: v for k, v in raw.items() if k not in ("json", "__url__")},
-                        "json": {**(s.get("json") or {}), "nouns": ns, "nodes": nodes}})
-        rows.append({**row, "nouns": [n for n, _, _ in nouns[i]], "nodes": nodes})
+                        "json": {**(s.get("json") or {}), "nouns": [list(n) for n in nouns[i]], "nodes": nodes}})
+        rows.append({**rows_in[i], "nouns": [n for n, _, _ in nouns[i]], "nodes": nodes})
     schema = side.schema.remove_metadata()
     for name in ("nouns", "nodes"):
         if name in schema.names:

@@ -45,8 +45,10 @@ from vlprep import VlprepError
 from vlprep import knn
 from vlprep.bow import rmstop, top_tokens
 from vlprep.dataset import (batches, check_out, check_shards, decode_sample, finish_dataset, iter_aligned,
-                            open_dataset, prepare_output, read_sidecars, release_output, shard_done,
+                            open_dataset, prepare_output, read_sidecars, release_output, sidecar_name,
                             write_json_atomic, write_shard)
+from vlprep.embed import check_images, crop_views, decode, intact_captions
+from vlprep.engine import Work, check_engine, map_shards
 from vlprep.text import tokenize
 
 STRATEGIES = ("maxcount", "rmtopmaxcount", "rmtoprand", "weighted")
@@ -59,14 +61,6 @@ DROP_META = ("caption_raw", "bow")  # json keys and sidecar columns about the in
 def caption_words(caption: str) -> frozenset[str]:
     """The candidate words of one caption: bow's tokens that survive bow's rmstop (alphabetic, not stop words)."""
     return frozenset(rmstop(tokenize(caption), None, None))
-
-
-def document_frequency(captions: Iterable[str]) -> Counter:
-    """word -> number of captions containing it (count(w, S_a) when given ALIGNED's captions)."""
-    df = Counter()
-    for c in captions:
-        df.update(caption_words(c))
-    return df
 
 
 def top_words(aligned_df: Mapping[str, int], t: int) -> frozenset[str]:
@@ -140,7 +134,6 @@ class PseudolabelConfig:
     aligned: Path
     unaligned: Path
     out: Path
-    checkpoint: Path
     strategy: str = "weighted"
     k: int = 10
     crops: int = 5
@@ -150,7 +143,9 @@ class PseudolabelConfig:
     nprobe: int | None = None       # IVF lists searched (default knn.DEFAULT_NPROBE)
     seed: int = 0
     batch_size: int = 16            # images per encoder call (x crops)
-    device: str = "auto"
+    device: str = "auto"            # the FAISS index: on a GPU unless cpu; with cuda, Ray actors get a GPU share
+    workers: int = 1                # each worker has its own encoder and index
+    distributor: str = "local"      # local | ray (docs/SCALE.md)
     overwrite: bool = False
     skip_bad_shards: bool = False  # leave out shards whose tar, sidecar and sizes.json disagree (counted)
 
@@ -167,6 +162,7 @@ def _check(cfg: PseudolabelConfig) -> None:
         raise VlprepError("--rmtop must be at least 0")
     if cfg.nprobe is not None and cfg.nprobe < 1:
         raise VlprepError("--nprobe must be at least 1")
+    check_engine(cfg.distributor, cfg.workers)
 
 
 def _need_sidecars(ds, role: str) -> None:
@@ -178,8 +174,6 @@ def _need_sidecars(ds, role: str) -> None:
 
 def _aligned_captions(ds) -> tuple[list[str], list[str]]:
     """ALIGNED's keys and intact captions, from the sidecars."""
-    from vlprep.embed import intact_captions
-
     if ds.num_samples == 0:
         raise VlprepError(f"ALIGNED {ds.root} has no samples: there are no captions to retrieve")
     names = set(pq.read_schema(ds.sidecar(ds.shards[0])).names)
@@ -189,26 +183,25 @@ def _aligned_captions(ds) -> tuple[list[str], list[str]]:
     return table.column("key").to_pylist(), intact_captions(table)
 
 
-def _index_fingerprint(ds, checkpoint: Path, kind: str) -> str:
+def _index_fingerprint(ds, enc, kind: str) -> str:
     h = hashlib.blake2b(digest_size=16)
-    st = checkpoint.stat()
-    h.update(f"{checkpoint.resolve()}:{st.st_size}:{st.st_mtime_ns}:{kind}".encode())
+    h.update(f"{enc.fingerprint}:{kind}".encode())
     for shard in ds.shards:
         h.update(ds.sidecar(shard).read_bytes())
     return h.hexdigest()
 
 
 def caption_index(ds, keys: list[str], captions: list[str], enc, out: Path, kind: str, progress=None):
-    """(CPU index, reused, fingerprint) over ALIGNED's intact captions; loaded from OUT when it is current."""
+    """(reused, fingerprint) of OUT/knn.faiss over ALIGNED's intact captions, built unless it is current."""
     kind = knn.choose_kind(kind, len(keys))
-    fp = _index_fingerprint(ds, enc.path, kind)
+    fp = _index_fingerprint(ds, enc, kind)
     index_file, table_file = out / "knn.faiss", out / "knn_captions.parquet"
     if index_file.exists() and table_file.exists():
         meta = pq.read_schema(table_file).metadata or {}
         if meta.get(b"fingerprint") == fp.encode():
             index = knn.load_index(index_file)
             if index.d == enc.dim and index.ntotal == len(keys):
-                return index, True, fp
+                return True, fp
     task = progress.add_task("embed captions", total=len(keys)) if progress else None
     vectors = np.empty((len(keys), enc.dim), dtype=np.float32)
     for i in range(0, len(keys), 256):  # one text batch size: the output does not depend on --batch-size
@@ -220,29 +213,46 @@ def caption_index(ds, keys: list[str], captions: list[str], enc, out: Path, kind
     pq.write_table(table, out / "knn_captions.parquet.tmp")
     knn.save_index(index, index_file)
     (out / "knn_captions.parquet.tmp").replace(table_file)
-    return index, False, fp
+    return False, fp
 
 
-@dataclass
-class _Ctx:
-    cfg: PseudolabelConfig
-    enc: object
-    index: object
-    keys: list[str]
-    words: list[frozenset]
-    df: Counter
-    top: frozenset
+_worker: dict = {}
 
 
-def pseudolabel_shard(ctx: _Ctx, ds, out: Path, shard: str, fp: str, progress=None, task=None) -> dict:
+def _init_worker(enc, out: Path, index_fp: str, params: dict) -> None:
+    """Per worker, once: the encoder (unpickled here, so it loads here), the saved index, ALIGNED's word statistics.
+
+    Everything comes from OUT/knn.faiss and OUT/knn_captions.parquet (paths travel, not the index); in the driver
+    the state is reused when the index is the same.
+    """
+    if _worker.get("index_fp") == index_fp and _worker.get("params") == params and _worker.get("enc") is enc:
+        return
+    index = knn.load_index(out / "knn.faiss")
+    kind = knn.kind_of(index)  # asked of the CPU index: nothing reads it back from a GPU
+    n_lists = knn.nlist(index) if kind == "ivf" else None
+    nprobe = knn.set_nprobe(index, params["nprobe"])
+    if knn.use_gpu(params["device"]):
+        index = knn.to_gpu(index, nprobe)
+    table = pq.read_table(out / "knn_captions.parquet")
+    keys, captions = table.column("key").to_pylist(), table.column("caption").to_pylist()
+    words = [caption_words(c) for c in captions]
+    df = Counter()
+    for ws in words:
+        df.update(ws)
+    top = top_words(df, params["rmtop"]) if params["strategy"] in ("rmtopmaxcount", "rmtoprand") else frozenset()
+    _worker.update(enc=enc, index=index, kind=kind, nlist=n_lists, keys=keys, words=words, df=df, top=top, nprobe=nprobe, index_fp=index_fp,
+                   params=params)
+
+
+def pseudolabel_shard(out: Path, src: Path, shard: str, fp: str) -> dict:
     """Pseudo-caption one UNALIGNED shard and write it; returns its counts."""
-    from vlprep.embed import decode
-
-    cfg, c = ctx.cfg, ctx.cfg.crops
-    side = pq.read_table(ds.sidecar(shard)).replace_schema_metadata(None)
+    w = _worker
+    p, enc = w["params"], w["enc"]
+    c = p["crops"]
+    side = pq.read_table(src / sidecar_name(shard)).replace_schema_metadata(None)
     skipped, examples, dropped = Counter(), {}, 0
     samples, kept, captions, neighbours = [], [], [], []
-    for batch in batches(iter_aligned(ds.root / shard, side.column("key").to_pylist()), cfg.batch_size):
+    for batch in batches(iter_aligned(src / shard, side.column("key").to_pylist()), p["batch_size"]):
         ok, views = [], []
         for i, raw in batch:
             image, why = decode(raw)
@@ -252,37 +262,35 @@ def pseudolabel_shard(ctx: _Ctx, ds, out: Path, shard: str, fp: str, progress=No
                     examples[why].append(raw["__key__"])
                 continue
             ok.append((i, raw))
-            views.append(ctx.enc.crop_views(image, raw["__key__"], cfg.seed, c))
+            views.append(crop_views(image, raw["__key__"], p["seed"], c, enc.image_size, enc.min_crop_scale))
         if ok:
-            scores, ids = knn.search(ctx.index, ctx.enc.images(np.concatenate(views)), cfg.k)  # (B*c, k) each
+            scores, ids = knn.search(w["index"], enc.images(np.concatenate(views)), p["k"])  # (B*c, k) each
         for n, (i, raw) in enumerate(ok):
             key = raw["__key__"]
             rows = ids[n * c:(n + 1) * c]
             counts = Counter()
             for j in rows.ravel().tolist():
                 if j >= 0:  # IVF returns -1 when the probed lists hold fewer than k captions
-                    counts.update(ctx.words[j])
-            rng = random.Random(f"{cfg.seed}:{key}") if cfg.strategy == "rmtoprand" else None
-            words = rank_counts(counts, cfg.strategy, ctx.df, ctx.top, cfg.words, rng)
+                    counts.update(w["words"][j])
+            rng = random.Random(f"{p['seed']}:{key}") if p["strategy"] == "rmtoprand" else None
+            words = rank_counts(counts, p["strategy"], w["df"], w["top"], p["words"], rng)
             if not words:
                 dropped += 1
                 continue
             meta = {k: v for k, v in (decode_sample(raw).get("json") or {}).items() if k not in DROP_META}
-            nbrs = neighbour_keys(rows, scores[n * c:(n + 1) * c], ctx.keys, cfg.k)
+            nbrs = neighbour_keys(rows, scores[n * c:(n + 1) * c], w["keys"], p["k"])
             caption = " ".join(words)
             samples.append({**{k: v for k, v in raw.items() if k not in ("txt", "json", "__url__")}, "txt": caption,
-                            "json": {**meta, "pseudo": True, "strategy": cfg.strategy, "neighbours": nbrs}})
+                            "json": {**meta, "pseudo": True, "strategy": p["strategy"], "neighbours": nbrs}})
             kept.append(i)
             captions.append(caption)
             neighbours.append(nbrs)
-        if progress:
-            progress.advance(task, len(batch))
     table = side.take(pa.array(kept, pa.int64()))  # a bare [] would be a null-typed array
     for name in DROP_META:
         if name in table.column_names:
             table = table.remove_column(table.column_names.index(name))
     cols = {"caption": pa.array(captions, pa.string()), "pseudo": pa.array([True] * len(kept), pa.bool_()),
-            "strategy": pa.array([cfg.strategy] * len(kept), pa.string()),
+            "strategy": pa.array([p["strategy"]] * len(kept), pa.string()),
             "neighbours": pa.array(neighbours, pa.list_(pa.string()))}
     for name, col in cols.items():
         if name in table.column_names:
@@ -295,11 +303,10 @@ def pseudolabel_shard(ctx: _Ctx, ds, out: Path, shard: str, fp: str, progress=No
     return stats
 
 
-def pseudolabel(cfg: PseudolabelConfig, progress=None) -> dict:
-    """Run the stage; returns the report (also written to OUT/report.json)."""
-    from vlprep.embed import Encoder
-
+def pseudolabel(cfg: PseudolabelConfig, enc, progress=None) -> dict:
+    """Run the stage with an encoder object (vlprep.embed); returns the report (also written to OUT/report.json)."""
     _check(cfg)
+    check_images(enc)
     t0 = time.perf_counter()
     try:
         aligned = open_dataset(cfg.aligned)
@@ -315,51 +322,33 @@ def pseudolabel(cfg: PseudolabelConfig, progress=None) -> dict:
     _need_sidecars(aligned, "ALIGNED")
     _need_sidecars(ds, "UNALIGNED")
     keys, captions = _aligned_captions(aligned)
-    enc = Encoder(cfg.checkpoint, cfg.device)
-    enc.check_images()
-    ckpt = Path(cfg.checkpoint)
-    options = {k: v for k, v in asdict(cfg).items() if k not in ("aligned", "unaligned", "out", "checkpoint",
-                                                                  "batch_size", "device", "overwrite",
+    options = {k: v for k, v in asdict(cfg).items() if k not in ("aligned", "unaligned", "out", "batch_size",
+                                                                  "device", "workers", "distributor", "overwrite",
                                                                   "skip_bad_shards")}
-    options.update(aligned=str(aligned.root.resolve()), unaligned=str(ds.root.resolve()),
-                   checkpoint=str(ckpt.resolve()))
+    options.update(aligned=str(aligned.root.resolve()), unaligned=str(ds.root.resolve()), encoder=enc.name)
     prepare_output(out, "pseudolabel", options, cfg.overwrite)
 
-    # --- the caption index and the ALIGNED word statistics
+    # --- plan: the caption index (saved in OUT for the workers) and one Work per UNALIGNED shard
     t_index = time.perf_counter()
-    index, reused, index_fp = caption_index(aligned, keys, captions, enc, out, cfg.index, progress)
-    kind = knn.kind_of(index)
-    nprobe = knn.set_nprobe(index, cfg.nprobe or knn.DEFAULT_NPROBE)
-    n_lists = knn.nlist(index) if kind == "ivf" else None
-    gpu = knn.use_gpu(cfg.device)
-    if gpu:
-        index = knn.to_gpu(index, nprobe)
+    reused, index_fp = caption_index(aligned, keys, captions, enc, out, cfg.index, progress)
+    params = {k: getattr(cfg, k) for k in ("strategy", "k", "crops", "words", "rmtop", "seed", "batch_size",
+                                           "device")}
+    params["nprobe"] = cfg.nprobe or knn.DEFAULT_NPROBE
+    _init_worker(enc, out, index_fp, params)  # the driver's copy: the report's statistics, and one worker's state
     index_s = time.perf_counter() - t_index
-    words = [caption_words(c) for c in captions]
-    df = Counter()
-    for ws in words:
-        df.update(ws)
-    top = top_words(df, cfg.rmtop) if cfg.strategy in ("rmtopmaxcount", "rmtoprand") else frozenset()
-    ctx = _Ctx(cfg, enc, index, keys, words, df, top)
-
-    # --- pseudo-captions, shard by shard (resuming completed ones)
     salt = (index_fp + repr(sorted(options.items()))).encode()
-    task = progress.add_task("pseudolabel", total=ds.num_samples) if progress else None
-    stats, resumed, processed = {}, 0, 0
+    plan = [Work(s, (ds.root, s), hashlib.blake2b(salt + ds.sidecar(s).read_bytes()
+                                                  + str((ds.root / s).stat().st_size).encode(),
+                                                  digest_size=16).hexdigest(), ds.sizes[s]) for s in ds.shards]
     t_images = time.perf_counter()
-    for shard in ds.shards:
-        fp = hashlib.blake2b(salt + ds.sidecar(shard).read_bytes()
-                             + str((ds.root / shard).stat().st_size).encode(), digest_size=16).hexdigest()
-        done = shard_done(out, shard)
-        if done is not None and done.get("fingerprint") == fp:
-            stats[shard], resumed = done, resumed + 1
-            if progress:
-                progress.advance(task, done["in"])
-            continue
-        stats[shard] = pseudolabel_shard(ctx, ds, out, shard, fp, progress, task)
-        processed += stats[shard]["in"]
+    stats, resumed = map_shards(out, plan, pseudolabel_shard, init=_init_worker, initargs=(enc, out, index_fp, params),
+                                workers=cfg.workers, distributor=cfg.distributor, progress=progress,
+                                label="pseudolabel", total=ds.num_samples, start="spawn", gpu=cfg.device == "cuda")
     images_s = time.perf_counter() - t_images
+    processed = sum(ds.sizes[s] for s in ds.shards if s not in resumed)
 
+    # --- summarise
+    index, kind, df, top = _worker["index"], _worker["kind"], _worker["df"], _worker["top"]
     sizes = {s: stats[s]["written"] for s in ds.shards}
     skipped, examples = Counter(), {}
     for st in stats.values():
@@ -368,10 +357,10 @@ def pseudolabel(cfg: PseudolabelConfig, progress=None) -> dict:
             examples[why] = (examples.get(why, []) + keys_)[:5]
     n_in, written = ds.num_samples, sum(sizes.values())
     dropped = sum(st["dropped_no_words"] for st in stats.values())
-    index_info = {"kind": kind, "vectors": len(keys), "dim": enc.dim, "nprobe": nprobe or None, "gpu": gpu,
-                  "reused": reused, "seconds": round(index_s, 3)}
+    index_info = {"kind": kind, "vectors": len(keys), "dim": enc.dim, "nprobe": _worker["nprobe"] or None,
+                  "gpu": knn.on_gpu(index), "reused": reused, "seconds": round(index_s, 3)}
     if kind == "ivf":
-        index_info["nlist"] = n_lists
+        index_info["nlist"] = _worker["nlist"]
     finish_dataset(out, sizes, {"stage": "pseudolabel", "input": str(cfg.unaligned), "aligned": str(cfg.aligned),
                                 "options": options, "index": index_info,
                                 "counts": {"in": n_in, "written": written, "dropped_no_words": dropped,
@@ -380,20 +369,20 @@ def pseudolabel(cfg: PseudolabelConfig, progress=None) -> dict:
 
     pseudo_words, lengths = Counter(), Counter()
     for shard in ds.shards:
-        for caption in pq.read_table(out / (shard[:-4] + ".parquet"), columns=["caption"]).column(0).to_pylist():
+        for caption in pq.read_table(out / sidecar_name(shard), columns=["caption"]).column(0).to_pylist():
             ws = caption.split(" ")
             pseudo_words.update(ws)
             lengths[len(ws)] += 1
     report = {
         "stage": "pseudolabel", "aligned": str(cfg.aligned), "unaligned": str(cfg.unaligned),
-        "checkpoint": str(cfg.checkpoint), "strategy": cfg.strategy, "k": cfg.k, "crops": cfg.crops,
+        "encoder": enc.name, "strategy": cfg.strategy, "k": cfg.k, "crops": cfg.crops,
         "words": cfg.words, "rmtop": cfg.rmtop if top else None, "seed": cfg.seed, "index": index_info,
         "aligned_captions": len(keys), "aligned_vocab": len(df), "samples_in": n_in, "written": written,
         "dropped_no_words": dropped, "skipped": dict(skipped), "skipped_examples": examples,
         "avg_words": round(sum(k * v for k, v in lengths.items()) / written, 3) if written else 0.0,
         "words_hist": {str(k): lengths[k] for k in sorted(lengths)}, "vocab": len(pseudo_words),
         "top_words": [[w, n, df[w]] for w, n in pseudo_words.most_common(30)],
-        "shards": len(ds.shards), "shards_resumed": resumed, "bad_shards": ds.bad,
+        "shards": len(ds.shards), "shards_resumed": len(resumed), "bad_shards": ds.bad,
         "images_per_s": round(processed / images_s, 2) if processed and images_s > 0 else None,
     }
     report["plots"] = pseudolabel_figures(out, ds, report)

@@ -2,7 +2,7 @@
 
 Plan: source item i goes to shard i // samples_per_shard and gets key `{prefix}_{i:09d}`, whether
 or not earlier items were skipped. Each shard is therefore a pure function of its slice of the
-source: shards are built independently (in parallel with --workers), a re-run skips the shards that
+source: shards are built independently (vlprep.engine: --workers on a process pool or Ray), a re-run skips the shards that
 are complete and whose records are unchanged (see `fingerprint`), and the result is byte-identical
 to an uninterrupted run. A shard holds at most
 samples_per_shard samples (fewer when some are skipped), as with img2dataset.
@@ -21,7 +21,6 @@ import re
 import time
 from collections import Counter
 from collections.abc import Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -32,8 +31,9 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from vlprep import VlprepError
 from vlprep.dataset import (KEY_RE, check_out, finish_dataset, prepare_output, release_output, remove_extra_shards,
-                            shard_done, shard_name, sidecar_name, write_json_atomic, write_shard)
-from vlprep.sources import Item, open_source
+                            shard_name, sidecar_name, write_json_atomic, write_shard)
+from vlprep.engine import Work, check_engine, default_workers, map_shards
+from vlprep.sources import Item, load_images, open_source
 
 FORMATS = {"jpg": "JPEG", "png": "PNG", "webp": "WEBP"}
 PIL_TO_EXT = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp", "MPO": "jpg"}
@@ -51,14 +51,14 @@ class ShardsConfig:
     resize: int | None = None         # shorter side -> N (never upscales); None passes bytes through
     format: str | None = None         # re-encode format; None keeps the source format when possible
     quality: int = 95
-    workers: int = field(default_factory=lambda: min(4, os.cpu_count() or 1))
+    workers: int = field(default_factory=default_workers)
+    distributor: str = "local"        # local | ray (docs/SCALE.md)
     prefix: str = "shard"
     image_col: str | None = None
     caption_col: str | None = None
     uid_col: str | None = None
     decode_check: bool = False
     overwrite: bool = False
-    progress: bool = True
 
     def validate(self) -> None:
         if self.samples_per_shard < 1:
@@ -69,8 +69,7 @@ class ShardsConfig:
             raise VlprepError(f"--format must be one of {', '.join(FORMATS)}, not {self.format!r}")
         if not 1 <= self.quality <= 100:
             raise VlprepError("--quality must be between 1 and 100")
-        if self.workers < 1:
-            raise VlprepError("--workers must be at least 1")
+        check_engine(self.distributor, self.workers)
         if not KEY_RE.match(self.prefix):
             raise VlprepError(f"--prefix may hold only letters, digits, '_' and '-', not {self.prefix!r}")
 
@@ -212,14 +211,15 @@ def prepare_image(data: bytes, resize: int | None = None, fmt: str | None = None
 # --- per-shard work (runs in a worker process) ---------------------------------------------------
 
 
-def build_shard(out: Path, shard: str, first_index: int, items: list[Item], cfg: dict, fp: str = "") -> dict:
+def build_shard(out: Path, first_index: int, items: list[Item], cfg: dict, fp: str = "") -> dict:
     """Write one planned shard; returns its stats {in, written, skipped, examples, fingerprint}."""
     skipped, examples, samples, rows = Counter(), {}, [], []
-    for i, item in enumerate(items):
+    shard = shard_name(cfg["prefix"], first_index // cfg["samples_per_shard"])
+    for i, (item, image) in enumerate(zip(items, load_images(items))):
         key = f"{cfg['prefix']}_{first_index + i:09d}"
         try:
             caption = clean_caption(item.caption)
-            data, ext, w, h = prepare_image(read_image(item.image), cfg["resize"], cfg["format"],
+            data, ext, w, h = prepare_image(read_image(image), cfg["resize"], cfg["format"],
                                             cfg["quality"], cfg["decode_check"])
         except Skip as s:
             skipped[s.reason] += 1
@@ -243,7 +243,7 @@ def build_shard(out: Path, shard: str, first_index: int, items: list[Item], cfg:
 
 
 def fingerprint(items: list[Item]) -> str:
-    """What a shard was built from: ids, captions, and image bytes (hashed) or path + size + mtime.
+    """What a shard was built from: ids, captions, and image bytes (hashed) or where they are + size + mtime.
 
     A resumed run reuses a finished shard only when this matches, so an edited source is rebuilt.
     """
@@ -253,70 +253,36 @@ def fingerprint(items: list[Item]) -> str:
         if isinstance(it.image, bytes):
             h.update(hashlib.blake2b(it.image, digest_size=16).digest())
         elif it.image is not None:
+            path = it.image if isinstance(it.image, str) else it.image.path
             try:
-                st = os.stat(it.image)
+                st = os.stat(path)
                 h.update(f"{it.image}|{st.st_size}|{st.st_mtime_ns}".encode("utf-8", "surrogatepass"))
             except OSError:
                 h.update(f"{it.image}|missing".encode("utf-8", "surrogatepass"))
     return h.hexdigest()
 
 
-def _chunks(items: Iterator[Item], n: int) -> Iterator[list[Item]]:
-    while chunk := list(islice(items, n)):
-        yield chunk
-
-
 def build_shards(cfg: ShardsConfig, progress=None) -> dict:
-    """Run the stage; returns the report (also written to OUT/report.json)."""
+    """Run the stage (plan source chunks -> map_shards -> summarise); returns the report (also OUT/report.json)."""
     cfg.validate()
     t0 = time.perf_counter()
     out = check_out(cfg.out, cfg.src)
     source = open_source(cfg.src, cfg.image_col, cfg.caption_col, cfg.uid_col)
-    options = {k: v for k, v in asdict(cfg).items() if k not in ("src", "out", "workers", "overwrite", "progress")}
+    options = {k: v for k, v in asdict(cfg).items() if k not in ("src", "out", "workers", "distributor", "overwrite")}
     options["src"] = str(Path(cfg.src).resolve())
     prepare_output(out, "shards", options, cfg.overwrite)
-    job = {k: options[k] for k in ("prefix", "resize", "format", "quality", "decode_check")}
+    job = {k: options[k] for k in ("prefix", "samples_per_shard", "resize", "format", "quality", "decode_check")}
 
-    stats: dict[str, dict] = {}
     planned: list[str] = []
-    resumed = 0
-    pool = ProcessPoolExecutor(cfg.workers) if cfg.workers > 1 else None
-    pending: dict[Future, str] = {}
-    task = progress.add_task("shards", total=source.total) if progress else None
 
-    def collect(done) -> None:
-        for fut in done:
-            shard = pending.pop(fut)
-            stats[shard] = fut.result()
-            if progress:
-                progress.advance(task, stats[shard]["in"])
+    def plan() -> Iterator[Work]:  # streamed: the source is read one shard ahead of the workers
+        n = cfg.samples_per_shard
+        for idx, chunk in enumerate(_chunks(source.items, n)):
+            planned.append(shard_name(cfg.prefix, idx))
+            yield Work(planned[-1], (idx * n, chunk, job), fingerprint(chunk), len(chunk))
 
-    try:
-        for idx, chunk in enumerate(_chunks(source.items, cfg.samples_per_shard)):
-            shard = shard_name(cfg.prefix, idx)
-            planned.append(shard)
-            fp = fingerprint(chunk)
-            previous = shard_done(out, shard)
-            if previous is not None and previous.get("fingerprint") == fp:
-                stats[shard] = previous
-                resumed += 1
-                if progress:
-                    progress.advance(task, len(chunk))
-                continue
-            first = idx * cfg.samples_per_shard
-            if pool is None:
-                stats[shard] = build_shard(out, shard, first, chunk, job, fp)
-                if progress:
-                    progress.advance(task, len(chunk))
-                continue
-            pending[pool.submit(build_shard, out, shard, first, chunk, job, fp)] = shard
-            if len(pending) >= 2 * cfg.workers:  # bound memory: at most 2 shards in flight per worker
-                collect(wait(pending, return_when=FIRST_COMPLETED).done)
-        collect(wait(pending).done if pending else [])
-    finally:
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
-
+    stats, resumed = map_shards(out, plan(), build_shard, workers=cfg.workers, distributor=cfg.distributor,
+                                progress=progress, label="shards", total=source.total)
     remove_extra_shards(out, cfg.prefix, set(planned))
     sizes = {s: stats[s]["written"] for s in planned}
     skipped, examples = Counter(), {}
@@ -339,12 +305,17 @@ def build_shards(cfg: ShardsConfig, progress=None) -> dict:
         "samples_in": n_in, "written": written, "skipped_total": sum(skipped.values()),
         "skipped": dict(sorted(skipped.items())), "skipped_examples": dict(sorted(examples.items())),
         "duplicate_uids": dups["rows"], "duplicate_uid_examples": dups["examples"],
-        "shards": len(planned), "shards_resumed": resumed, "elapsed_s": round(elapsed, 3),
+        "shards": len(planned), "shards_resumed": len(resumed), "elapsed_s": round(elapsed, 3),
         "samples_per_s": round(n_in / elapsed, 1) if elapsed > 0 else None,
     }
     write_json_atomic(out / "report.json", report)
     release_output(out)
     return report
+
+
+def _chunks(items: Iterator[Item], n: int) -> Iterator[list[Item]]:
+    while chunk := list(islice(items, n)):
+        yield chunk
 
 
 def duplicate_uids(out: Path, shards: list[str]) -> dict:

@@ -2,6 +2,9 @@
 
 Each source is a generator of `Item`s in a fixed order; the item's position in that order is its
 sample index, so keys depend only on the source, never on timing or the number of workers.
+An item names its image (a file path, a TarRef into a tar, a RowRef into a Parquet file) rather than
+holding its bytes, so that only paths travel to the workers (docs/SCALE.md); `load_images` reads them
+where the shard is written.
 """
 
 import csv
@@ -10,11 +13,13 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from vlprep import VlprepError
-from vlprep.dataset import iter_tar
+from vlprep.dataset import TarRef, iter_tar
 
 TABLE_SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".tsv": "tsv",
                   ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl"}
@@ -24,14 +29,23 @@ IMAGE_COLUMNS = ("image", "image_path", "img", "img_path", "filepath", "file_nam
                  "path", "jpg", "png")
 CAPTION_COLUMNS = ("caption", "text", "txt", "caption_text", "sentence", "title", "alt", "description")
 UID_COLUMNS = ("uid", "key", "id", "image_id")
+WDS_IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+
+
+class RowRef(NamedTuple):
+    """An image cell of a Parquet file (bytes, or a Hugging Face {bytes, path} struct), read by the worker."""
+
+    path: str
+    column: str
+    row: int
 
 
 @dataclass
 class Item:
-    """One source record before any checks: the image as a path or bytes, the caption as read."""
+    """One source record before any checks: the image as a path, bytes or a reference, the caption as read."""
 
     uid: str
-    image: str | bytes | None
+    image: str | bytes | TarRef | RowRef | None
     caption: str | bytes | None
     source: str
     url: str | None = None
@@ -127,14 +141,49 @@ def table_source(path: Path, kind: str, image_col=None, caption_col=None, uid_co
     uid = _pick(columns, uid_col, UID_COLUMNS, "uid", path, "--uid-col", required=False)
     total = pq.ParquetFile(path).metadata.num_rows if kind == "parquet" else None
     base = path.parent
+    # Image bytes stored in the table stay there: the item refers to its row, and the worker reads it.
+    by_ref = kind == "parquet" and _holds_bytes(pq.read_schema(path).field(img).type)
 
     def items() -> Iterator[Item]:
-        for i, row in enumerate(_table_rows(path, kind, [c for c in (img, cap, uid) if c])):
+        cols = [c for c in (cap, uid) if c] if by_ref else [c for c in (img, cap, uid) if c]
+        for i, row in enumerate(_table_rows(path, kind, cols)):
             u = row.get(uid) if uid else None
-            yield Item(uid=str(u) if u is not None else str(i), image=_cell_image(row.get(img), base),
-                       caption=row.get(cap), source=path.name)
+            image = RowRef(str(path), img, i) if by_ref else _cell_image(row.get(img), base)
+            yield Item(uid=str(u) if u is not None else str(i), image=image, caption=row.get(cap), source=path.name)
 
     return Source(kind, path, {"image": img, "caption": cap, "uid": uid}, total, items())
+
+
+def _holds_bytes(t: pa.DataType) -> bool:
+    if pa.types.is_struct(t):
+        return any(_holds_bytes(t.field(i).type) for i in range(t.num_fields))
+    return pa.types.is_binary(t) or pa.types.is_large_binary(t)
+
+
+def load_images(items: list[Item]) -> list[str | bytes | None]:
+    """Each item's image as a path or bytes: TarRefs and RowRefs read here, Parquet row groups once per call."""
+    out, rows = [], {}
+    for it in items:
+        if isinstance(it.image, RowRef):
+            rows.setdefault((it.image.path, it.image.column), set()).add(it.image.row)
+    cells = {}
+    for (path, column), wanted in rows.items():
+        pf = pq.ParquetFile(path)
+        start = 0
+        for g in range(pf.metadata.num_row_groups):
+            n = pf.metadata.row_group(g).num_rows
+            if any(start <= r < start + n for r in wanted):
+                values = pf.read_row_group(g, columns=[column]).column(0).to_pylist()
+                cells.update(((path, column, start + j), v) for j, v in enumerate(values) if start + j in wanted)
+            start += n
+    for it in items:
+        image = it.image
+        if isinstance(image, TarRef):
+            image = image.read()
+        elif isinstance(image, RowRef):
+            image = _cell_image(cells[image], Path(image.path).parent)
+        out.append(image)
+    return out
 
 
 def _suffix(name: str) -> str:
@@ -216,14 +265,14 @@ def webdataset_source(path: Path) -> Source:
 
     def items() -> Iterator[Item]:
         for tar in tars:
-            for s in iter_tar(tar):
+            for s in iter_tar(tar, refs=WDS_IMAGE_EXTS):
                 meta = {}
                 if "json" in s:
                     try:
                         meta = json.loads(s["json"])
                     except (json.JSONDecodeError, UnicodeDecodeError):
                         meta = {}
-                image = next((s[e] for e in ("jpg", "jpeg", "png", "webp") if e in s), None)
+                image = next((s[e] for e in WDS_IMAGE_EXTS if e in s), None)
                 yield Item(uid=s["__key__"], image=image, caption=s.get("txt"), source=tar.name,
                            url=meta.get("url") if isinstance(meta, dict) else None)
 

@@ -1,0 +1,230 @@
+"""The shard engine every vlprep stage runs on: plan -> `map_shards` -> summarise (DESIGN section 7).
+
+A stage plans its work as `Work` items, one per output shard (its name fixed by the plan, the inputs it needs as
+paths and small values, a fingerprint of everything the shard depends on). `map_shards` skips the shards already
+complete with the same fingerprint (resume), runs the stage's per-shard function for the rest on an executor,
+advances the progress bar and returns every shard's counts for the report. The per-shard function writes its
+shard itself, through `write_shard` (temporary names, then rename), so a stopped run leaves no half shard.
+
+Executors (img2dataset's word, `--distributor`):
+- `local`: the calling process when there is one worker, else a process pool of `--workers` processes;
+- `ray`: `--workers` Ray actors of one CPU each (and a GPU share for `--device cuda`), on the cluster at
+  RAY_ADDRESS when it is set, else on a Ray started here (docs/SCALE.md).
+Each worker runs the stage's initializer once (models load once per worker, not per shard), and the function
+reads what it set up from a module global of the stage. Only paths, fingerprints and counts travel between the
+driver and the workers; image bytes are read where the shard is written. Outputs depend only on the plan, so
+they are byte-identical for any distributor and worker count.
+"""
+
+import os
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from multiprocessing import get_context
+from pathlib import Path
+from typing import NamedTuple
+
+from vlprep import VlprepError
+from vlprep.dataset import shard_done
+
+DISTRIBUTORS = ("local", "ray")
+RAY_EXTRA = "pip install -e '.[ray]'"
+
+
+class Work(NamedTuple):
+    """One planned output shard: its name, the per-shard function's arguments, its fingerprint, its input samples."""
+
+    shard: str
+    args: tuple
+    fingerprint: str
+    size: int
+
+
+def default_workers(cap: int = 4) -> int:
+    return min(cap, os.cpu_count() or 1)
+
+
+def check_engine(distributor: str, workers: int) -> None:
+    """One-line errors for a bad --distributor / --workers (before any output is touched)."""
+    if distributor not in DISTRIBUTORS:
+        raise VlprepError(f"unknown --distributor {distributor!r}; use {' or '.join(DISTRIBUTORS)}")
+    if workers < 1:
+        raise VlprepError("--workers must be at least 1")
+    if distributor == "ray":
+        _import_ray()
+
+
+def shard_fingerprint_done(out: Path, work: Work) -> dict | None:
+    """The stored counts of `work.shard` in OUT when it is complete and was built from the same fingerprint."""
+    done = shard_done(out, work.shard)
+    return done if done is not None and done.get("fingerprint") == work.fingerprint else None
+
+
+# --- executors: submit(fn, *args) -> Future; the initializer has run once in each worker ------------------------
+
+
+class InlineExecutor:
+    """The calling process: the initializer runs once here, each call runs at submit (one worker, no start-up)."""
+
+    def __init__(self, init: Callable | None, initargs: tuple):
+        if init is not None:
+            init(*initargs)
+
+    def submit(self, fn: Callable, *args) -> Future:
+        fut = Future()
+        fut.set_result(fn(*args))  # an exception propagates at once, with its own traceback
+        return fut
+
+    def shutdown(self) -> None:
+        pass
+
+
+class PoolExecutor(ProcessPoolExecutor):
+    """A local process pool; `spawn` for stages whose models must not be forked (torch's thread pools)."""
+
+    def __init__(self, workers: int, init: Callable | None, initargs: tuple, start: str = "fork"):
+        super().__init__(workers, mp_context=get_context(start), initializer=init, initargs=initargs)
+
+    def shutdown(self, wait: bool = True, **kw) -> None:
+        super().shutdown(wait=wait, cancel_futures=True)
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise VlprepError(f"--distributor ray needs Ray, which is an extra: {RAY_EXTRA}") from None
+    return ray
+
+
+def ray_connect():
+    """The ray module, connected: to RAY_ADDRESS when set, else to a Ray started here; ray.init runs at most once."""
+    ray = _import_ray()
+    if not ray.is_initialized():
+        # ray.init reads RAY_ADDRESS itself; without it, it starts a local Ray with every CPU of this machine.
+        ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=False,
+                 logging_level="WARNING")
+    return ray
+
+
+class _RayWorker:
+    """The body of one Ray actor: the stage's initializer at start, then per-shard calls."""
+
+    def __init__(self, init: Callable | None, initargs: tuple):
+        if init is not None:
+            init(*initargs)
+
+    def run(self, fn: Callable, args: tuple):
+        return fn(*args)
+
+
+class RayExecutor:
+    """N Ray actors of one CPU each (plus a GPU share when asked); each call goes to the least busy actor."""
+
+    def __init__(self, workers: int, init: Callable | None, initargs: tuple, gpu: bool = False):
+        ray = ray_connect()
+        self.ray = ray
+        opts = {"num_cpus": 1}
+        if gpu:
+            gpus = ray.cluster_resources().get("GPU", 0)
+            if not gpus:
+                raise VlprepError("--device cuda with --distributor ray: the Ray cluster has no GPU")
+            opts["num_gpus"] = min(1.0, gpus / workers)
+        actor = ray.remote(**opts)(_RayWorker)
+        # initargs go to the object store once, not once per actor
+        args_ref = ray.put(initargs)
+        self.actors = [actor.remote(init, args_ref) for _ in range(workers)]
+        self.busy = [0] * workers
+        self.lock = threading.Lock()
+
+    def ready(self) -> None:
+        """Wait until every actor has run its initializer (benchmarks time the work without the start-up)."""
+        self.ray.get([a.run.remote(len, ((),)) for a in self.actors])
+
+    def submit(self, fn: Callable, *args) -> Future:
+        with self.lock:
+            i = min(range(len(self.actors)), key=self.busy.__getitem__)
+            self.busy[i] += 1
+        ref = self.actors[i].run.remote(fn, args)
+        out = Future()
+
+        def done(f: Future) -> None:
+            with self.lock:
+                self.busy[i] -= 1
+            exc = f.exception()
+            if exc is None:
+                out.set_result(f.result())
+            else:  # the worker's own exception (a VlprepError stays one line), not Ray's wrapper with its traceback
+                out.set_exception(getattr(exc, "cause", None) or exc)
+
+        ref.future().add_done_callback(done)
+        return out
+
+    def shutdown(self) -> None:
+        for a in self.actors:
+            self.ray.kill(a)
+
+
+def make_executor(distributor: str, workers: int, init: Callable | None = None, initargs: tuple = (),
+                  start: str = "fork", gpu: bool = False):
+    """An executor of `workers` workers that each ran init(*initargs) once."""
+    check_engine(distributor, workers)
+    if distributor == "ray":
+        return RayExecutor(workers, init, initargs, gpu)
+    if workers == 1:
+        return InlineExecutor(init, initargs)
+    return PoolExecutor(workers, init, initargs, start)
+
+
+# --- the engine ------------------------------------------------------------------------------------------------
+
+
+def map_shards(out: Path, plan: Iterable[Work], fn: Callable[..., dict], *, init: Callable | None = None,
+               initargs: tuple = (), workers: int = 1, distributor: str = "local", progress=None,
+               label: str = "", total: int | None = None, start: str = "fork", gpu: bool = False,
+               done: Callable[[Path, Work], dict | None] = shard_fingerprint_done,
+               executor=None) -> tuple[dict[str, dict], set[str]]:
+    """fn(out, *work.args, work.fingerprint) -> counts, for each planned shard not done; ({shard: counts}, resumed).
+
+    `resumed` holds the shards found complete; `counts` is in plan order, a resumed shard's as stored.
+
+    The plan may be a generator (`vlprep shards` streams its source): at most two shards per worker are in flight,
+    so memory stays bounded by the shard size. The executor, and with it the models, starts only when a shard is
+    left to do. `executor` lets a caller reuse one it made (benchmarks exclude the start-up that way).
+    """
+    stats: dict[str, dict | None] = {}
+    pending: dict[Future, Work] = {}
+    resumed: set[str] = set()
+    task = progress.add_task(label, total=total) if progress is not None else None
+    ex, own = executor, executor is None
+
+    def collect(futures) -> None:
+        for fut in futures:
+            work = pending.pop(fut)
+            stats[work.shard] = fut.result()
+            if progress is not None:
+                progress.advance(task, work.size)
+
+    try:
+        for work in plan:
+            if work.shard in stats:
+                raise VlprepError(f"internal: shard {work.shard} planned twice")
+            previous = done(out, work)
+            if previous is not None:
+                stats[work.shard] = previous
+                resumed.add(work.shard)
+                if progress is not None:
+                    progress.advance(task, work.size)
+                continue
+            stats[work.shard] = None  # keeps the plan's order in the result
+            if ex is None:
+                ex = make_executor(distributor, workers, init, initargs, start, gpu)
+            pending[ex.submit(fn, out, *work.args, work.fingerprint)] = work
+            if len(pending) >= 2 * workers:
+                collect(wait(pending, return_when=FIRST_COMPLETED).done)
+        while pending:
+            collect(wait(pending, return_when=FIRST_COMPLETED).done)
+    finally:
+        if own and ex is not None:
+            ex.shutdown()
+    return stats, resumed
