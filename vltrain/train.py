@@ -202,13 +202,13 @@ def _softmask_itm(model, source: str, pos_logits: torch.Tensor, maps: list | Non
     b = pos_logits.shape[0]
     grads = None
     if maps is not None:
-        maps = [a[:b] for a in maps]
         if parse_source(source)[0] == "gradcam":
-            # s+ = the positives' match probability summed over the batch; d s+ / dA for every fusion layer. The
-            # maps are not parameters, so autograd.grad leaves every .grad alone; retain_graph keeps the step's graph.
+            # s+ = the positives' match probability summed over the batch; d s+ / dA for every fusion layer (the
+            # rows past B, the negatives, get zeros). The maps are not parameters, so autograd.grad leaves every
+            # .grad alone; retain_graph keeps the step's graph for the backward pass.
             s_pos = pos_logits.float().softmax(dim=-1)[:, 1].sum()
-            grads = [g.detach() for g in torch.autograd.grad(s_pos, maps, retain_graph=True)]
-        maps = [a.detach() for a in maps]
+            grads = [g[:b].detach() for g in torch.autograd.grad(s_pos, maps, retain_graph=True)]
+        maps = [a[:b].detach() for a in maps]
     m = masks_for(source, maps, grads, mask.bool(), image_tokens.shape[1], generator)
     return softmask_itm_loss(model.itm_logits(model.fuse(text_hidden, mask, image_tokens, patch_weights=m)))
 

@@ -1,0 +1,345 @@
+"""SoftMask++ (issue 13): attention maps, Grad-CAM, word choice, the soft mask and its sources, masked features,
+the soft ITM loss, MMDA (augment recipes, masked_text_all) and a tiny `softmask` run that resumes exactly.
+
+Each formula is checked against a re-derivation written here: plain loops, a hand-written forward of one fusion
+layer, finite differences.
+"""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vltrain import train as train_mod
+from vltrain.config import ConfigError, load_config
+from vltrain.layers import Attention, FusionLayer
+from vltrain.losses import softmask_itm_loss
+from vltrain.softmask import attention_map, gradcam, masks_for, parse_source, random_mask, sample_words, soft_mask
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_fidelity import CAPTIONS, cfg_for, make_batch, model_for  # noqa: E402
+from test_train import losses, run, shards  # noqa: E402,F401  (the module-scoped shard fixture)
+
+
+# --- attention maps ----------------------------------------------------------------------------------------------
+
+
+def test_explicit_attention_path_matches_sdpa_in_float64():
+    torch.manual_seed(0)
+    att = Attention(16, 4, 1e-12, 0.0, 0.0).double().eval()
+    x, ctx = torch.randn(3, 5, 16, dtype=torch.float64), torch.randn(3, 7, 16, dtype=torch.float64)
+    key_mask = torch.ones(3, 7, dtype=torch.bool)
+    key_mask[1, 5:] = False
+    fast = att(x, ctx, key_mask)
+    slow, probs = att(x, ctx, key_mask, return_attn=True)
+    assert torch.allclose(fast, slow, atol=1e-12)
+    assert probs.shape == (3, 4, 5, 7) and torch.allclose(probs.sum(-1), torch.ones(3, 4, 5, dtype=torch.float64))
+    assert probs[1, :, :, 5:].abs().max() == 0  # masked keys get no weight
+
+
+def one_layer_fusion(seed: int = 0):
+    """A 1-layer, 1-head fusion (FusionLayer) and an ITM head, in float64, eval mode (no dropout)."""
+    torch.manual_seed(seed)
+    layer = FusionLayer(8, 1, 16, 1e-12, 0.0, 0.0).double().eval()
+    head = torch.nn.Linear(8, 2).double()
+    x = torch.randn(2, 4, 8, dtype=torch.float64)
+    image = torch.randn(2, 5, 8, dtype=torch.float64)
+    text_mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]], dtype=torch.bool)
+    return layer, head, x, image, text_mask
+
+
+def s_of_probs(layer, head, x, image, text_mask, probs):
+    """The re-derivation: the layer's forward written out by hand from the cross-attention probabilities on, and
+    s+ = sum over the batch of softmax(ITM logits of [CLS])[match]."""
+    xs = layer.self_attn(x, x, text_mask)
+    ca = layer.cross_attn
+    v = ca.v(image)  # (B, N, D), one head
+    a = probs[:, 0] @ v  # (B, L, D)
+    h = F.layer_norm(xs + ca.o(a), (8,), ca.ln.weight, ca.ln.bias, ca.ln.eps)
+    out = F.layer_norm(h + layer.ffn_out(F.gelu(layer.ffn_in(h))), (8,), layer.ffn_ln.weight, layer.ffn_ln.bias,
+                       layer.ffn_ln.eps)
+    return head(out[:, 0]).softmax(dim=-1)[:, 1].sum(), a
+
+
+def test_gradcam_gradient_matches_the_chain_rule_and_finite_differences():
+    layer, head, x, image, text_mask = one_layer_fusion()
+    out, probs = layer(x, text_mask, image, return_attn=True)
+    s = head(out[:, 0]).softmax(dim=-1)[:, 1].sum()
+    (g,) = torch.autograd.grad(s, [probs])  # what train_step takes: d s+ / d A
+
+    # chain rule through a = A v: dS/dA[b, l, n] = sum_d dS/da[b, l, d] * v[b, n, d]
+    p = probs.detach().clone()
+    s_ref, a = s_of_probs(layer, head, x, image, text_mask, p)
+    assert torch.allclose(s_ref, s.detach(), atol=1e-12)
+    (ds_da,) = torch.autograd.grad(s_ref, [a])
+    by_hand = torch.einsum("bld,bnd->bln", ds_da, layer.cross_attn.v(image)).unsqueeze(1)
+    assert torch.allclose(g, by_hand, atol=1e-10)
+
+    # central finite difference on one attention entry
+    eps, idx = 1e-6, (1, 0, 2, 3)
+    up, down = p.clone(), p.clone()
+    up[idx] += eps
+    down[idx] -= eps
+    with torch.no_grad():
+        fd = (s_of_probs(layer, head, x, image, text_mask, up)[0]
+              - s_of_probs(layer, head, x, image, text_mask, down)[0]) / (2 * eps)
+    assert float(g[idx]) == pytest.approx(float(fd), rel=1e-5, abs=1e-9)
+
+
+def test_gradcam_is_the_mean_over_layers_and_heads_of_a_times_relu_g():
+    torch.manual_seed(1)
+    attns = [torch.rand(2, 3, 4, 5) for _ in range(2)]
+    grads = [torch.randn(2, 3, 4, 5) for _ in range(2)]
+    cam = gradcam(attns, grads)
+    ref = torch.zeros(2, 4, 5)
+    for b in range(2):
+        for l_ in range(4):
+            for n in range(5):
+                terms = [attns[k][b, h, l_, n] * max(float(grads[k][b, h, l_, n]), 0.0)
+                         for k in range(2) for h in range(3)]
+                ref[b, l_, n] = sum(terms) / len(terms)
+    assert torch.allclose(cam, ref, atol=1e-6)
+    assert torch.allclose(attention_map(attns), torch.stack(attns).mean(dim=(0, 2)))
+
+
+# --- word choice and the mask ------------------------------------------------------------------------------------
+
+
+def test_sample_words_is_uniform_over_valid_tokens_and_never_padding():
+    valid = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.bool)
+    g = torch.Generator().manual_seed(0)
+    picks = torch.stack([sample_words(valid, g) for _ in range(3000)])  # (3000, 3)
+    assert bool(valid[torch.arange(3), picks].all())
+    for row, n in ((0, 3), (1, 5)):
+        counts = torch.bincount(picks[:, row], minlength=5)[:n].float()
+        assert (counts / 3000 - 1 / n).abs().max() < 0.04  # [CLS] (position 0) included
+    assert bool((picks[:, 2] == 0).all())
+
+
+def soft_mask_by_hand(row: list[float]) -> list[float]:
+    n, lo, hi = len(row), min(row), max(row)
+    w = [0.5] * n if hi == lo else [(v - lo) / (hi - lo) for v in row]
+    total = sum(w)
+    w = [min(1.0, max(0.0, v * (n / 2) / total)) for v in w]
+    return [1.0 - v for v in w]
+
+
+def test_soft_mask_against_the_rule_by_hand():
+    torch.manual_seed(2)
+    cams = torch.cat([torch.rand(3, 10), torch.full((1, 10), 0.7), torch.tensor([[0.0] * 9 + [5.0]])])
+    m = soft_mask(cams.requires_grad_())
+    assert not m.requires_grad
+    for i in range(cams.shape[0]):
+        assert m[i].tolist() == pytest.approx(soft_mask_by_hand(cams[i].tolist()), abs=1e-6)
+    assert float(m.min()) >= 0 and float(m.max()) <= 1
+    assert m[3].tolist() == pytest.approx([0.5] * 10)  # a constant row
+    # the sum rule: the masked weight is half the tokens, unless clipping at 1 cut it
+    w = 1 - m
+    for i in range(cams.shape[0]):
+        row = cams[i].tolist()
+        lo, hi = min(row), max(row)
+        pre = [0.5] * 10 if hi == lo else [(v - lo) / (hi - lo) for v in row]
+        pre = [v * 5 / sum(pre) for v in pre]
+        assert float(w[i].sum()) == pytest.approx(5.0 if max(pre) <= 1 else sum(min(v, 1.0) for v in pre), abs=1e-5)
+    assert float(w[4].sum()) == pytest.approx(1.0)  # [0,..,0,5]: one hot token, w = 5 there, clipped to 1
+
+
+def test_random_mask_zeroes_round_r_n_tokens_per_row():
+    g = torch.Generator().manual_seed(0)
+    for ratio, zeros in ((0.3, 15), (0.5, 24)):
+        n = 49 if ratio == 0.5 else 50
+        m = random_mask(4, n, ratio, g)
+        assert set(m.unique().tolist()) <= {0.0, 1.0}
+        assert (m == 0).sum(dim=1).tolist() == [round(ratio * n)] * 4 == [zeros] * 4
+
+
+def test_the_three_mask_sources():
+    torch.manual_seed(3)
+    attns = [torch.rand(2, 2, 4, 6).softmax(-1) for _ in range(2)]
+    grads = [torch.randn(2, 2, 4, 6) for _ in range(2)]
+    valid = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    g = torch.Generator().manual_seed(7)
+    words = sample_words(valid, torch.Generator().manual_seed(7))
+    m = masks_for("gradcam", attns, grads, valid, 6, g)
+    assert torch.allclose(m, soft_mask(gradcam(attns, grads)[torch.arange(2), words]))
+    m = masks_for("attention", attns, None, valid, 6, torch.Generator().manual_seed(7))
+    assert torch.allclose(m, soft_mask(attention_map(attns)[torch.arange(2), words]))
+    m = masks_for("random:0.5", None, None, valid, 6, torch.Generator().manual_seed(7))
+    assert (m == 0).sum(dim=1).tolist() == [3, 3]
+    assert parse_source("random:0.3") == ("random", 0.3)
+    for bad in ("random", "random:1.5", "gradcam:1", "saliency"):
+        with pytest.raises(ValueError, match="unknown loss.softmask_source"):
+            parse_source(bad)
+
+
+# --- masked features and the loss ----------------------------------------------------------------------------------
+
+
+def test_masked_features_change_itm_and_a_mask_of_ones_changes_nothing():
+    cfg = cfg_for("softmask")
+    model = model_for(cfg)
+    batch = make_batch(CAPTIONS)
+    with torch.no_grad():
+        tokens, _ = model.encode_image(batch["images"])
+        hidden, _ = model.encode_text(batch["input_ids"], batch["attention_mask"])
+        plain = model.itm_logits(model.fuse(hidden, batch["attention_mask"], tokens))
+        ones = model.itm_logits(model.fuse(hidden, batch["attention_mask"], tokens,
+                                           patch_weights=torch.ones(tokens.shape[:2])))
+        half = torch.ones(tokens.shape[:2])
+        half[:, ::2] = 0.0
+        masked = model.itm_logits(model.fuse(hidden, batch["attention_mask"], tokens, patch_weights=half))
+    assert torch.equal(plain, ones)
+    assert (masked - plain).abs().max() > 1e-4
+
+
+def test_softmask_itm_loss_is_cross_entropy_with_label_match():
+    logits = torch.tensor([[0.2, 1.5], [2.0, -1.0], [0.0, 0.0]])
+    ref = sum(-math.log(math.exp(b) / (math.exp(a) + math.exp(b))) for a, b in logits.tolist()) / 3
+    assert float(softmask_itm_loss(logits)) == pytest.approx(ref)
+
+
+@pytest.mark.parametrize("source", ["gradcam", "attention", "random:0.3"])
+def test_train_step_logs_softmask_itm_loss_for_every_source(source):
+    cfg = cfg_for("softmask", f"loss.softmask_source={source}")
+    model = model_for(cfg).train()
+    out = train_mod.train_step(model, make_batch(CAPTIONS), cfg, torch.Generator().manual_seed(0))
+    assert {"itc_loss", "itm_loss", "softmask_itm_loss", "mlm_loss"} <= set(out)
+    parts = sum(float(out[k].detach()) for k in ("itc_loss", "itm_loss", "softmask_itm_loss", "mlm_loss"))
+    assert float(out["total"].detach()) == pytest.approx(parts)
+    out["total"].backward()  # the retained graph still backpropagates after autograd.grad took the CAM gradient
+    assert model.itm_head.weight.grad is not None
+
+
+def test_gradcam_step_mask_follows_the_recomputed_cam(monkeypatch):
+    """The mask train_step applies is soft_mask of the Grad-CAM row of the sampled word, recomputed here."""
+    import vltrain.softmask as sm
+
+    cfg = cfg_for("softmask", "data.masked_text_all=false")
+    model = model_for(cfg)  # eval: no dropout, so the recomputation sees the same numbers
+    seen = {}
+    real_fuse, real_words = model.fuse, sm.sample_words
+
+    def fuse(text_hidden, text_mask, image_tokens, patch_weights=None, return_attn=False):
+        if patch_weights is not None:
+            seen["mask"] = patch_weights.detach()
+        out = real_fuse(text_hidden, text_mask, image_tokens, patch_weights=patch_weights, return_attn=return_attn)
+        if return_attn:
+            seen["maps"], seen["logits"] = out[1], model.itm_logits(out[0])
+        return out
+
+    def words(valid, generator=None):
+        seen["words"] = real_words(valid, generator)
+        return seen["words"]
+
+    model.fuse = fuse
+    monkeypatch.setattr(sm, "sample_words", words)
+    batch = make_batch(CAPTIONS)
+    train_mod.train_step(model, batch, cfg, torch.Generator().manual_seed(5))
+    b = len(CAPTIONS)
+    assert bool(batch["attention_mask"].bool()[torch.arange(b), seen["words"]].all())
+    s_pos = seen["logits"][:b].softmax(-1)[:, 1].sum()
+    grads = torch.autograd.grad(s_pos, seen["maps"], retain_graph=True)
+    cam = torch.zeros(b, *seen["maps"][0].shape[2:])  # the Grad-CAM by loops: layers x heads
+    k = 0
+    for a, g in zip(seen["maps"], grads):
+        for h in range(a.shape[1]):
+            cam += a[:b, h].detach() * g[:b, h].clamp(min=0)
+            k += 1
+    cam /= k
+    assert torch.allclose(seen["mask"], soft_mask(cam[torch.arange(b), seen["words"]]), atol=1e-5)
+
+
+# --- config --------------------------------------------------------------------------------------------------------
+
+
+def test_bad_softmask_configs_are_one_line_errors():
+    cases = [({"loss.focal_gamma": 2, "loss.distill_alpha": 0.4}, "no published form combines it"),
+             ({"loss.softmask_source": "saliency"}, "unknown loss.softmask_source"),
+             ({"data.augment": "strong"}, "unknown data.augment"),
+             ({"loss.itm": 0}, "reads the ITM positives"),
+             ({"loss.mlm": 0}, "data.masked_text_all needs loss.mlm > 0")]
+    for sets, msg in cases:
+        with pytest.raises(ConfigError, match=msg) as e:
+            load_config("softmask", sets=[f"{k}={v}" for k, v in sets.items()])
+        assert "\n" not in str(e.value)
+
+
+# --- MMDA ----------------------------------------------------------------------------------------------------------
+
+
+def test_masked_text_all_off_is_bit_identical_to_the_code_before_softmask():
+    """Pinned: what train_step gave at commit 621e3a1, before SoftMask++ existed (tiny albef and grit, one step)."""
+    before = {"albef": {"itc_loss": 9.12472915649414, "itm_loss": 0.6944835186004639,
+                        "mlm_loss": 10.309120178222656, "rng": 1229666868},
+              "grit": {"itc_loss": 2.205399990081787, "itc_consistency_loss": 0.7803905010223389,
+                       "itm_loss": 0.6994070410728455, "mlm_loss": 10.329530715942383, "rng": 1636858165}}
+    for preset, want in before.items():
+        cfg = cfg_for(preset)
+        assert not cfg.data.masked_text_all and cfg.loss.softmask_itm == 0
+        model = model_for(cfg).train()
+        torch.manual_seed(1)
+        g = torch.Generator().manual_seed(3)
+        out = train_mod.train_step(model, make_batch(CAPTIONS), cfg, g)
+        assert int(torch.randint(0, 2**31, (1,), generator=g)) == want["rng"]  # the same draws, in the same order
+        for k, v in want.items():
+            if k != "rng":
+                assert float(out[k]) == pytest.approx(v, rel=1e-6), (preset, k)
+
+
+def test_masked_text_all_encodes_the_masked_caption_once(monkeypatch):
+    cfg = cfg_for("softmask", "loss.softmask_itm=0")
+    model = model_for(cfg).train()
+    seen = []
+    real = model.encode_text
+    model.encode_text = lambda ids, mask: (seen.append(ids.clone()), real(ids, mask))[1]
+    batch = make_batch(CAPTIONS)
+    train_mod.train_step(model, batch, cfg, torch.Generator().manual_seed(0))
+    assert len(seen) == 1  # one text pass (the momentum copy has its own)
+    changed = seen[0] != batch["input_ids"]
+    assert bool(changed.any()) and float(changed.float().mean()) < 0.5
+
+
+def test_augment_recipes():
+    from torchvision.transforms import v2
+
+    from vltrain.data import train_transform
+
+    names = {a: [type(t).__name__ for t in train_transform(64, [0.5] * 3, [0.5] * 3, 0.5, a).transforms]
+             for a in ("none", "albef", "softmask")}
+    assert names["none"] == ["ToImage", "RandomResizedCrop", "RandomHorizontalFlip", "ToDtype", "Normalize"]
+    assert names["albef"][:4] == ["ToImage", "RandomResizedCrop", "RandomHorizontalFlip", "RandAugment"]
+    assert names["softmask"][4:7] == ["RandomApply", "RandomGrayscale", "RandomApply"]
+    tf = train_transform(64, [0.5] * 3, [0.5] * 3, 0.5, "softmask")
+    crop, ra = tf.transforms[1], tf.transforms[3]
+    assert crop.scale == (0.2, 1.0) and (ra.num_ops, ra.magnitude) == (2, 7)
+    jitter, gray, blur = tf.transforms[4], tf.transforms[5], tf.transforms[6]
+    assert jitter.p == 0.8 and isinstance(jitter.transforms[0], v2.ColorJitter) and gray.p == 0.2
+    assert blur.p == 0.5 and blur.transforms[0].sigma == [0.1, 2.0]
+    from PIL import Image
+
+    x = tf(Image.new("RGB", (80, 70), (200, 30, 30)))
+    assert x.shape == (3, 64, 64) and x.dtype == torch.float32
+
+
+# --- a tiny run ----------------------------------------------------------------------------------------------------
+
+
+def test_tiny_softmask_run_resumes_exactly(shards, tmp_path):  # noqa: F811
+    common = ["--preset", "softmask", "--set", "model.fusion_layers=1", "--set", "model.queue_size=16",
+              "--set", "optim.warmup_steps=0", "--set", "optim.min_lr_ratio=1.0", "--set", "data.val_frac=0.2",
+              "--set", "eval_every=2"]
+    r = run(shards, tmp_path / "full", *common, "--steps", "6")
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    r = run(shards, tmp_path / "part", *common, "--steps", "3")
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    r = run(shards, tmp_path / "part", *common, "--steps", "6", "--resume")
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    for key in ("total", "itc_loss", "itm_loss", "softmask_itm_loss", "mlm_loss"):
+        a, b = losses(tmp_path / "full", key), losses(tmp_path / "part", key)
+        assert sorted(a) == list(range(1, 7)) and a == b, key  # bit for bit
+    rows = [json.loads(ln) for ln in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(r["softmask_itm_loss"]) for r in rows if "softmask_itm_loss" in r)
