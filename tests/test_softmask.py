@@ -343,3 +343,29 @@ def test_tiny_softmask_run_resumes_exactly(shards, tmp_path):  # noqa: F811
         assert sorted(a) == list(range(1, 7)) and a == b, key  # bit for bit
     rows = [json.loads(ln) for ln in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
     assert all(math.isfinite(r["softmask_itm_loss"]) for r in rows if "softmask_itm_loss" in r)
+
+
+def test_gradcam_command_draws_a_figure_and_refuses_a_missing_word(shards, tmp_path):  # noqa: F811
+    from typer.testing import CliRunner
+
+    from vltrain.cli import app
+
+    r = run(shards, tmp_path / "run", "--preset", "softmask", "--set", "model.fusion_layers=1", "--steps", "2",
+            "--set", "model.queue_size=16")
+    assert r.exit_code == 0, r.output
+    image = next(Path(shards).parent.glob("src/*.png"))
+    caption = "a red cat number 3"
+    out = tmp_path / "gc.png"
+    r = CliRunner().invoke(app, ["gradcam", str(tmp_path / "run" / "last.pt"), str(image), caption, "--words",
+                                 "red,cat", "--out", str(out), "--device", "cpu"])
+    assert r.exit_code == 0, r.output
+    from PIL import Image
+
+    assert Image.open(out).size[0] > 200 and "p(match)" in r.output
+    r = CliRunner().invoke(app, ["gradcam", str(tmp_path / "run" / "last.pt"), str(image), caption, "--words",
+                                 "zebra", "--out", str(out), "--device", "cpu"])
+    assert r.exit_code == 2 and "word 'zebra' is not in the caption's tokens" in r.output
+    clip = tmp_path / "clip"
+    assert run(shards, clip, "--preset", "clip", "--steps", "1").exit_code == 0
+    r = CliRunner().invoke(app, ["gradcam", str(clip / "last.pt"), str(image), caption, "--device", "cpu"])
+    assert r.exit_code == 2 and "has no fusion encoder" in r.output

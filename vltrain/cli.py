@@ -165,6 +165,25 @@ def eval_(
     console.print(f"wrote {out}", highlight=False)
 
 
+@app.command("gradcam")
+def gradcam_(
+    checkpoint: Path = typer.Argument(..., help="A checkpoint with a fusion encoder (albef, grit, softmask presets)."),
+    image: Path = typer.Argument(..., help="An image file."),
+    caption: str = typer.Argument(..., help="Its caption (quoted)."),
+    words: Optional[str] = typer.Option(None, help="Comma-separated caption words to map \\[default: the first 3]."),
+    out: Path = typer.Option(Path("gradcam.png"), help="The PNG to write."),
+    device: str = typer.Option("auto", help="auto (CUDA when present), cpu or cuda."),
+) -> None:
+    """Where each word looks: SoftMask++'s Grad-CAM over the fusion cross-attention and the soft mask it makes."""
+    from vltrain.softmask import gradcam_figure
+
+    with user_errors():
+        info = gradcam_figure(checkpoint, image, caption, [w.strip() for w in words.split(",")] if words else None,
+                              out, device)
+    console.print(f"ITM p(match) {info['p_match']:.3f}; words at token positions {info['words']}; wrote {out}",
+                  highlight=False)
+
+
 def main() -> None:
     try:
         app()

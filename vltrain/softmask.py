@@ -81,3 +81,88 @@ def masks_for(source: str, positives_fused_attns: list[torch.Tensor] | None, gra
     cam = gradcam(positives_fused_attns, grads) if kind == "gradcam" else attention_map(positives_fused_attns)
     words = sample_words(valid, generator)
     return soft_mask(cam[torch.arange(cam.shape[0], device=cam.device), words])
+
+
+def caption_gradcam(model, pixels: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """One image (1, 3, H, W) and caption (1, L): the Grad-CAM map of every caption token (L, N) and the pair's ITM
+    match probability, as training computes them (`vltrain gradcam` draws them)."""
+    model.eval()
+    with torch.no_grad():
+        tokens, _ = model.encode_image(pixels)
+    with torch.enable_grad():
+        hidden, _ = model.encode_text(ids, mask)
+        fused, maps = model.fuse(hidden, mask, tokens, return_attn=True)
+        p_match = model.itm_logits(fused).float().softmax(dim=-1)[:, 1]
+        grads = torch.autograd.grad(p_match.sum(), maps)
+    return gradcam([a.detach() for a in maps], list(grads))[0], float(p_match.detach())
+
+
+def word_positions(tokenizer, ids: torch.Tensor, words: list[str]) -> dict[str, int]:
+    """Each requested word -> the position of its first word piece in ids (1, L); ValueError for a missing word."""
+    pieces = tokenizer.convert_ids_to_tokens(ids[0].tolist())
+    found = {}
+    for word in words:
+        first = tokenizer.tokenize(word)[:1]
+        hits = [i for i, p in enumerate(pieces) if first and p == first[0]]
+        if not hits:
+            shown = " ".join(p for p in pieces if p not in tokenizer.all_special_tokens)
+            raise ValueError(f"word {word!r} is not in the caption's tokens ({shown})")
+        found[word] = hits[0]
+    return found
+
+
+def gradcam_figure(checkpoint, image, caption: str, words: list[str] | None, out, device: str = "auto") -> dict:
+    """`vltrain gradcam`: the image, then per word its Grad-CAM map and soft mask over the image; returns a summary."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from PIL import Image
+
+    from vlprep.dataset import to_rgb
+    from vltrain.evaluate import pixel_transform
+    from vltrain.model import load_checkpoint, resolve_device, tokenizer_for
+
+    model, cfg = load_checkpoint(checkpoint, resolve_device(device))
+    if model.fusion is None:
+        raise ValueError(f"{checkpoint} has no fusion encoder (fusion_layers=0): Grad-CAM reads its cross-attention")
+    try:
+        rgb = to_rgb(open(image, "rb").read())
+    except (OSError, Image.UnidentifiedImageError) as e:
+        raise ValueError(f"cannot read image {image}: {e}") from None
+    dev = next(model.parameters()).device
+    pixels = pixel_transform(model, cfg["data"]["image_size"])(rgb).unsqueeze(0).to(dev)
+    tok = tokenizer_for(model.cfg.text_model)
+    enc = tok([caption], truncation=True, max_length=cfg["data"]["max_len"], return_tensors="pt")
+    ids, mask = enc["input_ids"].to(dev), enc["attention_mask"].to(dev)
+    if not words:
+        pieces = tok.convert_ids_to_tokens(ids[0].tolist())
+        words = [p for p in pieces if p not in tok.all_special_tokens and not p.startswith("##")][:3]
+    pos = word_positions(tok, ids, words)
+    cam, p_match = caption_gradcam(model, pixels, ids, mask)
+    n = cam.shape[1]
+    side = int(round(n ** 0.5))
+    if side * side != n:
+        raise ValueError(f"the image side has {n} tokens, not a square grid: nothing to draw")
+    shown = np.asarray(rgb.resize((pixels.shape[-1], pixels.shape[-2])))
+    fig, axes = plt.subplots(2, len(words) + 1, figsize=(3 * (len(words) + 1), 6.2), squeeze=False)
+    for row in range(2):
+        axes[row, 0].imshow(shown)
+        axes[row, 0].set_title("image" if row == 0 else f"p(match) {p_match:.2f}", fontsize=9)
+    for j, word in enumerate(words, start=1):
+        row_cam = cam[pos[word]]
+        for r, (grid, title) in enumerate(((row_cam, f"Grad-CAM '{word}'"),
+                                           (1 - soft_mask(row_cam[None])[0], f"masked weight 1-M '{word}'"))):
+            ax = axes[r, j]
+            ax.imshow(shown)
+            ax.imshow(grid.reshape(side, side).cpu().numpy(), cmap="jet", alpha=0.5, interpolation="bilinear",
+                      extent=(0, shown.shape[1], shown.shape[0], 0))
+            ax.set_title(title, fontsize=9)
+    for ax in axes.flat:
+        ax.axis("off")
+    fig.suptitle(caption, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=80)
+    plt.close(fig)
+    return {"words": {w: pos[w] for w in words}, "p_match": p_match, "tokens": n, "out": str(out)}

@@ -1,0 +1,108 @@
+"""SoftMask++'s training step against ALBEF's, measured in the same run (issue 13; the paper: 1.98 s vs 1.94 s).
+
+Both sides run the full step the trainer runs: `train_step` (forward and named losses), `backward`, gradient
+clipping, AdamW, the momentum update and the enqueue, on the same batches, interleaved (albef, softmask, albef,
+...) so drift hits both alike; medians of per-step times decide.
+- baseline: preset `albef` (ITC with distillation over the queue, ITM with sampled hard negatives, MLM on a second
+  text pass of the masked caption, with its momentum MLM targets);
+- candidate: preset `softmask` (focal ITC, ITM whose cross-attention maps are kept, Grad-CAM by autograd.grad of the
+  positives' match probability, one more fusion pass of the masked positives for soft ITM, MLM on the one masked
+  caption every loss reads, so no second text pass);
+- breakdown: `softmask` with `loss.softmask_itm=0` (what focal ITC + masked text cost alone), and
+  `loss.softmask_source=random:0.3` (soft ITM without Grad-CAM), so the table says where the time goes.
+Models: the tiny random model (pixels, 32 px) and the packaged encoders over cached tokens (MiniLM text, 49 x 1280
+tokens as `vlprep features` writes for EfficientNet-Lite0 at 224; random tokens time the same as real ones).
+
+    .venv/bin/python benchmarks/softmask.py [--steps 12] [--batch 32] [--only tiny|packaged]
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from vltrain import train as vt
+from vltrain.config import load_config
+from vltrain.model import build_model, tokenizer_for
+
+WORDS = "red green blue cat dog bird tree car boat house sun moon star arrow icon shape".split()
+
+
+def setup(arm: str, model_kind: str, batch: int):
+    sets = {"albef": [], "softmask": [], "softmask-noitm": ["loss.softmask_itm=0"],
+            "softmask-random": ["loss.softmask_source=random:0.3"]}[arm]
+    preset = "albef" if arm == "albef" else "softmask"
+    common = ["model.queue_size=256", "loss.distill_warmup_steps=0"] if arm == "albef" else ["model.queue_size=256"]
+    if model_kind == "tiny":
+        common += ["model.text_model=tiny", "model.image_model=tiny", "model.embed_dim=16", "data.image_size=32",
+                   "model.fusion_layers=1"]
+    else:
+        common += ["model.image_model=features", "model.feature_dim=1280"]
+    cfg = load_config(preset, sets=common + sets)
+    torch.manual_seed(0)
+    model = build_model(cfg.model).train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    tok = tokenizer_for(cfg.model.text_model)
+    g = torch.Generator().manual_seed(0)
+    caps = [" ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (6,), generator=g)) for _ in range(batch)]
+    enc = tok(caps, padding="longest", truncation=True, max_length=cfg.data.max_len, return_tensors="pt")
+    x = (torch.randn(batch, 3, 32, 32, generator=g) if model_kind == "tiny"
+         else torch.randn(batch, 49, 1280, generator=g))
+    b = {"features" if model_kind != "tiny" else "images": x, "input_ids": enc["input_ids"],
+         "attention_mask": enc["attention_mask"], "captions": caps}
+    return cfg, model, params, opt, tok, b
+
+
+def step(cfg, model, params, opt, tok, batch, gen) -> float:
+    t0 = time.perf_counter()
+    losses = vt.train_step(model, batch, cfg, gen, tok)
+    feats = losses.pop("queue_feats")
+    opt.zero_grad(set_to_none=True)
+    losses["total"].backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    if model.momentum is not None:
+        model.momentum_update()
+    if model.cfg.queue_size:
+        model.dequeue_and_enqueue(*feats)
+    return time.perf_counter() - t0
+
+
+def measure(model_kind: str, steps: int, batch: int) -> dict:
+    arms = ["albef", "softmask", "softmask-noitm", "softmask-random"]
+    built = {a: setup(a, model_kind, batch) for a in arms}
+    gens = {a: torch.Generator().manual_seed(1) for a in arms}
+    times = {a: [] for a in arms}
+    for i in range(steps + 2):
+        for a in arms:
+            t = step(*built[a], gens[a])
+            if i >= 2:  # the first two steps of each arm: allocator and autograd warm-up
+                times[a].append(t)
+    return {a: statistics.median(v) for a, v in times.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--only", choices=["tiny", "packaged"])
+    args = ap.parse_args()
+    torch.use_deterministic_algorithms(False)
+    for kind in [args.only] if args.only else ["tiny", "packaged"]:
+        med = measure(kind, args.steps, args.batch)
+        base = med["albef"]
+        print(f"\n{kind} model, batch {args.batch}, median of {args.steps} steps (torch threads "
+              f"{torch.get_num_threads()}):")
+        for arm, label in (("albef", "albef (baseline)"), ("softmask", "softmask"),
+                           ("softmask-noitm", "  softmask without soft ITM (focal ITC + masked text)"),
+                           ("softmask-random", "  softmask, random:0.3 masks (no Grad-CAM)")):
+            print(f"  {label:<56} {med[arm] * 1e3:8.1f} ms/step  {med[arm] / base:5.2f}x")
+        print(f"  soft ITM costs {1e3 * (med['softmask'] - med['softmask-noitm']):.1f} ms/step, of which Grad-CAM "
+              f"{1e3 * (med['softmask'] - med['softmask-random']):.1f} ms; target softmask / albef <= 1.3: "
+              f"{'pass' if med['softmask'] / base <= 1.3 else 'MISS'} ({med['softmask'] / base:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
