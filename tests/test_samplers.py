@@ -378,7 +378,7 @@ def test_tonics_preset_runs_refreshes_and_resumes_exactly(onto, tmp_path, preset
 def test_tonics_preset_on_vlprep_features_output_finds_its_ontology(onto, tmp_path):
     from vlprep.features import FeaturesConfig, features
 
-    features(FeaturesConfig(src=onto, out=tmp_path / "feat", size=64, device="cpu", workers=0))
+    features(FeaturesConfig(src=onto, out=tmp_path / "feat", size=64, device="cpu", decode_threads=0))
     assert not (tmp_path / "feat" / "ontology.json").exists()  # `vlprep features` does not copy it
     r = _run(tmp_path / "feat", tmp_path / "run", "--preset", "tonics", "--set", "sampler.refresh_every=2",
              "--set", "sampler.threshold=0", "--steps", "4")
