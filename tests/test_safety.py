@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -228,24 +229,31 @@ def test_overwrite_never_clears_a_folder_vlprep_did_not_write(tmp_path):
 # --- 5. two writers on one OUT ---------------------------------------------------------------------------------------
 
 
+@contextmanager
+def lock_held_elsewhere(out: Path, tool: str = "vlprep"):
+    """Another process holding OUT's lock (as a running stage or training run does) until the block ends."""
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from vlprep.dataset import lock_output; "
+                               "lock_output(Path(sys.argv[1]), sys.argv[2]); print('locked', flush=True); "
+                               "time.sleep(60)", str(out), tool], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        yield holder
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_second_writer_is_refused_and_leaves_the_first_ones_files(tmp_path):
     ds = make_ds(tmp_path, n=4)
     out = tmp_path / "bow"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
-                               "from vlprep.dataset import prepare_output; "
-                               "prepare_output(Path(sys.argv[1]), 'bow', {}); print('locked', flush=True); "
-                               "time.sleep(60)", str(out)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "locked"
+    with lock_held_elsewhere(out) as holder:
         (out / "shard-000000.tar.tmp").write_bytes(b"half written by the first writer")
         with pytest.raises(VlprepError) as e:
             bow(BowConfig(src=ds, out=out, ops="shuffle", workers=1))
         assert one_line(str(e.value)).startswith(f"OUT {out} is being written by another vlprep process "
                                                  f"(pid {holder.pid})")
         assert (out / "shard-000000.tar.tmp").exists()
-    finally:
-        holder.kill()
-        holder.wait()
     # the kernel released the lock with the process: the next run removes the stale .tmp and finishes
     report = bow(BowConfig(src=ds, out=out, ops="shuffle", workers=1, overwrite=True))
     assert report["written"] == 4 and not list(out.glob("*.tmp"))
@@ -346,16 +354,8 @@ def test_duplicate_uids_are_kept_counted_and_warned(tmp_path):
 def test_second_training_run_on_one_out_is_refused(tmp_path):
     ds = make_ds(tmp_path, n=8)
     out = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
-                               "from vlprep.dataset import lock_output; "
-                               "lock_output(Path(sys.argv[1]), 'vltrain'); print('locked', flush=True); "
-                               "time.sleep(60)", str(out)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "locked"
+    with lock_held_elsewhere(out, "vltrain") as holder:
         r = vltrain_run(ds, out, "--batch-size", "4", "--steps", "2", "--set", "data.workers=0")
         assert r.exit_code == 2
         assert one_line(r.output) == (f"error: OUT {out} is being written by another vltrain process "
                                       f"(pid {holder.pid}); wait for it to finish or choose another folder")
-    finally:
-        holder.kill()
-        holder.wait()

@@ -527,15 +527,18 @@ def prepare_output(root: Path, stage: str, options: dict, overwrite: bool = Fals
 
     Takes OUT's lock first, so two writers never clean up each other's files. A folder with anything else in
     it is never modified without `--overwrite`, and even then only if an earlier vlprep run wrote it (it has the
-    run marker), so a typo in OUT cannot delete a user's files; only files a stage writes (*.tar, *.parquet,
-    *.json, *.tmp, *.png, *.npy, *.faiss) are removed.
+    run marker, sizes.json or the lock file), so a typo in OUT cannot delete a user's files; only files a stage
+    writes (*.tar, *.parquet, *.json, *.tmp, *.png, *.npy, *.faiss) are removed.
     """
     marker = root / RUN_MARKER
     run = {"stage": stage, "options": options}
     if root.exists() and not root.is_dir():
         raise VlprepError(f"output exists and is not a folder: {root}")
     existing = [p for p in root.iterdir() if p.name != LOCK_FILE] if root.exists() else []
-    if existing and not marker.exists() and not (root / "sizes.json").exists():
+    ours = (root / LOCK_FILE).exists()  # a vlprep run started here (perhaps interrupted before its marker)
+    if ours:  # a live writer is the thing to report first
+        lock_output(root)
+    if existing and not ours and not marker.exists() and not (root / "sizes.json").exists():
         raise VlprepError(f"output folder {root} is not empty and was not written by vlprep; choose a new or "
                           "empty folder (--overwrite only clears vlprep's own output)")
     lock_output(root)
