@@ -24,7 +24,8 @@ import torch
 from vltrain.config import load_config
 from vltrain.model import build_model
 from vltrain.samplers import GritSampler, TonicsBatchSampler, TonicsCurriculum
-from vltrain.train import _tokenizer, train_step
+from vltrain.model import tokenizer_for
+from vltrain.train import train_step
 
 
 def step_time(model_kind: str, n: int, steps: int) -> float:
@@ -32,7 +33,7 @@ def step_time(model_kind: str, n: int, steps: int) -> float:
     sets = [] if model_kind == "default" else ["model.text_model=tiny", "model.image_model=tiny", "data.image_size=32"]
     cfg = load_config("grit", sets=sets, batch_size=n, device="cpu")
     model = build_model(cfg.model).train()
-    tok = _tokenizer(cfg.model.text_model)
+    tok = tokenizer_for(cfg.model.text_model)
     size = cfg.data.image_size
     words = "a red cat sits on the green grass near a small wooden house by the lake".split()
     rng = np.random.default_rng(0)
@@ -45,7 +46,7 @@ def step_time(model_kind: str, n: int, steps: int) -> float:
     times = []
     for i in range(steps + 1):  # the first step warms up allocators and is not counted
         t0 = time.perf_counter()
-        losses = train_step(model, batch, cfg, gen, tok)
+        losses = train_step(model, batch, cfg.loss, gen, tok, masked_text_all=cfg.data.masked_text_all)
         opt.zero_grad(set_to_none=True)
         losses["total"].backward()
         opt.step()
