@@ -371,17 +371,24 @@ def default_ontology(folder: str) -> str:
     return src if src and (Path(src) / "ontology.json").is_file() else folder
 
 
-def indexed_data(cfg, tf_train, tf_eval, grit_ratios: tuple[int, int] = GRIT_RATIOS) -> dict:
+def indexed_data(cfg, tf_train, tf_eval, grit_ratios: tuple[int, int] = GRIT_RATIOS, world: int = 1) -> dict:
     """Train / val views read through wids, the batch sampler over the train view, the curriculum's node names and
-    `notes` (lines for the user)."""
+    `notes` (lines for the user).
+
+    Under torchrun (`world` processes) the sampler draws global batches of world x batch_size, the same on every
+    rank from the same seed; each rank reads its slice (vltrain.distributed.RankSlice).
+    """
     shards = IndexedShards(cfg.shards)
     is_val = np.array([in_val(k, cfg.data.val_frac) for k in shards.keys], dtype=bool)
-    use_features, s, n = cfg.data.input == "features", cfg.sampler, cfg.batch_size
+    use_features, s, n = cfg.data.input == "features", cfg.sampler, cfg.batch_size * world
     names, notes = None, []
     if s.kind == "grit":
         splits = {"train": {"samples": np.flatnonzero(~is_val), "spans": None},
                   "val": {"samples": np.flatnonzero(is_val), "spans": None}}
         m, q = grit_sizes(cfg, grit_ratios)
+        if world > 1 and not s.search_space:  # M and L are multiples of the global batch
+            m = m * world
+            q = s.queue_size or grit_ratios[1] * m
         sampler = GritSampler(len(splits["train"]["samples"]), n, m, q, cfg.seed)
     else:  # tonics, or random batches of triplets (P(entity) stays 1)
         try:

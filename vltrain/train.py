@@ -11,6 +11,7 @@ import datetime
 import functools
 import json
 import math
+import os
 import random
 import shutil
 import signal
@@ -30,6 +31,8 @@ from vlprep.dataset import lock_output, release_output
 from vltrain import TrainError
 from vltrain import checkpoint as ckpt_io
 from vltrain.config import GRIT_RATIOS, GRIT_RATIOS_BEFORE, Config, LossConfig, to_dict
+from vltrain.distributed import (RankSlice, any_flags, barrier, broadcast, gather, gather_objects, init_from_env,
+                                  world)
 from vltrain.data import (Collate, ShardStream, count_split, eval_transform, feature_input, loader_error, to_device,
                           train_transform)
 from vltrain.evaluate import (distinct_positions, embed_split, heldout_r1, heldout_recall, plot_learning_curve,
@@ -104,13 +107,21 @@ def train_step(model, batch: dict, w: LossConfig, generator: torch.Generator, to
             image_keys, text_keys = image_feat_m, text_feat_m
     if mom is None:
         image_keys, text_keys = image_feat, text_feat
+    # Under DDP the keys are every rank's (momentum keys without gradient), this rank's rows first so that the
+    # positives stay on the diagonal: the loss is the single-process loss on the global batch. The queue takes
+    # the gathered keys in rank order, so every rank's queue stays the same. Outside torchrun both are the keys.
+    (image_keys, queue_img), (text_keys, queue_txt) = (gather(image_keys, mom is None),
+                                                       gather(text_keys, mom is None))
     logits_i2t, logits_t2i = itc_logits(image_feat, text_feat, image_keys, text_keys, temp, img_q, txt_q,
-                                        w.itc_detach_keys)  # (B, B+Q) x2
+                                        w.itc_detach_keys)  # (B, B_global+Q) x2
 
     # loss.dedupe=caption: pairs whose captions are byte-identical (str equality of the decoded UTF-8) are not
     # negatives of each other: extra ITC positives, never ITM negatives. Token ids would not do: the tokenizer
     # lowercases and truncates, so different captions can share ids.
     same = None
+    if w.dedupe == "caption" and world()[1] > 1:
+        raise TrainError("loss.dedupe=caption is not supported under torchrun yet (it needs every rank's "
+                         "captions); set loss.dedupe=none or train in one process")
     if w.dedupe == "caption":
         caps = batch["captions"]
         same = torch.tensor([[a == c for c in caps] for a in caps], dtype=torch.bool, device=ids.device)  # (B, B)
@@ -190,8 +201,31 @@ def train_step(model, batch: dict, w: LossConfig, generator: torch.Generator, to
     weights = {"itc_loss": w.itc, "itc_consistency_loss": w.consistency, "itm_loss": w.itm, "mlm_loss": w.mlm,
                "softmask_itm_loss": w.softmask_itm, "tonics_ir_loss": w.tonics_ir, "tonics_tr_loss": w.tonics_tr}
     losses["total"] = sum(weights[k] * v for k, v in losses.items())
-    losses["queue_feats"] = (image_keys.detach(), text_keys.detach())
+    losses["queue_feats"] = (queue_img.detach(), queue_txt.detach())
     return losses
+
+
+class TrainStep(torch.nn.Module):
+    """`train_step` as a module's forward, so that under DDP the whole computation runs through the wrapped
+    module's forward (a method call on the inner model would skip the gradient synchronisation, silently)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: dict, w: LossConfig, generator: torch.Generator, tokenizer, alpha: float,
+                masked_text_all: bool) -> dict:
+        return train_step(self.model, batch, w, generator, tokenizer, alpha, masked_text_all)
+
+
+def wrap_ddp(model, w: LossConfig, device: torch.device):
+    """TrainStep(model) under DistributedDataParallel (the process group must exist)."""
+    # A head whose loss weight is 0 gets no gradient, which DDP must be told to expect (it costs a graph walk
+    # per step, so only then).
+    unused = ((model.fusion is not None and (w.itm == 0 or w.mlm == 0))
+              or (model.aligner is not None and w.tonics_ir == 0 and w.tonics_tr == 0) or w.itc == 0)
+    return torch.nn.parallel.DistributedDataParallel(
+        TrainStep(model), device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=unused)
 
 
 def _softmask_itm(model, source: str, pos_logits: torch.Tensor, maps: list | None, text_hidden: torch.Tensor,
@@ -406,6 +440,34 @@ def checkpoint_state(model, optimizer, cfg: Config, step: int, epoch: int, consu
             "rng": ckpt_io.rng_states(generator)}
 
 
+def save_checkpoint(path: Path, model, optimizer, cfg: Config, step: int, epoch: int, consumed: int, best: float,
+                    sampler, curriculum_log: list, generator: torch.Generator, every_rank: bool = True) -> None:
+    """Write a checkpoint atomically. Under torchrun (every_rank) each rank's RNG states and data position are
+    gathered into `ranks`; rank 0 writes and the others wait at a barrier."""
+    rank, size = world()
+    ranks = None
+    if every_rank and size > 1:
+        ranks = gather_objects({"rng": ckpt_io.rng_states(generator), "epoch": epoch, "consumed": consumed})
+    if rank == 0:
+        state = checkpoint_state(model, optimizer, cfg, step, epoch, consumed, best, sampler, curriculum_log,
+                                 generator)
+        if ranks is not None:
+            state["ranks"] = ranks
+        ckpt_io.save(state, path)
+    if every_rank:
+        barrier()
+
+
+class _NoBoard:
+    """TensorBoard stand-in for ranks other than 0 (rank 0 alone logs)."""
+
+    def add_scalar(self, *args, **kwargs) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def curriculum_check(model, sampler, view, heldout, collate, batch_size: int, triplets: bool, threshold: float,
                      step: int, names: list[str], curriculum_log: list, out: Path, device) -> dict:
     """TOnICS: held-out image retrieval R@1, and a curriculum refresh when it reaches the threshold."""
@@ -443,8 +505,7 @@ def _on_signal(stop: dict, signum, frame) -> None:
 def _interrupted(model, optimizer, cfg: Config, step: int, epoch: int, consumed: int, best: float, sampler,
                  curriculum_log: list, generator: torch.Generator, last_path: Path) -> Interrupted:
     """Write last.pt and return the error that tells the user how to go on."""
-    ckpt_io.save(checkpoint_state(model, optimizer, cfg, step, epoch, consumed, best, sampler, curriculum_log,
-                                  generator), last_path)
+    save_checkpoint(last_path, model, optimizer, cfg, step, epoch, consumed, best, sampler, curriculum_log, generator)
     return Interrupted(f"stopped at step {step} of {cfg.steps}: {last_path} holds it; run the same command with "
                        "--resume to continue")
 
@@ -475,16 +536,32 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
     cfg = copy.deepcopy(cfg)
     out = Path(cfg.out)
     last_path, best_path, metrics_path = out / "last.pt", out / "best.pt", out / "metrics.jsonl"
+    created_group, device_name = init_from_env(cfg.device)  # torchrun: join the process group
+    rank, size = world()
+    if size > 1:
+        console.quiet = rank > 0  # rank 0 alone reports
     try:
-        device = resolve_device(cfg.device)
+        device = resolve_device(device_name)
     except VlprepError as e:  # the shared resolver's one-line error
         raise TrainError(str(e)) from None
-    try:  # one run per OUT: a second `--resume` on the same folder would interleave two runs' checkpoints
-        lock_output(out, "vltrain")
-    except VlprepError as e:
-        raise TrainError(str(e)) from None
-    _prepare_out(out, resume, overwrite)
+    error = None
+    if rank == 0:
+        try:  # one run per OUT: a second `--resume` on the same folder would interleave two runs' checkpoints
+            lock_output(out, "vltrain")
+            _prepare_out(out, resume, overwrite)
+        except (VlprepError, TrainError) as e:
+            error = str(e)
+    error = broadcast(error)  # every rank stops on rank 0's error instead of waiting for it
+    if error is not None:
+        raise TrainError(error)
     ckpt = ckpt_io.load(last_path, "--resume checkpoint") if resume else None
+    saved_size = len(ckpt.get("ranks") or [None]) if ckpt is not None else size
+    if saved_size != size:  # each rank's RNG states and data position are in the checkpoint
+        raise TrainError(f"--resume: {last_path} was written by {saved_size} process(es) and this run has {size}; "
+                         "resume with the same --nproc_per_node")
+    # Every rank builds the same model from the run seed; the ranks' own draws (dropout, masks, negatives,
+    # augmentation) then use per-rank seeds derived from it.
+    rank_seed = cfg.seed + 1_000_003 * rank
     _seed_everything(cfg.seed, device)
     _resolve_input(cfg)
     _resolve_workers(cfg, device)
@@ -505,7 +582,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
         # TOnICS / GRIT / triplets: positions from a batch sampler, samples read through wids.
         # A GRIT checkpoint from before the sizes were saved in its state used the former default ratios.
         old_grit = ckpt is not None and isinstance(ckpt.get("sampler"), dict) and "m" not in ckpt["sampler"]
-        data = indexed_data(cfg, tf_train, tf_eval, GRIT_RATIOS_BEFORE if old_grit else GRIT_RATIOS)
+        data = indexed_data(cfg, tf_train, tf_eval, GRIT_RATIOS_BEFORE if old_grit else GRIT_RATIOS, size)
         for note in data["notes"]:
             console.print(note, highlight=False)
         sampler, train_set, n_train, n_val = data["sampler"], data["train"], len(data["train"]), len(data["val"])
@@ -515,14 +592,18 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
         n_train, n_val = counts["train"], counts["val"]
         sampler = None
         train_set = ShardStream(cfg.shards, "train", cfg.data.val_frac, tf_train, seed=cfg.seed,
-                                use_features=use_features)
+                                use_features=use_features, rank=rank, world=size)
         load_counts = train_set.counts
-    if n_train < cfg.batch_size:
+    global_batch = cfg.batch_size * size  # --batch-size is per process
+    if n_train < global_batch:
         raise TrainError(f"the training split has {n_train} {'triplets' if cfg.data.triplets else 'samples'}, fewer "
-                         f"than one batch of {cfg.batch_size}; lower --batch-size or data.val_frac")
-    per_epoch = n_train // cfg.batch_size  # drop_last: every batch is full (hard negatives need B >= 2)
+                         f"than one batch of {global_batch}; lower --batch-size or data.val_frac")
+    per_epoch = n_train // global_batch  # drop_last: every batch is full (hard negatives need B >= 2)
     if sampler is None:
-        _fit_workers(cfg, n_train, len(train_set.shards))
+        if len(train_set.shards) < size:
+            raise TrainError(f"the random sampler gives each process whole shards, and the data has "
+                             f"{len(train_set.shards)} shard(s) for {size} processes; write more, smaller shards")
+        _fit_workers(cfg, n_train // size, len(train_set.shards) // size)
     if cfg.epochs > 0:
         cfg.steps = max(1, math.ceil(cfg.epochs * per_epoch))
     if cfg.loss.distill_warmup_steps < 0:  # -1: one epoch of this training split (ALBEF); the checkpoint keeps it
@@ -550,7 +631,13 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
     if ckpt is not None:
         ckpt_io.load_weights(model, ckpt["model"], last_path)
     model.to(device).train()
-    generator = torch.Generator(device=device).manual_seed(cfg.seed)  # MLM masks and hard-negative draws
+    generator = torch.Generator(device=device).manual_seed(rank_seed)  # MLM masks and hard-negative draws
+    step_fn = TrainStep(model) if size == 1 else wrap_ddp(model, cfg.loss, device)
+    batch_sampler = sampler
+    if size > 1:
+        _seed_everything(rank_seed, device)
+        if sampler is not None:  # every rank draws the same global batches and reads its slice of each
+            batch_sampler = RankSlice(sampler, rank, size)
 
     # --- optimiser
     params = [p for p in model.parameters() if p.requires_grad]
@@ -568,6 +655,10 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
     if ckpt is not None:
         optimizer.load_state_dict(ckpt["optimizer"])
         step, epoch, consumed, best = ckpt["step"], ckpt["epoch"], ckpt["consumed"], ckpt["best"]
+        rng = ckpt["rng"]
+        if size > 1:  # each rank continues from its own RNG states and data position
+            own = ckpt["ranks"][rank]
+            rng, epoch, consumed = own["rng"], own["epoch"], own["consumed"]
         if sampler is not None:
             if ckpt.get("sampler") is None:
                 raise TrainError(f"{last_path} holds no sampler state: it was not written by a {cfg.sampler.kind} run")
@@ -576,21 +667,21 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
         if metrics_path.exists():  # drop rows logged after the checkpoint: they are redone
             rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
             rows = [r for r in rows if r["step"] <= step]
-    batches, data_rng = epoch_batches(epoch, cfg.seed, train_set, sampler, collate, cfg.batch_size,
+    batches, data_rng = epoch_batches(epoch, rank_seed, train_set, batch_sampler, collate, cfg.batch_size,
                                       cfg.data.workers, device)
     for _ in range(consumed):
         _, data_rng = _next_batch(batches, data_rng)
     if ckpt is not None:
-        ckpt_io.set_rng_states(ckpt["rng"], generator)
+        ckpt_io.set_rng_states(rng, generator)
         console.print(f"resumed from step {step} of {cfg.steps} ({last_path})", highlight=False)
     console.print(_summary(cfg, model, device, n_train, n_val, per_epoch), highlight=False, markup=False)
 
     # --- loop
-    metrics_file = metrics_path.open("w")
+    metrics_file = metrics_path.open("w") if rank == 0 else open(os.devnull, "w")
     metrics_file.writelines(json.dumps(r) + "\n" for r in rows)
     from torch.utils.tensorboard import SummaryWriter
 
-    tb = SummaryWriter(str(out / "tb"))
+    tb = SummaryWriter(str(out / "tb")) if rank == 0 else _NoBoard()
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("eta"),
                         TimeRemainingColumn(), console=console, disable=not console.is_terminal)
@@ -608,7 +699,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
     try:
         with progress:
             while step < cfg.steps:
-                if stop["signal"] is not None:
+                if stop["signal"] is not None and size == 1:  # under torchrun: checked with the other ranks below
                     raise _interrupted(model, optimizer, cfg, step, epoch, consumed, best, sampler, curriculum_log,
                                        generator, last_path)
                 try:
@@ -619,11 +710,11 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
                                          "samples; lower --batch-size or data.workers") from None
                     _check_bad_samples(load_counts, final=True)
                     epoch, consumed = epoch + 1, 0
-                    batches, data_rng = epoch_batches(epoch, cfg.seed, train_set, sampler, collate, cfg.batch_size,
-                                                      cfg.data.workers, device)
+                    batches, data_rng = epoch_batches(epoch, rank_seed, train_set, batch_sampler, collate,
+                                                      cfg.batch_size, cfg.data.workers, device)
                     continue
                 except Exception as e:
-                    if stop["signal"] is not None:  # the signal reached a loader worker too: the state is intact
+                    if stop["signal"] is not None and size == 1:  # the signal reached a loader worker too
                         raise _interrupted(model, optimizer, cfg, step, epoch, consumed, best, sampler, curriculum_log,
                                        generator, last_path) from None
                     raise loader_error(e) from None
@@ -638,13 +729,17 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
                 batch = to_device(batch, device)
                 alpha = distill_alpha_at(step, cfg)
                 with autocast(device):
-                    losses = train_step(model, batch, cfg.loss, generator, tok, alpha, cfg.data.masked_text_all)
+                    losses = step_fn(batch, cfg.loss, generator, tok, alpha, cfg.data.masked_text_all)
                 queue_feats = losses.pop("queue_feats")
                 losses_f = {k: float(v.detach()) for k, v in losses.items()}
-                if not math.isfinite(losses_f["total"]):
+                # One all-reduce under torchrun, so that every rank stops or saves at the same step.
+                finite = math.isfinite(losses_f["total"])
+                any_nan, stopping, save_due = any_flags([not finite, stop["signal"] is not None,
+                                                         time.monotonic() - last_save >= 60 * cfg.ckpt_minutes])
+                if any_nan:
                     kept = f"; the last good checkpoint {last_path} is kept" if last_path.exists() else ""
-                    raise TrainError(f"non-finite loss at step {step} ("
-                                     + ", ".join(f"{k}={v:.4g}" for k, v in losses_f.items()) + f"){kept}")
+                    where = "" if finite else " (" + ", ".join(f"{k}={v:.4g}" for k, v in losses_f.items()) + ")"
+                    raise TrainError(f"non-finite loss at step {step}{where or ' on another rank'}{kept}")
                 optimizer.zero_grad(set_to_none=True)
                 losses["total"].backward()
                 if cfg.optim.grad_clip > 0:
@@ -655,8 +750,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
                 if model.cfg.queue_size:
                     model.dequeue_and_enqueue(*queue_feats)
                 if isinstance(sampler, GritSampler):  # phase 1: this step's ITC features, no extra forward pass
-                    sampler.collect(batch["index"], *queue_feats)
-                seen += cfg.batch_size
+                    sampler.collect(gather(batch["index"], False)[1], *queue_feats)  # the global batch, rank order
+                seen += global_batch
 
                 # --- progress and logging
                 done, elapsed = step - start_step, time.perf_counter() - t_start
@@ -683,15 +778,21 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
 
                 # --- curriculum (at the end of a period, so the refreshed P_S starts with the next period)
                 if tonics and step % cfg.sampler.refresh_every == 0:
-                    row = curriculum_check(model, sampler, data["val"], heldout, collate, cfg.batch_size,
-                                           cfg.data.triplets, cfg.sampler.threshold, step, data["names"],
-                                           curriculum_log, out, device)
+                    # Rank 0 checks and decides; the others follow its decision, so every curriculum stays the same.
+                    row = (curriculum_check(model, sampler, data["val"], heldout, collate, cfg.batch_size,
+                                            cfg.data.triplets, cfg.sampler.threshold, step, data["names"],
+                                            curriculum_log, out, device) if rank == 0 else None)
+                    row = broadcast(row)
+                    if rank > 0:
+                        curriculum_log.append(row)
+                        if row["refreshed"]:
+                            sampler.curriculum.refresh()
                     _log({"step": step, "curriculum": row}, rows, metrics_file)
                     tb.add_scalar("curriculum/p_entity", row["probs"][0], step)
                     tb.add_scalar("curriculum/heldout_r1", row["heldout_r1"], step)
 
                 # --- eval
-                if step % cfg.eval_every == 0 or step == cfg.steps:
+                if rank == 0 and (step % cfg.eval_every == 0 or step == cfg.steps):
                     if cfg.data.triplets:
                         sim = (val_triplet_sim(model, data["val"], val_triplets, collate, cfg.batch_size, device)
                                if len(val_triplets) >= 2 else None)
@@ -709,15 +810,17 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
                         plot_learning_curve(rows, out / "learning_curve.png")
                         if last_eval["mean_recall"] > best:
                             best = last_eval["mean_recall"]
-                            ckpt_io.save(checkpoint_state(model, optimizer, cfg, step, epoch, consumed, best,
-                                                          sampler, curriculum_log, generator), best_path)
+                            save_checkpoint(best_path, model, optimizer, cfg, step, epoch, consumed, best, sampler,
+                                            curriculum_log, generator, every_rank=False)
 
                 # --- checkpoint
-                if (step % cfg.ckpt_every == 0 or step == cfg.steps
-                        or time.monotonic() - last_save >= 60 * cfg.ckpt_minutes):
-                    ckpt_io.save(checkpoint_state(model, optimizer, cfg, step, epoch, consumed, best, sampler,
-                                                  curriculum_log, generator), last_path)
+                if step % cfg.ckpt_every == 0 or step == cfg.steps or save_due:
+                    save_checkpoint(last_path, model, optimizer, cfg, step, epoch, consumed, best, sampler,
+                                    curriculum_log, generator)
                     last_save = time.monotonic()
+                if stopping and size > 1:  # a signal reached some rank: every rank saves and stops here
+                    raise _interrupted(model, optimizer, cfg, step, epoch, consumed, best, sampler, curriculum_log,
+                                       generator, last_path)
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)
@@ -725,9 +828,12 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
         tb.close()
 
     # --- end
-    if not last_path.exists():  # resumed at or past the final step: still leave a checkpoint behind
-        ckpt_io.save(checkpoint_state(model, optimizer, cfg, step, epoch, consumed, best, sampler, curriculum_log,
-                                      generator), last_path)
-    release_output(out)
+    if not broadcast(last_path.exists()):  # resumed at or past the final step: still leave a checkpoint behind
+        save_checkpoint(last_path, model, optimizer, cfg, step, epoch, consumed, best, sampler, curriculum_log,
+                        generator)
+    if rank == 0:
+        release_output(out)
+    if created_group:
+        torch.distributed.destroy_process_group()
     return {"step": step, "losses": losses_f, "eval": last_eval, "best_mean_recall": best if best >= 0 else None,
-            "out": str(out)}
+            "out": str(out), "rank": rank}
