@@ -7,8 +7,10 @@ tiny CNN's BatchNorm batch statistics (per-rank by nature) are out of the compar
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -145,6 +147,60 @@ def test_torchrun_two_processes_train_and_write_one_checkpoint(shards, tmp_path)
     assert [r["step"] for r in metric_rows(tmp_path / "full")] == [1, 2, 3, 4]  # rank 0 alone logs
     assert r.stderr.count("vltrain run: preset albef") == 1  # and reports
     assert json.loads((tmp_path / "full" / "result.json").read_text())["step"] == 4
+
+
+def test_torchrun_grit_groups_across_ranks(shards, tmp_path):
+    """GRIT under torchrun: the grouped epochs (built from features gathered over both ranks) run to the end."""
+    r = torchrun(shards, tmp_path / "grit", "--preset", "grit", "--set", "model.fusion_layers=1", "--set",
+                 "data.val_frac=0.2", "--steps", "6")
+    assert r.returncode == 0, r.stderr[-4000:]
+    ckpt = torch.load(tmp_path / "grit" / "last.pt", weights_only=True)
+    # ~19 training pairs make 2 global batches of 8 an epoch: epochs 1 and 2 were grouped from collected features
+    assert (ckpt["step"], ckpt["epoch"]) == (6, 2) and len(ckpt["ranks"]) == 2
+
+
+def _worker_of_rank(parent: int, rank: int) -> int | None:
+    """The pid of torchrun's worker process with RANK=rank (read from /proc)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and f"RANK={rank}".encode() in env:
+            return int(proc.name)
+    return None
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the worker through /proc")
+def test_sigterm_to_one_rank_saves_a_resumable_checkpoint_and_nobody_hangs(shards, tmp_path):
+    sets = [x for s in TINY for x in ("--set", s)]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "vltrain",
+           "run", str(shards), "--out", str(out), "--batch-size", "4", "--device", "cpu", *sets, *COMMON,
+           "--steps", "100000", "--set", "ckpt_every=100000", "--set", "eval_every=100000"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not ((out / "metrics.jsonl").exists() and len(metric_rows(out)) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.2)
+        worker = _worker_of_rank(proc.pid, 1)
+        assert worker is not None
+        os.kill(worker, signal.SIGTERM)  # rank 1 only
+        _, err = proc.communicate(timeout=120)  # rank 0 must not wait forever for rank 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "--resume to continue" in err
+    step = torch.load(out / "last.pt", weights_only=True)["step"]
+    assert step >= 2
+    r = torchrun(shards, out, *COMMON, "--steps", str(step + 1), "--resume")
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert torch.load(out / "last.pt", weights_only=True)["step"] == step + 1
 
 
 @pytest.mark.slow
