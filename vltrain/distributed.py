@@ -5,6 +5,7 @@ so single-process training runs exactly the code it ran before DDP existed.
 """
 
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -52,7 +53,11 @@ def gather(x: torch.Tensor, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     if grad:
         import torch.distributed.nn.functional as dist_fn
 
-        parts = list(dist_fn.all_gather(x))
+        # Deprecated in favour of _functional_collectives.all_gather_tensor_autograd, whose backward is a
+        # reduce-scatter that gloo lacks (it aborts the process here); this one falls back to all-to-all on gloo.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            parts = list(dist_fn.all_gather(x))
         parts[rank] = x  # the local rows keep their own graph; the others' gradients go back through the gather
     else:
         parts = [torch.empty_like(x) for _ in range(size)]
