@@ -356,6 +356,22 @@ def _resolve_workers(cfg: Config, device: torch.device) -> None:
         cfg.data.workers = 0 if cfg.data.input == "features" and device.type == "cpu" else 2
 
 
+def _speed_options(cfg: Config, model, device: torch.device, use_features: bool) -> bool:
+    """Apply train.tf32 / channels_last / compile; returns whether pixels go channels-last."""
+    cuda = device.type == "cuda"
+    if cuda:  # TF32: ~10-bit mantissa matmuls on Ampere and later, the usual trade for training speed
+        on = cfg.train.tf32 != "off"
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = on
+    channels_last = not use_features and (cfg.train.channels_last == "on"
+                                          or (cfg.train.channels_last == "auto" and cuda))
+    if channels_last:  # NHWC convolutions are the fast path of tensor cores; only 4-D weights change layout
+        model.image_encoder.to(memory_format=torch.channels_last)
+    if cfg.train.compile:  # in place (nn.Module.compile), so state_dict keys and checkpoints stay the same
+        model.image_encoder.compile()
+        model.text_encoder.compile()
+    return channels_last
+
+
 def _fmt_duration(seconds: float) -> str:
     if seconds < 90:
         return f"{seconds:.0f} s"
@@ -631,6 +647,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
     if ckpt is not None:
         ckpt_io.load_weights(model, ckpt["model"], last_path)
     model.to(device).train()
+    channels_last = _speed_options(cfg, model, device, use_features)
     generator = torch.Generator(device=device).manual_seed(rank_seed)  # MLM masks and hard-negative draws
     step_fn = TrainStep(model) if size == 1 else wrap_ddp(model, cfg.loss, device)
     batch_sampler = sampler
@@ -727,6 +744,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
                 for g in optimizer.param_groups:
                     g["lr"] = lr
                 batch = to_device(batch, device)
+                if channels_last:
+                    batch["images"] = batch["images"].contiguous(memory_format=torch.channels_last)
                 alpha = distill_alpha_at(step, cfg)
                 with autocast(device):
                     losses = step_fn(batch, cfg.loss, generator, tok, alpha, cfg.data.masked_text_all)
