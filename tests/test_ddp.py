@@ -29,12 +29,14 @@ from test_train import TINY, shards  # noqa: E402,F401  (the module-scoped shard
 B = 8  # global batch; 4 per rank
 CAPTIONS = [f"a {w} number {i}" for i, w in enumerate(["red", "cat", "dog", "tree", "car", "boat", "sun", "moon"])]
 # clip: in-batch ITC, features gathered with gradient. momentum: ALBEF's momentum keys (gathered without
-# gradient), distillation and a queue that takes the gathered keys; ITM / MLM are off because their negatives and
-# masks are drawn per rank (ALBEF's choice), so they are not the single-process draws.
+# gradient), distillation and a queue that takes the gathered keys. ITM / MLM are off because their negatives come
+# from the local batch and their masks are drawn per rank (ALBEF's choice), so they are not the single-process ones.
 CASES = {
     "clip": ("clip", []),
     "momentum": ("albef", ["model.fusion_layers=1", "model.queue_size=24", "loss.itm=0", "loss.mlm=0",
                            "loss.distill_warmup_steps=0"]),
+    # GRIT's ITC with stop-gradient keys and the consistency loss (fusion heads at weight 0: find_unused_parameters)
+    "grit": ("grit", ["model.fusion_layers=1", "loss.itm=0", "loss.mlm=0"]),
 }
 
 

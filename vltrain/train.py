@@ -141,7 +141,7 @@ def train_step(model, batch: dict, w: LossConfig, generator: torch.Generator, to
         else:
             losses["itc_loss"] = itc_loss(logits_i2t, logits_t2i, hard, hard)
     if w.consistency > 0:
-        losses["itc_consistency_loss"] = itc_consistency_loss(logits_i2t, logits_t2i)
+        losses["itc_consistency_loss"] = itc_consistency_loss(logits_i2t, logits_t2i, image_keys.shape[0])
 
     if w.itm > 0:
         b = ids.shape[0]
