@@ -380,7 +380,7 @@ def _fmt_duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def _summary(cfg: Config, model, device, n_train: int, n_val: int, per_epoch: int) -> str:
+def _summary(cfg: Config, model, device, n_train: int, n_val: int, per_epoch: int, size: int = 1) -> str:
     """The start-of-run block: what will train, on what, for how long, where it goes."""
     m, w, d = cfg.model, cfg.loss, cfg.data
     trained, frozen, n_params = [], [], 0
@@ -410,7 +410,9 @@ def _summary(cfg: Config, model, device, n_train: int, n_val: int, per_epoch: in
     dtype = "bf16 autocast" if device.type == "cuda" else "float32"
     lines = [
         f"vltrain run: preset {cfg.preset}, {cfg.steps:,} steps = {cfg.steps / max(per_epoch, 1):.1f} epochs of "
-        f"{per_epoch:,} batches of {cfg.batch_size}, seed {cfg.seed}",
+        f"{per_epoch:,} batches of {cfg.batch_size}"
+        + (f" x {size} processes (DDP, global batch {cfg.batch_size * size})" if size > 1 else "")
+        + f", seed {cfg.seed}",
         f"  data     {', '.join(cfg.shards)}: train {n_train:,}, held out {n_val:,} (val_frac {d.val_frac:g}); "
         f"sampler {cfg.sampler.kind}",
         f"  image    {image}",
@@ -691,7 +693,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
     if ckpt is not None:
         ckpt_io.set_rng_states(rng, generator)
         console.print(f"resumed from step {step} of {cfg.steps} ({last_path})", highlight=False)
-    console.print(_summary(cfg, model, device, n_train, n_val, per_epoch), highlight=False, markup=False)
+    console.print(_summary(cfg, model, device, n_train, n_val, per_epoch, size), highlight=False, markup=False)
 
     # --- loop
     metrics_file = metrics_path.open("w") if rank == 0 else open(os.devnull, "w")
