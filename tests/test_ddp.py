@@ -24,6 +24,7 @@ from vltrain.distributed import RankSlice, gather
 from vltrain.model import build_model, tokenizer_for
 
 sys.path.insert(0, str(Path(__file__).parent))
+from test_samplers import onto  # noqa: E402,F401  (the module-scoped TOnICS dataset fixture)
 from test_train import TINY, shards  # noqa: E402,F401  (the module-scoped shard fixture)
 
 B = 8  # global batch; 4 per rank
@@ -159,6 +160,19 @@ def test_torchrun_grit_groups_across_ranks(shards, tmp_path):
     ckpt = torch.load(tmp_path / "grit" / "last.pt", weights_only=True)
     # ~19 training pairs make 2 global batches of 8 an epoch: epochs 1 and 2 were grouped from collected features
     assert (ckpt["step"], ckpt["epoch"]) == (6, 2) and len(ckpt["ranks"]) == 2
+
+
+def test_torchrun_tonics_runs_its_curriculum_checks_on_rank_0(onto, tmp_path):
+    """TOnICS under torchrun: same-object global batches of 2 x 4 split over the ranks, the held-out checks run on
+    rank 0 (threshold 0: every check refreshes) and their decisions are broadcast without a hang."""
+    common = ["--preset", "tonics", "--set", "sampler.refresh_every=3", "--set", "sampler.threshold=0",
+              "--set", "data.val_frac=0.25", "--set", "eval_every=100"]
+    r = torchrun(onto, tmp_path / "full", *common, "--steps", "6")
+    assert r.returncode == 0, r.stderr[-4000:]
+    log = json.loads((tmp_path / "full" / "curriculum.json").read_text())
+    assert [row["step"] for row in log["log"]] == [3, 6] and log["log"][-1]["probs"][0] == pytest.approx(0.81)
+    ckpt = torch.load(tmp_path / "full" / "last.pt", weights_only=True)
+    assert len(ckpt["ranks"]) == 2 and len(ckpt["curriculum_log"]) == 2
 
 
 def _worker_of_rank(parent: int, rank: int) -> int | None:
