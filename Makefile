@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test,ray]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[cpu,test,ray]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -46,7 +46,7 @@ def step_time(model_kind: str, n: int, steps: int) -> float:
     times = []
     for i in range(steps + 1):  # the first step warms up allocators and is not counted
         t0 = time.perf_counter()
-        losses = train_step(model, batch, cfg, gen, tok)
+        losses = train_step(model, batch, cfg.loss, gen, tok, masked_text_all=cfg.data.masked_text_all)
         opt.zero_grad(set_to_none=True)
         losses["total"].backward()
         opt.step()

@@ -57,7 +57,7 @@ def setup(arm: str, model_kind: str, batch: int):
 
 def step(cfg, model, params, opt, tok, batch, gen) -> float:
     t0 = time.perf_counter()
-    losses = vt.train_step(model, batch, cfg, gen, tok)
+    losses = vt.train_step(model, batch, cfg.loss, gen, tok, masked_text_all=cfg.data.masked_text_all)
     feats = losses.pop("queue_feats")
     opt.zero_grad(set_to_none=True)
     losses["total"].backward()

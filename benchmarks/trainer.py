@@ -115,12 +115,12 @@ def run_bare(cfg, batches: list[dict]) -> float:
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model).train()
     generator = torch.Generator().manual_seed(cfg.seed)
-    tok = vt._tokenizer(cfg.model.text_model)
+    tok = vt.tokenizer_for(cfg.model.text_model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.optim.lr)
     stamps = []
     for batch in itertools.islice(itertools.cycle(batches), cfg.steps):
         stamps.append(time.perf_counter())
-        losses = vt.train_step(model, batch, cfg, generator, tok)
+        losses = vt.train_step(model, batch, cfg.loss, generator, tok, masked_text_all=cfg.data.masked_text_all)
         losses["total"].backward()
         opt.step()
         opt.zero_grad()

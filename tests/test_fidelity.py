@@ -13,6 +13,12 @@ from vltrain import train as train_mod
 from vltrain.config import load_config
 from vltrain.model import build_model, build_tokenizer
 
+
+def run_step(model, batch, cfg, generator, **kw):
+    """train_step with the loss config and the data flag it takes from a whole Config."""
+    return train_mod.train_step(model, batch, cfg.loss, generator, masked_text_all=cfg.data.masked_text_all, **kw)
+
+
 TINY = ["model.text_model=tiny", "model.image_model=tiny", "model.embed_dim=16", "data.max_len=12"]
 B = 6
 
@@ -82,7 +88,7 @@ def test_itm_hardest_negatives_are_the_argmax_of_in_batch_similarity():
     batch = make_batch(CAPTIONS)
     i2t, t2i, hidden, tokens = sims(model, batch)
     calls = record_fuse(model)
-    train_mod.train_step(model, batch, cfg, torch.Generator().manual_seed(0))
+    run_step(model, batch, cfg, torch.Generator().manual_seed(0))
     (text_in, _, image_in), = calls
     neg_text, neg_image = ref_argmax_off_diag(i2t), ref_argmax_off_diag(t2i)
     # Rows B..2B: caption i with its hardest image; rows 2B..3B: image i with its hardest caption.
@@ -90,7 +96,7 @@ def test_itm_hardest_negatives_are_the_argmax_of_in_batch_similarity():
     assert torch.allclose(text_in[2 * B:], hidden[neg_text]) and torch.allclose(image_in[2 * B:], tokens)
     # The same batch again gives the same negatives: no draw is involved.
     calls.clear()
-    train_mod.train_step(model, batch, cfg, torch.Generator().manual_seed(1))
+    run_step(model, batch, cfg, torch.Generator().manual_seed(1))
     assert torch.equal(calls[0][0], text_in) and torch.equal(calls[0][2], image_in)
 
 
@@ -113,7 +119,7 @@ def test_train_step_detaches_itc_keys_when_asked(detach):
     cfg = cfg_for("clip", f"loss.itc_detach_keys={str(detach).lower()}")
     model = model_for(cfg)
     u, v = leaf_features(model, make_batch(CAPTIONS))
-    train_mod.train_step(model, make_batch(CAPTIONS), cfg, torch.Generator())["itc_loss"].backward()
+    run_step(model, make_batch(CAPTIONS), cfg, torch.Generator())["itc_loss"].backward()
     tau = float(model.temperature().detach())
     # Re-derivation: one-hot cross-entropy both ways, keys stopped by hand (or not).
     ru, rv = u.detach().clone().requires_grad_(), v.detach().clone().requires_grad_()
@@ -154,9 +160,9 @@ def test_train_step_distils_with_the_given_alpha():
         return total / 2
 
     for alpha in (0.0, 0.1, 0.4):
-        got = train_mod.train_step(model, batch, cfg, torch.Generator(), alpha=alpha)["itc_loss"].detach()
+        got = run_step(model, batch, cfg, torch.Generator(), alpha=alpha)["itc_loss"].detach()
         assert float(got) == pytest.approx(ref(alpha), rel=1e-5)
-    assert float(train_mod.train_step(model, batch, cfg, torch.Generator())["itc_loss"].detach()) == pytest.approx(
+    assert float(run_step(model, batch, cfg, torch.Generator())["itc_loss"].detach()) == pytest.approx(
         ref(0.4), rel=1e-5)
 
 
@@ -184,7 +190,7 @@ def test_fistful_step_is_infonce_against_momentum_keys_and_a_memory_bank_at_fixe
             s = [d(q, k) / tau for k in keys]
             top = max(s)
             total += -(s[i] - top - math.log(sum(math.exp(x - top) for x in s))) / (2 * B)
-    losses = train_mod.train_step(model, batch, cfg, torch.Generator())
+    losses = run_step(model, batch, cfg, torch.Generator())
     assert set(losses) == {"itc_loss", "total", "queue_feats"}  # no ITM, MLM or distillation
     assert float(losses["itc_loss"].detach()) == pytest.approx(total, rel=1e-5)
     losses["total"].backward()
@@ -213,13 +219,13 @@ def test_dedupe_caption_itc_targets_are_the_hand_built_ones():
                 top = max(s[i])
                 lse = top + math.log(sum(math.exp(x - top) for x in s[i]))
                 total -= sum((s[i][j] - lse) / len(pos) for j in pos) / B
-        got = train_mod.train_step(model, batch, cfg, torch.Generator())["itc_loss"]
+        got = run_step(model, batch, cfg, torch.Generator())["itc_loss"]
         assert float(got.detach()) == pytest.approx(total / 2, rel=1e-5)
     off = cfg_for("clip")  # dedupe none: plain one-hot ITC, duplicates are negatives
     i2t, t2i, _, _ = sims(model, make_batch(DUP))
     plain = -sum(s[i][i] - max(s[i]) - math.log(sum(math.exp(x - max(s[i])) for x in s[i]))
                  for s in (i2t, t2i) for i in range(B)) / (2 * B)
-    got = train_mod.train_step(model, make_batch(DUP), off, torch.Generator())["itc_loss"]
+    got = run_step(model, make_batch(DUP), off, torch.Generator())["itc_loss"]
     assert float(got.detach()) == pytest.approx(plain, rel=1e-5)
 
 
@@ -233,7 +239,7 @@ def test_dedupe_caption_never_draws_a_duplicate_as_itm_negative(negatives):
     dup = lambda i, j: DUP[i] == DUP[j]
     for seed in range(20 if negatives == "sample" else 1):
         calls.clear()
-        out = train_mod.train_step(model, batch, cfg, torch.Generator().manual_seed(seed))
+        out = run_step(model, batch, cfg, torch.Generator().manual_seed(seed))
         text_in, _, image_in = calls[0]
         assert text_in.shape[0] == 3 * B and torch.isfinite(out["itm_loss"])  # every row has a negative here
         for i in range(B):
@@ -250,9 +256,9 @@ def test_dedupe_caption_rows_without_any_negative_sit_out_of_itm():
     caps = ["same"] * 4 + ["other", "third"]  # the four "same" rows can only pair with 4 and 5
     batch = make_batch(caps)
     calls = record_fuse(model)
-    train_mod.train_step(model, batch, cfg, torch.Generator())
+    run_step(model, batch, cfg, torch.Generator())
     assert calls[0][0].shape[0] == 3 * B
     calls.clear()
     batch = make_batch(["same"] * B)  # nothing but duplicates: no negative at all, only the B positives
-    out = train_mod.train_step(model, batch, cfg, torch.Generator())
+    out = run_step(model, batch, cfg, torch.Generator())
     assert calls[0][0].shape[0] == B and torch.isfinite(out["itm_loss"])

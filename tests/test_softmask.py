@@ -25,6 +25,11 @@ from test_fidelity import CAPTIONS, cfg_for, make_batch, model_for  # noqa: E402
 from test_train import losses, run, shards  # noqa: E402,F401  (the module-scoped shard fixture)
 
 
+def run_step(model, batch, cfg, generator, **kw):
+    """train_step with the loss config and the data flag it takes from a whole Config."""
+    return train_mod.train_step(model, batch, cfg.loss, generator, masked_text_all=cfg.data.masked_text_all, **kw)
+
+
 # --- attention maps ----------------------------------------------------------------------------------------------
 
 
@@ -206,7 +211,7 @@ def test_softmask_itm_loss_is_cross_entropy_with_label_match():
 def test_train_step_logs_softmask_itm_loss_for_every_source(source):
     cfg = cfg_for("softmask", f"loss.softmask_source={source}")
     model = model_for(cfg).train()
-    out = train_mod.train_step(model, make_batch(CAPTIONS), cfg, torch.Generator().manual_seed(0))
+    out = run_step(model, make_batch(CAPTIONS), cfg, torch.Generator().manual_seed(0))
     assert {"itc_loss", "itm_loss", "softmask_itm_loss", "mlm_loss"} <= set(out)
     parts = sum(float(out[k].detach()) for k in ("itc_loss", "itm_loss", "softmask_itm_loss", "mlm_loss"))
     assert float(out["total"].detach()) == pytest.approx(parts)
@@ -238,7 +243,7 @@ def test_gradcam_step_mask_follows_the_recomputed_cam(monkeypatch):
     model.fuse = fuse
     monkeypatch.setattr(sm, "sample_words", words)
     batch = make_batch(CAPTIONS)
-    train_mod.train_step(model, batch, cfg, torch.Generator().manual_seed(5))
+    run_step(model, batch, cfg, torch.Generator().manual_seed(5))
     b = len(CAPTIONS)
     assert bool(batch["attention_mask"].bool()[torch.arange(b), seen["words"]].all())
     s_pos = seen["logits"][:b].softmax(-1)[:, 1].sum()
@@ -283,7 +288,7 @@ def test_masked_text_all_off_is_bit_identical_to_the_code_before_softmask():
         model = model_for(cfg).train()
         torch.manual_seed(1)
         g = torch.Generator().manual_seed(3)
-        out = train_mod.train_step(model, make_batch(CAPTIONS), cfg, g)
+        out = run_step(model, make_batch(CAPTIONS), cfg, g)
         assert int(torch.randint(0, 2**31, (1,), generator=g)) == want["rng"]  # the same draws, in the same order
         for k, v in want.items():
             if k != "rng":
@@ -297,7 +302,7 @@ def test_masked_text_all_encodes_the_masked_caption_once(monkeypatch):
     real = model.encode_text
     model.encode_text = lambda ids, mask: (seen.append(ids.clone()), real(ids, mask))[1]
     batch = make_batch(CAPTIONS)
-    train_mod.train_step(model, batch, cfg, torch.Generator().manual_seed(0))
+    run_step(model, batch, cfg, torch.Generator().manual_seed(0))
     assert len(seen) == 1  # one text pass (the momentum copy has its own)
     changed = seen[0] != batch["input_ids"]
     assert bool(changed.any()) and float(changed.float().mean()) < 0.5

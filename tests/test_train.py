@@ -47,11 +47,13 @@ def losses(out, key="total"):
 
 
 def test_lr_warmup_then_cosine():
-    cfg = load_config("clip", sets=["optim.lr=1.0", "optim.warmup_steps=10", "optim.min_lr_ratio=0.1", "steps=110"])
-    assert [lr_at(s, cfg) for s in (1, 5, 10)] == pytest.approx([0.1, 0.5, 1.0])  # linear warmup
-    assert lr_at(60, cfg) == pytest.approx(0.1 + 0.9 * 0.5)  # cosine half way
-    assert lr_at(110, cfg) == pytest.approx(0.1)  # ends at lr * min_lr_ratio
-    falling = [lr_at(s, cfg) for s in range(10, 111)]
+    def lr(step):  # lr 1, warm-up 10, 110 steps, min ratio 0.1
+        return lr_at(step, 1.0, 10, 110, 0.1)
+
+    assert [lr(s) for s in (1, 5, 10)] == pytest.approx([0.1, 0.5, 1.0])  # linear warmup
+    assert lr(60) == pytest.approx(0.1 + 0.9 * 0.5)  # cosine half way
+    assert lr(110) == pytest.approx(0.1)  # ends at lr * min_lr_ratio
+    falling = [lr(s) for s in range(10, 111)]
     assert all(a >= b for a, b in zip(falling, falling[1:]))
 
 
@@ -182,3 +184,39 @@ def test_packaged_models_train_on_real_clip_art(tmp_path):
     steps = [row for row in rows if "total" in row]
     assert len(steps) == 3 and all(math.isfinite(row["total"]) for row in steps)
     assert (tmp_path / "run" / "last.pt").exists()
+
+
+# --- issue 14 §3: GPU speed options, each a config key that leaves a CPU run as it was unless asked ----------------
+
+
+def test_channels_last_on_a_cpu_gives_the_same_losses_and_bad_switches_are_one_line(shards, tmp_path):
+    common = ["--preset", "clip", "--steps", "2", "--set", "data.val_frac=0"]
+    for value in ("off", "on"):
+        r = run(shards, tmp_path / value, *common, "--set", f"train.channels_last={value}")
+        assert r.exit_code == 0, r.output + repr(r.exception)
+    off, on = losses(tmp_path / "off"), losses(tmp_path / "on")
+    assert sorted(on) == [1, 2] and on == pytest.approx(off, rel=1e-5)
+    r = run(shards, tmp_path / "bad", *common, "--set", "train.tf32=maybe")
+    assert r.exit_code == 2 and "train.tf32 must be one of auto, on, off, got 'maybe'" in r.output
+
+
+@pytest.mark.slow
+def test_compile_runs_a_step_on_a_cpu_and_keeps_checkpoint_keys(shards, tmp_path):
+    """train.compile: the encoders compiled in place (one CPU step takes ~35 s to compile here)."""
+    r = run(shards, tmp_path / "c", "--preset", "clip", "--steps", "1", "--set", "data.val_frac=0",
+            "--set", "train.compile=true")
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    assert math.isfinite(losses(tmp_path / "c")[1])
+    keys = torch.load(tmp_path / "c" / "last.pt", weights_only=True)["model"]
+    assert keys and not any("_orig_mod" in k for k in keys)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="measures on a GPU machine")
+def test_gpu_benchmark_says_no_cuda_device_and_exits_0():
+    import subprocess
+    import sys
+
+    root = Path(__file__).parents[1]
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu.py")], capture_output=True, text=True,
+                       timeout=120, env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0 and "no CUDA device" in r.stdout, r.stderr

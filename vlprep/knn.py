@@ -25,8 +25,13 @@ TRAIN_PER_LIST = 64  # k-means sample per list (faiss' default 256 makes a 1M-ca
 
 
 def _faiss():
-    import faiss
+    try:
+        import faiss
+    except ImportError as e:  # faiss comes from an extra (pyproject.toml says why)
+        from vlprep import VlprepError
 
+        raise VlprepError(f"faiss is not installed ({e}): pip install 'vlprep-vltrain[cpu]', or [gpu] on a CUDA "
+                          "machine (one of the two, into a fresh venv)") from None
     return faiss
 
 

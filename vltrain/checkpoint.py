@@ -132,9 +132,9 @@ def load_weights(model, weights: dict, path) -> None:
     model.load_state_dict(weights)
 
 
-# Keys a resumed run may change: how long it runs, where and how it reports, how it loads data.
+# Keys a resumed run may change: how long it runs, where and how it reports, how it loads data, the speed options.
 RESUMABLE = {"steps", "epochs", "out", "device", "log_every", "eval_every", "ckpt_every", "ckpt_minutes",
-             "data.workers"}
+             "data.workers", "train.tf32", "train.channels_last", "train.compile"}
 
 
 def config_diff(saved: dict, now: dict, prefix: str = "", defaults: dict | None = None) -> list[str]:

@@ -106,6 +106,8 @@ def run(
         if resume and overwrite:
             raise ConfigError("give --resume or --overwrite, not both")
         result = train(cfg, resume=resume, overwrite=overwrite)
+    if result["rank"] > 0:  # under torchrun rank 0 reports
+        return
     ev = result["eval"]
     if ev is not None:
         out_console.print(_recall_table(f"held-out retrieval (%) at step {result['step']} ({ev['n_val']} pairs)",

@@ -74,6 +74,17 @@ class OptimConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
 
 
+SWITCHES = ("auto", "on", "off")
+
+
+@dataclass
+class TrainConfig:
+    """GPU speed options; "auto" turns each on with CUDA and leaves a CPU run as it was."""
+    tf32: str | bool = "auto"           # TF32 matmuls and convolutions (CUDA only; auto = on there)
+    channels_last: str | bool = "auto"  # NHWC memory format for the CNN image tower and its pixels (auto = on CUDA)
+    compile: bool = False               # torch.compile the image and text encoders in place (same checkpoint keys)
+
+
 @dataclass
 class Config:
     shards: list[str] = field(default_factory=list)
@@ -93,6 +104,7 @@ class Config:
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -292,6 +304,12 @@ def validate(cfg: Config) -> None:
     if cfg.loss.itm_negatives not in ITM_NEGATIVES:
         raise ConfigError(f"unknown loss.itm_negatives {cfg.loss.itm_negatives!r}; use one of "
                           f"{', '.join(ITM_NEGATIVES)}")
+    for key in ("tf32", "channels_last"):
+        value = getattr(cfg.train, key)
+        if isinstance(value, bool):  # YAML reads a bare on / off as a boolean
+            setattr(cfg.train, key, "on" if value else "off")
+        if getattr(cfg.train, key) not in SWITCHES:
+            raise ConfigError(f"train.{key} must be one of {', '.join(SWITCHES)}, got {getattr(cfg.train, key)!r}")
     s = cfg.sampler
     if s.kind not in SAMPLERS:
         raise ConfigError(f"unknown sampler {s.kind!r}; samplers: {', '.join(SAMPLERS)}")

@@ -157,20 +157,21 @@ def load_sample(raw: dict, transform, use_features: bool) -> tuple:
 class ShardStream(IterableDataset):
     """(image tensor or feature tokens, caption, key) from shard folders, one split, shuffled per epoch.
 
-    DataLoader workers take disjoint shards; the order depends only on (seed, epoch). A sample that cannot be
+    DataLoader workers (and under torchrun, ranks x workers) take disjoint shards; the order depends only on (seed,
+    epoch). A sample that cannot be
     decoded is skipped and counted in `self.counts` (webdataset's warn_and_continue, with a count); a shard whose
     tar ends before its sizes.json count is a BadShardError.
     """
 
     def __init__(self, folders, split: str, val_frac: float, transform, shuffle: bool = True,
-                 buffer: int = 1000, seed: int = 0, use_features: bool = False):
+                 buffer: int = 1000, seed: int = 0, use_features: bool = False, rank: int = 0, world: int = 1):
         self.sizes = shard_sizes(folders)
         self.shards = list(self.sizes)
         if not self.shards:
             raise ValueError("no shards in " + ", ".join(map(str, folders)))
         self.split, self.val_frac, self.transform = split, val_frac, transform
         self.shuffle, self.buffer, self.seed, self.epoch = shuffle, buffer, seed, 0
-        self.use_features = use_features
+        self.use_features, self.rank, self.world = use_features, rank, world
         self.counts = LoadCounts()
 
     def set_epoch(self, epoch: int) -> None:
@@ -206,7 +207,12 @@ class ShardStream(IterableDataset):
         if self.shuffle:
             rng.shuffle(shards)
         info = get_worker_info()
-        if info is not None:
+        if self.world > 1:  # torchrun: the shards are split over rank x worker, every rank shuffling them alike
+            workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+            slot = self.rank * workers + worker
+            shards = shards[slot::self.world * workers]
+            rng = random.Random(self.seed * 1_000_003 + self.epoch * 1009 + 7919 * slot + 1)
+        elif info is not None:
             shards = shards[info.id::info.num_workers]
             rng = random.Random(self.seed * 1_000_003 + self.epoch * 1009 + info.id)
         # The buffer holds raw samples (encoded bytes), not decoded tensors: 1,000 tensors of

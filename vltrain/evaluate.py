@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from rich.console import Console
 from torch.utils.data import DataLoader
 
 from vltrain import TrainError
@@ -18,6 +19,7 @@ from vltrain.data import (SAME_ENCODER, Collate, IndexedShards, InstanceView, Sh
 from vltrain.layers import noun_states
 from vltrain.model import autocast, resolve_device, tokenizer_for
 
+console = Console(stderr=True, emoji=False, soft_wrap=True)
 PROMPT = "a photo of a {}"
 
 KS = (1, 5, 10)
@@ -296,3 +298,56 @@ def _evaluate_triplets(model, cfg, shards: list[str], dev, path: Path, step, ext
     sim = view_scores(model, view, positions, collate, cfg.batch_size, True, dev).t()  # (image, noun)
     return {"checkpoint": str(path), "step": step, "n_samples": n, "task": "noun-image retrieval, one triplet per image",
             "retrieval": recall_at_k(sim, torch.arange(n)), "chance": chance_recall(n, n)}
+
+
+# --- the training loop's periodic checks -----------------------------------------------------------------------
+
+
+def heldout_recall(sim: torch.Tensor, what: str, step: int) -> dict:
+    """R@K of a held-out (N, N) image-text similarity with its chance levels; prints the step's one-line summary."""
+    n = sim.shape[0]
+    res = recall_at_k(sim, torch.arange(n))
+    chance = chance_recall(n, n)
+    console.print(f"step {step} eval on {n} {what}: R@1 image→text {res['i2t_r1']:.1f}, text→image "
+                  f"{res['t2i_r1']:.1f} (chance {chance['i2t_r1']:.1f}); mean recall {res['mean_recall']:.2f}",
+                  highlight=False)
+    return {**res, "n_val": n, "chance": chance}
+
+
+def val_triplet_sim(model, view: InstanceView, positions, collate: Collate, batch_size: int, device) -> torch.Tensor:
+    """Triplet mode: the aligner's own task, noun i of a held-out triplet against image j -> (N, N) image x noun."""
+    return view_scores(model, view, positions, collate, batch_size, True, device).t()
+
+
+def heldout_r1(model, view: InstanceView, positions, collate: Collate, batch_size: int, triplets: bool,
+               device) -> float:
+    """TOnICS' refresh check: held-out image retrieval R@1 (a fraction) over `positions`."""
+    scores = view_scores(model, view, positions, collate, batch_size, triplets, device)
+    return float((scores.argmax(dim=1) == torch.arange(len(scores))).float().mean())
+
+
+def plot_learning_curve(rows: list[dict], path: Path) -> None:
+    """Held-out R@1 both ways (with chance) and the training loss against steps, from metrics.jsonl rows, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    loss = [(r["step"], r["total"]) for r in rows if "total" in r]
+    val = [(r["step"], r["val"]) for r in rows if "val" in r]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    if loss:
+        ax1.plot(*zip(*loss), color="tab:gray", lw=1)
+    ax1.set(xlabel="step", ylabel="training loss (total)", title="loss")
+    if val:
+        steps = [s for s, _ in val]
+        for key, label, colour in (("i2t_r1", "image→text R@1", "tab:blue"), ("t2i_r1", "text→image R@1", "tab:orange")):
+            ax2.plot(steps, [v[key] for _, v in val], marker="o", color=colour, label=label)
+        chance = val[-1][1]["chance"]["i2t_r1"]
+        ax2.axhline(chance, color="black", ls="--", lw=1, label=f"chance ({chance:.1f}%)")
+        ax2.legend(fontsize=8)
+        ax2.set_title(f"held-out retrieval ({val[-1][1]['n_val']} pairs)")
+    ax2.set(xlabel="step", ylabel="R@1 (%)", ylim=(0, None))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

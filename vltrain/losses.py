@@ -102,15 +102,18 @@ def focal_itc_loss(logits_i2t: torch.Tensor, logits_t2i: torch.Tensor, gamma: fl
     return (_focal_row_mean(logits_i2t, gamma) + _focal_row_mean(logits_t2i, gamma)) / 2
 
 
-def itc_consistency_loss(logits_i2t: torch.Tensor, logits_t2i: torch.Tensor) -> torch.Tensor:
-    """GRIT eq. 6: mean_i 1/2[KL(sg(p_i2t[i]) || p_t2i[i]) + KL(sg(p_t2i[i]) || p_i2t[i])]: (B, B+Q) x2 -> ()."""
+def itc_consistency_loss(logits_i2t: torch.Tensor, logits_t2i: torch.Tensor, in_batch: int | None = None
+                         ) -> torch.Tensor:
+    """GRIT eq. 6: mean_i 1/2[KL(sg(p_i2t[i]) || p_t2i[i]) + KL(sg(p_t2i[i]) || p_i2t[i])]: (B, B+Q) x2 -> ().
+
+    in_batch: how many leading columns are in-batch keys (None = B; under DDP the global batch)."""
     # GRIT eq. 6 reads KL(p~v2t(V) || pt2v(T)) + KL(p~t2v(T) || pv2t(V)) with p~ = sg(p): the stop-gradient
     # side is the first KL argument (the target), so each direction is pulled towards the other one.
     # lambda_cons (0.2 in the paper) is applied by the caller. Only the in-batch B x B block is used:
     # p^{v2t}(V) and p^{t2v}(T) in GRIT eq. 1 are softmaxes over the N in-batch pairs, not over a queue.
     _check_itc(logits_i2t)
     _check_itc(logits_t2i)
-    b = logits_i2t.shape[0]
+    b = logits_i2t.shape[0] if in_batch is None else in_batch
     logp_i2t = _f32(logits_i2t[:, :b]).log_softmax(dim=-1)
     logp_t2i = _f32(logits_t2i[:, :b]).log_softmax(dim=-1)
     tgt_i2t, tgt_t2i = logp_i2t.detach(), logp_t2i.detach()

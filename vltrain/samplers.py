@@ -30,12 +30,18 @@ GRIT (Byun et al., section 4 and supplementary Algorithms 1-2)
   are the ones this epoch leaves out. The first epoch is a random permutation.
 """
 
+import json
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
 
-__all__ = ["TonicsCurriculum", "TonicsBatchSampler", "grit_order", "GritSampler"]
+from vltrain import TrainError
+from vltrain.config import GRIT_RATIOS, grit_sizes
+from vltrain.data import IndexedShards, InstanceView, in_val
+
+__all__ = ["TonicsCurriculum", "TonicsBatchSampler", "grit_order", "GritSampler", "indexed_data", "plot_curriculum"]
 
 
 # --- TOnICS ---------------------------------------------------------------------------------------------------
@@ -345,3 +351,90 @@ def tonics_instances(ontology_dir, keys: Sequence[str], is_val: np.ndarray, trip
             nodes.append((c, pos[pos >= 0]))
         out["train"]["nodes"] = nodes
     return out
+
+
+# --- the trainer's index-based data: TOnICS, GRIT and triplets ------------------------------------------------
+
+
+def default_ontology(folder: str) -> str:
+    """The folder holding the TOnICS ontology: `folder` itself, or the ontology folder it was cached from."""
+    root = Path(folder)
+    if (root / "ontology.json").is_file():
+        return folder
+    # `vlprep features` copies samples (same keys, same order) but not the ontology files; its meta.json names
+    # the folder it read. A sample it skipped shifts the indices, which tonics_instances reports as a key mismatch.
+    try:
+        meta = json.loads((root / "meta.json").read_text())
+    except (OSError, ValueError):
+        return folder
+    src = (meta.get("options") or {}).get("src") if meta.get("stage") == "features" else None
+    return src if src and (Path(src) / "ontology.json").is_file() else folder
+
+
+def indexed_data(cfg, tf_train, tf_eval, grit_ratios: tuple[int, int] = GRIT_RATIOS, world: int = 1) -> dict:
+    """Train / val views read through wids, the batch sampler over the train view, the curriculum's node names and
+    `notes` (lines for the user).
+
+    Under torchrun (`world` processes) the sampler draws global batches of world x batch_size, the same on every
+    rank from the same seed; each rank reads its slice (vltrain.distributed.RankSlice).
+    """
+    shards = IndexedShards(cfg.shards)
+    is_val = np.array([in_val(k, cfg.data.val_frac) for k in shards.keys], dtype=bool)
+    use_features, s, n = cfg.data.input == "features", cfg.sampler, cfg.batch_size * world
+    names, notes = None, []
+    if s.kind == "grit":
+        splits = {"train": {"samples": np.flatnonzero(~is_val), "spans": None},
+                  "val": {"samples": np.flatnonzero(is_val), "spans": None}}
+        m, q = grit_sizes(cfg, grit_ratios)
+        if world > 1 and not s.search_space:  # M and L are multiples of the global batch
+            m = m * world
+            q = s.queue_size or grit_ratios[1] * m
+        sampler = GritSampler(len(splits["train"]["samples"]), n, m, q, cfg.seed)
+    else:  # tonics, or random batches of triplets (P(entity) stays 1)
+        try:
+            onto = s.ontology or default_ontology(cfg.shards[0])
+            if onto != cfg.shards[0] and not s.ontology:
+                notes.append(f"tonics: ontology from {onto}, the folder {cfg.shards[0]} was cached from")
+            splits = tonics_instances(onto, shards.keys, is_val, cfg.data.triplets)
+        except ValueError as e:
+            raise TrainError(str(e)) from None
+        image_of = splits["train"]["samples"]
+        if len(np.unique(image_of)) < n:
+            raise TrainError(f"the training split has {len(np.unique(image_of))} distinct images with "
+                             f"{'triplets' if cfg.data.triplets else 'samples'}, fewer than one batch of {n}")
+        keep, dropped = [], []
+        for c, pos in splits["train"]["nodes"] if s.kind == "tonics" else []:
+            (keep if len(np.unique(image_of[pos])) >= n else dropped).append((c, pos))
+        if s.kind == "tonics" and not keep:
+            raise TrainError(f"no ontology class has {n} distinct training images, so no same-object batch can be "
+                             "drawn; lower --batch-size")
+        if dropped:
+            notes.append(f"tonics: {len(dropped)} of {len(dropped) + len(keep)} classes have fewer than {n} distinct "
+                         f"training images and stay out of the curriculum: {', '.join(c for c, _ in dropped)}")
+        curriculum = TonicsCurriculum([len(p) for _, p in keep] or [1], s.alpha, s.beta)
+        nodes = [p for _, p in keep] or [np.arange(len(image_of))]  # random triplets: a never-drawn dummy node
+        sampler = TonicsBatchSampler(curriculum, nodes, image_of, n, s.refresh_every, cfg.seed)
+        names = ["entity"] + [c for c, _ in keep]
+    views = {split: InstanceView(shards, splits[split]["samples"], tf_train if split == "train" else tf_eval,
+                                 use_features, splits[split]["spans"]) for split in ("train", "val")}
+    return {"sampler": sampler, "names": names, "notes": notes, **views}
+
+
+def plot_curriculum(log: list[dict], names: list[str], path: Path, top: int = 8) -> None:
+    """P(entity) and the `top` object nodes with the most final mass across steps, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [0] + [r["step"] for r in log]  # the curriculum starts with P(entity) = 1
+    probs = np.array([np.eye(len(names))[0]] + [r["probs"] for r in log])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, probs[:, 0], color="black", lw=2, marker=".", label="entity")
+    for k in (np.argsort(-probs[-1, 1:])[:top] + 1):
+        ax.plot(steps, probs[:, k], label=names[k])
+    ax.set(xlabel="step", ylabel="P_S(node)", ylim=(0, 1.02), title="TOnICS curriculum")
+    ax.legend(fontsize=7, loc="center right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

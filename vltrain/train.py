@@ -1,14 +1,17 @@
 """The training loop (`train`), one training step (`train_step`) and the lr schedule.
 
-`train` reads top to bottom: setup (output folder, seeds, input kind, data) -> model -> optimiser -> resume ->
-loop (step, log, curriculum check, eval, checkpoint) -> end. Checkpoint evaluation lives in vltrain.evaluate and
-the checkpoint format in vltrain.checkpoint.
+`train` reads top to bottom: setup (output folder, seeds, input kind, data, model, optimiser) -> resume (one
+block) -> loop (step, log, curriculum check, eval, checkpoint) -> end. The loop's pieces are module-level functions
+with explicit arguments; the periodic evaluation lives in vltrain.evaluate, the index samplers' set-up and the
+curriculum plot in vltrain.samplers, the checkpoint format in vltrain.checkpoint.
 """
 
 import copy
 import datetime
+import functools
 import json
 import math
+import os
 import random
 import shutil
 import signal
@@ -27,16 +30,19 @@ from vlprep import VlprepError
 from vlprep.dataset import lock_output, release_output
 from vltrain import TrainError
 from vltrain import checkpoint as ckpt_io
-from vltrain.config import GRIT_RATIOS, GRIT_RATIOS_BEFORE, Config, grit_sizes, to_dict
-from vltrain.data import (Collate, IndexedShards, InstanceView, ShardStream, count_split, eval_transform,
-                          feature_input, in_val, loader_error, to_device, train_transform)
-from vltrain.evaluate import chance_recall, distinct_positions, embed_split, recall_at_k, view_scores
+from vltrain.config import GRIT_RATIOS, GRIT_RATIOS_BEFORE, Config, LossConfig, to_dict
+from vltrain.distributed import (RankSlice, any_flags, barrier, broadcast, gather, gather_objects, init_from_env,
+                                  world)
+from vltrain.data import (Collate, ShardStream, count_split, eval_transform, feature_input, loader_error, to_device,
+                          train_transform)
+from vltrain.evaluate import (distinct_positions, embed_split, heldout_r1, heldout_recall, plot_learning_curve,
+                              val_triplet_sim)
 from vltrain.losses import (dedupe_targets, distill_targets, focal_itc_loss, hard_negative_weights, hardest_negatives,
                             itc_consistency_loss, itc_logits, itc_loss, itm_loss, mlm_loss, mlm_mask,
                             sample_hard_negatives, softmask_itm_loss, tonics_ir_loss, tonics_tr_loss)
 from vltrain.layers import noun_states
 from vltrain.model import autocast, build_model, image_stats, resolve_device, tokenizer_for
-from vltrain.samplers import GritSampler, TonicsBatchSampler, TonicsCurriculum, tonics_instances
+from vltrain.samplers import GritSampler, TonicsBatchSampler, indexed_data, plot_curriculum
 from vltrain.softmask import masks_for, parse_source
 
 console = Console(stderr=True, emoji=False, soft_wrap=True)
@@ -49,14 +55,13 @@ class Interrupted(TrainError):
     """Ctrl-C or SIGTERM: last.pt was written; the message says how to go on."""
 
 
-def lr_at(step: int, cfg: Config) -> float:
-    """Learning rate of the step-th optimiser step (1-based): linear warmup, then cosine to lr * min_lr_ratio."""
-    o = cfg.optim
-    if step <= o.warmup_steps:
-        return o.lr * step / max(o.warmup_steps, 1)
-    progress = min(1.0, (step - o.warmup_steps) / max(cfg.steps - o.warmup_steps, 1))
-    low = o.lr * o.min_lr_ratio
-    return low + (o.lr - low) * 0.5 * (1 + math.cos(math.pi * progress))
+def lr_at(step: int, lr: float, warmup: int, total: int, min_ratio: float) -> float:
+    """Learning rate of the step-th optimiser step (1-based): linear warmup, then cosine to lr * min_ratio."""
+    if step <= warmup:
+        return lr * step / max(warmup, 1)
+    progress = min(1.0, (step - warmup) / max(total - warmup, 1))
+    low = lr * min_ratio
+    return low + (lr - low) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def distill_alpha_at(step: int, cfg: Config) -> float:
@@ -68,18 +73,18 @@ def distill_alpha_at(step: int, cfg: Config) -> float:
     return w.distill_alpha * min(1.0, (step - 1) / w.distill_warmup_steps)
 
 
-def train_step(model, batch: dict, cfg: Config, generator: torch.Generator, tokenizer=None,
-               alpha: float | None = None) -> dict:
+def train_step(model, batch: dict, w: LossConfig, generator: torch.Generator, tokenizer=None,
+               alpha: float | None = None, masked_text_all: bool = False) -> dict:
     """Forward pass and named losses (*_loss and the weighted `total`) for one batch; grads are left to the caller.
 
-    `alpha` is this step's distillation weight (`distill_alpha_at`; None = loss.distill_alpha). The dict also holds
-    `queue_feats`, the detached (image, text) features (B, E) x2 to enqueue after the step.
+    `w` is the run's loss config, `alpha` this step's distillation weight (`distill_alpha_at`; None =
+    w.distill_alpha), `masked_text_all` the data option. The dict also holds `queue_feats`, the detached (image,
+    text) features (B, E) x2 to enqueue after the step.
     """
-    w = cfg.loss
     images = batch["features"] if "features" in batch else batch["images"]
     ids, mask = batch["input_ids"], batch["attention_mask"]
     mlm_masked = None
-    if cfg.data.masked_text_all and w.mlm > 0:
+    if masked_text_all and w.mlm > 0:
         # SoftMask++ MMDA (3.4): the MLM-masked caption is the text of every loss, so the text encoder runs once.
         tok = tokenizer or tokenizer_for(model.cfg.text_model)
         mlm_masked = mlm_mask(ids, w.mlm_prob, tok.all_special_ids, tok.mask_token_id,
@@ -102,13 +107,21 @@ def train_step(model, batch: dict, cfg: Config, generator: torch.Generator, toke
             image_keys, text_keys = image_feat_m, text_feat_m
     if mom is None:
         image_keys, text_keys = image_feat, text_feat
+    # Under DDP the keys are every rank's (momentum keys without gradient), this rank's rows first so that the
+    # positives stay on the diagonal: the loss is the single-process loss on the global batch. The queue takes
+    # the gathered keys in rank order, so every rank's queue stays the same. Outside torchrun both are the keys.
+    (image_keys, queue_img), (text_keys, queue_txt) = (gather(image_keys, mom is None),
+                                                       gather(text_keys, mom is None))
     logits_i2t, logits_t2i = itc_logits(image_feat, text_feat, image_keys, text_keys, temp, img_q, txt_q,
-                                        w.itc_detach_keys)  # (B, B+Q) x2
+                                        w.itc_detach_keys)  # (B, B_global+Q) x2
 
     # loss.dedupe=caption: pairs whose captions are byte-identical (str equality of the decoded UTF-8) are not
     # negatives of each other: extra ITC positives, never ITM negatives. Token ids would not do: the tokenizer
     # lowercases and truncates, so different captions can share ids.
     same = None
+    if w.dedupe == "caption" and world()[1] > 1:
+        raise TrainError("loss.dedupe=caption is not supported under torchrun yet (it needs every rank's "
+                         "captions); set loss.dedupe=none or train in one process")
     if w.dedupe == "caption":
         caps = batch["captions"]
         same = torch.tensor([[a == c for c in caps] for a in caps], dtype=torch.bool, device=ids.device)  # (B, B)
@@ -128,7 +141,7 @@ def train_step(model, batch: dict, cfg: Config, generator: torch.Generator, toke
         else:
             losses["itc_loss"] = itc_loss(logits_i2t, logits_t2i, hard, hard)
     if w.consistency > 0:
-        losses["itc_consistency_loss"] = itc_consistency_loss(logits_i2t, logits_t2i)
+        losses["itc_consistency_loss"] = itc_consistency_loss(logits_i2t, logits_t2i, image_keys.shape[0])
 
     if w.itm > 0:
         b = ids.shape[0]
@@ -188,8 +201,31 @@ def train_step(model, batch: dict, cfg: Config, generator: torch.Generator, toke
     weights = {"itc_loss": w.itc, "itc_consistency_loss": w.consistency, "itm_loss": w.itm, "mlm_loss": w.mlm,
                "softmask_itm_loss": w.softmask_itm, "tonics_ir_loss": w.tonics_ir, "tonics_tr_loss": w.tonics_tr}
     losses["total"] = sum(weights[k] * v for k, v in losses.items())
-    losses["queue_feats"] = (image_keys.detach(), text_keys.detach())
+    losses["queue_feats"] = (queue_img.detach(), queue_txt.detach())
     return losses
+
+
+class TrainStep(torch.nn.Module):
+    """`train_step` as a module's forward, so that under DDP the whole computation runs through the wrapped
+    module's forward (a method call on the inner model would skip the gradient synchronisation, silently)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: dict, w: LossConfig, generator: torch.Generator, tokenizer, alpha: float,
+                masked_text_all: bool) -> dict:
+        return train_step(self.model, batch, w, generator, tokenizer, alpha, masked_text_all)
+
+
+def wrap_ddp(model, w: LossConfig, device: torch.device):
+    """TrainStep(model) under DistributedDataParallel (the process group must exist)."""
+    # A head whose loss weight is 0 gets no gradient, which DDP must be told to expect (it costs a graph walk
+    # per step, so only then).
+    unused = ((model.fusion is not None and (w.itm == 0 or w.mlm == 0))
+              or (model.aligner is not None and w.tonics_ir == 0 and w.tonics_tr == 0) or w.itc == 0)
+    return torch.nn.parallel.DistributedDataParallel(
+        TrainStep(model), device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=unused)
 
 
 def _softmask_itm(model, source: str, pos_logits: torch.Tensor, maps: list | None, text_hidden: torch.Tensor,
@@ -262,116 +298,6 @@ def _check_bad_samples(counts, final: bool = False) -> int:
     return bad
 
 
-# --- index-based sampling: TOnICS, GRIT and triplets (vltrain.samplers) ------------------------------------------
-
-
-def _default_ontology(folder: str) -> str:
-    """The folder holding the TOnICS ontology: `folder` itself, or the ontology folder it was cached from."""
-    root = Path(folder)
-    if (root / "ontology.json").is_file():
-        return folder
-    # `vlprep features` copies samples (same keys, same order) but not the ontology files; its meta.json names
-    # the folder it read. A sample it skipped shifts the indices, which tonics_instances reports as a key mismatch.
-    try:
-        meta = json.loads((root / "meta.json").read_text())
-    except (OSError, ValueError):
-        return folder
-    src = (meta.get("options") or {}).get("src") if meta.get("stage") == "features" else None
-    return src if src and (Path(src) / "ontology.json").is_file() else folder
-
-
-def _indexed_data(cfg: Config, tf_train, tf_eval, grit_ratios: tuple[int, int] = GRIT_RATIOS) -> dict:
-    """Train / val views read through wids, the batch sampler over the train view and the curriculum's node names."""
-    shards = IndexedShards(cfg.shards)
-    is_val = np.array([in_val(k, cfg.data.val_frac) for k in shards.keys], dtype=bool)
-    use_features, s, n = cfg.data.input == "features", cfg.sampler, cfg.batch_size
-    names = None
-    if s.kind == "grit":
-        splits = {"train": {"samples": np.flatnonzero(~is_val), "spans": None},
-                  "val": {"samples": np.flatnonzero(is_val), "spans": None}}
-        m, q = grit_sizes(cfg, grit_ratios)
-        sampler = GritSampler(len(splits["train"]["samples"]), n, m, q, cfg.seed)
-    else:  # tonics, or random batches of triplets (P(entity) stays 1)
-        try:
-            onto = s.ontology or _default_ontology(cfg.shards[0])
-            if onto != cfg.shards[0] and not s.ontology:
-                console.print(f"tonics: ontology from {onto}, the folder {cfg.shards[0]} was cached from",
-                              highlight=False)
-            splits = tonics_instances(onto, shards.keys, is_val, cfg.data.triplets)
-        except ValueError as e:
-            raise TrainError(str(e)) from None
-        image_of = splits["train"]["samples"]
-        if len(np.unique(image_of)) < n:
-            raise TrainError(f"the training split has {len(np.unique(image_of))} distinct images with "
-                             f"{'triplets' if cfg.data.triplets else 'samples'}, fewer than one batch of {n}")
-        keep, dropped = [], []
-        for c, pos in splits["train"]["nodes"] if s.kind == "tonics" else []:
-            (keep if len(np.unique(image_of[pos])) >= n else dropped).append((c, pos))
-        if s.kind == "tonics" and not keep:
-            raise TrainError(f"no ontology class has {n} distinct training images, so no same-object batch can be "
-                             "drawn; lower --batch-size")
-        if dropped:
-            console.print(f"tonics: {len(dropped)} of {len(dropped) + len(keep)} classes have fewer than {n} distinct "
-                          f"training images and stay out of the curriculum: {', '.join(c for c, _ in dropped)}",
-                          highlight=False)
-        curriculum = TonicsCurriculum([len(p) for _, p in keep] or [1], s.alpha, s.beta)
-        nodes = [p for _, p in keep] or [np.arange(len(image_of))]  # random triplets: a never-drawn dummy node
-        sampler = TonicsBatchSampler(curriculum, nodes, image_of, n, s.refresh_every, cfg.seed)
-        names = ["entity"] + [c for c, _ in keep]
-    views = {split: InstanceView(shards, splits[split]["samples"], tf_train if split == "train" else tf_eval,
-                                 use_features, splits[split]["spans"]) for split in ("train", "val")}
-    return {"sampler": sampler, "names": names, **views}
-
-
-def _plot_curriculum(log: list[dict], names: list[str], path: Path, top: int = 8) -> None:
-    """P(entity) and the `top` object nodes with the most final mass across steps, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [0] + [r["step"] for r in log]  # the curriculum starts with P(entity) = 1
-    probs = np.array([np.eye(len(names))[0]] + [r["probs"] for r in log])
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, probs[:, 0], color="black", lw=2, marker=".", label="entity")
-    for k in (np.argsort(-probs[-1, 1:])[:top] + 1):
-        ax.plot(steps, probs[:, k], label=names[k])
-    ax.set(xlabel="step", ylabel="P_S(node)", ylim=(0, 1.02), title="TOnICS curriculum")
-    ax.legend(fontsize=7, loc="center right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-
-
-def _plot_learning_curve(rows: list[dict], path: Path) -> None:
-    """Held-out R@1 both ways (with chance) and the training loss against steps, from metrics.jsonl rows, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    loss = [(r["step"], r["total"]) for r in rows if "total" in r]
-    val = [(r["step"], r["val"]) for r in rows if "val" in r]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
-    if loss:
-        ax1.plot(*zip(*loss), color="tab:gray", lw=1)
-    ax1.set(xlabel="step", ylabel="training loss (total)", title="loss")
-    if val:
-        steps = [s for s, _ in val]
-        for key, label, colour in (("i2t_r1", "image→text R@1", "tab:blue"), ("t2i_r1", "text→image R@1", "tab:orange")):
-            ax2.plot(steps, [v[key] for _, v in val], marker="o", color=colour, label=label)
-        chance = val[-1][1]["chance"]["i2t_r1"]
-        ax2.axhline(chance, color="black", ls="--", lw=1, label=f"chance ({chance:.1f}%)")
-        ax2.legend(fontsize=8)
-        ax2.set_title(f"held-out retrieval ({val[-1][1]['n_val']} pairs)")
-    ax2.set(xlabel="step", ylabel="R@1 (%)", ylim=(0, None))
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 # --- setup helpers ------------------------------------------------------------------------------------------------
 
 
@@ -430,6 +356,22 @@ def _resolve_workers(cfg: Config, device: torch.device) -> None:
         cfg.data.workers = 0 if cfg.data.input == "features" and device.type == "cpu" else 2
 
 
+def _speed_options(cfg: Config, model, device: torch.device, use_features: bool) -> bool:
+    """Apply train.tf32 / channels_last / compile; returns whether pixels go channels-last."""
+    cuda = device.type == "cuda"
+    if cuda:  # TF32: ~10-bit mantissa matmuls on Ampere and later, the usual trade for training speed
+        on = cfg.train.tf32 != "off"
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = on
+    channels_last = not use_features and (cfg.train.channels_last == "on"
+                                          or (cfg.train.channels_last == "auto" and cuda))
+    if channels_last:  # NHWC convolutions are the fast path of tensor cores; only 4-D weights change layout
+        model.image_encoder.to(memory_format=torch.channels_last)
+    if cfg.train.compile:  # in place (nn.Module.compile), so state_dict keys and checkpoints stay the same
+        model.image_encoder.compile()
+        model.text_encoder.compile()
+    return channels_last
+
+
 def _fmt_duration(seconds: float) -> str:
     if seconds < 90:
         return f"{seconds:.0f} s"
@@ -438,7 +380,7 @@ def _fmt_duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def _summary(cfg: Config, model, device, n_train: int, n_val: int, per_epoch: int) -> str:
+def _summary(cfg: Config, model, device, n_train: int, n_val: int, per_epoch: int, size: int = 1) -> str:
     """The start-of-run block: what will train, on what, for how long, where it goes."""
     m, w, d = cfg.model, cfg.loss, cfg.data
     trained, frozen, n_params = [], [], 0
@@ -468,7 +410,9 @@ def _summary(cfg: Config, model, device, n_train: int, n_val: int, per_epoch: in
     dtype = "bf16 autocast" if device.type == "cuda" else "float32"
     lines = [
         f"vltrain run: preset {cfg.preset}, {cfg.steps:,} steps = {cfg.steps / max(per_epoch, 1):.1f} epochs of "
-        f"{per_epoch:,} batches of {cfg.batch_size}, seed {cfg.seed}",
+        f"{per_epoch:,} batches of {cfg.batch_size}"
+        + (f" x {size} processes (DDP, global batch {cfg.batch_size * size})" if size > 1 else "")
+        + f", seed {cfg.seed}",
         f"  data     {', '.join(cfg.shards)}: train {n_train:,}, held out {n_val:,} (val_frac {d.val_frac:g}); "
         f"sampler {cfg.sampler.kind}",
         f"  image    {image}",
@@ -485,6 +429,118 @@ def _summary(cfg: Config, model, device, n_train: int, n_val: int, per_epoch: in
     return "\n".join(lines)
 
 
+# --- the loop's pieces --------------------------------------------------------------------------------------------
+
+
+def epoch_batches(epoch: int, seed: int, dataset, sampler, collate, batch_size: int, workers: int,
+                  device: torch.device) -> tuple:
+    """(batch iterator, data RNG state) at the start of an epoch; both depend only on (seed, epoch)."""
+    # A generator per epoch fixes the workers' seeds, so a resumed epoch replays the same augmentations.
+    # Index samplers: an epoch is a GRIT pass over the data or a TOnICS curriculum period.
+    seed = seed * 100_003 + epoch
+    common = dict(collate_fn=collate, num_workers=workers, pin_memory=device.type == "cuda",
+                  generator=torch.Generator().manual_seed(seed), worker_init_fn=_ignore_sigint)
+    if sampler is not None:
+        sampler.set_epoch(epoch)
+        loader = DataLoader(dataset, batch_sampler=sampler, **common)
+    else:
+        dataset.set_epoch(epoch)
+        loader = DataLoader(dataset, batch_size=batch_size, drop_last=True, **common)
+    return iter(loader), torch.Generator().manual_seed(seed + 1).get_state()
+
+
+def checkpoint_state(model, optimizer, cfg: Config, step: int, epoch: int, consumed: int, best: float, sampler,
+                     curriculum_log: list, generator: torch.Generator) -> dict:
+    """What last.pt / best.pt hold: weights, optimiser, position in the data, sampler state, RNG states, config."""
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "epoch": epoch,
+            "consumed": consumed, "best": best, "config": to_dict(cfg),
+            "sampler": sampler.state_dict() if sampler is not None else None, "curriculum_log": curriculum_log,
+            "rng": ckpt_io.rng_states(generator)}
+
+
+def save_checkpoint(path: Path, model, optimizer, cfg: Config, step: int, epoch: int, consumed: int, best: float,
+                    sampler, curriculum_log: list, generator: torch.Generator, every_rank: bool = True) -> None:
+    """Write a checkpoint atomically. Under torchrun (every_rank) each rank's RNG states and data position are
+    gathered into `ranks`; rank 0 writes and the others wait at a barrier."""
+    rank, size = world()
+    ranks = None
+    if every_rank and size > 1:
+        ranks = gather_objects({"rng": ckpt_io.rng_states(generator), "epoch": epoch, "consumed": consumed})
+    if rank == 0:
+        state = checkpoint_state(model, optimizer, cfg, step, epoch, consumed, best, sampler, curriculum_log,
+                                 generator)
+        if ranks is not None:
+            state["ranks"] = ranks
+        ckpt_io.save(state, path)
+    if every_rank:
+        barrier()
+
+
+class _NoBoard:
+    """TensorBoard stand-in for ranks other than 0 (rank 0 alone logs)."""
+
+    def add_scalar(self, *args, **kwargs) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def curriculum_check(model, sampler, view, heldout, collate, batch_size: int, triplets: bool, threshold: float,
+                     step: int, names: list[str], curriculum_log: list, out: Path, device) -> dict:
+    """TOnICS: held-out image retrieval R@1, and a curriculum refresh when it reaches the threshold."""
+    acc = heldout_r1(model, view, heldout, collate, batch_size, triplets, device)
+    refreshed = acc >= threshold
+    if refreshed:
+        sampler.curriculum.refresh()
+    row = {"step": step, "heldout_r1": round(acc, 4), "refreshed": refreshed,
+           "probs": [round(float(p), 6) for p in sampler.curriculum.probs]}
+    curriculum_log.append(row)
+    (out / "curriculum.json").write_text(json.dumps({"nodes": names, "log": curriculum_log}))
+    plot_curriculum(curriculum_log, names, out / "curriculum.png")
+    console.print(f"step {step} tonics check: held-out R@1 {acc:.2f} on {len(heldout)} "
+                  f"{'refresh' if refreshed else 'no refresh'} (threshold {threshold}), "
+                  f"P(entity) {sampler.curriculum.probs[0]:.3f}", highlight=False)
+    return row
+
+
+def _log(row: dict, rows: list, metrics_file) -> None:
+    """One metrics.jsonl row, kept in `rows` for the learning curve too."""
+    rows.append(row)
+    metrics_file.write(json.dumps(row) + "\n")
+    metrics_file.flush()
+
+
+def _on_signal(stop: dict, signum, frame) -> None:
+    """First Ctrl-C / SIGTERM: note it, so the loop saves after this step; a second one abandons the step."""
+    if stop["signal"] is not None:
+        raise KeyboardInterrupt
+    stop["signal"] = signum
+    console.print(f"{signal.Signals(signum).name}: finishing this step, then saving last.pt (again to abandon)",
+                  highlight=False)
+
+
+def _interrupted(model, optimizer, cfg: Config, step: int, epoch: int, consumed: int, best: float, sampler,
+                 curriculum_log: list, generator: torch.Generator, last_path: Path) -> Interrupted:
+    """Write last.pt and return the error that tells the user how to go on."""
+    save_checkpoint(last_path, model, optimizer, cfg, step, epoch, consumed, best, sampler, curriculum_log, generator)
+    return Interrupted(f"stopped at step {step} of {cfg.steps}: {last_path} holds it; run the same command with "
+                       "--resume to continue")
+
+
+def _eta_note(done: int, elapsed: float, step: int, cfg: Config, device, use_features: bool) -> None:
+    """After the first 10 steps: the measured speed and when the run will end (with a hint on a slow CPU run)."""
+    sec_per_step = elapsed / done
+    left = sec_per_step * (cfg.steps - step)
+    end = (datetime.datetime.now() + datetime.timedelta(seconds=left)).strftime("%H:%M")
+    console.print(f"{done} steps in {elapsed:.1f} s ({sec_per_step:.2f} s/step, "
+                  f"{cfg.batch_size / sec_per_step:.1f} samples/s): the remaining {cfg.steps - step:,}"
+                  f" steps take about {_fmt_duration(left)} (until about {end})", highlight=False)
+    if left > 3600 and device.type == "cpu" and not use_features:
+        console.print("hint: on a CPU, cache the image tower once with `vlprep features IN OUT` and "
+                      "train on OUT: several times faster (docs/FEATURES.md)", highlight=False)
+
+
 # --- the loop -----------------------------------------------------------------------------------------------------
 
 
@@ -497,17 +553,33 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
     # --- setup
     cfg = copy.deepcopy(cfg)
     out = Path(cfg.out)
-    last_path, best_path = out / "last.pt", out / "best.pt"
+    last_path, best_path, metrics_path = out / "last.pt", out / "best.pt", out / "metrics.jsonl"
+    created_group, device_name = init_from_env(cfg.device)  # torchrun: join the process group
+    rank, size = world()
+    if size > 1:
+        console.quiet = rank > 0  # rank 0 alone reports
     try:
-        device = resolve_device(cfg.device)
+        device = resolve_device(device_name)
     except VlprepError as e:  # the shared resolver's one-line error
         raise TrainError(str(e)) from None
-    try:  # one run per OUT: a second `--resume` on the same folder would interleave two runs' checkpoints
-        lock_output(out, "vltrain")
-    except VlprepError as e:
-        raise TrainError(str(e)) from None
-    _prepare_out(out, resume, overwrite)
+    error = None
+    if rank == 0:
+        try:  # one run per OUT: a second `--resume` on the same folder would interleave two runs' checkpoints
+            lock_output(out, "vltrain")
+            _prepare_out(out, resume, overwrite)
+        except (VlprepError, TrainError) as e:
+            error = str(e)
+    error = broadcast(error)  # every rank stops on rank 0's error instead of waiting for it
+    if error is not None:
+        raise TrainError(error)
     ckpt = ckpt_io.load(last_path, "--resume checkpoint") if resume else None
+    saved_size = len(ckpt.get("ranks") or [None]) if ckpt is not None else size
+    if saved_size != size:  # each rank's RNG states and data position are in the checkpoint
+        raise TrainError(f"--resume: {last_path} was written by {saved_size} process(es) and this run has {size}; "
+                         "resume with the same --nproc_per_node")
+    # Every rank builds the same model from the run seed; the ranks' own draws (dropout, masks, negatives,
+    # augmentation) then use per-rank seeds derived from it.
+    rank_seed = cfg.seed + 1_000_003 * rank
     _seed_everything(cfg.seed, device)
     _resolve_input(cfg)
     _resolve_workers(cfg, device)
@@ -523,24 +595,33 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
                       "images are not augmented (train on the pixel dataset to augment)", highlight=False)
     tf_eval = None if use_features else eval_transform(cfg.data.image_size, mean, std)
     collate = Collate(tok, cfg.data.max_len, use_features)
-    indexed = cfg.sampler.kind != "random" or cfg.data.triplets
-    if indexed:  # TOnICS / GRIT / triplets: positions from a batch sampler, samples read through wids
+    data = {}
+    if cfg.sampler.kind != "random" or cfg.data.triplets:
+        # TOnICS / GRIT / triplets: positions from a batch sampler, samples read through wids.
         # A GRIT checkpoint from before the sizes were saved in its state used the former default ratios.
         old_grit = ckpt is not None and isinstance(ckpt.get("sampler"), dict) and "m" not in ckpt["sampler"]
-        data = _indexed_data(cfg, tf_train, tf_eval, GRIT_RATIOS_BEFORE if old_grit else GRIT_RATIOS)
-        sampler, n_train, n_val = data["sampler"], len(data["train"]), len(data["val"])
+        data = indexed_data(cfg, tf_train, tf_eval, GRIT_RATIOS_BEFORE if old_grit else GRIT_RATIOS, size)
+        for note in data["notes"]:
+            console.print(note, highlight=False)
+        sampler, train_set, n_train, n_val = data["sampler"], data["train"], len(data["train"]), len(data["val"])
+        load_counts = train_set.shards.counts
     else:
         counts = count_split(cfg.shards, cfg.data.val_frac)
         n_train, n_val = counts["train"], counts["val"]
-        stream = ShardStream(cfg.shards, "train", cfg.data.val_frac, tf_train, seed=cfg.seed, use_features=use_features)
         sampler = None
-    if n_train < cfg.batch_size:
+        train_set = ShardStream(cfg.shards, "train", cfg.data.val_frac, tf_train, seed=cfg.seed,
+                                use_features=use_features, rank=rank, world=size)
+        load_counts = train_set.counts
+    global_batch = cfg.batch_size * size  # --batch-size is per process
+    if n_train < global_batch:
         raise TrainError(f"the training split has {n_train} {'triplets' if cfg.data.triplets else 'samples'}, fewer "
-                         f"than one batch of {cfg.batch_size}; lower --batch-size or data.val_frac")
-    per_epoch = n_train // cfg.batch_size  # drop_last: every batch is full (hard negatives need B >= 2)
+                         f"than one batch of {global_batch}; lower --batch-size or data.val_frac")
+    per_epoch = n_train // global_batch  # drop_last: every batch is full (hard negatives need B >= 2)
     if sampler is None:
-        _fit_workers(cfg, n_train, len(stream.shards))
-    load_counts = stream.counts if sampler is None else data["train"].shards.counts
+        if len(train_set.shards) < size:
+            raise TrainError(f"the random sampler gives each process whole shards, and the data has "
+                             f"{len(train_set.shards)} shard(s) for {size} processes; write more, smaller shards")
+        _fit_workers(cfg, n_train // size, len(train_set.shards) // size)
     if cfg.epochs > 0:
         cfg.steps = max(1, math.ceil(cfg.epochs * per_epoch))
     if cfg.loss.distill_warmup_steps < 0:  # -1: one epoch of this training split (ALBEF); the checkpoint keeps it
@@ -557,28 +638,25 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
                       f"every sample would sit in the queue as its own negative more than once; clamped to "
                       f"{n_train:,}", highlight=False)
     tonics = isinstance(sampler, TonicsBatchSampler) and cfg.sampler.kind == "tonics"
-
-    def epoch_batches(epoch: int):
-        """(batch iterator, data RNG state) at the start of an epoch; both depend only on (seed, epoch)."""
-        # A generator per epoch fixes the workers' seeds, so a resumed epoch replays the same augmentations.
-        # Index samplers: an epoch is a GRIT pass over the data or a TOnICS curriculum period.
-        seed = cfg.seed * 100_003 + epoch
-        common = dict(collate_fn=collate, num_workers=cfg.data.workers, pin_memory=device.type == "cuda",
-                      generator=torch.Generator().manual_seed(seed), worker_init_fn=_ignore_sigint)
-        if sampler is not None:
-            sampler.set_epoch(epoch)
-            loader = DataLoader(data["train"], batch_sampler=sampler, **common)
-        else:
-            stream.set_epoch(epoch)
-            loader = DataLoader(stream, batch_size=cfg.batch_size, drop_last=True, **common)
-        return iter(loader), torch.Generator().manual_seed(seed + 1).get_state()
+    heldout = (distinct_positions(data["val"], cfg.sampler.heldout, cfg.seed) if tonics else None)
+    if tonics and len(heldout) < 2:
+        raise TrainError(f"the TOnICS refresh check needs held-out instances and the validation split has "
+                         f"{len(heldout)}; raise data.val_frac")
+    val_triplets = distinct_positions(data["val"], EVAL_TRIPLETS, cfg.seed) if cfg.data.triplets else None
 
     # --- model
     model = build_model(cfg.model)
     if ckpt is not None:
         ckpt_io.load_weights(model, ckpt["model"], last_path)
     model.to(device).train()
-    generator = torch.Generator(device=device).manual_seed(cfg.seed)  # MLM masks and hard-negative draws
+    channels_last = _speed_options(cfg, model, device, use_features)
+    generator = torch.Generator(device=device).manual_seed(rank_seed)  # MLM masks and hard-negative draws
+    step_fn = TrainStep(model) if size == 1 else wrap_ddp(model, cfg.loss, device)
+    batch_sampler = sampler
+    if size > 1:
+        _seed_everything(rank_seed, device)
+        if sampler is not None:  # every rank draws the same global batches and reads its slice of each
+            batch_sampler = RankSlice(sampler, rank, size)
 
     # --- optimiser
     params = [p for p in model.parameters() if p.requires_grad]
@@ -592,89 +670,37 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
 
     # --- resume (the data position is replayed: this epoch's batches already trained on are drawn again)
     step, epoch, consumed, best = 0, 0, 0, -1.0
-    curriculum_log = []  # TOnICS: P_S at every held-out check
+    curriculum_log, rows = [], []  # TOnICS: P_S at every held-out check; metrics.jsonl rows
     if ckpt is not None:
         optimizer.load_state_dict(ckpt["optimizer"])
         step, epoch, consumed, best = ckpt["step"], ckpt["epoch"], ckpt["consumed"], ckpt["best"]
+        rng = ckpt["rng"]
+        if size > 1:  # each rank continues from its own RNG states and data position
+            own = ckpt["ranks"][rank]
+            rng, epoch, consumed = own["rng"], own["epoch"], own["consumed"]
         if sampler is not None:
             if ckpt.get("sampler") is None:
                 raise TrainError(f"{last_path} holds no sampler state: it was not written by a {cfg.sampler.kind} run")
             sampler.load_state_dict(ckpt["sampler"])
             curriculum_log = ckpt.get("curriculum_log", [])
-    batches, data_rng = epoch_batches(epoch)
+        if metrics_path.exists():  # drop rows logged after the checkpoint: they are redone
+            rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+            rows = [r for r in rows if r["step"] <= step]
+    batches, data_rng = epoch_batches(epoch, rank_seed, train_set, batch_sampler, collate, cfg.batch_size,
+                                      cfg.data.workers, device)
     for _ in range(consumed):
         _, data_rng = _next_batch(batches, data_rng)
     if ckpt is not None:
-        ckpt_io.set_rng_states(ckpt["rng"], generator)
+        ckpt_io.set_rng_states(rng, generator)
         console.print(f"resumed from step {step} of {cfg.steps} ({last_path})", highlight=False)
-    console.print(_summary(cfg, model, device, n_train, n_val, per_epoch), highlight=False, markup=False)
-
-    def checkpoint() -> dict:
-        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "epoch": epoch,
-                "consumed": consumed, "best": best, "config": to_dict(cfg),
-                "sampler": sampler.state_dict() if sampler is not None else None, "curriculum_log": curriculum_log,
-                "rng": ckpt_io.rng_states(generator)}
-
-    heldout = (distinct_positions(data["val"], cfg.sampler.heldout, cfg.seed) if tonics else None)
-    if tonics and len(heldout) < 2:
-        raise TrainError(f"the TOnICS refresh check needs held-out instances and the validation split has "
-                         f"{len(heldout)}; raise data.val_frac")
-    val_triplets = distinct_positions(data["val"], EVAL_TRIPLETS, cfg.seed) if cfg.data.triplets else None
-
-    def evaluate() -> dict | None:
-        if cfg.data.triplets:  # the aligner's own task: noun i of a held-out triplet against image j
-            if len(val_triplets) < 2:
-                return None
-            sim = view_scores(model, data["val"], val_triplets, collate, cfg.batch_size, True, device).t()
-            what = "val triplets"
-        else:
-            emb = embed_split(model, cfg.shards, "val", cfg.data.val_frac, cfg.data.max_len, cfg.batch_size,
-                              cfg.data.image_size, cfg.data.workers, device, use_features)
-            if emb["n"] < 2:
-                return None
-            sim, what = emb["img"] @ emb["txt"].t(), "val samples"
-        n = sim.shape[0]
-        res = recall_at_k(sim, torch.arange(n))
-        chance = chance_recall(n, n)
-        console.print(f"step {step} eval on {n} {what}: R@1 image→text {res['i2t_r1']:.1f}, text→image "
-                      f"{res['t2i_r1']:.1f} (chance {chance['i2t_r1']:.1f}); mean recall {res['mean_recall']:.2f}",
-                      highlight=False)
-        return {**res, "n_val": n, "chance": chance}
-
-    def curriculum_check() -> dict:
-        """TOnICS: held-out image retrieval R@1, and a curriculum refresh when it reaches the threshold."""
-        scores = view_scores(model, data["val"], heldout, collate, cfg.batch_size, cfg.data.triplets, device)
-        acc = float((scores.argmax(dim=1) == torch.arange(len(scores))).float().mean())
-        refreshed = acc >= cfg.sampler.threshold
-        if refreshed:
-            sampler.curriculum.refresh()
-        row = {"step": step, "heldout_r1": round(acc, 4), "refreshed": refreshed,
-               "probs": [round(float(p), 6) for p in sampler.curriculum.probs]}
-        curriculum_log.append(row)
-        (out / "curriculum.json").write_text(json.dumps({"nodes": data["names"], "log": curriculum_log}))
-        _plot_curriculum(curriculum_log, data["names"], out / "curriculum.png")
-        console.print(f"step {step} tonics check: held-out R@1 {acc:.2f} on {len(heldout)} "
-                      f"{'refresh' if refreshed else 'no refresh'} (threshold {cfg.sampler.threshold}), "
-                      f"P(entity) {sampler.curriculum.probs[0]:.3f}", highlight=False)
-        return row
+    console.print(_summary(cfg, model, device, n_train, n_val, per_epoch, size), highlight=False, markup=False)
 
     # --- loop
-    metrics_path = out / "metrics.jsonl"
-    rows = []
-    if ckpt is not None and metrics_path.exists():  # drop rows logged after the checkpoint: they are redone
-        rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-        rows = [r for r in rows if r["step"] <= step]
-    metrics_file = metrics_path.open("w")
+    metrics_file = metrics_path.open("w") if rank == 0 else open(os.devnull, "w")
     metrics_file.writelines(json.dumps(r) + "\n" for r in rows)
-
-    def log(row: dict) -> None:
-        rows.append(row)
-        metrics_file.write(json.dumps(row) + "\n")
-        metrics_file.flush()
-
     from torch.utils.tensorboard import SummaryWriter
 
-    tb = SummaryWriter(str(out / "tb"))
+    tb = SummaryWriter(str(out / "tb")) if rank == 0 else _NoBoard()
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("eta"),
                         TimeRemainingColumn(), console=console, disable=not console.is_terminal)
@@ -685,27 +711,16 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
     report_every = max(1, cfg.steps // 10)  # without a terminal (no bar), a progress line every 10%
 
     stop = {"signal": None}
-
-    def on_signal(signum, frame):
-        if stop["signal"] is not None:  # a second Ctrl-C abandons the step at once
-            raise KeyboardInterrupt
-        stop["signal"] = signum
-        console.print(f"{signal.Signals(signum).name}: finishing step {step + 1}, then saving last.pt "
-                      "(again to abandon)", highlight=False)
-
-    def interrupted():
-        ckpt_io.save(checkpoint(), last_path)
-        raise Interrupted(f"stopped at step {step} of {cfg.steps}: {last_path} holds it; run the same command with "
-                          "--resume to continue")
-
     handlers = {}
     if threading.current_thread() is threading.main_thread():
+        on_signal = functools.partial(_on_signal, stop)
         handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         with progress:
             while step < cfg.steps:
-                if stop["signal"] is not None:
-                    interrupted()
+                if stop["signal"] is not None and size == 1:  # under torchrun: checked with the other ranks below
+                    raise _interrupted(model, optimizer, cfg, step, epoch, consumed, best, sampler, curriculum_log,
+                                       generator, last_path)
                 try:
                     batch, data_rng = _next_batch(batches, data_rng)
                 except StopIteration:
@@ -714,30 +729,38 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
                                          "samples; lower --batch-size or data.workers") from None
                     _check_bad_samples(load_counts, final=True)
                     epoch, consumed = epoch + 1, 0
-                    batches, data_rng = epoch_batches(epoch)
+                    batches, data_rng = epoch_batches(epoch, rank_seed, train_set, batch_sampler, collate,
+                                                      cfg.batch_size, cfg.data.workers, device)
                     continue
                 except Exception as e:
-                    if stop["signal"] is not None:  # the signal reached a loader worker too: the state is intact
-                        interrupted()
+                    if stop["signal"] is not None and size == 1:  # the signal reached a loader worker too
+                        raise _interrupted(model, optimizer, cfg, step, epoch, consumed, best, sampler, curriculum_log,
+                                       generator, last_path) from None
                     raise loader_error(e) from None
                 consumed += 1
                 if batch is None:  # every sample of this batch was undecodable (counted)
                     continue
                 bad_samples = _check_bad_samples(load_counts)
                 step += 1
-                lr = lr_at(step, cfg)
+                lr = lr_at(step, cfg.optim.lr, cfg.optim.warmup_steps, cfg.steps, cfg.optim.min_lr_ratio)
                 for g in optimizer.param_groups:
                     g["lr"] = lr
                 batch = to_device(batch, device)
+                if channels_last:
+                    batch["images"] = batch["images"].contiguous(memory_format=torch.channels_last)
                 alpha = distill_alpha_at(step, cfg)
                 with autocast(device):
-                    losses = train_step(model, batch, cfg, generator, tok, alpha)
+                    losses = step_fn(batch, cfg.loss, generator, tok, alpha, cfg.data.masked_text_all)
                 queue_feats = losses.pop("queue_feats")
                 losses_f = {k: float(v.detach()) for k, v in losses.items()}
-                if not math.isfinite(losses_f["total"]):
+                # One all-reduce under torchrun, so that every rank stops or saves at the same step.
+                finite = math.isfinite(losses_f["total"])
+                any_nan, stopping, save_due = any_flags([not finite, stop["signal"] is not None,
+                                                         time.monotonic() - last_save >= 60 * cfg.ckpt_minutes])
+                if any_nan:
                     kept = f"; the last good checkpoint {last_path} is kept" if last_path.exists() else ""
-                    raise TrainError(f"non-finite loss at step {step} ("
-                                     + ", ".join(f"{k}={v:.4g}" for k, v in losses_f.items()) + f"){kept}")
+                    where = "" if finite else " (" + ", ".join(f"{k}={v:.4g}" for k, v in losses_f.items()) + ")"
+                    raise TrainError(f"non-finite loss at step {step}{where or ' on another rank'}{kept}")
                 optimizer.zero_grad(set_to_none=True)
                 losses["total"].backward()
                 if cfg.optim.grad_clip > 0:
@@ -748,22 +771,14 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
                 if model.cfg.queue_size:
                     model.dequeue_and_enqueue(*queue_feats)
                 if isinstance(sampler, GritSampler):  # phase 1: this step's ITC features, no extra forward pass
-                    sampler.collect(batch["index"], *queue_feats)
-                seen += cfg.batch_size
+                    sampler.collect(gather(batch["index"], False)[1], *queue_feats)  # the global batch, rank order
+                seen += global_batch
 
                 # --- progress and logging
-                done = step - start_step
-                elapsed = time.perf_counter() - t_start
+                done, elapsed = step - start_step, time.perf_counter() - t_start
                 sec_per_step = elapsed / done
                 if done == 10 and cfg.steps - step > 0:
-                    left = sec_per_step * (cfg.steps - step)
-                    end = (datetime.datetime.now() + datetime.timedelta(seconds=left)).strftime("%H:%M")
-                    console.print(f"{done} steps in {elapsed:.1f} s ({sec_per_step:.2f} s/step, "
-                                  f"{cfg.batch_size / sec_per_step:.1f} samples/s): the remaining {cfg.steps - step:,}"
-                                  f" steps take about {_fmt_duration(left)} (until about {end})", highlight=False)
-                    if left > 3600 and device.type == "cpu" and not use_features:
-                        console.print("hint: on a CPU, cache the image tower once with `vlprep features IN OUT` and "
-                                      "train on OUT: several times faster (docs/FEATURES.md)", highlight=False)
+                    _eta_note(done, elapsed, step, cfg, device, use_features)
                 if step % cfg.log_every == 0 or step == cfg.steps:
                     rate = seen / max(time.perf_counter() - t0, 1e-9)
                     t0, seen = time.perf_counter(), 0
@@ -771,7 +786,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
                            "bad_samples": bad_samples}
                     if cfg.loss.distill_alpha > 0:
                         row["distill_alpha"] = alpha
-                    log(row)
+                    _log(row, rows, metrics_file)
                     for k, v in row.items():
                         if k != "step":
                             tb.add_scalar(f"train/{k}", v, step)
@@ -784,36 +799,62 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
 
                 # --- curriculum (at the end of a period, so the refreshed P_S starts with the next period)
                 if tonics and step % cfg.sampler.refresh_every == 0:
-                    row = curriculum_check()
-                    log({"step": step, "curriculum": row})
+                    # Rank 0 checks and decides; the others follow its decision, so every curriculum stays the same.
+                    row = (curriculum_check(model, sampler, data["val"], heldout, collate, cfg.batch_size,
+                                            cfg.data.triplets, cfg.sampler.threshold, step, data["names"],
+                                            curriculum_log, out, device) if rank == 0 else None)
+                    row = broadcast(row)
+                    if rank > 0:
+                        curriculum_log.append(row)
+                        if row["refreshed"]:
+                            sampler.curriculum.refresh()
+                    _log({"step": step, "curriculum": row}, rows, metrics_file)
                     tb.add_scalar("curriculum/p_entity", row["probs"][0], step)
                     tb.add_scalar("curriculum/heldout_r1", row["heldout_r1"], step)
 
                 # --- eval
-                if step % cfg.eval_every == 0 or step == cfg.steps:
-                    last_eval = evaluate()
+                if rank == 0 and (step % cfg.eval_every == 0 or step == cfg.steps):
+                    if cfg.data.triplets:
+                        sim = (val_triplet_sim(model, data["val"], val_triplets, collate, cfg.batch_size, device)
+                               if len(val_triplets) >= 2 else None)
+                    else:
+                        emb = embed_split(model, cfg.shards, "val", cfg.data.val_frac, cfg.data.max_len,
+                                          cfg.batch_size, cfg.data.image_size, cfg.data.workers, device, use_features)
+                        sim = emb["img"] @ emb["txt"].t() if emb["n"] >= 2 else None
+                    last_eval = (heldout_recall(sim, "val triplets" if cfg.data.triplets else "val samples", step)
+                                 if sim is not None else None)
                     if last_eval is not None:
                         for k, v in last_eval.items():
                             if isinstance(v, float):
                                 tb.add_scalar(f"val/{k}", v, step)
-                        log({"step": step, "val": last_eval})
-                        _plot_learning_curve(rows, out / "learning_curve.png")
+                        _log({"step": step, "val": last_eval}, rows, metrics_file)
+                        plot_learning_curve(rows, out / "learning_curve.png")
                         if last_eval["mean_recall"] > best:
                             best = last_eval["mean_recall"]
-                            ckpt_io.save(checkpoint(), best_path)
+                            save_checkpoint(best_path, model, optimizer, cfg, step, epoch, consumed, best, sampler,
+                                            curriculum_log, generator, every_rank=False)
 
                 # --- checkpoint
-                if (step % cfg.ckpt_every == 0 or step == cfg.steps
-                        or time.monotonic() - last_save >= 60 * cfg.ckpt_minutes):
-                    ckpt_io.save(checkpoint(), last_path)
+                if step % cfg.ckpt_every == 0 or step == cfg.steps or save_due:
+                    save_checkpoint(last_path, model, optimizer, cfg, step, epoch, consumed, best, sampler,
+                                    curriculum_log, generator)
                     last_save = time.monotonic()
+                if stopping and size > 1:  # a signal reached some rank: every rank saves and stops here
+                    raise _interrupted(model, optimizer, cfg, step, epoch, consumed, best, sampler, curriculum_log,
+                                       generator, last_path)
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)
         metrics_file.close()
         tb.close()
-    if not last_path.exists():  # resumed at or past the final step: still leave a checkpoint behind
-        ckpt_io.save(checkpoint(), last_path)
-    release_output(out)
+
+    # --- end
+    if not broadcast(last_path.exists()):  # resumed at or past the final step: still leave a checkpoint behind
+        save_checkpoint(last_path, model, optimizer, cfg, step, epoch, consumed, best, sampler, curriculum_log,
+                        generator)
+    if rank == 0:
+        release_output(out)
+    if created_group:
+        torch.distributed.destroy_process_group()
     return {"step": step, "losses": losses_f, "eval": last_eval, "best_mean_recall": best if best >= 0 else None,
-            "out": str(out)}
+            "out": str(out), "rank": rank}

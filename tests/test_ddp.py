@@ -1,0 +1,263 @@
+"""Issue 14, DDP: two CPU processes on gloo against one process on the global batch, and `torchrun -m vltrain run`.
+
+The equality test spawns 2 ranks that each run `wrap_ddp(model)` (the trainer's DDP path) on half of a fixed
+global batch of 8; the single process runs `train_step` on all 8. Models are in eval mode so that dropout and the
+tiny CNN's BatchNorm batch statistics (per-rank by nature) are out of the comparison.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from vltrain import train as train_mod
+from vltrain.config import load_config
+from vltrain.distributed import RankSlice, gather
+from vltrain.model import build_model, tokenizer_for
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_samplers import onto  # noqa: E402,F401  (the module-scoped TOnICS dataset fixture)
+from test_train import TINY, shards  # noqa: E402,F401  (the module-scoped shard fixture)
+
+B = 8  # global batch; 4 per rank
+CAPTIONS = [f"a {w} number {i}" for i, w in enumerate(["red", "cat", "dog", "tree", "car", "boat", "sun", "moon"])]
+# clip: in-batch ITC, features gathered with gradient. momentum: ALBEF's momentum keys (gathered without
+# gradient), distillation and a queue that takes the gathered keys. ITM / MLM are off because their negatives come
+# from the local batch and their masks are drawn per rank (ALBEF's choice), so they are not the single-process ones.
+CASES = {
+    "clip": ("clip", []),
+    "momentum": ("albef", ["model.fusion_layers=1", "model.queue_size=24", "loss.itm=0", "loss.mlm=0",
+                           "loss.distill_warmup_steps=0"]),
+    # GRIT's ITC with stop-gradient keys and the consistency loss (fusion heads at weight 0: find_unused_parameters)
+    "grit": ("grit", ["model.fusion_layers=1", "loss.itm=0", "loss.mlm=0"]),
+}
+
+
+def config(case: str):
+    preset, sets = CASES[case]
+    return load_config(preset, sets=[s for s in TINY if not s.startswith(("log_every", "optim"))] + sets)
+
+
+def global_batch(cfg) -> dict:
+    tok = tokenizer_for(cfg.model.text_model)
+    enc = tok(CAPTIONS, padding="max_length", truncation=True, max_length=cfg.data.max_len, return_tensors="pt")
+    images = torch.randn(B, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    return {"images": images, "input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"],
+            "captions": CAPTIONS}
+
+
+def one_step(step_fn, model, batch, cfg) -> dict:
+    """Forward, backward, enqueue; the ITC loss, every gradient and the queue afterwards."""
+    losses = step_fn(batch, cfg.loss, torch.Generator().manual_seed(0), None, cfg.loss.distill_alpha, False)
+    losses["total"].backward()
+    if model.cfg.queue_size:
+        model.dequeue_and_enqueue(*losses["queue_feats"])
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    queue = (model.image_queue.clone(), int(model.queue_ptr)) if model.cfg.queue_size else None
+    return {"itc": float(losses["itc_loss"].detach()), "grads": grads, "queue": queue}
+
+
+def single_process(case: str) -> dict:
+    cfg = config(case)
+    torch.manual_seed(0)
+    model = build_model(cfg.model).eval()
+    return one_step(train_mod.TrainStep(model), model, global_batch(cfg), cfg)
+
+
+def _rank(rank: int, size: int, init: str, case: str, results) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=size)
+    try:
+        cfg = config(case)
+        torch.manual_seed(0)  # every rank builds the same model, as train() does from the run seed
+        model = build_model(cfg.model).eval()
+        batch = global_batch(cfg)
+        n = B // size
+        local = {k: v[rank * n:(rank + 1) * n] for k, v in batch.items()}
+        out = one_step(train_mod.wrap_ddp(model, cfg.loss, torch.device("cpu")), model, local, cfg)
+        order, ranked = gather(torch.arange(n) + rank * n, False)
+        out["order"] = (order.tolist(), ranked.tolist())
+        results[rank] = out
+    finally:
+        dist.destroy_process_group()
+
+
+def ddp(case: str, tmp_path) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Manager().dict()
+    mp.spawn(_rank, args=(2, f"file://{tmp_path / 'rdzv'}", case, results), nprocs=2, join=True)
+    return [results[0], results[1]]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_gloo_ranks_equal_one_process_on_the_global_batch(case, tmp_path):
+    ranks, one = ddp(case, tmp_path), single_process(case)
+    # Each rank's loss is the mean over its rows against every rank's keys, so their mean is the global loss.
+    assert (ranks[0]["itc"] + ranks[1]["itc"]) / 2 == pytest.approx(one["itc"], rel=1e-6, abs=1e-7)
+    assert ranks[0]["itc"] != pytest.approx(ranks[1]["itc"], rel=1e-6)  # the ranks did see different rows
+    assert set(ranks[0]["grads"]) == set(one["grads"]) and one["grads"]
+    for name, g in one["grads"].items():
+        # DDP's averaged gradient equals the single-process gradient, and it is the same on both ranks.
+        torch.testing.assert_close(ranks[0]["grads"][name], g, rtol=1e-5, atol=1e-6, msg=name)
+        assert torch.equal(ranks[0]["grads"][name], ranks[1]["grads"][name]), name
+    if one["queue"] is not None:  # the queue enqueued the gathered keys, in rank order, on every rank
+        for r in ranks:
+            torch.testing.assert_close(r["queue"][0], one["queue"][0], rtol=1e-5, atol=1e-6)
+            assert r["queue"][1] == one["queue"][1] == B
+    # gather: local rows first for the loss, rank order for the queue and the samplers
+    assert ranks[1]["order"] == ([4, 5, 6, 7, 0, 1, 2, 3], list(range(8)))
+    assert ranks[0]["order"] == (list(range(8)), list(range(8)))
+
+
+def test_rank_slice_splits_each_global_batch_contiguously():
+    batches = [list(range(8)), list(range(8, 16))]
+    assert [list(RankSlice(batches, r, 2)) for r in (0, 1)] == [[[0, 1, 2, 3], [8, 9, 10, 11]],
+                                                                [[4, 5, 6, 7], [12, 13, 14, 15]]]
+
+
+def torchrun(shards, out, *args, nproc: int = 2) -> subprocess.CompletedProcess:
+    sets = [x for s in TINY for x in ("--set", s)]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
+           "vltrain", "run", str(shards), "--out", str(out), "--batch-size", "4", "--device", "cpu", *sets, *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+COMMON = ["--preset", "albef", "--set", "model.fusion_layers=1", "--set", "model.queue_size=16",
+          "--set", "optim.min_lr_ratio=1.0", "--set", "optim.warmup_steps=0", "--set", "data.val_frac=0.2"]
+
+
+def metric_rows(out: Path) -> list[dict]:
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "total" in r]
+
+
+def test_torchrun_two_processes_train_and_write_one_checkpoint(shards, tmp_path):
+    """`torchrun --nproc_per_node=2 -m vltrain run`: rank 0 writes one checkpoint holding both ranks' states, and
+    alone logs and reports."""
+    r = torchrun(shards, tmp_path / "full", *COMMON, "--steps", "4")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    ckpt = torch.load(tmp_path / "full" / "last.pt", weights_only=True)
+    assert ckpt["step"] == 4 and len(ckpt["ranks"]) == 2
+    assert not torch.equal(ckpt["ranks"][0]["rng"]["generator"], ckpt["ranks"][1]["rng"]["generator"])
+    assert sorted(p.name for p in (tmp_path / "full").glob("*.pt*")) == ["best.pt", "last.pt"]
+    assert [r["step"] for r in metric_rows(tmp_path / "full")] == [1, 2, 3, 4]  # rank 0 alone logs
+    assert r.stderr.count("vltrain run: preset albef") == 1  # and reports
+    assert json.loads((tmp_path / "full" / "result.json").read_text())["step"] == 4
+
+
+def test_torchrun_grit_groups_across_ranks(shards, tmp_path):
+    """GRIT under torchrun: the grouped epochs (built from features gathered over both ranks) run to the end."""
+    r = torchrun(shards, tmp_path / "grit", "--preset", "grit", "--set", "model.fusion_layers=1", "--set",
+                 "data.val_frac=0.2", "--steps", "6")
+    assert r.returncode == 0, r.stderr[-4000:]
+    ckpt = torch.load(tmp_path / "grit" / "last.pt", weights_only=True)
+    # ~19 training pairs make 2 global batches of 8 an epoch: epochs 1 and 2 were grouped from collected features
+    assert (ckpt["step"], ckpt["epoch"]) == (6, 2) and len(ckpt["ranks"]) == 2
+
+
+def test_torchrun_tonics_runs_its_curriculum_checks_on_rank_0(onto, tmp_path):
+    """TOnICS under torchrun: same-object global batches of 2 x 4 split over the ranks, the held-out checks run on
+    rank 0 (threshold 0: every check refreshes) and their decisions are broadcast without a hang."""
+    common = ["--preset", "tonics", "--set", "sampler.refresh_every=3", "--set", "sampler.threshold=0",
+              "--set", "data.val_frac=0.25", "--set", "eval_every=100"]
+    r = torchrun(onto, tmp_path / "full", *common, "--steps", "6")
+    assert r.returncode == 0, r.stderr[-4000:]
+    log = json.loads((tmp_path / "full" / "curriculum.json").read_text())
+    assert [row["step"] for row in log["log"]] == [3, 6] and log["log"][-1]["probs"][0] == pytest.approx(0.81)
+    ckpt = torch.load(tmp_path / "full" / "last.pt", weights_only=True)
+    assert len(ckpt["ranks"]) == 2 and len(ckpt["curriculum_log"]) == 2
+
+
+def _worker_of_rank(parent: int, rank: int) -> int | None:
+    """The pid of torchrun's worker process with RANK=rank (read from /proc)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and f"RANK={rank}".encode() in env:
+            return int(proc.name)
+    return None
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the worker through /proc")
+def test_sigterm_to_one_rank_saves_a_resumable_checkpoint_and_nobody_hangs(shards, tmp_path):
+    sets = [x for s in TINY for x in ("--set", s)]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "vltrain",
+           "run", str(shards), "--out", str(out), "--batch-size", "4", "--device", "cpu", *sets, *COMMON,
+           "--steps", "100000", "--set", "ckpt_every=100000", "--set", "eval_every=100000"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not ((out / "metrics.jsonl").exists() and len(metric_rows(out)) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.2)
+        worker = _worker_of_rank(proc.pid, 1)
+        assert worker is not None
+        os.kill(worker, signal.SIGTERM)  # rank 1 only
+        _, err = proc.communicate(timeout=120)  # rank 0 must not wait forever for rank 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "--resume to continue" in err
+    step = torch.load(out / "last.pt", weights_only=True)["step"]
+    assert step >= 2
+    r = torchrun(shards, out, *COMMON, "--steps", str(step + 1), "--resume")
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert torch.load(out / "last.pt", weights_only=True)["step"] == step + 1
+
+
+@pytest.mark.slow
+def test_torchrun_resume_continues_exactly(shards, tmp_path):
+    """Under torchrun, 4 steps and 2 + 2 with --resume give the same losses bit for bit (each rank restores its
+    own RNG states and data position); a resume with another process count is a one-line error."""
+    r = torchrun(shards, tmp_path / "full", *COMMON, "--steps", "4")
+    assert r.returncode == 0, r.stderr[-4000:]
+    r = torchrun(shards, tmp_path / "part", *COMMON, "--steps", "2")
+    assert r.returncode == 0, r.stderr[-4000:]
+    r = torchrun(shards, tmp_path / "part", *COMMON, "--steps", "4", "--resume")
+    assert r.returncode == 0, r.stderr[-4000:]
+    full, part = metric_rows(tmp_path / "full"), metric_rows(tmp_path / "part")
+    assert [r["step"] for r in part] == [1, 2, 3, 4]
+    for key in ("total", "itc_loss", "itm_loss", "mlm_loss"):
+        assert [r[key] for r in part] == [r[key] for r in full], key  # bit for bit
+
+    r = torchrun(shards, tmp_path / "part", *COMMON, "--steps", "6", "--resume", nproc=1)
+    assert r.returncode != 0 and "written by 2 process(es) and this run has 1" in r.stderr
+
+
+def test_grit_ranks_read_slices_of_the_single_process_order():
+    """GRIT under DDP: each rank's sampler (same seed) draws the single-process global batches of N x 2 and reads
+    its half; collecting the gathered global batch keeps every rank's next grouped epoch the same as one process'."""
+    from vltrain.samplers import GritSampler
+
+    def sampler():
+        return GritSampler(64, 16, 32, 64, seed=3)  # global batch 16 = 2 ranks x 8
+
+    one, ranks = sampler(), [sampler(), sampler()]
+    g = torch.Generator().manual_seed(0)
+    for epoch in range(2):
+        for s in (one, *ranks):
+            s.set_epoch(epoch)
+        single = list(one)
+        sliced = [list(RankSlice(s, r, 2)) for r, s in enumerate(ranks)]
+        assert [a + b for a, b in zip(*sliced)] == [list(b) for b in single]
+        assert all(len(b) == 8 for b in sliced[0])
+        for batch in single:  # the trainer collects the global batch, gathered in rank order, on every rank
+            img = torch.nn.functional.normalize(torch.randn(16, 4, generator=g), dim=-1)
+            txt = torch.nn.functional.normalize(torch.randn(16, 4, generator=g), dim=-1)
+            for s in (one, *ranks):
+                s.collect(torch.as_tensor(batch), img, txt)
+    assert epoch == 1 and single != [list(b) for b in sampler()]  # epoch 1 was grouped, not the first permutation

@@ -1,0 +1,117 @@
+"""torchrun / DDP plumbing: process-group set-up from the env vars, feature gathers, the rank's slice of a batch.
+
+A plain `vltrain run` never initialises a process group, and every helper here is then the identity (world size 1),
+so single-process training runs exactly the code it ran before DDP existed.
+"""
+
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from vltrain import TrainError
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size): (0, 1) outside torchrun."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def init_from_env(device: str) -> tuple[bool, str]:
+    """Join the torchrun process group when WORLD_SIZE > 1 (NCCL on CUDA, gloo on CPU); returns (whether this call
+    created the group, the device this rank trains on)."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size <= 1 or dist.is_initialized():
+        return False, device
+    if "RANK" not in os.environ or "MASTER_ADDR" not in os.environ:
+        raise TrainError(f"WORLD_SIZE={size} but RANK / MASTER_ADDR are not set: launch with `torchrun "
+                         "--nproc_per_node=N -m vltrain run ...`")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = device != "cpu" and torch.cuda.is_available()
+    if cuda:
+        if device.startswith("cuda:"):
+            raise TrainError(f"--device {device}: under torchrun each process takes the GPU of its LOCAL_RANK; "
+                             "give --device cuda (or auto)")
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return True, device
+
+
+def gather(x: torch.Tensor, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's (B, ...) rows -> (local rows first, then the other ranks' in rank order; all in rank order).
+
+    grad=True gathers with autograd (the other ranks' rows pass their gradient back to where they came from);
+    grad=False is ALBEF's concat_all_gather (momentum keys, queue entries, sampler positions).
+    """
+    rank, size = world()
+    if size == 1:
+        return x, x
+    if grad:
+        import torch.distributed.nn.functional as dist_fn
+
+        # Deprecated in favour of _functional_collectives.all_gather_tensor_autograd, whose backward is a
+        # reduce-scatter that gloo lacks (it aborts the process here); this one falls back to all-to-all on gloo.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            parts = list(dist_fn.all_gather(x))
+        parts[rank] = x  # the local rows keep their own graph; the others' gradients go back through the gather
+    else:
+        parts = [torch.empty_like(x) for _ in range(size)]
+        dist.all_gather(parts, x.detach().contiguous())
+    return torch.cat([parts[rank]] + parts[:rank] + parts[rank + 1:]), torch.cat(parts)
+
+
+def any_flags(flags: list[bool]) -> list[bool]:
+    """Each flag OR-ed over the ranks (one all-reduce), so that every rank stops or saves at the same step."""
+    if world()[1] == 1:
+        return flags
+    t = torch.tensor([float(f) for f in flags])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in t.tolist()]
+
+
+def gather_objects(obj) -> list:
+    """Every rank's picklable `obj`, in rank order (all_gather_object); [obj] outside torchrun."""
+    size = world()[1]
+    if size == 1:
+        return [obj]
+    out = [None] * size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast(obj):
+    """Rank 0's picklable `obj` on every rank."""
+    if world()[1] == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier() -> None:
+    if world()[1] > 1:
+        dist.barrier()
+
+
+class RankSlice:
+    """This rank's contiguous slice of each global batch of an index batch sampler (every rank builds the same
+    global order from the same seed); set_epoch, state and the samplers' own methods pass through."""
+
+    def __init__(self, sampler, rank: int, size: int):
+        self.sampler, self.rank, self.size = sampler, rank, size
+
+    def __iter__(self):
+        for batch in self.sampler:
+            n = len(batch) // self.size
+            yield batch[self.rank * n:(self.rank + 1) * n]
+
+    def __len__(self):
+        return len(self.sampler)
+
+    def __getattr__(self, name):
+        return getattr(self.sampler, name)
