@@ -38,6 +38,8 @@ CASES = {
                            "loss.distill_warmup_steps=0"]),
     # GRIT's ITC with stop-gradient keys and the consistency loss (fusion heads at weight 0: find_unused_parameters)
     "grit": ("grit", ["model.fusion_layers=1", "loss.itm=0", "loss.mlm=0"]),
+    # GRIT-VLP's ALBEFBase: no momentum model, plain in-batch ITC with features gathered with gradient
+    "albef-base": ("albef-base", ["model.fusion_layers=1", "loss.itm=0", "loss.mlm=0"]),
 }
 
 
@@ -62,7 +64,12 @@ def one_step(step_fn, model, batch, cfg) -> dict:
         model.dequeue_and_enqueue(*losses["queue_feats"])
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     queue = (model.image_queue.clone(), int(model.queue_ptr)) if model.cfg.queue_size else None
-    return {"itc": float(losses["itc_loss"].detach()), "grads": grads, "queue": queue}
+    # then one optimiser step, as the trainer takes it (AdamW, the trainer's defaults)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.optim.lr,
+                            weight_decay=cfg.optim.weight_decay, betas=tuple(cfg.optim.betas))
+    opt.step()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"itc": float(losses["itc_loss"].detach()), "grads": grads, "queue": queue, "params": params}
 
 
 def single_process(case: str) -> dict:
@@ -107,6 +114,10 @@ def test_two_gloo_ranks_equal_one_process_on_the_global_batch(case, tmp_path):
         # DDP's averaged gradient equals the single-process gradient, and it is the same on both ranks.
         torch.testing.assert_close(ranks[0]["grads"][name], g, rtol=1e-5, atol=1e-6, msg=name)
         assert torch.equal(ranks[0]["grads"][name], ranks[1]["grads"][name]), name
+    worst = max(float((ranks[0]["params"][n] - p).abs().max()) for n, p in one["params"].items())
+    assert worst <= 1e-6, f"parameters after one AdamW step differ by {worst:.2e}"
+    for n, p in one["params"].items():  # and the ranks hold the same model afterwards
+        assert torch.equal(ranks[0]["params"][n], ranks[1]["params"][n]), n
     if one["queue"] is not None:  # the queue enqueued the gathered keys, in rank order, on every rank
         for r in ranks:
             torch.testing.assert_close(r["queue"][0], one["queue"][0], rtol=1e-5, atol=1e-6)
