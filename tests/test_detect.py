@@ -1,29 +1,18 @@
 """vlprep detect: imported detections (--from-file), the packaged SSD and a torchvision backend, on the engine."""
 
 import io
-from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from conftest import detected_dataset, image_bytes
+from conftest import image_bytes
+from test_ontology import detected  # noqa: F401  (the imported-detections dataset both stages' tests use)
 from vlprep import VlprepError
 from vlprep.dataset import iter_samples
 from vlprep.detect import DetectConfig, detect
 from vlprep.shards import ShardsConfig, build_shards
-
-CAPTIONS = ["A dog runs on the grass.", "Two dogs and a man in a park.", "A man with a hat.", "The cat sleeps.",
-            "A dog and a cat.", "A red car."]
-OBJECTS = [["dog"], ["dog", "person"], ["person"], ["cat"], ["dog", "cat"], []]
-
-
-@pytest.fixture
-def detected(tmp_path) -> Path:
-    det = detected_dataset(tmp_path, CAPTIONS, OBJECTS)
-    assert sum(len(s["json"]["objects"]) for s in iter_samples(det)) == 7  # the 0.1-score tv is below --min-score
-    return det
 
 
 def test_detect_from_file_keeps_images_and_adds_objects(detected, tmp_path):

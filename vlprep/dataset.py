@@ -38,6 +38,12 @@ class BadShardError(VlprepError):
 
 
 SKIP_HINT = "re-create it, or pass --skip-bad-shards to leave bad shards out"
+REMAKE_HINT = "re-create it with the vlprep stage that wrote it"
+
+
+def short_shard(path, n: int, says: str, expected: int, hint: str = SKIP_HINT) -> BadShardError:
+    """The one-line error for a tar holding n samples where `says` (e.g. "sizes.json says") gives `expected`."""
+    return BadShardError(f"{path}: the tar holds {n} samples, {says} {expected} (a corrupt or cut tar); {hint}")
 
 
 def reraise(exn: Exception) -> bool:
@@ -186,8 +192,7 @@ def iter_aligned(tar_path: Path, keys: list[str]) -> Iterator[tuple[int, dict]]:
         n = i + 1
         yield i, raw
     if n != len(keys):
-        raise BadShardError(f"{tar_path}: the tar holds {n} samples, its sidecar lists {len(keys)} "
-                            f"(a corrupt or cut tar); {SKIP_HINT}")
+        raise short_shard(tar_path, n, "its sidecar lists", len(keys))
 
 
 def count_tar_samples(path: Path) -> int:
@@ -301,8 +306,7 @@ def iter_samples(path: str | os.PathLike | Dataset, decode: bool = True,
             n += 1
             yield decode_sample(raw) if decode else raw
         if n != ds.sizes[shard] and handler is reraise:
-            raise BadShardError(f"{ds.root / shard}: the tar holds {n} samples, sizes.json says {ds.sizes[shard]} "
-                                f"(a corrupt or cut tar); {SKIP_HINT}")
+            raise short_shard(ds.root / shard, n, "sizes.json says", ds.sizes[shard])
 
 
 # --- writing -----------------------------------------------------------------------------------
@@ -535,9 +539,9 @@ def prepare_output(root: Path, stage: str, options: dict, overwrite: bool = Fals
     if root.exists() and not root.is_dir():
         raise VlprepError(f"output exists and is not a folder: {root}")
     existing = [p for p in root.iterdir() if p.name != LOCK_FILE] if root.exists() else []
-    ours = (root / LOCK_FILE).exists()  # a vlprep run started here (perhaps interrupted before its marker)
-    if ours:  # a live writer is the thing to report first
-        lock_output(root)
+    # A lock file means a vlprep run started here (perhaps stopped before its marker): skip straight to the lock,
+    # so a live writer is what gets reported.
+    ours = (root / LOCK_FILE).exists()
     if existing and not ours and not marker.exists() and not (root / "sizes.json").exists():
         raise VlprepError(f"output folder {root} is not empty and was not written by vlprep; choose a new or "
                           "empty folder (--overwrite only clears vlprep's own output)")

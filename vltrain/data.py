@@ -21,8 +21,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torchvision.transforms import v2
 
 from vlprep import VlprepError
-from vlprep.dataset import (PICKLE_EXTS, BadShardError, ShardFormatError, image_ext, iter_tar, open_dataset,
-                            plain_shard_name, to_rgb)
+from vlprep.dataset import (PICKLE_EXTS, REMAKE_HINT, BadShardError, ShardFormatError, image_ext, iter_tar,
+                            open_dataset, plain_shard_name, short_shard, to_rgb)
 
 
 def in_val(key: str, frac: float) -> bool:
@@ -197,9 +197,7 @@ class ShardStream(IterableDataset):
             n += 1
             yield raw
         if n != self.sizes[shard]:
-            raise BadShardError(f"{shard}: the tar holds {n} samples, sizes.json says {self.sizes[shard]} "
-                                f"(a corrupt or cut tar); re-create it with the vlprep stage that "
-                                "wrote it")
+            raise short_shard(shard, n, "sizes.json says", self.sizes[shard], REMAKE_HINT)
 
     def __iter__(self) -> Iterator[tuple]:
         rng = random.Random(self.seed * 1_000_003 + self.epoch)
@@ -279,12 +277,10 @@ class IndexedShards:
         try:
             shard, inner, desc = w.get_shard(local)
         except (OSError, ValueError, AssertionError) as e:  # wids could not index the tar (e.g. a corrupt header)
-            raise BadShardError(f"{self.roots[f] / url}: not a readable tar ({type(e).__name__}: {e}); re-create it "
-                                "with the vlprep stage that wrote it") from None
+            raise BadShardError(f"{self.roots[f] / url}: not a readable tar ({type(e).__name__}: {e}); "
+                                f"{REMAKE_HINT}") from None
         if len(shard) != desc["nsamples"]:  # a corrupt header ends the tar early, for wids as for tarfile
-            raise BadShardError(f"{self.roots[f] / url}: the tar holds {len(shard)} samples, index.json "
-                                f"says {desc['nsamples']} (a corrupt or cut tar); re-create it with the vlprep "
-                                "stage that wrote it")
+            raise short_shard(self.roots[f] / url, len(shard), "index.json says", desc["nsamples"], REMAKE_HINT)
         sample = shard[inner]
         for ext in sample:
             if ext.startswith(".") and ext.rsplit(".", 1)[-1].lower() in PICKLE_EXTS:
