@@ -1,0 +1,138 @@
+"""What every benchmark script shares: the machine's load average, interleaved timing of the sides of a comparison
+(optionally each timed run in a fresh Python process, `--isolate`), and the ratio rows of the closing table.
+
+A benchmark builds its sides as `{name: fn(out: Path) -> None}` after its set-up (input data in a folder it owns),
+then calls `time_sides`. Each timed call gets a fresh empty `out` folder, created before and removed after the
+clock. Rounds alternate the order of the sides (forward, reversed, forward, ...), so neither side always runs
+first after the other has warmed the caches.
+
+With `--isolate`, each timed call is instead one run of the same script in a new process:
+`python SCRIPT <same options> --side NAME --side-dir DIR`, where DIR is the set-up folder. The script calls
+`run_child(args, sides)` right after building its sides; in the child it times the one call and prints a JSON
+line, so no imports, allocator pools or page-cache-warm Python objects leak from one side into the other. The
+child's clock starts after its own imports and set-up, like the parent's.
+"""
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+Side = Callable[[Path], None]
+
+
+def load_line(when: str) -> str:
+    """'load average at start: 0.52 0.61 0.70 (1, 5, 15 min; 2 cores)'."""
+    one, five, fifteen = os.getloadavg()
+    return f"load average at {when}: {one:.2f} {five:.2f} {fifteen:.2f} (1, 5, 15 min; {os.cpu_count()} cores)"
+
+
+def add_options(ap: argparse.ArgumentParser) -> None:
+    """--isolate, and the two hidden options the parent passes to a child run."""
+    ap.add_argument("--isolate", action="store_true",
+                    help="run every timed call of every side in its own fresh Python process")
+    ap.add_argument("--side", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--side-dir", type=Path, default=None, help=argparse.SUPPRESS)
+
+
+def cpu_now() -> float:
+    """User + system CPU seconds of this process and of its waited-for children (worker processes)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)  # microseconds; os.times() counts 10 ms ticks
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
+def _timed(fn: Side, scratch: Path) -> tuple[float, float]:
+    out = Path(tempfile.mkdtemp(prefix="out-", dir=scratch))
+    try:
+        c0, t0 = cpu_now(), time.perf_counter()
+        fn(out)
+        return time.perf_counter() - t0, cpu_now() - c0
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def run_child(args: argparse.Namespace, sides: dict[str, Side]) -> None:
+    """In a child started by `time_sides(isolate=True)`: time one call of `args.side`, print it, exit. Otherwise
+    return at once."""
+    if args.side is None:
+        return
+    if args.side not in sides:
+        sys.exit(f"--side {args.side}: not one of {', '.join(sides)}")
+    wall, cpu = _timed(sides[args.side], args.side_dir)
+    print(json.dumps({"side": args.side, "wall": wall, "cpu": cpu}), flush=True)
+    sys.exit(0)
+
+
+def _child(name: str, data_dir: Path) -> tuple[float, float]:
+    argv = [a for a in sys.argv[1:] if a != "--isolate"]
+    r = subprocess.run([sys.executable, sys.argv[0], *argv, "--side", name, "--side-dir", str(data_dir)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"isolated run of side {name!r} failed:\n{r.stderr[-3000:]}")
+    last = json.loads(r.stdout.strip().splitlines()[-1])
+    return last["wall"], last["cpu"]
+
+
+def time_sides(sides: dict[str, Side], repeats: int, scratch: Path, isolate: bool = False, warmup: int = 1,
+               label: str = "") -> dict[str, dict[str, list[float]]]:
+    """{side: {"wall": [s, ...], "cpu": [s, ...]}} over `repeats` rounds of alternating order.
+
+    In-process, `warmup` untimed rounds come first (lazy imports, first-call caches). Isolated, every timed call
+    is a fresh process started on `scratch` (which must hold what the script's set-up needs), and there is no
+    warm-up: paying the first call is what isolation measures.
+    """
+    names = list(sides)
+    times = {n: {"wall": [], "cpu": []} for n in names}
+    if not isolate:
+        for _ in range(warmup):
+            for n in names:
+                _timed(sides[n], scratch)
+    for r in range(repeats):
+        for n in (names if r % 2 == 0 else names[::-1]):
+            wall, cpu = _child(n, scratch) if isolate else _timed(sides[n], scratch)
+            times[n]["wall"].append(wall)
+            times[n]["cpu"].append(cpu)
+        print(f"  {label}round {r + 1}/{repeats}: "
+              + ", ".join(f"{n} {times[n]['wall'][-1]:.3f} s" for n in names), flush=True)
+    return times
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def ratio_row(name: str, base: dict[str, list[float]], cand: dict[str, list[float]], target: float | None,
+              higher_is_worse: bool = True, note: str = "") -> dict:
+    """One closing-table row: medians of wall and CPU time of each side and their ratio against the target
+    (`target` None: informational, no verdict)."""
+    r = {"name": name, "base": median(base["wall"]), "cand": median(cand["wall"]), "target": target, "note": note,
+         "base_cpu": median(base["cpu"]), "cand_cpu": median(cand["cpu"])}
+    r["ratio"] = r["cand"] / r["base"]
+    r["cpu_ratio"] = r["cand_cpu"] / r["base_cpu"] if r["base_cpu"] > 0 else float("nan")
+    if target is None:
+        r["result"] = "info"
+    else:
+        ok = r["ratio"] <= target if higher_is_worse else r["ratio"] >= target
+        r["result"] = "PASS" if ok else "FAIL"
+    print(f"  {name}: median baseline {r['base']:.3f} s, candidate {r['cand']:.3f} s, ratio {r['ratio']:.2f}x "
+          f"(CPU time ratio {r['cpu_ratio']:.2f}x)"
+          + (f", target <= {target}x" if target is not None else ", informational"), flush=True)
+    return r
+
+
+def print_table(rows: list[dict], candidate: str = "candidate") -> None:
+    """The closing table: one line per row, PASS / FAIL against its target, 'info' for informational rows."""
+    print(f"\n{'measure':<28} {'baseline s':>10} {candidate + ' s':>12} {'ratio':>7} {'cpu ratio':>9} {'target':>8}"
+          "  result")
+    for r in rows:
+        target = f"<= {r['target']}x" if r["target"] is not None else "-"
+        print(f"{r['name']:<28} {r['base']:>10.3f} {r['cand']:>12.3f} {r['ratio']:>6.2f}x {r['cpu_ratio']:>8.2f}x "
+              f"{target:>8}  {r['result']}{'  (' + r['note'] + ')' if r['note'] else ''}")
