@@ -40,7 +40,16 @@ CASES = {
     "grit": ("grit", ["model.fusion_layers=1", "loss.itm=0", "loss.mlm=0"]),
     # GRIT-VLP's ALBEFBase: no momentum model, plain in-batch ITC with features gathered with gradient
     "albef-base": ("albef-base", ["model.fusion_layers=1", "loss.itm=0", "loss.mlm=0"]),
+    # BLIP's global ITM negatives (the top-1, so that no draw differs) with caption dedupe across ranks: ITM is
+    # then the single-process ITM. Each rank's captions are padded to its own longest, as the collate pads them.
+    "itm-global": ("albef-base", ["model.fusion_layers=1", "loss.mlm=0", "loss.itm_negatives=hardest",
+                                  "loss.itm_global_negatives=true", "loss.dedupe=caption"]),
+    # caption dedupe alone: ITC positives across ranks
+    "dedupe": ("clip", ["loss.dedupe=caption"]),
 }
+# Duplicates within a rank (2, 3) and across ranks (1 on rank 0, 5 on rank 1), and one longer caption on rank 0.
+DUPLICATES = {"itm-global": {3: CAPTIONS[2], 5: CAPTIONS[1], 0: "a red number 0 on a long white table"},
+              "dedupe": {3: CAPTIONS[2], 5: CAPTIONS[1]}}
 
 
 def config(case: str):
@@ -48,12 +57,22 @@ def config(case: str):
     return load_config(preset, sets=[s for s in TINY if not s.startswith(("log_every", "optim"))] + sets)
 
 
-def global_batch(cfg) -> dict:
+def global_batch(cfg, case: str) -> dict:
+    captions = [DUPLICATES.get(case, {}).get(i, c) for i, c in enumerate(CAPTIONS)]
     tok = tokenizer_for(cfg.model.text_model)
-    enc = tok(CAPTIONS, padding="max_length", truncation=True, max_length=cfg.data.max_len, return_tensors="pt")
+    enc = tok(captions, padding="longest", truncation=True, max_length=cfg.data.max_len, return_tensors="pt")
     images = torch.randn(B, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     return {"images": images, "input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"],
-            "captions": CAPTIONS}
+            "captions": captions}
+
+
+def rank_batch(batch: dict, rank: int, size: int) -> dict:
+    """This rank's rows of the global batch, its captions padded to its own longest (as the collate pads them)."""
+    n = B // size
+    local = {k: v[rank * n:(rank + 1) * n] for k, v in batch.items()}
+    length = int(local["attention_mask"].sum(dim=1).max())
+    local["input_ids"], local["attention_mask"] = local["input_ids"][:, :length], local["attention_mask"][:, :length]
+    return local
 
 
 def one_step(step_fn, model, batch, cfg) -> dict:
@@ -69,14 +88,15 @@ def one_step(step_fn, model, batch, cfg) -> dict:
                             weight_decay=cfg.optim.weight_decay, betas=tuple(cfg.optim.betas))
     opt.step()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"itc": float(losses["itc_loss"].detach()), "grads": grads, "queue": queue, "params": params}
+    itm = float(losses["itm_loss"].detach()) if "itm_loss" in losses else None
+    return {"itc": float(losses["itc_loss"].detach()), "itm": itm, "grads": grads, "queue": queue, "params": params}
 
 
 def single_process(case: str) -> dict:
     cfg = config(case)
     torch.manual_seed(0)
     model = build_model(cfg.model).eval()
-    return one_step(train_mod.TrainStep(model), model, global_batch(cfg), cfg)
+    return one_step(train_mod.TrainStep(model), model, global_batch(cfg, case), cfg)
 
 
 def _rank(rank: int, size: int, init: str, case: str, results) -> None:
@@ -85,9 +105,8 @@ def _rank(rank: int, size: int, init: str, case: str, results) -> None:
         cfg = config(case)
         torch.manual_seed(0)  # every rank builds the same model, as train() does from the run seed
         model = build_model(cfg.model).eval()
-        batch = global_batch(cfg)
+        local = rank_batch(global_batch(cfg, case), rank, size)
         n = B // size
-        local = {k: v[rank * n:(rank + 1) * n] for k, v in batch.items()}
         out = one_step(train_mod.wrap_ddp(model, cfg.loss, torch.device("cpu")), model, local, cfg)
         order, ranked = gather(torch.arange(n) + rank * n, False)
         out["order"] = (order.tolist(), ranked.tolist())
@@ -109,6 +128,8 @@ def test_two_gloo_ranks_equal_one_process_on_the_global_batch(case, tmp_path):
     # Each rank's loss is the mean over its rows against every rank's keys, so their mean is the global loss.
     assert (ranks[0]["itc"] + ranks[1]["itc"]) / 2 == pytest.approx(one["itc"], rel=1e-6, abs=1e-7)
     assert ranks[0]["itc"] != pytest.approx(ranks[1]["itc"], rel=1e-6)  # the ranks did see different rows
+    if one["itm"] is not None:  # 2 x 3B/2 rows against 3B rows: the mean of the two is the global ITM loss
+        assert (ranks[0]["itm"] + ranks[1]["itm"]) / 2 == pytest.approx(one["itm"], rel=1e-6, abs=1e-7)
     assert set(ranks[0]["grads"]) == set(one["grads"]) and one["grads"]
     for name, g in one["grads"].items():
         # DDP's averaged gradient equals the single-process gradient, and it is the same on both ranks.
@@ -228,6 +249,25 @@ def test_sigterm_to_one_rank_saves_a_resumable_checkpoint_and_nobody_hangs(shard
     r = torchrun(shards, out, *COMMON, "--steps", str(step + 1), "--resume")
     assert r.returncode == 0, r.stderr[-4000:]
     assert torch.load(out / "last.pt", weights_only=True)["step"] == step + 1
+
+
+def test_a_loader_fault_on_one_rank_stops_every_rank_with_its_error(shards, tmp_path):
+    """A damaged shard read by one rank only: that rank reports the shard in one line and the other stops at the
+    same step ("another process failed") instead of waiting in the next collective until torchrun's timeout."""
+    import shutil
+
+    from test_safety import corrupt_header
+
+    damaged = tmp_path / "ds"
+    shutil.copytree(shards, damaged)
+    corrupt_header(damaged / "shard-000002.tar", 1)
+    t0 = time.monotonic()
+    r = torchrun(damaged, tmp_path / "run", *COMMON, "--steps", "200", "--set", "data.workers=0")
+    assert r.returncode != 0
+    assert time.monotonic() - t0 < 120
+    assert "shard-000002.tar: the tar holds 1 samples" in r.stderr, r.stderr[-3000:]
+    assert "another process failed (its error is printed above)" in r.stderr, r.stderr[-3000:]
+    assert "Traceback" not in "\n".join(ln for ln in r.stderr.splitlines() if "error:" in ln)
 
 
 @pytest.mark.slow

@@ -144,8 +144,15 @@ def test_dedupe_targets_spread_mass_evenly_over_duplicates():
     for i in range(6):
         p = softmax(rows(li)[i])
         assert d[i].tolist() == pytest.approx([0.4 * p[j] + 0.6 * float(t[i, j]) for j in range(8)], abs=1e-6)
-    with pytest.raises(ValueError, match="square"):
-        dedupe_targets(torch.zeros(2, 3, dtype=torch.bool), 3)
+    with pytest.raises(ValueError, match="G >= B"):
+        dedupe_targets(torch.zeros(3, 2, dtype=torch.bool), 3)
+
+
+def test_dedupe_targets_over_every_ranks_keys():
+    """Under torchrun the mask is (B, B_global): this rank's rows first, the other ranks' captions after them."""
+    same = torch.tensor([[False, False, True, False], [False, False, False, False]])  # row 0 = column 2's caption
+    t = dedupe_targets(same, 6)  # 4 in-batch keys and 2 queue columns
+    assert t.tolist() == [[0.5, 0.0, 0.5, 0.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0, 0.0, 0.0]]
 
 
 def test_distill_targets_values_and_no_grad():
@@ -256,6 +263,28 @@ def test_hard_negative_weights_match_loops():
                 assert float(w[i, j]) == pytest.approx(0.0 if i == j else p[j], abs=1e-6)
 
 
+def test_global_negatives_span_every_ranks_batch():
+    """BLIP's global ITM negatives: weights over W = B_global columns (this rank's B rows first, positive of row i
+    at column i), and the negatives are drawn or picked among all W, never the positive."""
+    b, width, q = 3, 7, 2
+    li, lt = itc_logits(b, width - b + q, seed=21)  # (3, 9): 7 in-batch keys of every rank, then 2 queue columns
+    w_i2t, w_t2i = hard_negative_weights(li, lt, width=width)
+    assert w_i2t.shape == (b, width)
+    for w, m in ((w_i2t, rows(li)), (w_t2i, rows(lt))):
+        for i in range(b):
+            p = softmax(m[i][:width])
+            assert w[i].tolist() == pytest.approx([0.0 if j == i else p[j] for j in range(width)], abs=1e-6)
+    assert hardest_negatives(w_i2t).tolist() == ref_hardest(rows(w_i2t))
+    g = torch.Generator().manual_seed(4)
+    drawn = torch.stack([sample_hard_negatives(w_i2t, g) for _ in range(300)])  # (300, 3)
+    assert (drawn != torch.arange(b)).all() and int(drawn.max()) >= b  # other ranks' rows are drawn too
+    exclude = torch.zeros(b, width, dtype=torch.bool)
+    exclude[0, 5] = True  # a duplicate caption on another rank is never a negative
+    assert float(hard_negative_weights(li, lt, exclude, width)[0][0, 5]) == 0.0
+    with pytest.raises(ValueError, match="width"):
+        hard_negative_weights(li, lt, width=2)
+
+
 def test_hard_negative_weights_fall_back_to_uniform():
     b = 4
     li = torch.zeros(b, b + 2)
@@ -326,8 +355,8 @@ def test_hardest_negatives_match_a_loop_with_ties_and_never_the_diagonal():
             assert (idx != torch.arange(6)).all()
     nan_row = torch.tensor([[1.0, float("nan"), 0.5], [float("nan")] * 3, [0.2, 0.9, 0.0]])
     assert hardest_negatives(nan_row).tolist() == [2, 0, 1]  # NaN is never the max; an all-NaN row -> lowest off-diag
-    with pytest.raises(ValueError, match="square"):
-        hardest_negatives(torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="W >= B"):
+        hardest_negatives(torch.zeros(3, 2))
     with pytest.raises(ValueError, match="at least 2"):
         hardest_negatives(torch.zeros(1, 1))
 

@@ -44,6 +44,7 @@ class LossConfig:
     tonics_ir: float = 0.0          # TOnICS aligner image retrieval loss L_IR (needs model.aligner, data.triplets)
     tonics_tr: float = 0.0          # TOnICS aligner text retrieval loss L_TR
     itm_negatives: str = "sample"   # ITM hard negatives: sample (ALBEF: drawn by in-batch similarity) or hardest (GRIT)
+    itm_global_negatives: bool = False  # under torchrun: ITM negatives from every rank's batch (BLIP), not the local one
     itc_detach_keys: bool = False   # no momentum model: keys are sg(features), gradient via queries only (GRIT code)
     dedupe: str = "none"            # caption: in-batch byte-identical captions are ITC positives, never ITM negatives
     softmask_itm: float = 0.0       # SoftMask++ soft ITM: positives with soft-masked image tokens are still matches

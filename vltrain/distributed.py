@@ -74,6 +74,15 @@ def any_flags(flags: list[bool]) -> list[bool]:
     return [bool(v) for v in t.tolist()]
 
 
+def max_over_ranks(n: int) -> int:
+    """The largest of every rank's `n` (one all-reduce); `n` outside torchrun."""
+    if world()[1] == 1:
+        return n
+    t = torch.tensor([n], dtype=torch.long)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t)
+
+
 def gather_objects(obj) -> list:
     """Every rank's picklable `obj`, in rank order (all_gather_object); [obj] outside torchrun."""
     size = world()[1]

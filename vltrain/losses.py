@@ -59,14 +59,17 @@ def _with_queue(keys: torch.Tensor, queue: torch.Tensor | None) -> torch.Tensor:
 
 
 def dedupe_targets(same: torch.Tensor, columns: int) -> torch.Tensor:
-    """ITC targets with every in-batch duplicate as a positive, mass spread evenly: (B, B) bool -> (B, columns)."""
-    b = same.shape[0]
-    if same.shape != (b, b) or columns < b:
-        raise ValueError(f"expected a square (B, B) mask and columns >= B, got {tuple(same.shape)} and {columns}")
+    """ITC targets with every in-batch duplicate as a positive, mass spread evenly: (B, G) bool -> (B, columns).
+
+    G >= B is the number of in-batch keys (B, or every rank's B_global under torchrun, this rank's rows first),
+    row i's own pair at column i."""
+    b, g = same.shape
+    if g < b or columns < g:
+        raise ValueError(f"expected a (B, G) mask with G >= B and columns >= G, got {tuple(same.shape)} and {columns}")
     # The diagonal is always a positive, whatever the mask says; queue columns stay negatives (no caption known).
-    pos = same.bool() | torch.eye(b, dtype=torch.bool, device=same.device)
+    pos = same.bool() | torch.eye(b, g, dtype=torch.bool, device=same.device)
     t = pos.float() / pos.sum(dim=1, keepdim=True)
-    return F.pad(t, (0, columns - b))
+    return F.pad(t, (0, columns - g))
 
 
 def itc_loss(logits_i2t: torch.Tensor, logits_t2i: torch.Tensor,
@@ -123,12 +126,15 @@ def itc_consistency_loss(logits_i2t: torch.Tensor, logits_t2i: torch.Tensor, in_
 
 
 @torch.no_grad()
-def _hard_negative_weights_1(logits: torch.Tensor, exclude: torch.Tensor | None) -> torch.Tensor:
-    """In-batch softmax, 0 on the diagonal and excluded pairs, uniform over allowed pairs for dead rows: -> (B, B)."""
+def _hard_negative_weights_1(logits: torch.Tensor, exclude: torch.Tensor | None, width: int | None) -> torch.Tensor:
+    """In-batch softmax, 0 on the diagonal and excluded pairs, uniform over allowed pairs for dead rows: -> (B, W)."""
     _check_itc(logits)
     b = logits.shape[0]
-    w = _f32(logits[:, :b].detach()).softmax(dim=-1)
-    allowed = ~torch.eye(b, dtype=torch.bool, device=w.device)
+    width = b if width is None else width
+    if not b <= width <= logits.shape[1]:
+        raise ValueError(f"width {width} must lie between the batch {b} and the logits' {logits.shape[1]} columns")
+    w = _f32(logits[:, :width].detach()).softmax(dim=-1)
+    allowed = ~torch.eye(b, width, dtype=torch.bool, device=w.device)
     if exclude is not None:
         allowed &= ~exclude.bool()
     # Non-finite logits give NaN rows; treat them like underflowed rows rather than crash torch.multinomial.
@@ -140,41 +146,46 @@ def _hard_negative_weights_1(logits: torch.Tensor, exclude: torch.Tensor | None)
     return torch.where(dead, uniform, w)
 
 
-def hard_negative_weights(logits_i2t: torch.Tensor, logits_t2i: torch.Tensor, exclude: torch.Tensor | None = None
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """ALBEF ITM hard-negative weights (unnormalised, 0 on the diagonal and on `exclude` (B, B) pairs, no grad):
-    (B, B+Q) x2 -> (B, B) x2; a row whose every pair is excluded is all 0."""
-    return _hard_negative_weights_1(logits_i2t, exclude), _hard_negative_weights_1(logits_t2i, exclude)
+def hard_negative_weights(logits_i2t: torch.Tensor, logits_t2i: torch.Tensor, exclude: torch.Tensor | None = None,
+                          width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """ALBEF ITM hard-negative weights (unnormalised, 0 on the diagonal and on `exclude` (B, W) pairs, no grad):
+    (B, W+...) x2 -> (B, W) x2 over the first W = `width` columns (default B: the local batch; every rank's batch
+    under torchrun with global negatives, this rank's rows first); a row whose every pair is excluded is all 0."""
+    return (_hard_negative_weights_1(logits_i2t, exclude, width),
+            _hard_negative_weights_1(logits_t2i, exclude, width))
 
 
 @torch.no_grad()
 def hardest_negatives(weights: torch.Tensor) -> torch.Tensor:
-    """GRIT-VLP's top-1: per row the argmax over off-diagonal weights, ties to the lowest index: (B, B) -> (B,) long."""
-    b = weights.shape[0]
-    if weights.dim() != 2 or weights.shape[1] != b:
-        raise ValueError(f"expected square (B, B) weights, got {tuple(weights.shape)}")
-    if b < 2:
-        raise ValueError("hard negatives need a batch of at least 2 pairs")
+    """GRIT-VLP's top-1: per row the argmax over off-diagonal weights, ties to the lowest index: (B, W) -> (B,) long
+    (W >= B columns, row i's positive at column i)."""
+    b, width = _negative_weights_shape(weights)
     w = _f32(weights.detach()).nan_to_num(nan=-math.inf)
-    w = w.masked_fill(torch.eye(b, dtype=torch.bool, device=w.device), -math.inf)
+    diag = torch.eye(b, width, dtype=torch.bool, device=w.device)
+    w = w.masked_fill(diag, -math.inf)
     # Explicit lowest-index tie-break rather than relying on argmax's (device-dependent in older torch) choice.
     # A row of -inf off the diagonal (all NaN) still gets the lowest off-diagonal index, never the diagonal.
     best = w.max(dim=1, keepdim=True).values
-    cols = torch.arange(b, device=w.device).expand(b, b)
-    hit = (w == best) & ~torch.eye(b, dtype=torch.bool, device=w.device)
-    return torch.where(hit, cols, torch.full_like(cols, b)).min(dim=1).values
+    cols = torch.arange(width, device=w.device).expand(b, width)
+    hit = (w == best) & ~diag
+    return torch.where(hit, cols, torch.full_like(cols, width)).min(dim=1).values
+
+
+def _negative_weights_shape(weights: torch.Tensor) -> tuple[int, int]:
+    if weights.dim() != 2 or weights.shape[1] < weights.shape[0]:
+        raise ValueError(f"expected (B, W) weights with W >= B, got {tuple(weights.shape)}")
+    if weights.shape[1] < 2:
+        raise ValueError("hard negatives need a batch of at least 2 pairs")
+    return weights.shape[0], weights.shape[1]
 
 
 @torch.no_grad()
 def sample_hard_negatives(weights: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One index per row drawn in proportion to weights, never the diagonal: (B, B) -> (B,) long."""
-    b = weights.shape[0]
-    if weights.dim() != 2 or weights.shape[1] != b:
-        raise ValueError(f"expected square (B, B) weights, got {tuple(weights.shape)}")
-    if b < 2:
-        raise ValueError("hard negatives need a batch of at least 2 pairs")
+    """One index per row drawn in proportion to weights, never the diagonal: (B, W) -> (B,) long (W >= B columns,
+    row i's positive at column i)."""
+    b, width = _negative_weights_shape(weights)
     # Re-mask so that weights from anywhere (not only hard_negative_weights) can never yield the positive.
-    w = _f32(weights.detach()).masked_fill(torch.eye(b, dtype=torch.bool, device=weights.device), 0.0)
+    w = _f32(weights.detach()).masked_fill(torch.eye(b, width, dtype=torch.bool, device=weights.device), 0.0)
     if not bool((w >= 0).all() & (w.sum(dim=-1) > 0).all()):
         raise ValueError("every row of weights needs a positive off-diagonal entry and no negative ones")
     return torch.multinomial(w, 1, generator=generator).squeeze(1)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
@@ -32,7 +33,7 @@ from vltrain import TrainError
 from vltrain import checkpoint as ckpt_io
 from vltrain.config import GRIT_RATIOS, GRIT_RATIOS_BEFORE, Config, LossConfig, to_dict
 from vltrain.distributed import (RankSlice, any_flags, barrier, broadcast, gather, gather_objects, init_from_env,
-                                  world)
+                                  max_over_ranks, world)
 from vltrain.data import (Collate, ShardStream, count_split, eval_transform, feature_input, loader_error, to_device,
                           train_transform)
 from vltrain.evaluate import (distinct_positions, embed_split, heldout_r1, heldout_recall, plot_learning_curve,
@@ -117,14 +118,18 @@ def train_step(model, batch: dict, w: LossConfig, generator: torch.Generator, to
 
     # loss.dedupe=caption: pairs whose captions are byte-identical (str equality of the decoded UTF-8) are not
     # negatives of each other: extra ITC positives, never ITM negatives. Token ids would not do: the tokenizer
-    # lowercases and truncates, so different captions can share ids.
+    # lowercases and truncates, so different captions can share ids. Under torchrun the columns are every rank's
+    # captions, in the keys' order (this rank's first).
     same = None
-    if w.dedupe == "caption" and world()[1] > 1:
-        raise TrainError("loss.dedupe=caption is not supported under torchrun yet (it needs every rank's "
-                         "captions); set loss.dedupe=none or train in one process")
     if w.dedupe == "caption":
         caps = batch["captions"]
-        same = torch.tensor([[a == c for c in caps] for a in caps], dtype=torch.bool, device=ids.device)  # (B, B)
+        if world()[1] > 1:
+            ranks = gather_objects(list(caps))
+            rank = world()[0]
+            keys = ranks[rank] + [c for r, part in enumerate(ranks) if r != rank for c in part]
+        else:
+            keys = caps
+        same = torch.tensor([[a == c for c in keys] for a in caps], dtype=torch.bool, device=ids.device)  # (B, G)
     hard = None if same is None else dedupe_targets(same, logits_i2t.shape[1])  # (B, B+Q), symmetric
 
     losses = {}
@@ -145,11 +150,23 @@ def train_step(model, batch: dict, w: LossConfig, generator: torch.Generator, to
 
     if w.itm > 0:
         b = ids.shape[0]
-        w_i2t, w_t2i = hard_negative_weights(logits_i2t, logits_t2i, same)
+        # The pool the negatives come from: this rank's batch (ALBEF), or with loss.itm_global_negatives under
+        # torchrun every rank's (BLIP), whose token sequences are gathered with gradient, padded to the longest
+        # caption of any rank (padding is masked out of the fusion's attention).
+        pool_text, pool_mask, pool_image, text_hidden_p, mask_p = text_hidden, mask, image_tokens, text_hidden, mask
+        if w.itm_global_negatives and world()[1] > 1:
+            length = max_over_ranks(mask.shape[1])
+            text_hidden_p = F.pad(text_hidden, (0, 0, 0, length - mask.shape[1]))
+            mask_p = F.pad(mask, (0, length - mask.shape[1]))
+            pool_text, pool_mask, pool_image = (gather(text_hidden_p, True)[0], gather(mask_p, False)[0],
+                                                gather(image_tokens, True)[0])
+        width = pool_text.shape[0]
+        w_i2t, w_t2i = hard_negative_weights(logits_i2t, logits_t2i,
+                                             None if same is None else same[:, :width], width)
         # A row whose every other caption is a duplicate of its own has no negative: it sits out of ITM this step
         # (its draw still happens, from placeholder weights, so the generator advances as in any other step).
         has_t, has_i = w_i2t.sum(dim=1) > 0, w_t2i.sum(dim=1) > 0
-        anywhere = 1.0 - torch.eye(b, device=w_i2t.device, dtype=w_i2t.dtype)
+        anywhere = 1.0 - torch.eye(b, width, device=w_i2t.device, dtype=w_i2t.dtype)
         w_i2t = torch.where(has_t[:, None], w_i2t, anywhere)
         w_t2i = torch.where(has_i[:, None], w_t2i, anywhere)
         if w.itm_negatives == "hardest":  # GRIT-VLP's released code: the top-1 of the weights, no draw
@@ -159,11 +176,14 @@ def train_step(model, batch: dict, w: LossConfig, generator: torch.Generator, to
             neg_image = sample_hard_negatives(w_t2i, generator)  # a hard negative image for each caption
         # Rows: B positives, caption i with its negative image, image i with its negative caption.
         want_maps = w.softmask_itm > 0 and parse_source(w.softmask_source)[0] != "random"
-        fused = model.fuse(torch.cat([text_hidden, text_hidden[has_i], text_hidden[neg_text][has_t]]),
-                           torch.cat([mask, mask[has_i], mask[neg_text][has_t]]),
-                           torch.cat([image_tokens, image_tokens[neg_image][has_i], image_tokens[has_t]]),
+        fused = model.fuse(torch.cat([text_hidden_p, text_hidden_p[has_i], pool_text[neg_text][has_t]]),
+                           torch.cat([mask_p, mask_p[has_i], pool_mask[neg_text][has_t]]),
+                           torch.cat([image_tokens, pool_image[neg_image][has_i], image_tokens[has_t]]),
                            return_attn=want_maps)
         fused, maps = fused if want_maps else (fused, None)
+        if text_hidden_p is not text_hidden:  # back to this rank's caption length (MLM reads the positive rows)
+            fused = fused[:, :mask.shape[1]]
+            maps = None if maps is None else [m[..., :mask.shape[1], :] for m in maps]
         n_neg = int(has_i.sum()) + int(has_t.sum())
         labels = torch.cat([torch.ones(b, dtype=torch.long), torch.zeros(n_neg, dtype=torch.long)]).to(ids.device)
         itm_out = model.itm_logits(fused)
@@ -718,29 +738,41 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
     try:
         with progress:
             while step < cfg.steps:
-                if stop["signal"] is not None and size == 1:  # under torchrun: checked with the other ranks below
+                # --- the next batch. A fault here (a damaged shard, an empty epoch, too many undecodable
+                # samples) is first shared with the other ranks, so that under torchrun every rank stops at
+                # once instead of waiting in the next collective for the one that failed.
+                fault, batch = None, None
+                try:
+                    while batch is None:
+                        try:
+                            batch, data_rng = _next_batch(batches, data_rng)
+                        except StopIteration:
+                            if consumed == 0:  # never loop forever on an epoch that yields nothing
+                                raise TrainError(f"epoch {epoch} gave no batch of {cfg.batch_size} from {n_train} "
+                                                 "training samples; lower --batch-size or data.workers") from None
+                            _check_bad_samples(load_counts, final=True)
+                            epoch, consumed = epoch + 1, 0
+                            batches, data_rng = epoch_batches(epoch, rank_seed, train_set, batch_sampler, collate,
+                                                              cfg.batch_size, cfg.data.workers, device)
+                            continue
+                        if batch is None:  # every sample of this batch was undecodable (counted)
+                            consumed += 1
+                    bad_samples = _check_bad_samples(load_counts)
+                except TrainError as e:
+                    fault = e
+                except Exception as e:  # a loader worker's error (or the signal reaching a worker: see below)
+                    fault = loader_error(e)
+                # One all-reduce under torchrun (the identity in one process): every rank stops or saves together.
+                failed, stopping, save_due = any_flags([fault is not None, stop["signal"] is not None,
+                                                        time.monotonic() - last_save >= 60 * cfg.ckpt_minutes])
+                if stopping:  # the batch just fetched is not counted: a resume draws it again
                     raise _interrupted(model, optimizer, cfg, step, epoch, consumed, best, sampler, curriculum_log,
                                        generator, last_path)
-                try:
-                    batch, data_rng = _next_batch(batches, data_rng)
-                except StopIteration:
-                    if consumed == 0:  # never loop forever on an epoch that yields nothing
-                        raise TrainError(f"epoch {epoch} gave no batch of {cfg.batch_size} from {n_train} training "
-                                         "samples; lower --batch-size or data.workers") from None
-                    _check_bad_samples(load_counts, final=True)
-                    epoch, consumed = epoch + 1, 0
-                    batches, data_rng = epoch_batches(epoch, rank_seed, train_set, batch_sampler, collate,
-                                                      cfg.batch_size, cfg.data.workers, device)
-                    continue
-                except Exception as e:
-                    if stop["signal"] is not None and size == 1:  # the signal reached a loader worker too
-                        raise _interrupted(model, optimizer, cfg, step, epoch, consumed, best, sampler, curriculum_log,
-                                       generator, last_path) from None
-                    raise loader_error(e) from None
+                if failed:
+                    kept = f"; the last checkpoint {last_path} is kept" if last_path.exists() else ""
+                    raise fault or TrainError(f"stopped at step {step}: another process failed (its error is "
+                                              f"printed above){kept}")
                 consumed += 1
-                if batch is None:  # every sample of this batch was undecodable (counted)
-                    continue
-                bad_samples = _check_bad_samples(load_counts)
                 step += 1
                 lr = lr_at(step, cfg.optim.lr, cfg.optim.warmup_steps, cfg.steps, cfg.optim.min_lr_ratio)
                 for g in optimizer.param_groups:
@@ -753,11 +785,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
                     losses = step_fn(batch, cfg.loss, generator, tok, alpha, cfg.data.masked_text_all)
                 queue_feats = losses.pop("queue_feats")
                 losses_f = {k: float(v.detach()) for k, v in losses.items()}
-                # One all-reduce under torchrun, so that every rank stops or saves at the same step.
                 finite = math.isfinite(losses_f["total"])
-                any_nan, stopping, save_due = any_flags([not finite, stop["signal"] is not None,
-                                                         time.monotonic() - last_save >= 60 * cfg.ckpt_minutes])
-                if any_nan:
+                if any_flags([not finite])[0]:  # every rank stops at the same step
                     kept = f"; the last good checkpoint {last_path} is kept" if last_path.exists() else ""
                     where = "" if finite else " (" + ", ".join(f"{k}={v:.4g}" for k, v in losses_f.items()) + ")"
                     raise TrainError(f"non-finite loss at step {step}{where or ' on another rank'}{kept}")
@@ -839,9 +868,6 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
                     save_checkpoint(last_path, model, optimizer, cfg, step, epoch, consumed, best, sampler,
                                     curriculum_log, generator)
                     last_save = time.monotonic()
-                if stopping and size > 1:  # a signal reached some rank: every rank saves and stops here
-                    raise _interrupted(model, optimizer, cfg, step, epoch, consumed, best, sampler, curriculum_log,
-                                       generator, last_path)
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)
