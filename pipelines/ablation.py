@@ -1,124 +1,359 @@
-"""Run the arms of an ablation recipe (YAML) with `vltrain` over seeds and print their held-out retrieval.
+"""Run an ablation recipe: its arms over seeds with `vltrain`, scored on fixed held-out sets, with the paper's finding
+beside ours.
 
-    .venv/bin/python pipelines/ablation.py pipelines/samplers.yaml [--steps N] [--seeds 0,1,2] [--data DIR]
-                                                                  [--out DIR] [--arms a,b]
+    .venv/bin/python pipelines/ablation.py pipelines/NAME.yaml [--quick] [--seeds 3 | 0,1,2] [--steps N]
+                                           [--demo DIR] [--out DIR] [--arms a,b]
+    .venv/bin/python pipelines/ablation.py --list
 
-A recipe has `data` (shard folders, one or a list), `out`, `seeds` (default [0]), `common` (preset, steps,
-batch_size, sampler and a `set` mapping of dotted config keys) and `arms` (name -> the same keys, overriding
-`common`). Every arm trains once per seed into OUT/NAME/sSEED with the same held-out split; a run whose
-result.json already reached its step count is reused, an interrupted one resumes. The table (R@1/5/10 both ways,
-mean ± standard deviation over the seeds) is printed and written to OUT/results.json and OUT/results.md.
+A recipe (pipelines/*.yaml) has `about` (the --list line), `paper`, `common` (preset, steps, batch_size, sampler
+and a `set` mapping of dotted config keys), `arms` (name -> its `data`, a list of input names or shard folders,
+and the same keys as `common`, overriding them), `eval` (`retrieval`: an input whose pairs score R@1/5/10, or
+`heldout` for each run's own held-out split; `zeroshot`: an input labelled by class name, or absent), `findings`
+(each: the paper's claim, the arm that should be `better` `than` another, on which `metric`) and `quick` (steps,
+seeds and arms of the smoke version). Input names refer to pipelines/inputs.yaml; a missing input is built first
+with the stage that makes it (the demo itself when that is missing).
+
+Every arm trains once per seed into OUT/ARM/sSEED; a finished run (result.json at its step count) is reused and
+an interrupted one resumes, so the same command continues a cut run. OUT gets results.json (every per-seed row,
+the per-arm mean and sample standard deviation, the findings), table.md (the same as Markdown) and chart.png (bars
+with error bars). A finding's verdict compares the two arms' mean ± sd intervals of its metric: "reproduced" when
+the better arm's interval lies wholly above the other's, "not reproduced" when wholly below, "inconclusive" when
+they overlap (always with a single seed).
 """
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
 from rich.console import Console
 from rich.table import Table
 
-from vltrain.config import ConfigError, load_config
 from vltrain import TrainError
+from vltrain.config import ConfigError, load_config
 from vltrain.train import Interrupted, train
 
+ROOT = Path(__file__).resolve().parents[1]
+HERE = ROOT / "pipelines"
+DEFAULT_DEMO = ROOT / "demo-out" / "openclipart"
 console = Console(stderr=True, emoji=False)
-COLS = ["i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10", "mean_recall"]
-HEADERS = ["i→t R@1", "i→t R@5", "i→t R@10", "t→i R@1", "t→i R@5", "t→i R@10", "mean"]
+
+RETRIEVAL = ["i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10", "mean_recall"]
+COLUMNS = RETRIEVAL + ["zeroshot"]
+HEADERS = {"i2t_r1": "i→t R@1", "i2t_r5": "i→t R@5", "i2t_r10": "i→t R@10", "t2i_r1": "t→i R@1",
+           "t2i_r5": "t→i R@5", "t2i_r10": "t→i R@10", "mean_recall": "mean R", "zeroshot": "zero-shot top-1"}
+QUICK = {"steps": 6, "seeds": 1}
 
 
-def arm_config(recipe: dict, name: str, seed: int, args) -> tuple:
+class RecipeError(Exception):
+    """A recipe or an input that cannot be used; its text is the one line the user sees."""
+
+
+# --- recipes and inputs ---------------------------------------------------------------------------------------------
+
+
+def recipe_paths() -> list[Path]:
+    return sorted(p for p in HERE.glob("*.yaml") if p.name != "inputs.yaml")
+
+
+def load_recipe(path: Path) -> dict:
+    """The parsed recipe, with every arm, finding and quick arm checked against each other."""
+    if not path.is_file():
+        raise RecipeError(f"recipe not found: {path} (pipelines/ablation.py --list shows them)")
+    recipe = yaml.safe_load(path.read_text()) or {}
+    for key in ("about", "arms", "eval"):
+        if key not in recipe:
+            raise RecipeError(f"{path}: no `{key}` section")
+    arms = recipe["arms"]
+    for f in recipe.get("findings", []):
+        for side in ("better", "than"):
+            if f.get(side) not in arms:
+                raise RecipeError(f"{path}: finding {f.get('paper')!r} names arm {f.get(side)!r}, not one of "
+                                  f"{', '.join(arms)}")
+        if f.get("metric") not in COLUMNS:
+            raise RecipeError(f"{path}: finding {f.get('paper')!r}: metric must be one of {', '.join(COLUMNS)}")
+    for name in recipe.get("quick", {}).get("arms", []):
+        if name not in arms:
+            raise RecipeError(f"{path}: quick arm {name!r} is not one of {', '.join(arms)}")
+    return recipe
+
+
+def load_inputs() -> dict:
+    return yaml.safe_load((HERE / "inputs.yaml").read_text())
+
+
+def fill(text: str, demo: Path, path: str = "") -> str:
+    bindir = Path(sys.executable).parent
+    return text.format(demo=demo, root=ROOT, py=sys.executable, vlprep=bindir / "vlprep", path=path)
+
+
+def input_path(name: str, inputs: dict, demo: Path) -> Path:
+    """An input's folder or file: a name from inputs.yaml, or a path as it is."""
+    return Path(fill(inputs[name]["path"], demo)) if name in inputs else Path(name)
+
+
+def _present(path: Path) -> bool:
+    return (path / "sizes.json").is_file() if path.suffix == "" else path.is_file()
+
+
+def ensure(name: str, inputs: dict, demo: Path, logs: Path, done: set | None = None) -> Path:
+    """The input's path, after building what it needs and then itself when missing (each build's output in
+    LOGS/NAME.log, shown when it fails)."""
+    done = set() if done is None else done
+    if name not in inputs:
+        path = Path(name)
+        if not _present(path):
+            raise RecipeError(f"{path}: not a shard dataset, and not an input name of pipelines/inputs.yaml")
+        return path
+    spec = inputs[name]
+    path = input_path(name, inputs, demo)
+    if name in done or _present(path):
+        return path
+    for need in spec.get("needs", []):
+        ensure(need, inputs, demo, logs, done)
+    if "build" not in spec:
+        raise RecipeError(f"{path} is missing and nothing in pipelines/inputs.yaml builds it")
+    cmd = [fill(str(a), demo, str(path)) for a in spec["build"]]
+    env = {**os.environ, **{k: fill(str(v), demo, str(path)) for k, v in spec.get("env", {}).items()}}
+    logs.mkdir(parents=True, exist_ok=True)
+    log = logs / f"{name}.log"
+    console.print(f"building {name} -> {path} (log: {log})", highlight=False, markup=False)
+    t0 = time.monotonic()
+    with log.open("w") as f:
+        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    if r.returncode != 0 or not _present(path):
+        tail = log.read_text().strip().splitlines()[-15:]
+        raise RecipeError(f"building {name} failed ({' '.join(cmd)[:200]}); the end of {log}:\n" + "\n".join(tail))
+    console.print(f"built {name} in {time.monotonic() - t0:.0f} s", highlight=False, markup=False)
+    done.add(name)
+    return path
+
+
+# --- running and scoring one arm ------------------------------------------------------------------------------------
+
+
+def arm_config(recipe: dict, name: str, seed: int, folders: list[str], out: Path, steps: int | None, demo: Path):
     common, arm = recipe.get("common", {}), recipe["arms"][name] or {}
-    merged = {**common, **{k: v for k, v in arm.items() if k != "set"}}
-    sets = {**common.get("set", {}), **arm.get("set", {})}
-    data = args.data or recipe["data"]
-    folders = [data] if isinstance(data, str) else list(data)
-    for f in folders:
-        if not Path(f, "index.json").is_file():
-            raise ConfigError(f"{f}: not a shard dataset (run `make demo` first to build the demo data)")
-    out = Path(args.out or recipe["out"]) / name / f"s{seed}"
-    sets["seed"] = seed
-    cfg = load_config(merged.get("preset"), None, [f"{k}={json.dumps(v)}" for k, v in sets.items()],
-                      shards=folders, out=str(out), steps=args.steps or merged.get("steps"),
-                      batch_size=merged.get("batch_size"), **{"sampler.kind": merged.get("sampler")})
-    return cfg, out
+    merged = {**common, **{k: v for k, v in arm.items() if k not in ("set", "data")}}
+    sets = {**common.get("set", {}), **arm.get("set", {}), "seed": seed}
+    sets = {k: fill(v, demo) if isinstance(v, str) else v for k, v in sets.items()}
+    return load_config(merged.get("preset"), None, [f"{k}={json.dumps(v)}" for k, v in sets.items()],
+                       shards=folders, out=str(out), steps=steps or merged.get("steps"),
+                       batch_size=merged.get("batch_size"), **{"sampler.kind": merged.get("sampler")})
 
 
-def summarise(evals: list[dict]) -> dict:
-    """Mean and sample standard deviation over seeds of each column; n_val and chance from the first run."""
-    row = {"n_val": evals[0]["n_val"], "seeds": len(evals)}
-    for c in COLS:
-        vals = [e[c] for e in evals]
-        row[c] = round(statistics.fmean(vals), 2)
-        row[c + "_sd"] = round(statistics.stdev(vals), 2) if len(vals) > 1 else 0.0
+def score(run: Path, ckpt_step: int, res: dict, retrieval: Path | None, zeroshot: tuple | None) -> dict:
+    """One per-seed row: retrieval on the recipe's set (or the run's own held-out split) and zero-shot top-1;
+    cached in RUN/scores.json for the checkpoint's step."""
+    from vltrain.evaluate import evaluate_checkpoint
+
+    cache = run / "scores.json"
+    if cache.is_file():
+        row = json.loads(cache.read_text())
+        if row.get("step") == ckpt_step:
+            return row
+    row = {"step": ckpt_step}
+    if retrieval is None:  # the run's own held-out split, evaluated by the trainer at its last step
+        if res.get("eval") is None:
+            raise RecipeError(f"{run}: no held-out evaluation (raise data.val_frac)")
+        row.update({k: res["eval"][k] for k in RETRIEVAL}, n_eval=res["eval"]["n_val"],
+                   chance_r1=res["eval"]["chance"]["i2t_r1"])
+    else:
+        r = evaluate_checkpoint(run / "last.pt", [retrieval])
+        row.update(r["retrieval"], n_eval=r["n_samples"], chance_r1=r["chance"]["i2t_r1"])
+    if zeroshot is not None:
+        z = evaluate_checkpoint(run / "last.pt", [zeroshot[0]], zeroshot=zeroshot[1])["zeroshot"]
+        row.update(zeroshot=z.get("top1"), zeroshot_n=z["samples"], zeroshot_chance=round(100 / z["classes"], 2))
+    cache.write_text(json.dumps(row, indent=2) + "\n")
     return row
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("recipe", type=Path)
-    ap.add_argument("--steps", type=int, help="override every arm's steps")
-    ap.add_argument("--seeds", help="comma-separated seeds, overriding the recipe's")
-    ap.add_argument("--data", help="override the recipe's data folder")
-    ap.add_argument("--out", help="override the recipe's output folder")
-    ap.add_argument("--arms", help="comma-separated subset of the arms")
-    args = ap.parse_args()
+def run_arm(recipe: dict, name: str, seed: int, folders: list[str], out: Path, steps: int | None, demo: Path) -> dict:
+    cfg = arm_config(recipe, name, seed, folders, out, steps, demo)
+    done = out / "result.json"
+    if done.exists() and json.loads(done.read_text()).get("step") == cfg.steps and (out / "last.pt").exists():
+        console.print(f"[{name} seed {seed}] reusing {done}", highlight=False, markup=False)
+        return json.loads(done.read_text())
+    console.print(f"[{name} seed {seed}] preset {cfg.preset}, sampler {cfg.sampler.kind}, {cfg.steps} steps of "
+                  f"{cfg.batch_size} -> {out}", highlight=False, markup=False)
+    resume = (out / "last.pt").exists()
+    res = train(cfg, resume=resume, overwrite=not resume)
+    done.write_text(json.dumps(res, indent=2) + "\n")
+    return res
+
+
+# --- summary, verdicts, table, chart --------------------------------------------------------------------------------
+
+
+def summarise(rows: list[dict]) -> dict:
+    """Mean and sample standard deviation over the seeds of every column a row has."""
+    out = {"seeds": len(rows)}
+    for c in COLUMNS:
+        vals = [r[c] for r in rows if r.get(c) is not None]
+        if vals:
+            out[c] = round(statistics.fmean(vals), 2)
+            out[c + "_sd"] = round(statistics.stdev(vals), 2) if len(vals) > 1 else 0.0
+    return out
+
+
+def verdict(better: dict, than: dict, metric: str) -> str:
+    """reproduced / not reproduced / inconclusive from two arms' mean ± sd of `metric` (see the module doc)."""
+    if metric not in better or metric not in than:
+        return "inconclusive"
+    if better["seeds"] < 2 or than["seeds"] < 2:
+        return "inconclusive"
+    lo_b, hi_b = better[metric] - better[metric + "_sd"], better[metric] + better[metric + "_sd"]
+    lo_t, hi_t = than[metric] - than[metric + "_sd"], than[metric] + than[metric + "_sd"]
+    if lo_b > hi_t:
+        return "reproduced"
+    if hi_b < lo_t:
+        return "not reproduced"
+    return "inconclusive"
+
+
+def cell(s: dict, c: str) -> str:
+    return f"{s[c]:.1f} ± {s[c + '_sd']:.1f}" if c in s else "-"
+
+
+def write_outputs(out: Path, recipe: dict, name: str, rows: list[dict], summary: dict, findings: list[dict],
+                  meta: dict) -> None:
+    cols = [c for c in COLUMNS if any(c in s for s in summary.values())]
+    (out / "results.json").write_text(json.dumps({"recipe": name, **meta, "rows": rows, "arms": summary,
+                                                  "findings": findings}, indent=2) + "\n")
+    first = rows[0]
+    chance = f"chance R@1 {first['chance_r1']:.1f} on {first['n_eval']} pairs"
+    if "zeroshot_chance" in first:
+        chance += f", zero-shot chance {first['zeroshot_chance']:.1f} on {first['zeroshot_n']} images"
+    md = [f"`{meta['command']}` ({meta['date']}; {meta['seeds']} seed(s), {meta['steps']}): mean ± sd over seeds; "
+          f"{chance}.", "", "| arm | " + " | ".join(HEADERS[c] for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    md += [f"| {arm} | " + " | ".join(cell(s, c) for c in cols) + " |" for arm, s in summary.items()]
+    if findings:
+        md += ["", "| paper's finding | ours: " + "better arm vs other on metric | verdict |", "|---|---|---|"]
+        md += [f"| {f['paper']} | {f['better']} {cell(summary[f['better']], f['metric'])} vs {f['than']} "
+               f"{cell(summary[f['than']], f['metric'])} ({HEADERS[f['metric']]}) | {f['verdict']} |" for f in findings]
+    (out / "table.md").write_text("\n".join(md) + "\n")
+    chart(out / "chart.png", summary, [c for c in ("i2t_r1", "t2i_r1", "zeroshot") if c in cols],
+          f"{name}: mean ± sd over {meta['seeds']} seed(s)")
+
+
+def chart(path: Path, summary: dict, metrics: list[str], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = list(summary)
+    width = 0.8 / max(len(metrics), 1)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(arms) * max(len(metrics), 1) * 0.6 + 2), 4))
+    for i, m in enumerate(metrics):
+        xs = [j + (i - (len(metrics) - 1) / 2) * width for j in range(len(arms))]
+        ax.bar(xs, [summary[a].get(m, 0) for a in arms], width, yerr=[summary[a].get(m + "_sd", 0) for a in arms],
+               capsize=3, label=HEADERS[m])
+    ax.set_xticks(range(len(arms)), arms, rotation=20, ha="right")
+    ax.set_ylabel("%")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def print_table(name: str, summary: dict, findings: list[dict]) -> None:
+    cols = [c for c in COLUMNS if any(c in s for s in summary.values())]
+    table = Table(title=f"{name}: mean ± sd over seeds", caption="i→t: image→text; t→i: text→image")
+    for c in ["arm"] + [HEADERS[c] for c in cols]:
+        table.add_column(c, justify="right")
+    for arm, s in summary.items():
+        table.add_row(arm, *[cell(s, c) for c in cols])
+    wide = Console(width=max(Console().width, 140))
+    wide.print(table)
+    for f in findings:
+        wide.print(f"{f['verdict']:>15}: {f['paper']} ({f['better']} vs {f['than']}, {HEADERS[f['metric']]})",
+                   highlight=False, markup=False)
+
+
+# --- main -----------------------------------------------------------------------------------------------------------
+
+
+def parse_seeds(text: str | None, default) -> list[int]:
+    if text is None:
+        return list(range(default)) if isinstance(default, int) else list(default)
+    if "," not in text and text.isdigit():
+        return list(range(int(text)))  # a count: seeds 0 .. N-1
     try:
-        recipe = yaml.safe_load(args.recipe.read_text())
-        names = args.arms.split(",") if args.arms else list(recipe["arms"])
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise RecipeError(f"--seeds {text!r}: give a count (3) or a comma-separated list (0,1,2)") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("recipe", type=Path, nargs="?", help="pipelines/NAME.yaml (or just NAME)")
+    ap.add_argument("--list", action="store_true", help="list the recipes, one line each")
+    ap.add_argument("--quick", action="store_true", help="the smoke version: the recipe's quick steps, seeds, arms")
+    ap.add_argument("--seeds", help="a count (3: seeds 0, 1, 2) or a list (0,1,2), overriding the recipe's")
+    ap.add_argument("--steps", type=int, help="override every arm's steps")
+    ap.add_argument("--demo", type=Path, default=DEFAULT_DEMO, help=f"the demo's folder (default {DEFAULT_DEMO})")
+    ap.add_argument("--out", type=Path, help="results folder (default DEMO/ablation/NAME, DEMO/ablation/NAME-quick)")
+    ap.add_argument("--arms", help="comma-separated subset of the arms")
+    args = ap.parse_args(argv)
+    if args.list:
+        for p in recipe_paths():
+            print(f"{p.stem:<16} {(yaml.safe_load(p.read_text()) or {}).get('about', '')}")
+        return 0
+    if args.recipe is None:
+        ap.error("give a recipe (pipelines/NAME.yaml), or --list")
+    path = args.recipe if args.recipe.suffix else HERE / f"{args.recipe}.yaml"
+    name = path.stem
+    try:
+        recipe = load_recipe(path)
+        quick = {**QUICK, **recipe.get("quick", {})} if args.quick else {}
+        names = (args.arms.split(",") if args.arms else quick.get("arms") or list(recipe["arms"]))
         unknown = [n for n in names if n not in recipe["arms"]]
         if unknown:
-            raise ConfigError(f"unknown arm(s) {', '.join(unknown)}; the recipe has {', '.join(recipe['arms'])}")
-        seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else list(recipe.get("seeds", [0]))
-        results = {}
-        for name in names:
-            evals = []
+            raise RecipeError(f"unknown arm(s) {', '.join(unknown)}; {name} has {', '.join(recipe['arms'])}")
+        seeds = parse_seeds(args.seeds, quick.get("seeds", recipe.get("seeds", 3)))
+        steps = args.steps or quick.get("steps")
+        demo = args.demo.resolve()
+        out = args.out or demo / "ablation" / (name + ("-quick" if args.quick else ""))
+        inputs, logs = load_inputs(), demo / "recipes" / "logs"
+        ev = recipe["eval"]
+        retrieval = None if ev.get("retrieval", "heldout") == "heldout" else ensure(ev["retrieval"], inputs, demo,
+                                                                                    logs)
+        zeroshot = None
+        if ev.get("zeroshot"):
+            zeroshot = (ensure(ev["zeroshot"], inputs, demo, logs), Path(fill(ev["classes"], demo)))
+        rows = []
+        for arm in names:
+            folders = [str(ensure(d, inputs, demo, logs)) for d in recipe["arms"][arm].get("data", [])]
+            if not folders:
+                raise RecipeError(f"{name}: arm {arm} names no data")
             for seed in seeds:
-                cfg, out = arm_config(recipe, name, seed, args)
-                done = out / "result.json"
-                if done.exists() and json.loads(done.read_text()).get("step") == cfg.steps:
-                    console.print(f"[{name} seed {seed}] reusing {done}", highlight=False, markup=False)
-                    res = json.loads(done.read_text())
-                else:
-                    console.print(f"[{name} seed {seed}] preset {cfg.preset}, sampler {cfg.sampler.kind}, "
-                                  f"{cfg.steps} steps -> {out}", highlight=False, markup=False)
-                    resume = (out / "last.pt").exists()
-                    res = train(cfg, resume=resume, overwrite=not resume)
-                    done.write_text(json.dumps(res, indent=2) + "\n")
-                if res.get("eval") is None:
-                    raise TrainError(f"{out}: no held-out evaluation (raise data.val_frac)")
-                evals.append(res["eval"])
-            results[name] = evals
+                run = out / arm / f"s{seed}"
+                res = run_arm(recipe, arm, seed, folders, run, steps, demo)
+                rows.append({"arm": arm, "seed": seed, **score(run, res["step"], res, retrieval, zeroshot)})
     except Interrupted as e:
-        console.print(f"{str(e).split(':')[0]}: the same ablation command resumes this run", highlight=False,
-                      markup=False)
+        console.print(f"{str(e).split(':')[0]}: the same command resumes this run", highlight=False, markup=False)
         return 130
-    except (ConfigError, TrainError, OSError, yaml.YAMLError, KeyError, ValueError) as e:
+    except (RecipeError, ConfigError, TrainError, OSError, yaml.YAMLError, KeyError, ValueError) as e:
         console.print(f"error: {e}", highlight=False, markup=False)
         return 2
 
-    first = next(iter(results.values()))[0]
-    rows = {name: summarise(evals) for name, evals in results.items()}
-    rows["chance"] = {"n_val": first["n_val"], **first["chance"]}
-    table = Table(title=f"held-out retrieval (%), {args.recipe.stem} ablation, mean ± sd over {len(seeds)} seed(s)",
-                  caption="i→t: image→text; t→i: text→image")
-    for c in ["arm", "n_val", *HEADERS]:
-        table.add_column(c, justify="right")
-    for name, r in rows.items():
-        cells = [f"{r[c]:.1f} ± {r[c + '_sd']:.1f}" if c + "_sd" in r else (f"{r[c]:.1f}" if c in r else "-")
-                 for c in COLS]
-        table.add_row(name, str(r["n_val"]), *cells)
-    Console(width=max(Console().width, 130)).print(table)
-    out = Path(args.out or recipe["out"])
-    (out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
-    md = ["| arm | n_val | " + " | ".join(HEADERS) + " |", "|---" * (len(COLS) + 2) + "|"]
-    md += [f"| {n} | {r['n_val']} | " + " | ".join(
-        f"{r[c]:.1f} ± {r[c + '_sd']:.1f}" if c + "_sd" in r else (f"{r[c]:.1f}" if c in r else "") for c in COLS)
-        + " |" for n, r in rows.items()]
-    (out / "results.md").write_text("\n".join(md) + "\n")
-    console.print(f"wrote {out}/results.json and results.md", highlight=False)
+    summary = {arm: summarise([r for r in rows if r["arm"] == arm]) for arm in names}
+    findings = [{**f, "verdict": verdict(summary[f["better"]], summary[f["than"]], f["metric"])}
+                for f in recipe.get("findings", []) if f["better"] in summary and f["than"] in summary]
+    command = "make ablation RECIPE=" + name + (" QUICK=1" if args.quick else "")
+    meta = {"command": command, "date": time.strftime("%Y-%m-%d"), "seeds": len(seeds),
+            "steps": f"{rows[0]['step']} steps" if rows else "", "paper": recipe.get("paper", "")}
+    out.mkdir(parents=True, exist_ok=True)
+    write_outputs(out, recipe, name, rows, summary, findings, meta)
+    print_table(name, summary, findings)
+    console.print(f"wrote {out}/results.json, table.md and chart.png", highlight=False, markup=False)
     return 0
 
 

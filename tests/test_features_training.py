@@ -94,3 +94,19 @@ def test_mixing_inputs_or_encoders_is_one_line(world, tmp_path):
                                  "--set", "data.input=pixels", "--set", "model.image_model=tiny",
                                  "--set", "data.image_size=32"])
     assert r.exit_code == 0 and "image    tiny on 32px pixels" in r.output, r.output
+
+
+def test_bow_on_features_keeps_the_cached_tokens_trainable(world, tmp_path):
+    """`vlprep bow` on a features dataset copies the npy members, so its meta.json carries the features record and
+    vltrain reads the tokens, not pixels (before, the BoW copy silently trained the image tower on pixels)."""
+    from vlprep.bow import BowConfig, bow
+
+    bow(BowConfig(src=world["f64"], out=tmp_path / "bow", ops="shuffle,keep:2", workers=1))
+    assert features_spec(tmp_path / "bow") == features_spec(world["f64"])
+    bow(BowConfig(src=world["pix"], out=tmp_path / "bow-pix", ops="shuffle,keep:2", workers=1))
+    assert features_spec(tmp_path / "bow-pix") is None
+    r = CliRunner().invoke(app, ["run", str(tmp_path / "bow"), "--preset", "clip", "--steps", "2", "--batch-size", "6",
+                                 "--device", "cpu", "--out", str(tmp_path / "run"),
+                                 *[a for s in TINY_TEXT for a in ("--set", s)]])
+    assert r.exit_code == 0, r.output
+    assert "image    cached efficientnet-lite0 tokens 4x1280 float16" in r.output

@@ -34,8 +34,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from vlprep import VlprepError
-from vlprep.dataset import (decode_sample, finish_dataset, iter_aligned, open_derived, prepare_output, release_output,
-                            sidecar_name, write_json_atomic, write_shard)
+from vlprep.dataset import (carried_features, decode_sample, finish_dataset, iter_aligned, open_derived,
+                            prepare_output, release_output, sidecar_name, write_json_atomic, write_shard)
 from vlprep.engine import Work, check_engine, default_workers, map_shards
 from vlprep.text import stop_words, tokenize, words
 
@@ -387,6 +387,7 @@ def bow(cfg: BowConfig, progress=None, warn: Callable[[str], None] = lambda line
     finish_dataset(out, sizes, {
         "stage": "bow", "input": str(cfg.src), "options": options,
         "counts": {"in": n_in, "written": written, "deformed": deformed, "dropped_empty": dropped},
+        **carried_features(cfg.src),
     })
     after_words, after_lengths = Counter(), Counter()
     for shard in ds.shards:  # the 'after' statistics, from the sidecars just written

@@ -474,6 +474,17 @@ def write_json_atomic(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
+def carried_features(src: str | os.PathLike) -> dict:
+    """{"features": record} from SRC's meta.json, for a stage that copies the npy members untouched (bow, detect,
+    ontology), so that its output still trains on the cached tokens; {} for a pixel dataset. (Read here rather
+    than through `encoders.features_spec`, which would import torch into every light stage.)"""
+    try:
+        spec = json.loads((Path(src) / "meta.json").read_text()).get("features")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return {"features": spec} if isinstance(spec, dict) else {}
+
+
 def finish_dataset(root: Path, sizes: dict[str, int], meta: dict) -> None:
     """Write sizes.json (open_clip), index.json (wids) and meta.json once every shard is in place."""
     write_json_atomic(root / "sizes.json", sizes)

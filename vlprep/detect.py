@@ -26,8 +26,9 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from vlprep import VlprepError
-from vlprep.dataset import (batches, decode_sample, finish_dataset, image_ext, iter_aligned, open_derived,
-                            prepare_output, release_output, sidecar_name, to_rgb, write_json_atomic, write_shard)
+from vlprep.dataset import (batches, carried_features, decode_sample, finish_dataset, image_ext, iter_aligned,
+                            open_derived, prepare_output, release_output, sidecar_name, to_rgb, write_json_atomic,
+                            write_shard)
 from vlprep.engine import Work, check_engine, map_shards
 
 OBJECT_TYPE = pa.list_(pa.struct([("label", pa.string()), ("score", pa.float32()), ("box", pa.list_(pa.float32()))]))
@@ -287,7 +288,8 @@ def detect(cfg: DetectConfig, progress=None) -> dict:
         for objs in pq.read_table(out / sidecar_name(shard), columns=["objects"]).column(0).to_pylist():
             labels.update({o["label"] for o in objs})
     finish_dataset(out, sizes, {"stage": "detect", "input": str(cfg.src), "backend": backend, "options": options,
-                                "counts": {"in": total["in"], "written": total["written"]}})
+                                "counts": {"in": total["in"], "written": total["written"]},
+                                **carried_features(cfg.src)})
     elapsed = time.perf_counter() - t0
     report = {
         "stage": "detect", "source": str(cfg.src), "backend": backend, "min_score": cfg.min_score,

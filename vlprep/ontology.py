@@ -31,8 +31,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from vlprep import VlprepError
-from vlprep.dataset import (decode_sample, finish_dataset, iter_aligned, open_derived, prepare_output, release_output,
-                            sidecar_name, write_json_atomic, write_shard)
+from vlprep.dataset import (carried_features, decode_sample, finish_dataset, iter_aligned, open_derived,
+                            prepare_output, release_output, sidecar_name, write_json_atomic, write_shard)
 from vlprep.engine import Work, check_engine, map_shards
 
 PAPER_RATIO = 5000 / 5_800_000  # min instances per triplet in TOnICS (5,000 on 5.8M triplets)
@@ -288,7 +288,7 @@ def ontology(cfg: OntologyConfig, progress=None) -> dict:
     finish_dataset(out, {s: stats[s]["written"] for s in ds.shards},
                    {"stage": "ontology", "input": str(cfg.src), "options": options,
                     "counts": {"pairs": ds.num_samples, "triplets": len(triplets), "classes": len(nodes),
-                               "triplet_counts": counts}})
+                               "triplet_counts": counts}, **carried_features(cfg.src)})
     covered = len(sample_nodes)
     report = {
         "stage": "ontology", "source": str(cfg.src), "pairs": ds.num_samples,

@@ -1,10 +1,10 @@
 """Held-out openclipart tables for the pseudolabel demo: images outside the aligned subset, as unaligned and eval sets.
 
 Reads the captions of all files (make_captions.py without --limit) and the aligned table (with --limit), and keeps
-the rows whose uid the aligned table lacks, in uid order. The eval set takes --eval evenly spaced rows among those
-with a caption no other held-out row has (a caption shared by many files, like the 1,375 "Star. geometry, shapes",
+the rows whose uid and image file the aligned table lacks, in uid order. The eval set takes --eval evenly spaced rows among those
+with a caption and an image file no other held-out row has (a caption shared by many files, like the 1,375 "Star. geometry, shapes",
 has no single right image, so retrieval on it is a coin toss); the unaligned set takes --unaligned evenly spaced
-rows of the rest. Both are deterministic. The unaligned captions stay in the table, because `vlprep shards` wants
+rows of the rest whose image file is not in the eval set. Both are deterministic. The unaligned captions stay in the table, because `vlprep shards` wants
 one, but `vlprep pseudolabel` ignores them (its grid shows them in grey for comparison).
 """
 
@@ -30,13 +30,18 @@ def main() -> None:
     args = ap.parse_args()
 
     table = pq.read_table(args.all)
-    aligned = set(pq.read_table(args.aligned, columns=["uid"]).column(0).to_pylist())
-    rows = sorted((uid, i) for i, uid in enumerate(table.column("uid").to_pylist()) if uid not in aligned)
+    # By file, not only by uid: Debian ships some PNGs under two folders (two uids, one image), and such a copy of
+    # a training image would leak it into the held-out sets.
+    aligned = pq.read_table(args.aligned, columns=["uid", "image"]).to_pydict()
+    aligned_uids, aligned_images = set(aligned["uid"]), set(aligned["image"])
+    images = table.column("image").to_pylist()
+    rows = sorted((uid, i) for i, uid in enumerate(table.column("uid").to_pylist())
+                  if uid not in aligned_uids and images[i] not in aligned_images)
     captions = table.column("caption").to_pylist()
-    shared = Counter(captions[i] for _, i in rows)
-    eval_rows = evenly([r for r in rows if shared[captions[r[1]]] == 1], args.eval)
-    taken = set(eval_rows)
-    unaligned_rows = evenly([r for r in rows if r not in taken], args.unaligned)
+    shared, copies = Counter(captions[i] for _, i in rows), Counter(images[i] for _, i in rows)
+    eval_rows = evenly([r for r in rows if shared[captions[r[1]]] == 1 and copies[images[r[1]]] == 1], args.eval)
+    taken, eval_images = set(eval_rows), {images[i] for _, i in eval_rows}
+    unaligned_rows = evenly([r for r in rows if r not in taken and images[r[1]] not in eval_images], args.unaligned)
     for rows_, path in ((unaligned_rows, args.out_unaligned), (eval_rows, args.out_eval)):
         tmp = path.with_name(path.name + ".tmp")
         pq.write_table(table.take([i for _, i in rows_]), tmp)
