@@ -35,11 +35,12 @@ learns: install
 	$(VENV)/bin/vltrain run demo-out/openclipart/bow-feat --preset $(or $(PRESET),clip) --steps 100 \
 		--batch-size 32 --set eval_every=50 --out demo-out/learns
 
-# The sampler ablation (random vs TOnICS vs GRIT, 3 seeds each) on the demo's ontology shards with cached image
-# tokens: run `make demo` first.
+# The papers' headline ablations at small scale (pipelines/README.md): make ablation RECIPE=fistful [QUICK=1]
+# [SEEDS=3] [STEPS=N]; `.venv/bin/python pipelines/ablation.py --list` lists the recipes. An input a recipe needs
+# and lacks (the demo's outputs included) is built first.
 ablation: install
-	$(VENV)/bin/vlprep features demo-out/openclipart/onto demo-out/openclipart/onto-feat
-	$(PY) pipelines/ablation.py pipelines/samplers.yaml $(if $(STEPS),--steps $(STEPS)) $(if $(SEEDS),--seeds $(SEEDS))
+	$(PY) pipelines/ablation.py $(or $(RECIPE),fistful) $(if $(QUICK),--quick) $(if $(STEPS),--steps $(STEPS)) \
+		$(if $(SEEDS),--seeds $(SEEDS))
 
 clean:
 	rm -rf $(VENV) demo-out

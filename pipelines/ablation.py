@@ -122,14 +122,14 @@ def ensure(name: str, inputs: dict, demo: Path, logs: Path, done: set | None = N
     env = {**os.environ, **{k: fill(str(v), demo, str(path)) for k, v in spec.get("env", {}).items()}}
     logs.mkdir(parents=True, exist_ok=True)
     log = logs / f"{name}.log"
-    console.print(f"building {name} -> {path} (log: {log})", highlight=False, markup=False)
+    console.print(f"building {name} -> {path} (log: {log})", highlight=False, markup=False, soft_wrap=True)
     t0 = time.monotonic()
     with log.open("w") as f:
         r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
     if r.returncode != 0 or not _present(path):
         tail = log.read_text().strip().splitlines()[-15:]
         raise RecipeError(f"building {name} failed ({' '.join(cmd)[:200]}); the end of {log}:\n" + "\n".join(tail))
-    console.print(f"built {name} in {time.monotonic() - t0:.0f} s", highlight=False, markup=False)
+    console.print(f"built {name} in {time.monotonic() - t0:.0f} s", highlight=False, markup=False, soft_wrap=True)
     done.add(name)
     return path
 
@@ -177,10 +177,10 @@ def run_arm(recipe: dict, name: str, seed: int, folders: list[str], out: Path, s
     cfg = arm_config(recipe, name, seed, folders, out, steps, demo)
     done = out / "result.json"
     if done.exists() and json.loads(done.read_text()).get("step") == cfg.steps and (out / "last.pt").exists():
-        console.print(f"[{name} seed {seed}] reusing {done}", highlight=False, markup=False)
+        console.print(f"[{name} seed {seed}] reusing {done}", highlight=False, markup=False, soft_wrap=True)
         return json.loads(done.read_text())
     console.print(f"[{name} seed {seed}] preset {cfg.preset}, sampler {cfg.sampler.kind}, {cfg.steps} steps of "
-                  f"{cfg.batch_size} -> {out}", highlight=False, markup=False)
+                  f"{cfg.batch_size} -> {out}", highlight=False, markup=False, soft_wrap=True)
     resume = (out / "last.pt").exists()
     res = train(cfg, resume=resume, overwrite=not resume)
     done.write_text(json.dumps(res, indent=2) + "\n")
@@ -226,22 +226,23 @@ def write_outputs(out: Path, recipe: dict, name: str, rows: list[dict], summary:
     (out / "results.json").write_text(json.dumps({"recipe": name, **meta, "rows": rows, "arms": summary,
                                                   "findings": findings}, indent=2) + "\n")
     first = rows[0]
-    chance = f"chance R@1 {first['chance_r1']:.1f} on {first['n_eval']} pairs"
+    chance_text = f"chance R@1 {first['chance_r1']:.1f} on {first['n_eval']} pairs"
     if "zeroshot_chance" in first:
-        chance += f", zero-shot chance {first['zeroshot_chance']:.1f} on {first['zeroshot_n']} images"
+        chance_text += f", zero-shot chance {first['zeroshot_chance']:.1f} on {first['zeroshot_n']} images"
     md = [f"`{meta['command']}` ({meta['date']}; {meta['seeds']} seed(s), {meta['steps']}): mean ± sd over seeds; "
-          f"{chance}.", "", "| arm | " + " | ".join(HEADERS[c] for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+          f"{chance_text}.", "", "| arm | " + " | ".join(HEADERS[c] for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
     md += [f"| {arm} | " + " | ".join(cell(s, c) for c in cols) + " |" for arm, s in summary.items()]
     if findings:
         md += ["", "| paper's finding | ours: " + "better arm vs other on metric | verdict |", "|---|---|---|"]
         md += [f"| {f['paper']} | {f['better']} {cell(summary[f['better']], f['metric'])} vs {f['than']} "
                f"{cell(summary[f['than']], f['metric'])} ({HEADERS[f['metric']]}) | {f['verdict']} |" for f in findings]
     (out / "table.md").write_text("\n".join(md) + "\n")
+    chance = {"R@1 chance": first["chance_r1"], "zero-shot chance": first.get("zeroshot_chance")}
     chart(out / "chart.png", summary, [c for c in ("i2t_r1", "t2i_r1", "zeroshot") if c in cols],
-          f"{name}: mean ± sd over {meta['seeds']} seed(s)")
+          f"{name}: mean ± sd over {meta['seeds']} seed(s)", chance)
 
 
-def chart(path: Path, summary: dict, metrics: list[str], title: str) -> None:
+def chart(path: Path, summary: dict, metrics: list[str], title: str, chance: dict) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -254,6 +255,9 @@ def chart(path: Path, summary: dict, metrics: list[str], title: str) -> None:
         xs = [j + (i - (len(metrics) - 1) / 2) * width for j in range(len(arms))]
         ax.bar(xs, [summary[a].get(m, 0) for a in arms], width, yerr=[summary[a].get(m + "_sd", 0) for a in arms],
                capsize=3, label=HEADERS[m])
+    for (label, y), style in zip(chance.items(), (":", "--")):
+        if y is not None:
+            ax.axhline(y, color="grey", linestyle=style, linewidth=1, label=label)
     ax.set_xticks(range(len(arms)), arms, rotation=20, ha="right")
     ax.set_ylabel("%")
     ax.set_title(title)
@@ -274,7 +278,7 @@ def print_table(name: str, summary: dict, findings: list[dict]) -> None:
     wide.print(table)
     for f in findings:
         wide.print(f"{f['verdict']:>15}: {f['paper']} ({f['better']} vs {f['than']}, {HEADERS[f['metric']]})",
-                   highlight=False, markup=False)
+                   highlight=False, markup=False, soft_wrap=True)
 
 
 # --- main -----------------------------------------------------------------------------------------------------------
@@ -338,10 +342,10 @@ def main(argv: list[str] | None = None) -> int:
                 res = run_arm(recipe, arm, seed, folders, run, steps, demo)
                 rows.append({"arm": arm, "seed": seed, **score(run, res["step"], res, retrieval, zeroshot)})
     except Interrupted as e:
-        console.print(f"{str(e).split(':')[0]}: the same command resumes this run", highlight=False, markup=False)
+        console.print(f"{str(e).split(':')[0]}: the same command resumes this run", highlight=False, markup=False, soft_wrap=True)
         return 130
     except (RecipeError, ConfigError, TrainError, OSError, yaml.YAMLError, KeyError, ValueError) as e:
-        console.print(f"error: {e}", highlight=False, markup=False)
+        console.print(f"error: {e}", highlight=False, markup=False, soft_wrap=True)
         return 2
 
     summary = {arm: summarise([r for r in rows if r["arm"] == arm]) for arm in names}
@@ -353,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     write_outputs(out, recipe, name, rows, summary, findings, meta)
     print_table(name, summary, findings)
-    console.print(f"wrote {out}/results.json, table.md and chart.png", highlight=False, markup=False)
+    console.print(f"wrote {out}/results.json, table.md and chart.png", highlight=False, markup=False, soft_wrap=True)
     return 0
 
 

@@ -65,3 +65,15 @@ def test_run_sh_on_a_subset(tmp_path):
     assert json.loads((tmp_path / "shards" / "report.json").read_text())["shards_resumed"] == 1
     for stage in ("bow", "det", "onto"):
         assert json.loads((tmp_path / stage / "report.json").read_text())["shards_resumed"] == 1
+
+    # `make ablation RECIPE=fistful QUICK=1` on this demo folder: builds the inputs it lacks (the intact tokens, two
+    # BoW variants, the zero-shot set) with the demo's stages and tabulates both arms with the paper beside them.
+    r = subprocess.run([sys.executable, str(ROOT / "pipelines" / "ablation.py"), "fistful", "--quick", "--demo",
+                        str(tmp_path)], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((tmp_path / "ablation" / "fistful-quick" / "results.json").read_text())
+    assert [row["arm"] for row in res["rows"]] == ["intact", "bow"]
+    assert all(row["n_eval"] == summary["n_pairs"] and row["zeroshot_n"] == 300 for row in res["rows"])
+    assert json.loads((tmp_path / "recipes" / "bow-default" / "meta.json").read_text())["features"] == feat
+    table = (tmp_path / "ablation" / "fistful-quick" / "table.md").read_text()
+    assert "Table 2" in table and "inconclusive" in table  # one seed is never a verdict
