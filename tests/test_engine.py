@@ -172,3 +172,13 @@ def test_vlprep_never_imports_vltrain():
     r = subprocess.run([sys.executable, "-c", "import vlprep.cli, sys; print('vltrain' in sys.modules)"],
                        capture_output=True, text=True, check=True)
     assert r.stdout.strip() == "False"  # even the CLI imports it only when embed or pseudolabel runs
+
+
+def test_distributor_help_names_the_ray_extra():
+    """Rich markup once ate "[ray]" out of every --distributor help line ("needs the  extra")."""
+    from typer.testing import CliRunner
+
+    from vlprep.cli import app
+
+    out = CliRunner().invoke(app, ["bow", "--help"], env={"COLUMNS": "200"}).output
+    assert "needs the [ray] extra" in out

@@ -40,7 +40,7 @@ def skip_bad_option():
 def distributor_option():
     return typer.Option("local", help="Where the shards are processed: local (this machine: a process pool, or this "
                         "process with --workers 1) or ray (Ray actors; RAY_ADDRESS or a local Ray; needs the "
-                        "[ray] extra, docs/SCALE.md).")
+                        "\\[ray] extra, docs/SCALE.md).")
 
 
 def workers_option(default: str):
