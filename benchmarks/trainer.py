@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 import vltrain.train as vt  # noqa: E402
 from vltrain.config import load_config  # noqa: E402
-from vltrain.data import Collate, ShardStream, to_rgb, train_transform  # noqa: E402
+from vltrain.data import Collate, ShardStream, count_split, to_rgb, train_transform  # noqa: E402
 from vltrain.model import IMAGE_STATS, ModelConfig, build_model, build_tokenizer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -165,6 +165,8 @@ def run_bare(cfg, batches: list[dict]) -> dict:
 def loop_sides(shards: Path, tmp: Path, steps: int) -> tuple[dict, object]:
     cfg = small_config(shards, tmp / "run", steps)
     cfg.eval_every = cfg.ckpt_every = 10**9  # still runs once at the last step, after the last timed gap
+    # train() clamps the queue to the training split; the bare side must train the same model
+    cfg.model.queue_size = min(cfg.model.queue_size, count_split(cfg.shards, cfg.data.val_frac)["train"])
     FakeLoader.batches = preload(cfg)
     vt.DataLoader = FakeLoader
     return {"bare": lambda out: run_bare(cfg, FakeLoader.batches), "vltrain": lambda out: run_vltrain(cfg)}, cfg
