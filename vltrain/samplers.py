@@ -197,9 +197,13 @@ def grit_orders(image_feats: torch.Tensor, text_feats: torch.Tensor, m: int, sta
         # Full float32 products on CUDA too (train.tf32 turns TF32 on for the step): a 10-bit mantissa would
         # turn near-ties of the similarity into different argmaxes.
         torch.backends.cuda.matmul.allow_tf32 = False
+        buffers = None
         for first, end, size in spans:
-            sim = torch.empty(end - first, size, size, device=device)  # image_k . text_j
-            sim_t = torch.empty_like(sim)  # text_k . image_j: the transposes, so that both kinds of rows are rows
+            # image_k . text_j, and text_k . image_j (the transposes, so that both kinds of rows are rows). One
+            # pair of buffers for every full chunk: fresh pages of 128 MB per chunk cost as much as the chains.
+            if size != m or buffers is None:
+                buffers = torch.empty(2, end - first, size, size, device=device)
+            sim, sim_t = buffers[0, :end - first], buffers[1, :end - first]
             for s in range(first, end):  # one product per sub-queue, as grit_order on that sub-queue would take
                 a = s * m
                 torch.mm(img[a:a + size], txt[a:a + size].t(), out=sim[s - first])
