@@ -210,7 +210,7 @@ def main() -> None:
                   "(informational: a GPU step is far shorter)", flush=True)
             rows.append({"name": f"A grit / {args.model} CPU step", "base": step, "cand": now["per_step_s"],
                          "target": None, "ratio": now["per_step_s"] / step, "cpu_ratio": float("nan"),
-                         "note": "fraction of a CPU step, informational"})
+                         "note": f"{100 * now['per_step_s'] / step:.3f}% of a CPU step, informational"})
 
     if "b" not in skip:
         for refreshes in (0, 14):
