@@ -229,6 +229,8 @@ def bench_loader(sides: dict, shards: Path, repeats: int, isolate: bool, scratch
           f"{workers} workers{', each pass in a fresh process' if isolate else ''}", flush=True)
     rates = time_sides_figures(sides, repeats, scratch, isolate, label="B ", show="samples_per_s",
                                unit="samples/s")
+    print("  median samples/s: " + ", ".join(f"{k} {statistics.median(v['samples_per_s']):.1f}"
+                                           for k, v in rates.items()), flush=True)
     counts = {k: v["samples"][-1] for k, v in rates.items()}
     print("  full batches delivered per pass: " + ", ".join(f"{k} {v:.0f} samples" for k, v in counts.items()))
     if len(set(counts.values())) != 1:
