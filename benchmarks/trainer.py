@@ -287,11 +287,14 @@ def main() -> None:
 
     print("\n" + load_line("end"))
     print_table_ms(rows, "vltrain")
-    print("A: baseline = train_step + zero_grad + backward + clip_grad_norm_ + fused AdamW (the trainer's groups) + "
-          "momentum\n   update + enqueue; candidate = vltrain.train() itself, its DataLoader monkeypatched to "
-          "yield pre-loaded\n   batches; a step is timed from one batch fetch to the next.")
-    print("B: baseline = wds.WebDataset + shuffle(1000) + map(to_rgb, transform) + batched(Collate) in a WebLoader; "
-          "candidate\n   = ShardStream (val_frac 0, shuffle buffer 1000) + Collate in a DataLoader; same workers.")
+    if "a" in parts:
+        print("A: baseline = train_step + zero_grad + backward + clip_grad_norm_ + fused AdamW (the trainer's "
+              "groups) + momentum\n   update + enqueue; candidate = vltrain.train() itself, its DataLoader "
+              "monkeypatched to yield pre-loaded\n   batches; a step is timed from one batch fetch to the next.")
+    if "b" in parts:
+        print("B: baseline = wds.WebDataset + shuffle(1000) + map(to_rgb, transform) + batched(Collate) in a "
+              "WebLoader; candidate\n   = ShardStream (val_frac 0, shuffle buffer 1000) + Collate in a DataLoader; "
+              "same workers.")
 
 
 if __name__ == "__main__":
