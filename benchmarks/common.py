@@ -136,3 +136,75 @@ def print_table(rows: list[dict], candidate: str = "candidate") -> None:
         target = f"<= {r['target']}x" if r["target"] is not None else "-"
         print(f"{r['name']:<28} {r['base']:>10.3f} {r['cand']:>12.3f} {r['ratio']:>6.2f}x {r['cpu_ratio']:>8.2f}x "
               f"{target:>8}  {r['result']}{'  (' + r['note'] + ')' if r['note'] else ''}")
+
+
+# --- sides that measure themselves --------------------------------------------------------------------------------
+# Some comparisons are per training step, timed inside the call (the gaps between batch fetches), not the whole
+# call: set-up such as building a model would otherwise dilute the ratio. Such a side returns {figure: value};
+# these functions are time_sides / run_child with those figures carried along (in the child's JSON line too).
+
+Measured = Callable[[Path], dict]
+
+
+def _timed_figures(fn: Measured, scratch: Path) -> dict:
+    out = Path(tempfile.mkdtemp(prefix="out-", dir=scratch))
+    try:
+        c0, t0 = cpu_now(), time.perf_counter()
+        figures = fn(out)
+        return {"wall": time.perf_counter() - t0, "cpu": cpu_now() - c0, **figures}
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def run_child_figures(args: argparse.Namespace, sides: dict[str, Measured]) -> None:
+    """`run_child` for sides that return figures: the child's JSON line holds them beside wall and cpu."""
+    if args.side is None:
+        return
+    if args.side not in sides:
+        sys.exit(f"--side {args.side}: not one of {', '.join(sides)}")
+    print(json.dumps({"side": args.side, **_timed_figures(sides[args.side], args.side_dir)}), flush=True)
+    sys.exit(0)
+
+
+def _child_figures(name: str, data_dir: Path) -> dict:
+    argv = [a for a in sys.argv[1:] if a != "--isolate"]
+    r = subprocess.run([sys.executable, sys.argv[0], *argv, "--side", name, "--side-dir", str(data_dir)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"isolated run of side {name!r} failed:\n{r.stderr[-3000:]}")
+    last = json.loads(r.stdout.strip().splitlines()[-1])
+    last.pop("side")
+    return last
+
+
+def time_sides_figures(sides: dict[str, Measured], repeats: int, scratch: Path, isolate: bool = False,
+                       warmup: int = 1, label: str = "", show: str = "wall",
+                       scale: float = 1.0, unit: str = "s") -> dict[str, dict[str, list[float]]]:
+    """`time_sides` for sides that return figures: {side: {"wall": [...], "cpu": [...], figure: [...], ...}}.
+
+    Same alternating rounds, warm-up and isolation; each round's line shows figure `show` x `scale` in `unit`.
+    """
+    names = list(sides)
+    times: dict[str, dict[str, list[float]]] = {n: {} for n in names}
+    if not isolate:
+        for _ in range(warmup):
+            for n in names:
+                _timed_figures(sides[n], scratch)
+    for r in range(repeats):
+        for n in (names if r % 2 == 0 else names[::-1]):
+            got = _child_figures(n, scratch) if isolate else _timed_figures(sides[n], scratch)
+            for k, v in got.items():
+                times[n].setdefault(k, []).append(v)
+        print(f"  {label}round {r + 1}/{repeats}: "
+              + ", ".join(f"{n} {times[n][show][-1] * scale:.3f} {unit}" for n in names), flush=True)
+    return times
+
+
+def print_table_ms(rows: list[dict], candidate: str = "candidate") -> None:
+    """`print_table` for per-step (or per-sample) rows: baseline and candidate in milliseconds."""
+    print(f"\n{'measure':<34} {'baseline ms':>11} {candidate + ' ms':>13} {'ratio':>7} {'cpu ratio':>9} "
+          f"{'target':>8}  result")
+    for r in rows:
+        target = f"<= {r['target']}x" if r["target"] is not None else "-"
+        print(f"{r['name']:<34} {r['base'] * 1e3:>11.2f} {r['cand'] * 1e3:>13.2f} {r['ratio']:>6.2f}x "
+              f"{r['cpu_ratio']:>8.2f}x {target:>8}  {r['result']}{'  (' + r['note'] + ')' if r['note'] else ''}")

@@ -5,7 +5,7 @@ and named losses), backward, clipping, fused AdamW, momentum update and enqueue,
 (bf16 autocast, TF32, channels_last). Random pixels and captions time the same as real ones. MFU = the measured
 model FLOP/s (3x the forward FLOPs counted by torch's FlopCounterMode) over the device's dense bf16 peak (a table
 of common GPUs, or --peak-tflops). This is the script to compare against open_clip's published throughput.
-On a machine without CUDA it prints "no CUDA device" and exits 0.
+On a machine without CUDA it prints "no CUDA device" and exits 0. Load averages are printed at start and end.
 
     .venv/bin/python benchmarks/gpu.py [--steps 20] [--batches 128,256] [--presets clip,albef,grit]
 """
@@ -14,8 +14,12 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import load_line  # noqa: E402
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0, "RTX 4090": 165.0,
                     "RTX 3090": 71.0, "V100": 125.0, "T4": 65.0}
@@ -75,8 +79,10 @@ def main() -> int:
     ap.add_argument("--presets", default="clip,albef,grit")
     ap.add_argument("--peak-tflops", type=float, default=0.0, help="dense bf16 peak of the GPU (default: table)")
     args = ap.parse_args()
+    print(load_line("start"), flush=True)
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure (run this on a GPU machine)")
+        print(load_line("end"))
         return 0
     device = torch.device("cuda")
     name = torch.cuda.get_device_name(device)
@@ -107,6 +113,7 @@ def main() -> int:
                   f"{flops / sec / 1e12:6.1f} TFLOP/s, MFU {mfu}")
             del built
             torch.cuda.empty_cache()
+    print(load_line("end"))
     return 0
 
 

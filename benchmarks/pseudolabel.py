@@ -5,20 +5,23 @@ A: end to end. `pseudolabel(...)` with the packaged encoders (a freshly built vl
    /usr/share/openclipart is missing) against --captions aligned captions, vs the bare work on the same inputs:
    the text encoder over the same captions + IndexFlatIP.add, then the image encoder over the same crops (made
    beforehand, untimed) + index.search. The stage's time includes everything it does: loading the checkpoint,
-   reading and writing shards, decoding, cropping, ranking, the report and its PNGs. Interleaved (bare, stage,
-   bare, ...); medians decide. Target: stage / bare <= 1.2.
+   reading and writing shards, decoding, cropping, ranking, the report and its PNGs. One untimed warm-up round,
+   then rounds of alternating order (bare, stage; stage, bare; ...: benchmarks/common.py); medians of wall and
+   CPU time (user + system, all threads) decide; CPU time is the steadier on a shared machine. `--isolate` runs
+   every timed call in a fresh process. Target: stage / bare <= 1.2.
 B: flat vs IVF search at --n vectors x --dim (default 1,000,000 x 384) of clustered synthetic unit vectors (--topics
    centres, noise of norm --noise): build time, search QPS on --queries queries from the same distribution
    (k=10), and IVF's recall@10 against the exact flat result, for several nprobe.
+Load averages are printed at start and end.
 
     .venv/bin/python benchmarks/pseudolabel.py [--quick] [--images 120] [--captions 1000] [--repeats 3]
-                                               [--n 1000000] [--dim 384] [--skip a,b]
+                                               [--n 1000000] [--dim 384] [--skip a,b] [--isolate]
 """
 
 import argparse
-import resource
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,6 +30,9 @@ import numpy as np
 import torch
 
 from vlprep import knn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import add_options, load_line, median, print_table, ratio_row, run_child, time_sides  # noqa: E402
 
 DEFAULT_SRC = Path("/usr/share/openclipart/png")
 TARGET_RATIO = 1.2
@@ -69,23 +75,17 @@ def make_data(tmp: Path, n_images: int, n_captions: int) -> tuple[Path, Path]:
     return tmp / "aligned", tmp / "unaligned"
 
 
-def cpu_seconds() -> float:
-    """User + system CPU time of this process (all threads): less sensitive than wall time to other load."""
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
-def bare_run(enc, captions: list[str], crops: list[torch.Tensor], k: int, batch: int) -> float:
-    """Text encoder + flat index, then image encoder + search over the same crops: seconds."""
-    t0 = time.perf_counter()
+def bare_run(enc, captions: list[str], crops: list[torch.Tensor], k: int, batch: int) -> None:
+    """Text encoder + flat index, then image encoder + search over the same crops."""
     vectors = np.concatenate([enc.texts(captions[i:i + 256]) for i in range(0, len(captions), 256)])
     index = knn.build_index(vectors, "flat")
     for i in range(0, len(crops), batch):
         knn.search(index, enc.images(np.concatenate(crops[i:i + batch])), k)
-    return time.perf_counter() - t0
 
 
-def bench_end_to_end(args) -> dict:
+def end_to_end_sides(args, scratch: Path) -> dict:
+    """The data, checkpoint and crops (untimed; an isolated child reuses its parent's data in `scratch`), then
+    {"bare": fn(out), "stage": fn(out)}."""
     from vlprep.dataset import iter_samples, read_sidecars, open_dataset
     from vlprep.embed import crop_views, decode
     from vltrain.encode import CheckpointEncoder
@@ -93,46 +93,39 @@ def bench_end_to_end(args) -> dict:
     from vltrain.config import Config, to_dict
     from vltrain.model import ModelConfig, build_model
 
-    tmp = Path(tempfile.mkdtemp(prefix="bench-pseudo-"))
-    try:
-        aligned, unaligned = make_data(tmp, args.images, args.captions)
+    aligned, unaligned, ckpt = scratch / "aligned", scratch / "unaligned", scratch / "ckpt.pt"
+    if not ckpt.exists():
+        make_data(scratch, args.images, args.captions)
         mc = ModelConfig(momentum=False, queue_size=0)
-        torch.save({"model": build_model(mc).state_dict(), "config": to_dict(Config(model=mc))}, tmp / "ckpt.pt")
-        enc = CheckpointEncoder(tmp / "ckpt.pt", "cpu")
-        captions = read_sidecars(open_dataset(aligned), ["caption"]).column(0).to_pylist()
-        crops = []
-        for raw in iter_samples(unaligned, decode=False):
-            image, _ = decode(raw)
-            crops.append(crop_views(image, raw["__key__"], 0, args.crops, enc.image_size, enc.min_crop_scale))
-        bare, stage, rates, bare_cpu, stage_cpu = [], [], [], [], []
-        for r in range(args.repeats):
-            c0 = cpu_seconds()
-            bare.append(bare_run(enc, captions, crops, 10, 16))
-            c1 = cpu_seconds()
-            t0 = time.perf_counter()
-            rep = pseudolabel(PseudolabelConfig(aligned=aligned, unaligned=unaligned, out=tmp / f"out{r}",
-                                                crops=args.crops, k=10, device="cpu"),
-                              CheckpointEncoder(tmp / "ckpt.pt", "cpu"))
-            stage.append(time.perf_counter() - t0)
-            bare_cpu.append(c1 - c0)
-            stage_cpu.append(cpu_seconds() - c1)
-            rates.append(rep["images_per_s"])
-            print(f"  repeat {r + 1}: bare {bare[-1]:.1f} s (cpu {bare_cpu[-1]:.1f} s), stage {stage[-1]:.1f} s "
-                  f"(cpu {stage_cpu[-1]:.1f} s; shard loop {rep['images_per_s']} images/s), wall ratio "
-                  f"{stage[-1] / bare[-1]:.3f}, cpu ratio {stage_cpu[-1] / bare_cpu[-1]:.3f}", flush=True)
-        b, s = statistics.median(bare), statistics.median(stage)
-        ratio = s / b
-        cpu_ratio = statistics.median(stage_cpu) / statistics.median(bare_cpu)
-        ok = ratio <= TARGET_RATIO
-        print(f"  median: bare {b:.1f} s ({args.images / b:.2f} images/s), stage {s:.1f} s "
-              f"({args.images / s:.2f} images/s end to end, {statistics.median(rates)} in the shard loop); "
-              f"stage/bare wall {ratio:.3f}x (cpu time {cpu_ratio:.3f}x), target <= {TARGET_RATIO}: "
-              f"{'PASS' if ok else 'FAIL'}", flush=True)
-        return {"name": f"A end to end, {args.images} images x {args.crops} crops, {args.captions:,} captions",
-                "value": f"{args.images / s:.2f} images/s", "baseline": f"bare {args.images / b:.2f}/s "
-                f"({ratio:.3f}x)", "target": f"<= {TARGET_RATIO}x", "ok": ok}
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        torch.save({"model": build_model(mc).state_dict(), "config": to_dict(Config(model=mc))}, ckpt)
+    enc = CheckpointEncoder(ckpt, "cpu")
+    captions = read_sidecars(open_dataset(aligned), ["caption"]).column(0).to_pylist()
+    crops = []
+    for raw in iter_samples(unaligned, decode=False):
+        image, _ = decode(raw)
+        crops.append(crop_views(image, raw["__key__"], 0, args.crops, enc.image_size, enc.min_crop_scale))
+    rates = []
+
+    def stage(out: Path) -> None:
+        rep = pseudolabel(PseudolabelConfig(aligned=aligned, unaligned=unaligned, out=out / "pseudo",
+                                            crops=args.crops, k=10, device="cpu"), CheckpointEncoder(ckpt, "cpu"))
+        rates.append(rep["images_per_s"])
+
+    return {"bare": lambda out: bare_run(enc, captions, crops, 10, 16), "stage": stage}, rates
+
+
+def bench_end_to_end(args, sides: dict, rates: list, scratch: Path) -> dict:
+    print(f"  one untimed warm-up round, then {args.repeats} rounds of alternating order"
+          f"{', each run in a fresh process' if args.isolate else ''}", flush=True)
+    t = time_sides(sides, args.repeats, scratch, args.isolate, label="A ")
+    row = ratio_row(f"A end to end, {args.images} images", t["bare"], t["stage"], TARGET_RATIO,
+                    note=f"x {args.crops} crops, {args.captions:,} captions")
+    b, s = median(t["bare"]["wall"]), median(t["stage"]["wall"])
+    loop = f", {median(rates):.2f} in the shard loop" if rates else ""
+    print(f"  median: bare {b:.1f} s ({args.images / b:.2f} images/s), stage {s:.1f} s "
+          f"({args.images / s:.2f} images/s end to end{loop}); CPU time bare {median(t['bare']['cpu']):.1f} s, "
+          f"stage {median(t['stage']['cpu']):.1f} s", flush=True)
+    return row
 
 
 # --- B: flat vs IVF --------------------------------------------------------------------------------------
@@ -209,22 +202,36 @@ def main() -> None:
     ap.add_argument("--queries", type=int, default=2000)
     ap.add_argument("--nprobe", type=lambda s: [int(x) for x in s.split(",")], default=[8, 16, 32, 64, 128])
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: a, b")
+    add_options(ap)
     args = ap.parse_args()
     if args.quick:
         args.images, args.captions, args.repeats, args.n, args.topics, args.queries = 16, 200, 1, 50_000, 1000, 500
     skip = set(args.skip.split(","))
-    torch.set_num_threads(torch.get_num_threads())
-    results = []
+    if args.side is not None:  # an isolated child of part A
+        sides, _ = end_to_end_sides(args, args.side_dir)
+        run_child(args, sides)
+    print(load_line("start"), flush=True)
+    rows, index_row = [], None
     if "a" not in skip:
         print("A: end to end vs bare encoder forward + faiss search", flush=True)
-        results.append(bench_end_to_end(args))
+        scratch = Path(tempfile.mkdtemp(prefix="bench-pseudo-"))
+        try:
+            sides, rates = end_to_end_sides(args, scratch)
+            rows.append(bench_end_to_end(args, sides, rates, scratch))
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
     if "b" not in skip:
         print("B: flat vs IVF", flush=True)
-        results.append(bench_index(args))
-    print("\nsummary")
-    for r in results:
-        print(f"  {'PASS' if r['ok'] else 'FAIL'}  {r['name']}: {r['value']}; baseline {r['baseline']}; "
-              f"target {r['target']}")
+        index_row = bench_index(args)
+    print("\n" + load_line("end"))
+    if rows:
+        print_table(rows, "stage")
+        print("A: baseline = text encoder over the captions + IndexFlatIP.add, image encoder over the pre-made crops + "
+              "search;\n   candidate = vlprep.pseudolabel.pseudolabel end to end (checkpoint load, shards in and out, "
+              "decode, crops, ranking, report)")
+    if index_row is not None:
+        print(f"\n{'PASS' if index_row['ok'] else 'FAIL'}  {index_row['name']}: {index_row['value']}; baseline "
+              f"{index_row['baseline']}; target {index_row['target']}")
 
 
 if __name__ == "__main__":

@@ -1,16 +1,23 @@
 """Benchmark vltrain's loop and data pipeline against bare baselines measured in the same run (DESIGN.md section 9).
 
 A: loop overhead. `vltrain.train.train` itself runs (tiny model, preset albef, batch 16, image size 32) with its
-   DataLoader monkeypatched to yield ~20 batches pre-loaded in memory, so each step is exactly the loop's body
+   DataLoader monkeypatched to yield 20 batches pre-loaded in memory, so each step is exactly the loop's body
    (data-RNG fork, lr update, train_step, loss floats, backward, grad clip, AdamW, momentum update, enqueue,
-   metric rows, progress). A step's time is the gap between two consecutive batch fetches. Baseline: the same
-   model and batches, train_step + loss.backward() + opt.step() + opt.zero_grad() and nothing else.
+   metric rows every log_every steps, progress). A step's time is the gap between two consecutive batch fetches.
+   Baseline ("bare"): the same work the step must do and nothing else, on the same model, batches and global
+   torch modes (`_seed_everything`): train_step, zero_grad, backward, clip_grad_norm_ (preset's grad_clip), fused
+   AdamW over the trainer's two parameter groups, momentum_update and dequeue_and_enqueue (albef has both).
+   Reported per side: the median step and the mean over every step after the first SKIP (logging steps
+   included; the median alone hides them), with its CPU time. The final step (evaluation, checkpoint) is not
+   a timed gap. Target: mean and median <= 1.10x the bare step.
 B: loader throughput. vltrain's ShardStream + Collate (MiniLM tokenizer, train_transform 224, DataLoader with
    2 workers, batch 32) vs a plain `webdataset` pipeline with the same decode (`to_rgb`), transform and collate,
-   on the same shards; samples/s from creating the loader iterator to exhausting it.
-Runs are interleaved (baseline, candidate, baseline, ...) so drift hits both sides alike; medians decide.
+   on the same shards; samples/s from creating the loader iterator to exhausting it. Target >= 0.95x.
+Rounds alternate the order of the sides (benchmarks/common.py) after one untimed warm-up round; medians over
+rounds decide. `--isolate` runs every timed call in a fresh process. Load averages are printed at start and end.
 
-    .venv/bin/python benchmarks/trainer.py [--repeats 5] [--steps 40] [--shards DIR] [--images 1500]
+    .venv/bin/python benchmarks/trainer.py [--repeats 5] [--steps 40] [--shards DIR] [--images 1500] [--parts a,b]
+                                           [--isolate]
 """
 
 import argparse
@@ -31,13 +38,17 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 import vltrain.train as vt  # noqa: E402
 from vltrain.config import load_config  # noqa: E402
-from vltrain.data import Collate, ShardStream, to_rgb, train_transform  # noqa: E402
+from vltrain.data import Collate, ShardStream, count_split, to_rgb, train_transform  # noqa: E402
 from vltrain.model import IMAGE_STATS, ModelConfig, build_model, build_tokenizer  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (add_options, cpu_now, load_line, print_table_ms, ratio_row, run_child_figures,  # noqa: E402
+                    time_sides_figures)
 
 DEMO_SHARDS = Path(__file__).resolve().parent.parent / "demo-out" / "openclipart" / "shards"
 CLIPART = Path("/usr/share/openclipart/png")
 N_BATCHES = 20
-SKIP = 5  # first steps of every run left out of the median: allocator and autograd warm-up
+SKIP = 5  # first steps of every run left out of the figures: allocator and autograd warm-up
 
 
 # --- the shards -----------------------------------------------------------------------------------
@@ -48,6 +59,8 @@ def get_shards(arg: Path | None, images: int, tmp: Path) -> tuple[Path, str]:
     if arg is not None or DEMO_SHARDS.is_dir():
         folder = arg or DEMO_SHARDS
         return folder, f"existing shards {folder}"
+    if (tmp / "shards").is_dir():  # an isolated child: its parent built them
+        return tmp / "shards", "shards built by the parent process"
     from vlprep.shards import ShardsConfig, build_shards
 
     src = tmp / "src"
@@ -71,7 +84,7 @@ def get_shards(arg: Path | None, images: int, tmp: Path) -> tuple[Path, str]:
 def small_config(shards: Path, out: Path, steps: int):
     return load_config("albef", None, [f"shards=[{shards}]", f"out={out}", f"steps={steps}", "batch_size=16",
                                        "data.image_size=32", "data.workers=0", "model.text_model=tiny",
-                                       "model.image_model=tiny", "device=cpu"])
+                                       "model.image_model=tiny", "model.fusion_layers=1", "device=cpu"])
 
 
 def preload(cfg) -> list[dict]:
@@ -84,69 +97,94 @@ def preload(cfg) -> list[dict]:
     return list(itertools.islice(loader, N_BATCHES))
 
 
+def step_figures(stamps: list[tuple[float, float]]) -> dict:
+    """Per-step seconds from (wall, cpu) stamps taken at every batch fetch, the first SKIP steps left out: the
+    median gap, and the mean and CPU-time mean over every step in between (logging steps included)."""
+    kept = stamps[SKIP:]
+    gaps = [b[0] - a[0] for a, b in zip(kept, kept[1:])]
+    n = len(gaps)
+    return {"median_s": statistics.median(gaps), "mean_s": (kept[-1][0] - kept[0][0]) / n,
+            "cpu_mean_s": (kept[-1][1] - kept[0][1]) / n, "max_s": max(gaps)}
+
+
 class FakeLoader:
     """Stands in for torch's DataLoader inside vltrain.train: yields the pre-loaded batches, stamping each fetch."""
 
     batches: list[dict] = []
-    stamps: list[float] = []
+    stamps: list[tuple[float, float]] = []
 
     def __init__(self, dataset, drop_last: bool = False, **kwargs):
-        self.training = drop_last  # the training loader drops the last batch; the eval loader (_embed) does not
+        self.training = drop_last  # the training loader drops the last batch
 
     def __iter__(self):
         if not self.training:
-            return  # no validation batches: the final evaluation finds nothing and is skipped
+            return
         for batch in itertools.cycle(FakeLoader.batches):
-            FakeLoader.stamps.append(time.perf_counter())
+            FakeLoader.stamps.append((time.perf_counter(), cpu_now()))
             yield batch
 
 
-def run_vltrain(cfg) -> float:
-    """Median per-step seconds of one `train()` run fed from memory."""
+def run_vltrain(cfg) -> dict:
+    """Per-step figures of one `train()` run fed from memory."""
     FakeLoader.stamps = []
     shutil.rmtree(cfg.out, ignore_errors=True)
     vt.train(cfg)
-    gaps = [b - a for a, b in zip(FakeLoader.stamps, FakeLoader.stamps[1:])]
-    return statistics.median(gaps[SKIP:])
+    return step_figures(FakeLoader.stamps)
 
 
-def run_bare(cfg, batches: list[dict]) -> float:
-    """Median per-step seconds of forward (train_step) + backward + optimiser step, same model and batches."""
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model).train()
-    generator = torch.Generator().manual_seed(cfg.seed)
+def run_bare(cfg, batches: list[dict]) -> dict:
+    """Per-step figures of the step's own work and nothing else, on the same model, batches and settings."""
+    device = torch.device(cfg.device)
+    vt._seed_everything(cfg.seed, device)  # the global modes train() sets (deterministic kernels) hold here too
+    model = build_model(cfg.model).to(device).train()
+    generator = torch.Generator(device=device).manual_seed(cfg.seed)
     tok = vt.tokenizer_for(cfg.model.text_model)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.optim.lr)
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.optim.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), fused=True)
     stamps = []
     for batch in itertools.islice(itertools.cycle(batches), cfg.steps):
-        stamps.append(time.perf_counter())
-        losses = vt.train_step(model, batch, cfg.loss, generator, tok, masked_text_all=cfg.data.masked_text_all)
+        stamps.append((time.perf_counter(), cpu_now()))
+        losses = vt.train_step(model, batch, cfg.loss, generator, tok, cfg.loss.distill_alpha,
+                               cfg.data.masked_text_all)
+        queue_feats = losses.pop("queue_feats")
+        opt.zero_grad(set_to_none=True)
         losses["total"].backward()
+        if cfg.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
         opt.step()
-        opt.zero_grad()
-    stamps.append(time.perf_counter())
-    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
-    return statistics.median(gaps[SKIP:])
+        if model.momentum is not None:
+            model.momentum_update()
+        if model.cfg.queue_size:
+            model.dequeue_and_enqueue(*queue_feats)
+    stamps.append((time.perf_counter(), cpu_now()))
+    return step_figures(stamps)
 
 
-def bench_loop(shards: Path, tmp: Path, steps: int, repeats: int) -> dict[str, list[float]]:
+def loop_sides(shards: Path, tmp: Path, steps: int) -> tuple[dict, object]:
     cfg = small_config(shards, tmp / "run", steps)
     cfg.eval_every = cfg.ckpt_every = 10**9  # still runs once at the last step, after the last timed gap
+    # train() clamps the queue to the training split; the bare side must train the same model
+    cfg.model.queue_size = min(cfg.model.queue_size, count_split(cfg.shards, cfg.data.val_frac)["train"])
     FakeLoader.batches = preload(cfg)
     vt.DataLoader = FakeLoader
+    return {"bare": lambda out: run_bare(cfg, FakeLoader.batches), "vltrain": lambda out: run_vltrain(cfg)}, cfg
+
+
+def bench_loop(sides: dict, cfg, steps: int, repeats: int, isolate: bool, scratch: Path) -> dict:
+    m = cfg.model
     print(f"A: {len(FakeLoader.batches)} pre-loaded batches of {cfg.batch_size}, image {cfg.data.image_size}, "
-          f"tiny model, preset albef (queue {cfg.model.queue_size}, momentum), {steps} steps per run, "
-          f"first {SKIP} steps not counted, log_every {cfg.log_every}, torch threads {torch.get_num_threads()}",
-          flush=True)
-    sides = {"bare": lambda: run_bare(cfg, FakeLoader.batches), "vltrain": lambda: run_vltrain(cfg)}
-    for fn in sides.values():  # untimed: lazy imports (tensorboard) and first-call costs
-        fn()
-    times = {k: [] for k in sides}
-    for r in range(repeats):
-        for side, fn in sides.items():
-            times[side].append(fn())
-        print(f"  repeat {r + 1}/{repeats}: " + ", ".join(f"{k} {v[-1] * 1e3:.2f} ms/step" for k, v in times.items()),
-              flush=True)
+          f"tiny model, preset albef (queue {m.queue_size if m.queue_size else 'none'}, "
+          f"momentum {'on' if m.momentum else 'off'}, grad_clip {cfg.optim.grad_clip}), {steps} steps per run, "
+          f"first {SKIP} steps not counted, log_every {cfg.log_every}, torch threads {torch.get_num_threads()}"
+          f"{', each run in a fresh process' if isolate else ''}", flush=True)
+    times = time_sides_figures(sides, repeats, scratch, isolate, label="A ", show="mean_s", scale=1e3,
+                               unit="ms/step (mean)")
+    for side, t in times.items():
+        print(f"  {side}: median step {statistics.median(t['median_s']) * 1e3:.2f} ms, mean step "
+              f"{statistics.median(t['mean_s']) * 1e3:.2f} ms (CPU {statistics.median(t['cpu_mean_s']) * 1e3:.2f} "
+              f"ms), slowest step {statistics.median(t['max_s']) * 1e3:.2f} ms (medians over runs)", flush=True)
     return times
 
 
@@ -167,34 +205,36 @@ def wds_loader(urls: list[str], tf, collate, workers: int, batch: int):
     return wds.WebLoader(ds, batch_size=None, num_workers=workers)
 
 
-def drain(make) -> float:
+def drain(make) -> dict:
     """Samples/s from creating the loader iterator (worker start-up included) to exhausting it."""
     t0 = time.perf_counter()
     n = sum(len(b["captions"]) for b in make())
-    return n / (time.perf_counter() - t0), n
+    rate = n / (time.perf_counter() - t0)
+    return {"samples_per_s": rate, "s_per_sample": 1 / rate, "samples": n}
 
 
-def bench_loader(shards: Path, repeats: int, workers: int = 2, batch: int = 32) -> dict[str, list[float]]:
+def loader_sides(shards: Path, workers: int = 2, batch: int = 32) -> dict:
     stats = IMAGE_STATS["efficientnet-lite0"]
     tf = train_transform(224, stats["mean"], stats["std"])
     tok = build_tokenizer(ModelConfig())
     collate = Collate(tok, 32)
     urls = [str(p) for p in sorted(shards.glob("*.tar"))]
-    sides = {"webdataset": lambda: wds_loader(urls, tf, collate, workers, batch),
-             "vltrain": lambda: vltrain_loader(shards, tf, collate, workers, batch)}
-    counts = {}
-    for side, make in sides.items():  # untimed: page cache and first-call costs
-        counts[side] = drain(make)[1]
-    print(f"\nB: {len(urls)} shards, image 224 train_transform, MiniLM tokenizer, batch {batch}, {workers} workers, "
-          f"full batches delivered per pass: " + ", ".join(f"{k} {v} samples" for k, v in counts.items()), flush=True)
+    return {"webdataset": lambda out: drain(lambda: wds_loader(urls, tf, collate, workers, batch)),
+            "vltrain-loader": lambda out: drain(lambda: vltrain_loader(shards, tf, collate, workers, batch))}
+
+
+def bench_loader(sides: dict, shards: Path, repeats: int, isolate: bool, scratch: Path,
+                 workers: int = 2, batch: int = 32) -> dict:
+    print(f"\nB: {len(list(shards.glob('*.tar')))} shards, image 224 train_transform, MiniLM tokenizer, batch {batch}, "
+          f"{workers} workers{', each pass in a fresh process' if isolate else ''}", flush=True)
+    rates = time_sides_figures(sides, repeats, scratch, isolate, label="B ", show="samples_per_s",
+                               unit="samples/s")
+    print("  median samples/s: " + ", ".join(f"{k} {statistics.median(v['samples_per_s']):.1f}"
+                                           for k, v in rates.items()), flush=True)
+    counts = {k: v["samples"][-1] for k, v in rates.items()}
+    print("  full batches delivered per pass: " + ", ".join(f"{k} {v:.0f} samples" for k, v in counts.items()))
     if len(set(counts.values())) != 1:
         print("  note: the two sides deliver different sample counts (samples/s stays comparable)")
-    rates = {k: [] for k in sides}
-    for r in range(repeats):
-        for side, make in sides.items():
-            rates[side].append(drain(make)[0])
-        print(f"  repeat {r + 1}/{repeats}: " + ", ".join(f"{k} {v[-1]:.1f} samples/s" for k, v in rates.items()),
-              flush=True)
     return rates
 
 
@@ -209,30 +249,52 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=1500, help="clip-art PNGs to shard when no folder exists")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads in A (default 1: on a small shared box more threads oversubscribe the CPUs)")
+    ap.add_argument("--parts", default="a,b", help="which parts to run: a (loop), b (loader); default a,b")
+    add_options(ap)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.steps <= SKIP + 2:
         sys.exit(f"--steps must be more than {SKIP + 2}")
+    parts = set(args.parts.split(","))
+    if args.side is None:
+        print(load_line("start"), flush=True)
 
     with tempfile.TemporaryDirectory(prefix="vltrain-bench-") as tmp:
-        tmp = Path(tmp)
-        shards, what = get_shards(args.shards, args.images, tmp)
-        print(f"shards: {what}; python {sys.version.split()[0]}, torch {torch.__version__}, "
-              f"webdataset {wds.__version__}, {os.cpu_count()} CPUs\n", flush=True)
-        loop = bench_loop(shards, tmp, args.steps, args.repeats)
-        load = bench_loader(shards, args.repeats)
+        scratch = args.side_dir or Path(tmp)  # an isolated child works in its parent's set-up folder
+        shards, what = get_shards(args.shards, args.images, scratch)
+        if args.side is None:
+            print(f"shards: {what}; python {sys.version.split()[0]}, torch {torch.__version__}, "
+                  f"webdataset {wds.__version__}, {os.cpu_count()} CPUs\n", flush=True)
+        rows = []
+        if "a" in parts and args.side in (None, "bare", "vltrain"):
+            sides, cfg = loop_sides(shards, scratch, args.steps)
+            run_child_figures(args, sides)
+            t = bench_loop(sides, cfg, args.steps, args.repeats, args.isolate, scratch)
+            mean = {k: {"wall": v["mean_s"], "cpu": v["cpu_mean_s"]} for k, v in t.items()}
+            med = {k: {"wall": v["median_s"], "cpu": v["cpu_mean_s"]} for k, v in t.items()}
+            rows.append(ratio_row("A loop, mean step", mean["bare"], mean["vltrain"], 1.10,
+                                  note="every step, logging steps included"))
+            rows.append(ratio_row("A loop, median step", med["bare"], med["vltrain"], 1.10,
+                                  note="cpu ratio of the means"))
+        if "b" in parts and args.side in (None, "webdataset", "vltrain-loader"):
+            sides = loader_sides(shards)
+            run_child_figures(args, sides)
+            t = bench_loader(sides, shards, args.repeats, args.isolate, scratch)
+            per = {k: {"wall": v["s_per_sample"], "cpu": [c / n for c, n in zip(v["cpu"], v["samples"])]}
+                   for k, v in t.items()}
+            rows.append(ratio_row("B loader, time per sample", per["webdataset"], per["vltrain-loader"],
+                                  round(1 / 0.95, 3), note="samples/s >= 0.95x the baseline's"))
 
-    base, cand = statistics.median(loop["bare"]) * 1e3, statistics.median(loop["vltrain"]) * 1e3
-    rows = [("A loop ms/step", base, cand, cand / base, "<= 1.10x", cand / base <= 1.10)]
-    base, cand = statistics.median(load["webdataset"]), statistics.median(load["vltrain"])
-    rows.append(("B loader samples/s", base, cand, cand / base, ">= 0.95x", cand / base >= 0.95))
-    print(f"\n{'measure':<20} {'baseline':>10} {'candidate':>10} {'ratio':>7} {'target':>9}  result")
-    for name, b, c, ratio, target, ok in rows:
-        print(f"{name:<20} {b:>10.2f} {c:>10.2f} {ratio:>6.3f}x {target:>9}  {'PASS' if ok else 'FAIL'}")
-    print("A: baseline = train_step + backward + AdamW step + zero_grad; candidate = vltrain.train() itself, "
-          "its DataLoader\n   monkeypatched to yield pre-loaded batches, a step timed from one batch fetch to the next.")
-    print("B: baseline = wds.WebDataset + shuffle(1000) + map(to_rgb, transform) + batched(Collate) in a WebLoader; "
-          "candidate\n   = ShardStream (val_frac 0, shuffle buffer 1000) + Collate in a DataLoader; same workers.")
+    print("\n" + load_line("end"))
+    print_table_ms(rows, "vltrain")
+    if "a" in parts:
+        print("A: baseline = train_step + zero_grad + backward + clip_grad_norm_ + fused AdamW (the trainer's "
+              "groups) + momentum\n   update + enqueue; candidate = vltrain.train() itself, its DataLoader "
+              "monkeypatched to yield pre-loaded\n   batches; a step is timed from one batch fetch to the next.")
+    if "b" in parts:
+        print("B: baseline = wds.WebDataset + shuffle(1000) + map(to_rgb, transform) + batched(Collate) in a "
+              "WebLoader; candidate\n   = ShardStream (val_frac 0, shuffle buffer 1000) + Collate in a DataLoader; "
+              "same workers.")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,16 @@
 """Every benchmark script still imports and parses its options: a benchmark that rots silently (a renamed
-helper) is only found when someone needs its figure. The benchmarks themselves run outside the suite."""
+helper) is only found when someone needs its figure. The benchmarks themselves run outside the suite; their
+shared helper (benchmarks/common.py) is tested here."""
 
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 
-SCRIPTS = sorted((Path(__file__).resolve().parents[1] / "benchmarks").glob("*.py"))
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+SCRIPTS = sorted(p for p in BENCH.glob("*.py") if p.name != "common.py")  # common.py is their helper, no script
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
@@ -15,3 +18,61 @@ def test_benchmark_script_imports_and_shows_help(script):
     r = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "usage:" in r.stdout
+
+
+def _common():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import common
+    finally:
+        sys.path.remove(str(BENCH))
+    return common
+
+
+def test_time_sides_figures_alternates_the_order_and_keeps_each_sides_figures(tmp_path, capsys):
+    common = _common()
+    calls = []
+
+    def side(name):
+        def fn(out: Path) -> dict:
+            assert out.is_dir() and not any(out.iterdir())  # a fresh empty folder per call
+            calls.append(name)
+            return {"step_s": len(calls) / 1000}
+        return fn
+
+    t = common.time_sides_figures({"a": side("a"), "b": side("b")}, 3, tmp_path, warmup=1, show="step_s",
+                                  scale=1e3, unit="ms")
+    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"]  # warm-up, then forward, reversed, forward
+    assert t["a"]["step_s"] == [0.003, 0.006, 0.007] and t["b"]["step_s"] == [0.004, 0.005, 0.008]
+    assert set(t["a"]) == {"wall", "cpu", "step_s"} and len(t["b"]["wall"]) == 3
+    assert "round 2/3: a 6.000 ms, b 5.000 ms" in capsys.readouterr().out
+
+
+def test_isolated_sides_report_their_figures_from_fresh_processes(tmp_path):
+    script = tmp_path / "bench.py"
+    script.write_text(textwrap.dedent(f"""
+        import argparse, os, sys
+        from pathlib import Path
+        sys.path.insert(0, {str(BENCH)!r})
+        import common
+
+        ap = argparse.ArgumentParser()
+        common.add_options(ap)
+        args = ap.parse_args()
+        sides = {{"a": lambda out: {{"pid": os.getpid()}}, "b": lambda out: {{"pid": os.getpid()}}}}
+        common.run_child_figures(args, sides)
+        t = common.time_sides_figures(sides, 2, Path({str(tmp_path)!r}), isolate=args.isolate, show="pid")
+        pids = t["a"]["pid"] + t["b"]["pid"]
+        print("PIDS", len(set(pids)), os.getpid() in pids)
+    """))
+    r = subprocess.run([sys.executable, str(script), "--isolate"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "PIDS 4 False" in r.stdout  # four calls, four children, none in the parent
+
+
+def test_print_table_ms_shows_milliseconds(capsys):
+    common = _common()
+    row = common.ratio_row("step", {"wall": [0.1], "cpu": [0.1]}, {"wall": [0.105], "cpu": [0.1]}, 1.1)
+    common.print_table_ms([row])
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.split()[:5] == ["step", "100.00", "105.00", "1.05x", "1.00x"] and line.split()[-1] == "PASS"

@@ -172,6 +172,98 @@ def test_grit_order_is_the_alternating_greedy_chain():
     assert sorted(random_start.tolist()) == list(range(40))
 
 
+def _former_grit_order(img: torch.Tensor, txt: torch.Tensor, start: int) -> np.ndarray:
+    """The pre-issue-17 grit_order, one example per Python step over numpy rows: the reference for the order."""
+    m = img.shape[0]
+    sim = (img.float() @ txt.float().t()).numpy()
+    rows = (sim, np.ascontiguousarray(sim.T))
+    blocked = np.zeros(m, dtype=np.float32)
+    order = np.empty(m, dtype=np.int64)
+    k = order[0] = start
+    blocked[k] = -np.inf
+    for i in range(1, m):
+        k = order[i] = int(np.argmax(rows[(i - 1) % 2][k] + blocked))
+        blocked[k] = -np.inf
+    return order
+
+
+def _former_grouping(sampler: GritSampler, idx: np.ndarray, img: np.ndarray, txt: np.ndarray) -> list[np.ndarray]:
+    """The pre-issue-17 _group_queue on a copy of the sampler's RNG: shuffle, then sub-queue by sub-queue."""
+    rng = np.random.default_rng()
+    rng.bit_generator.state = sampler.rng.bit_generator.state
+    n = len(idx)
+    perm = rng.permutation(n)
+    idx, img, txt = idx[perm], img[perm], txt[perm]
+    out = []
+    for a in range(0, n, sampler.m):
+        b = min(a + sampler.m, n)
+        start = int(rng.integers(b - a))
+        out.append(idx[a:b][_former_grit_order(torch.from_numpy(img[a:b]), torch.from_numpy(txt[a:b]), start)])
+    return out
+
+
+@pytest.mark.parametrize("n, m, dim, group_bytes", [(1000, 96, 32, None), (4800, 960, 256, None),
+                                                    (700, 64, 16, 3 * 8 * 64 * 64)])
+def test_grit_grouping_order_equals_the_former_implementation(monkeypatch, n, m, dim, group_bytes):
+    """All sub-queues at once (and in chunks of 3, when the memory budget says so) give exactly the order the
+    one-sub-queue-at-a-time implementation gave for the same seed and features, the shorter last one included."""
+    import vltrain.samplers as vs
+
+    if group_bytes is not None:
+        monkeypatch.setattr(vs, "GROUP_BYTES", group_bytes)
+    rng = np.random.default_rng(n)
+    img = rng.normal(size=(n, dim)).astype(np.float32)
+    img /= np.linalg.norm(img, axis=1, keepdims=True)
+    txt = img + 0.5 * rng.normal(size=(n, dim)).astype(np.float32)
+    txt /= np.linalg.norm(txt, axis=1, keepdims=True)
+    sampler = GritSampler(n + 10, 8, search_space=m, queue_size=n, seed=5)
+    idx = rng.permutation(n + 10)[:n]
+    expected = _former_grouping(sampler, idx, img, txt)
+    for a in range(0, n, 100):  # collected in steps of 100; the queue fills, and groups, at the last one
+        sampler.collect(torch.from_numpy(idx[a:a + 100]), torch.from_numpy(img[a:a + 100]),
+                        torch.from_numpy(txt[a:a + 100]))
+    assert sampler.q_len == 0 and len(sampler.grouped) == len(expected) == -(-n // m)
+    for got, want in zip(sampler.grouped, expected):
+        assert got.tolist() == want.tolist()
+
+
+def test_grit_chains_on_torch_ops_equal_numpy_ties_included():
+    """The device path (torch ops, used on a GPU) and the CPU path (numpy) take the same argmax, ties included:
+    duplicated features make exact ties, which both resolve to the lowest index."""
+    from vltrain.samplers import _chains_numpy, _chains_torch
+
+    g = torch.Generator().manual_seed(0)
+    img = torch.nn.functional.normalize(torch.randn(5, 30, 8, generator=g), dim=2)
+    txt = torch.nn.functional.normalize(torch.randn(5, 30, 8, generator=g), dim=2)
+    img[:, 10:20], txt[:, 10:20] = img[:, :10], txt[:, :10]  # every similarity row holds exact ties
+    sim = img @ txt.transpose(1, 2)
+    starts = torch.tensor([0, 3, 29, 15, 10])
+    a = _chains_torch(sim, sim.mT.contiguous(), starts)
+    b = torch.from_numpy(_chains_numpy(sim.numpy(), sim.mT.contiguous().numpy(), starts.numpy()))
+    assert a.tolist() == b.tolist()
+    for s in range(5):
+        assert a[s].tolist() == _former_grit_order(img[s], txt[s], int(starts[s])).tolist()
+        assert sorted(a[s].tolist()) == list(range(30))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_grit_groups_on_the_gpu_without_moving_the_queue_to_the_host():
+    sampler = GritSampler(64, 8, search_space=16, queue_size=32, seed=3)
+    g = torch.Generator().manual_seed(0)
+    img = torch.nn.functional.normalize(torch.randn(64, 8, generator=g), dim=1)
+    txt = torch.nn.functional.normalize(torch.randn(64, 8, generator=g), dim=1)
+    cpu = GritSampler(64, 8, search_space=16, queue_size=32, seed=3)
+    for batch in sampler:
+        b = torch.tensor(batch)
+        sampler.collect(b.cuda(), img[b].cuda(), txt[b].cuda())
+        assert sampler.q_img.is_cuda
+        cpu.collect(b, img[b], txt[b])
+    sampler.set_epoch(1)
+    cpu.set_epoch(1)
+    # float32 products on both sides; only near-ties of the last bits could differ, and random features have none
+    assert sampler.order.tolist() == cpu.order.tolist()
+
+
 def _run_epoch(sampler, dim=6, seed=0):
     """Iterate one epoch, collecting random features for each batch as the trainer does."""
     rng = np.random.default_rng(seed)
