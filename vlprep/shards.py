@@ -15,10 +15,8 @@ catches truncated files at copy speed; --decode-check decodes every image as wel
 import hashlib
 import io
 import os
-import warnings
-import zlib
-import re
 import time
+import warnings
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -33,6 +31,7 @@ from vlprep import VlprepError
 from vlprep.dataset import (KEY_RE, check_out, finish_dataset, prepare_output, release_output, remove_extra_shards,
                             shard_name, sidecar_name, write_json_atomic, write_shard)
 from vlprep.engine import Work, check_engine, default_workers, map_shards
+from vlprep.imagecheck import looks_complete, png_chunks_ok, probe  # noqa: F401 (png_chunks_ok: API)
 from vlprep.sources import Item, load_images, open_source
 
 FORMATS = {"jpg": "JPEG", "png": "PNG", "webp": "WEBP"}
@@ -98,7 +97,7 @@ def clean_caption(caption: str | bytes | None) -> str:
         caption.encode("utf-8")  # lone surrogates: a CSV cell that was not UTF-8 (read with surrogateescape)
     except UnicodeEncodeError:
         raise Skip("caption_not_utf8") from None
-    caption = re.sub(r"\s+", " ", caption).strip()
+    caption = " ".join(caption.split())  # = re.sub(r"\s+", " ", c).strip(): the same whitespace set
     if not caption:
         raise Skip("empty_caption")
     return caption
@@ -116,32 +115,6 @@ def read_image(image: str | bytes | None) -> bytes:
         raise Skip("missing_image") from None
     except OSError:  # permission denied, a folder, an I/O error
         raise Skip("unreadable_image") from None
-
-
-def png_chunks_ok(data: bytes) -> bool:
-    """Every PNG chunk's length lines up and its CRC matches, ending at IEND: a cut file with its IEND kept (or any
-    flipped byte) fails, at about 1/20 the cost of decoding (zlib.crc32 runs in C; benchmark in docs/FORMAT.md)."""
-    pos, n = 8, len(data)
-    while pos + 12 <= n:
-        length = int.from_bytes(data[pos:pos + 4], "big")
-        end = pos + 12 + length
-        if end > n or zlib.crc32(data[pos + 4:end - 4]) != int.from_bytes(data[end - 4:end], "big"):
-            return False
-        if data[pos + 4:pos + 8] == b"IEND":
-            return True
-        pos = end
-    return False
-
-
-def looks_complete(data: bytes, fmt: str) -> bool:
-    """End-of-image check without decoding: catches files cut short in a download or copy (PNG: every chunk)."""
-    if fmt in ("JPEG", "MPO"):
-        return data.rstrip(b"\0")[-2:] == b"\xff\xd9"
-    if fmt == "PNG":
-        return png_chunks_ok(data)
-    if fmt == "WEBP":
-        return len(data) >= 12 and int.from_bytes(data[4:8], "little") + 8 <= len(data)
-    return True
 
 
 def to_mode(im: Image.Image, fmt: str) -> Image.Image:
@@ -164,6 +137,12 @@ def _decode_failure(e: Exception) -> str:
 def prepare_image(data: bytes, resize: int | None = None, fmt: str | None = None, quality: int = 95,
                   decode_check: bool = False) -> tuple[bytes, str, int, int]:
     """Check (and optionally resize / re-encode) one image -> (bytes, ext, width, height), or Skip."""
+    head = None if decode_check else probe(data)
+    if head is not None:  # a plain PNG or JPEG, complete: what Pillow would say, without Pillow (imagecheck.py)
+        src_ext = PIL_TO_EXT[head[0]]
+        w, h = head[1], head[2]
+        if (resize is None or min(w, h) <= resize) and (fmt or src_ext) == src_ext:
+            return data, src_ext, w, h
     try:
         with warnings.catch_warnings():
             # Pillow warns above 89M pixels and refuses above 179M (decompression bombs); the refusal
