@@ -13,12 +13,14 @@ tests/test_shards.py compares the two paths on valid, damaged and unusual files.
 """
 
 import re
+import struct
 import zlib
 
 from PIL import Image, PngImagePlugin
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 _CID = re.compile(rb"\w\w\w\w")  # Pillow's is_cid: a chunk type it will read at all
+_CHUNK, _CRC = struct.Struct(">I4s"), struct.Struct(">I")  # a chunk's length and type; its CRC
 # Pillow's PNG chunk handlers that never reject a file, and those that check a minimum length (in bytes; tRNS
 # depends on the mode and is checked apart). Any other chunk with a handler (iCCP, zTXt, iTXt, acTL, fcTL, fdAT)
 # sends the image down Pillow's path; chunks without a handler are skipped by Pillow, and here.
@@ -40,40 +42,50 @@ def png_chunks_ok(data: bytes) -> bool:
 
 def _png_walk(data: bytes) -> tuple[int, int, bool] | None:
     """(width, height, Pillow would open it as we read it) of a PNG whose chunks all check out, else None."""
-    view, pos, n = memoryview(data), 8, len(data)
-    size, simple, mode, text, idat = None, True, "", 0, False
+    view, n, crc32, unpack, stored = memoryview(data), len(data), zlib.crc32, _CHUNK.unpack_from, _CRC.unpack_from
+    pos, size, simple, mode, text = 8, None, True, "", 0
+    # The chunks Pillow reads at open (up to the first IDAT): checked as its handlers check them.
     while pos + 12 <= n:
-        length = int.from_bytes(data[pos:pos + 4], "big")
+        length, cid = unpack(data, pos)
         end = pos + 12 + length
-        if end > n or zlib.crc32(view[pos + 4:end - 4]) != int.from_bytes(data[end - 4:end], "big"):
+        if end > n or crc32(view[pos + 4:end - 4]) != stored(data, end - 4)[0]:
             return None
-        cid = data[pos + 4:pos + 8]
+        pos = end
+        if cid == b"IDAT":
+            break
         if cid == b"IEND":
-            return (size[0], size[1], simple and idat) if size else (0, 0, False)
-        if not idat and simple:  # the chunks Pillow reads at open
-            if cid == b"IDAT":
-                idat = True
-            elif not _CID.fullmatch(cid):
+            return (size[0], size[1], False) if size else (0, 0, False)
+        if not simple:
+            continue
+        if cid == b"IHDR":
+            hdr = data[end - 4 - length:end - 4]
+            if size is not None or length < 13 or hdr[11]:  # a second IHDR; too short; unknown filter method
                 simple = False
-            elif cid == b"IHDR":
-                hdr = data[pos + 8:pos + 8 + length]
-                if size is not None or length < 13 or hdr[11]:  # a second IHDR; too short; unknown filter method
-                    simple = False
-                else:
-                    size = (int.from_bytes(hdr[0:4], "big"), int.from_bytes(hdr[4:8], "big"))
-                    mode = PngImagePlugin._MODES.get((hdr[8], hdr[9]), ("",))[0]
-                    simple = mode != ""  # Pillow refuses a bit depth / colour type pair it has no mode for
-            elif size is None:  # Pillow reads chunks before IHDR, but we only vouch for IHDR first
-                simple = False
-            elif cid == b"tRNS":
-                simple = length >= _TRNS_MIN.get(mode, 0)
-            elif cid in _PNG_SAFE:
-                simple = length >= _PNG_SAFE[cid]
-                if cid == b"tEXt":
-                    text += length
-                    simple = text <= PngImagePlugin.MAX_TEXT_MEMORY
-            elif cid in _PNG_HANDLED:
-                simple = False
+            else:
+                size = (int.from_bytes(hdr[0:4], "big"), int.from_bytes(hdr[4:8], "big"))
+                mode = PngImagePlugin._MODES.get((hdr[8], hdr[9]), ("",))[0]
+                simple = mode != ""  # Pillow refuses a bit depth / colour type pair it has no mode for
+        elif size is None:  # Pillow reads chunks before IHDR, but we only vouch for IHDR first
+            simple = False
+        elif cid == b"tRNS":
+            simple = length >= _TRNS_MIN.get(mode, 0)
+        elif cid in _PNG_SAFE:
+            simple = length >= _PNG_SAFE[cid]
+            if cid == b"tEXt":
+                text += length
+                simple = text <= PngImagePlugin.MAX_TEXT_MEMORY
+        elif cid in _PNG_HANDLED or not _CID.fullmatch(cid):
+            simple = False
+    else:
+        return None
+    # The rest: lengths and CRCs only, up to IEND.
+    while pos + 12 <= n:
+        length, cid = unpack(data, pos)
+        end = pos + 12 + length
+        if end > n or crc32(view[pos + 4:end - 4]) != stored(data, end - 4)[0]:
+            return None
+        if cid == b"IEND":
+            return (size[0], size[1], simple) if size else (0, 0, False)
         pos = end
     return None
 
