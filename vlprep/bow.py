@@ -28,6 +28,7 @@ from collections import Counter, _count_elements
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from functools import partial
+from itertools import chain
 from pathlib import Path
 from typing import NamedTuple
 
@@ -338,12 +339,14 @@ def base_statistics(ds, cascade: list[Step], base_frac: float, seed: int) -> tup
         side = ds.sidecar(shard)
         if not side.exists():
             raise VlprepError(f"{ds.root}: missing sidecar {side.name}; re-shard the input with `vlprep shards`")
-        t = pq.read_table(side, columns=["key", "caption"])
-        for key, caption in zip(t.column("key").to_pylist(), t.column("caption").to_pylist()):
-            n += 1
-            ws = words(caption)
-            before.update(ws)
-            lengths[len(ws)] += 1
+        t = pq.ParquetFile(side).read(columns=["key", "caption"])
+        keys, captions = t.column("key").to_pylist(), t.column("caption").to_pylist()
+        n += len(keys)
+        # Counted a shard at a time (one C-level update each), not caption by caption.
+        word_lists = list(map(words, captions))
+        before.update(chain.from_iterable(word_lists))
+        lengths.update(map(len, word_lists))
+        for key, caption in zip(keys, captions):
             if is_base(seed, key, base_frac):
                 n_base += 1
                 toks = tokenize(caption)
@@ -368,7 +371,9 @@ def emptying_warnings(cascade: list[Step], ctx: BowContext, deformed: int | None
         before = cascade[:at]
         # The ops before rmtop filter word by word (shuffle and keep never drop a single word), so a word of the
         # base vocabulary survives them iff the one-word caption survives them.
-        left = sum(1 for w in ctx.base_vocab if deform(w, before, ctx, random.Random(0))) if before else len(ctx.base_vocab)
+        # (shuffle is left out: it needs a generator, and a one-word caption is its own permutation)
+        drops = [s for s in before if s.name != "shuffle"]
+        left = sum(1 for w in ctx.base_vocab if deform(w, drops, ctx, None)) if drops else len(ctx.base_vocab)
         t = cascade[at].arg
         if t >= left:
             after = f" after {','.join(s.label for s in before)}" if before else ""
@@ -496,10 +501,10 @@ def bow(cfg: BowConfig, progress=None, warn: Callable[[str], None] = lambda line
     })
     after_words, after_lengths = Counter(), Counter()
     for shard in ds.shards:  # the 'after' statistics, from the sidecars just written
-        for caption in pq.read_table(out / sidecar_name(shard), columns=["caption"]).column(0).to_pylist():
-            ws = words(caption)
-            after_words.update(ws)
-            after_lengths[len(ws)] += 1
+        word_lists = list(map(words, pq.ParquetFile(out / sidecar_name(shard)).read(columns=["caption"])
+                              .column(0).to_pylist()))
+        after_words.update(chain.from_iterable(word_lists))
+        after_lengths.update(map(len, word_lists))
     report = {
         "stage": "bow", "source": str(cfg.src), "ops": spec, "base_frac": cfg.base_frac, "seed": cfg.seed,
         "deform_base": cfg.deform_base, "samples_in": n_in, "base_samples": before["base"], "written": written,
