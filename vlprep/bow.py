@@ -21,6 +21,7 @@ The contract (also in docs/BOW.md):
 """
 
 import hashlib
+import json
 import random
 import struct
 import time
@@ -36,7 +37,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from vlprep import VlprepError
-from vlprep.dataset import (decode_sample, finish_dataset, iter_aligned, open_derived, prepare_output, release_output,
+from vlprep.dataset import (finish_dataset, iter_aligned, open_derived, prepare_output, release_output,
                             sidecar_name, write_json_atomic, write_shard)
 from vlprep.engine import Work, check_engine, default_workers, map_shards
 from vlprep.text import stop_words, tokenize, words
@@ -298,8 +299,10 @@ class Deformer:
         for run in (self.pre, self.post):
             if run is None:
                 continue
-            idx, _, tally = run
+            idx, allowed, tally = run
             for token, count in tally.items():
+                if allowed is not None and token in allowed:
+                    continue
                 for i in idx:
                     if not self.cascade[i].fn([token], self.context, None):
                         removed[i] += count
@@ -419,23 +422,26 @@ def bow_shard(out: Path, src: Path, shard: str, fp: str = "") -> dict:
     w = _worker
     deformer, seed = w["deformer"], w["seed"]
     deformer.take_removed()  # a fresh tally (a failed shard before this one may have left counts)
-    side = pq.read_table(src / sidecar_name(shard)).replace_schema_metadata(None)
+    side = pq.ParquetFile(src / sidecar_name(shard)).read().replace_schema_metadata(None)
     samples, kept, captions, raw_captions, flags = [], [], [], [], []
-    dropped = 0
+    dropped, base_frac, deform_base = 0, w["base_frac"], w["deform_base"]
     for i, raw in iter_aligned(src / shard, side.column("key").to_pylist()):
         key = raw["__key__"]
-        s = decode_sample(raw)
-        meta = s.get("json") or {}
-        caption = s["txt"]
-        deform_it = w["deform_base"] or not is_base(seed, key, w["base_frac"])
+        text = raw["txt"].decode("utf-8")
+        # decode_sample's work, without copying the sample; every json is parsed, so a bad one still raises
+        meta = (json.loads(raw["json"]) if "json" in raw else None) or {}
+        caption = text
+        deform_it = deform_base or not is_base(seed, key, base_frac)
         if deform_it:
-            caption = deformer(caption, key)
+            caption = deformer(text, key)
             if not caption:
                 dropped += 1
                 continue
-        raw_caption = meta.get("caption_raw", s["txt"])
-        samples.append({**{k: v for k, v in raw.items() if k not in ("txt", "json", "__url__")},
-                        "txt": caption, "json": {**meta, "caption_raw": raw_caption, "bow": deform_it}})
+        raw_caption = meta.setdefault("caption_raw", text)
+        meta["bow"] = deform_it
+        sample = {k: v for k, v in raw.items() if k not in ("txt", "json", "__url__")}
+        sample["txt"], sample["json"] = caption, meta
+        samples.append(sample)
         kept.append(i)
         captions.append(caption)
         raw_captions.append(raw_caption)
