@@ -35,7 +35,6 @@ import argparse
 import io
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess

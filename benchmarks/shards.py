@@ -300,7 +300,7 @@ def main() -> None:
             print(f"B: --resize {RESIZE}; baseline = the same loop shrinking with PIL only images larger than {RESIZE}")
             t = common.time_sides(sides["b"], args.repeats, tmp, args.isolate, label="B ")
             rows += [common.ratio_row(f"B resize {RESIZE}", t["fast writer resize"], t["vlprep resize"], TARGET_B),
-                     common.ratio_row(f"B vs PIL all", t["PIL all"], t["vlprep resize"], None,
+                     common.ratio_row("B vs PIL all", t["PIL all"], t["vlprep resize"], None,
                                       note="old baseline: re-encodes all, no tar")]
             print()
     common.print_table(rows, candidate="vlprep")
