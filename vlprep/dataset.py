@@ -151,10 +151,15 @@ def iter_tar(path: str | os.PathLike, handler: Callable[[Exception], bool] = rer
                 if not info.isfile():
                     continue
                 try:
-                    _check_member(info.name)
-                    dirname, _, base = info.name.rpartition("/")
+                    name = info.name
+                    # _check_member's tests, inlined with their cheap part first (this loop runs per member)
+                    if name[:1] == "/" or (".." in name and ".." in name.split("/")):
+                        _check_member(name)
+                    dirname, _, base = name.rpartition("/")
                     stem, dot, ext = base.partition(".")
-                    if not dot or _META.match(info.name):
+                    if (ext or base).rsplit(".", 1)[-1].lower() in PICKLE_EXTS:
+                        _check_member(name)
+                    if not dot or name[:2] == "__" and _META.match(name):
                         continue
                     key = f"{dirname}/{stem}" if dirname else stem
                     ext = ext.lower()
