@@ -175,6 +175,7 @@ def is_base(seed: int, key: str, frac: float) -> bool:
     return int.from_bytes(h, "big") < frac * 2**64
 
 
+_blake2b = hashlib.blake2b
 _SWAPS: dict[int, tuple] = {}  # list length n -> (unpack of its n - 1 big-endian 16-bit draws, (n, n - 1, ..., 2))
 
 
@@ -187,10 +188,9 @@ def keyed_shuffle(x: list, prefix: bytes) -> None:
     n = len(x)
     if n < 2:
         return
-    r = hashlib.blake2b(prefix + b"0", digest_size=64).digest()
+    r = _blake2b(prefix + b"0", digest_size=64).digest()
     if n > 33:  # 2 bytes per swap, n - 1 swaps: more than one 64-byte block
-        r += b"".join(hashlib.blake2b(prefix + str(b).encode(), digest_size=64).digest()
-                      for b in range(1, (2 * n + 61) // 64))
+        r += b"".join(_blake2b(prefix + str(b).encode(), digest_size=64).digest() for b in range(1, (2 * n + 61) // 64))
     plan = _SWAPS.get(n)
     if plan is None:
         plan = _SWAPS[n] = (struct.Struct(f">{n - 1}H").unpack_from, tuple(range(n, 1, -1)))
@@ -257,6 +257,8 @@ class Deformer:
         self.keep = cascade[self.keep_at].arg if self.keep_at is not None else None
         self.kept_over = 0
         self.seed_prefix = f"{seed}:"
+        common = self.shuffle and self.pre is None and self.post is not None and self.post[1] is not None
+        self.common = self.post[2] if common else None  # the post-run's tally, when __call__'s short path applies
 
     def _run(self, names: list[str], lo: int, hi: int) -> tuple[list[int], frozenset | None, dict] | None:
         """(the run's step indices, the set of tokens it keeps when that is finite, its tally) or None."""
@@ -282,6 +284,15 @@ class Deformer:
 
     def __call__(self, caption: str, key: str) -> str:
         tokens = tokenize(caption)
+        if self.common is not None:  # shuffle, then filters that keep a finite set (the default cascade): inlined
+            keyed_shuffle(tokens, (self.seed_prefix + key + ":").encode())
+            _count_elements(self.common, tokens)
+            allowed = self.post[1]
+            tokens = [t for t in tokens if t in allowed]
+            if self.keep is not None and len(tokens) > self.keep:
+                self.kept_over += len(tokens) - self.keep
+                tokens = tokens[:self.keep]
+            return " ".join(tokens)
         if self.pre is not None:
             tokens = self._filter(self.pre, tokens)
         if self.shuffle:
