@@ -214,7 +214,8 @@ def bench_deform(n: int, chunk: int) -> list[dict]:
         cur = cpu_per_item(stage(list(prefix)), sample)
         parts.append(f"+{step.label} {1e6 * (cur - last):.2f}")
         last = cur
-    print(f"  per caption, us (cumulative cascade, incl. the key prefix, tally and join): {', '.join(parts)}")
+    print(f"  per caption, us (cumulative cascade, incl. the key prefix, tally and join; a cut cascade can take "
+          f"another path through Deformer, so a step can read negative): {', '.join(parts)}")
 
     rate, ref_rate, tok_rate = (1 / statistics.median(t) for t in (t_def, t_ref, t_tok))
     print(f"  Deformer: median {rate:,.0f} captions/s ({1e6 / rate:.2f} us each); reference deform() + SampleRng "
