@@ -1,33 +1,40 @@
 """Benchmark `vlprep bow` against baselines measured in the same run (DESIGN.md section 9).
 
-A: `deform` alone (default cascade) over synthetic captions in one process: captions/s, and the
-   time ratio against the bare tokenizer `vlprep.text.tokenize` on the same captions.
-B: `bow(BowConfig(src, out, workers=1))` on image shards vs a plain `tarfile` read-and-rewrite of
-   the same tars, interleaved (baseline, workers=1, workers=2, baseline, ...); medians decide.
-   Each timed run writes into a fresh empty folder, created before and removed after the clock.
-   - baseline (`tar_rewrite`), as a user would write it: for each input tar (sorted), open it with
-     `tarfile.open(path, "r:")` and a new tar with `tarfile.open(path, "w")` (tarfile's defaults), and
-     for every member `extractfile(m).read()` then `addfile(m, BytesIO(data))`: all 3 members of all
-     samples copied as they are, nothing parsed, no sidecar, no report.
-   - vlprep: the whole stage with the default ops (shuffle,rmstop,basevocab,rmtop:1000,keep:4), base
-     fraction 0.1: read every Parquet sidecar for the base statistics, hash the sidecars for the resume
-     fingerprints, claim the output folder; per shard read the sidecar and every tar member (with the
-     member-name safety checks), decode txt + json, deform the non-base captions, drop empty ones,
-     re-encode json, write the kept samples as a ustar tar plus the edited Parquet sidecar under .tmp
-     names and rename them; then sizes.json / index.json / meta.json, the 'after' statistics from the
-     new sidecars, bow_report.png (matplotlib, Agg) and report.json.
+A: the per-caption deform of the stage (`Deformer`, default cascade) over synthetic captions in one process, CPU
+   time: captions/s per core, target >= 150,000. Informational: the reference `deform()` with `SampleRng` (what the
+   stage called before issue 17), the bare tokenizer, the shuffle alone, and the cascade cut after each step.
+B: end to end on image shards, `bow(BowConfig(src, out, workers=1))` against a plain loop that does the same reads
+   and writes the same bytes with the fastest writer we have; target <= 1.3x. Each timed call writes into a fresh
+   empty folder, made before and removed after the clock; rounds alternate the order of the sides; medians of
+   wall and CPU time decide. What each side does, exactly:
+   - `fast writer` (baseline): for each input tar (sorted), tarfile.open(path, "r:") and, for every member,
+     `extractfile(m).read()` (the reads bow's reader does); the members of the samples bow keeps go through a
+     `ShardTarWriter` (1 MiB buffer), with the txt and json payloads bow writes for them (taken from one untimed
+     bow run before the clock, so the same bytes go to disk and the samples bow drops are not written). No
+     parsing, no deforming, no sidecar, no report.
+   - `bow w=1`: the whole stage with the default ops (shuffle,rmstop,basevocab,rmtop:1000,keep:4), base fraction
+     0.1: read every Parquet sidecar for the base statistics, hash the sidecars for the resume fingerprints, claim
+     the output folder; per shard read the sidecar and every tar member (with the member-name safety checks),
+     decode txt + json, deform the non-base captions, drop empty ones, re-encode json, write the kept samples as
+     a ustar tar plus the edited Parquet sidecar under .tmp names and rename them; then sizes.json / index.json /
+     meta.json, the 'after' statistics from the new sidecars, bow_report.png (matplotlib, Agg) and report.json.
+   - `bow w=2` (informational): the same with a pool of 2 worker processes.
+   - `tarfile addfile` (informational; the baseline before issue 17): every member of every sample (kept or
+     not) read as above and written through `tarfile.open(path, "w")` + `addfile`.
+   - `limit` (informational): the same output bytes with no per-sample Python: member headers, payloads and
+     paddings of the kept samples are prepared before the clock; per shard the input tar is read in one call, the
+     image payloads are sliced out of it into their slots, and the output is one `b"".join` and one write.
 C: peak RSS of `bow` on a dataset of --mem-captions samples (tiny shared PNG), each run in a fresh
    subprocess so nothing else is counted; a tenth of the dataset is run too, to show the growth.
 
     .venv/bin/python benchmarks/bow.py [--quick] [--captions 1000000] [--shards 20] [--per-shard 500]
-                                       [--repeats 3] [--mem-captions 3000000] [--skip a,b,c] [--src DIR]
+                                       [--repeats 3] [--mem-captions 3000000] [--skip a,b,c] [--src DIR] [--isolate]
 """
 
 import argparse
 import io
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -41,9 +48,12 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from vlprep.bow import DEFAULT_OPS, BowConfig, BowContext, bow, deform, parse_ops, SampleRng
-from vlprep.dataset import sidecar_name
-from vlprep.text import stop_words, tokenize
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from vlprep.bow import (DEFAULT_OPS, BowConfig, BowContext, Deformer, SampleRng, bow, deform,  # noqa: E402
+                        keyed_shuffle, parse_ops)
+from vlprep.dataset import ShardTarWriter, sidecar_name  # noqa: E402
+from vlprep.text import stop_words, tokenize  # noqa: E402
 
 DEFAULT_SRC = Path("/usr/share/openclipart/png")
 VOCAB = 20_000
@@ -51,7 +61,7 @@ ZIPF_S = 1.0          # rank-frequency exponent of the synthetic captions
 HEAD_STOP = ["a", "the", "of", "in", "and", "with", "on", "an", "at", "is", "for", "to", "are", "his", "her",
              "from", "by", "up", "while", "it", "this", "some", "their", "has", "its", "over", "into", "out"]
 PUNCT = [",", ".", "-", "'", "(", ")", "!", "?", ":", ";", "&", "/"]
-TARGET_RATE = 100_000  # A: deform captions/s, at least
+TARGET_RATE = 150_000  # A: deform captions/s per core, at least
 TARGET_RATIO = 1.3     # B: bow / tar rewrite, at most
 TARGET_RSS = 1 << 30   # C: peak RSS, at most
 MEM_PER_SHARD = 1000   # C: samples per shard (vlprep shards' default)
@@ -125,61 +135,94 @@ def synthetic_context(vocab: list[str], seed: int = 0) -> BowContext:
 # --- A: the deformation function alone --------------------------------------------------------------
 
 
-def bench_deform(n: int, chunk: int) -> dict:
+def cpu_per_item(fn, items: list, repeats: int = 3) -> float:
+    """Least CPU seconds per item of `fn` over `items` in `repeats` passes (the result of each call dropped)."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.process_time()
+        fn(items)
+        best = min(best, time.process_time() - t0)
+    return best / len(items)
+
+
+def bench_deform(n: int, chunk: int) -> list[dict]:
     vocab = make_vocab()
     ctx = synthetic_context(vocab)
     cascade = parse_ops(DEFAULT_OPS)
     t0 = time.perf_counter()
     captions = CaptionMaker(vocab)(n, np.random.default_rng(0))
     keys = [key_of(i) for i in range(n)]
+    pairs = list(zip(captions, keys))
     toks = [len(tokenize(c)) for c in captions[:100_000]]
     print(f"  {n:,} captions made in {time.perf_counter() - t0:.1f} s (not timed); e.g. {captions[0]!r} / "
           f"{captions[1]!r}")
     print(f"  tokens per caption: mean {statistics.mean(toks):.1f}, min {min(toks)}, max {max(toks)}; "
           f"base vocab {len(ctx.base_vocab):,} of {len(vocab):,} tokens, top set {len(ctx.top):,}")
     seed = 0
-    t_tok, t_def = [], []
-    for lo in range(0, n, chunk):
-        cs, ks = captions[lo: lo + chunk], keys[lo: lo + chunk]
-        t0 = time.perf_counter()
-        for c in cs:
-            tokenize(c)
-        t1 = time.perf_counter()
-        for c, k in zip(cs, ks):
-            deform(c, cascade, ctx, SampleRng(seed, k))
-        t2 = time.perf_counter()
-        t_tok.append((t1 - t0) / len(cs))
-        t_def.append((t2 - t1) / len(cs))
-    sample = captions[:chunk]
-    empty = sum(not deform(c, cascade, ctx, SampleRng(seed, k)) for c, k in zip(sample, keys))
-    print(f"  {len(t_def)} chunks of {chunk:,}: deform {', '.join(f'{1 / t:,.0f}' for t in t_def)} captions/s")
-    print(f"  e.g. {sample[0]!r} -> {deform(sample[0], cascade, ctx, SampleRng(seed, keys[0]))!r}; "
-          f"{100 * empty / len(sample):.1f}% come out empty")
 
-    # Where the time goes: the cascade cut after each step (informational).
+    def stage(cascade_):
+        d = Deformer(cascade_, ctx, seed)
+
+        def run(ps):
+            for c, k in ps:
+                d(c, k)
+            d.take_removed()  # the per-shard tally, as bow_shard does
+        return run
+
+    def reference(ps):
+        for c, k in ps:
+            deform(c, cascade, ctx, SampleRng(seed, k), [0] * len(cascade))
+
+    def tok(ps):
+        for c, _ in ps:
+            tokenize(c)
+
+    token_lists = [tokenize(c) for c in captions[:chunk]]
+    prefixes = [f"{seed}:{k}:".encode() for k in keys[:chunk]]
+
+    def shuffle_only(idx):
+        for i in idx:
+            keyed_shuffle(list(token_lists[i]), prefixes[i])
+
+    def shuffle_ref(idx):
+        for i in idx:
+            SampleRng(seed, keys[i]).shuffle(list(token_lists[i]))
+
+    # Chunks in turn, each side on the same chunk: the median over chunks decides (CPU time, so another
+    # process on the core slows the figure only through shared caches).
+    run = stage(cascade)
+    t_def, t_ref, t_tok = [], [], []
+    for lo in range(0, n, chunk):
+        part = pairs[lo: lo + chunk]
+        t_def.append(cpu_per_item(run, part, 1))
+        t_ref.append(cpu_per_item(reference, part, 1))
+        t_tok.append(cpu_per_item(tok, part, 1))
+    print(f"  {len(t_def)} chunks of {chunk:,}: Deformer {', '.join(f'{1 / t:,.0f}' for t in t_def)} captions/s")
+    sample = pairs[:chunk]
+    d = Deformer(cascade, ctx, seed)
+    empty = sum(not d(c, k) for c, k in sample)
+    print(f"  e.g. {sample[0][0]!r} -> {d(*sample[0])!r}; {100 * empty / len(sample):.1f}% come out empty")
+    idx = list(range(len(token_lists)))
+    sh, sh_ref = cpu_per_item(shuffle_only, idx), cpu_per_item(shuffle_ref, idx)
+    print(f"  shuffle alone, per caption: keyed_shuffle {1e6 * sh:.2f} us, SampleRng.shuffle {1e6 * sh_ref:.2f} us")
+
+    # Where the time goes: the stage's deform with the cascade cut after each step (informational).
     prefix, last = [], statistics.median(t_tok)
     parts = [f"tokenize {1e6 * last:.2f}"]
     for step in cascade:
         prefix.append(step)
-        ts = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            for c, k in zip(sample, keys):
-                deform(c, prefix, ctx, SampleRng(seed, k))
-            ts.append((time.perf_counter() - t0) / len(sample))
-        cur = min(ts)
+        cur = cpu_per_item(stage(list(prefix)), sample)
         parts.append(f"+{step.label} {1e6 * (cur - last):.2f}")
         last = cur
-    print(f"  per caption, us (cumulative cascade, incl. sample_rng and join): {', '.join(parts)}")
+    print(f"  per caption, us (cumulative cascade, incl. the key prefix, tally and join; a cut cascade can take "
+          f"another path through Deformer, so a step can read negative): {', '.join(parts)}")
 
-    rate, base_rate = 1 / statistics.median(t_def), 1 / statistics.median(t_tok)
-    ratio = statistics.median(t_def) / statistics.median(t_tok)
-    ok = rate >= TARGET_RATE
-    print(f"  deform: median {rate:,.0f} captions/s ({1e6 / rate:.2f} us each); tokenize: median "
-          f"{base_rate:,.0f} captions/s ({1e6 / base_rate:.2f} us); deform/tokenize time {ratio:.2f}x")
-    print(f"  target >= {TARGET_RATE:,} captions/s: {'PASS' if ok else 'FAIL'}", flush=True)
-    return {"name": "A deform, 1 core", "value": f"{rate:,.0f} captions/s",
-            "baseline": f"tokenize {base_rate:,.0f}/s ({ratio:.2f}x)", "target": f">= {TARGET_RATE:,}/s", "ok": ok}
+    rate, ref_rate, tok_rate = (1 / statistics.median(t) for t in (t_def, t_ref, t_tok))
+    print(f"  Deformer: median {rate:,.0f} captions/s ({1e6 / rate:.2f} us each); reference deform() + SampleRng "
+          f"{ref_rate:,.0f}/s ({rate / ref_rate:.2f}x slower); tokenize {tok_rate:,.0f}/s", flush=True)
+    return [common.value_row("A deform, 1 core", rate, TARGET_RATE, "captions/s CPU"),
+            common.value_row("A reference deform()", ref_rate, None, "captions/s CPU", note="before issue 17"),
+            common.value_row("A tokenize alone", tok_rate, None, "captions/s CPU")]
 
 
 # --- B: end to end on image shards --------------------------------------------------------------------
@@ -229,8 +272,8 @@ def make_image_dataset(folder: Path, ds: Path, n: int, per_shard: int, src: Path
     return f"{len(paths)} distinct openclipart PNGs of 5-20 KB from {src}" if paths else "synthetic PNGs"
 
 
-def tar_rewrite(src: Path, out: Path) -> None:
-    """Baseline: read every member of every input tar and write them all into new tars, no parsing."""
+def tar_addfile(src: Path, out: Path) -> None:
+    """Informational (the baseline before issue 17): every member of every tar read and written through addfile."""
     for shard in sorted(src.glob("*.tar")):
         with tarfile.open(shard, "r:") as tin, tarfile.open(out / shard.name, "w") as tout:
             for m in tin:
@@ -238,10 +281,68 @@ def tar_rewrite(src: Path, out: Path) -> None:
                 tout.addfile(m, io.BytesIO(data))
 
 
-def cpu_seconds() -> float:
-    """User + system time of this process and its reaped children (bow's worker pool)."""
-    s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+def kept_payloads(ref: Path) -> dict[str, dict[str, dict[str, bytes]]]:
+    """{shard: {key: {"txt": bytes, "json": bytes}}} of bow's output: what it writes for each sample it keeps."""
+    out = {}
+    for shard in sorted(ref.glob("*.tar")):
+        kept = out.setdefault(shard.name, {})
+        with tarfile.open(shard, "r:") as tf:
+            for m in tf:
+                key, _, ext = m.name.partition(".")
+                if ext in ("txt", "json"):
+                    kept.setdefault(key, {})[ext] = tf.extractfile(m).read()
+    return out
+
+
+def fast_writer(src: Path, kept: dict, out: Path) -> None:
+    """Baseline: bow's reads, and its kept samples' members (its txt and json bytes) through ShardTarWriter."""
+    for shard in sorted(src.glob("*.tar")):
+        keep = kept[shard.name]
+        with (tarfile.open(shard, "r:") as tin, open(out / shard.name, "wb", buffering=1 << 20) as f,
+              ShardTarWriter(f) as tw):
+            for m in tin:
+                data = tin.extractfile(m).read()
+                key, _, ext = m.name.partition(".")
+                new = keep.get(key)
+                if new is not None:
+                    tw.add(m.name, new.get(ext, data))
+
+
+def limit_plan(src: Path, ref: Path) -> list[tuple[Path, str, list[bytes], list[tuple[int, int]]]]:
+    """Before the clock: per shard (input tar, name, the output's parts with the image payloads left empty, where
+    each of those payloads sits in the input tar)."""
+    plan = []
+    for shard in sorted(src.glob("*.tar")):
+        where = {}
+        with tarfile.open(shard, "r:") as tf:
+            for m in tf:
+                where[m.name] = (m.offset_data, m.offset_data + m.size)
+        raw, parts, offs = (ref / shard.name).read_bytes(), [], []
+        end = 0
+        with tarfile.open(ref / shard.name, "r:") as tf:
+            members = list(tf)
+        for i, m in enumerate(members):
+            stop = members[i + 1].offset if i + 1 < len(members) else m.offset_data + m.size + (-m.size % 512)
+            image = not m.name.endswith((".txt", ".json"))
+            parts += [raw[m.offset:m.offset_data], b"" if image else raw[m.offset_data:m.offset_data + m.size],
+                      raw[m.offset_data + m.size:stop]]
+            if image:
+                offs.append(where[m.name])
+            end = stop
+        parts.append(raw[end:])
+        plan.append((shard, shard.name, parts, offs))
+    return plan
+
+
+def limit(plan, out: Path) -> None:
+    """Informational: per shard one read of the input, the image payloads sliced into place, one join, one write."""
+    for shard, name, parts, offs in plan:
+        with open(shard, "rb") as f:
+            buf = f.read()
+        parts = list(parts)
+        parts[4:-1:9] = [buf[a:b] for a, b in offs]
+        with open(out / name, "wb") as f:
+            f.write(b"".join(parts))
 
 
 def run_bow(src: Path, out: Path, workers: int, n: int) -> dict:
@@ -251,56 +352,40 @@ def run_bow(src: Path, out: Path, workers: int, n: int) -> dict:
     return r
 
 
-def bench_end_to_end(tmp: Path, shards: int, per_shard: int, repeats: int, src: Path | None) -> list[dict]:
+def make_sides(root: Path) -> dict[str, common.Side]:
+    """B's sides over root/ds (the input) and root/ref (one untimed bow run: the bytes to write); only reads them."""
+    ds, ref = root / "ds", root / "ref"
+    n = sum(json.loads((ds / "sizes.json").read_text()).values())
+    kept, plan = kept_payloads(ref), limit_plan(ds, ref)
+    return {"fast writer": lambda out: fast_writer(ds, kept, out),
+            "bow w=1": lambda out: run_bow(ds, out / "bow", 1, n),
+            "bow w=2": lambda out: run_bow(ds, out / "bow", 2, n),
+            "tarfile addfile": lambda out: tar_addfile(ds, out),
+            "limit": lambda out: limit(plan, out)}
+
+
+def bench_end_to_end(tmp: Path, shards: int, per_shard: int, repeats: int, src: Path | None,
+                     isolate: bool) -> list[dict]:
     n = shards * per_shard
-    folder, ds, scratch = tmp / "images", tmp / "ds", tmp / "runs"
-    scratch.mkdir()
+    folder, ds = tmp / "images", tmp / "ds"
     t0 = time.perf_counter()
     what = make_image_dataset(folder, ds, n, per_shard, src)
     shutil.rmtree(folder)
     tar_bytes = sum(p.stat().st_size for p in ds.glob("*.tar"))
     print(f"  input: {shards} shards x {per_shard} samples = {n:,}, {tar_bytes / 1e6:.1f} MB of tars, {what}; "
           f"built in {time.perf_counter() - t0:.1f} s (not timed)")
-    sides = {"tar rewrite": lambda out: tar_rewrite(ds, out),
-             "bow w=1": lambda out: run_bow(ds, out, 1, n),
-             "bow w=2": lambda out: run_bow(ds, out, 2, n)}
-    # One untimed round first: page cache, and the one-off imports (matplotlib for the plots).
-    for side, fn in sides.items():
-        out = scratch / f"warm-{side.replace(' ', '_').replace('=', '')}"
-        out.mkdir()
-        r = fn(out)
-        if side == "bow w=1":
-            print(f"  bow report: written {r['written']:,}, dropped_empty {r['dropped_empty']:,}, deformed fraction "
-                  f"{r['deformed_fraction']}, base {r['base_samples']:,}, avg words {r['avg_words_before']} -> "
-                  f"{r['avg_words_after']} (bow writes only the kept samples; the baseline rewrites all {n:,})")
-        shutil.rmtree(out)
-    times = {side: [] for side in sides}
-    cpus = {side: [] for side in sides}
-    for rep in range(repeats):
-        for side, fn in sides.items():
-            out = scratch / f"{side.replace(' ', '_').replace('=', '')}-{rep}"
-            out.mkdir()
-            c0, t0 = cpu_seconds(), time.perf_counter()
-            fn(out)
-            times[side].append(time.perf_counter() - t0)
-            cpus[side].append(cpu_seconds() - c0)
-            shutil.rmtree(out)
-        print(f"  repeat {rep + 1}/{repeats}: " + ", ".join(f"{k} {v[-1]:.3f} s (cpu {cpus[k][-1]:.2f} s)"
-                                                          for k, v in times.items()), flush=True)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    mcpu = {k: statistics.median(v) for k, v in cpus.items()}
-    r1, r2 = med["bow w=1"] / med["tar rewrite"], med["bow w=2"] / med["tar rewrite"]
-    ok = r1 <= TARGET_RATIO
-    print(f"  median: tar rewrite {med['tar rewrite']:.3f} s, bow w=1 {med['bow w=1']:.3f} s "
-          f"({n / med['bow w=1']:,.0f} samples/s), bow w=2 {med['bow w=2']:.3f} s; cpu time ratio bow w=1 / tar "
-          f"{mcpu['bow w=1'] / mcpu['tar rewrite']:.2f}x (all processes; w=2 used {mcpu['bow w=2']:.2f} cpu s in "
-          f"{med['bow w=2']:.2f} s wall)")
-    print(f"  ratio bow w=1 / tar rewrite {r1:.2f}x (target <= {TARGET_RATIO}x): {'PASS' if ok else 'FAIL'}; "
-          f"w=2 / tar rewrite {r2:.2f}x (informational)", flush=True)
-    return [{"name": "B bow w=1 / tar", "value": f"{r1:.2f}x ({med['bow w=1']:.2f} s)",
-             "baseline": f"tar rewrite {med['tar rewrite']:.2f} s", "target": f"<= {TARGET_RATIO}x", "ok": ok},
-            {"name": "B bow w=2 / tar", "value": f"{r2:.2f}x ({med['bow w=2']:.2f} s)",
-             "baseline": f"tar rewrite {med['tar rewrite']:.2f} s", "target": "(info)", "ok": None}]
+    r = run_bow(ds, tmp / "ref", 1, n)  # untimed: what the baseline writes, and the page cache warm
+    print(f"  bow report: written {r['written']:,}, dropped_empty {r['dropped_empty']:,}, deformed fraction "
+          f"{r['deformed_fraction']}, base {r['base_samples']:,}, avg words {r['avg_words_before']} -> "
+          f"{r['avg_words_after']} (the baseline writes the same {r['written']:,} kept samples)")
+    t = common.time_sides(make_sides(tmp), repeats, tmp, isolate, label="B ")
+    return [common.ratio_row("B bow w=1", t["fast writer"], t["bow w=1"], TARGET_RATIO),
+            common.ratio_row("B bow w=2", t["fast writer"], t["bow w=2"], None, note="2 worker processes"),
+            common.ratio_row("B bow w=1 vs tarfile addfile", t["tarfile addfile"], t["bow w=1"], None,
+                             note="old baseline"),
+            common.ratio_row("B bow w=1 vs limit", t["limit"], t["bow w=1"], None, note="no per-sample Python"),
+            common.ratio_row("B fast writer vs limit", t["limit"], t["fast writer"], None,
+                             note="the baseline's own gap")]
 
 
 # --- C: peak memory ----------------------------------------------------------------------------------
@@ -411,8 +496,7 @@ def bench_memory(tmp_parent: Path | None, n: int, workers: int, build_workers: i
         if free < need:
             print(f"  SKIPPED: needs ~{need / 1e9:.1f} GB free in {tmp.parent}, has {free / 1e9:.1f} GB "
                   "(use --tmp or a smaller --mem-captions)")
-            return {"name": f"C peak RSS {n / 1e6:g}M", "value": "skipped", "baseline": "", "target": "<= 1 GiB",
-                    "ok": None}
+            return common.value_row(f"C peak RSS {n / 1e6:g}M", float("nan"), None, "MiB", note="skipped")
         base = child_json(["-c", IMPORT_CHILD])
         print(f"  baseline: a python that only imports vlprep.bow peaks at {mib(base['hwm_kb'])} "
               f"(numpy, pyarrow, Pillow; no torch since vlprep stopped importing webdataset); its ru_maxrss reads {mib(base['ru_maxrss_kb'])}, which includes "
@@ -445,8 +529,8 @@ def bench_memory(tmp_parent: Path | None, n: int, workers: int, build_workers: i
     print(f"  target <= 1 GiB: {'PASS' if ok else 'FAIL'}")
     print(f"  time for C: build {t_build:.0f} s + bow on {small:,} {tenth['elapsed']:.0f} s + bow on {n:,} "
           f"{big['elapsed']:.0f} s", flush=True)
-    return {"name": f"C peak RSS {n / 1e6:g}M", "value": mib(peak), "baseline": f"import {mib(base['hwm_kb'])}",
-            "target": "<= 1 GiB", "ok": ok}
+    return common.value_row(f"C peak RSS {n / 1e6:g}M", peak / 1024, TARGET_RSS / 2**20, "MiB",
+                            higher_is_better=False, note=f"import alone {mib(base['hwm_kb'])}")
 
 
 # --- main --------------------------------------------------------------------------------------------
@@ -467,12 +551,15 @@ def main() -> None:
     ap.add_argument("--tmp", type=Path, default=None, help="folder for C's dataset (default: the system temp dir)")
     ap.add_argument("--build-mem-child", nargs=4, metavar=("DIR", "N", "PER_SHARD", "WORKERS"),
                     help=argparse.SUPPRESS)
+    common.add_options(ap)
     args = ap.parse_args()
     if args.build_mem_child:
         d, n, per, w = args.build_mem_child
         build_mem_dataset(Path(d), int(n), int(per), int(w))
         print(json.dumps({"ok": True}))
         return
+    if args.side is not None:  # a child of --isolate: B's set-up folder exists, time one call
+        common.run_child(args, make_sides(args.side_dir))
     q = args.quick
     n_a = args.captions or (200_000 if q else 1_000_000)
     shards = args.shards or (10 if q else 20)
@@ -481,33 +568,29 @@ def main() -> None:
     n_c = args.mem_captions or (300_000 if q else 3_000_000)
     skip = {s.strip().lower() for s in args.skip.split(",") if s.strip()}
 
-    print(f"vlprep bow benchmark: python {sys.version.split()[0]}, {os.cpu_count()} cores, "
-          f"load average {os.getloadavg()[0]:.2f}, ops {DEFAULT_OPS!r}", flush=True)
-    if os.getloadavg()[0] > 0.5:
-        print("  (other processes are using the CPU: wall times are noisy and workers=2 may find no free core)")
+    print(common.load_line("start"))
+    print(f"vlprep bow benchmark: python {sys.version.split()[0]}, ops {DEFAULT_OPS!r}", flush=True)
     print()
     rows = []
     t_start = time.perf_counter()
     if "a" not in skip:
         print(f"A: deform alone, one process, {n_a:,} synthetic captions ({VOCAB:,}-token vocabulary, Zipf s={ZIPF_S})")
-        rows.append(bench_deform(n_a, min(100_000, max(1, n_a // 5))))
+        rows += bench_deform(n_a, min(100_000, max(1, n_a // 5)))
         print()
     if "b" not in skip:
-        print(f"B: end to end, bow (base_frac 0.1, default ops) vs a plain tarfile read-and-rewrite, "
-              f"{repeats} interleaved repeats after one untimed round")
+        print(f"B: end to end, bow (base_frac 0.1, default ops) vs the same reads and kept members through "
+              f"ShardTarWriter, {repeats} rounds of alternating order"
+              f"{', each timed call in a fresh process' if args.isolate else ' after one untimed round'}")
         with tempfile.TemporaryDirectory(prefix="vlprep-bow-bench-") as tmp:
-            rows += bench_end_to_end(Path(tmp), shards, per_shard, repeats, args.src)
+            rows += bench_end_to_end(Path(tmp), shards, per_shard, repeats, args.src, args.isolate)
         print()
     if "c" not in skip:
         print(f"C: peak memory of bow on {n_c:,} samples, fresh subprocesses")
         rows.append(bench_memory(args.tmp, n_c, args.mem_workers, min(2, os.cpu_count() or 1)))
         print()
-
-    print(f"{'measurement':<22} {'value':<26} {'baseline':<30} {'target':<14} result")
-    for r in rows:
-        res = "info" if r["ok"] is None else ("PASS" if r["ok"] else "FAIL")
-        print(f"{r['name']:<22} {r['value']:<26} {r['baseline']:<30} {r['target']:<14} {res}")
-    print(f"(total {time.perf_counter() - t_start:.0f} s; load average now {os.getloadavg()[0]:.2f})")
+    common.print_table(rows, candidate="bow")
+    print(f"(total {time.perf_counter() - t_start:.0f} s)")
+    print(common.load_line("end"))
 
 
 if __name__ == "__main__":

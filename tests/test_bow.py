@@ -377,3 +377,45 @@ def test_rmtop_first_gives_the_same_shards_as_the_raw_ranking_after_rmstop(tmp_p
         assert (k in got) == bool(bag)
         if k in got:  # shuffled, then the first 4 kept: a sub-multiset of the filtered bag
             assert not Counter(got[k].split(" ")) - Counter(bag) and len(got[k].split(" ")) == min(4, len(bag))
+
+
+def test_keyed_shuffle_is_sample_rng_on_every_length():
+    from vlprep.bow import keyed_shuffle
+
+    for n in list(range(0, 80)) + [200, 1000]:
+        a, b = list(range(n)), list(range(n))
+        SampleRng(3, f"k_{n}").shuffle(a)
+        keyed_shuffle(b, f"3:k_{n}:".encode())
+        assert a == b, n
+
+
+def test_deformer_equals_deform_on_every_cascade_shape():
+    """The stage's Deformer against the reference deform(): same captions and same per-step removed counts, for
+    every order of every subset of the ops (keep last), with and without a base vocabulary."""
+    import itertools
+
+    from vlprep.bow import Deformer
+
+    rng = random.Random(0)
+    vocab = ["the", "a", "of", "dog", "cat", "red", "big", "café", "2", "x_y", "don't", "run", "tree", "sky", "it"]
+    captions = ["", "   ", "A dog.", "The Big red dog, and a cat!", "Café 2 x_y -- don't run...", "ŞEHİR ǅ ½"]
+    captions += [" ".join(rng.choice(vocab + [",", ".", "!", "(", ")"]) for _ in range(rng.randint(0, 60)))
+                 for _ in range(400)]
+    ctx = BowContext(base_vocab=frozenset(vocab[:11] + [","]), top=frozenset({"dog", "a", "red"}))
+    names = ["shuffle", "rmstop", "basevocab", "rmtop:2"]
+    shapes = 0
+    for k in range(0, len(names) + 1):
+        for subset in itertools.permutations(names, k):
+            for tail in ([], ["keep:3"]):
+                if not subset and not tail:
+                    continue
+                cascade = parse_ops(",".join(list(subset) + tail))
+                fast = Deformer(cascade, ctx, seed=5)
+                ref_removed = [0] * len(cascade)
+                for i, c in enumerate(captions):
+                    key = f"shard_{i:09d}"
+                    assert fast(c, key) == deform(c, cascade, ctx, SampleRng(5, key), ref_removed), (cascade, c)
+                assert fast.take_removed() == ref_removed, cascade
+                assert fast.take_removed() == [0] * len(cascade)  # the tally starts again
+                shapes += 1
+    assert shapes == 2 * 65 - 1

@@ -359,3 +359,32 @@ def test_second_training_run_on_one_out_is_refused(tmp_path):
         assert r.exit_code == 2
         assert one_line(r.output) == (f"error: OUT {out} is being written by another vltrain process "
                                       f"(pid {holder.pid}); wait for it to finish or choose another folder")
+
+
+def test_iter_tar_refuses_exactly_the_names_check_member_refuses(tmp_path):
+    """iter_tar inlines _check_member's tests with a cheap pre-test; both must refuse the same member names."""
+    import io
+    import itertools
+    import tarfile as tf_
+
+    from vlprep.dataset import ShardFormatError, _check_member, iter_tar
+
+    parts = ["", "a", "..", ".", "pyd", "x.pyd", "x.PKL", "x.pickle.txt", "x.txt.pyd", "abc.", "a/b", "y.Pickle"]
+    names = {n for a, b in itertools.product(parts, repeat=2) for n in (a + b, f"{a}/{b}", f"/{a}{b}")
+             if n and not n.endswith("/")}
+    for i, name in enumerate(sorted(names)):
+        path = tmp_path / f"{i}.tar"
+        with tf_.open(path, "w", format=tf_.USTAR_FORMAT) as t:
+            info = tf_.TarInfo(name)
+            info.size = 1
+            t.addfile(info, io.BytesIO(b"x"))
+        try:
+            _check_member(name)
+            refused = False
+        except ShardFormatError:
+            refused = True
+        if refused:
+            with pytest.raises(ShardFormatError):
+                list(iter_tar(path))
+        else:
+            list(iter_tar(path))

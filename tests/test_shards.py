@@ -316,3 +316,154 @@ def test_decompression_bombs_are_counted_as_too_large(tmp_path):
     (root / "ok.txt").write_text("fine")
     rep = build(root, tmp_path / "out")
     assert rep["written"] == 1 and rep["skipped"] == {"image_too_large": 1}
+
+
+# --- the header probe (vlprep/imagecheck.py): the same answers as Pillow's path -------------------------------------
+
+
+def _pil_variants() -> dict[str, bytes]:
+    """Images in the modes and with the chunks / markers real files have, written by Pillow."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    rgb = Image.fromarray(rng.integers(0, 256, (23, 37, 3), dtype=np.uint8))
+    info = __import__("PIL.PngImagePlugin", fromlist=["PngInfo"]).PngInfo()
+    info.add_text("Title", "clip art")
+    info.add_text("Comment", "compressed", zip=True)  # a zTXt chunk: Pillow's handler may reject, so Pillow decides
+    plain_text = __import__("PIL.PngImagePlugin", fromlist=["PngInfo"]).PngInfo()
+    plain_text.add_text("Title", "clip art")  # tEXt, as openclipart's PNGs have
+    icc = __import__("PIL.ImageCms", fromlist=["createProfile"])
+    srgb = icc.ImageCmsProfile(icc.createProfile("sRGB")).tobytes()
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    out = {}
+
+    def save(name, im, fmt, **kw):
+        buf = io.BytesIO()
+        im.save(buf, format=fmt, **kw)
+        out[name] = buf.getvalue()
+
+    for mode in ("1", "L", "LA", "P", "RGB", "RGBA", "I;16"):
+        save(f"png-{mode}", rgb.convert(mode) if mode != "I;16" else rgb.convert("L").convert("I;16"), "PNG")
+    save("png-P-trns", rgb.convert("P"), "PNG", transparency=3)
+    save("png-RGB-trns", rgb, "PNG", transparency=(1, 2, 3))
+    save("png-L-trns", rgb.convert("L"), "PNG", transparency=7)
+    save("png-text", rgb, "PNG", pnginfo=info)
+    save("png-tEXt", rgb, "PNG", pnginfo=plain_text)
+    save("png-icc", rgb, "PNG", icc_profile=srgb)
+    save("png-dpi", rgb, "PNG", dpi=(300, 300))
+    save("png-apng", rgb, "PNG", save_all=True, append_images=[rgb.convert("L").convert("RGB")])
+    for mode in ("L", "RGB", "CMYK"):
+        save(f"jpeg-{mode}", rgb.convert(mode), "JPEG", quality=90)
+    save("jpeg-progressive", rgb, "JPEG", progressive=True)
+    save("jpeg-exif", rgb, "JPEG", exif=exif)
+    save("jpeg-icc", rgb, "JPEG", icc_profile=srgb)
+    save("jpeg-comment", rgb, "JPEG", comment=b"hello")
+    save("jpeg-restart", rgb, "JPEG", restart_marker_blocks=1)
+    save("jpeg-dpi", rgb, "JPEG", dpi=(72, 72))
+    save("jpeg-mpo", rgb, "MPO", save_all=True, append_images=[rgb])
+    save("webp", rgb, "WEBP")
+    save("gif", rgb.convert("P"), "GIF")
+    save("bmp", rgb, "BMP")
+    return out
+
+
+def _damaged(data: bytes) -> list[bytes]:
+    """Cut at many points, one byte flipped at many offsets, a few header fields broken by hand."""
+    n = len(data)
+    cuts = sorted({1, 2, 3, 8, 12, 16, 20, 25, 29, 33, 40, 60, n // 3, n // 2, n - 20, n - 12, n - 4, n - 2, n - 1})
+    out = [data[:c] for c in cuts if 0 < c < n]
+    for at in sorted({4, 8, 12, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 28, 30, 33, 37, 41, 50, 70, 100, n // 2,
+                      n - 9, n - 5, n - 1}):
+        if 0 <= at < n:
+            for x in (0xFF, 0x01):
+                b = bytearray(data)
+                b[at] ^= x
+                out.append(bytes(b))
+    out.append(data + b"\0\0\0")  # zero padding after the end (JPEG: allowed)
+    out.append(data + b"junk")
+    return out
+
+
+def _png_with(chunks: list[tuple[bytes, bytes]]) -> bytes:
+    import zlib
+
+    return b"\x89PNG\r\n\x1a\n" + b"".join(len(d).to_bytes(4, "big") + c + d + zlib.crc32(c + d).to_bytes(4, "big")
+                                           for c, d in chunks)
+
+
+def _handmade_pngs() -> dict[str, bytes]:
+    """PNGs with valid CRCs whose headers Pillow refuses or reads oddly: the probe must defer to it."""
+    import zlib
+
+    idat = zlib.compress(b"\0\0\0\0" * 4)  # 4 rows of 1 RGB pixel... sizes need not match: open does not decode
+    ihdr = lambda w, h, depth=8, ctype=2, filt=0: (w.to_bytes(4, "big") + h.to_bytes(4, "big")  # noqa: E731
+                                                   + bytes([depth, ctype, 0, filt, 0]))
+    end = (b"IEND", b"")
+    return {
+        "plain": _png_with([(b"IHDR", ihdr(1, 4)), (b"IDAT", idat), end]),
+        "zero-width": _png_with([(b"IHDR", ihdr(0, 4)), (b"IDAT", idat), end]),
+        "bad-mode": _png_with([(b"IHDR", ihdr(1, 4, depth=3, ctype=2)), (b"IDAT", idat), end]),
+        "filter-byte": _png_with([(b"IHDR", ihdr(1, 4, filt=1)), (b"IDAT", idat), end]),
+        "short-ihdr": _png_with([(b"IHDR", ihdr(1, 4)[:12]), (b"IDAT", idat), end]),
+        "two-ihdr": _png_with([(b"IHDR", ihdr(1, 4)), (b"IHDR", ihdr(2, 4)), (b"IDAT", idat), end]),
+        "ihdr-late": _png_with([(b"tEXt", b"a\0b"), (b"IHDR", ihdr(1, 4)), (b"IDAT", idat), end]),
+        "no-idat": _png_with([(b"IHDR", ihdr(1, 4)), end]),
+        "short-trns": _png_with([(b"IHDR", ihdr(1, 4)), (b"tRNS", b"\0\1"), (b"IDAT", idat), end]),
+        "short-phys": _png_with([(b"IHDR", ihdr(1, 4)), (b"pHYs", b"\0" * 8), (b"IDAT", idat), end]),
+        "short-gama": _png_with([(b"IHDR", ihdr(1, 4)), (b"gAMA", b"\0" * 3), (b"IDAT", idat), end]),
+        "bad-iccp": _png_with([(b"IHDR", ihdr(1, 4)), (b"iCCP", b"x\0\1zz"), (b"IDAT", idat), end]),
+        "odd-cid": _png_with([(b"IHDR", ihdr(1, 4)), (b"a-b!", b""), (b"IDAT", idat), end]),
+        "unknown-chunk": _png_with([(b"IHDR", ihdr(1, 4)), (b"vpAg", b"123"), (b"IDAT", idat), end]),
+        "huge": _png_with([(b"IHDR", ihdr(20000, 20000)), (b"IDAT", idat), end]),
+        "bomb": _png_with([(b"IHDR", ihdr(30000, 30000)), (b"IDAT", idat), end]),
+    }
+
+
+def _outcome(data: bytes, **kw):
+    from vlprep.shards import Skip
+
+    try:
+        return prepare_image(data, **kw)
+    except Skip as s:
+        return s.reason
+
+
+def test_probe_answers_as_pillow_does_on_valid_damaged_and_odd_images(monkeypatch):
+    from vlprep import shards as stage
+    from vlprep.imagecheck import probe
+
+    cases = {**_pil_variants(), **_handmade_pngs()}
+    for name, data in list(cases.items()):
+        for i, bad in enumerate(_damaged(data)):
+            cases[f"{name}/damaged{i}"] = bad
+    fast = {}
+    for name, data in cases.items():
+        fast[name] = [_outcome(data), _outcome(data, resize=16), _outcome(data, fmt="png")]
+        head = probe(data)
+        if head is not None:  # whenever the probe answers, Pillow agrees on the format and size
+            with Image.open(io.BytesIO(data)) as im:
+                assert (im.format, *im.size) == head, name
+    monkeypatch.setattr(stage, "probe", lambda data: None)  # the reference: Pillow's path for every image
+    for name, data in cases.items():
+        ref = [_outcome(data), _outcome(data, resize=16), _outcome(data, fmt="png")]
+        assert fast[name] == ref, name
+    # the fast path is taken for the common files (else it would be correct but useless) and not for the others
+    takes = {n for n in cases if "/" not in n and probe(cases[n]) is not None}
+    assert {"png-1", "png-L", "png-LA", "png-P", "png-RGB", "png-RGBA", "png-I;16", "png-P-trns", "png-RGB-trns",
+            "png-L-trns", "png-dpi", "png-tEXt", "jpeg-L", "jpeg-RGB", "jpeg-progressive", "jpeg-comment",
+            "jpeg-restart", "jpeg-dpi", "plain", "unknown-chunk"} <= takes
+    assert not takes & {"png-text", "png-icc", "png-apng", "jpeg-exif", "jpeg-icc", "jpeg-mpo", "jpeg-CMYK", "webp", "gif", "bmp",
+                        "zero-width", "bad-mode", "filter-byte", "short-ihdr", "two-ihdr", "ihdr-late", "no-idat",
+                        "short-trns", "short-phys", "short-gama", "bad-iccp", "odd-cid", "huge", "bomb"}
+
+
+def test_caption_whitespace_is_collapsed_as_the_regex_did():
+    import re
+    import sys
+
+    from vlprep.shards import clean_caption
+
+    spaces = "".join(c for c in map(chr, range(sys.maxunicode + 1)) if re.match(r"\s", c))
+    for cap in ["  a\tb\n\nc  ", f"x{spaces}y{spaces}", "\u00a0lead and trail\u3000", "one"]:
+        assert clean_caption(cap) == re.sub(r"\s+", " ", cap).strip()

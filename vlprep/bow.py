@@ -21,12 +21,15 @@ The contract (also in docs/BOW.md):
 """
 
 import hashlib
+import json
 import random
+import struct
 import time
-from collections import Counter
+from collections import Counter, _count_elements
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from functools import partial
+from itertools import chain
 from pathlib import Path
 from typing import NamedTuple
 
@@ -34,8 +37,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from vlprep import VlprepError
-from vlprep.dataset import (carried_features, decode_sample, finish_dataset, iter_aligned, open_derived,
-                            prepare_output, release_output, sidecar_name, write_json_atomic, write_shard)
+from vlprep.dataset import (carried_features, finish_dataset, iter_aligned, open_derived, prepare_output,
+                            release_output, sidecar_name, write_json_atomic, write_shard)
 from vlprep.engine import Work, check_engine, default_workers, map_shards
 from vlprep.text import stop_words, tokenize, words
 
@@ -172,6 +175,32 @@ def is_base(seed: int, key: str, frac: float) -> bool:
     return int.from_bytes(h, "big") < frac * 2**64
 
 
+_blake2b = hashlib.blake2b
+_SWAPS: dict[int, tuple] = {}  # list length n -> (unpack of its n - 1 big-endian 16-bit draws, (n, n - 1, ..., 2))
+
+
+def keyed_shuffle(x: list, prefix: bytes) -> None:
+    """SampleRng(seed, key).shuffle(x) with prefix = f"{seed}:{key}:".encode(): the same permutation, in one pass.
+
+    The stage shuffles every caption once, so the stream needs no state between calls: the blocks it needs are
+    hashed at once and the swap draws unpacked together (SampleRng.shuffle spent ~3 us per caption in its loop).
+    """
+    n = len(x)
+    if n < 2:
+        return
+    r = _blake2b(prefix + b"0", digest_size=64).digest()
+    if n > 33:  # 2 bytes per swap, n - 1 swaps: more than one 64-byte block
+        r += b"".join(_blake2b(prefix + str(b).encode(), digest_size=64).digest() for b in range(1, (2 * n + 61) // 64))
+    plan = _SWAPS.get(n)
+    if plan is None:
+        plan = _SWAPS[n] = (struct.Struct(f">{n - 1}H").unpack_from, tuple(range(n, 1, -1)))
+    unpack, sizes = plan
+    for m, v in zip(sizes, unpack(r)):  # swap i = m - 1 with j drawn from 0..i
+        j = v % m
+        m -= 1
+        x[m], x[j] = x[j], x[m]
+
+
 class SampleRng:
     """Per-sample generator for `shuffle`, seeded from (seed, key).
 
@@ -203,6 +232,98 @@ class SampleRng:
             x[i], x[j] = x[j], x[i]
 
 
+# Ops that drop tokens one at a time, each by a test of the token alone: a run of them is one filter.
+_FILTERS = ("rmstop", "basevocab", "rmtop")
+
+
+class Deformer:
+    """The stage's per-caption deform: deform(caption, cascade, ctx, SampleRng(seed, key), removed), faster.
+
+    A cascade is at most: token filters, then shuffle, then token filters, then keep (each op appears once and
+    keep is last), so each run of filters is applied as one. A run that holds basevocab keeps exactly the base
+    vocabulary words that pass its other filters, a set computed once here; one without it applies the ops in turn.
+    The tokens each step dropped (`take_removed`) are counted from the tokens entering each run, tallied per
+    shard: which step drops a token depends on the token alone. tests/test_bow.py checks output and counts
+    against deform() on many cascades.
+    """
+
+    def __init__(self, cascade: list[Step], context: BowContext, seed: int):
+        self.cascade, self.context, self.seed = cascade, context, seed
+        names = [s.name for s in cascade]
+        self.shuffle = "shuffle" in names
+        at = names.index("shuffle") if self.shuffle else len(names)
+        self.pre, self.post = self._run(names, 0, at), self._run(names, at, len(names))
+        self.keep_at = names.index("keep") if "keep" in names else None
+        self.keep = cascade[self.keep_at].arg if self.keep_at is not None else None
+        self.kept_over = 0
+        self.seed_prefix = f"{seed}:"
+        common = self.shuffle and self.pre is None and self.post is not None and self.post[1] is not None
+        self.common = self.post[2] if common else None  # the post-run's tally, when __call__'s short path applies
+
+    def _run(self, names: list[str], lo: int, hi: int) -> tuple[list[int], frozenset | None, dict] | None:
+        """(the run's step indices, the set of tokens it keeps when that is finite, its tally) or None."""
+        idx = [i for i in range(lo, hi) if names[i] in _FILTERS]
+        if not idx:
+            return None
+        allowed = None
+        if "basevocab" in (names[i] for i in idx):
+            kept = list(self.context.base_vocab)
+            for i in idx:
+                kept = self.cascade[i].fn(kept, self.context, None)
+            allowed = frozenset(kept)
+        return idx, allowed, {}  # a plain dict: _count_elements takes its fast path only for an exact dict
+
+    def _filter(self, run: tuple, tokens: list[str]) -> list[str]:
+        idx, allowed, tally = run
+        _count_elements(tally, tokens)  # Counter.update's C loop, without its Python preamble
+        if allowed is not None:
+            return [t for t in tokens if t in allowed]
+        for i in idx:
+            tokens = self.cascade[i].fn(tokens, self.context, None)
+        return tokens
+
+    def __call__(self, caption: str, key: str) -> str:
+        tokens = tokenize(caption)
+        if self.common is not None:  # shuffle, then filters that keep a finite set (the default cascade): inlined
+            keyed_shuffle(tokens, (self.seed_prefix + key + ":").encode())
+            _count_elements(self.common, tokens)
+            allowed = self.post[1]
+            tokens = [t for t in tokens if t in allowed]
+            if self.keep is not None and len(tokens) > self.keep:
+                self.kept_over += len(tokens) - self.keep
+                tokens = tokens[:self.keep]
+            return " ".join(tokens)
+        if self.pre is not None:
+            tokens = self._filter(self.pre, tokens)
+        if self.shuffle:
+            keyed_shuffle(tokens, (self.seed_prefix + key + ":").encode())
+        if self.post is not None:
+            tokens = self._filter(self.post, tokens)
+        if self.keep is not None and len(tokens) > self.keep:
+            self.kept_over += len(tokens) - self.keep
+            tokens = tokens[:self.keep]
+        return " ".join(tokens)
+
+    def take_removed(self) -> list[int]:
+        """Tokens each step dropped since the last call (deform's `removed`), and a fresh tally."""
+        removed = [0] * len(self.cascade)
+        for run in (self.pre, self.post):
+            if run is None:
+                continue
+            idx, allowed, tally = run
+            for token, count in tally.items():
+                if allowed is not None and token in allowed:
+                    continue
+                for i in idx:
+                    if not self.cascade[i].fn([token], self.context, None):
+                        removed[i] += count
+                        break
+            tally.clear()
+        if self.keep_at is not None:
+            removed[self.keep_at], self.kept_over = self.kept_over, 0
+        return removed
+
+
 # --- the stage ---------------------------------------------------------------------------------
 
 
@@ -232,12 +353,14 @@ def base_statistics(ds, cascade: list[Step], base_frac: float, seed: int) -> tup
         side = ds.sidecar(shard)
         if not side.exists():
             raise VlprepError(f"{ds.root}: missing sidecar {side.name}; re-shard the input with `vlprep shards`")
-        t = pq.read_table(side, columns=["key", "caption"])
-        for key, caption in zip(t.column("key").to_pylist(), t.column("caption").to_pylist()):
-            n += 1
-            ws = words(caption)
-            before.update(ws)
-            lengths[len(ws)] += 1
+        t = pq.ParquetFile(side).read(columns=["key", "caption"])
+        keys, captions = t.column("key").to_pylist(), t.column("caption").to_pylist()
+        n += len(keys)
+        # Counted a shard at a time (one C-level update each), not caption by caption.
+        word_lists = list(map(words, captions))
+        before.update(chain.from_iterable(word_lists))
+        lengths.update(map(len, word_lists))
+        for key, caption in zip(keys, captions):
             if is_base(seed, key, base_frac):
                 n_base += 1
                 toks = tokenize(caption)
@@ -262,7 +385,9 @@ def emptying_warnings(cascade: list[Step], ctx: BowContext, deformed: int | None
         before = cascade[:at]
         # The ops before rmtop filter word by word (shuffle and keep never drop a single word), so a word of the
         # base vocabulary survives them iff the one-word caption survives them.
-        left = sum(1 for w in ctx.base_vocab if deform(w, before, ctx, random.Random(0))) if before else len(ctx.base_vocab)
+        # (shuffle is left out: it needs a generator, and a one-word caption is its own permutation)
+        drops = [s for s in before if s.name != "shuffle"]
+        left = sum(1 for w in ctx.base_vocab if deform(w, drops, ctx, None)) if drops else len(ctx.base_vocab)
         t = cascade[at].arg
         if t >= left:
             after = f" after {','.join(s.label for s in before)}" if before else ""
@@ -280,8 +405,9 @@ _worker: dict = {}
 
 def _init_worker(cascade_spec: str, context: BowContext, seed: int, base_frac: float, deform_base: bool) -> None:
     # The context (base vocabulary, top set) is sent once per worker, not once per shard.
-    _worker.update(cascade=parse_ops(cascade_spec), context=context, seed=seed, base_frac=base_frac,
-                   deform_base=deform_base)
+    cascade = parse_ops(cascade_spec)
+    _worker.update(cascade=cascade, context=context, seed=seed, base_frac=base_frac, deform_base=deform_base,
+                   deformer=Deformer(cascade, context, seed))
 
 
 def shard_fingerprints(ds, ctx: BowContext) -> dict[str, str]:
@@ -305,26 +431,28 @@ def shard_fingerprints(ds, ctx: BowContext) -> dict[str, str]:
 def bow_shard(out: Path, src: Path, shard: str, fp: str = "") -> dict:
     """Second pass over one shard: deform captions, copy everything else; returns the shard's counts."""
     w = _worker
-    cascade, ctx, seed = w["cascade"], w["context"], w["seed"]
-    needs_rng = any(s.name == "shuffle" for s in cascade)
-    side = pq.read_table(src / sidecar_name(shard)).replace_schema_metadata(None)
-    removed = [0] * len(cascade)
+    deformer, seed = w["deformer"], w["seed"]
+    deformer.take_removed()  # a fresh tally (a failed shard before this one may have left counts)
+    side = pq.ParquetFile(src / sidecar_name(shard)).read().replace_schema_metadata(None)
     samples, kept, captions, raw_captions, flags = [], [], [], [], []
-    dropped = 0
+    dropped, base_frac, deform_base = 0, w["base_frac"], w["deform_base"]
     for i, raw in iter_aligned(src / shard, side.column("key").to_pylist()):
         key = raw["__key__"]
-        s = decode_sample(raw)
-        meta = s.get("json") or {}
-        caption = s["txt"]
-        deform_it = w["deform_base"] or not is_base(seed, key, w["base_frac"])
+        text = raw["txt"].decode("utf-8")
+        # decode_sample's work, without copying the sample; every json is parsed, so a bad one still raises
+        meta = (json.loads(raw["json"]) if "json" in raw else None) or {}
+        caption = text
+        deform_it = deform_base or not is_base(seed, key, base_frac)
         if deform_it:
-            caption = deform(caption, cascade, ctx, SampleRng(seed, key) if needs_rng else None, removed)
+            caption = deformer(text, key)
             if not caption:
                 dropped += 1
                 continue
-        raw_caption = meta.get("caption_raw", s["txt"])
-        samples.append({**{k: v for k, v in raw.items() if k not in ("txt", "json", "__url__")},
-                        "txt": caption, "json": {**meta, "caption_raw": raw_caption, "bow": deform_it}})
+        raw_caption = meta.setdefault("caption_raw", text)
+        meta["bow"] = deform_it
+        sample = {k: v for k, v in raw.items() if k not in ("txt", "json", "__url__")}
+        sample["txt"], sample["json"] = caption, meta
+        samples.append(sample)
         kept.append(i)
         captions.append(caption)
         raw_captions.append(raw_caption)
@@ -341,7 +469,7 @@ def bow_shard(out: Path, src: Path, shard: str, fp: str = "") -> dict:
         else:
             table = table.append_column(pa.field(name, typ), col)
     stats = {"in": side.num_rows, "written": len(samples), "deformed": sum(flags), "dropped_empty": dropped,
-             "removed": removed, "fingerprint": fp}
+             "removed": deformer.take_removed(), "fingerprint": fp}
     write_shard(out, shard, samples, table, stats=stats)
     return stats
 
@@ -391,10 +519,10 @@ def bow(cfg: BowConfig, progress=None, warn: Callable[[str], None] = lambda line
     })
     after_words, after_lengths = Counter(), Counter()
     for shard in ds.shards:  # the 'after' statistics, from the sidecars just written
-        for caption in pq.read_table(out / sidecar_name(shard), columns=["caption"]).column(0).to_pylist():
-            ws = words(caption)
-            after_words.update(ws)
-            after_lengths[len(ws)] += 1
+        word_lists = list(map(words, pq.ParquetFile(out / sidecar_name(shard)).read(columns=["caption"])
+                              .column(0).to_pylist()))
+        after_words.update(chain.from_iterable(word_lists))
+        after_lengths.update(map(len, word_lists))
     report = {
         "stage": "bow", "source": str(cfg.src), "ops": spec, "base_frac": cfg.base_frac, "seed": cfg.seed,
         "deform_base": cfg.deform_base, "samples_in": n_in, "base_samples": before["base"], "written": written,
