@@ -429,6 +429,7 @@ def _outcome(data: bytes, **kw):
         return s.reason
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # Pillow warns about the deliberately damaged files
 def test_probe_answers_as_pillow_does_on_valid_damaged_and_odd_images(monkeypatch):
     from vlprep import shards as stage
     from vlprep.imagecheck import probe
