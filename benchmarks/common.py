@@ -50,35 +50,19 @@ def cpu_now() -> float:
 
 
 def _timed(fn: Side, scratch: Path) -> tuple[float, float]:
-    out = Path(tempfile.mkdtemp(prefix="out-", dir=scratch))
-    try:
-        c0, t0 = cpu_now(), time.perf_counter()
-        fn(out)
-        return time.perf_counter() - t0, cpu_now() - c0
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
+    d = _timed_figures(fn, scratch, figures=False)
+    return d["wall"], d["cpu"]
 
 
 def run_child(args: argparse.Namespace, sides: dict[str, Side]) -> None:
     """In a child started by `time_sides(isolate=True)`: time one call of `args.side`, print it, exit. Otherwise
     return at once."""
-    if args.side is None:
-        return
-    if args.side not in sides:
-        sys.exit(f"--side {args.side}: not one of {', '.join(sides)}")
-    wall, cpu = _timed(sides[args.side], args.side_dir)
-    print(json.dumps({"side": args.side, "wall": wall, "cpu": cpu}), flush=True)
-    sys.exit(0)
+    run_child_figures(args, sides, figures=False)
 
 
 def _child(name: str, data_dir: Path) -> tuple[float, float]:
-    argv = [a for a in sys.argv[1:] if a != "--isolate"]
-    r = subprocess.run([sys.executable, sys.argv[0], *argv, "--side", name, "--side-dir", str(data_dir)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        sys.exit(f"isolated run of side {name!r} failed:\n{r.stderr[-3000:]}")
-    last = json.loads(r.stdout.strip().splitlines()[-1])
-    return last["wall"], last["cpu"]
+    d = _child_figures(name, data_dir)
+    return d["wall"], d["cpu"]
 
 
 def time_sides(sides: dict[str, Side], repeats: int, scratch: Path, isolate: bool = False, warmup: int = 1,
@@ -173,23 +157,25 @@ def print_table(rows: list[dict], candidate: str = "candidate") -> None:
 Measured = Callable[[Path], dict]
 
 
-def _timed_figures(fn: Measured, scratch: Path) -> dict:
+def _timed_figures(fn: Measured, scratch: Path, figures: bool = True) -> dict:
+    """{"wall", "cpu"} of one call in a fresh output folder, plus the figures the call returned (`figures`; a
+    plain Side's return value is ignored)."""
     out = Path(tempfile.mkdtemp(prefix="out-", dir=scratch))
     try:
         c0, t0 = cpu_now(), time.perf_counter()
-        figures = fn(out)
-        return {"wall": time.perf_counter() - t0, "cpu": cpu_now() - c0, **figures}
+        result = fn(out)
+        return {"wall": time.perf_counter() - t0, "cpu": cpu_now() - c0, **(result if figures else {})}
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
 
-def run_child_figures(args: argparse.Namespace, sides: dict[str, Measured]) -> None:
+def run_child_figures(args: argparse.Namespace, sides: dict[str, Measured], figures: bool = True) -> None:
     """`run_child` for sides that return figures: the child's JSON line holds them beside wall and cpu."""
     if args.side is None:
         return
     if args.side not in sides:
         sys.exit(f"--side {args.side}: not one of {', '.join(sides)}")
-    print(json.dumps({"side": args.side, **_timed_figures(sides[args.side], args.side_dir)}), flush=True)
+    print(json.dumps({"side": args.side, **_timed_figures(sides[args.side], args.side_dir, figures)}), flush=True)
     sys.exit(0)
 
 
