@@ -147,17 +147,29 @@ def arm_config(recipe: dict, name: str, seed: int, folders: list[str], out: Path
                        batch_size=merged.get("batch_size"), **{"sampler.kind": merged.get("sampler")})
 
 
+def _fingerprint(folder: Path) -> str:
+    """What identifies an eval set's contents: its sizes.json and its Parquet sidecars (keys and captions), which a
+    rebuild with other images or captions rewrites."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in [Path(folder) / "sizes.json", *sorted(Path(folder).glob("*.parquet"))]:
+        h.update(f.name.encode() + (f.read_bytes() if f.is_file() else b"-"))
+    return h.hexdigest()[:16]
+
+
 def score(run: Path, ckpt_step: int, res: dict, retrieval: Path | None, zeroshot: tuple | None) -> dict:
     """One per-seed row: retrieval on the recipe's set (or the run's own held-out split) and zero-shot top-1;
-    cached in RUN/scores.json for the checkpoint's step."""
+    cached in RUN/scores.json for the checkpoint's step and the eval sets' contents."""
     from vltrain.evaluate import evaluate_checkpoint
 
     cache = run / "scores.json"
+    sets = {str(p): _fingerprint(p) for p in (retrieval, zeroshot and zeroshot[0]) if p}
     if cache.is_file():
         row = json.loads(cache.read_text())
-        if row.get("step") == ckpt_step:
+        if row.get("step") == ckpt_step and row.get("eval_sets") == sets:  # a rebuilt eval set is scored again
             return row
-    row = {"step": ckpt_step}
+    row = {"step": ckpt_step, "eval_sets": sets}
     if retrieval is None:  # the run's own held-out split, evaluated by the trainer at its last step
         if res.get("eval") is None:
             raise RecipeError(f"{run}: no held-out evaluation (raise data.val_frac)")

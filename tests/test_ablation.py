@@ -109,3 +109,15 @@ def test_missing_data_and_unknown_arms_are_one_line_errors(tmp_path, capsys):
     assert "unknown arm(s) zz" in capsys.readouterr().err
     assert ablation.main(["--list"]) == 0
     assert "fistful-pseudo" in capsys.readouterr().out
+
+
+def test_scores_are_redone_when_an_eval_set_is_rebuilt(tmp_path):
+    """scores.json is keyed by the eval sets' contents: a rebuilt eval set (other sidecar bytes) is scored again."""
+    ev = tmp_path / "ev"
+    ev.mkdir()
+    (ev / "sizes.json").write_text('{"a.tar": 2}')
+    (ev / "a.parquet").write_bytes(b"one")
+    before = ablation._fingerprint(ev)
+    assert ablation._fingerprint(ev) == before
+    (ev / "a.parquet").write_bytes(b"two")
+    assert ablation._fingerprint(ev) != before
