@@ -262,7 +262,7 @@ def chart(path: Path, summary: dict, metrics: list[str], title: str, chance: dic
 
     arms = list(summary)
     width = 0.8 / max(len(metrics), 1)
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(arms) * max(len(metrics), 1) * 0.6 + 2), 4))
+    fig, ax = plt.subplots(figsize=(min(14.0, max(6.0, 1.3 * len(arms) + 2)), 4.5))
     for i, m in enumerate(metrics):
         xs = [j + (i - (len(metrics) - 1) / 2) * width for j in range(len(arms))]
         ax.bar(xs, [summary[a].get(m, 0) for a in arms], width, yerr=[summary[a].get(m + "_sd", 0) for a in arms],
