@@ -195,8 +195,23 @@ def run_arm(recipe: dict, name: str, seed: int, folders: list[str], out: Path, s
                   f"{cfg.batch_size} -> {out}", highlight=False, markup=False, soft_wrap=True)
     resume = (out / "last.pt").exists()
     res = train(cfg, resume=resume, overwrite=not resume)
+    slim(out)
     done.write_text(json.dumps(res, indent=2) + "\n")
     return res
+
+
+def slim(run: Path) -> None:
+    """A finished run keeps only what scoring reads: last.pt without the optimiser state, and no best.pt (the
+    recipes evaluate at the last step only). With MiniLM a full last.pt + best.pt pair is about 500 MB, so a
+    recipe's 20 runs would hold 10 GB; slimmed, about a third of one checkpoint each."""
+    from vltrain import checkpoint as ckpt_io
+
+    (run / "best.pt").unlink(missing_ok=True)
+    ckpt = ckpt_io.load(run / "last.pt")
+    if "optimizer" in ckpt:
+        ckpt.pop("format", None)
+        ckpt.pop("optimizer")
+        ckpt_io.save(ckpt, run / "last.pt")
 
 
 # --- summary, verdicts, table, chart --------------------------------------------------------------------------------

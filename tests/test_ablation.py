@@ -94,6 +94,10 @@ def test_a_recipe_runs_every_arm_over_seeds_and_writes_its_table(onto, tmp_path)
     assert "| tonics |" in table and "curriculum helps" in table and finding["verdict"] in table
     assert (out / "chart.png").stat().st_size > 5000
     assert (out / "tonics" / "s1" / "curriculum.json").exists()
+    import torch
+
+    assert not (out / "random" / "s0" / "best.pt").exists()  # a finished run keeps a slim last.pt only
+    assert "optimizer" not in torch.load(out / "random" / "s0" / "last.pt", weights_only=True)
     stamp = (out / "random" / "s0" / "last.pt").stat().st_mtime_ns
     assert ablation.main([str(path), "--out", str(out), "--demo", str(tmp_path)]) == 0
     assert (out / "random" / "s0" / "last.pt").stat().st_mtime_ns == stamp  # reused, not retrained
