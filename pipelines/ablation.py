@@ -13,12 +13,13 @@ and the same keys as `common`, overriding them), `eval` (`retrieval`: an input w
 seeds and arms of the smoke version). Input names refer to pipelines/inputs.yaml; a missing input is built first
 with the stage that makes it (the demo itself when that is missing).
 
-Every arm trains once per seed into OUT/ARM/sSEED; a finished run (result.json at its step count) is reused and
-an interrupted one resumes, so the same command continues a cut run. OUT gets results.json (every per-seed row,
-the per-arm mean and sample standard deviation, the findings), table.md (the same as Markdown) and chart.png (bars
-with error bars). A finding's verdict compares the two arms' mean ± sd intervals of its metric: "reproduced" when
-the better arm's interval lies wholly above the other's, "not reproduced" when wholly below, "inconclusive" when
-they overlap (always with a single seed).
+Every arm trains once per seed into OUT/ARM/sSEED; a finished run (result.json at its step count, trained on data
+with the same keys and captions: `vltrain.data.data_signature`) is reused, one whose inputs were rebuilt since
+trains again, and an interrupted one resumes, so the same command continues a cut run. OUT gets results.json
+(every per-seed row, the per-arm mean and sample standard deviation, the findings), table.md (the same as
+Markdown) and chart.png (bars with error bars). A finding's verdict compares the two arms' mean ± sd intervals of
+its metric: "reproduced" when the better arm's interval lies wholly above the other's, "not reproduced" when
+wholly below, "inconclusive" when they overlap (always with a single seed).
 """
 
 import argparse
@@ -36,6 +37,7 @@ from rich.table import Table
 
 from vltrain import TrainError
 from vltrain.config import ConfigError, load_config
+from vltrain.data import data_signature
 from vltrain.train import Interrupted, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -188,12 +190,18 @@ def score(run: Path, ckpt_step: int, res: dict, retrieval: Path | None, zeroshot
 def run_arm(recipe: dict, name: str, seed: int, folders: list[str], out: Path, steps: int | None, demo: Path) -> dict:
     cfg = arm_config(recipe, name, seed, folders, out, steps, demo)
     done = out / "result.json"
-    if done.exists() and json.loads(done.read_text()).get("step") == cfg.steps and (out / "last.pt").exists():
-        console.print(f"[{name} seed {seed}] reusing {done}", highlight=False, markup=False, soft_wrap=True)
-        return json.loads(done.read_text())
+    resume = (out / "last.pt").exists()
+    if done.exists() and resume:
+        res = json.loads(done.read_text())
+        # A finished run is reused when its data is still the same (runs from before the signature carry none).
+        same_data = res.get("data") in (None, data_signature(folders))
+        if res.get("step") == cfg.steps and same_data:
+            console.print(f"[{name} seed {seed}] reusing {done}", highlight=False, markup=False, soft_wrap=True)
+            return res
+        resume = same_data  # rebuilt inputs: train again from the start
     console.print(f"[{name} seed {seed}] preset {cfg.preset}, sampler {cfg.sampler.kind}, {cfg.steps} steps of "
                   f"{cfg.batch_size} -> {out}", highlight=False, markup=False, soft_wrap=True)
-    resume = (out / "last.pt").exists()
+    (out / "scores.json").unlink(missing_ok=True)  # scores of the checkpoint this run replaces
     res = train(cfg, resume=resume, overwrite=not resume)
     slim(out)
     done.write_text(json.dumps(res, indent=2) + "\n")

@@ -262,3 +262,37 @@ def test_dedupe_caption_rows_without_any_negative_sit_out_of_itm():
     batch = make_batch(["same"] * B)  # nothing but duplicates: no negative at all, only the B positives
     out = run_step(model, batch, cfg, torch.Generator())
     assert calls[0][0].shape[0] == B and torch.isfinite(out["itm_loss"])
+
+
+@pytest.mark.parametrize("masked_all", [False, True])
+def test_mlm_loss_from_masked_positions_only_equals_the_full_vocabulary_loss(masked_all):
+    """train_step scores the vocabulary at the masked positions only; the loss must be ALBEF's: (1 - alpha) CE +
+    alpha soft CE against the momentum model's distribution, at every masked position, from full (B, L, V) logits."""
+    from vltrain.losses import mlm_mask
+    cfg = cfg_for("albef", "loss.itm=0", "loss.itc=0", "loss.mlm_prob=0.4",
+                  *(["data.masked_text_all=true"] if masked_all else []))
+    model, batch = model_for(cfg), make_batch(CAPTIONS)
+    alpha = 0.4
+    out = run_step(model, batch, cfg, torch.Generator().manual_seed(7), alpha=alpha)
+    # The same draw (the MLM mask is the step's first use of the generator with ITM off), then full logits.
+    tok = build_tokenizer(cfg.model)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    masked, labels = mlm_mask(ids, 0.4, tok.all_special_ids, tok.mask_token_id, model.text_encoder.config.vocab_size,
+                              torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        image_tokens, _ = model.encode_image(batch["images"])
+        logits = model.mlm_logits(model.fuse(model.encode_text(masked, mask)[0], mask, image_tokens))
+        mom = model.momentum
+        soft = mom.mlm_logits(mom.fuse(mom.encode_text(masked, mask)[0], mask,
+                                       mom.encode_image(batch["images"])[0])).softmax(dim=-1)
+    terms = []
+    for i in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            if labels[i, j] == -100:
+                continue
+            logp = logits[i, j].double().log_softmax(dim=0)
+            ce = -logp[labels[i, j]].item()
+            soft_ce = -(soft[i, j].double() * logp).sum().item()
+            terms.append((1 - alpha) * ce + alpha * soft_ce)
+    assert len(terms) > 0
+    assert out["mlm_loss"].item() == pytest.approx(sum(terms) / len(terms), rel=1e-5)

@@ -137,6 +137,29 @@ def test_resume_continues_exactly(shards, tmp_path):
     assert full == part
 
 
+def test_resume_refuses_data_whose_captions_changed(shards, tmp_path):
+    """A rebuilt dataset (here one caption edited, its shard rewritten by vlprep) is not the run's data: --resume
+    says so in one line instead of continuing on other samples; unchanged data resumes."""
+    import shutil
+    src = tmp_path / "src"
+    shutil.copytree(shards.parent / "src", src)
+    build_shards(ShardsConfig(src=src, out=tmp_path / "ds", samples_per_shard=4, workers=1))
+    clip = ("--preset", "clip")
+    r = run(tmp_path / "ds", tmp_path / "run", *clip, "--steps", "2")
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    first = json.loads((tmp_path / "run" / "result.json").read_text())["data"]
+    r = run(tmp_path / "ds", tmp_path / "run", *clip, "--steps", "3", "--resume")
+    assert r.exit_code == 0, r.output + repr(r.exception)  # same data: resumes
+    (src / "005.txt").write_text("a caption that was edited")
+    build_shards(ShardsConfig(src=src, out=tmp_path / "ds", samples_per_shard=4, workers=1, overwrite=True))
+    r = run(tmp_path / "ds", tmp_path / "run", *clip, "--steps", "4", "--resume")
+    assert r.exit_code == 2  # a user error: vltrain's one-line exit
+    assert "the training data changed since" in r.output and "Traceback" not in r.output
+    r = run(tmp_path / "ds", tmp_path / "run", *clip, "--steps", "4", "--overwrite")
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    assert json.loads((tmp_path / "run" / "result.json").read_text())["data"] != first
+
+
 def test_nan_loss_stops_and_keeps_last_checkpoint(shards, tmp_path, monkeypatch):
     real = train_mod.train_step
     calls = []

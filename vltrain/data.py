@@ -105,6 +105,20 @@ def shard_paths(folders: list[str | Path]) -> list[Path]:
     return list(shard_sizes(folders))
 
 
+def data_signature(folders: list[str | Path]) -> str:
+    """What identifies the training data's contents, for `--resume` and for pipelines that reuse finished runs: a
+    hash of each folder's sizes.json and every shard's Parquet sidecar (keys and captions), which vlprep rewrites
+    when a shard's records change. Content, not mtimes: a stage re-run with the same result keeps the signature."""
+    h = hashlib.sha256()
+    for folder in folders:
+        ds = open_dataset(folder)
+        h.update(b"\0" + json.dumps(ds.sizes, sort_keys=True).encode())
+        for shard in ds.sizes:
+            side = ds.root / Path(shard).with_suffix(".parquet")
+            h.update(shard.encode() + (side.read_bytes() if side.is_file() else b"-"))
+    return h.hexdigest()[:16]
+
+
 class LoadCounts:
     """Samples read and samples skipped as undecodable, summed over the main process and DataLoader workers.
 

@@ -222,7 +222,8 @@ def mlm_mask(input_ids: torch.Tensor, prob: float, special_ids: Iterable[int], m
 
 def mlm_loss(logits: torch.Tensor, labels: torch.Tensor, soft_targets: torch.Tensor | None = None,
              alpha: float = 0.0) -> torch.Tensor:
-    """(1-alpha)*CE + alpha*soft CE vs momentum probs at masked positions: (B, L, V), (B, L)[, (B, L, V)] -> ()."""
+    """(1-alpha)*CE + alpha*soft CE vs momentum probs at masked positions: (B, L, V), (B, L)[, (B, L, V)] -> ();
+    also (N, V), (N,)[, (N, V)] for logits already taken at the masked positions (what train_step passes)."""
     if alpha > 0 and soft_targets is None:
         raise ValueError("mlm_loss with alpha > 0 needs soft_targets")
     picked = labels != -100

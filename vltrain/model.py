@@ -316,7 +316,7 @@ class VLModel(nn.Module):
         return self.itm_head(fused[:, 0])
 
     def mlm_logits(self, fused: torch.Tensor) -> torch.Tensor:
-        """Token logits over the vocabulary: (B, L, D) -> (B, L, V)."""
+        """Token logits over the vocabulary: (..., D) -> (..., V); train_step passes the masked positions only."""
         self._need_fusion()
         return self.mlm_decoder(self.mlm_transform(fused))
 

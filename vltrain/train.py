@@ -34,8 +34,8 @@ from vltrain import checkpoint as ckpt_io
 from vltrain.config import GRIT_RATIOS, GRIT_RATIOS_BEFORE, Config, LossConfig, to_dict
 from vltrain.distributed import (RankSlice, any_flags, barrier, broadcast, gather, gather_objects, init_from_env,
                                   max_over_ranks, world)
-from vltrain.data import (Collate, ShardStream, count_split, eval_transform, feature_input, loader_error, to_device,
-                          train_transform)
+from vltrain.data import (Collate, ShardStream, count_split, data_signature, eval_transform, feature_input,
+                          loader_error, to_device, train_transform)
 from vltrain.evaluate import (distinct_positions, embed_split, heldout_r1, heldout_recall, plot_learning_curve,
                               val_triplet_sim)
 from vltrain.losses import (dedupe_targets, distill_targets, focal_itc_loss, hard_negative_weights, hardest_negatives,
@@ -195,20 +195,23 @@ def train_step(model, batch: dict, w: LossConfig, generator: torch.Generator, to
     if w.mlm > 0:
         if mlm_masked is not None:  # the text was encoded masked already; ITM's positive rows are this fusion
             masked, labels = mlm_masked
-            logits = model.mlm_logits(fused[:ids.shape[0]] if w.itm > 0 else model.fuse(text_hidden, mask,
-                                                                                         image_tokens))
+            fused_mlm = fused[:ids.shape[0]] if w.itm > 0 else model.fuse(text_hidden, mask, image_tokens)
         else:
             tok = tokenizer or tokenizer_for(model.cfg.text_model)
             masked, labels = mlm_mask(ids, w.mlm_prob, tok.all_special_ids, tok.mask_token_id,
                                       model.text_encoder.config.vocab_size, generator)
             hidden, _ = model.encode_text(masked, mask)
-            logits = model.mlm_logits(model.fuse(hidden, mask, image_tokens))
+            fused_mlm = model.fuse(hidden, mask, image_tokens)
+        # The vocabulary head runs on the masked positions only (about 15% of them): the loss reads nothing else,
+        # and over MiniLM's 30,522 words the full (B, L, V) logits were the largest matmul of an ALBEF step.
+        picked = labels != -100
+        logits = model.mlm_logits(fused_mlm[picked])  # (N, V)
         soft = None
         if distill:
             with torch.no_grad():
                 hidden_m = text_hidden_m if mlm_masked is not None else mom.encode_text(masked, mask)[0]
-                soft = mom.mlm_logits(mom.fuse(hidden_m, mask, image_tokens_m)).float().softmax(dim=-1)
-        losses["mlm_loss"] = mlm_loss(logits, labels, soft, alpha if distill else 0.0)
+                soft = mom.mlm_logits(mom.fuse(hidden_m, mask, image_tokens_m)[picked]).float().softmax(dim=-1)
+        losses["mlm_loss"] = mlm_loss(logits, labels[picked], soft, alpha if distill else 0.0)
 
     if w.tonics_ir > 0 or w.tonics_tr > 0:
         # TOnICS aligner: s(i, j) for every noun i and image j; the sampler keeps one image out of a batch twice.
@@ -473,7 +476,7 @@ def checkpoint_state(model, optimizer, cfg: Config, step: int, epoch: int, consu
                      curriculum_log: list, generator: torch.Generator) -> dict:
     """What last.pt / best.pt hold: weights, optimiser, position in the data, sampler state, RNG states, config."""
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "epoch": epoch,
-            "consumed": consumed, "best": best, "config": to_dict(cfg),
+            "consumed": consumed, "best": best, "config": to_dict(cfg), "data": data_signature(cfg.shards),
             "sampler": sampler.state_dict() if sampler is not None else None, "curriculum_log": curriculum_log,
             "rng": ckpt_io.rng_states(generator)}
 
@@ -646,6 +649,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
         cfg.steps = max(1, math.ceil(cfg.epochs * per_epoch))
     if cfg.loss.distill_warmup_steps < 0:  # -1: one epoch of this training split (ALBEF); the checkpoint keeps it
         cfg.loss.distill_warmup_steps = per_epoch
+    data_sig = data_signature(cfg.shards)
     asked_queue = cfg.model.queue_size
     cfg.model.queue_size = min(asked_queue, n_train)
     if ckpt is not None:
@@ -653,6 +657,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
         if diffs:
             raise TrainError(f"--resume: {last_path} was trained with another config ({'; '.join(diffs[:8])}"
                              f"{'; ...' if len(diffs) > 8 else ''}); use the same options, or a new --out")
+        if ckpt.get("data") not in (None, data_sig):  # None: a checkpoint from before the signature
+            raise TrainError(f"--resume: the training data changed since {last_path} was written (other keys or "
+                             f"captions in {', '.join(cfg.shards)}); use --overwrite to start over, or a new --out")
     if asked_queue > n_train:
         console.print(f"warning: model.queue_size {asked_queue:,} is longer than the training split ({n_train:,}): "
                       f"every sample would sit in the queue as its own negative more than once; clamped to "
@@ -883,4 +890,4 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
     if created_group:
         torch.distributed.destroy_process_group()
     return {"step": step, "losses": losses_f, "eval": last_eval, "best_mean_recall": best if best >= 0 else None,
-            "out": str(out), "rank": rank}
+            "out": str(out), "rank": rank, "data": data_sig}

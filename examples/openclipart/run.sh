@@ -66,8 +66,20 @@ step features "$VLPREP" features "$OUT/bow" "$OUT/bow-feat" "${V[@]}"
 # every 20 steps draws OUT/run/learning_curve.png. The whole model is retrained in each run: no weights are reused.
 TRAIN=(--preset clip --steps "$TRAIN_STEPS" --batch-size 32 --set optim.warmup_steps=20 --set eval_every=20
        --set ckpt_every="$TRAIN_STEPS")
-again=(--overwrite)
-[ -f "$OUT/run/last.pt" ] && again=(--resume)
+# again RUN DATA...: --resume when RUN has a checkpoint of training on DATA's current contents (a finished run
+# resumes to its last step at once, a cut one continues), else --overwrite: a rebuilt input (other captions,
+# other held-out images) trains again. vltrain itself refuses to resume on changed data.
+again() {
+    local run="$1"
+    shift
+    again=(--overwrite)
+    if [ -f "$run/last.pt" ] && { [ ! -f "$run/result.json" ] || "$PY" -c 'import json, sys
+from vltrain.data import data_signature
+sys.exit(json.load(open(sys.argv[1])).get("data") != data_signature(sys.argv[2:]))' "$run/result.json" "$@"; }; then
+        again=(--resume)
+    fi
+}
+again "$OUT/run" "$OUT/bow-feat"
 step train "$VLTRAIN" run "$OUT/bow-feat" "${TRAIN[@]}" --out "$OUT/run" "${again[@]}"
 cp "$OUT/run/learning_curve.png" "$OUT/learning_curve.png"
 
@@ -103,8 +115,7 @@ for seed in $SEEDS; do
         if [ "$arm" = bow ] && [ "$seed" = 0 ]; then
             mkdir -p "$run" && cp "$OUT/run/last.pt" "$run/last.pt"  # the run above is this arm's seed 0
         else
-            again=(--overwrite)
-            [ -f "$run/last.pt" ] && again=(--resume)  # a re-run of the demo keeps finished runs (same options)
+            again "$run" "${data[@]}"  # a re-run of the demo keeps finished runs (same options, same data)
             mkdir -p "$OUT/cmp"
             step "train-$arm-s$seed" quiet "$run.log" "$VLTRAIN" run "${data[@]}" "${TRAIN[@]}" \
                 --set eval_every=100000 --set seed="$seed" --out "$run" "${again[@]}"
