@@ -23,6 +23,7 @@ wholly below, "inconclusive" when they overlap (always with a single seed).
 """
 
 import argparse
+import glob
 import json
 import os
 import statistics
@@ -103,9 +104,23 @@ def _present(path: Path) -> bool:
     return (path / "sizes.json").is_file() if path.suffix == "" else path.is_file()
 
 
+def _reads_digest(spec: dict, demo: Path, path: Path) -> str | None:
+    """A hash of the files an input's build reads (its `reads` globs), or None when the spec lists none."""
+    if not spec.get("reads"):
+        return None
+    import hashlib
+
+    h = hashlib.sha256()
+    for pattern in spec["reads"]:
+        for f in sorted(glob.glob(fill(pattern, demo, str(path)))):
+            h.update(f.encode() + b"\0" + Path(f).read_bytes())
+    return h.hexdigest()[:16]
+
+
 def ensure(name: str, inputs: dict, demo: Path, logs: Path, done: set | None = None) -> Path:
-    """The input's path, after building what it needs and then itself when missing (each build's output in
-    LOGS/NAME.log, shown when it fails)."""
+    """The input's path, after building what it needs and then itself when missing, or when the files its build
+    reads changed since it was built (`reads` in inputs.yaml; the digest is kept in LOGS/NAME.reads). Each build's
+    output goes to LOGS/NAME.log, shown when it fails."""
     done = set() if done is None else done
     if name not in inputs:
         path = Path(name)
@@ -114,23 +129,34 @@ def ensure(name: str, inputs: dict, demo: Path, logs: Path, done: set | None = N
         return path
     spec = inputs[name]
     path = input_path(name, inputs, demo)
-    if name in done or _present(path):
+    if name in done:
         return path
     for need in spec.get("needs", []):
         ensure(need, inputs, demo, logs, done)
+    stamp, digest = logs / f"{name}.reads", _reads_digest(spec, demo, path)
+    stale = digest is not None and stamp.is_file() and stamp.read_text().strip() != digest
+    if _present(path) and not stale:
+        if digest is not None and not stamp.is_file():  # built before stamps existed: its reads as they are now
+            logs.mkdir(parents=True, exist_ok=True)
+            stamp.write_text(digest + "\n")
+        done.add(name)
+        return path
     if "build" not in spec:
         raise RecipeError(f"{path} is missing and nothing in pipelines/inputs.yaml builds it")
     cmd = [fill(str(a), demo, str(path)) for a in spec["build"]]
     env = {**os.environ, **{k: fill(str(v), demo, str(path)) for k, v in spec.get("env", {}).items()}}
     logs.mkdir(parents=True, exist_ok=True)
     log = logs / f"{name}.log"
-    console.print(f"building {name} -> {path} (log: {log})", highlight=False, markup=False, soft_wrap=True)
+    why = "its inputs changed since it was built" if stale else "missing"
+    console.print(f"building {name} -> {path} ({why}; log: {log})", highlight=False, markup=False, soft_wrap=True)
     t0 = time.monotonic()
     with log.open("w") as f:
         r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
     if r.returncode != 0 or not _present(path):
         tail = log.read_text().strip().splitlines()[-15:]
         raise RecipeError(f"building {name} failed ({' '.join(cmd)[:200]}); the end of {log}:\n" + "\n".join(tail))
+    if digest is not None:
+        stamp.write_text(_reads_digest(spec, demo, path) + "\n")
     console.print(f"built {name} in {time.monotonic() - t0:.0f} s", highlight=False, markup=False, soft_wrap=True)
     done.add(name)
     return path

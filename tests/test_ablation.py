@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("ablation", ROOT / "pipelines" / "ablation.py")
 ablation = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(ablation)
+ablation_data_signature = ablation.data_signature
 
 
 def test_every_recipe_names_real_arms_inputs_and_config_keys():
@@ -101,6 +102,13 @@ def test_a_recipe_runs_every_arm_over_seeds_and_writes_its_table(onto, tmp_path)
     stamp = (out / "random" / "s0" / "last.pt").stat().st_mtime_ns
     assert ablation.main([str(path), "--out", str(out), "--demo", str(tmp_path)]) == 0
     assert (out / "random" / "s0" / "last.pt").stat().st_mtime_ns == stamp  # reused, not retrained
+    # Rebuilt inputs (other keys or captions: another data signature) train the finished runs again.
+    ablation.data_signature = lambda folders: "rebuilt"
+    try:
+        assert ablation.main([str(path), "--out", str(out), "--demo", str(tmp_path), "--arms", "random"]) == 0
+    finally:
+        ablation.data_signature = ablation_data_signature
+    assert (out / "random" / "s0" / "last.pt").stat().st_mtime_ns != stamp
 
 
 def test_missing_data_and_unknown_arms_are_one_line_errors(tmp_path, capsys):
@@ -125,3 +133,20 @@ def test_scores_are_redone_when_an_eval_set_is_rebuilt(tmp_path):
     assert ablation._fingerprint(ev) == before
     (ev / "a.parquet").write_bytes(b"two")
     assert ablation._fingerprint(ev) != before
+
+
+def test_an_input_is_built_again_when_the_files_its_build_reads_change(tmp_path):
+    """inputs.yaml `reads`: a built input is reused while the files it was built from keep their contents, and
+    built again when they change (a later `make demo` rebuilt the held-out tables, say)."""
+    src, dst, logs = tmp_path / "in.txt", tmp_path / "out.txt", tmp_path / "logs"
+    src.write_text("one")
+    copy = "import shutil, sys; shutil.copy(sys.argv[1], sys.argv[2])"
+    inputs = {"made": {"path": "{demo}/out.txt", "reads": ["{demo}/in.txt"],
+                       "build": ["{py}", "-c", copy, "{demo}/in.txt", "{path}"]}}
+    assert ablation.ensure("made", inputs, tmp_path, logs) == dst and dst.read_text() == "one"
+    built = dst.stat().st_mtime_ns
+    ablation.ensure("made", inputs, tmp_path, logs)
+    assert dst.stat().st_mtime_ns == built  # same contents read: reused
+    src.write_text("two")
+    ablation.ensure("made", inputs, tmp_path, logs)
+    assert dst.read_text() == "two"
