@@ -348,12 +348,14 @@ def print_table(name: str, summary: dict, findings: list[dict]) -> None:
 def parse_seeds(text: str | None, default) -> list[int]:
     if text is None:
         return list(range(default)) if isinstance(default, int) else list(default)
-    if "," not in text and text.isdigit():
-        return list(range(int(text)))  # a count: seeds 0 .. N-1
     try:
-        return [int(x) for x in text.split(",")]
+        seeds = [int(x) for x in text.split(",") if x.strip()] if "," in text or not text.isdigit() else list(range(int(text)))
     except ValueError:
-        raise RecipeError(f"--seeds {text!r}: give a count (3) or a comma-separated list (0,1,2)") from None
+        seeds = []
+    if not seeds:  # "0" is a count of none; one seed 0 is "1" (or "0," as a list)
+        raise RecipeError(f"--seeds {text!r}: give a count of at least 1 (3: seeds 0, 1, 2) or a comma-separated "
+                          "list (0,1,2; seed 0 alone: 1)")
+    return seeds
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -63,8 +63,10 @@ def test_seeds_option_is_a_count_or_a_list():
     assert ablation.parse_seeds("3", 1) == [0, 1, 2]
     assert ablation.parse_seeds("4,7", 1) == [4, 7]
     assert ablation.parse_seeds(None, 2) == [0, 1] and ablation.parse_seeds(None, [5]) == [5]
-    with pytest.raises(ablation.RecipeError, match="a count"):
-        ablation.parse_seeds("x", 1)
+    assert ablation.parse_seeds("0,", 3) == [0]  # seed 0 alone
+    for bad in ("x", "0", ","):  # "0" is a count of no seeds, not seed 0: refused, never an empty table
+        with pytest.raises(ablation.RecipeError, match="a count"):
+            ablation.parse_seeds(bad, 1)
 
 
 def test_a_recipe_runs_every_arm_over_seeds_and_writes_its_table(onto, tmp_path):
