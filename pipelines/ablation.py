@@ -105,12 +105,13 @@ def _present(path: Path) -> bool:
 
 
 def _reads_digest(spec: dict, demo: Path, path: Path) -> str | None:
-    """A hash of the files an input's build reads (its `reads` globs), or None when the spec lists none."""
+    """A hash of the input's build command and of the files it reads (its `reads` globs), or None when the spec
+    lists none."""
     if not spec.get("reads"):
         return None
     import hashlib
 
-    h = hashlib.sha256()
+    h = hashlib.sha256(json.dumps(spec.get("build")).encode())
     for pattern in spec["reads"]:
         for f in sorted(glob.glob(fill(pattern, demo, str(path)))):
             h.update(f.encode() + b"\0" + Path(f).read_bytes())
@@ -118,9 +119,9 @@ def _reads_digest(spec: dict, demo: Path, path: Path) -> str | None:
 
 
 def ensure(name: str, inputs: dict, demo: Path, logs: Path, done: set | None = None) -> Path:
-    """The input's path, after building what it needs and then itself when missing, or when the files its build
-    reads changed since it was built (`reads` in inputs.yaml; the digest is kept in LOGS/NAME.reads). Each build's
-    output goes to LOGS/NAME.log, shown when it fails."""
+    """The input's path, after building what it needs and then itself when missing, or when its build command or
+    the files it reads changed since it was built (`reads` in inputs.yaml; the digest is kept in LOGS/NAME.reads).
+    Each build's output goes to LOGS/NAME.log, shown when it fails."""
     done = set() if done is None else done
     if name not in inputs:
         path = Path(name)
@@ -349,7 +350,10 @@ def parse_seeds(text: str | None, default) -> list[int]:
     if text is None:
         return list(range(default)) if isinstance(default, int) else list(default)
     try:
-        seeds = [int(x) for x in text.split(",") if x.strip()] if "," in text or not text.isdigit() else list(range(int(text)))
+        if "," in text or not text.isdigit():
+            seeds = [int(x) for x in text.split(",") if x.strip()]
+        else:
+            seeds = list(range(int(text)))  # a count: seeds 0 .. N-1
     except ValueError:
         seeds = []
     if not seeds:  # "0" is a count of none; one seed 0 is "1" (or "0," as a list)
