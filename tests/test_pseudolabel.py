@@ -271,6 +271,11 @@ def test_bow_aligned_uses_caption_raw_and_rmtop(world, tmp_path):
     # rmtop over ALIGNED: removing the 100 most frequent words leaves nothing -> every image dropped and counted
     rep = run(w, tmp_path / "o2", strategy="rmtopmaxcount", rmtop=100)
     assert (rep["written"], rep["dropped_no_words"]) == (0, 14)
+    # ... and the report says so: top(t) took a third or more of the aligned vocabulary
+    (line,) = rep["warnings"]
+    assert f"of the {rep['aligned_vocab']:,} aligned words" in line and "14 of 14 images" in line
+    assert run(w, tmp_path / "o3", strategy="rmtopmaxcount", rmtop=1)["warnings"] == []  # t small for this vocabulary
+    assert run(w, tmp_path / "o4", strategy="weighted", rmtop=100)["warnings"] == []  # rmtop unused: no line
     assert json.loads((tmp_path / "o2" / "sizes.json").read_text()) == {"un-000000.tar": 0, "un-000001.tar": 0,
                                                                          "un-000002.tar": 0}
 

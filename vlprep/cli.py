@@ -336,6 +336,8 @@ def pseudolabel(
         report = run_pseudolabel(cfg, enc, progress=progress)
     print_pseudolabel_report(report, Console(emoji=False))
     warn_report(report)
+    for line in report["warnings"]:
+        console.print("warning: " + line, style="yellow", highlight=False, markup=False)
     if report["written"] == 0:
         console.print("[yellow]warning:[/] no image got a pseudo-caption; the counts above say why")
     console.print(f"wrote {out}/ (report.json has every figure)", highlight=False)

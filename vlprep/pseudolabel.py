@@ -244,6 +244,16 @@ def _init_worker(enc, out: Path, index_fp: str, params: dict) -> None:
                    params=params)
 
 
+def rmtop_warnings(removed: int, vocab: int, dropped: int, n_in: int) -> list[str]:
+    """A line when rmtop's top(t) takes a third or more of the aligned vocabulary: the paper's t = 1000 is for
+    CC3M's; on a small aligned set the same t leaves rare words only, or none (images dropped)."""
+    if not removed or removed * 3 < vocab:
+        return []
+    return [f"--rmtop removed {removed:,} of the {vocab:,} aligned words ({removed / vocab:.0%}); {dropped:,} of "
+            f"{n_in:,} images were left with no word. On a small aligned set choose a t in proportion to its "
+            "vocabulary (for instance the bow stage's rmtop:T)"]
+
+
 def pseudolabel_shard(out: Path, src: Path, shard: str, fp: str) -> dict:
     """Pseudo-caption one UNALIGNED shard and write it; returns its counts."""
     w = _worker
@@ -384,6 +394,7 @@ def pseudolabel(cfg: PseudolabelConfig, enc, progress=None) -> dict:
         "top_words": [[w, n, df[w]] for w, n in pseudo_words.most_common(30)],
         "shards": len(ds.shards), "shards_resumed": len(resumed), "bad_shards": ds.bad,
         "images_per_s": round(processed / images_s, 2) if processed and images_s > 0 else None,
+        "warnings": rmtop_warnings(len(top), len(df), dropped, n_in),
     }
     report["plots"] = pseudolabel_figures(out, ds, report)
     report["elapsed_s"] = round(time.perf_counter() - t0, 3)
