@@ -292,7 +292,8 @@ def write_outputs(out: Path, recipe: dict, name: str, rows: list[dict], summary:
     if "zeroshot_chance" in first:
         chance_text += f", zero-shot chance {first['zeroshot_chance']:.1f} on {first['zeroshot_n']} images"
     md = [f"`{meta['command']}` ({meta['date']}; {meta['seeds']} seed(s), {meta['steps']}): mean ± sd over seeds; "
-          f"{chance_text}.", "", "| arm | " + " | ".join(HEADERS[c] for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+          f"{chance_text}.", "", "| arm | " + " | ".join(HEADERS[c] for c in cols) + " |",
+          "|---" * (len(cols) + 1) + "|"]
     md += [f"| {arm} | " + " | ".join(cell(s, c) for c in cols) + " |" for arm, s in summary.items()]
     if findings:
         md += ["", "| paper's finding | ours: " + "better arm vs other on metric | verdict |", "|---|---|---|"]
@@ -409,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
                 res = run_arm(recipe, arm, seed, folders, run, steps, demo)
                 rows.append({"arm": arm, "seed": seed, **score(run, res["step"], res, retrieval, zeroshot)})
     except Interrupted as e:
-        console.print(f"{str(e).split(':')[0]}: the same command resumes this run", highlight=False, markup=False, soft_wrap=True)
+        console.print(f"{str(e).split(':')[0]}: the same command resumes this run", highlight=False, markup=False,
+                      soft_wrap=True)
         return 130
     except (RecipeError, ConfigError, TrainError, OSError, yaml.YAMLError, KeyError, ValueError) as e:
         console.print(f"error: {e}", highlight=False, markup=False, soft_wrap=True)
