@@ -24,6 +24,7 @@ wholly below, "inconclusive" when they overlap (always with a single seed).
 
 import argparse
 import glob
+import hashlib
 import json
 import os
 import statistics
@@ -109,8 +110,6 @@ def _reads_digest(spec: dict, demo: Path, path: Path) -> str | None:
     lists none."""
     if not spec.get("reads"):
         return None
-    import hashlib
-
     h = hashlib.sha256(json.dumps(spec.get("build")).encode())
     for pattern in spec["reads"]:
         for f in sorted(glob.glob(fill(pattern, demo, str(path)))):
@@ -157,7 +156,7 @@ def ensure(name: str, inputs: dict, demo: Path, logs: Path, done: set | None = N
         tail = log.read_text().strip().splitlines()[-15:]
         raise RecipeError(f"building {name} failed ({' '.join(cmd)[:200]}); the end of {log}:\n" + "\n".join(tail))
     if digest is not None:
-        stamp.write_text(_reads_digest(spec, demo, path) + "\n")
+        stamp.write_text(digest + "\n")
     console.print(f"built {name} in {time.monotonic() - t0:.0f} s", highlight=False, markup=False, soft_wrap=True)
     done.add(name)
     return path
@@ -176,24 +175,13 @@ def arm_config(recipe: dict, name: str, seed: int, folders: list[str], out: Path
                        batch_size=merged.get("batch_size"), **{"sampler.kind": merged.get("sampler")})
 
 
-def _fingerprint(folder: Path) -> str:
-    """What identifies an eval set's contents: its sizes.json and its Parquet sidecars (keys and captions), which a
-    rebuild with other images or captions rewrites."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for f in [Path(folder) / "sizes.json", *sorted(Path(folder).glob("*.parquet"))]:
-        h.update(f.name.encode() + (f.read_bytes() if f.is_file() else b"-"))
-    return h.hexdigest()[:16]
-
-
 def score(run: Path, ckpt_step: int, res: dict, retrieval: Path | None, zeroshot: tuple | None) -> dict:
     """One per-seed row: retrieval on the recipe's set (or the run's own held-out split) and zero-shot top-1;
-    cached in RUN/scores.json for the checkpoint's step and the eval sets' contents."""
+    cached in RUN/scores.json for the checkpoint's step and the eval sets' contents (their `data_signature`)."""
     from vltrain.evaluate import evaluate_checkpoint
 
     cache = run / "scores.json"
-    sets = {str(p): _fingerprint(p) for p in (retrieval, zeroshot and zeroshot[0]) if p}
+    sets = {str(p): data_signature([p]) for p in (retrieval, zeroshot and zeroshot[0]) if p}
     if cache.is_file():
         row = json.loads(cache.read_text())
         if row.get("step") == ckpt_step and row.get("eval_sets") == sets:  # a rebuilt eval set is scored again

@@ -16,7 +16,6 @@ ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("ablation", ROOT / "pipelines" / "ablation.py")
 ablation = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(ablation)
-ablation_data_signature = ablation.data_signature
 
 
 def test_every_recipe_names_real_arms_inputs_and_config_keys():
@@ -69,7 +68,7 @@ def test_seeds_option_is_a_count_or_a_list():
             ablation.parse_seeds(bad, 1)
 
 
-def test_a_recipe_runs_every_arm_over_seeds_and_writes_its_table(onto, tmp_path):
+def test_a_recipe_runs_every_arm_over_seeds_and_writes_its_table(onto, tmp_path, monkeypatch):
     """Two arms x two seeds of tiny models on the TOnICS fixture, scored on their own held-out split: per-seed rows,
     mean and sd re-derived here, a verdict, table.md, chart.png; a second run reuses every finished run."""
     recipe = {
@@ -105,11 +104,8 @@ def test_a_recipe_runs_every_arm_over_seeds_and_writes_its_table(onto, tmp_path)
     assert ablation.main([str(path), "--out", str(out), "--demo", str(tmp_path)]) == 0
     assert (out / "random" / "s0" / "last.pt").stat().st_mtime_ns == stamp  # reused, not retrained
     # Rebuilt inputs (other keys or captions: another data signature) train the finished runs again.
-    ablation.data_signature = lambda folders: "rebuilt"
-    try:
-        assert ablation.main([str(path), "--out", str(out), "--demo", str(tmp_path), "--arms", "random"]) == 0
-    finally:
-        ablation.data_signature = ablation_data_signature
+    monkeypatch.setattr(ablation, "data_signature", lambda folders: "rebuilt")
+    assert ablation.main([str(path), "--out", str(out), "--demo", str(tmp_path), "--arms", "random"]) == 0
     assert (out / "random" / "s0" / "last.pt").stat().st_mtime_ns != stamp
 
 
@@ -130,11 +126,12 @@ def test_scores_are_redone_when_an_eval_set_is_rebuilt(tmp_path):
     ev = tmp_path / "ev"
     ev.mkdir()
     (ev / "sizes.json").write_text('{"a.tar": 2}')
+    (ev / "a.tar").write_bytes(b"")
     (ev / "a.parquet").write_bytes(b"one")
-    before = ablation._fingerprint(ev)
-    assert ablation._fingerprint(ev) == before
+    before = ablation.data_signature([ev])
+    assert ablation.data_signature([ev]) == before
     (ev / "a.parquet").write_bytes(b"two")
-    assert ablation._fingerprint(ev) != before
+    assert ablation.data_signature([ev]) != before
 
 
 def test_an_input_is_built_again_when_the_files_its_build_reads_change(tmp_path):

@@ -473,16 +473,18 @@ def epoch_batches(epoch: int, seed: int, dataset, sampler, collate, batch_size: 
 
 
 def checkpoint_state(model, optimizer, cfg: Config, step: int, epoch: int, consumed: int, best: float, sampler,
-                     curriculum_log: list, generator: torch.Generator) -> dict:
-    """What last.pt / best.pt hold: weights, optimiser, position in the data, sampler state, RNG states, config."""
+                     curriculum_log: list, generator: torch.Generator, data: str) -> dict:
+    """What last.pt / best.pt hold: weights, optimiser, position in the data, sampler state, RNG states, config, and
+    `data`, the training data's `data_signature` (computed once per run)."""
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "epoch": epoch,
-            "consumed": consumed, "best": best, "config": to_dict(cfg), "data": data_signature(cfg.shards),
+            "consumed": consumed, "best": best, "config": to_dict(cfg), "data": data,
             "sampler": sampler.state_dict() if sampler is not None else None, "curriculum_log": curriculum_log,
             "rng": ckpt_io.rng_states(generator)}
 
 
 def save_checkpoint(path: Path, model, optimizer, cfg: Config, step: int, epoch: int, consumed: int, best: float,
-                    sampler, curriculum_log: list, generator: torch.Generator, every_rank: bool = True) -> None:
+                    sampler, curriculum_log: list, generator: torch.Generator, data: str,
+                    every_rank: bool = True) -> None:
     """Write a checkpoint atomically. Under torchrun (every_rank) each rank's RNG states and data position are
     gathered into `ranks`; rank 0 writes and the others wait at a barrier."""
     rank, size = world()
@@ -491,7 +493,7 @@ def save_checkpoint(path: Path, model, optimizer, cfg: Config, step: int, epoch:
         ranks = gather_objects({"rng": ckpt_io.rng_states(generator), "epoch": epoch, "consumed": consumed})
     if rank == 0:
         state = checkpoint_state(model, optimizer, cfg, step, epoch, consumed, best, sampler, curriculum_log,
-                                 generator)
+                                 generator, data)
         if ranks is not None:
             state["ranks"] = ranks
         ckpt_io.save(state, path)
@@ -544,9 +546,10 @@ def _on_signal(stop: dict, signum, frame) -> None:
 
 
 def _interrupted(model, optimizer, cfg: Config, step: int, epoch: int, consumed: int, best: float, sampler,
-                 curriculum_log: list, generator: torch.Generator, last_path: Path) -> Interrupted:
+                 curriculum_log: list, generator: torch.Generator, data: str, last_path: Path) -> Interrupted:
     """Write last.pt and return the error that tells the user how to go on."""
-    save_checkpoint(last_path, model, optimizer, cfg, step, epoch, consumed, best, sampler, curriculum_log, generator)
+    save_checkpoint(last_path, model, optimizer, cfg, step, epoch, consumed, best, sampler, curriculum_log, generator,
+                    data)
     return Interrupted(f"stopped at step {step} of {cfg.steps}: {last_path} holds it; run the same command with "
                        "--resume to continue")
 
@@ -774,7 +777,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
                                                         time.monotonic() - last_save >= 60 * cfg.ckpt_minutes])
                 if stopping:  # the batch just fetched is not counted: a resume draws it again
                     raise _interrupted(model, optimizer, cfg, step, epoch, consumed, best, sampler, curriculum_log,
-                                       generator, last_path)
+                                       generator, data_sig, last_path)
                 if failed:
                     kept = f"; the last checkpoint {last_path} is kept" if last_path.exists() else ""
                     raise fault or TrainError(f"stopped at step {step}: another process failed (its error is "
@@ -868,12 +871,12 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
                         if last_eval["mean_recall"] > best:
                             best = last_eval["mean_recall"]
                             save_checkpoint(best_path, model, optimizer, cfg, step, epoch, consumed, best, sampler,
-                                            curriculum_log, generator, every_rank=False)
+                                            curriculum_log, generator, data_sig, every_rank=False)
 
                 # --- checkpoint
                 if step % cfg.ckpt_every == 0 or step == cfg.steps or save_due:
                     save_checkpoint(last_path, model, optimizer, cfg, step, epoch, consumed, best, sampler,
-                                    curriculum_log, generator)
+                                    curriculum_log, generator, data_sig)
                     last_save = time.monotonic()
     finally:
         for s, h in handlers.items():
@@ -884,7 +887,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> dict:
     # --- end
     if not broadcast(last_path.exists()):  # resumed at or past the final step: still leave a checkpoint behind
         save_checkpoint(last_path, model, optimizer, cfg, step, epoch, consumed, best, sampler, curriculum_log,
-                        generator)
+                        generator, data_sig)
     if rank == 0:
         release_output(out)
     if created_group:
