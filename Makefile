@@ -1,22 +1,28 @@
 # The commands of the README: `make demo`, `make test` (everything, as CI runs it) and `make test-fast` (the unit
-# tier: no packaged models, no Ray).
+# tier: no packaged models, no Ray). Every target installs the exact versions of requirements.lock into .venv.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+LOCK := requirements.lock
 PYTEST_ARGS ?=
 
-.PHONY: install apt test test-fast demo ablation learns clean
+.PHONY: install apt lock test test-fast demo ablation learns clean
 
-$(STAMP): pyproject.toml
+# Reinstalls when pyproject.toml or the lock changes; pip moves a venv left at other versions to the locked ones.
+$(STAMP): pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[cpu,test,ray]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -c $(LOCK) -e '.[cpu,test,ray]'
 	touch $(STAMP)
 
 install: $(STAMP)
 
 apt:
 	bash scripts/apt-deps.sh
+
+# Re-resolve requirements.lock from pyproject.toml's ranges (newest releases), then run `make test` on it.
+lock:
+	PYTHON=$(PYTHON) LOCK=$(LOCK) bash scripts/lock.sh
 
 test: apt install
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -71,7 +71,8 @@ def test_every_sample_gets_tokens_and_keeps_its_members(raw, packaged):
     assert spec["mean"] == [127 / 255] * 3 and spec["std"] == [128 / 255] * 3 and len(spec["weights_sha256"]) == 16
     meta = json.loads((out / "meta.json").read_text())
     assert meta["stage"] == "features" and meta["counts"] == {"in": 12, "written": 12}
-    assert "workers" not in meta["options"] and "batch_size" not in meta["options"] and "device" not in meta["options"]
+    assert "workers" not in meta["options"] and "device" not in meta["options"] and "decode_threads" not in meta["options"]
+    assert meta["options"]["batch_size"] == 4  # the call shape is part of the result (the CPU default)
     ds_in, ds_out = open_dataset(raw), open_dataset(out)
     assert ds_out.shards == ds_in.shards and ds_out.sizes == ds_in.sizes
     assert json.loads((out / "index.json").read_text())["shardlist"][0] == {"url": "shard-000000.tar", "nsamples": 5}
@@ -135,17 +136,54 @@ def test_eval_pixels_is_vltrain_eval_transform_and_the_fast_path_is_identical():
 # --- one image, one output --------------------------------------------------------------------------------
 
 
-def test_tokens_do_not_depend_on_the_batch(raw, tmp_path):
-    """At 224, batch sizes 1 and 7 give byte-identical float16 npy members (oneDNN channels_last)."""
-    a = run(raw, tmp_path / "b1", size=224, batch_size=1)
-    b = run(raw, tmp_path / "b7", size=224, batch_size=7, decode_threads=2)
-    assert a["features"] == b["features"]
-    assert dataset_bytes(tmp_path / "b1") == dataset_bytes(tmp_path / "b7")
+def test_bytes_do_not_depend_on_workers_or_threads(raw, packaged, tmp_path):
+    """The promise: the same input and options give the same bytes for any --workers and --decode-threads, on any
+    CPU (the encoder always runs calls of one shape on one intra-op thread, whatever the run's parallelism)."""
+    out, _ = packaged
+    want = dataset_bytes(out)
+    for name, kw in {"workers2": {"workers": 2}, "inline": {"decode_threads": 0}, "threads2": {"decode_threads": 2},
+                     "workers2-224": {"workers": 2, "size": 224}, "224": {"size": 224}}.items():
+        run(raw, tmp_path / name, **kw)
+        if not name.endswith("224"):
+            assert dataset_bytes(tmp_path / name) == want, name
+    assert dataset_bytes(tmp_path / "workers2-224") == dataset_bytes(tmp_path / "224")
 
 
-def test_small_sizes_depend_on_the_batch_only_within_rounding(raw, packaged, tmp_path):
-    # At 64 px oneDNN picks other kernels for other batch shapes (~1e-6 apart in float32), which can flip a
-    # float16's last bit: equal to tolerance, not to the byte. (The module docstring says so.)
+def test_a_run_cut_inside_a_shard_resumes_to_the_same_bytes(raw, packaged, tmp_path, monkeypatch):
+    """Cut after the 5th sample (shard 0 written, shard 1's first call under way), then resumed with other threads:
+    the shard cut in half is redone from its start, so its calls and bytes are the uncut run's."""
+    from vlprep import features as features_mod
+
+    out, _ = packaged
+    real, calls = features_mod._encode, []
+
+    def cut(enc, device, batch, batch_size, dtype):
+        calls.append(len(batch))
+        if len(calls) == 3:  # shard 0 is 5 samples: calls of 4 and 1 (padded to 4)
+            raise KeyboardInterrupt
+        return real(enc, device, batch, batch_size, dtype)
+
+    monkeypatch.setattr(features_mod, "_encode", cut)
+    again = tmp_path / "again"
+    with pytest.raises(KeyboardInterrupt):
+        run(raw, again)
+    assert calls[:2] == [4, 1] and (again / "shard-000000.tar").exists()
+    assert not (again / "shard-000001.tar").exists()
+    monkeypatch.setattr(features_mod, "_encode", real)
+    report = run(raw, again, decode_threads=2)
+    assert report["shards_resumed"] == 1
+    assert dataset_bytes(again) == dataset_bytes(out)
+
+
+def test_the_stage_restores_the_callers_torch_threads(raw, tmp_path):
+    before = torch.get_num_threads()
+    run(raw, tmp_path / "out")
+    assert torch.get_num_threads() == before
+
+
+def test_another_batch_size_agrees_within_rounding(raw, packaged, tmp_path):
+    # oneDNN picks other kernels for other call shapes (~1e-6 apart in float32), which can flip a float16's last
+    # bit: equal to tolerance, not to the byte, so --batch-size is an option of the result. (The module docstring.)
     out, _ = packaged
     run(raw, tmp_path / "b1", batch_size=1, decode_threads=0, dtype="float16")
     for x, y in zip(iter_samples(out, decode=False), iter_samples(tmp_path / "b1", decode=False), strict=True):
@@ -167,12 +205,13 @@ def test_rerun_and_resume_are_byte_identical(raw, packaged, tmp_path):
     (again / "shard-000002.tar.tmp").write_bytes(b"half")
     for name in ("sizes.json", "index.json", "meta.json"):
         (again / name).unlink()
-    report = run(raw, again, batch_size=3, decode_threads=2)  # batching and threads are not options of the run
+    report = run(raw, again, workers=2, decode_threads=2)  # workers and threads are not options of the result
     assert report["shards_resumed"] == 2 and not list(again.glob("*.tmp"))
     assert dataset_bytes(again) == want
     assert run(raw, again)["shards_resumed"] == 3
-    with pytest.raises(VlprepError, match="other options"):
-        run(raw, again, dtype="float32")
+    for other in ({"dtype": "float32"}, {"batch_size": 3}):
+        with pytest.raises(VlprepError, match="other options"):
+            run(raw, again, **other)
 
 
 # --- bad input ---------------------------------------------------------------------------------------
@@ -299,15 +338,23 @@ def test_encoder_from_spec_reproduces_the_stage(raw, packaged):
     enc.train()
     assert not enc.training
     stored = {s["__key__"]: s["npy"] for s in iter_samples(out, decode=False)}
-    for shard in open_dataset(raw).shards:  # the stage's batches: one shard of 5 (or 2) images each
-        samples = list(iter_tar(raw / shard))
-        x = torch.stack([eval_pixels(to_rgb(s.get("png", s.get("jpg"))), spec["size"], spec["mean"], spec["std"])
-                         for s in samples])
-        with torch.inference_mode():
-            tokens = enc(x)
-        assert tokens.dtype == torch.float32 and tokens.shape == (len(samples), 4, 1280)
-        for s, t in zip(samples, tokens.numpy().astype(spec["dtype"])):
-            assert load_npy(stored[s["__key__"]]).tobytes() == t.tobytes()
+    black = normalise(torch.zeros(3, 64, 64, dtype=torch.uint8), spec["mean"], spec["std"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the stage's calls: 4 images each from the shard's start, black ones fill the last
+    try:
+        for shard in open_dataset(raw).shards:
+            samples = list(iter_tar(raw / shard))
+            for i in range(0, len(samples), 4):
+                call = samples[i:i + 4]
+                x = torch.stack([eval_pixels(to_rgb(s.get("png", s.get("jpg"))), spec["size"], spec["mean"],
+                                             spec["std"]) for s in call] + [black] * (4 - len(call)))
+                with torch.inference_mode():
+                    tokens = enc(x)
+                assert tokens.dtype == torch.float32 and tokens.shape == (4, 4, 1280)
+                for s, t in zip(call, tokens.numpy().astype(spec["dtype"])):
+                    assert load_npy(stored[s["__key__"]]).tobytes() == t.tobytes()
+    finally:
+        torch.set_num_threads(threads)
     assert features_spec(raw) is None
 
 

@@ -79,14 +79,43 @@ def sims(model, batch) -> tuple[list[list[float]], list[list[float]], torch.Tens
     return i2t, t2i, hidden, tokens
 
 
+MARGIN = 1e-3  # in cosine / temperature units, where the step's float32 kernels and sims() differ by ~1e-6
+
+
+def runner_up_gap(sim: list[list[float]], banned=lambda i, j: False, group=lambda j: j) -> float:
+    """The smallest gap, over the rows, between the hardest allowed negative and the next allowed one of another
+    group (columns of one group, e.g. copies of one caption, are one candidate)."""
+    gaps = []
+    for i, r in enumerate(sim):
+        best = {}
+        for j, v in enumerate(r):
+            if j != i and not banned(i, j):
+                best[group(j)] = max(best.get(group(j), -math.inf), v)
+        top = sorted(best.values(), reverse=True)
+        if len(top) > 1:
+            gaps.append(top[0] - top[1])
+    return min(gaps)
+
+
+def batch_without_near_ties(model, captions: list[str], banned=lambda i, j: False):
+    """The first image seed whose hardest allowed negatives win by MARGIN both ways, with its sims(): the step's
+    argmax and the test's re-derivation then pick the same negative on any CPU (no near-tie left to rounding).
+    Copies of one caption are one candidate: they tie up to the rounding of their rows' kernels."""
+    for seed in range(200):
+        batch = make_batch(captions, seed)
+        s = sims(model, batch)
+        if min(runner_up_gap(s[0], banned, group=captions.__getitem__), runner_up_gap(s[1], banned)) >= MARGIN:
+            return batch, s
+    raise AssertionError("no image seed below 200 gives a batch without near-ties")
+
+
 # --- item 1: ITM hard negatives are the hardest (GRIT-VLP) -----------------------------------------------------
 
 
 def test_itm_hardest_negatives_are_the_argmax_of_in_batch_similarity():
     cfg = cfg_for("albef-base", "loss.itm_negatives=hardest", "loss.mlm=0")
     model = model_for(cfg)
-    batch = make_batch(CAPTIONS)
-    i2t, t2i, hidden, tokens = sims(model, batch)
+    batch, (i2t, t2i, hidden, tokens) = batch_without_near_ties(model, CAPTIONS)
     calls = record_fuse(model)
     run_step(model, batch, cfg, torch.Generator().manual_seed(0))
     (text_in, _, image_in), = calls
@@ -233,10 +262,9 @@ def test_dedupe_caption_itc_targets_are_the_hand_built_ones():
 def test_dedupe_caption_never_draws_a_duplicate_as_itm_negative(negatives):
     cfg = cfg_for("albef-base", "loss.dedupe=caption", f"loss.itm_negatives={negatives}", "loss.mlm=0")
     model = model_for(cfg)
-    batch = make_batch(DUP)
-    i2t, t2i, hidden, tokens = sims(model, batch)
-    calls = record_fuse(model)
     dup = lambda i, j: DUP[i] == DUP[j]
+    batch, (i2t, t2i, hidden, tokens) = batch_without_near_ties(model, DUP, dup)
+    calls = record_fuse(model)
     for seed in range(20 if negatives == "sample" else 1):
         calls.clear()
         out = run_step(model, batch, cfg, torch.Generator().manual_seed(seed))
@@ -247,7 +275,9 @@ def test_dedupe_caption_never_draws_a_duplicate_as_itm_negative(negatives):
             txt = next(j for j in range(B) if torch.equal(text_in[2 * B + i], hidden[j]))  # image i's negative caption
             assert not dup(i, img) and not dup(i, txt) and img != i and txt != i
             if negatives == "hardest":  # the hardest among the allowed ones
-                assert img == ref_argmax_off_diag(t2i, dup)[i] and txt == ref_argmax_off_diag(i2t, dup)[i]
+                # Which copy of a duplicated caption is drawn is the tie rule's business, and the copies' embeddings
+                # tie only up to the rounding of their rows: the rule is tested on exact ties in test_losses.
+                assert img == ref_argmax_off_diag(t2i, dup)[i] and DUP[txt] == DUP[ref_argmax_off_diag(i2t, dup)[i]]
 
 
 def test_dedupe_caption_rows_without_any_negative_sit_out_of_itm():

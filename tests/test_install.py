@@ -42,3 +42,64 @@ def test_a_missing_faiss_is_a_one_line_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "faiss", None)  # what `import faiss` sees without either extra
     with pytest.raises(VlprepError, match=r"faiss is not installed .*\[cpu\].*\[gpu\]"):
         knn._faiss()
+
+
+# --- the lock (requirements.lock): the environment the tests run in is the one it pins ---------------------------
+
+LOCK = Path(__file__).parents[1] / "requirements.lock"
+
+
+def read_lock(text: str) -> dict[str, str]:
+    """requirements.lock -> {canonical name: version}; every line that is not a comment is `name==version`."""
+    from packaging.utils import canonicalize_name
+
+    pins = {}
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, sep, version = line.partition("==")
+            assert sep and name and version, f"requirements.lock: {line!r} is not name==version"
+            pins[canonicalize_name(name)] = version
+    return pins
+
+
+def lock_disagreements(pins: dict[str, str], installed) -> list[str]:
+    """One line per locked package that is missing or at another version (pip's == ignores a local label)."""
+    from packaging.specifiers import SpecifierSet
+
+    out = []
+    for name, version in sorted(pins.items()):
+        have = installed(name)
+        if have is None:
+            out.append(f"{name} is not installed; the lock has {version}")
+        elif not SpecifierSet(f"=={version}").contains(have, prereleases=True):
+            out.append(f"{name} {have} is installed; the lock has {version}")
+    return out
+
+
+def _installed(name: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def test_the_lock_pins_the_core_dependencies():
+    pins = read_lock(LOCK.read_text())
+    for name in ("torch", "torchvision", "transformers", "tokenizers", "numpy", "pillow", "pyarrow", "webdataset",
+                 "wids", "spacy", "ray", "faiss-cpu", "opencv-python-headless", "pytest"):
+        assert name in pins, name
+
+
+def test_the_installed_environment_is_the_locked_one():
+    bad = lock_disagreements(read_lock(LOCK.read_text()), _installed)
+    assert not bad, "the environment is not requirements.lock's (run `make install`): " + "; ".join(bad)
+
+
+def test_lock_disagreements_name_each_package_in_one_line():
+    pins = read_lock("# a comment\ntorch==2.15.0\nNumPy==2.4.6  # why\nray==2.60.0\n")
+    have = {"torch": "2.15.0+cpu", "numpy": "2.3.0"}
+    assert lock_disagreements(pins, have.get) == ["numpy 2.3.0 is installed; the lock has 2.4.6",
+                                                  "ray is not installed; the lock has 2.60.0"]

@@ -205,7 +205,9 @@ def features(
     size: Optional[int] = typer.Option(None, help="Resize the shorter side to N and centre-crop N x N (vltrain's "
                                        "eval view); about N/32 x N/32 tokens (7 x 7 at 224) \\[default: 224]."),
     dtype: str = typer.Option("float16", help="npy dtype: float16 (half the disk) or float32."),
-    batch_size: int = typer.Option(32, help="Images per encoder call."),
+    batch_size: Optional[int] = typer.Option(None, help="Images per encoder call, a fixed shape (the last call of a "
+                                             "shard is padded): part of the result, like --dtype \\[default: 4 on "
+                                             "a CPU, 64 on CUDA]."),
     decode_threads: Optional[int] = typer.Option(None, help="Threads per worker decoding and resizing images for "
                                                  "the encoder; 0 = in the worker's main thread \\[default: CPU count, "
                                                  "at most 2]."),

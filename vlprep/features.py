@@ -6,10 +6,16 @@ the shorter side to S, centre crop S x S, normalise with the encoder's statistic
 encoder under "features" (vlprep.encoders: `features_spec`, `encoder_from_spec`), which is how vltrain knows to
 read tokens instead of pixels. Samples without an image or whose image does not decode are dropped and counted.
 
-A sample's tokens depend on its image alone: the batches are formed inside a shard, and at the default size (224)
-oneDNN's channels_last convolutions give each sample bit-identical outputs at any batch size (tested). At small
-sizes (e.g. 64, a 2 x 2 grid) the kernels picked for other batch shapes round differently, ~1e-6 in float32, which
-can flip the last bit of a float16; a re-run with the same --batch-size is still byte-identical.
+A sample's bytes depend on its image and the run's options alone, not on how the run happens to go. The float
+result of a convolution depends on the kernel the library picks, and oneDNN picks by the input's shape and by the
+number of threads it may use (at 1 and 2 threads its 1x1 convolutions split their work differently and round
+differently, ~1e-6 in float32, enough to flip a float16's last bit). So on a CPU every encoder call has one fixed
+shape, (--batch-size, 3, S, S), the last call of a shard padded with black images, and runs on one intra-op
+thread; parallelism comes from several such calls at once on a pool of `encode_threads` threads (torch releases
+the GIL), which on 2 cores is also about twice as fast as one call on two intra-op threads. The calls are formed
+from a shard's decodable samples in order, so the same input gives the same bytes for any --workers,
+--decode-threads, distributor and resume point. --batch-size is therefore an option of the result, like --dtype
+(recorded in meta.json; another value is a new run): other sizes agree to float rounding only.
 """
 
 import contextlib
@@ -46,7 +52,9 @@ class FeaturesConfig:
     weights: Path | None = None
     size: int | None = None                   # None: the encoder's (224)
     dtype: str = "float16"
-    batch_size: int = 32
+    # Images per encoder call, a fixed shape (see the module docstring); None: 4 on a CPU (fastest with one
+    # intra-op thread per call on 2 cores, benchmarks/features.py), 64 on CUDA.
+    batch_size: int | None = None
     # Decode threads per worker: PIL decoding and torch's resize release the GIL, so two threads keep the encoder
     # fed on 2 cores while it runs (benchmarks/features.py); 0 decodes in the worker's main thread.
     decode_threads: int = field(default_factory=lambda: min(2, os.cpu_count() or 1))
@@ -89,82 +97,116 @@ def npy_bytes(tokens: np.ndarray) -> bytes:
 _worker: dict = {}
 
 
+def _one_intra_op_thread() -> None:
+    torch.set_num_threads(1)
+
+
 def _init_worker(image_model: str, weights: Path | None, size: int | None, device: str, decode_threads: int,
-                 torch_threads: int = 0) -> None:
+                 encode_threads: int = 1) -> None:
     """Load the encoder once per worker (and once only in the driver, which checks it first)."""
     st = os.stat(weights) if weights is not None and os.path.exists(weights) else None
-    key = (image_model, str(weights), st and (st.st_size, st.st_mtime_ns), size, device, decode_threads)
+    key = (image_model, str(weights), st and (st.st_size, st.st_mtime_ns), size, device, decode_threads,
+           encode_threads)
     if _worker.get("key") == key:
         return
-    if torch_threads:
-        torch.set_num_threads(torch_threads)  # worker processes share the cores instead of each taking all
     dev = resolve_device(device)
-    if _worker.get("pool") is not None:
-        _worker["pool"].shutdown()
+    for pool in ("pool", "encode_pool"):
+        if _worker.get(pool) is not None:
+            _worker[pool].shutdown()
+    # On a CPU every call runs on one intra-op thread (the module docstring says why); threads run calls side by
+    # side. On CUDA one thread feeds the device.
+    encode_pool = (ThreadPoolExecutor(encode_threads, thread_name_prefix="features-encode",
+                                      initializer=_one_intra_op_thread) if dev.type == "cpu" else None)
     _worker.update(key=key, device=dev, enc=load_token_encoder(image_model, weights, size).to(dev),
                    pool=ThreadPoolExecutor(decode_threads, thread_name_prefix="features-decode")
-                   if decode_threads else None)
+                   if decode_threads else None, encode_pool=encode_pool, encode_threads=encode_threads)
+
+
+def _encode(enc, device, batch: list, batch_size: int, dtype: np.dtype) -> np.ndarray:
+    """[(index, raw, uint8 view)] -> their tokens (len, N, D) in `dtype`, from one call of the fixed shape."""
+    spec = enc.spec
+    # The views are crops of HWC buffers (ToImage keeps PIL's layout): stacked as (B, S, S, 3) they copy row by row
+    # (~3x faster than stacking the CHW views) into the channels_last (B, 3, S, S) layout the encoder's convolutions
+    # want, so it needs no second copy. Elementwise ops: same numbers either way.
+    hwc = torch.stack([v.permute(1, 2, 0) for _, _, v in batch])
+    if len(batch) < batch_size:  # the fixed shape: black images fill the shard's last call
+        hwc = torch.cat([hwc, hwc.new_zeros(batch_size - len(batch), *hwc.shape[1:])])
+    x = normalise(hwc.permute(0, 3, 1, 2), spec["mean"], spec["std"]).to(device, non_blocking=True)
+    with torch.inference_mode(), (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+                                  else contextlib.nullcontext()):
+        return enc(x)[:len(batch)].cpu().numpy().astype(dtype, copy=False)  # (B, N, D)
 
 
 def features_shard(out: Path, src: Path, shard: str, dtype: str, batch_size: int, fp: str) -> dict:
     """Encode one shard's images and write the shard with npy members; returns its stats."""
-    enc, device, pool = _worker["enc"], _worker["device"], _worker["pool"]
+    enc, device, pool, encode_pool = _worker["enc"], _worker["device"], _worker["pool"], _worker["encode_pool"]
     side = pq.read_table(src / sidecar_name(shard))
     rows_in = side.replace_schema_metadata(None).to_pylist()
-    spec = enc.spec
-    size, dtype = spec["size"], np.dtype(dtype)
+    size, dtype = enc.spec["size"], np.dtype(dtype)
     samples, rows, skipped, examples = [], [], Counter(), {}
+    ahead = batch_size * (_worker["encode_threads"] + 1)
     views = _prefetch(pool, lambda item: (*item, *_view(item[1], size)),
-                      iter_aligned(src / shard, [r["key"] for r in rows_in]), ahead=2 * batch_size)
-    for batch in batches(views, batch_size):
-        ok = []
-        for i, raw, view, why in batch:
+                      iter_aligned(src / shard, [r["key"] for r in rows_in]), ahead=ahead)
+
+    def decodable():
+        """The shard's samples with an image, in order; the others are counted here."""
+        for i, raw, view, why in views:
             if view is None:
                 skipped[why] += 1
                 if len(examples.setdefault(why, [])) < MAX_EXAMPLES:
                     examples[why].append(raw["__key__"])
             else:
-                ok.append((i, raw, view))
-        if ok:
-            # The views are crops of HWC buffers (ToImage keeps PIL's layout): stacked as (B, S, S, 3) they copy
-            # row by row (~3x faster than stacking the CHW views) into the channels_last (B, 3, S, S) layout the
-            # encoder's convolutions want, so it needs no second copy. Elementwise ops: same numbers either way.
-            hwc = torch.stack([v.permute(1, 2, 0) for _, _, v in ok]).permute(0, 3, 1, 2)
-            x = normalise(hwc, spec["mean"], spec["std"]).to(device, non_blocking=True)
-            with torch.inference_mode(), (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
-                                          else contextlib.nullcontext()):
-                tokens = enc(x).cpu().numpy().astype(dtype, copy=False)  # (B, N, D)
-            for (i, raw, _), t in zip(ok, tokens):
-                samples.append({**{k: v for k, v in raw.items() if k != "__url__"}, "npy": npy_bytes(t)})
-                rows.append(rows_in[i])
+                yield i, raw, view
+
+    calls = _prefetch(encode_pool, lambda batch: (batch, _encode(enc, device, batch, batch_size, dtype)),
+                      batches(decodable(), batch_size), ahead=2 * _worker["encode_threads"])
+    for batch, tokens in calls:
+        for (i, raw, _), t in zip(batch, tokens):
+            samples.append({**{k: v for k, v in raw.items() if k != "__url__"}, "npy": npy_bytes(t)})
+            rows.append(rows_in[i])
     stats = {"in": len(rows_in), "written": len(samples), "skipped": dict(skipped),
              "skipped_examples": examples, "fingerprint": fp}
     write_shard(out, shard, samples, rows, schema=side.schema.remove_metadata(), stats=stats)
     return stats
 
 
+def default_batch_size(device: torch.device) -> int:
+    return 64 if device.type == "cuda" else 4
+
+
 def features(cfg: FeaturesConfig, progress=None) -> dict:
     """Run the stage (plan -> map_shards -> summarise); returns the report (also written to OUT/report.json)."""
+    threads = torch.get_num_threads()
+    try:
+        return _features(cfg, progress)
+    finally:  # the encode threads set torch's process-wide intra-op count to 1: give the caller theirs back
+        torch.set_num_threads(threads)
+
+
+def _features(cfg: FeaturesConfig, progress) -> dict:
     if cfg.dtype not in DTYPES:
         raise VlprepError(f"--dtype must be float16 or float32, got {cfg.dtype!r}")
-    if cfg.batch_size < 1:
+    if cfg.batch_size is not None and cfg.batch_size < 1:
         raise VlprepError("--batch-size must be at least 1")
     if cfg.decode_threads < 0:
         raise VlprepError("--decode-threads must be 0 (decode in the worker's main thread) or more")
     check_engine(cfg.distributor, cfg.workers)
     t0 = time.perf_counter()
     ds, out = open_derived(cfg.src, cfg.out, cfg.skip_bad_shards)
-    torch_threads = max(1, (os.cpu_count() or 1) // cfg.workers) if cfg.workers > 1 else 0
-    initargs = (cfg.image_model, cfg.weights, cfg.size, cfg.device, cfg.decode_threads, torch_threads)
+    # Each worker's calls run side by side on this many threads of one intra-op thread each: the cores, shared.
+    encode_threads = max(1, (os.cpu_count() or 1) // cfg.workers)
+    initargs = (cfg.image_model, cfg.weights, cfg.size, cfg.device, cfg.decode_threads, encode_threads)
     _init_worker(*initargs)  # checks the encoder and weights before OUT is touched; one worker reuses it
     enc, device = _worker["enc"], _worker["device"]
+    batch_size = cfg.batch_size or default_batch_size(device)
     spec = {**enc.spec, "dtype": cfg.dtype}
     options = {"image_model": cfg.image_model, "weights": spec["weights"], "size": spec["size"],
-               "dtype": cfg.dtype, "src": str(ds.root.resolve())}
+               "dtype": cfg.dtype, "batch_size": batch_size, "src": str(ds.root.resolve())}
     prepare_output(out, "features", options, cfg.overwrite)
-    # A shard is redone when its input sidecar or anything that changes the tokens (weights bytes included) differs.
-    salt = json.dumps(spec, sort_keys=True).encode()
-    plan = [Work(s, (ds.root, s, cfg.dtype, cfg.batch_size),
+    # A shard is redone when its input sidecar or anything that changes the tokens (weights bytes and the call
+    # shape included) differs.
+    salt = json.dumps({**spec, "batch_size": batch_size}, sort_keys=True).encode()
+    plan = [Work(s, (ds.root, s, cfg.dtype, batch_size),
                  hashlib.blake2b(salt + ds.sidecar(s).read_bytes(), digest_size=16).hexdigest(), ds.sizes[s])
             for s in ds.shards]
     t_work = time.perf_counter()
