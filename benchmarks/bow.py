@@ -1,8 +1,8 @@
-"""Benchmark `vlprep bow` against baselines measured in the same run (DESIGN.md section 9).
+"""Benchmark `vlprep bow` against baselines measured in the same run.
 
 A: the per-caption deform of the stage (`Deformer`, default cascade) over synthetic captions in one process, CPU
    time: captions/s per core, target >= 150,000. Informational: the reference `deform()` with `SampleRng` (what the
-   stage called before issue 17), the bare tokenizer, the shuffle alone, and the cascade cut after each step.
+   stage formerly called), the bare tokenizer, the shuffle alone, and the cascade cut after each step.
 B: end to end on image shards, `bow(BowConfig(src, out, workers=1))` against a plain loop that does the same reads
    and writes the same bytes with the fastest writer we have; target <= 1.3x. Each timed call writes into a fresh
    empty folder, made before and removed after the clock; rounds alternate the order of the sides; medians of
@@ -19,7 +19,7 @@ B: end to end on image shards, `bow(BowConfig(src, out, workers=1))` against a p
      a ustar tar plus the edited Parquet sidecar under .tmp names and rename them; then sizes.json / index.json /
      meta.json, the 'after' statistics from the new sidecars, bow_report.png (matplotlib, Agg) and report.json.
    - `bow w=2` (informational): the same with a pool of 2 worker processes.
-   - `tarfile addfile` (informational; the baseline before issue 17): every member of every sample (kept or
+   - `tarfile addfile` (informational; the former baseline): every member of every sample (kept or
      not) read as above and written through `tarfile.open(path, "w")` + `addfile`.
    - `limit` (informational): the same output bytes with no per-sample Python: member headers, payloads and
      paddings of the kept samples are prepared before the clock; per shard the input tar is read in one call, the
@@ -221,7 +221,7 @@ def bench_deform(n: int, chunk: int) -> list[dict]:
     print(f"  Deformer: median {rate:,.0f} captions/s ({1e6 / rate:.2f} us each); reference deform() + SampleRng "
           f"{ref_rate:,.0f}/s ({rate / ref_rate:.2f}x slower); tokenize {tok_rate:,.0f}/s", flush=True)
     return [common.value_row("A deform, 1 core", rate, TARGET_RATE, "captions/s CPU"),
-            common.value_row("A reference deform()", ref_rate, None, "captions/s CPU", note="before issue 17"),
+            common.value_row("A reference deform()", ref_rate, None, "captions/s CPU", note="formerly"),
             common.value_row("A tokenize alone", tok_rate, None, "captions/s CPU")]
 
 
@@ -273,7 +273,7 @@ def make_image_dataset(folder: Path, ds: Path, n: int, per_shard: int, src: Path
 
 
 def tar_addfile(src: Path, out: Path) -> None:
-    """Informational (the baseline before issue 17): every member of every tar read and written through addfile."""
+    """Informational (the former baseline): every member of every tar read and written through addfile."""
     for shard in sorted(src.glob("*.tar")):
         with tarfile.open(shard, "r:") as tin, tarfile.open(out / shard.name, "w") as tout:
             for m in tin:

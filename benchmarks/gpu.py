@@ -1,4 +1,4 @@
-"""Training throughput on one GPU: samples/s and an MFU estimate for presets clip, albef and grit (issue 14 §3).
+"""Training throughput on one GPU: samples/s and an MFU estimate for presets clip, albef and grit.
 
 The packaged encoders (EfficientNet-Lite0 on 224 px pixels, MiniLM), the trainer's own step (`TrainStep`: forward
 and named losses), backward, clipping, fused AdamW, momentum update and enqueue, with the trainer's GPU options on

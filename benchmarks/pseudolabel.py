@@ -1,4 +1,4 @@
-"""Benchmark `vlprep pseudolabel` against baselines measured in the same run (DESIGN.md section 9).
+"""Benchmark `vlprep pseudolabel` against baselines measured in the same run.
 
 A: end to end. `pseudolabel(...)` with the packaged encoders (a freshly built vltrain checkpoint: EfficientNet-Lite0
    + MiniLM, untrained heads) on --images unaligned images (openclipart PNGs at 256 px, synthetic when

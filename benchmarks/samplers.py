@@ -1,4 +1,4 @@
-"""Cost of the index-based samplers per training step, at the papers' sizes (DESIGN.md section 9).
+"""Cost of the index-based samplers per training step, at the papers' sizes.
 
 A: GRIT collect + group, in milliseconds per training step, against a budget of 2% of a 1 s step (20 ms; the
    paper: 2h27m -> 2h30m per epoch, ~2%, on GPU steps of 0.2-1 s). At N = 96, M = 960, L = 48,000 (§5.1) with
@@ -8,7 +8,7 @@ A: GRIT collect + group, in milliseconds per training step, against a budget of 
    - grit: the features are CPU tensors (a CPU run);
    - grit-cuda (only when CUDA is present): the features are device tensors, as the trainer passes them; the
      clock stops after a synchronise;
-   - grit-former (informational): the implementation before issue 17, kept here as the reference: features
+   - grit-former (informational): the former implementation, kept here as the reference: features
      copied to numpy at every collect, then one sub-queue at a time, one Python step per example.
    Informational too: that cost as a fraction of one `grit`-preset CPU training step (--model tiny or default;
    none to skip), which says little about a GPU run, where the step is 0.2-1 s.
@@ -74,7 +74,7 @@ def step_time(model_kind: str, n: int, steps: int) -> float:
 
 
 class FormerGrit(GritSampler):
-    """GritSampler as it was before issue 17 (the reference side): host copies at every collect, then
+    """GritSampler as it was formerly (the reference side): host copies at every collect, then
     `grit_order` one sub-queue at a time, one Python step per example."""
 
     def collect(self, positions, image_feats, text_feats):
@@ -201,7 +201,7 @@ def main() -> None:
         rows.append({"name": "A grit vs grit-former, CPU", "base": former["per_step_s"], "cand": now["per_step_s"],
                      "target": None, "ratio": now["per_step_s"] / former["per_step_s"],
                      "cpu_ratio": now["cpu_per_step_s"] / former["cpu_per_step_s"],
-                     "note": "the implementation before issue 17"})
+                     "note": "the former implementation"})
         if args.model != "none":
             print(f"   training step ({args.model} model, grit preset, N={args.batch}, {args.steps} steps, CPU) ...",
                   flush=True)

@@ -1,4 +1,4 @@
-"""Benchmark `vlprep shards` against plain baselines measured in the same run (DESIGN.md section 9).
+"""Benchmark `vlprep shards` against plain baselines measured in the same run.
 
 A, pass-through: `build_shards` vs the same reads and the same three members per sample written by a plain loop
    with the fastest writer we have (`ShardTarWriter`); target <= 1.5x. Informational: the old baseline (tarfile
@@ -13,7 +13,7 @@ the clock; rounds alternate the order of the sides; medians of wall and CPU time
   file (1 MiB buffer) with a `ShardTarWriter`, and per image: read the image file and its .txt file (plain string
   paths), json.dumps {"uid": stem, "source": folder name}, and add the three members (json, image, txt) as
   vlprep orders them. No checks of any kind, no sidecar, no index files.
-- `tarfile addfile` (A, informational; the baseline before issue 17): the same loop through
+- `tarfile addfile` (A, informational; the former baseline): the same loop through
   `tarfile.open(..., "w")` (its defaults) and `addfile` with a TarInfo holding only the name and size.
 - `limit` (A, informational): the same bytes as `fast writer` with no per-sample Python work beyond one
   open + read per file: member headers, json payloads and paddings are built before the clock; per shard the
@@ -29,7 +29,7 @@ the clock; rounds alternate the order of the sides; medians of wall and CPU time
 - `fast writer resize` (B baseline): `fast writer`, except that each image is opened with PIL first; one whose
   shorter side is > 256 is loaded, resized to 256 (bicubic, reducing_gap 3, JPEG draft mode as vlprep uses) and
   saved to memory in its format, the others are copied as read.
-- `PIL all` (B, informational; the baseline before issue 17): per image PIL open, load, resize when larger,
+- `PIL all` (B, informational; the former baseline): per image PIL open, load, resize when larger,
   save to memory in the same format, for every image; no files written.
 - `vlprep resize` (B): the `vlprep` call with resize=256.
 

@@ -1,4 +1,4 @@
-"""SoftMask++'s training step against ALBEF's, measured in the same run (issue 13; the paper: 1.98 s vs 1.94 s).
+"""SoftMask++'s training step against ALBEF's, measured in the same run (the SoftMask++ paper: 1.98 s vs 1.94 s).
 
 Both sides run the full step the trainer runs: `train_step` (forward and named losses), `backward`, gradient
 clipping, AdamW, the momentum update and the enqueue, on the same batches. Each call of an arm runs 2 untimed and

@@ -1,4 +1,4 @@
-"""Benchmark vltrain's loop and data pipeline against bare baselines measured in the same run (DESIGN.md section 9).
+"""Benchmark vltrain's loop and data pipeline against bare baselines measured in the same run.
 
 A: loop overhead. `vltrain.train.train` itself runs (tiny model, preset albef, batch 16, image size 32) with its
    DataLoader monkeypatched to yield 20 batches pre-loaded in memory, so each step is exactly the loop's body

@@ -1,3 +1,6 @@
+import re
+from pathlib import Path
+
 import pytest
 
 from vltrain.config import (PRESETS, Config, ConfigError, apply_overrides, from_dict, grit_sizes, load_config, parse_set,
@@ -111,7 +114,7 @@ def test_round_trip_through_a_checkpoint_dict():
     assert c.loss.itc == 2.0 and isinstance(c.loss.itc, float)
 
 
-# Keys added by issue 12; a checkpoint written before them has none of them.
+# Keys added with the fidelity options; a checkpoint written before them has none of them.
 NEW_KEYS = {"loss": ["itm_negatives", "itc_detach_keys", "distill_warmup_steps", "dedupe"],
             "model": ["fusion_from", "temp_learnable", "pooling"]}
 
@@ -139,3 +142,18 @@ def test_keys_absent_from_an_older_checkpoint_count_as_their_defaults():
     # An older checkpoint's model section still builds its model: missing keys take the former layout.
     assert model_config(older(clip)["model"], "x.pt").fusion_from == "copy"
     assert from_dict(older(clip)) == load_config("clip")
+
+
+def test_every_preset_is_named_in_the_help_the_readme_and_training_md():
+    from typer.testing import CliRunner
+
+    from vltrain.cli import app
+    from vltrain.config import PRESETS
+
+    root = Path(__file__).parents[1]
+    readme, training = (root / "README.md").read_text(), (root / "docs" / "TRAINING.md").read_text()
+    shown = CliRunner().invoke(app, ["run", "--help"], env={"COLUMNS": "200"}).output
+    for name in PRESETS:
+        assert re.search(rf"\b{re.escape(name)}\b", " ".join(shown.split())), f"vltrain run --help: {name}"
+        assert f"| `{name}` |" in training, f"docs/TRAINING.md preset table: {name}"
+        assert re.search(rf"presets[^.]*\b{re.escape(name)}\b", " ".join(readme.split())), f"README: {name}"

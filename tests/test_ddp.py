@@ -1,4 +1,4 @@
-"""Issue 14, DDP: two CPU processes on gloo against one process on the global batch, and `torchrun -m vltrain run`.
+"""DDP: two CPU processes on gloo against one process on the global batch, and `torchrun -m vltrain run`.
 
 The equality test spawns 2 ranks that each run `wrap_ddp(model)` (the trainer's DDP path) on half of a fixed
 global batch of 8; the single process runs `train_step` on all 8. Models are in eval mode so that dropout and the

@@ -1,4 +1,4 @@
-"""Issue 12, method fidelity: what `train_step` does with each new option, on a tiny model and one batch.
+"""Method fidelity: what `train_step` does with each new option, on a tiny model and one batch.
 
 Each reference is re-derived here with plain Python loops over the model's own embeddings, never by calling
 vltrain.losses the way train_step does.

@@ -1,4 +1,5 @@
-"""Issue 14 §4: the [gpu] extra installs. Checked on pyproject.toml's metadata, without touching the installed faiss.
+"""What installs: the [cpu]/[gpu] extras (checked on pyproject.toml's metadata, without touching the installed
+faiss), the lock (requirements.lock) against the environment, and the versions outputs record.
 
 Every faiss wheel (faiss-cpu, faiss-gpu, faiss-gpu-cu12, ...) installs the same `faiss/` package, so the layout
 must never put two of them in one environment: faiss is no core dependency, and [cpu] and [gpu] bring one each.
@@ -103,3 +104,34 @@ def test_lock_disagreements_name_each_package_in_one_line():
     have = {"torch": "2.15.0+cpu", "numpy": "2.3.0"}
     assert lock_disagreements(pins, have.get) == ["numpy 2.3.0 is installed; the lock has 2.4.6",
                                                   "ray is not installed; the lock has 2.60.0"]
+
+
+# --- what made an output ------------------------------------------------------------------------------------------
+
+
+def test_version_flags_print_the_project_torch_and_transformers():
+    from importlib.metadata import version
+
+    from typer.testing import CliRunner
+
+    from vlprep import __version__
+    from vlprep.cli import app as vlprep_app
+    from vltrain.cli import app as vltrain_app
+
+    for prog, app in (("vlprep", vlprep_app), ("vltrain", vltrain_app)):
+        r = CliRunner().invoke(app, ["--version"])
+        assert r.exit_code == 0
+        assert r.output.strip() == (f"{prog} {__version__} (torch {version('torch')}, "
+                                    f"transformers {version('transformers')})")
+
+
+def test_meta_json_records_the_versions(tmp_path):
+    import json
+    from importlib.metadata import version
+
+    from vlprep.dataset import finish_dataset
+
+    finish_dataset(tmp_path, {}, {"stage": "test"})
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    assert meta["versions"] == {"vlprep-vltrain": meta["vlprep_version"], "torch": version("torch"),
+                                "transformers": version("transformers")}

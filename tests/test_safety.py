@@ -1,4 +1,4 @@
-"""Crafted and broken inputs, as a careless or hostile user gives them (issue 18, items 2-7).
+"""Crafted and broken inputs, as a careless or hostile user gives them.
 
 Each test reproduces the attack or the fault: a corrupt tar header, shard names that point outside OUT, an OUT
 that overlaps its input, two writers on one OUT, too few samples for the loader workers, undecodable samples in

@@ -1,4 +1,4 @@
-"""SoftMask++ (issue 13): attention maps, Grad-CAM, word choice, the soft mask and its sources, masked features,
+"""SoftMask++: attention maps, Grad-CAM, word choice, the soft mask and its sources, masked features,
 the soft ITM loss, MMDA (augment recipes, masked_text_all) and a tiny `softmask` run that resumes exactly.
 
 Each formula is checked against a re-derivation written here: plain loops, a hand-written forward of one fusion

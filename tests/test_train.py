@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 
 import numpy as np
 from PIL import Image
+from vlprep import versions
 from vlprep.shards import ShardsConfig, build_shards
 from vltrain import train as train_mod
 from vltrain.cli import app
@@ -125,6 +126,7 @@ def test_resume_continues_exactly(shards, tmp_path):
     assert r.exit_code == 0, r.output + repr(r.exception)
     ckpt = torch.load(tmp_path / "part" / "last.pt", weights_only=True)
     assert (ckpt["step"], ckpt["epoch"], ckpt["consumed"]) == (3, 1, 1)
+    assert ckpt["versions"] == versions() and str(torch.__version__).startswith(ckpt["versions"]["torch"])
     with (tmp_path / "part" / "metrics.jsonl").open("a") as f:  # a row logged after the checkpoint is redone
         f.write(json.dumps({"step": 4, "total": -1.0}) + "\n")
     r = run(shards, tmp_path / "part", *common, "--steps", "6", "--resume")
@@ -209,7 +211,7 @@ def test_packaged_models_train_on_real_clip_art(tmp_path):
     assert (tmp_path / "run" / "last.pt").exists()
 
 
-# --- issue 14 §3: GPU speed options, each a config key that leaves a CPU run as it was unless asked ----------------
+# --- GPU speed options, each a config key that leaves a CPU run as it was unless asked ----------------
 
 
 def test_channels_last_on_a_cpu_gives_the_same_losses_and_bad_switches_are_one_line(shards, tmp_path):

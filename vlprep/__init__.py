@@ -3,5 +3,25 @@
 __version__ = "0.1.0"
 
 
+def versions() -> dict[str, str | None]:
+    """What made an output: this project's version and the installed torch and transformers (None: not installed).
+    meta.json and vltrain checkpoints record it; `vlprep --version` and `vltrain --version` print it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"vlprep-vltrain": __version__}
+    for name in ("torch", "transformers"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def version_line(prog: str) -> str:
+    """`prog 0.1.0 (torch 2.15.0, transformers 5.23.0)`."""
+    v = versions()
+    return f"{prog} {__version__} (torch {v['torch']}, transformers {v['transformers']})"
+
+
 class VlprepError(Exception):
     """A user mistake (bad path, missing column, bad option): the CLI prints it as one line."""

@@ -12,7 +12,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColu
                            TextColumn, TimeElapsedColumn, TimeRemainingColumn)
 from rich.text import Text
 
-from vlprep import VlprepError, __version__
+from vlprep import VlprepError, version_line
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Prepare image-caption WebDataset shards for vision-language alignment.")
@@ -75,13 +75,13 @@ def warn_report(report: dict) -> None:
 
 def _version(value: bool) -> None:
     if value:
-        print(__version__)
+        print(version_line("vlprep"))
         raise typer.Exit()
 
 
 @app.callback()
 def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                       help="Print the version and exit.")) -> None:
+                                       help="Print the version (and torch's and transformers') and exit.")) -> None:
     pass
 
 

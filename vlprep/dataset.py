@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
 
-from vlprep import VlprepError, __version__
+from vlprep import VlprepError, __version__, versions
 
 IMAGE_EXTS = ("jpg", "png", "webp")
 # Extensions whose payload webdataset would unpickle; we never read them (docs/FORMAT.md, "Safety").
@@ -345,7 +345,7 @@ class ShardTarWriter:
     """Plain USTAR tar writer for our shards, byte for byte what `webdataset.TarWriter(f, encoder=False,
     mtime=TAR_MTIME, user="", group="", mode=0o644)` writes with its tarfile stream set to USTAR_FORMAT.
 
-    DESIGN.md prefers webdataset's TarWriter, and this class was that until it was measured: in
+    The project prefers webdataset's TarWriter, and this class was that until it was measured: in
     `vlprep shards` (pass-through) and `vlprep bow` the writing is nearly all of the work, and
     TarWriter.write -> tarfile.addfile spends ~37 us per member against ~12 us for the bytes
     themselves (benchmarks/shards.py, part A). Most of it is TarInfo.tobuf rebuilding all 17 header
@@ -506,7 +506,7 @@ def finish_dataset(root: Path, sizes: dict[str, int], meta: dict) -> None:
         "shardlist": [{"url": name, "nsamples": n} for name, n in sizes.items()],
     }
     write_json_atomic(root / "index.json", index)
-    write_json_atomic(root / "meta.json", {"vlprep_version": __version__, **meta})
+    write_json_atomic(root / "meta.json", {"vlprep_version": __version__, "versions": versions(), **meta})
 
 
 RUN_MARKER = ".vlprep-run.json"

@@ -1,4 +1,4 @@
-"""The shard engine every vlprep stage runs on: plan -> `map_shards` -> summarise (DESIGN section 7).
+"""The shard engine every vlprep stage runs on: plan -> `map_shards` -> summarise.
 
 A stage plans its work as `Work` items, one per output shard (its name fixed by the plan, the inputs it needs as
 paths and small values, a fingerprint of everything the shard depends on). `map_shards` skips the shards already

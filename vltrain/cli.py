@@ -59,16 +59,25 @@ def _recall_table(title: str, rows: dict[str, dict]) -> Table:
     return table
 
 
+def _version(value: bool) -> None:
+    if value:
+        from vlprep import version_line
+
+        print(version_line("vltrain"))
+        raise typer.Exit()
+
+
 @app.callback()
-def _main() -> None:
+def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version (and torch's and transformers') and exit.")) -> None:
     pass
 
 
 @app.command()
 def run(
     shards: list[Path] = typer.Argument(..., help="One or more shard dataset folders (mixed)."),
-    preset: Optional[str] = typer.Option(None, help="clip, fistful, albef, albef-base, tonics, tonics-ir or grit "
-                                         "\\[default: albef]; docs/TRAINING.md and docs/SAMPLERS.md."),
+    preset: Optional[str] = typer.Option(None, help="clip, fistful, albef, albef-base, grit, tonics, tonics-ir or "
+                                         "softmask \\[default: albef]; docs/TRAINING.md and docs/SAMPLERS.md."),
     config: Optional[Path] = typer.Option(None, "--config", help="YAML file of config keys."),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="Dotted override key=value (repeatable), "
                                              "e.g. --set model.queue_size=1024."),

@@ -36,7 +36,9 @@ class Attention(nn.Module):
         def split(t: torch.Tensor) -> torch.Tensor:
             return t.view(b, -1, self.heads, d // self.heads).transpose(1, 2)
 
-        # No causal mask anywhere: every caption token, [CLS] included, sees the whole caption (DESIGN 5.1 trap).
+        # No causal mask anywhere: every caption token, [CLS] included, sees the whole caption. (transformers'
+        # BertLayer takes cross-attention only as a decoder, whose self-attention is causal: a fusion [CLS] built
+        # that way never sees the caption, and ITM learns nothing from the text.)
         mask = None if key_mask is None else key_mask[:, None, None, :]
         q, k, v = split(self.q(x)), split(self.k(ctx)), split(self.v(ctx))
         probs = None

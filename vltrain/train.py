@@ -27,7 +27,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, 
                            TimeRemainingColumn)
 from torch.utils.data import DataLoader
 
-from vlprep import VlprepError
+from vlprep import VlprepError, versions
 from vlprep.dataset import lock_output, release_output
 from vltrain import TrainError
 from vltrain import checkpoint as ckpt_io
@@ -479,7 +479,7 @@ def checkpoint_state(model, optimizer, cfg: Config, step: int, epoch: int, consu
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "epoch": epoch,
             "consumed": consumed, "best": best, "config": to_dict(cfg), "data": data,
             "sampler": sampler.state_dict() if sampler is not None else None, "curriculum_log": curriculum_log,
-            "rng": ckpt_io.rng_states(generator)}
+            "rng": ckpt_io.rng_states(generator), "versions": versions()}
 
 
 def save_checkpoint(path: Path, model, optimizer, cfg: Config, step: int, epoch: int, consumed: int, best: float,
