@@ -156,7 +156,7 @@ def test_engine_options_are_not_recorded(tmp_path):
 
 
 def test_vlprep_never_imports_vltrain():
-    """The dependency direction: only vlprep/cli.py brings vltrain in (it builds the encoder embed and pseudolabel take)."""
+    """Data flows one way: only vlprep/cli.py brings vltrain in (it builds the encoder embed and pseudolabel take)."""
     import pkgutil
 
     import vlprep

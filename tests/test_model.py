@@ -1,4 +1,4 @@
-"""vltrain.model: shapes, bidirectional fusion (no causal self-attention), init from the text layers, ties, EMA, queues."""
+"""vltrain.model: shapes, bidirectional fusion (no causal mask), init from the text layers, ties, EMA, queues."""
 
 import pytest
 import torch

@@ -277,22 +277,32 @@ def test_bad_softmask_configs_are_one_line_errors():
 
 
 def test_masked_text_all_off_is_bit_identical_to_the_code_before_softmask():
-    """Pinned: what train_step gave at commit 621e3a1, before SoftMask++ existed (tiny albef and grit, one step)."""
-    before = {"albef": {"itc_loss": 9.12472915649414, "itm_loss": 0.6944835186004639,
-                        "mlm_loss": 10.309120178222656, "rng": 1229666868},
-              "grit": {"itc_loss": 2.205399990081787, "itc_consistency_loss": 0.7803905010223389,
-                       "itm_loss": 0.6994070410728455, "mlm_loss": 10.329530715942383, "rng": 1636858165}}
-    for preset, want in before.items():
-        cfg = cfg_for(preset)
-        assert not cfg.data.masked_text_all and cfg.loss.softmask_itm == 0
-        model = model_for(cfg).train()
-        torch.manual_seed(1)
-        g = torch.Generator().manual_seed(3)
-        out = run_step(model, make_batch(CAPTIONS), cfg, g)
-        assert int(torch.randint(0, 2**31, (1,), generator=g)) == want["rng"]  # the same draws, in the same order
-        for k, v in want.items():
-            if k != "rng":
-                assert float(out[k].detach()) == pytest.approx(v, rel=1e-6), (preset, k)
+    """Pinned: what train_step gave at commit 621e3a1, before SoftMask++ existed (tiny albef and grit, one step),
+    computed in float64 on both sides (that commit's one float32 cast, of the momentum MLM targets, made a no-op
+    for float64 as train_step's `upcast` now is). In float32 the pins would hold only on the CPU that made them:
+    other kernels round a loss differently by ~1e-6 relative. In float64 that rounding is ~1e-15, so rel=1e-9 holds
+    on any CPU while any change to what the step computes (a dropped term, another draw) moves a loss far more."""
+    before = {"albef": {"itc_loss": 7.429577303703006, "itm_loss": 0.7039978089075286,
+                        "mlm_loss": 10.330845059746215, "rng": 1178333580},
+              "grit": {"itc_loss": 1.924943246640225, "itc_consistency_loss": 0.23765487371963276,
+                       "itm_loss": 0.7090308027714564, "mlm_loss": 10.32698877891492, "rng": 642412254}}
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        for preset, want in before.items():
+            cfg = cfg_for(preset)
+            assert not cfg.data.masked_text_all and cfg.loss.softmask_itm == 0
+            model = model_for(cfg).train()
+            torch.manual_seed(1)
+            g = torch.Generator().manual_seed(3)
+            out = run_step(model, make_batch(CAPTIONS), cfg, g)
+            assert int(torch.randint(0, 2**31, (1,), generator=g)) == want["rng"]  # the same draws, in order
+            for k, v in want.items():
+                if k != "rng":
+                    assert out[k].dtype == torch.float64
+                    assert float(out[k].detach()) == pytest.approx(v, rel=1e-9), (preset, k)
+    finally:
+        torch.set_default_dtype(dtype)
 
 
 def test_masked_text_all_encodes_the_masked_caption_once(monkeypatch):

@@ -192,7 +192,7 @@ def test_resume_with_another_config_names_the_keys(shards, trained, tmp_path):
 
 
 def test_a_checkpoint_older_than_the_fidelity_keys_still_resumes(shards, trained, tmp_path):
-    """Keys added later (the fidelity options) are absent from older checkpoints: they count as their former behaviour."""
+    """Keys added later (fidelity options) are absent from older checkpoints: they count as their former behaviour."""
     out = tmp_path / "old"
     out.mkdir()
     ckpt = torch.load(trained / "last.pt", weights_only=True)

@@ -1,6 +1,7 @@
 """A vltrain checkpoint's ITC encoders as the encoder object `vlprep embed` and `vlprep pseudolabel` take.
 
-vlprep's stages never import vltrain (data flows one way, vlprep -> shards -> vltrain): its CLI builds a `CheckpointEncoder` and hands it over.
+vlprep's stages never import vltrain (data flows one way, vlprep -> shards -> vltrain): its CLI builds a
+`CheckpointEncoder` and hands it over.
 The object has what vlprep.embed documents as an encoder: `.dim`, `.texts()`, `.images()`, the preprocessing the
 model was trained with (`.image_size`, `.min_crop_scale`), and what identifies the weights (`.name`,
 `.fingerprint`). It pickles as (path, device), so each worker of vlprep's engine loads the model itself: weights

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 # probabilities the contrastive losses live on. float64 stays float64 so the tests can gradcheck.
 
 
-def _f32(x: torch.Tensor) -> torch.Tensor:
-    """Upcast float16/bfloat16 to float32, keep float32/float64: (...) -> (...)."""
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """Upcast float16/bfloat16 to float32, keep float32/float64 (a float64 test stays float64): (...) -> (...)."""
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
@@ -32,7 +32,7 @@ def _diag(x: torch.Tensor) -> torch.Tensor:
 def _soft_xent(logits: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor:
     """Row-mean of -sum(targets * log_softmax(logits)); None = one-hot on the diagonal: (B, C) -> ()."""
     _check_itc(logits)
-    logp = _f32(logits).log_softmax(dim=-1)
+    logp = upcast(logits).log_softmax(dim=-1)
     if targets is None:
         return -_diag(logp).mean()
     if targets.shape != logits.shape:
@@ -82,7 +82,7 @@ def itc_loss(logits_i2t: torch.Tensor, logits_t2i: torch.Tensor,
 def distill_targets(logits_m: torch.Tensor, alpha: float, hard: torch.Tensor | None = None) -> torch.Tensor:
     """ALBEF targets alpha*softmax(logits_m) + (1-alpha)*hard, hard = one-hot(i) by default: (B, B+Q) -> (B, B+Q)."""
     _check_itc(logits_m)
-    p = _f32(logits_m.detach()).softmax(dim=-1)
+    p = upcast(logits_m.detach()).softmax(dim=-1)
     if hard is None:
         hard = torch.zeros_like(p)
         idx = torch.arange(p.shape[0], device=p.device)
@@ -95,7 +95,7 @@ def distill_targets(logits_m: torch.Tensor, alpha: float, hard: torch.Tensor | N
 def _focal_row_mean(logits: torch.Tensor, gamma: float) -> torch.Tensor:
     """Row-mean of -(1 - p_ii)^gamma * log p_ii: (B, B+Q) -> ()."""
     _check_itc(logits)
-    logp_pos = _diag(_f32(logits).log_softmax(dim=-1))
+    logp_pos = _diag(upcast(logits).log_softmax(dim=-1))
     # The modulating factor keeps its gradient, as in the original focal loss (Lin et al.).
     return -((1 - logp_pos.exp()) ** gamma * logp_pos).mean()
 
@@ -117,8 +117,8 @@ def itc_consistency_loss(logits_i2t: torch.Tensor, logits_t2i: torch.Tensor, in_
     _check_itc(logits_i2t)
     _check_itc(logits_t2i)
     b = logits_i2t.shape[0] if in_batch is None else in_batch
-    logp_i2t = _f32(logits_i2t[:, :b]).log_softmax(dim=-1)
-    logp_t2i = _f32(logits_t2i[:, :b]).log_softmax(dim=-1)
+    logp_i2t = upcast(logits_i2t[:, :b]).log_softmax(dim=-1)
+    logp_t2i = upcast(logits_t2i[:, :b]).log_softmax(dim=-1)
     tgt_i2t, tgt_t2i = logp_i2t.detach(), logp_t2i.detach()
     kl_i2t_to_t2i = (tgt_i2t.exp() * (tgt_i2t - logp_t2i)).sum(dim=-1)
     kl_t2i_to_i2t = (tgt_t2i.exp() * (tgt_t2i - logp_i2t)).sum(dim=-1)
@@ -133,7 +133,7 @@ def _hard_negative_weights_1(logits: torch.Tensor, exclude: torch.Tensor | None,
     width = b if width is None else width
     if not b <= width <= logits.shape[1]:
         raise ValueError(f"width {width} must lie between the batch {b} and the logits' {logits.shape[1]} columns")
-    w = _f32(logits[:, :width].detach()).softmax(dim=-1)
+    w = upcast(logits[:, :width].detach()).softmax(dim=-1)
     allowed = ~torch.eye(b, width, dtype=torch.bool, device=w.device)
     if exclude is not None:
         allowed &= ~exclude.bool()
@@ -160,7 +160,7 @@ def hardest_negatives(weights: torch.Tensor) -> torch.Tensor:
     """GRIT-VLP's top-1: per row the argmax over off-diagonal weights, ties to the lowest index: (B, W) -> (B,) long
     (W >= B columns, row i's positive at column i)."""
     b, width = _negative_weights_shape(weights)
-    w = _f32(weights.detach()).nan_to_num(nan=-math.inf)
+    w = upcast(weights.detach()).nan_to_num(nan=-math.inf)
     diag = torch.eye(b, width, dtype=torch.bool, device=w.device)
     w = w.masked_fill(diag, -math.inf)
     # Explicit lowest-index tie-break rather than relying on argmax's (device-dependent in older torch) choice.
@@ -185,7 +185,7 @@ def sample_hard_negatives(weights: torch.Tensor, generator: torch.Generator | No
     row i's positive at column i)."""
     b, width = _negative_weights_shape(weights)
     # Re-mask so that weights from anywhere (not only hard_negative_weights) can never yield the positive.
-    w = _f32(weights.detach()).masked_fill(torch.eye(b, width, dtype=torch.bool, device=weights.device), 0.0)
+    w = upcast(weights.detach()).masked_fill(torch.eye(b, width, dtype=torch.bool, device=weights.device), 0.0)
     if not bool((w >= 0).all() & (w.sum(dim=-1) > 0).all()):
         raise ValueError("every row of weights needs a positive off-diagonal entry and no negative ones")
     return torch.multinomial(w, 1, generator=generator).squeeze(1)
@@ -193,13 +193,13 @@ def sample_hard_negatives(weights: torch.Tensor, generator: torch.Generator | No
 
 def itm_loss(itm_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Cross-entropy over B positives and 2B hard negatives (label 1 = match): (3B, 2), (3B,) -> ()."""
-    return F.cross_entropy(_f32(itm_logits), labels)
+    return F.cross_entropy(upcast(itm_logits), labels)
 
 
 def softmask_itm_loss(masked_itm_logits: torch.Tensor) -> torch.Tensor:
     """SoftMask++ eq. 12: positive pairs with soft-masked image tokens are still matches: (B, 2) -> () CE, label 1."""
     labels = torch.ones(masked_itm_logits.shape[0], dtype=torch.long, device=masked_itm_logits.device)
-    return F.cross_entropy(_f32(masked_itm_logits), labels)
+    return F.cross_entropy(upcast(masked_itm_logits), labels)
 
 
 def mlm_mask(input_ids: torch.Tensor, prob: float, special_ids: Iterable[int], mask_id: int, vocab_size: int,
@@ -229,9 +229,9 @@ def mlm_loss(logits: torch.Tensor, labels: torch.Tensor, soft_targets: torch.Ten
     picked = labels != -100
     if not bool(picked.any()):
         # Keep the graph connected so a step with nothing masked can still call backward().
-        return _f32(logits).sum() * 0.0
+        return upcast(logits).sum() * 0.0
     # Softmax over V only at masked positions: (N, V) instead of (B, L, V) in float32.
-    logp = _f32(logits[picked]).log_softmax(dim=-1)
+    logp = upcast(logits[picked]).log_softmax(dim=-1)
     ce = -logp.gather(1, labels[picked].unsqueeze(1)).squeeze(1).mean()
     if soft_targets is None or alpha == 0:
         return ce
@@ -241,9 +241,9 @@ def mlm_loss(logits: torch.Tensor, labels: torch.Tensor, soft_targets: torch.Ten
 
 def tonics_ir_loss(scores: torch.Tensor) -> torch.Tensor:
     """TOnICS L_IR: mean_i -log softmax_j s(i, j) at j = i (caption i retrieves image i): (B, B) -> ()."""
-    return -_diag(_f32(scores).log_softmax(dim=1)).mean()
+    return -_diag(upcast(scores).log_softmax(dim=1)).mean()
 
 
 def tonics_tr_loss(scores: torch.Tensor) -> torch.Tensor:
     """TOnICS L_TR: mean_i -log softmax_j s(j, i) at j = i (image i retrieves caption i): (B, B) -> ()."""
-    return -_diag(_f32(scores).log_softmax(dim=0)).mean()
+    return -_diag(upcast(scores).log_softmax(dim=0)).mean()

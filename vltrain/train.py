@@ -40,7 +40,7 @@ from vltrain.evaluate import (distinct_positions, embed_split, heldout_r1, heldo
                               val_triplet_sim)
 from vltrain.losses import (dedupe_targets, distill_targets, focal_itc_loss, hard_negative_weights, hardest_negatives,
                             itc_consistency_loss, itc_logits, itc_loss, itm_loss, mlm_loss, mlm_mask,
-                            sample_hard_negatives, softmask_itm_loss, tonics_ir_loss, tonics_tr_loss)
+                            sample_hard_negatives, softmask_itm_loss, tonics_ir_loss, tonics_tr_loss, upcast)
 from vltrain.layers import noun_states
 from vltrain.model import autocast, build_model, image_stats, resolve_device, tokenizer_for
 from vltrain.samplers import GritSampler, TonicsBatchSampler, indexed_data, plot_curriculum
@@ -210,7 +210,7 @@ def train_step(model, batch: dict, w: LossConfig, generator: torch.Generator, to
         if distill:
             with torch.no_grad():
                 hidden_m = text_hidden_m if mlm_masked is not None else mom.encode_text(masked, mask)[0]
-                soft = mom.mlm_logits(mom.fuse(hidden_m, mask, image_tokens_m)[picked]).float().softmax(dim=-1)
+                soft = upcast(mom.mlm_logits(mom.fuse(hidden_m, mask, image_tokens_m)[picked])).softmax(dim=-1)
         losses["mlm_loss"] = mlm_loss(logits, labels[picked], soft, alpha if distill else 0.0)
 
     if w.tonics_ir > 0 or w.tonics_tr > 0:
@@ -265,7 +265,7 @@ def _softmask_itm(model, source: str, pos_logits: torch.Tensor, maps: list | Non
             # s+ = the positives' match probability summed over the batch; d s+ / dA for every fusion layer (the
             # rows past B, the negatives, get zeros). The maps are not parameters, so autograd.grad leaves every
             # .grad alone; retain_graph keeps the step's graph for the backward pass.
-            s_pos = pos_logits.float().softmax(dim=-1)[:, 1].sum()
+            s_pos = upcast(pos_logits).softmax(dim=-1)[:, 1].sum()
             grads = [g[:b].detach() for g in torch.autograd.grad(s_pos, maps, retain_graph=True)]
         maps = [a[:b].detach() for a in maps]
     m = masks_for(source, maps, grads, mask.bool(), image_tokens.shape[1], generator)
