@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 LOCK := requirements.lock
 PYTEST_ARGS ?=
 
-.PHONY: install apt lock test test-fast demo ablation learns clean
+.PHONY: install apt lock test test-fast test-kernels demo ablation learns clean
 
 # Reinstalls when pyproject.toml or the lock changes; pip moves a venv left at other versions to the locked ones.
 $(STAMP): pyproject.toml $(LOCK)
@@ -26,6 +26,12 @@ lock:
 
 test: apt install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+	PY=$(PY) bash scripts/test-kernels.sh
+
+# The numeric tests again with an older CPU's kernels (SSE4.1 instead of AVX): a test that holds only on the CPU it
+# was written on fails here too (about 1 minute; part of `make test`).
+test-kernels: install
+	PY=$(PY) bash scripts/test-kernels.sh
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
