@@ -138,3 +138,31 @@ def test_cli_user_errors_are_one_line(tmp_path):
                        capture_output=True, text=True, env=env)
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert "no caption column found" in r.stderr and "columns are: path, label" in r.stderr
+
+
+def lock_is_free(out) -> bool:
+    """Whether another writer could take OUT's lock now (flock conflicts across open files, even in one process)."""
+    import fcntl
+
+    fd = os.open(out / ".vlprep.lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def test_writing_output_holds_the_lock_and_releases_it_when_the_stage_raises(tmp_path):
+    from vlprep.dataset import writing_output
+
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="boom"):
+        with writing_output(out, "test", {"a": 1}):
+            assert not lock_is_free(out)  # a second writer is refused while the stage runs
+            raise RuntimeError("boom")
+    assert lock_is_free(out)  # and may write once the stage has failed, while this process goes on
+    with writing_output(out, "test", {"a": 1}):  # the same options resume in the same process
+        pass
+    assert lock_is_free(out)

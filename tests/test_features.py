@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import image_bytes
+from test_dataset import lock_is_free
 from vlprep import VlprepError
 from vlprep.dataset import finish_dataset, iter_samples, iter_tar, open_dataset, to_rgb, write_shard
 from vlprep.encoders import (encoder_from_spec, eval_pixels, eval_view, features_spec, load_token_encoder,
@@ -167,6 +168,7 @@ def test_a_run_cut_inside_a_shard_resumes_to_the_same_bytes(raw, packaged, tmp_p
     again = tmp_path / "again"
     with pytest.raises(KeyboardInterrupt):
         run(raw, again)
+    assert lock_is_free(again)  # the interrupted stage let go of OUT
     assert calls[:2] == [4, 1] and (again / "shard-000000.tar").exists()
     assert not (again / "shard-000001.tar").exists()
     monkeypatch.setattr(features_mod, "_encode", real)

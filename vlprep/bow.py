@@ -37,8 +37,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from vlprep import VlprepError
-from vlprep.dataset import (carried_features, finish_dataset, iter_aligned, open_derived, prepare_output,
-                            release_output, sidecar_name, write_json_atomic, write_shard)
+from vlprep.dataset import (carried_features, finish_dataset, iter_aligned, open_derived, sidecar_name,
+                            write_json_atomic, write_shard, writing_output)
 from vlprep.engine import Work, check_engine, default_workers, map_shards
 from vlprep.text import stop_words, tokenize, words
 
@@ -496,56 +496,55 @@ def bow(cfg: BowConfig, progress=None, warn: Callable[[str], None] = lambda line
                           "raise --base-frac")
     options = {k: v for k, v in asdict(cfg).items() if k not in ("src", "out", "workers", "distributor", "overwrite", "skip_bad_shards")}
     options["src"] = str(ds.root.resolve())
-    prepare_output(out, "bow", options, cfg.overwrite)
-    for line in emptying_warnings(cascade, ctx):  # before the long pass, so the user can stop it
-        warn(line)
+    with writing_output(out, "bow", options, cfg.overwrite):
+        for line in emptying_warnings(cascade, ctx):  # before the long pass, so the user can stop it
+            warn(line)
 
-    spec = ",".join(s.label for s in cascade)
-    fps = shard_fingerprints(ds, ctx)
-    plan = [Work(shard, (ds.root, shard), fps[shard], ds.sizes[shard]) for shard in ds.shards]
-    stats, resumed = map_shards(out, plan, bow_shard, init=_init_worker,
-                                initargs=(spec, ctx, cfg.seed, cfg.base_frac, cfg.deform_base), workers=cfg.workers,
-                                distributor=cfg.distributor, progress=progress, label="bow", total=ds.num_samples)
+        spec = ",".join(s.label for s in cascade)
+        fps = shard_fingerprints(ds, ctx)
+        plan = [Work(shard, (ds.root, shard), fps[shard], ds.sizes[shard]) for shard in ds.shards]
+        stats, resumed = map_shards(out, plan, bow_shard, init=_init_worker,
+                                    initargs=(spec, ctx, cfg.seed, cfg.base_frac, cfg.deform_base), workers=cfg.workers,
+                                    distributor=cfg.distributor, progress=progress, label="bow", total=ds.num_samples)
 
-    sizes = {s: stats[s]["written"] for s in ds.shards}
-    n_in, written = ds.num_samples, sum(sizes.values())
-    removed = [sum(stats[s]["removed"][i] for s in ds.shards) for i in range(len(cascade))]
-    deformed = sum(stats[s]["deformed"] for s in ds.shards)
-    dropped = sum(stats[s]["dropped_empty"] for s in ds.shards)
-    finish_dataset(out, sizes, {
-        "stage": "bow", "input": str(cfg.src), "options": options,
-        "counts": {"in": n_in, "written": written, "deformed": deformed, "dropped_empty": dropped},
-        **carried_features(cfg.src),
-    })
-    after_words, after_lengths = Counter(), Counter()
-    for shard in ds.shards:  # the 'after' statistics, from the sidecars just written
-        word_lists = list(map(words, pq.ParquetFile(out / sidecar_name(shard)).read(columns=["caption"])
-                              .column(0).to_pylist()))
-        after_words.update(chain.from_iterable(word_lists))
-        after_lengths.update(map(len, word_lists))
-    report = {
-        "stage": "bow", "source": str(cfg.src), "ops": spec, "base_frac": cfg.base_frac, "seed": cfg.seed,
-        "deform_base": cfg.deform_base, "samples_in": n_in, "base_samples": before["base"], "written": written,
-        "dropped_empty": dropped, "size_change_pct": round(100 * (written - n_in) / n_in, 2) if n_in else 0.0,
-        "deformed_fraction": round(deformed / written, 4) if written else 0.0,
-        "avg_words_before": _mean(before["lengths"]), "avg_words_after": _mean(after_lengths),
-        "vocab_before": len(before["words"]), "vocab_after": len(after_words),
-        "top_words_before": [[w_, n] for w_, n in before["words"].most_common(20)],
-        "top_words_after": [[w_, n] for w_, n in after_words.most_common(20)],
-        "tokens_removed": {s.label: n for s, n in zip(cascade, removed)},
-        "base_vocab_size": len(ctx.base_vocab), "rmtop_tokens": before["top"][:50],
-        "rmtop_ranked_after": _ranked_after(cascade),
-        "rmtop_candidates": None if _ranked_after(cascade) is None else before["ranked_tokens"],
-        "length_hist_before": _hist(before["lengths"]), "length_hist_after": _hist(after_lengths),
-        "shards": len(ds.shards), "shards_resumed": len(resumed), "bad_shards": ds.bad,
-        "elapsed_s": round(time.perf_counter() - t0, 3),
-        "warnings": emptying_warnings(cascade, ctx, deformed, dropped),
-    }
-    from vlprep.report import plot_bow
+        sizes = {s: stats[s]["written"] for s in ds.shards}
+        n_in, written = ds.num_samples, sum(sizes.values())
+        removed = [sum(stats[s]["removed"][i] for s in ds.shards) for i in range(len(cascade))]
+        deformed = sum(stats[s]["deformed"] for s in ds.shards)
+        dropped = sum(stats[s]["dropped_empty"] for s in ds.shards)
+        finish_dataset(out, sizes, {
+            "stage": "bow", "input": str(cfg.src), "options": options,
+            "counts": {"in": n_in, "written": written, "deformed": deformed, "dropped_empty": dropped},
+            **carried_features(cfg.src),
+        })
+        after_words, after_lengths = Counter(), Counter()
+        for shard in ds.shards:  # the 'after' statistics, from the sidecars just written
+            word_lists = list(map(words, pq.ParquetFile(out / sidecar_name(shard)).read(columns=["caption"])
+                                  .column(0).to_pylist()))
+            after_words.update(chain.from_iterable(word_lists))
+            after_lengths.update(map(len, word_lists))
+        report = {
+            "stage": "bow", "source": str(cfg.src), "ops": spec, "base_frac": cfg.base_frac, "seed": cfg.seed,
+            "deform_base": cfg.deform_base, "samples_in": n_in, "base_samples": before["base"], "written": written,
+            "dropped_empty": dropped, "size_change_pct": round(100 * (written - n_in) / n_in, 2) if n_in else 0.0,
+            "deformed_fraction": round(deformed / written, 4) if written else 0.0,
+            "avg_words_before": _mean(before["lengths"]), "avg_words_after": _mean(after_lengths),
+            "vocab_before": len(before["words"]), "vocab_after": len(after_words),
+            "top_words_before": [[w_, n] for w_, n in before["words"].most_common(20)],
+            "top_words_after": [[w_, n] for w_, n in after_words.most_common(20)],
+            "tokens_removed": {s.label: n for s, n in zip(cascade, removed)},
+            "base_vocab_size": len(ctx.base_vocab), "rmtop_tokens": before["top"][:50],
+            "rmtop_ranked_after": _ranked_after(cascade),
+            "rmtop_candidates": None if _ranked_after(cascade) is None else before["ranked_tokens"],
+            "length_hist_before": _hist(before["lengths"]), "length_hist_after": _hist(after_lengths),
+            "shards": len(ds.shards), "shards_resumed": len(resumed), "bad_shards": ds.bad,
+            "elapsed_s": round(time.perf_counter() - t0, 3),
+            "warnings": emptying_warnings(cascade, ctx, deformed, dropped),
+        }
+        from vlprep.report import plot_bow
 
-    report["plots"] = plot_bow(out, before["words"], after_words, before["lengths"], after_lengths)
-    write_json_atomic(out / "report.json", report)
-    release_output(out)
+        report["plots"] = plot_bow(out, before["words"], after_words, before["lengths"], after_lengths)
+        write_json_atomic(out / "report.json", report)
     return report
 
 

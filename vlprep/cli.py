@@ -56,6 +56,33 @@ def engine(cfg, workers: int | None, distributor: str):
     return cfg
 
 
+def run_stage(cfg, workers: int | None, distributor: str, stage, printer, out: Path, wrote: str = "",
+              empty: str = "", report_console: Console | None = None, early_warnings: bool = False,
+              encoder=None) -> dict:
+    """What every stage command does once its config is built: the engine options, the stage under a progress bar
+    (with the encoder, for embed and pseudolabel), its report table, its warnings (each once, whether the stage
+    said it early through `warn` or only in the report), a warning when nothing was written, and "wrote OUT/"."""
+    engine(cfg, workers, distributor)
+    said = []
+
+    def warn(line: str) -> None:
+        said.append(line)
+        console.print("warning: " + line, style="yellow", highlight=False, markup=False)
+
+    args = (cfg,) if encoder is None else (cfg, encoder)
+    with progress_bar() as progress:
+        report = stage(*args, progress=progress, **({"warn": warn} if early_warnings else {}))
+    printer(report, report_console or console)
+    warn_report(report)
+    for line in report.get("warnings", []):
+        if line not in said:
+            warn(line)
+    if empty and report.get("written") == 0:
+        console.print(f"[yellow]warning:[/] {empty}")
+    console.print(f"wrote {out}/" + (f" ({wrote})" if wrote else ""), highlight=False)
+    return report
+
+
 def checkpoint_encoder(checkpoint: Path, device: str):
     """The one place vlprep brings in vltrain: a checkpoint's encoders as the object embed and pseudolabel take."""
     from vltrain.encode import CheckpointEncoder
@@ -113,14 +140,8 @@ def shards(
     cfg = ShardsConfig(src=src, out=out, samples_per_shard=samples_per_shard, resize=resize, format=format,
                        quality=quality, prefix=prefix, image_col=image_col, caption_col=caption_col,
                        uid_col=uid_col, decode_check=decode_check, overwrite=overwrite)
-    engine(cfg, workers, distributor)
-    with progress_bar() as progress:
-        report = build_shards(cfg, progress=progress)
-    print_shards_report(report, console)
-    warn_report(report)
-    if report["written"] == 0:
-        console.print("[yellow]warning:[/] no sample was written; the skip reasons above say why")
-    console.print(f"wrote {out}/ (report.json has the skip counts)", highlight=False)
+    run_stage(cfg, workers, distributor, build_shards, print_shards_report, out, "report.json has the skip counts",
+              empty="no sample was written; the skip reasons above say why")
 
 
 @app.command()
@@ -143,21 +164,8 @@ def bow(
 
     cfg = BowConfig(src=src, out=out, ops=ops, base_frac=base_frac, seed=seed, deform_base=deform_base,
                     overwrite=overwrite, skip_bad_shards=skip_bad_shards)
-    engine(cfg, workers, distributor)
-    said = []
-
-    def warn(line: str) -> None:
-        said.append(line)
-        console.print("warning: " + line, style="yellow", highlight=False, markup=False)
-
-    with progress_bar() as progress:
-        report = run_bow(cfg, progress=progress, warn=warn)
-    print_bow_report(report, console)
-    warn_report(report)
-    for line in report["warnings"]:
-        if line not in said:
-            warn(line)
-    console.print(f"wrote {out}/ (report.json has every figure)", highlight=False)
+    run_stage(cfg, workers, distributor, run_bow, print_bow_report, out, "report.json has every figure",
+              early_warnings=True)
 
 
 @app.command()
@@ -184,12 +192,7 @@ def detect(
     cfg = DetectConfig(src=src, out=out, backend=backend, weights=weights, from_file=from_file, min_score=min_score,
                        batch_size=batch_size, device=device, overwrite=overwrite,
                        skip_bad_shards=skip_bad_shards)
-    engine(cfg, workers, distributor)
-    with progress_bar() as progress:
-        report = run_detect(cfg, progress=progress)
-    print_detect_report(report, console)
-    warn_report(report)
-    console.print(f"wrote {out}/", highlight=False)
+    run_stage(cfg, workers, distributor, run_detect, print_detect_report, out)
 
 
 @app.command()
@@ -218,21 +221,16 @@ def features(
     overwrite: bool = typer.Option(False, help="Replace the vlprep files in a non-empty OUT written otherwise."),
 ) -> None:
     """Cache a frozen image encoder's tokens as an npy member of every sample (fast training on a CPU)."""
-    from vlprep.features import FeaturesConfig, features as run_features, print_features_report
+    from vlprep.features import FeaturesConfig, features as run_features
+    from vlprep.report import print_features_report
 
     cfg = FeaturesConfig(src=src, out=out, image_model=image_model, weights=weights, size=size, dtype=dtype,
                          batch_size=batch_size, device=device, overwrite=overwrite,
                          skip_bad_shards=skip_bad_shards)
     if decode_threads is not None:
         cfg.decode_threads = decode_threads
-    engine(cfg, workers, distributor)
-    with progress_bar() as progress:
-        report = run_features(cfg, progress=progress)
-    print_features_report(report, console)
-    warn_report(report)
-    if report["written"] == 0:
-        console.print("[yellow]warning:[/] no sample was written; the skip reasons above say why")
-    console.print(f"wrote {out}/ (report.json has every figure)", highlight=False)
+    run_stage(cfg, workers, distributor, run_features, print_features_report, out, "report.json has every figure",
+              empty="no sample was written; the skip reasons above say why")
 
 
 @app.command()
@@ -258,12 +256,8 @@ def ontology(
     cfg = OntologyConfig(src=src, out=out, min_instances=min_instances, min_cooccur=min_cooccur, min_score=min_score,
                          overrides=overrides, triplets=triplets, overwrite=overwrite,
                          skip_bad_shards=skip_bad_shards)
-    engine(cfg, workers, distributor)
-    with progress_bar() as progress:
-        report = run_ontology(cfg, progress=progress)
-    print_ontology_report(report, Console(emoji=False))
-    warn_report(report)
-    console.print(f"wrote {out}/ (ontology.json, triplets.parquet, report.json, pmi_heatmap.png)", highlight=False)
+    run_stage(cfg, workers, distributor, run_ontology, print_ontology_report, out,
+              "ontology.json, triplets.parquet, report.json, pmi_heatmap.png", report_console=Console(emoji=False))
 
 
 @app.command()
@@ -290,13 +284,8 @@ def embed(
 
     cfg = EmbedConfig(src=dataset, out=out, modality=modality, batch_size=batch_size, deformed=deformed,
                       gpu=device == "cuda", overwrite=overwrite, skip_bad_shards=skip_bad_shards)
-    engine(cfg, workers, distributor)
-    enc = checkpoint_encoder(checkpoint, device)
-    with progress_bar() as progress:
-        report = run_embed(cfg, enc, progress=progress)
-    print_embed_report(report, console)
-    warn_report(report)
-    console.print(f"wrote {out}/", highlight=False)
+    run_stage(cfg, workers, distributor, run_embed, print_embed_report, out,
+              encoder=checkpoint_encoder(checkpoint, device))
 
 
 @app.command()
@@ -332,17 +321,9 @@ def pseudolabel(
     cfg = PseudolabelConfig(aligned=aligned, unaligned=unaligned, out=out, strategy=strategy, k=k, crops=crops,
                             words=words, rmtop=rmtop, index=index, nprobe=nprobe, seed=seed, batch_size=batch_size,
                             device=device, overwrite=overwrite, skip_bad_shards=skip_bad_shards)
-    engine(cfg, workers, distributor)
-    enc = checkpoint_encoder(checkpoint, device)
-    with progress_bar() as progress:
-        report = run_pseudolabel(cfg, enc, progress=progress)
-    print_pseudolabel_report(report, Console(emoji=False))
-    warn_report(report)
-    for line in report["warnings"]:
-        console.print("warning: " + line, style="yellow", highlight=False, markup=False)
-    if report["written"] == 0:
-        console.print("[yellow]warning:[/] no image got a pseudo-caption; the counts above say why")
-    console.print(f"wrote {out}/ (report.json has every figure)", highlight=False)
+    run_stage(cfg, workers, distributor, run_pseudolabel, print_pseudolabel_report, out,
+              "report.json has every figure", empty="no image got a pseudo-caption; the counts above say why",
+              report_console=Console(emoji=False), encoder=checkpoint_encoder(checkpoint, device))
 
 
 @app.command()

@@ -5,6 +5,8 @@ so the rules of docs/FORMAT.md live in one place.
 """
 
 import io
+import contextlib
+import hashlib
 import json
 import os
 import re
@@ -65,6 +67,11 @@ class Dataset:
 
     def sidecar(self, shard: str) -> Path:
         return self.root / sidecar_name(shard)
+
+    def fingerprint(self, shard: str, salt: bytes = b"") -> str:
+        """What a derived stage's output shard depends on: its input sidecar (keys, captions, stage columns) and
+        `salt`, the stage's options and models; `map_shards` redoes a shard whose fingerprint changed."""
+        return hashlib.blake2b(salt + self.sidecar(shard).read_bytes(), digest_size=16).hexdigest()
 
 
 def sidecar_name(shard: str) -> str:
@@ -586,6 +593,17 @@ def prepare_output(root: Path, stage: str, options: dict, overwrite: bool = Fals
     for p in root.glob("*.tmp"):
         p.unlink()  # half-written shards of an interrupted run: safe to remove only while holding the lock
     write_json_atomic(marker, run)
+
+
+@contextlib.contextmanager
+def writing_output(root: Path, stage: str, options: dict, overwrite: bool = False) -> Iterator[Path]:
+    """`prepare_output`, the body, then `release_output`, also when the body raises: a library user's process
+    goes on after an error, and another process may then write OUT."""
+    prepare_output(root, stage, options, overwrite)
+    try:
+        yield root
+    finally:
+        release_output(root)
 
 
 def remove_extra_shards(root: Path, prefix: str, keep: set[str]) -> None:

@@ -27,8 +27,7 @@ from PIL import Image
 
 from vlprep import VlprepError
 from vlprep.dataset import (batches, carried_features, decode_sample, finish_dataset, image_ext, iter_aligned,
-                            open_derived, prepare_output, release_output, sidecar_name, to_rgb, write_json_atomic,
-                            write_shard)
+                            open_derived, sidecar_name, to_rgb, write_json_atomic, write_shard, writing_output)
 from vlprep.engine import Work, check_engine, map_shards
 
 OBJECT_TYPE = pa.list_(pa.struct([("label", pa.string()), ("score", pa.float32()), ("box", pa.list_(pa.float32()))]))
@@ -263,41 +262,41 @@ def detect(cfg: DetectConfig, progress=None) -> dict:
                if k not in ("src", "out", "overwrite", "batch_size", "device", "workers", "distributor",
                             "skip_bad_shards")}
     options["src"] = str(ds.root.resolve())
-    prepare_output(out, "detect", options, cfg.overwrite)
-    salt = json.dumps({"backend": backend, "min_score": cfg.min_score}).encode()
-    if cfg.from_file is not None:
-        salt += hashlib.blake2b(Path(cfg.from_file).read_bytes(), digest_size=16).digest()
-    plan = []
-    for shard in ds.shards:
-        fp = hashlib.blake2b(salt + ds.sidecar(shard).read_bytes(), digest_size=16).hexdigest()
-        # Imported detections travel per shard (metadata, never image bytes); a detector sees only paths.
-        mine = None if imported is None else {k: imported[k] for k in keys[shard] if k in imported}
-        plan.append(Work(shard, (ds.root, shard, mine, cfg.min_score, cfg.batch_size), fp, ds.sizes[shard]))
-    t_work = time.perf_counter()
-    stats, resumed = map_shards(out, plan, detect_shard, init=_init_worker,
-                                initargs=(None if imported is not None else cfg.backend, cfg.weights, cfg.device),
-                                workers=cfg.workers, distributor=cfg.distributor, progress=progress, label="detect",
-                                total=ds.num_samples, start="spawn", gpu=cfg.device == "cuda")
-    processed = sum(ds.sizes[s] for s in ds.shards if s not in resumed)
-    total = Counter()
-    for st in stats.values():
-        total.update({k: v for k, v in st.items() if isinstance(v, int)})
-    sizes = {s: stats[s]["written"] for s in ds.shards}
-    labels = Counter()
-    for shard in ds.shards:
-        for objs in pq.read_table(out / sidecar_name(shard), columns=["objects"]).column(0).to_pylist():
-            labels.update({o["label"] for o in objs})
-    finish_dataset(out, sizes, {"stage": "detect", "input": str(cfg.src), "backend": backend, "options": options,
-                                "counts": {"in": total["in"], "written": total["written"]},
-                                **carried_features(cfg.src)})
-    elapsed = time.perf_counter() - t0
-    report = {
-        "stage": "detect", "source": str(cfg.src), "backend": backend, "min_score": cfg.min_score,
-        "samples": total["written"], "with_objects": total["with_objects"], "objects": total["objects"],
-        "undecodable": total["undecodable"], "images_per_label": dict(labels.most_common()),
-        "shards": len(ds.shards), "shards_resumed": len(resumed), "bad_shards": ds.bad, "elapsed_s": round(elapsed, 3),
-        "images_per_s": round(processed / (time.perf_counter() - t_work), 2) if processed else None,
-    }
-    write_json_atomic(out / "report.json", report)
-    release_output(out)
+    with writing_output(out, "detect", options, cfg.overwrite):
+        salt = json.dumps({"backend": backend, "min_score": cfg.min_score}).encode()
+        if cfg.from_file is not None:
+            salt += hashlib.blake2b(Path(cfg.from_file).read_bytes(), digest_size=16).digest()
+        plan = []
+        for shard in ds.shards:
+            fp = ds.fingerprint(shard, salt)
+            # Imported detections travel per shard (metadata, never image bytes); a detector sees only paths.
+            mine = None if imported is None else {k: imported[k] for k in keys[shard] if k in imported}
+            plan.append(Work(shard, (ds.root, shard, mine, cfg.min_score, cfg.batch_size), fp, ds.sizes[shard]))
+        t_work = time.perf_counter()
+        stats, resumed = map_shards(out, plan, detect_shard, init=_init_worker,
+                                    initargs=(None if imported is not None else cfg.backend, cfg.weights, cfg.device),
+                                    workers=cfg.workers, distributor=cfg.distributor, progress=progress, label="detect",
+                                    total=ds.num_samples, start="spawn", gpu=cfg.device == "cuda")
+        processed = sum(ds.sizes[s] for s in ds.shards if s not in resumed)
+        total = Counter()
+        for st in stats.values():
+            total.update({k: v for k, v in st.items() if isinstance(v, int)})
+        sizes = {s: stats[s]["written"] for s in ds.shards}
+        labels = Counter()
+        for shard in ds.shards:
+            for objs in pq.read_table(out / sidecar_name(shard), columns=["objects"]).column(0).to_pylist():
+                labels.update({o["label"] for o in objs})
+        finish_dataset(out, sizes, {"stage": "detect", "input": str(cfg.src), "backend": backend, "options": options,
+                                    "counts": {"in": total["in"], "written": total["written"]},
+                                    **carried_features(cfg.src)})
+        elapsed = time.perf_counter() - t0
+        report = {
+            "stage": "detect", "source": str(cfg.src), "backend": backend, "min_score": cfg.min_score,
+            "samples": total["written"], "with_objects": total["with_objects"], "objects": total["objects"],
+            "undecodable": total["undecodable"], "images_per_label": dict(labels.most_common()),
+            "shards": len(ds.shards), "shards_resumed": len(resumed), "bad_shards": ds.bad,
+            "elapsed_s": round(elapsed, 3),
+            "images_per_s": round(processed / (time.perf_counter() - t_work), 2) if processed else None,
+        }
+        write_json_atomic(out / "report.json", report)
     return report

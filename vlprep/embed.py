@@ -33,9 +33,9 @@ import pyarrow.parquet as pq
 import torch
 
 from vlprep import VlprepError
-from vlprep.dataset import (batches, image_ext, iter_aligned, open_derived, prepare_output, release_output,
-                            sidecar_name, to_rgb, write_json_atomic)
-from vlprep.engine import Work, check_engine, map_shards
+from vlprep.dataset import (batches, image_ext, iter_aligned, open_derived, sidecar_name, to_rgb,
+                            write_json_atomic, writing_output)
+from vlprep.engine import Work, check_engine, map_shards, merged_skips
 
 MODALITIES = ("image", "text")
 
@@ -181,48 +181,45 @@ def embed(cfg: EmbedConfig, enc, progress=None) -> dict:
     t0 = time.perf_counter()
     ds, out = open_derived(cfg.src, cfg.out, cfg.skip_bad_shards)
     options = {"src": str(ds.root.resolve()), "encoder": enc.name, "modality": cfg.modality, "deformed": cfg.deformed}
-    prepare_output(out, "embed", options, cfg.overwrite)
-    for name in ("embeddings.npy", "keys.parquet"):  # a stale pair must not outlive a failed run
-        (out / name).unlink(missing_ok=True)
-    (out / "_parts").mkdir(exist_ok=True)
-    salt = f"{enc.fingerprint}:{cfg.modality}:{cfg.deformed}:{cfg.batch_size}".encode()
-    plan = [Work(s, (ds.root, s, cfg.modality, cfg.deformed, cfg.batch_size),
-                 hashlib.blake2b(salt + ds.sidecar(s).read_bytes(), digest_size=16).hexdigest(), ds.sizes[s])
-            for s in ds.shards]
-    stats, resumed = map_shards(out, plan, embed_shard, init=_init_worker, initargs=(enc,), workers=cfg.workers,
-                                distributor=cfg.distributor, progress=progress, label=f"embed {cfg.modality}",
-                                total=ds.num_samples, start="spawn", gpu=cfg.gpu, done=_part_done)
+    with writing_output(out, "embed", options, cfg.overwrite):
+        for name in ("embeddings.npy", "keys.parquet"):  # a stale pair must not outlive a failed run
+            (out / name).unlink(missing_ok=True)
+        (out / "_parts").mkdir(exist_ok=True)
+        salt = f"{enc.fingerprint}:{cfg.modality}:{cfg.deformed}:{cfg.batch_size}".encode()
+        plan = [Work(s, (ds.root, s, cfg.modality, cfg.deformed, cfg.batch_size),
+                     ds.fingerprint(s, salt), ds.sizes[s])
+                for s in ds.shards]
+        stats, resumed = map_shards(out, plan, embed_shard, init=_init_worker, initargs=(enc,), workers=cfg.workers,
+                                    distributor=cfg.distributor, progress=progress, label=f"embed {cfg.modality}",
+                                    total=ds.num_samples, start="spawn", gpu=cfg.gpu, done=_part_done)
 
-    # --- join the parts in shard order (a memmap: memory stays at one part whatever N is)
-    n = sum(st["written"] for st in stats.values())
-    tmp = out / "embeddings.npy.tmp"
-    arr = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(n, enc.dim))
-    tables, row = [], 0
-    for shard in ds.shards:
-        x = np.load(_part(out, shard).with_suffix(".npy"))
-        arr[row:row + len(x)] = x
-        row += len(x)
-        tables.append(pq.read_table(_part(out, shard)).replace_schema_metadata(None))
-    arr.flush()
-    del arr  # closes the memmap
-    table = pa.concat_tables(tables) if tables else pa.table({"key": pa.array([], pa.string())})
-    pq.write_table(table, out / "keys.parquet.tmp")
-    os.replace(out / "keys.parquet.tmp", out / "keys.parquet")
-    os.replace(tmp, out / "embeddings.npy")
-    skipped = Counter()
-    for st in stats.values():
-        skipped.update(st["skipped"])
-    elapsed = time.perf_counter() - t0
-    report = {"stage": "embed", "source": str(cfg.src), "encoder": enc.name, "modality": cfg.modality,
-              "dim": enc.dim, "samples_in": ds.num_samples, "written": n, "skipped": dict(skipped),
-              "device": str(enc.device), "shards": len(ds.shards), "shards_resumed": len(resumed),
-              "bad_shards": ds.bad, "elapsed_s": round(elapsed, 3),
-              "per_s": round(n / elapsed, 2) if elapsed > 0 else None,
-              "outputs": [str(out / "embeddings.npy"), str(out / "keys.parquet")]}
-    write_json_atomic(out / "meta.json", {"stage": "embed", "options": options, "dim": enc.dim, "count": n,
-                                          "encoder": enc.info})
-    write_json_atomic(out / "report.json", report)
-    release_output(out)
+        # --- join the parts in shard order (a memmap: memory stays at one part whatever N is)
+        n = sum(st["written"] for st in stats.values())
+        tmp = out / "embeddings.npy.tmp"
+        arr = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(n, enc.dim))
+        tables, row = [], 0
+        for shard in ds.shards:
+            x = np.load(_part(out, shard).with_suffix(".npy"))
+            arr[row:row + len(x)] = x
+            row += len(x)
+            tables.append(pq.read_table(_part(out, shard)).replace_schema_metadata(None))
+        arr.flush()
+        del arr  # closes the memmap
+        table = pa.concat_tables(tables) if tables else pa.table({"key": pa.array([], pa.string())})
+        pq.write_table(table, out / "keys.parquet.tmp")
+        os.replace(out / "keys.parquet.tmp", out / "keys.parquet")
+        os.replace(tmp, out / "embeddings.npy")
+        skipped, _ = merged_skips(stats.values())
+        elapsed = time.perf_counter() - t0
+        report = {"stage": "embed", "source": str(cfg.src), "encoder": enc.name, "modality": cfg.modality,
+                  "dim": enc.dim, "samples_in": ds.num_samples, "written": n, "skipped": dict(skipped),
+                  "device": str(enc.device), "shards": len(ds.shards), "shards_resumed": len(resumed),
+                  "bad_shards": ds.bad, "elapsed_s": round(elapsed, 3),
+                  "per_s": round(n / elapsed, 2) if elapsed > 0 else None,
+                  "outputs": [str(out / "embeddings.npy"), str(out / "keys.parquet")]}
+        write_json_atomic(out / "meta.json", {"stage": "embed", "options": options, "dim": enc.dim, "count": n,
+                                              "encoder": enc.info})
+        write_json_atomic(out / "report.json", report)
     return report
 
 

@@ -18,6 +18,7 @@ they are byte-identical for any distributor and worker count.
 
 import os
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from multiprocessing import get_context
@@ -228,3 +229,14 @@ def map_shards(out: Path, plan: Iterable[Work], fn: Callable[..., dict], *, init
         if own and ex is not None:
             ex.shutdown()
     return stats, resumed
+
+
+def merged_skips(stats: Iterable[dict], examples_key: str = "skipped_examples", limit: int = 5) -> tuple[Counter, dict]:
+    """Per-shard stats -> the skip counts by reason summed over the shards, and up to `limit` example keys per
+    reason, in shard order."""
+    skipped, examples = Counter(), {}
+    for st in stats:
+        skipped.update(st["skipped"])
+        for why, keys in st.get(examples_key, {}).items():
+            examples[why] = (examples.get(why, []) + list(keys))[:limit]
+    return skipped, examples

@@ -19,7 +19,6 @@ from a shard's decodable samples in order, so the same input gives the same byte
 """
 
 import contextlib
-import hashlib
 import io
 import json
 import os
@@ -34,11 +33,11 @@ import pyarrow.parquet as pq
 import torch
 
 from vlprep import VlprepError
-from vlprep.dataset import (batches, finish_dataset, iter_aligned, open_derived, prepare_output, release_output,
-                            sidecar_name, write_json_atomic, write_shard)
+from vlprep.dataset import (batches, finish_dataset, iter_aligned, open_derived, sidecar_name, write_json_atomic,
+                            write_shard, writing_output)
 from vlprep.embed import decode
 from vlprep.encoders import eval_view, load_token_encoder, normalise, resolve_device
-from vlprep.engine import Work, check_engine, map_shards
+from vlprep.engine import Work, check_engine, map_shards, merged_skips
 
 DTYPES = ("float16", "float32")
 MAX_EXAMPLES = 5
@@ -202,57 +201,33 @@ def _features(cfg: FeaturesConfig, progress) -> dict:
     spec = {**enc.spec, "dtype": cfg.dtype}
     options = {"image_model": cfg.image_model, "weights": spec["weights"], "size": spec["size"],
                "dtype": cfg.dtype, "batch_size": batch_size, "src": str(ds.root.resolve())}
-    prepare_output(out, "features", options, cfg.overwrite)
-    # A shard is redone when its input sidecar or anything that changes the tokens (weights bytes and the call
-    # shape included) differs.
-    salt = json.dumps({**spec, "batch_size": batch_size}, sort_keys=True).encode()
-    plan = [Work(s, (ds.root, s, cfg.dtype, batch_size),
-                 hashlib.blake2b(salt + ds.sidecar(s).read_bytes(), digest_size=16).hexdigest(), ds.sizes[s])
-            for s in ds.shards]
-    t_work = time.perf_counter()
-    stats, resumed = map_shards(out, plan, features_shard, init=_init_worker,
-                                initargs=initargs,
-                                workers=cfg.workers, distributor=cfg.distributor, progress=progress,
-                                label="features", total=ds.num_samples, start="spawn", gpu=cfg.device == "cuda")
-    processed = sum(ds.sizes[s] for s in ds.shards if s not in resumed)
-    work_s = time.perf_counter() - t_work
-    skipped, examples = Counter(), {}
-    for st in stats.values():
-        skipped.update(st["skipped"])
-        for why, keys in st["skipped_examples"].items():
-            examples[why] = (examples.get(why, []) + keys)[:MAX_EXAMPLES]
-    n_in, written = sum(st["in"] for st in stats.values()), sum(st["written"] for st in stats.values())
-    sizes = {s: stats[s]["written"] for s in ds.shards}
-    finish_dataset(out, sizes, {"stage": "features", "input": str(cfg.src), "options": options,
-                                "counts": {"in": n_in, "written": written}, "features": spec})
-    elapsed = time.perf_counter() - t0
-    report = {
-        "stage": "features", "source": str(cfg.src), "features": spec, "samples_in": n_in, "written": written,
-        "skipped": dict(sorted(skipped.items())), "skipped_examples": dict(sorted(examples.items())),
-        "npy_bytes": spec["tokens"] * spec["dim"] * np.dtype(cfg.dtype).itemsize, "device": str(device),
-        "shards": len(ds.shards), "shards_resumed": len(resumed), "bad_shards": ds.bad, "elapsed_s": round(elapsed, 3),
-        "images_per_s": round(processed / work_s, 2) if processed else None,
-    }
-    write_json_atomic(out / "report.json", report)
-    release_output(out)
+    with writing_output(out, "features", options, cfg.overwrite):
+        # A shard is redone when its input sidecar or anything that changes the tokens (weights bytes and the call
+        # shape included) differs.
+        salt = json.dumps({**spec, "batch_size": batch_size}, sort_keys=True).encode()
+        plan = [Work(s, (ds.root, s, cfg.dtype, batch_size),
+                     ds.fingerprint(s, salt), ds.sizes[s])
+                for s in ds.shards]
+        t_work = time.perf_counter()
+        stats, resumed = map_shards(out, plan, features_shard, init=_init_worker,
+                                    initargs=initargs,
+                                    workers=cfg.workers, distributor=cfg.distributor, progress=progress,
+                                    label="features", total=ds.num_samples, start="spawn", gpu=cfg.device == "cuda")
+        processed = sum(ds.sizes[s] for s in ds.shards if s not in resumed)
+        work_s = time.perf_counter() - t_work
+        skipped, examples = merged_skips(stats.values(), limit=MAX_EXAMPLES)
+        n_in, written = sum(st["in"] for st in stats.values()), sum(st["written"] for st in stats.values())
+        sizes = {s: stats[s]["written"] for s in ds.shards}
+        finish_dataset(out, sizes, {"stage": "features", "input": str(cfg.src), "options": options,
+                                    "counts": {"in": n_in, "written": written}, "features": spec})
+        elapsed = time.perf_counter() - t0
+        report = {
+            "stage": "features", "source": str(cfg.src), "features": spec, "samples_in": n_in, "written": written,
+            "skipped": dict(sorted(skipped.items())), "skipped_examples": dict(sorted(examples.items())),
+            "npy_bytes": spec["tokens"] * spec["dim"] * np.dtype(cfg.dtype).itemsize, "device": str(device),
+            "shards": len(ds.shards), "shards_resumed": len(resumed), "bad_shards": ds.bad,
+            "elapsed_s": round(elapsed, 3),
+            "images_per_s": round(processed / work_s, 2) if processed else None,
+        }
+        write_json_atomic(out / "report.json", report)
     return report
-
-
-def print_features_report(r: dict, console) -> None:
-    """The terminal table of `vlprep features`."""
-    from rich.table import Table
-
-    s = r["features"]
-    t = Table(title=f"vlprep features --image-model {s['encoder']}", show_header=True)
-    t.add_column("measure")
-    t.add_column("value", overflow="fold")
-    t.add_row("encoder", f"{s['encoder']} ({s['weights'] or 'packaged weights'}, sha256 {s['weights_sha256']})")
-    t.add_row("tokens", f"{s['tokens']} x {s['dim']} {s['dtype']} per image at {s['size']} px "
-              f"({r['npy_bytes']:,} bytes of npy data)")
-    t.add_row("samples", f"{r['samples_in']:,} in, {r['written']:,} written")
-    t.add_row("skipped", "; ".join(f"{k}: {v:,} (e.g. {', '.join(r['skipped_examples'].get(k, []))})"
-                                   for k, v in r["skipped"].items()) or "0")
-    console.print(t)
-    rate = f", {r['images_per_s']} images/s on {r['device']}" if r["images_per_s"] else ""
-    extra = f", {r['shards_resumed']} of {r['shards']} shard(s) resumed" if r["shards_resumed"] else ""
-    console.print(f"{r['elapsed_s']:.1f}s{rate}{extra}", highlight=False)

@@ -17,7 +17,6 @@ The contract (also in docs/ONTOLOGY.md):
 - Outputs: ontology.json, triplets.parquet, annotated shards (json.nouns, json.nodes), report.
 """
 
-import hashlib
 import json
 import math
 import time
@@ -31,8 +30,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from vlprep import VlprepError
-from vlprep.dataset import (carried_features, decode_sample, finish_dataset, iter_aligned, open_derived,
-                            prepare_output, release_output, sidecar_name, write_json_atomic, write_shard)
+from vlprep.dataset import (carried_features, decode_sample, finish_dataset, iter_aligned, open_derived, sidecar_name,
+                            write_json_atomic, write_shard, writing_output)
 from vlprep.engine import Work, check_engine, map_shards
 
 PAPER_RATIO = 5000 / 5_800_000  # min instances per triplet in TOnICS (5,000 on 5.8M triplets)
@@ -224,87 +223,86 @@ def ontology(cfg: OntologyConfig, progress=None) -> dict:
     options = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()
                if k not in ("src", "out", "overwrite", "skip_bad_shards", "workers", "distributor")}
     options["src"] = str(ds.root.resolve())
-    prepare_output(out, "ontology", options, cfg.overwrite)
-    (out / "_nouns").mkdir(exist_ok=True)
-    engine = {"workers": cfg.workers, "distributor": cfg.distributor, "progress": progress}
-    plan = [Work(s, (ds.root, s), hashlib.blake2b(ds.sidecar(s).read_bytes(), digest_size=16).hexdigest(),
-                 ds.sizes[s]) for s in ds.shards]
-    map_shards(out, plan, nouns_shard, init=_init_nlp, label="nouns", total=ds.num_samples, done=_nouns_done,
-               **engine)
-    nouns = {shard: read_nouns(out, shard) for shard in ds.shards}
+    with writing_output(out, "ontology", options, cfg.overwrite):
+        (out / "_nouns").mkdir(exist_ok=True)
+        engine = {"workers": cfg.workers, "distributor": cfg.distributor, "progress": progress}
+        plan = [Work(s, (ds.root, s), ds.fingerprint(s), ds.sizes[s]) for s in ds.shards]
+        map_shards(out, plan, nouns_shard, init=_init_nlp, label="nouns", total=ds.num_samples, done=_nouns_done,
+                   **engine)
+        nouns = {shard: read_nouns(out, shard) for shard in ds.shards}
 
-    pairs = ((n for n, _, _ in ns) for shard in ds.shards for ns in nouns[shard])
-    table = pmi_table(zip(pairs, (ls for shard in ds.shards for ls in labels[shard])))
-    mapping = map_nouns(table, cfg.min_cooccur, overrides)
+        pairs = ((n for n, _, _ in ns) for shard in ds.shards for ns in nouns[shard])
+        table = pmi_table(zip(pairs, (ls for shard in ds.shards for ls in labels[shard])))
+        mapping = map_nouns(table, cfg.min_cooccur, overrides)
 
-    # Every set noun of a caption gives a triplet (appendix A.1: "one triplet for each noun in our set ... that the
-    # text contains"); `detected` keeps only those whose class the detector found in the image. Each triplet
-    # carries that flag, so both rules' counts come from one pass.
-    every, index = [], 0
-    for shard in ds.shards:
-        for key, ns, ls in zip(keys[shard], nouns[shard], labels[shard]):
-            every.extend(Triplet(key, index, *t, t[3] in ls) for t in make_triplets(ns, mapping))
-            index += 1
-    triplets = every if cfg.triplets == "all" else [t for t in every if t.detected]
-    per_class = Counter(t.cls for t in triplets)
-    per_class_detected = Counter(t.cls for t in triplets if t.detected)
-    min_inst = cfg.min_instances or default_min_instances(len(triplets))
-    kept = {c for c, n in per_class.items() if n >= min_inst}
-    # both rules' counts: over every mapped class (before --min-instances), and over the classes this run kept
-    counts = {"rule": cfg.triplets,
-              "found": {"all": len(every), "detected": sum(t.detected for t in every)},
-              "kept": {"all": sum(t.cls in kept for t in every),
-                       "detected": sum(t.detected and t.cls in kept for t in every)}}
-    triplets = [t for t in triplets if t.cls in kept]
-    mapping = {n: c for n, c in mapping.items() if c in kept}
+        # Every set noun of a caption gives a triplet (appendix A.1: "one triplet for each noun in our set ... that the
+        # text contains"); `detected` keeps only those whose class the detector found in the image. Each triplet
+        # carries that flag, so both rules' counts come from one pass.
+        every, index = [], 0
+        for shard in ds.shards:
+            for key, ns, ls in zip(keys[shard], nouns[shard], labels[shard]):
+                every.extend(Triplet(key, index, *t, t[3] in ls) for t in make_triplets(ns, mapping))
+                index += 1
+        triplets = every if cfg.triplets == "all" else [t for t in every if t.detected]
+        per_class = Counter(t.cls for t in triplets)
+        per_class_detected = Counter(t.cls for t in triplets if t.detected)
+        min_inst = cfg.min_instances or default_min_instances(len(triplets))
+        kept = {c for c, n in per_class.items() if n >= min_inst}
+        # both rules' counts: over every mapped class (before --min-instances), and over the classes this run kept
+        counts = {"rule": cfg.triplets,
+                  "found": {"all": len(every), "detected": sum(t.detected for t in every)},
+                  "kept": {"all": sum(t.cls in kept for t in every),
+                           "detected": sum(t.detected and t.cls in kept for t in every)}}
+        triplets = [t for t in triplets if t.cls in kept]
+        mapping = {n: c for n, c in mapping.items() if c in kept}
 
-    nodes = []
-    for cls in sorted(kept, key=lambda c: (-per_class[c], c)):
-        nodes.append({"class": cls, "nouns": sorted(n for n, c in mapping.items() if c == cls),
-                      "instances": per_class[cls], "instances_detected": per_class_detected[cls]})
-    onto = {"root": {"name": "entity", "instances": ds.num_samples}, "nodes": nodes, "noun_to_class": mapping,
-            "params": {"min_instances": min_inst, "min_cooccur": cfg.min_cooccur, "min_score": cfg.min_score,
-                       "pairs_with_objects": table.attrs["pairs"], "triplets": len(triplets),
-                       "triplet_rule": cfg.triplets}}
-    write_json_atomic(out / "ontology.json", onto)
-    cols = list(zip(*triplets)) if triplets else [[]] * 7
-    trip = pa.table({"key": pa.array(cols[0], pa.string()), "index": pa.array(cols[1], pa.int64()),
-                     "noun": pa.array(cols[2], pa.string()), "start": pa.array(cols[3], pa.int32()),
-                     "end": pa.array(cols[4], pa.int32()), "class": pa.array(cols[5], pa.string()),
-                     "detected": pa.array(cols[6], pa.bool_())})
-    pq.write_table(trip, out / "triplets.parquet.tmp")
-    (out / "triplets.parquet.tmp").replace(out / "triplets.parquet")
+        nodes = []
+        for cls in sorted(kept, key=lambda c: (-per_class[c], c)):
+            nodes.append({"class": cls, "nouns": sorted(n for n, c in mapping.items() if c == cls),
+                          "instances": per_class[cls], "instances_detected": per_class_detected[cls]})
+        onto = {"root": {"name": "entity", "instances": ds.num_samples}, "nodes": nodes, "noun_to_class": mapping,
+                "params": {"min_instances": min_inst, "min_cooccur": cfg.min_cooccur, "min_score": cfg.min_score,
+                           "pairs_with_objects": table.attrs["pairs"], "triplets": len(triplets),
+                           "triplet_rule": cfg.triplets}}
+        write_json_atomic(out / "ontology.json", onto)
+        cols = list(zip(*triplets)) if triplets else [[]] * 7
+        trip = pa.table({"key": pa.array(cols[0], pa.string()), "index": pa.array(cols[1], pa.int64()),
+                         "noun": pa.array(cols[2], pa.string()), "start": pa.array(cols[3], pa.int32()),
+                         "end": pa.array(cols[4], pa.int32()), "class": pa.array(cols[5], pa.string()),
+                         "detected": pa.array(cols[6], pa.bool_())})
+        pq.write_table(trip, out / "triplets.parquet.tmp")
+        (out / "triplets.parquet.tmp").replace(out / "triplets.parquet")
 
-    sample_nodes: dict[str, set] = {}
-    for t in triplets:
-        sample_nodes.setdefault(t.key, set()).add(t.cls)
-    salt = json.dumps([mapping, cfg.min_score, cfg.triplets]).encode()
-    plan = []
-    for shard in ds.shards:
-        fp = hashlib.blake2b(salt + ds.sidecar(shard).read_bytes(), digest_size=16).hexdigest()
-        nodes_of = {k: sorted(sample_nodes[k]) for k in keys[shard] if k in sample_nodes}
-        plan.append(Work(shard, (ds.root, shard, nodes_of), fp, ds.sizes[shard]))
-    stats, resumed = map_shards(out, plan, annotate_shard, label="annotate", total=ds.num_samples, **engine)
-    finish_dataset(out, {s: stats[s]["written"] for s in ds.shards},
-                   {"stage": "ontology", "input": str(cfg.src), "options": options,
-                    "counts": {"pairs": ds.num_samples, "triplets": len(triplets), "classes": len(nodes),
-                               "triplet_counts": counts}, **carried_features(cfg.src)})
-    covered = len(sample_nodes)
-    report = {
-        "stage": "ontology", "source": str(cfg.src), "pairs": ds.num_samples,
-        "pairs_with_objects": table.attrs["pairs"], "nouns_seen": int(table["noun"].nunique()) if len(table) else 0,
-        "candidate_pairs": int((table["count"] >= cfg.min_cooccur).sum()) if len(table) else 0,
-        "min_instances": min_inst, "classes": len(nodes), "mapped_nouns": len(mapping), "triplets": len(triplets),
-        "triplet_rule": cfg.triplets, "triplet_counts": counts,
-        "coverage": round(covered / ds.num_samples, 4) if ds.num_samples else 0.0,
-        "dropped_classes": {c: per_class[c] for c in sorted(set(per_class) - kept)},
-        "nodes": nodes, "shards_resumed": len(resumed), "bad_shards": ds.bad, "elapsed_s": round(time.perf_counter() - t0, 3),
-    }
-    from vlprep.report import plot_pmi
+        sample_nodes: dict[str, set] = {}
+        for t in triplets:
+            sample_nodes.setdefault(t.key, set()).add(t.cls)
+        salt = json.dumps([mapping, cfg.min_score, cfg.triplets]).encode()
+        plan = []
+        for shard in ds.shards:
+            fp = ds.fingerprint(shard, salt)
+            nodes_of = {k: sorted(sample_nodes[k]) for k in keys[shard] if k in sample_nodes}
+            plan.append(Work(shard, (ds.root, shard, nodes_of), fp, ds.sizes[shard]))
+        stats, resumed = map_shards(out, plan, annotate_shard, label="annotate", total=ds.num_samples, **engine)
+        finish_dataset(out, {s: stats[s]["written"] for s in ds.shards},
+                       {"stage": "ontology", "input": str(cfg.src), "options": options,
+                        "counts": {"pairs": ds.num_samples, "triplets": len(triplets), "classes": len(nodes),
+                                   "triplet_counts": counts}, **carried_features(cfg.src)})
+        covered = len(sample_nodes)
+        report = {
+            "stage": "ontology", "source": str(cfg.src), "pairs": ds.num_samples,
+            "pairs_with_objects": table.attrs["pairs"], "nouns_seen": int(table["noun"].nunique()) if len(table) else 0,
+            "candidate_pairs": int((table["count"] >= cfg.min_cooccur).sum()) if len(table) else 0,
+            "min_instances": min_inst, "classes": len(nodes), "mapped_nouns": len(mapping), "triplets": len(triplets),
+            "triplet_rule": cfg.triplets, "triplet_counts": counts,
+            "coverage": round(covered / ds.num_samples, 4) if ds.num_samples else 0.0,
+            "dropped_classes": {c: per_class[c] for c in sorted(set(per_class) - kept)},
+            "nodes": nodes, "shards_resumed": len(resumed), "bad_shards": ds.bad,
+            "elapsed_s": round(time.perf_counter() - t0, 3),
+        }
+        from vlprep.report import plot_pmi
 
-    report["plots"] = plot_pmi(out / "pmi_heatmap.png", table, mapping, nodes)
-    write_json_atomic(out / "report.json", report)
-    release_output(out)
+        report["plots"] = plot_pmi(out / "pmi_heatmap.png", table, mapping, nodes)
+        write_json_atomic(out / "report.json", report)
     return report
 
 

@@ -44,11 +44,10 @@ import pyarrow.parquet as pq
 from vlprep import VlprepError
 from vlprep import knn
 from vlprep.bow import rmstop, top_tokens
-from vlprep.dataset import (batches, check_out, check_shards, decode_sample, finish_dataset, iter_aligned,
-                            open_dataset, prepare_output, read_sidecars, release_output, sidecar_name,
-                            write_json_atomic, write_shard)
+from vlprep.dataset import (batches, check_out, check_shards, decode_sample, finish_dataset, iter_aligned, open_dataset,
+                            read_sidecars, sidecar_name, write_json_atomic, write_shard, writing_output)
 from vlprep.embed import check_images, crop_views, decode, intact_captions
-from vlprep.engine import Work, check_engine, map_shards
+from vlprep.engine import Work, check_engine, map_shards, merged_skips
 from vlprep.text import tokenize
 
 STRATEGIES = ("maxcount", "rmtopmaxcount", "rmtoprand", "weighted")
@@ -336,68 +335,63 @@ def pseudolabel(cfg: PseudolabelConfig, enc, progress=None) -> dict:
                                                                   "device", "workers", "distributor", "overwrite",
                                                                   "skip_bad_shards")}
     options.update(aligned=str(aligned.root.resolve()), unaligned=str(ds.root.resolve()), encoder=enc.name)
-    prepare_output(out, "pseudolabel", options, cfg.overwrite)
+    with writing_output(out, "pseudolabel", options, cfg.overwrite):
 
-    # --- plan: the caption index (saved in OUT for the workers) and one Work per UNALIGNED shard
-    t_index = time.perf_counter()
-    reused, index_fp = caption_index(aligned, keys, captions, enc, out, cfg.index, progress)
-    params = {k: getattr(cfg, k) for k in ("strategy", "k", "crops", "words", "rmtop", "seed", "batch_size",
-                                           "device")}
-    params["nprobe"] = cfg.nprobe or knn.DEFAULT_NPROBE
-    _init_worker(enc, out, index_fp, params)  # the driver's copy: the report's statistics, and one worker's state
-    index_s = time.perf_counter() - t_index
-    salt = (index_fp + repr(sorted(options.items()))).encode()
-    plan = [Work(s, (ds.root, s), hashlib.blake2b(salt + ds.sidecar(s).read_bytes()
-                                                  + str((ds.root / s).stat().st_size).encode(),
-                                                  digest_size=16).hexdigest(), ds.sizes[s]) for s in ds.shards]
-    t_images = time.perf_counter()
-    stats, resumed = map_shards(out, plan, pseudolabel_shard, init=_init_worker, initargs=(enc, out, index_fp, params),
-                                workers=cfg.workers, distributor=cfg.distributor, progress=progress,
-                                label="pseudolabel", total=ds.num_samples, start="spawn", gpu=cfg.device == "cuda")
-    images_s = time.perf_counter() - t_images
-    processed = sum(ds.sizes[s] for s in ds.shards if s not in resumed)
+        # --- plan: the caption index (saved in OUT for the workers) and one Work per UNALIGNED shard
+        t_index = time.perf_counter()
+        reused, index_fp = caption_index(aligned, keys, captions, enc, out, cfg.index, progress)
+        params = {k: getattr(cfg, k) for k in ("strategy", "k", "crops", "words", "rmtop", "seed", "batch_size",
+                                               "device")}
+        params["nprobe"] = cfg.nprobe or knn.DEFAULT_NPROBE
+        _init_worker(enc, out, index_fp, params)  # the driver's copy: the report's statistics, and one worker's state
+        index_s = time.perf_counter() - t_index
+        salt = (index_fp + repr(sorted(options.items()))).encode()
+        plan = [Work(s, (ds.root, s), ds.fingerprint(s, salt + str((ds.root / s).stat().st_size).encode()),
+                     ds.sizes[s]) for s in ds.shards]
+        t_images = time.perf_counter()
+        stats, resumed = map_shards(out, plan, pseudolabel_shard, init=_init_worker,
+                                    initargs=(enc, out, index_fp, params),
+                                    workers=cfg.workers, distributor=cfg.distributor, progress=progress,
+                                    label="pseudolabel", total=ds.num_samples, start="spawn", gpu=cfg.device == "cuda")
+        images_s = time.perf_counter() - t_images
+        processed = sum(ds.sizes[s] for s in ds.shards if s not in resumed)
 
-    # --- summarise
-    index, kind, df, top = _worker["index"], _worker["kind"], _worker["df"], _worker["top"]
-    sizes = {s: stats[s]["written"] for s in ds.shards}
-    skipped, examples = Counter(), {}
-    for st in stats.values():
-        skipped.update(st["skipped"])
-        for why, keys_ in st.get("skipped_examples", {}).items():
-            examples[why] = (examples.get(why, []) + keys_)[:5]
-    n_in, written = ds.num_samples, sum(sizes.values())
-    dropped = sum(st["dropped_no_words"] for st in stats.values())
-    index_info = {"kind": kind, "vectors": len(keys), "dim": enc.dim, "nprobe": _worker["nprobe"] or None,
-                  "gpu": knn.on_gpu(index), "reused": reused, "seconds": round(index_s, 3)}
-    if kind == "ivf":
-        index_info["nlist"] = _worker["nlist"]
-    finish_dataset(out, sizes, {"stage": "pseudolabel", "input": str(cfg.unaligned), "aligned": str(cfg.aligned),
-                                "options": options, "index": index_info,
-                                "counts": {"in": n_in, "written": written, "dropped_no_words": dropped,
-                                           "skipped": dict(skipped)}})
-    from vlprep.report import pseudolabel_figures
+        # --- summarise
+        index, kind, df, top = _worker["index"], _worker["kind"], _worker["df"], _worker["top"]
+        sizes = {s: stats[s]["written"] for s in ds.shards}
+        skipped, examples = merged_skips(stats.values())
+        n_in, written = ds.num_samples, sum(sizes.values())
+        dropped = sum(st["dropped_no_words"] for st in stats.values())
+        index_info = {"kind": kind, "vectors": len(keys), "dim": enc.dim, "nprobe": _worker["nprobe"] or None,
+                      "gpu": knn.on_gpu(index), "reused": reused, "seconds": round(index_s, 3)}
+        if kind == "ivf":
+            index_info["nlist"] = _worker["nlist"]
+        finish_dataset(out, sizes, {"stage": "pseudolabel", "input": str(cfg.unaligned), "aligned": str(cfg.aligned),
+                                    "options": options, "index": index_info,
+                                    "counts": {"in": n_in, "written": written, "dropped_no_words": dropped,
+                                               "skipped": dict(skipped)}})
+        from vlprep.report import pseudolabel_figures
 
-    pseudo_words, lengths = Counter(), Counter()
-    for shard in ds.shards:
-        for caption in pq.read_table(out / sidecar_name(shard), columns=["caption"]).column(0).to_pylist():
-            ws = caption.split(" ")
-            pseudo_words.update(ws)
-            lengths[len(ws)] += 1
-    report = {
-        "stage": "pseudolabel", "aligned": str(cfg.aligned), "unaligned": str(cfg.unaligned),
-        "encoder": enc.name, "strategy": cfg.strategy, "k": cfg.k, "crops": cfg.crops,
-        "words": cfg.words, "rmtop": cfg.rmtop if top else None, "seed": cfg.seed, "index": index_info,
-        "aligned_captions": len(keys), "aligned_vocab": len(df), "samples_in": n_in, "written": written,
-        "dropped_no_words": dropped, "skipped": dict(skipped), "skipped_examples": examples,
-        "avg_words": round(sum(k * v for k, v in lengths.items()) / written, 3) if written else 0.0,
-        "words_hist": {str(k): lengths[k] for k in sorted(lengths)}, "vocab": len(pseudo_words),
-        "top_words": [[w, n, df[w]] for w, n in pseudo_words.most_common(30)],
-        "shards": len(ds.shards), "shards_resumed": len(resumed), "bad_shards": ds.bad,
-        "images_per_s": round(processed / images_s, 2) if processed and images_s > 0 else None,
-        "warnings": rmtop_warnings(len(top), len(df), dropped, n_in),
-    }
-    report["plots"] = pseudolabel_figures(out, ds, report)
-    report["elapsed_s"] = round(time.perf_counter() - t0, 3)
-    write_json_atomic(out / "report.json", report)
-    release_output(out)
+        pseudo_words, lengths = Counter(), Counter()
+        for shard in ds.shards:
+            for caption in pq.read_table(out / sidecar_name(shard), columns=["caption"]).column(0).to_pylist():
+                ws = caption.split(" ")
+                pseudo_words.update(ws)
+                lengths[len(ws)] += 1
+        report = {
+            "stage": "pseudolabel", "aligned": str(cfg.aligned), "unaligned": str(cfg.unaligned),
+            "encoder": enc.name, "strategy": cfg.strategy, "k": cfg.k, "crops": cfg.crops,
+            "words": cfg.words, "rmtop": cfg.rmtop if top else None, "seed": cfg.seed, "index": index_info,
+            "aligned_captions": len(keys), "aligned_vocab": len(df), "samples_in": n_in, "written": written,
+            "dropped_no_words": dropped, "skipped": dict(skipped), "skipped_examples": examples,
+            "avg_words": round(sum(k * v for k, v in lengths.items()) / written, 3) if written else 0.0,
+            "words_hist": {str(k): lengths[k] for k in sorted(lengths)}, "vocab": len(pseudo_words),
+            "top_words": [[w, n, df[w]] for w, n in pseudo_words.most_common(30)],
+            "shards": len(ds.shards), "shards_resumed": len(resumed), "bad_shards": ds.bad,
+            "images_per_s": round(processed / images_s, 2) if processed and images_s > 0 else None,
+            "warnings": rmtop_warnings(len(top), len(df), dropped, n_in),
+        }
+        report["plots"] = pseudolabel_figures(out, ds, report)
+        report["elapsed_s"] = round(time.perf_counter() - t0, 3)
+        write_json_atomic(out / "report.json", report)
     return report

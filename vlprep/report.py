@@ -349,3 +349,21 @@ def print_embed_report(r: dict, console: Console) -> None:
     console.print(f"embed {r['modality']}: {r['written']:,} of {r['samples_in']:,} samples, dim {r['dim']}, "
                   f"on {r['device']}{'; skipped ' + skipped if skipped else ''}; {r['elapsed_s']:.1f}s "
                   f"({r['per_s']}/s)", highlight=False)
+
+
+def print_features_report(r: dict, console: Console) -> None:
+    """The terminal table of `vlprep features`."""
+    s = r["features"]
+    t = Table(title=f"vlprep features --image-model {s['encoder']}", show_header=True)
+    t.add_column("measure")
+    t.add_column("value", overflow="fold")
+    t.add_row("encoder", f"{s['encoder']} ({s['weights'] or 'packaged weights'}, sha256 {s['weights_sha256']})")
+    t.add_row("tokens", f"{s['tokens']} x {s['dim']} {s['dtype']} per image at {s['size']} px "
+              f"({r['npy_bytes']:,} bytes of npy data)")
+    t.add_row("samples", f"{r['samples_in']:,} in, {r['written']:,} written")
+    t.add_row("skipped", "; ".join(f"{k}: {v:,} (e.g. {', '.join(r['skipped_examples'].get(k, []))})"
+                                   for k, v in r["skipped"].items()) or "0")
+    console.print(t)
+    rate = f", {r['images_per_s']} images/s on {r['device']}" if r["images_per_s"] else ""
+    extra = f", {r['shards_resumed']} of {r['shards']} shard(s) resumed" if r["shards_resumed"] else ""
+    console.print(f"{r['elapsed_s']:.1f}s{rate}{extra}", highlight=False)

@@ -28,9 +28,9 @@ import pyarrow.parquet as pq
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from vlprep import VlprepError
-from vlprep.dataset import (KEY_RE, check_out, finish_dataset, prepare_output, release_output, remove_extra_shards,
-                            shard_name, sidecar_name, write_json_atomic, write_shard)
-from vlprep.engine import Work, check_engine, default_workers, map_shards
+from vlprep.dataset import (KEY_RE, check_out, finish_dataset, remove_extra_shards, shard_name, sidecar_name,
+                            write_json_atomic, write_shard, writing_output)
+from vlprep.engine import Work, check_engine, default_workers, map_shards, merged_skips
 from vlprep.imagecheck import looks_complete, png_chunks_ok, probe  # noqa: F401 (png_chunks_ok: API)
 from vlprep.sources import Item, load_images, open_source
 
@@ -258,46 +258,41 @@ def build_shards(cfg: ShardsConfig, progress=None) -> dict:
     source = open_source(cfg.src, cfg.image_col, cfg.caption_col, cfg.uid_col)
     options = {k: v for k, v in asdict(cfg).items() if k not in ("src", "out", "workers", "distributor", "overwrite")}
     options["src"] = str(Path(cfg.src).resolve())
-    prepare_output(out, "shards", options, cfg.overwrite)
-    job = {k: options[k] for k in ("prefix", "samples_per_shard", "resize", "format", "quality", "decode_check")}
+    with writing_output(out, "shards", options, cfg.overwrite):
+        job = {k: options[k] for k in ("prefix", "samples_per_shard", "resize", "format", "quality", "decode_check")}
 
-    planned: list[str] = []
+        planned: list[str] = []
 
-    def plan() -> Iterator[Work]:  # streamed: the source is read one shard ahead of the workers
-        n = cfg.samples_per_shard
-        for idx, chunk in enumerate(_chunks(source.items, n)):
-            planned.append(shard_name(cfg.prefix, idx))
-            yield Work(planned[-1], (idx * n, chunk, job), fingerprint(chunk), len(chunk))
+        def plan() -> Iterator[Work]:  # streamed: the source is read one shard ahead of the workers
+            n = cfg.samples_per_shard
+            for idx, chunk in enumerate(_chunks(source.items, n)):
+                planned.append(shard_name(cfg.prefix, idx))
+                yield Work(planned[-1], (idx * n, chunk, job), fingerprint(chunk), len(chunk))
 
-    stats, resumed = map_shards(out, plan(), build_shard, workers=cfg.workers, distributor=cfg.distributor,
-                                progress=progress, label="shards", total=source.total)
-    remove_extra_shards(out, cfg.prefix, set(planned))
-    sizes = {s: stats[s]["written"] for s in planned}
-    skipped, examples = Counter(), {}
-    for s in planned:
-        skipped.update(stats[s]["skipped"])
-        for reason, uids in stats[s]["examples"].items():
-            examples.setdefault(reason, []).extend(uids[: MAX_EXAMPLES - len(examples.get(reason, []))])
-    n_in = sum(stats[s]["in"] for s in planned)
-    written = sum(sizes.values())
-    if n_in == 0:
-        raise VlprepError(f"{cfg.src}: the source has no records")
-    finish_dataset(out, sizes, {
-        "stage": "shards", "input": str(cfg.src), "source_kind": source.kind, "columns": source.columns,
-        "options": options, "counts": {"in": n_in, "written": written, "skipped": dict(sorted(skipped.items()))},
-    })
-    dups = duplicate_uids(out, planned)
-    elapsed = time.perf_counter() - t0
-    report = {
-        "stage": "shards", "source": str(cfg.src), "source_kind": source.kind, "columns": source.columns,
-        "samples_in": n_in, "written": written, "skipped_total": sum(skipped.values()),
-        "skipped": dict(sorted(skipped.items())), "skipped_examples": dict(sorted(examples.items())),
-        "duplicate_uids": dups["rows"], "duplicate_uid_examples": dups["examples"],
-        "shards": len(planned), "shards_resumed": len(resumed), "elapsed_s": round(elapsed, 3),
-        "samples_per_s": round(n_in / elapsed, 1) if elapsed > 0 else None,
-    }
-    write_json_atomic(out / "report.json", report)
-    release_output(out)
+        stats, resumed = map_shards(out, plan(), build_shard, workers=cfg.workers, distributor=cfg.distributor,
+                                    progress=progress, label="shards", total=source.total)
+        remove_extra_shards(out, cfg.prefix, set(planned))
+        sizes = {s: stats[s]["written"] for s in planned}
+        skipped, examples = merged_skips((stats[s] for s in planned), "examples", MAX_EXAMPLES)
+        n_in = sum(stats[s]["in"] for s in planned)
+        written = sum(sizes.values())
+        if n_in == 0:
+            raise VlprepError(f"{cfg.src}: the source has no records")
+        finish_dataset(out, sizes, {
+            "stage": "shards", "input": str(cfg.src), "source_kind": source.kind, "columns": source.columns,
+            "options": options, "counts": {"in": n_in, "written": written, "skipped": dict(sorted(skipped.items()))},
+        })
+        dups = duplicate_uids(out, planned)
+        elapsed = time.perf_counter() - t0
+        report = {
+            "stage": "shards", "source": str(cfg.src), "source_kind": source.kind, "columns": source.columns,
+            "samples_in": n_in, "written": written, "skipped_total": sum(skipped.values()),
+            "skipped": dict(sorted(skipped.items())), "skipped_examples": dict(sorted(examples.items())),
+            "duplicate_uids": dups["rows"], "duplicate_uid_examples": dups["examples"],
+            "shards": len(planned), "shards_resumed": len(resumed), "elapsed_s": round(elapsed, 3),
+            "samples_per_s": round(n_in / elapsed, 1) if elapsed > 0 else None,
+        }
+        write_json_atomic(out / "report.json", report)
     return report
 
 
