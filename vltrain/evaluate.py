@@ -17,6 +17,7 @@ from vltrain import TrainError
 from vltrain.data import (SAME_ENCODER, Collate, IndexedShards, InstanceView, ShardStream, eval_transform,
                           feature_input, to_device)
 from vltrain.layers import noun_states
+from vltrain.losses import upcast
 from vltrain.model import autocast, resolve_device, tokenizer_for
 
 console = Console(stderr=True, emoji=False, soft_wrap=True)
@@ -126,8 +127,8 @@ def embed_split(model, folders, split: str, val_frac: float, max_len: int, batch
         with autocast(device):
             _, img = model.encode_image(x)
             _, txt = model.encode_text(batch["input_ids"], batch["attention_mask"])
-        out["img"].append(img.float().cpu())
-        out["txt"].append(txt.float().cpu())
+        out["img"].append(upcast(img).cpu())
+        out["txt"].append(upcast(txt).cpu())
         pad = max_len - batch["input_ids"].shape[1]
         out["ids"].append(torch.nn.functional.pad(batch["input_ids"].cpu(), (0, pad), value=tok.pad_token_id or 0))
         out["mask"].append(torch.nn.functional.pad(batch["attention_mask"].cpu(), (0, pad), value=0))
@@ -165,18 +166,18 @@ def view_scores(model, view: InstanceView, positions, collate: Collate, batch_si
             tok, i_feat = model.encode_image(batch["features"] if view.use_features else batch["images"])
             hidden, t_feat = model.encode_text(batch["input_ids"], batch["attention_mask"])
         if triplets:
-            nouns.append(noun_states(hidden, batch["noun_mask"]).float())
-            tokens.append(tok.float())
+            nouns.append(upcast(noun_states(hidden, batch["noun_mask"])))
+            tokens.append(upcast(tok))
         else:
-            txt.append(t_feat.float())
-            img.append(i_feat.float())
+            txt.append(upcast(t_feat))
+            img.append(upcast(i_feat))
     if triplets:
         nouns, tokens = torch.cat(nouns), torch.cat(tokens)
         scores = torch.cat([model.align_scores(nouns[a:a + bs], tokens) for a in range(0, len(nouns), bs)])
     else:
         scores = torch.cat(txt) @ torch.cat(img).t()
     model.train(was_training)
-    return scores.float().cpu()
+    return upcast(scores).cpu()
 
 
 # --- `vltrain eval` -----------------------------------------------------------------------------------------------

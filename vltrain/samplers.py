@@ -40,6 +40,7 @@ import torch
 from vltrain import TrainError
 from vltrain.config import GRIT_RATIOS, grit_sizes
 from vltrain.data import IndexedShards, InstanceView, in_val
+from vltrain.losses import upcast
 
 __all__ = ["TonicsCurriculum", "TonicsBatchSampler", "grit_order", "grit_orders", "GritSampler", "indexed_data",
            "plot_curriculum"]
@@ -185,7 +186,7 @@ def grit_orders(image_feats: torch.Tensor, text_feats: torch.Tensor, m: int, sta
     if len(starts) != len(sizes) or not all(0 <= st < size for st, size in zip(starts, sizes)):
         raise ValueError(f"need one start in [0, size) for each of the {len(sizes)} sub-queues, got {list(starts)}")
     device = image_feats.device
-    img, txt = image_feats.float(), text_feats.float()
+    img, txt = upcast(image_feats), upcast(text_feats)
     out = torch.empty(n, dtype=torch.long, device=device)
     full = n // m
     chunk = max(1, GROUP_BYTES // (2 * 4 * m * m))
@@ -202,7 +203,7 @@ def grit_orders(image_feats: torch.Tensor, text_feats: torch.Tensor, m: int, sta
             # image_k . text_j, and text_k . image_j (the transposes, so that both kinds of rows are rows). One
             # pair of buffers for every full chunk: fresh pages of 128 MB per chunk cost as much as the chains.
             if size != m or buffers is None:
-                buffers = torch.empty(2, end - first, size, size, device=device)
+                buffers = torch.empty(2, end - first, size, size, device=device, dtype=img.dtype)
             sim, sim_t = buffers[0, :end - first], buffers[1, :end - first]
             for s in range(first, end):  # one product per sub-queue, as grit_order on that sub-queue would take
                 a = s * m
@@ -291,7 +292,7 @@ class GritSampler:
 
     def collect(self, positions, image_feats: torch.Tensor, text_feats: torch.Tensor) -> None:
         """Phase 1: enqueue one step's features; when L are held, shuffle, split and group them (phases 2-3)."""
-        img, txt = image_feats.detach().float(), text_feats.detach().float()
+        img, txt = upcast(image_feats.detach()), upcast(text_feats.detach())
         pos = torch.as_tensor(positions).reshape(-1).to(img.device, torch.long)
         if not len(pos) == len(img) == len(txt):
             raise ValueError(f"collect: {len(pos)} positions, {len(img)} image and {len(txt)} text features")
