@@ -8,4 +8,5 @@ echo "numeric tests with other CPU kernels (ATEN_CPU_CAPABILITY=default DNNL_MAX
 ATEN_CPU_CAPABILITY=default DNNL_MAX_CPU_ISA=SSE41 MKL_ENABLE_INSTRUCTIONS=SSE4_2 \
   "$PY" -m pytest -q -p no:cacheprovider "$@" \
   tests/test_losses.py tests/test_fidelity.py tests/test_softmask.py tests/test_features.py tests/test_model.py \
+  tests/test_presets_pinned.py \
   "tests/test_ddp.py::test_two_gloo_ranks_equal_one_process_on_the_global_batch"

@@ -1,0 +1,146 @@
+"""Five presets' first 20 steps on tiny data, pinned: a change to the trainer's structure must not change one number.
+
+The pins (tests/data/preset_pins.json) were written by this file at the commit before the trainer was split into
+modules (ee0e786, "vlprep: one run_stage tail ..."), and every later tree must reproduce them: the training rows'
+losses, learning rates and distillation weights, the held-out recalls, and TOnICS' curriculum checks.
+
+The runs compute in float64 (default dtype float64, each batch's images fixed float64 tensors of their keys), so
+the pins hold on any x86-64 CPU: float32 losses after 20 steps differ between CPUs' kernels in their last digits,
+float64 ones in the last few of 16. The tolerance is rel 1e-9: AdamW divides by sqrt(v) + eps, eps = 1e-8, so a float64 rounding
+difference of the gradient (~1e-16 relative) moves a parameter by at most lr * 1e-16 * |g| / 1e-8 per step, ~1e-9
+of the loss over 20 steps at lr 0.01 and |g| < 1. Recalls are rank counts: they are compared exactly (the
+similarities they rank are float64, so no near-tie within float32 rounding can flip one).
+
+Regenerate (only for an intended change of numbers, saying why in the commit): VLTRAIN_WRITE_PINS=1 pytest this file.
+"""
+
+import json
+import os
+import zlib
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from PIL import Image
+
+from vlprep.shards import ShardsConfig, build_shards
+from vltrain import data as data_mod
+from vltrain.config import load_config
+from vltrain.train import train
+
+PINS = Path(__file__).parent / "data" / "preset_pins.json"
+PRESETS = ["clip", "albef", "grit", "tonics", "softmask"]
+ANIMALS, COLOURS = ["cat", "dog", "bird"], ["red", "green", "blue", "yellow"]
+TINY = ["model.text_model=tiny", "model.image_model=tiny", "model.embed_dim=16", "data.image_size=32",
+        "data.workers=0", "data.max_len=16", "log_every=1", "optim.warmup_steps=3", "optim.lr=0.01",
+        "data.val_frac=0.25", "eval_every=10", "ckpt_every=10"]
+PER_PRESET = {  # the tiny BERT has 2 layers: split 1 + 1; queues and GRIT's search space sized for 36 pairs
+    "clip": [],
+    "albef": ["model.fusion_layers=1", "model.queue_size=16", "model.momentum_m=0.9"],
+    "grit": ["model.fusion_layers=1", "sampler.search_space=8", "sampler.queue_size=16"],
+    "tonics": ["sampler.refresh_every=5", "sampler.threshold=0"],
+    "softmask": ["model.fusion_layers=1", "model.queue_size=16", "model.momentum_m=0.9"],
+}
+# metrics.jsonl keys that are measurements of the machine, not results of the arithmetic
+TIMING = {"samples_per_s"}
+
+
+@pytest.fixture(scope="module")
+def onto(tmp_path_factory):
+    """48 pairs (near-solid colours that survive crops) with a hand-made ontology: one triplet per caption's animal,
+    a second 'pet' triplet for the cats."""
+    tmp = tmp_path_factory.mktemp("pins")
+    src = tmp / "src"
+    src.mkdir()
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(48):
+        animal, colour = ANIMALS[i % 3], COLOURS[i % 4]
+        pixels = np.clip(rng.integers(0, 255, 3) + rng.integers(-20, 20, (40, 40, 3)), 0, 255).astype(np.uint8)
+        Image.fromarray(pixels).save(src / f"{i:03d}.png")
+        caption = f"a {colour} {animal} number {i}" + (" and a pet" if animal == "cat" else "")
+        (src / f"{i:03d}.txt").write_text(caption)
+        start = caption.index(animal)
+        rows.append({"key": f"shard_{i:09d}", "index": i, "noun": animal, "start": start, "end": start + len(animal),
+                     "class": animal})
+        if animal == "cat":
+            rows.append({"key": f"shard_{i:09d}", "index": i, "noun": "pet", "start": caption.index("pet"),
+                         "end": caption.index("pet") + 3, "class": "cat"})
+    ds = tmp / "ds"
+    build_shards(ShardsConfig(src=src, out=ds, samples_per_shard=10, workers=1))
+    pq.write_table(pa.Table.from_pylist(rows), ds / "triplets.parquet")
+    counts = Counter(r["class"] for r in rows)
+    (ds / "ontology.json").write_text(json.dumps({
+        "root": {"name": "entity", "instances": 48},
+        "nodes": [{"class": c, "nouns": [c], "instances": counts[c]} for c in ANIMALS]}))
+    return ds
+
+
+def pixels_of(key: str, shape) -> torch.Tensor:
+    """A fixed float64 image for a sample key: numpy's PCG64 seeded by the key's CRC (the same bits on any CPU)."""
+    return torch.from_numpy(np.random.default_rng(zlib.crc32(key.encode())).standard_normal(tuple(shape)))
+
+
+@pytest.fixture
+def float64(monkeypatch):
+    """Models built in float64, and every batch's images replaced by fixed float64 images of their keys.
+
+    The images the trainer's transforms produce depend on the CPU's uint8 resize and colour kernels (an AVX2 path
+    rounds differently from the scalar one), so the batch's images are swapped for a function of the keys alone;
+    everything else (captions, tokens, sampling, the loop) is the trainer's own.
+    """
+    collate = data_mod.Collate.__call__
+
+    def to64(self, batch):
+        out = collate(self, batch)
+        if out is not None:
+            shape = out["images"].shape[1:]
+            out["images"] = torch.stack([pixels_of(k, shape) for k in out["keys"]])
+        return out
+
+    monkeypatch.setattr(data_mod.Collate, "__call__", to64)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(before)
+
+
+def pinned_rows(out: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+
+def close(a, b, path: str = "") -> list[str]:
+    """Where a and b differ: floats beyond rel 1e-9 (abs 1e-12), anything else at all."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return [f"{path}: keys {sorted(a)} != {sorted(b)}"]
+        return [d for k in a for d in close(a[k], b[k], f"{path}.{k}")]
+    if isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            return [f"{path}: {len(a)} items != {len(b)}"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in close(x, y, f"{path}[{i}]")]
+    if isinstance(a, float) and isinstance(b, float) and not isinstance(a, bool):
+        return [] if abs(a - b) <= 1e-12 + 1e-9 * abs(b) else [f"{path}: {a!r} != {b!r}"]
+    return [] if a == b else [f"{path}: {a!r} != {b!r}"]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_twenty_steps_reproduce_the_pinned_metrics(onto, tmp_path, float64, preset):
+    cfg = load_config(preset, shards=[str(onto)], out=str(tmp_path / preset), steps=20, batch_size=4, device="cpu",
+                      sets=TINY + PER_PRESET[preset])
+    train(cfg)
+    rows = pinned_rows(tmp_path / preset)
+    assert [r["step"] for r in rows if "total" in r] == list(range(1, 21))
+    if os.environ.get("VLTRAIN_WRITE_PINS"):
+        pins = json.loads(PINS.read_text()) if PINS.exists() else {}
+        pins[preset] = rows
+        PINS.parent.mkdir(exist_ok=True)
+        PINS.write_text(json.dumps(pins, indent=1, sort_keys=True) + "\n")
+        pytest.skip(f"wrote {preset}'s pins")
+    diffs = close(rows, json.loads(PINS.read_text())[preset])
+    assert not diffs, "\n".join(diffs[:20])
