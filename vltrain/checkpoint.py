@@ -1,4 +1,10 @@
-"""Checkpoints that hold only tensors and plain data, written atomically and read without the unpickler.
+"""Checkpoints: what a run saves and restores, the one way to rebuild a model from a checkpoint, and the format.
+
+A run's checkpoint holds the model, optimiser, position in the data (`RunState`), sampler state, RNG states, config
+and data signature; `save_checkpoint(path, run, state)` writes it, `restore` reads it back into a run.
+`load_checkpoint` / `model_from` rebuild a trained model for eval, embed, pseudolabel, gradcam and resume.
+
+Checkpoints hold only tensors and plain data, are written atomically and are read without the unpickler.
 
 `torch.load(weights_only=True)` accepts tensors, dicts, lists, tuples, strings, numbers, booleans and None and
 refuses every other pickle opcode, so a crafted file cannot run code. Everything we save is therefore converted
@@ -10,11 +16,17 @@ import os
 import pickle
 import random
 import zipfile
-from dataclasses import fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from vlprep import versions
+from vltrain import TrainError
+from vltrain.config import Config, to_dict, upgrade
+from vltrain.distributed import barrier, gather_objects, world
+from vltrain.model import ModelConfig, VLModel, build_model
 
 FORMAT = 1  # bumped when the layout below changes incompatibly
 REQUIRED = {"model": dict, "config": dict}
@@ -104,8 +116,6 @@ def load(path, what: str = "checkpoint") -> dict:
 
 def model_config(saved: dict, path):
     """ModelConfig from a checkpoint's config['model']; keys unknown to this version are a CheckpointError."""
-    from vltrain.model import ModelConfig
-
     known = {f.name for f in fields(ModelConfig)}
     unknown = sorted(set(saved) - known)
     if unknown:
@@ -154,3 +164,132 @@ def config_diff(saved: dict, now: dict, prefix: str = "", defaults: dict | None 
             older = " (absent from this older checkpoint)" if key not in saved and key in defaults else ""
             diffs.append(f"{dotted}: {a!r}{older} -> {b!r}")
     return diffs
+
+
+# --- a trained model ------------------------------------------------------------------------------------------
+
+
+def model_from(ckpt: dict, path) -> VLModel:
+    """The model a loaded checkpoint describes (on CPU, in train mode), its weights loaded and checked."""
+    model = build_model(model_config(ckpt["config"]["model"], path))
+    load_weights(model, ckpt["model"], path)
+    return model
+
+
+def load_checkpoint(path, device="cpu") -> tuple[VLModel, dict]:
+    """A `vltrain run` checkpoint -> (model in eval mode on `device`, its saved config dict).
+
+    Read with weights_only=True (no code runs from the file); the model is rebuilt from ckpt["config"]["model"],
+    and every mismatch is a one-line CheckpointError (a ValueError).
+    """
+    ckpt = load(path)
+    return model_from(ckpt, path).to(device).eval(), ckpt["config"]
+
+
+# --- a run's checkpoints ---------------------------------------------------------------------------------------
+
+
+class Interrupted(TrainError):
+    """Ctrl-C or SIGTERM: last.pt was written; the message says how to go on."""
+
+
+@dataclass
+class RunState:
+    """Where a run is: optimiser steps taken, data epoch and batches consumed in it, best held-out mean recall, and
+    TOnICS' curriculum log (P_S at every held-out check)."""
+
+    step: int = 0
+    epoch: int = 0
+    consumed: int = 0
+    best: float = -1.0
+    curriculum_log: list = field(default_factory=list)
+
+
+@dataclass
+class Run:
+    """A run's fixed parts: what every checkpoint of it saves besides the RunState."""
+
+    cfg: Config
+    model: VLModel
+    optimizer: torch.optim.Optimizer
+    sampler: object  # GritSampler / TonicsBatchSampler, or None for the streamed random sampler
+    generator: torch.Generator  # MLM masks, hard-negative draws, soft masks
+    data: str  # the training data's signature (vltrain.data.data_signature)
+    out: Path
+    stop_signal: int | None = None  # set by the signal handler: save after this step and stop
+
+    @property
+    def last_path(self) -> Path:
+        return self.out / "last.pt"
+
+    @property
+    def best_path(self) -> Path:
+        return self.out / "best.pt"
+
+
+def checkpoint_state(run: Run, state: RunState) -> dict:
+    """What last.pt / best.pt hold: weights, optimiser, position in the data, sampler state, RNG states, config, and
+    `data`, the training data's signature (computed once per run)."""
+    return {"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(), "step": state.step,
+            "epoch": state.epoch, "consumed": state.consumed, "best": state.best, "config": to_dict(run.cfg),
+            "data": run.data, "sampler": run.sampler.state_dict() if run.sampler is not None else None,
+            "curriculum_log": state.curriculum_log, "rng": rng_states(run.generator), "versions": versions()}
+
+
+def save_checkpoint(path: Path, run: Run, state: RunState, every_rank: bool = True) -> None:
+    """Write a checkpoint atomically. Under torchrun (every_rank) each rank's RNG states and data position are
+    gathered into `ranks`; rank 0 writes and the others wait at a barrier."""
+    rank, size = world()
+    ranks = None
+    if every_rank and size > 1:
+        ranks = gather_objects({"rng": rng_states(run.generator), "epoch": state.epoch, "consumed": state.consumed})
+    if rank == 0:
+        saved = checkpoint_state(run, state)
+        if ranks is not None:
+            saved["ranks"] = ranks
+        save(saved, path)
+    if every_rank:
+        barrier()
+
+
+def interrupted(run: Run, state: RunState) -> Interrupted:
+    """Write last.pt and return the error that tells the user how to go on."""
+    save_checkpoint(run.last_path, run, state)
+    return Interrupted(f"stopped at step {state.step} of {run.cfg.steps}: {run.last_path} holds it; run the same command "
+                       "with --resume to continue")
+
+
+def check_ranks(ckpt: dict, path: Path, size: int) -> None:
+    """A TrainError unless `ckpt` was written by as many processes as this run has."""
+    saved_size = len(ckpt.get("ranks") or [None])
+    if saved_size != size:  # each rank's RNG states and data position are in the checkpoint
+        raise TrainError(f"--resume: {path} was written by {saved_size} process(es) and this run has {size}; "
+                         "resume with the same --nproc_per_node")
+
+
+def check_resumable(ckpt: dict, cfg: Config, data: str, path: Path) -> None:
+    """A TrainError unless `ckpt` continues this run: the same config (but RESUMABLE keys) and training data."""
+    diffs = config_diff(upgrade(ckpt["config"]), to_dict(cfg), defaults=to_dict(Config()))
+    if diffs:
+        raise TrainError(f"--resume: {path} was trained with another config ({'; '.join(diffs[:8])}"
+                         f"{'; ...' if len(diffs) > 8 else ''}); use the same options, or a new --out")
+    if ckpt.get("data") not in (None, data):  # None: a checkpoint from before the signature
+        raise TrainError(f"--resume: the training data changed since {path} was written (other keys or captions in "
+                         f"{', '.join(cfg.shards)}); use --overwrite to start over, or a new --out")
+
+
+def restore(ckpt: dict, run: Run, rank: int, size: int) -> tuple[RunState, dict]:
+    """Optimiser and sampler state from a resume checkpoint; returns (the RunState, this rank's RNG states), the
+    RNG states to set once the data position has been replayed."""
+    run.optimizer.load_state_dict(ckpt["optimizer"])
+    state = RunState(ckpt["step"], ckpt["epoch"], ckpt["consumed"], ckpt["best"])
+    rng = ckpt["rng"]
+    if size > 1:  # each rank continues from its own RNG states and data position
+        own = ckpt["ranks"][rank]
+        rng, state.epoch, state.consumed = own["rng"], own["epoch"], own["consumed"]
+    if run.sampler is not None:
+        if ckpt.get("sampler") is None:
+            raise TrainError(f"{run.last_path} holds no sampler state: it was not written by a {run.cfg.sampler.kind} run")
+        run.sampler.load_state_dict(ckpt["sampler"])
+        state.curriculum_log = ckpt.get("curriculum_log", [])
+    return state, rng

@@ -28,7 +28,7 @@ def user_errors():
     An interrupted run (Ctrl-C, SIGTERM) says where its checkpoint is and exits 130."""
     from vltrain import TrainError
     from vltrain.config import ConfigError
-    from vltrain.train import Interrupted
+    from vltrain.checkpoint import Interrupted
 
     try:
         yield
@@ -186,7 +186,7 @@ def gradcam_(
     device: str = typer.Option("auto", help="auto (CUDA when present), cpu or cuda."),
 ) -> None:
     """Where each word looks: SoftMask++'s Grad-CAM over the fusion cross-attention and the soft mask it makes."""
-    from vltrain.softmask import gradcam_figure
+    from vltrain.figures import gradcam_figure
 
     with user_errors():
         info = gradcam_figure(checkpoint, image, caption, [w.strip() for w in words.split(",")] if words else None,

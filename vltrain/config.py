@@ -3,7 +3,10 @@
 Precedence, lowest first: dataclass defaults < --preset < --config FILE.yaml < --set < explicit CLI flags.
 """
 
+import copy
+import functools
 import re
+import sys
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
@@ -28,7 +31,6 @@ class DataConfig:
     min_crop_scale: float = 0.5     # RandomResizedCrop scale lower bound of augment=none (ALBEF fine-tuning: 0.5)
     triplets: bool = False          # TOnICS triplet mode: instances are (caption, image, noun span) triplets
     augment: str = "none"           # training images: none (crop + flip), albef (+ RandAugment), softmask (+ colour)
-    masked_text_all: bool = False   # SoftMask++ MMDA: the MLM-masked caption is the text of ITC, ITM and MLM
 
 
 @dataclass
@@ -49,6 +51,12 @@ class LossConfig:
     dedupe: str = "none"            # caption: in-batch byte-identical captions are ITC positives, never ITM negatives
     softmask_itm: float = 0.0       # SoftMask++ soft ITM: positives with soft-masked image tokens are still matches
     softmask_source: str = "gradcam"  # the mask: gradcam (SoftMask++), attention (Table 9), random:R (RandMask)
+    masked_text_all: bool = False   # SoftMask++ MMDA: the MLM-masked caption is the text of ITC, ITM and MLM
+
+    @functools.cached_property
+    def softmask(self) -> tuple[str, float]:
+        """softmask_source parsed: (kind, R); computed once per config (load_config's validation parses it)."""
+        return parse_source(self.softmask_source)
 
 
 @dataclass
@@ -141,7 +149,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "softmask": {"model.momentum": True, "model.queue_size": 4096, "model.fusion_from": "split",
                  "model.fusion_layers": 3, "loss.distill_alpha": 0.0, "loss.focal_gamma": 2.0, "loss.itm": 1.0,
                  "loss.softmask_itm": 1.0, "loss.softmask_source": "gradcam", "loss.mlm": 1.0, "loss.mlm_prob": 0.15,
-                 "data.masked_text_all": True, "data.augment": "softmask"},
+                 "loss.masked_text_all": True, "data.augment": "softmask"},
     # GRIT-VLP: ALBEFBase + GRIT sampler + ITC consistency (lambda 0.2) + ITM top-1 hard negatives + MLM at 50%
     "grit": {"sampler.kind": "grit", "model.momentum": False, "model.queue_size": 0, "loss.distill_alpha": 0.0,
              "model.fusion_from": "split", "model.fusion_layers": 3, "loss.consistency": 0.2, "loss.mlm_prob": 0.5,
@@ -175,8 +183,34 @@ def _coerce(value, typ, key: str):
     return value
 
 
+# Keys that moved: old name -> new name. The old one still works (YAML, --set, checkpoints) with a note.
+MOVED = {"data.masked_text_all": "loss.masked_text_all"}
+
+
+def upgrade(overrides: dict[str, Any], note: bool = False) -> dict[str, Any]:
+    """`overrides` (dotted or nested) with every MOVED key under its new name; `note` prints one line per key."""
+    out = copy.deepcopy(overrides)
+    for old, new in MOVED.items():
+        section, key = old.split(".")
+        nested = out.get(section)
+        found = [(out, old)] if old in out else []
+        found += [(nested, key)] if isinstance(nested, dict) and key in nested else []
+        for holder, name in found:
+            value = holder.pop(name)
+            new_section, new_key = new.split(".")
+            if isinstance(out.get(new_section), dict):
+                out[new_section].setdefault(new_key, value)
+            else:
+                out.setdefault(new, value)
+            if note:
+                print(f"note: {old} is now {new}; the old key still works but is deprecated", file=sys.stderr)
+    return out
+
+
 def apply_overrides(cfg, overrides: dict[str, Any], where: str = "") -> None:
     """Set dotted keys ('model.embed_dim') or nested dicts on `cfg` in place; unknown keys raise ConfigError."""
+    if not where:
+        overrides = upgrade(overrides, note=True)
     for dotted, value in overrides.items():
         head, _, rest = str(dotted).partition(".")
         names = _valid_keys(cfg)
@@ -291,8 +325,9 @@ def validate(cfg: Config) -> None:
     if cfg.loss.focal_gamma > 0 and cfg.loss.distill_alpha > 0:
         raise ConfigError("loss.focal_gamma > 0 (focal ITC) replaces ITC, and no published form combines it with "
                           "momentum distillation: set loss.distill_alpha=0 or loss.focal_gamma=0")
+    cfg.loss.__dict__.pop("softmask", None)  # parsed anew from the final softmask_source
     try:
-        kind, _ = parse_source(cfg.loss.softmask_source)
+        kind, _ = cfg.loss.softmask
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if cfg.loss.softmask_itm > 0 and cfg.model.fusion_layers == 0:
@@ -300,8 +335,8 @@ def validate(cfg: Config) -> None:
     if cfg.loss.softmask_itm > 0 and kind != "random" and cfg.loss.itm <= 0:
         raise ConfigError(f"loss.softmask_source={kind} reads the ITM positives' cross-attention: set loss.itm > 0 "
                           "(or use random:R)")
-    if cfg.data.masked_text_all and cfg.loss.mlm <= 0:
-        raise ConfigError("data.masked_text_all needs loss.mlm > 0 (it feeds the MLM-masked caption to every loss)")
+    if cfg.loss.masked_text_all and cfg.loss.mlm <= 0:
+        raise ConfigError("loss.masked_text_all needs loss.mlm > 0 (it feeds the MLM-masked caption to every loss)")
     if cfg.loss.itm_negatives not in ITM_NEGATIVES:
         raise ConfigError(f"unknown loss.itm_negatives {cfg.loss.itm_negatives!r}; use one of "
                           f"{', '.join(ITM_NEGATIVES)}")
@@ -355,6 +390,6 @@ def to_yaml(cfg: Config) -> str:
 def from_dict(data: dict) -> Config:
     """Rebuild a Config saved in a checkpoint (keys unknown to this version raise ConfigError)."""
     cfg = Config()
-    apply_overrides(cfg, data)
+    apply_overrides(cfg, upgrade(data))
     return cfg
 

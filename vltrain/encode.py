@@ -24,7 +24,8 @@ class CheckpointEncoder:
     """A vltrain checkpoint's ITC encoders with the preprocessing of its config; every output is (B, E) float32."""
 
     def __init__(self, checkpoint: str | os.PathLike, device: str = "auto"):
-        from vltrain.model import build_tokenizer, load_checkpoint
+        from vltrain.checkpoint import load_checkpoint
+        from vltrain.model import build_tokenizer
 
         self.path, self.device_name = Path(checkpoint), device
         self.device = resolve_device(device)

@@ -14,6 +14,8 @@ from rich.console import Console
 from torch.utils.data import DataLoader
 
 from vltrain import TrainError
+from vltrain.checkpoint import load, model_from
+from vltrain.config import from_dict
 from vltrain.data import (SAME_ENCODER, Collate, IndexedShards, InstanceView, ShardStream, eval_transform,
                           feature_input, to_device)
 from vltrain.layers import noun_states
@@ -211,18 +213,12 @@ def evaluate_checkpoint(path, shards, zeroshot=None, itm_rerank_k: int = 0, devi
     A model trained on `vlprep features` tokens reads the shards' tokens when the same encoder made them, and
     otherwise runs that frozen encoder on the images first.
     """
-    from vltrain.checkpoint import load, load_weights
-    from vltrain.config import from_dict
-    from vltrain.model import build_model
-
     path = Path(path)
     _check_eval_args(path, shards)
     dev = resolve_device(device)
     ckpt = load(path)
     cfg = from_dict(ckpt["config"])
-    model = build_model(cfg.model)
-    load_weights(model, ckpt["model"], path)
-    model.to(dev).eval()
+    model = model_from(ckpt, path).to(dev).eval()
     shards = [str(s) for s in shards]
     if cfg.data.triplets:
         return _evaluate_triplets(model, cfg, shards, dev, path, ckpt.get("step"),
@@ -325,30 +321,3 @@ def heldout_r1(model, view: InstanceView, positions, collate: Collate, batch_siz
     """TOnICS' refresh check: held-out image retrieval R@1 (a fraction) over `positions`."""
     scores = view_scores(model, view, positions, collate, batch_size, triplets, device)
     return float((scores.argmax(dim=1) == torch.arange(len(scores))).float().mean())
-
-
-def plot_learning_curve(rows: list[dict], path: Path) -> None:
-    """Held-out R@1 both ways (with chance) and the training loss against steps, from metrics.jsonl rows, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    loss = [(r["step"], r["total"]) for r in rows if "total" in r]
-    val = [(r["step"], r["val"]) for r in rows if "val" in r]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
-    if loss:
-        ax1.plot(*zip(*loss), color="tab:gray", lw=1)
-    ax1.set(xlabel="step", ylabel="training loss (total)", title="loss")
-    if val:
-        steps = [s for s, _ in val]
-        for key, label, colour in (("i2t_r1", "image→text R@1", "tab:blue"), ("t2i_r1", "text→image R@1", "tab:orange")):
-            ax2.plot(steps, [v[key] for _, v in val], marker="o", color=colour, label=label)
-        chance = val[-1][1]["chance"]["i2t_r1"]
-        ax2.axhline(chance, color="black", ls="--", lw=1, label=f"chance ({chance:.1f}%)")
-        ax2.legend(fontsize=8)
-        ax2.set_title(f"held-out retrieval ({val[-1][1]['n_val']} pairs)")
-    ax2.set(xlabel="step", ylabel="R@1 (%)", ylim=(0, None))
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

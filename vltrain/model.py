@@ -368,17 +368,3 @@ class VLModel(nn.Module):
 def build_model(cfg: ModelConfig) -> VLModel:
     """The model for cfg, on CPU in float32; move it with .to(device)."""
     return VLModel(cfg)
-
-
-def load_checkpoint(path, device="cpu") -> tuple[VLModel, dict]:
-    """A `vltrain run` checkpoint -> (model in eval mode on `device`, its saved config dict).
-
-    Read with weights_only=True (no code runs from the file); the model is rebuilt from ckpt["config"]["model"],
-    and every mismatch is a one-line CheckpointError (a ValueError).
-    """
-    from vltrain.checkpoint import load, load_weights, model_config
-
-    ckpt = load(path)
-    model = build_model(model_config(ckpt["config"]["model"], path))
-    load_weights(model, ckpt["model"], path)
-    return model.to(device).eval(), ckpt["config"]

@@ -2,7 +2,7 @@
 image tokens, from Grad-CAM over the fusion encoder's cross-attention, and the masked pairs' ITM loss.
 
 The extracted paper text lost its equation bodies; these rules follow its prose and ALBEF's public Grad-CAM
-(docs/SOFTMASK.md says where we chose):
+(docs/SOFTMASK.md says where we chose; `vltrain gradcam` draws the maps, vltrain.figures):
 - Grad-CAM: g = d s+ / d A for every fusion layer's cross-attention probabilities A (B, H, L, N), where s+ is the
   positive pairs' ITM match probability summed over the batch; the map is mean over layers and heads of A * ReLU(g).
 - One word per caption, uniform over its non-padding tokens ([CLS] included); its map row (B, N) becomes the mask:
@@ -11,6 +11,8 @@ The extracted paper text lost its equation bodies; these rules follow its prose 
 """
 
 import torch
+
+from vltrain.losses import softmask_itm_loss, upcast
 
 SOURCES = ("gradcam", "attention", "random")
 
@@ -72,10 +74,12 @@ def random_mask(b: int, n: int, ratio: float, generator: torch.Generator | None 
     return mask
 
 
-def masks_for(source: str, positives_fused_attns: list[torch.Tensor] | None, grads: list[torch.Tensor] | None,
-              valid: torch.Tensor, n_tokens: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """The step's mask M (B, N) for the positive pairs from the configured source (see `parse_source`)."""
-    kind, ratio = parse_source(source)
+def masks_for(source: str | tuple[str, float], positives_fused_attns: list[torch.Tensor] | None,
+              grads: list[torch.Tensor] | None, valid: torch.Tensor, n_tokens: int,
+              generator: torch.Generator | None = None) -> torch.Tensor:
+    """The step's mask M (B, N) for the positive pairs from the configured source (`parse_source`'s string, or its
+    parsed (kind, R), as LossConfig.softmask holds it)."""
+    kind, ratio = parse_source(source) if isinstance(source, str) else source
     if kind == "random":
         return random_mask(valid.shape[0], n_tokens, ratio, generator, valid.device)
     cam = gradcam(positives_fused_attns, grads) if kind == "gradcam" else attention_map(positives_fused_attns)
@@ -97,72 +101,23 @@ def caption_gradcam(model, pixels: torch.Tensor, ids: torch.Tensor, mask: torch.
     return gradcam([a.detach() for a in maps], list(grads))[0], float(p_match.detach())
 
 
-def word_positions(tokenizer, ids: torch.Tensor, words: list[str]) -> dict[str, int]:
-    """Each requested word -> the position of its first word piece in ids (1, L); ValueError for a missing word."""
-    pieces = tokenizer.convert_ids_to_tokens(ids[0].tolist())
-    found = {}
-    for word in words:
-        first = tokenizer.tokenize(word)[:1]
-        hits = [i for i, p in enumerate(pieces) if first and p == first[0]]
-        if not hits:
-            shown = " ".join(p for p in pieces if p not in tokenizer.all_special_tokens)
-            raise ValueError(f"word {word!r} is not in the caption's tokens ({shown})")
-        found[word] = hits[0]
-    return found
+def soft_itm_loss(model, source: tuple[str, float], pos_logits: torch.Tensor, maps: list | None,
+                  text_hidden: torch.Tensor, mask: torch.Tensor, image_tokens: torch.Tensor,
+                  generator: torch.Generator) -> torch.Tensor:
+    """Eq. 12: the positive pairs again, image tokens multiplied by this step's mask M, labelled match.
 
-
-def gradcam_figure(checkpoint, image, caption: str, words: list[str] | None, out, device: str = "auto") -> dict:
-    """`vltrain gradcam`: the image, then per word its Grad-CAM map and soft mask over the image; returns a summary."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-    from PIL import Image
-
-    from vlprep.dataset import to_rgb
-    from vltrain.evaluate import pixel_transform
-    from vltrain.model import load_checkpoint, resolve_device, tokenizer_for
-
-    model, cfg = load_checkpoint(checkpoint, resolve_device(device))
-    if model.fusion is None:
-        raise ValueError(f"{checkpoint} has no fusion encoder (fusion_layers=0): Grad-CAM reads its cross-attention")
-    try:
-        rgb = to_rgb(open(image, "rb").read())
-    except (OSError, Image.UnidentifiedImageError) as e:
-        raise ValueError(f"cannot read image {image}: {e}") from None
-    dev = next(model.parameters()).device
-    pixels = pixel_transform(model, cfg["data"]["image_size"])(rgb).unsqueeze(0).to(dev)
-    tok = tokenizer_for(model.cfg.text_model)
-    enc = tok([caption], truncation=True, max_length=cfg["data"]["max_len"], return_tensors="pt")
-    ids, mask = enc["input_ids"].to(dev), enc["attention_mask"].to(dev)
-    if not words:
-        pieces = tok.convert_ids_to_tokens(ids[0].tolist())
-        words = [p for p in pieces if p not in tok.all_special_tokens and not p.startswith("##")][:3]
-    pos = word_positions(tok, ids, words)
-    cam, p_match = caption_gradcam(model, pixels, ids, mask)
-    n = cam.shape[1]
-    side = int(round(n ** 0.5))
-    if side * side != n:
-        raise ValueError(f"the image side has {n} tokens, not a square grid: nothing to draw")
-    shown = np.asarray(rgb.resize((pixels.shape[-1], pixels.shape[-2])))
-    fig, axes = plt.subplots(2, len(words) + 1, figsize=(3 * (len(words) + 1), 6.2), squeeze=False)
-    for row in range(2):
-        axes[row, 0].imshow(shown)
-        axes[row, 0].set_title("image" if row == 0 else f"p(match) {p_match:.2f}", fontsize=9)
-    for j, word in enumerate(words, start=1):
-        row_cam = cam[pos[word]]
-        for r, (grid, title) in enumerate(((row_cam, f"Grad-CAM '{word}'"),
-                                           (1 - soft_mask(row_cam[None])[0], f"masked weight 1-M '{word}'"))):
-            ax = axes[r, j]
-            ax.imshow(shown)
-            ax.imshow(grid.reshape(side, side).cpu().numpy(), cmap="jet", alpha=0.5, interpolation="bilinear",
-                      extent=(0, shown.shape[1], shown.shape[0], 0))
-            ax.set_title(title, fontsize=9)
-    for ax in axes.flat:
-        ax.axis("off")
-    fig.suptitle(caption, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(out, dpi=80)
-    plt.close(fig)
-    return {"words": {w: pos[w] for w in words}, "p_match": p_match, "tokens": n, "out": str(out)}
+    pos_logits (B, 2) are the positives' ITM logits and `maps` the ITM pass's cross-attention probabilities (rows
+    0..B-1 are the positives; None for random masks); M carries no gradient.
+    """
+    b = pos_logits.shape[0]
+    grads = None
+    if maps is not None:
+        if source[0] == "gradcam":
+            # s+ = the positives' match probability summed over the batch; d s+ / dA for every fusion layer (the
+            # rows past B, the negatives, get zeros). The maps are not parameters, so autograd.grad leaves every
+            # .grad alone; retain_graph keeps the step's graph for the backward pass.
+            s_pos = upcast(pos_logits).softmax(dim=-1)[:, 1].sum()
+            grads = [g[:b].detach() for g in torch.autograd.grad(s_pos, maps, retain_graph=True)]
+        maps = [a[:b].detach() for a in maps]
+    m = masks_for(source, maps, grads, mask.bool(), image_tokens.shape[1], generator)
+    return softmask_itm_loss(model.itm_logits(model.fuse(text_hidden, mask, image_tokens, patch_weights=m)))

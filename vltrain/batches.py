@@ -1,0 +1,102 @@
+"""The training batches of a run, epoch after epoch: one `Feed.next` call per step, with the epoch turnover,
+undecodable samples counted (a run stops past 1% of them) and loader workers' errors turned into one line."""
+
+import signal
+
+import torch
+from torch.utils.data import DataLoader
+
+from vltrain import TrainError
+from vltrain.data import loader_error
+
+# Undecodable samples are skipped and counted; past this share of the samples read the data is called broken.
+MAX_BAD_FRACTION = 0.01
+MIN_READ_FOR_BAD_CHECK = 200  # before that, one bad sample among the first few is not yet a 1% problem
+
+
+def check_bad_samples(counts, final: bool = False) -> int:
+    """The undecodable samples so far; a TrainError once they are more than 1% of those read (checked after 200
+    reads, or at an epoch's end)."""
+    read, bad = counts.totals()
+    if bad > MAX_BAD_FRACTION * read and (final or read >= MIN_READ_FOR_BAD_CHECK):
+        raise TrainError(f"{bad} of {read} samples read could not be decoded ({100 * bad / read:.1f}%, more than "
+                         f"{100 * MAX_BAD_FRACTION:g}%): the data is damaged; re-create it with `vlprep shards "
+                         "--decode-check`, which leaves such images out")
+    return bad
+
+
+def _ignore_sigint(worker_id: int) -> None:
+    """Loader workers leave Ctrl-C to the main process, which finishes its step and saves before stopping."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def epoch_batches(epoch: int, seed: int, dataset, sampler, collate, batch_size: int, workers: int,
+                  device: torch.device) -> tuple:
+    """(batch iterator, data RNG state) at the start of an epoch; both depend only on (seed, epoch)."""
+    # A generator per epoch fixes the workers' seeds, so a resumed epoch replays the same augmentations.
+    # Index samplers: an epoch is a GRIT pass over the data or a TOnICS curriculum period.
+    seed = seed * 100_003 + epoch
+    common = dict(collate_fn=collate, num_workers=workers, pin_memory=device.type == "cuda",
+                  generator=torch.Generator().manual_seed(seed), worker_init_fn=_ignore_sigint)
+    if sampler is not None:
+        sampler.set_epoch(epoch)
+        loader = DataLoader(dataset, batch_sampler=sampler, **common)
+    else:
+        dataset.set_epoch(epoch)
+        loader = DataLoader(dataset, batch_size=batch_size, drop_last=True, **common)
+    return iter(loader), torch.Generator().manual_seed(seed + 1).get_state()
+
+
+def next_batch(batches, rng_state: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    """next(batches) drawing augmentations from the data's own torch RNG state; returns (batch, new state)."""
+    # With workers=0 the transforms run here and would share the global RNG with dropout, so a resumed run
+    # replaying its epoch's first batches would crop differently. Workers have their own RNG already.
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(rng_state)
+        batch = next(batches)
+        return batch, torch.get_rng_state()
+
+
+class Feed:
+    """A run's batches: `start(state)` opens the state's epoch and replays the batches it already consumed,
+    `next(state)` returns (batch, None) or (None, the fault), advancing state.epoch / state.consumed."""
+
+    def __init__(self, data, batch_sampler, seed: int, batch_size: int, workers: int, device: torch.device):
+        self.data, self.batch_sampler, self.seed = data, batch_sampler, seed
+        self.batch_size, self.workers, self.device = batch_size, workers, device
+        self.bad = 0  # undecodable samples so far
+
+    def _open(self, epoch: int) -> None:
+        self.batches, self.rng = epoch_batches(epoch, self.seed, self.data.train, self.batch_sampler,
+                                               self.data.collate, self.batch_size, self.workers, self.device)
+
+    def start(self, state) -> None:
+        self._open(state.epoch)
+        for _ in range(state.consumed):  # the data position is replayed: this epoch's trained batches are redrawn
+            _, self.rng = next_batch(self.batches, self.rng)
+
+    def next(self, state) -> tuple[dict | None, Exception | None]:
+        # A fault (a damaged shard, an empty epoch, too many undecodable samples) is returned, not raised, so that
+        # under torchrun every rank learns of it at once instead of waiting in the next collective.
+        try:
+            batch = None
+            while batch is None:
+                try:
+                    batch, self.rng = next_batch(self.batches, self.rng)
+                except StopIteration:
+                    if state.consumed == 0:  # never loop forever on an epoch that yields nothing
+                        raise TrainError(f"epoch {state.epoch} gave no batch of {self.batch_size} from "
+                                         f"{self.data.n_train} training samples; lower --batch-size or data.workers"
+                                         ) from None
+                    check_bad_samples(self.data.counts, final=True)
+                    state.epoch, state.consumed = state.epoch + 1, 0
+                    self._open(state.epoch)
+                    continue
+                if batch is None:  # every sample of this batch was undecodable (counted)
+                    state.consumed += 1
+            self.bad = check_bad_samples(self.data.counts)
+            return batch, None
+        except TrainError as e:
+            return None, e
+        except Exception as e:  # a loader worker's error (or the signal reaching a worker)
+            return None, loader_error(e)

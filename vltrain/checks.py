@@ -1,0 +1,58 @@
+"""The loop's periodic checks: TOnICS' curriculum refresh check (3.3) and the held-out evaluation that keeps best.pt."""
+
+import json
+
+from vltrain.checkpoint import Run, RunState, save_checkpoint
+from vltrain.distributed import broadcast
+from vltrain.evaluate import embed_split, heldout_r1, heldout_recall, val_triplet_sim
+from vltrain.report import Report, console
+
+
+def curriculum_check(run: Run, state: RunState, data, rank: int, device) -> dict:
+    """TOnICS: held-out image retrieval R@1, and a curriculum refresh when it reaches the threshold.
+
+    Rank 0 checks and decides; the others follow its decision, so every rank's curriculum stays the same."""
+    from vltrain.figures import plot_curriculum
+
+    cfg, sampler = run.cfg, run.sampler
+    row = None
+    if rank == 0:
+        acc = heldout_r1(run.model, data.val, data.heldout, data.collate, cfg.batch_size, cfg.data.triplets, device)
+        refreshed = acc >= cfg.sampler.threshold
+        if refreshed:
+            sampler.curriculum.refresh()
+        row = {"step": state.step, "heldout_r1": round(acc, 4), "refreshed": refreshed,
+               "probs": [round(float(p), 6) for p in sampler.curriculum.probs]}
+        state.curriculum_log.append(row)
+        (run.out / "curriculum.json").write_text(json.dumps({"nodes": data.names, "log": state.curriculum_log}))
+        plot_curriculum(state.curriculum_log, data.names, run.out / "curriculum.png")
+        console.print(f"step {state.step} tonics check: held-out R@1 {acc:.2f} on {len(data.heldout)} "
+                      f"{'refresh' if refreshed else 'no refresh'} (threshold {cfg.sampler.threshold}), "
+                      f"P(entity) {sampler.curriculum.probs[0]:.3f}", highlight=False)
+    row = broadcast(row)
+    if rank > 0:
+        state.curriculum_log.append(row)
+        if row["refreshed"]:
+            sampler.curriculum.refresh()
+    return row
+
+
+def evaluate_heldout(run: Run, state: RunState, data, report: Report, device) -> None:
+    """Rank 0: held-out retrieval (triplets: the aligner's noun-image task), logged; best.pt when it improves."""
+    cfg, model = run.cfg, run.model
+    if cfg.data.triplets:
+        sim = (val_triplet_sim(model, data.val, data.val_triplets, data.collate, cfg.batch_size, device)
+               if len(data.val_triplets) >= 2 else None)
+    else:
+        emb = embed_split(model, cfg.shards, "val", cfg.data.val_frac, cfg.data.max_len, cfg.batch_size,
+                          cfg.data.image_size, cfg.data.workers, device, data.use_features)
+        sim = emb["img"] @ emb["txt"].t() if emb["n"] >= 2 else None
+    result = (heldout_recall(sim, "val triplets" if cfg.data.triplets else "val samples", state.step)
+              if sim is not None else None)
+    report.last_eval = result
+    if result is None:
+        return
+    report.val(state.step, result)
+    if result["mean_recall"] > state.best:
+        state.best = result["mean_recall"]
+        save_checkpoint(run.best_path, run, state, every_rank=False)

@@ -1,0 +1,127 @@
+"""The figures vltrain draws: the learning curve and TOnICS' curriculum (written during a run), and the Grad-CAM
+maps and soft masks of `vltrain gradcam` (SoftMask++ 3.2). matplotlib is imported by each function, on first use."""
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from vlprep.dataset import to_rgb
+from vltrain.checkpoint import load_checkpoint
+from vltrain.evaluate import pixel_transform
+from vltrain.model import resolve_device, tokenizer_for
+from vltrain.softmask import caption_gradcam, soft_mask
+
+
+def plot_learning_curve(rows: list[dict], path: Path) -> None:
+    """Held-out R@1 both ways (with chance) and the training loss against steps, from metrics.jsonl rows, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    loss = [(r["step"], r["total"]) for r in rows if "total" in r]
+    val = [(r["step"], r["val"]) for r in rows if "val" in r]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    if loss:
+        ax1.plot(*zip(*loss), color="tab:gray", lw=1)
+    ax1.set(xlabel="step", ylabel="training loss (total)", title="loss")
+    if val:
+        steps = [s for s, _ in val]
+        for key, label, colour in (("i2t_r1", "image→text R@1", "tab:blue"), ("t2i_r1", "text→image R@1", "tab:orange")):
+            ax2.plot(steps, [v[key] for _, v in val], marker="o", color=colour, label=label)
+        chance = val[-1][1]["chance"]["i2t_r1"]
+        ax2.axhline(chance, color="black", ls="--", lw=1, label=f"chance ({chance:.1f}%)")
+        ax2.legend(fontsize=8)
+        ax2.set_title(f"held-out retrieval ({val[-1][1]['n_val']} pairs)")
+    ax2.set(xlabel="step", ylabel="R@1 (%)", ylim=(0, None))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_curriculum(log: list[dict], names: list[str], path: Path, top: int = 8) -> None:
+    """P(entity) and the `top` object nodes with the most final mass across steps, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [0] + [r["step"] for r in log]  # the curriculum starts with P(entity) = 1
+    probs = np.array([np.eye(len(names))[0]] + [r["probs"] for r in log])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, probs[:, 0], color="black", lw=2, marker=".", label="entity")
+    for k in (np.argsort(-probs[-1, 1:])[:top] + 1):
+        ax.plot(steps, probs[:, k], label=names[k])
+    ax.set(xlabel="step", ylabel="P_S(node)", ylim=(0, 1.02), title="TOnICS curriculum")
+    ax.legend(fontsize=7, loc="center right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def word_positions(tokenizer, ids: torch.Tensor, words: list[str]) -> dict[str, int]:
+    """Each requested word -> the position of its first word piece in ids (1, L); ValueError for a missing word."""
+    pieces = tokenizer.convert_ids_to_tokens(ids[0].tolist())
+    found = {}
+    for word in words:
+        first = tokenizer.tokenize(word)[:1]
+        hits = [i for i, p in enumerate(pieces) if first and p == first[0]]
+        if not hits:
+            shown = " ".join(p for p in pieces if p not in tokenizer.all_special_tokens)
+            raise ValueError(f"word {word!r} is not in the caption's tokens ({shown})")
+        found[word] = hits[0]
+    return found
+
+
+def gradcam_figure(checkpoint, image, caption: str, words: list[str] | None, out, device: str = "auto") -> dict:
+    """`vltrain gradcam`: the image, then per word its Grad-CAM map and soft mask over the image; returns a summary."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+
+    model, cfg = load_checkpoint(checkpoint, resolve_device(device))
+    if model.fusion is None:
+        raise ValueError(f"{checkpoint} has no fusion encoder (fusion_layers=0): Grad-CAM reads its cross-attention")
+    try:
+        rgb = to_rgb(open(image, "rb").read())
+    except (OSError, Image.UnidentifiedImageError) as e:
+        raise ValueError(f"cannot read image {image}: {e}") from None
+    dev = next(model.parameters()).device
+    pixels = pixel_transform(model, cfg["data"]["image_size"])(rgb).unsqueeze(0).to(dev)
+    tok = tokenizer_for(model.cfg.text_model)
+    enc = tok([caption], truncation=True, max_length=cfg["data"]["max_len"], return_tensors="pt")
+    ids, mask = enc["input_ids"].to(dev), enc["attention_mask"].to(dev)
+    if not words:
+        pieces = tok.convert_ids_to_tokens(ids[0].tolist())
+        words = [p for p in pieces if p not in tok.all_special_tokens and not p.startswith("##")][:3]
+    pos = word_positions(tok, ids, words)
+    cam, p_match = caption_gradcam(model, pixels, ids, mask)
+    n = cam.shape[1]
+    side = int(round(n ** 0.5))
+    if side * side != n:
+        raise ValueError(f"the image side has {n} tokens, not a square grid: nothing to draw")
+    shown = np.asarray(rgb.resize((pixels.shape[-1], pixels.shape[-2])))
+    fig, axes = plt.subplots(2, len(words) + 1, figsize=(3 * (len(words) + 1), 6.2), squeeze=False)
+    for row in range(2):
+        axes[row, 0].imshow(shown)
+        axes[row, 0].set_title("image" if row == 0 else f"p(match) {p_match:.2f}", fontsize=9)
+    for j, word in enumerate(words, start=1):
+        row_cam = cam[pos[word]]
+        for r, (grid, title) in enumerate(((row_cam, f"Grad-CAM '{word}'"),
+                                           (1 - soft_mask(row_cam[None])[0], f"masked weight 1-M '{word}'"))):
+            ax = axes[r, j]
+            ax.imshow(shown)
+            ax.imshow(grid.reshape(side, side).cpu().numpy(), cmap="jet", alpha=0.5, interpolation="bilinear",
+                      extent=(0, shown.shape[1], shown.shape[0], 0))
+            ax.set_title(title, fontsize=9)
+    for ax in axes.flat:
+        ax.axis("off")
+    fig.suptitle(caption, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=80)
+    plt.close(fig)
+    return {"words": {w: pos[w] for w in words}, "p_match": p_match, "tokens": n, "out": str(out)}

@@ -1,0 +1,32 @@
+"""Masked language modelling through the fusion encoder (ALBEF 3.2), with the momentum model's soft targets (3.3)."""
+
+import torch
+
+from vltrain.losses import mlm_loss, mlm_mask, upcast
+from vltrain.model import tokenizer_for
+
+
+def masked_lm_loss(model, f, w, generator: torch.Generator, tokenizer, alpha: float, distill: bool) -> dict:
+    """mlm_loss: the masked caption fused with the image, the vocabulary head on the masked positions only."""
+    mask = f.mask
+    if f.mlm_masked is not None:  # the text was encoded masked already; ITM's positive rows are this fusion
+        masked, labels = f.mlm_masked
+        fused = f.fused[:f.ids.shape[0]] if w.itm > 0 else model.fuse(f.text_hidden, mask, f.image_tokens)
+    else:
+        tok = tokenizer or tokenizer_for(model.cfg.text_model)
+        masked, labels = mlm_mask(f.ids, w.mlm_prob, tok.all_special_ids, tok.mask_token_id,
+                                  model.text_encoder.config.vocab_size, generator)
+        hidden, _ = model.encode_text(masked, mask)
+        fused = model.fuse(hidden, mask, f.image_tokens)
+    # The vocabulary head runs on the masked positions only (about 15% of them): the loss reads nothing else,
+    # and over MiniLM's 30,522 words the full (B, L, V) logits were the largest matmul of an ALBEF step.
+    picked = labels != -100
+    logits = model.mlm_logits(fused[picked])  # (N, V)
+    soft = None
+    if distill:
+        mom = model.momentum
+        image_tokens_m, _, text_hidden_m, _ = f.momentum
+        with torch.no_grad():
+            hidden_m = text_hidden_m if f.mlm_masked is not None else mom.encode_text(masked, mask)[0]
+            soft = upcast(mom.mlm_logits(mom.fuse(hidden_m, mask, image_tokens_m)[picked])).softmax(dim=-1)
+    return {"mlm_loss": mlm_loss(logits, labels[picked], soft, alpha if distill else 0.0)}

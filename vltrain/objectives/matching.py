@@ -1,0 +1,63 @@
+"""Image-text matching on hard negatives (ALBEF 3.2: drawn by in-batch similarity; GRIT-VLP: the hardest), and
+SoftMask++'s soft ITM on the positives (vltrain.softmask)."""
+
+import torch
+import torch.nn.functional as F
+
+from vltrain.distributed import gather, max_over_ranks, world
+from vltrain.losses import hard_negative_weights, hardest_negatives, itm_loss, sample_hard_negatives
+from vltrain.softmask import soft_itm_loss
+
+
+def hard_negatives(f, w, width: int, generator: torch.Generator) -> tuple:
+    """(negative caption per image, negative image per caption, has_t, has_i) from the ITC logits' pool of `width`.
+
+    A row whose every other caption is a duplicate of its own has no negative (has_t / has_i False): it sits out of
+    ITM this step. Its draw still happens, from placeholder weights, so the generator advances as in any other step.
+    """
+    b = f.ids.shape[0]
+    w_i2t, w_t2i = hard_negative_weights(f.logits_i2t, f.logits_t2i, None if f.same is None else f.same[:, :width],
+                                         width)
+    has_t, has_i = w_i2t.sum(dim=1) > 0, w_t2i.sum(dim=1) > 0
+    anywhere = 1.0 - torch.eye(b, width, device=w_i2t.device, dtype=w_i2t.dtype)
+    w_i2t = torch.where(has_t[:, None], w_i2t, anywhere)
+    w_t2i = torch.where(has_i[:, None], w_t2i, anywhere)
+    if w.itm_negatives == "hardest":  # GRIT-VLP's released code: the top-1 of the weights, no draw
+        return hardest_negatives(w_i2t), hardest_negatives(w_t2i), has_t, has_i
+    # a hard negative caption for each image, then a hard negative image for each caption
+    return sample_hard_negatives(w_i2t, generator), sample_hard_negatives(w_t2i, generator), has_t, has_i
+
+
+def matching_losses(model, f, w, generator: torch.Generator) -> dict:
+    """itm_loss over B positives and their hard negatives, and softmask_itm_loss where weighted; sets f.fused."""
+    b, mask = f.ids.shape[0], f.mask
+    # The pool the negatives come from: this rank's batch (ALBEF), or with loss.itm_global_negatives under
+    # torchrun every rank's (BLIP), whose token sequences are gathered with gradient, padded to the longest
+    # caption of any rank (padding is masked out of the fusion's attention).
+    pool_text, pool_mask, pool_image, text_p, mask_p = f.text_hidden, mask, f.image_tokens, f.text_hidden, mask
+    if w.itm_global_negatives and world()[1] > 1:
+        length = max_over_ranks(mask.shape[1])
+        text_p = F.pad(f.text_hidden, (0, 0, 0, length - mask.shape[1]))
+        mask_p = F.pad(mask, (0, length - mask.shape[1]))
+        pool_text, pool_mask, pool_image = (gather(text_p, True)[0], gather(mask_p, False)[0],
+                                            gather(f.image_tokens, True)[0])
+    neg_text, neg_image, has_t, has_i = hard_negatives(f, w, pool_text.shape[0], generator)
+    # Rows: B positives, caption i with its negative image, image i with its negative caption.
+    want_maps = w.softmask_itm > 0 and w.softmask[0] != "random"
+    fused = model.fuse(torch.cat([text_p, text_p[has_i], pool_text[neg_text][has_t]]),
+                       torch.cat([mask_p, mask_p[has_i], pool_mask[neg_text][has_t]]),
+                       torch.cat([f.image_tokens, pool_image[neg_image][has_i], f.image_tokens[has_t]]),
+                       return_attn=want_maps)
+    fused, maps = fused if want_maps else (fused, None)
+    if text_p is not f.text_hidden:  # back to this rank's caption length (MLM reads the positive rows)
+        fused = fused[:, :mask.shape[1]]
+        maps = None if maps is None else [m[..., :mask.shape[1], :] for m in maps]
+    f.fused = fused
+    n_neg = int(has_i.sum()) + int(has_t.sum())
+    labels = torch.cat([torch.ones(b, dtype=torch.long), torch.zeros(n_neg, dtype=torch.long)]).to(f.ids.device)
+    itm_out = model.itm_logits(fused)
+    losses = {"itm_loss": itm_loss(itm_out, labels)}
+    if w.softmask_itm > 0:
+        losses["softmask_itm_loss"] = soft_itm_loss(model, w.softmask, itm_out[:b], maps, f.text_hidden, mask,
+                                                    f.image_tokens, generator)
+    return losses

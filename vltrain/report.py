@@ -1,0 +1,179 @@
+"""What a run tells the user: the start summary, the speed and ETA, the progress bar (or a line every 10% without a
+terminal), metrics.jsonl and TensorBoard, all behind `Report`. Only rank 0 writes files."""
+
+import datetime
+import json
+import os
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn)
+
+console = Console(stderr=True, emoji=False, soft_wrap=True)
+
+
+def fmt_duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def summary(cfg, model, device, n_train: int, n_val: int, per_epoch: int, size: int = 1) -> str:
+    """The start-of-run block: what will train, on what, for how long, where it goes."""
+    m, w, d = cfg.model, cfg.loss, cfg.data
+    trained, frozen, n_params = [], [], 0
+    for name, child in model.named_children():
+        if name == "momentum":
+            continue
+        params = list(child.parameters())
+        if not params:
+            continue
+        k = sum(p.numel() for p in params if p.requires_grad)
+        n_params += k
+        (trained if k else frozen).append(name)
+    if cfg.data.input == "features":
+        spec = m.feature_encoder
+        image = (f"cached {spec.get('encoder', '?')} tokens {spec.get('tokens')}x{spec.get('dim')} "
+                 f"{spec.get('dtype', '')} (frozen, from `vlprep features`)")
+    else:
+        image = f"{m.image_model} on {d.image_size}px pixels ({'frozen' if m.freeze_image else 'trained'})"
+    losses = ", ".join(f"{k} {v:g}" for k, v in (("itc", w.itc), ("itm", w.itm), ("mlm", w.mlm),
+                                                  ("consistency", w.consistency), ("tonics_ir", w.tonics_ir),
+                                                  ("tonics_tr", w.tonics_tr)) if v > 0)
+    extras = [f"focal gamma {w.focal_gamma:g}"] if w.focal_gamma > 0 else []
+    extras += [f"tau fixed at {m.temp:g}"] if not m.temp_learnable else []
+    extras += [f"distill {w.distill_alpha:g}" + (f", ramped up over {w.distill_warmup_steps:,} steps"
+                                                 if w.distill_warmup_steps > 0 else "")] if w.distill_alpha > 0 else []
+    extras += [f"MLM {w.mlm_prob:.0%}"] if w.mlm > 0 else []
+    dtype = "bf16 autocast" if device.type == "cuda" else "float32"
+    lines = [
+        f"vltrain run: preset {cfg.preset}, {cfg.steps:,} steps = {cfg.steps / max(per_epoch, 1):.1f} epochs of "
+        f"{per_epoch:,} batches of {cfg.batch_size}"
+        + (f" x {size} processes (DDP, global batch {cfg.batch_size * size})" if size > 1 else "")
+        + f", seed {cfg.seed}",
+        f"  data     {', '.join(cfg.shards)}: train {n_train:,}, held out {n_val:,} (val_frac {d.val_frac:g}); "
+        f"sampler {cfg.sampler.kind}",
+        f"  image    {image}",
+        f"  text     {m.text_model}, max {d.max_len} tokens, {m.pooling} pooling; fusion layers {m.fusion_layers}"
+        + (f" ({m.fusion_from})" if m.fusion_layers else "")
+        + (f"; momentum {m.momentum_m:g}" if m.momentum else "") + f"; queue {m.queue_size:,}",
+        f"  losses   {losses}" + (f" ({', '.join(extras)})" if extras else ""),
+        f"  trains   {n_params / 1e6:.1f}M parameters in {', '.join(trained) or 'nothing'}"
+        + (f"; frozen: {', '.join(frozen)}" if frozen else ""),
+        f"  device   {device} ({dtype}); lr {cfg.optim.lr:g}, warm-up {cfg.optim.warmup_steps}",
+        f"  out      {cfg.out}: last.pt every {cfg.ckpt_every} steps or {cfg.ckpt_minutes:g} min, best.pt at evals "
+        f"every {cfg.eval_every} steps, metrics.jsonl, learning_curve.png, tb/",
+    ]
+    return "\n".join(lines)
+
+
+def earlier_rows(path: Path, step: int) -> list[dict]:
+    """A resumed run's metrics.jsonl rows up to its checkpoint's step (the rows after it are redone)."""
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if r["step"] <= step]
+
+
+class _NoBoard:
+    """TensorBoard stand-in for ranks other than 0 (rank 0 alone logs)."""
+
+    def add_scalar(self, *args, **kwargs) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Report:
+    """One run's reporting, a context manager: metrics.jsonl (kept in `rows` for the learning curve), TensorBoard
+    under tb/, the progress bar and the speed lines. `rows` are the earlier rows of a resumed run."""
+
+    def __init__(self, cfg, out: Path, rank: int, rows: list[dict], step: int, device, use_features: bool):
+        self.cfg, self.out, self.rows, self.device, self.use_features = cfg, out, rows, device, use_features
+        self.metrics = (out / "metrics.jsonl").open("w") if rank == 0 else open(os.devnull, "w")
+        self.metrics.writelines(json.dumps(r) + "\n" for r in rows)
+        from torch.utils.tensorboard import SummaryWriter  # slow to import: only once a run starts
+
+        self.tb = SummaryWriter(str(out / "tb")) if rank == 0 else _NoBoard()
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("eta"),
+                                 TimeRemainingColumn(), console=console, disable=not console.is_terminal)
+        self.task = self.progress.add_task("train", total=cfg.steps, completed=step, rate="")
+        self.start_step, self.losses, self.last_eval = step, {}, None
+        self.report_every = max(1, cfg.steps // 10)  # without a terminal (no bar), a progress line every 10%
+        self.t_start = self.t0 = time.perf_counter()
+        self.seen = 0
+
+    def __enter__(self):
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.__exit__(*exc)
+        self.metrics.close()
+        self.tb.close()
+
+    def log(self, row: dict) -> None:
+        """One metrics.jsonl row."""
+        self.rows.append(row)
+        self.metrics.write(json.dumps(row) + "\n")
+        self.metrics.flush()
+
+    def step(self, step: int, losses: dict, lr: float, alpha: float, bad: int, samples: int) -> None:
+        """After an optimiser step: the ETA note after 10 steps, a row every log_every steps, the progress."""
+        cfg = self.cfg
+        self.losses, self.seen = losses, self.seen + samples
+        done, elapsed = step - self.start_step, time.perf_counter() - self.t_start
+        sec_per_step = elapsed / done
+        if done == 10 and cfg.steps - step > 0:
+            self._eta_note(done, elapsed, step)
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            rate = self.seen / max(time.perf_counter() - self.t0, 1e-9)
+            self.t0, self.seen = time.perf_counter(), 0
+            row = {"step": step, **losses, "lr": lr, "samples_per_s": round(rate, 2), "bad_samples": bad}
+            if cfg.loss.distill_alpha > 0:
+                row["distill_alpha"] = alpha
+            self.log(row)
+            for k, v in row.items():
+                if k != "step":
+                    self.tb.add_scalar(f"train/{k}", v, step)
+        self.progress.update(self.task, completed=step, rate=f"{sec_per_step:.2f} s/step", description=f"step {step} "
+                             + " ".join(f"{k.removesuffix('_loss')} {v:.3f}" for k, v in losses.items())
+                             + f" lr {lr:.2e}")
+        if self.progress.disable and step % self.report_every == 0:
+            console.print(f"step {step}/{cfg.steps} loss {losses['total']:.3f}, {sec_per_step:.2f} s/step, "
+                          f"eta {fmt_duration(sec_per_step * (cfg.steps - step))}", highlight=False)
+
+    def curriculum(self, step: int, row: dict) -> None:
+        self.log({"step": step, "curriculum": row})
+        self.tb.add_scalar("curriculum/p_entity", row["probs"][0], step)
+        self.tb.add_scalar("curriculum/heldout_r1", row["heldout_r1"], step)
+
+    def val(self, step: int, result: dict) -> None:
+        """A held-out evaluation: TensorBoard, a metrics row and the learning curve redrawn."""
+        from vltrain.figures import plot_learning_curve
+
+        self.last_eval = result
+        for k, v in result.items():
+            if isinstance(v, float):
+                self.tb.add_scalar(f"val/{k}", v, step)
+        self.log({"step": step, "val": result})
+        plot_learning_curve(self.rows, self.out / "learning_curve.png")
+
+    def _eta_note(self, done: int, elapsed: float, step: int) -> None:
+        """After the first 10 steps: the measured speed and when the run will end (with a hint on a slow CPU run)."""
+        cfg = self.cfg
+        sec_per_step = elapsed / done
+        left = sec_per_step * (cfg.steps - step)
+        end = (datetime.datetime.now() + datetime.timedelta(seconds=left)).strftime("%H:%M")
+        console.print(f"{done} steps in {elapsed:.1f} s ({sec_per_step:.2f} s/step, "
+                      f"{cfg.batch_size / sec_per_step:.1f} samples/s): the remaining {cfg.steps - step:,}"
+                      f" steps take about {fmt_duration(left)} (until about {end})", highlight=False)
+        if left > 3600 and self.device.type == "cpu" and not self.use_features:
+            console.print("hint: on a CPU, cache the image tower once with `vlprep features IN OUT` and "
+                          "train on OUT: several times faster (docs/FEATURES.md)", highlight=False)

@@ -1,0 +1,280 @@
+"""A run's set-up, before the first step: the output folder, seeds, input kind, loader workers, speed options and the
+training data (streamed shards, or index-sampled views for GRIT, TOnICS and triplets). Benchmarks call these too."""
+
+import math
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from vlprep import VlprepError
+from vlprep.dataset import lock_output
+from vltrain import TrainError
+from vltrain.config import GRIT_RATIOS, GRIT_RATIOS_BEFORE, Config, grit_sizes
+from vltrain.data import (Collate, IndexedShards, InstanceView, ShardStream, count_split, eval_transform,
+                          feature_input, in_val, train_transform)
+from vltrain.distributed import broadcast
+from vltrain.evaluate import distinct_positions
+from vltrain.model import image_stats, resolve_device, tokenizer_for
+from vltrain.report import console
+from vltrain.samplers import GritSampler, TonicsBatchSampler, TonicsCurriculum, default_ontology, tonics_instances
+
+EVAL_TRIPLETS = 1000  # triplet mode: validation retrieval over at most this many triplets (one per image)
+RUN_FILES = ("last.pt", "best.pt", "metrics.jsonl", "result.json", "curriculum.json", "curriculum.png",
+             "learning_curve.png", "tb")
+
+
+# --- the output folder, seeds, device ------------------------------------------------------------------------
+
+
+def prepare_out(out: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse to train into a folder that holds another run unless told to resume it or to overwrite it."""
+    if resume:
+        if not (out / "last.pt").exists():
+            raise TrainError(f"--resume: no checkpoint at {out / 'last.pt'}")
+        return
+    found = [name for name in RUN_FILES if (out / name).exists()]
+    if found and not overwrite:
+        raise TrainError(f"{out} already holds a run ({', '.join(found)}); add --resume to continue it or "
+                         "--overwrite to start over (or choose another --out)")
+    for name in found:  # only the files a run writes: anything else in the folder is the user's
+        target = out / name
+        shutil.rmtree(target) if target.is_dir() else target.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def open_output(out: Path, resume: bool, overwrite: bool, rank: int) -> None:
+    """Rank 0 locks OUT and prepares it; under torchrun every rank stops on rank 0's error instead of waiting."""
+    error = None
+    if rank == 0:
+        try:  # one run per OUT: a second `--resume` on the same folder would interleave two runs' checkpoints
+            lock_output(out, "vltrain")
+            prepare_out(out, resume, overwrite)
+        except (VlprepError, TrainError) as e:
+            error = str(e)
+    error = broadcast(error)
+    if error is not None:
+        raise TrainError(error)
+
+
+def train_device(name: str) -> torch.device:
+    try:
+        return resolve_device(name)
+    except VlprepError as e:  # the shared resolver's one-line error
+        raise TrainError(str(e)) from None
+
+
+def seed_everything(seed: int, device: torch.device) -> None:
+    """A fresh run is a function of its seed: every RNG seeded, deterministic kernels where torch has them."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if device.type == "cuda":
+        import os
+
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's condition for determinism
+        torch.backends.cudnn.benchmark = False
+    # warn_only: an op without a deterministic kernel warns instead of stopping the run.
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    # ...without filling every new tensor first (~5 ms of a 0.2 s CPU step): that guards reads of uninitialised
+    # memory, which no op here does; results do not depend on it.
+    torch.utils.deterministic.fill_uninitialized_memory = False
+
+
+def resolve_input(cfg: Config) -> None:
+    """Features or pixels, from the shards' meta.json (data.input auto) or as asked; sets the model to match."""
+    try:
+        spec = feature_input(cfg.shards, cfg.data.input)
+    except ValueError as e:
+        raise TrainError(str(e)) from None
+    if spec is None:
+        cfg.data.input = "pixels"
+        if cfg.model.image_model == "features":
+            raise TrainError("model.image_model=features needs `vlprep features` output as the data")
+        return
+    cfg.data.input = "features"
+    cfg.model.image_model, cfg.model.feature_dim, cfg.model.feature_encoder = "features", int(spec["dim"]), spec
+
+
+def resolve_workers(cfg: Config, device: torch.device) -> None:
+    """data.workers -1 (auto): 0 for cached tokens on a CPU, where loading is light and worker processes only
+    compete with torch's threads (and are forked anew each epoch: benchmarks/features.py), 2 otherwise."""
+    if cfg.data.workers < 0:
+        cfg.data.workers = 0 if cfg.data.input == "features" and device.type == "cpu" else 2
+
+
+def fit_workers(cfg: Config, n_train: int, n_shards: int) -> None:
+    """Fewer streaming workers when some would get no shard, or when the data fill less than a batch per worker.
+
+    Each worker batches its own shards and drops its last partial batch, so with W workers and fewer than W * B
+    training samples an epoch can yield no batch at all, and the run would wait forever.
+    """
+    w = cfg.data.workers
+    fit = min(w, n_shards, max(1, n_train // cfg.batch_size))
+    if fit < w:
+        why = (f"{n_train} training samples fill fewer than one batch of {cfg.batch_size} per worker"
+               if fit < n_shards else f"the data has {n_shards} shard(s), one worker's share at most")
+        console.print(f"warning: data.workers {w} -> {fit}: {why}", highlight=False)
+        cfg.data.workers = fit
+
+
+def speed_options(cfg: Config, model, device: torch.device, use_features: bool) -> bool:
+    """Apply train.tf32 / channels_last / compile; returns whether pixels go channels-last."""
+    cuda = device.type == "cuda"
+    if cuda:  # TF32: ~10-bit mantissa matmuls on Ampere and later, the usual trade for training speed
+        on = cfg.train.tf32 != "off"
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = on
+    channels_last = not use_features and (cfg.train.channels_last == "on"
+                                          or (cfg.train.channels_last == "auto" and cuda))
+    if channels_last:  # NHWC convolutions are the fast path of tensor cores; only 4-D weights change layout
+        model.image_encoder.to(memory_format=torch.channels_last)
+    if cfg.train.compile:  # in place (nn.Module.compile), so state_dict keys and checkpoints stay the same
+        model.image_encoder.compile()
+        model.text_encoder.compile()
+    return channels_last
+
+
+# --- the training data ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainData:
+    """What the loop reads: the training set with its batch sampler (None: streamed random batches), the collate,
+    the load counts (undecodable samples), sizes, and for index-sampled data the held-out view."""
+
+    tokenizer: object
+    collate: Collate
+    use_features: bool
+    train: object              # ShardStream, or an InstanceView for an index sampler
+    sampler: object            # GritSampler / TonicsBatchSampler, or None
+    counts: object             # .totals() -> (read, bad)
+    n_train: int
+    n_val: int
+    per_epoch: int             # full global batches per epoch
+    val: InstanceView | None = None
+    names: list | None = None  # TOnICS: the curriculum's node names
+    heldout: np.ndarray | None = None       # TOnICS: the refresh check's held-out positions
+    val_triplets: np.ndarray | None = None  # triplet mode: the held-out triplets scored at each eval
+
+    @property
+    def tonics(self) -> bool:
+        return isinstance(self.sampler, TonicsBatchSampler)
+
+
+def index_data(cfg: Config, tf_train, tf_eval, grit_ratios: tuple[int, int] = GRIT_RATIOS, world: int = 1) -> dict:
+    """Train / val views read through wids, the batch sampler over the train view, the curriculum's node names and
+    `notes` (lines for the user).
+
+    Under torchrun (`world` processes) the sampler draws global batches of world x batch_size, the same on every
+    rank from the same seed; each rank reads its slice (vltrain.distributed.RankSlice).
+    """
+    shards = IndexedShards(cfg.shards)
+    is_val = np.array([in_val(k, cfg.data.val_frac) for k in shards.keys], dtype=bool)
+    use_features, s, n = cfg.data.input == "features", cfg.sampler, cfg.batch_size * world
+    names, notes = None, []
+    if s.kind == "grit":
+        splits = {"train": {"samples": np.flatnonzero(~is_val), "spans": None},
+                  "val": {"samples": np.flatnonzero(is_val), "spans": None}}
+        m, q = grit_sizes(cfg, grit_ratios)
+        if world > 1 and not s.search_space:  # M and L are multiples of the global batch
+            m = m * world
+            q = s.queue_size or grit_ratios[1] * m
+        sampler = GritSampler(len(splits["train"]["samples"]), n, m, q, cfg.seed)
+    else:  # tonics, or random batches of triplets (P(entity) stays 1)
+        try:
+            onto = s.ontology or default_ontology(cfg.shards[0])
+            if onto != cfg.shards[0] and not s.ontology:
+                notes.append(f"tonics: ontology from {onto}, the folder {cfg.shards[0]} was cached from")
+            splits = tonics_instances(onto, shards.keys, is_val, cfg.data.triplets)
+        except ValueError as e:
+            raise TrainError(str(e)) from None
+        sampler, names = _tonics_sampler(cfg, splits["train"], n, notes)
+    views = {split: InstanceView(shards, splits[split]["samples"], tf_train if split == "train" else tf_eval,
+                                 use_features, splits[split]["spans"]) for split in ("train", "val")}
+    return {"sampler": sampler, "names": names, "notes": notes, **views}
+
+
+def _tonics_sampler(cfg: Config, train: dict, n: int, notes: list) -> tuple:
+    """TOnICS' batch sampler over the classes that can fill a batch of n distinct images, and the node names."""
+    s, image_of = cfg.sampler, train["samples"]
+    if len(np.unique(image_of)) < n:
+        raise TrainError(f"the training split has {len(np.unique(image_of))} distinct images with "
+                         f"{'triplets' if cfg.data.triplets else 'samples'}, fewer than one batch of {n}")
+    keep, dropped = [], []
+    for c, pos in train["nodes"] if s.kind == "tonics" else []:
+        (keep if len(np.unique(image_of[pos])) >= n else dropped).append((c, pos))
+    if s.kind == "tonics" and not keep:
+        raise TrainError(f"no ontology class has {n} distinct training images, so no same-object batch can be "
+                         "drawn; lower --batch-size")
+    if dropped:
+        notes.append(f"tonics: {len(dropped)} of {len(dropped) + len(keep)} classes have fewer than {n} distinct "
+                     f"training images and stay out of the curriculum: {', '.join(c for c, _ in dropped)}")
+    curriculum = TonicsCurriculum([len(p) for _, p in keep] or [1], s.alpha, s.beta)
+    nodes = [p for _, p in keep] or [np.arange(len(image_of))]  # random triplets: a never-drawn dummy node
+    sampler = TonicsBatchSampler(curriculum, nodes, image_of, n, s.refresh_every, cfg.seed)
+    return sampler, ["entity"] + [c for c, _ in keep]
+
+
+def training_data(cfg: Config, ckpt: dict | None, rank: int, size: int) -> TrainData:
+    """The run's training data, and the run lengths that depend on it: --epochs in steps, ALBEF's one-epoch
+    distillation warm-up, the queue clamped to the training split."""
+    tok = tokenizer_for(cfg.model.text_model)
+    use_features = cfg.data.input == "features"
+    mean, std, _ = image_stats(cfg.model)
+    tf_train = None if use_features else train_transform(cfg.data.image_size, mean, std, cfg.data.min_crop_scale,
+                                                         cfg.data.augment)
+    if use_features and cfg.data.augment != "none":
+        console.print(f"note: data.augment={cfg.data.augment} needs pixels; the cached tokens are fixed views, so "
+                      "images are not augmented (train on the pixel dataset to augment)", highlight=False)
+    tf_eval = None if use_features else eval_transform(cfg.data.image_size, mean, std)
+    collate = Collate(tok, cfg.data.max_len, use_features)
+    if cfg.sampler.kind != "random" or cfg.data.triplets:
+        # TOnICS / GRIT / triplets: positions from a batch sampler, samples read through wids.
+        # A GRIT checkpoint from before the sizes were saved in its state used the former default ratios.
+        old_grit = ckpt is not None and isinstance(ckpt.get("sampler"), dict) and "m" not in ckpt["sampler"]
+        data = index_data(cfg, tf_train, tf_eval, GRIT_RATIOS_BEFORE if old_grit else GRIT_RATIOS, size)
+        for note in data["notes"]:
+            console.print(note, highlight=False)
+        d = TrainData(tok, collate, use_features, data["train"], data["sampler"], data["train"].shards.counts,
+                      len(data["train"]), len(data["val"]), 0, data["val"], data["names"])
+    else:
+        counts = count_split(cfg.shards, cfg.data.val_frac)
+        stream = ShardStream(cfg.shards, "train", cfg.data.val_frac, tf_train, seed=cfg.seed,
+                             use_features=use_features, rank=rank, world=size)
+        d = TrainData(tok, collate, use_features, stream, None, stream.counts, counts["train"], counts["val"], 0)
+    global_batch = cfg.batch_size * size  # --batch-size is per process
+    if d.n_train < global_batch:
+        raise TrainError(f"the training split has {d.n_train} {'triplets' if cfg.data.triplets else 'samples'}, "
+                         f"fewer than one batch of {global_batch}; lower --batch-size or data.val_frac")
+    d.per_epoch = d.n_train // global_batch  # drop_last: every batch is full (hard negatives need B >= 2)
+    if d.sampler is None:
+        if len(d.train.shards) < size:
+            raise TrainError(f"the random sampler gives each process whole shards, and the data has "
+                             f"{len(d.train.shards)} shard(s) for {size} processes; write more, smaller shards")
+        fit_workers(cfg, d.n_train // size, len(d.train.shards) // size)
+    if cfg.epochs > 0:
+        cfg.steps = max(1, math.ceil(cfg.epochs * d.per_epoch))
+    if cfg.loss.distill_warmup_steps < 0:  # -1: one epoch of this training split (ALBEF); the checkpoint keeps it
+        cfg.loss.distill_warmup_steps = d.per_epoch
+    return d
+
+
+def clamp_queue(cfg: Config, n_train: int) -> int:
+    """model.queue_size clamped to the training split's size; returns the size asked for (warned about later)."""
+    asked = cfg.model.queue_size
+    cfg.model.queue_size = min(asked, n_train)
+    return asked
+
+
+def heldout_positions(cfg: Config, d: TrainData) -> None:
+    """TOnICS' refresh-check positions and triplet mode's scored held-out triplets, from the validation view."""
+    if d.tonics and cfg.sampler.kind == "tonics":
+        d.heldout = distinct_positions(d.val, cfg.sampler.heldout, cfg.seed)
+        if len(d.heldout) < 2:
+            raise TrainError(f"the TOnICS refresh check needs held-out instances and the validation split has "
+                             f"{len(d.heldout)}; raise data.val_frac")
+    if cfg.data.triplets:
+        d.val_triplets = distinct_positions(d.val, EVAL_TRIPLETS, cfg.seed)

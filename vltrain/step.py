@@ -1,0 +1,89 @@
+"""One training step: the batch encoded once (`encode`), then the named losses of vltrain.objectives, weighted."""
+
+import torch
+
+from vltrain.losses import mlm_mask
+from vltrain.model import tokenizer_for
+from vltrain.objectives import Forward
+from vltrain.objectives.aligner import aligner_losses
+from vltrain.objectives.contrastive import contrastive_logits, contrastive_losses
+from vltrain.objectives.masked_lm import masked_lm_loss
+from vltrain.objectives.matching import matching_losses
+
+WEIGHTS = {"itc_loss": "itc", "itc_consistency_loss": "consistency", "itm_loss": "itm", "mlm_loss": "mlm",
+           "softmask_itm_loss": "softmask_itm", "tonics_ir_loss": "tonics_ir", "tonics_tr_loss": "tonics_tr"}
+
+
+def distill_alpha_at(step: int, w) -> float:
+    """Distillation weight of the step-th optimiser step (1-based): ALBEF's alpha * min(1, i / W), i = step - 1.
+    `w` is the run's LossConfig (or a Config, whose .loss is used)."""
+    w = getattr(w, "loss", w)
+    if w.distill_warmup_steps <= 0:
+        return w.distill_alpha
+    # ALBEF's Pretrain.py counts i from 0 within the first epoch, so its first step distils with weight 0.
+    return w.distill_alpha * min(1.0, (step - 1) / w.distill_warmup_steps)
+
+
+def encode(model, batch: dict, w, generator: torch.Generator, tokenizer=None) -> Forward:
+    """Both towers (and the momentum model's, without gradient) on the batch; with loss.masked_text_all the text
+    tower reads the MLM-masked caption (SoftMask++ MMDA, 3.4), so it runs once for every loss."""
+    images = batch["features"] if "features" in batch else batch["images"]
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    mlm_masked = None
+    if w.masked_text_all and w.mlm > 0:
+        tok = tokenizer or tokenizer_for(model.cfg.text_model)
+        mlm_masked = mlm_mask(ids, w.mlm_prob, tok.all_special_ids, tok.mask_token_id,
+                              model.text_encoder.config.vocab_size, generator)
+    text_ids = ids if mlm_masked is None else mlm_masked[0]
+    image_tokens, image_feat = model.encode_image(images)
+    text_hidden, text_feat = model.encode_text(text_ids, mask)
+    f = Forward(images, ids, mask, text_ids, mlm_masked, image_tokens, image_feat, text_hidden, text_feat)
+    if model.momentum is not None:
+        with torch.no_grad():
+            f.momentum = (*model.momentum.encode_image(images), *model.momentum.encode_text(text_ids, mask))
+    return f
+
+
+def train_step(model, batch: dict, w, generator: torch.Generator, tokenizer=None, alpha: float | None = None) -> dict:
+    """Forward pass and named losses (*_loss and the weighted `total`) for one batch; grads are left to the caller.
+
+    `w` is the run's LossConfig and `alpha` this step's distillation weight (`distill_alpha_at`; None =
+    w.distill_alpha). The dict also holds `queue_feats`, the detached (image, text) keys (B, E) x2 to enqueue after
+    the step.
+    """
+    f = encode(model, batch, w, generator, tokenizer)
+    distill = w.distill_alpha > 0 and model.momentum is not None
+    alpha = w.distill_alpha if alpha is None else alpha
+    contrastive_logits(model, f, w, batch["captions"])
+    losses = contrastive_losses(f, w, alpha, distill)
+    if w.itm > 0:
+        losses.update(matching_losses(model, f, w, generator))
+    if w.mlm > 0:
+        losses.update(masked_lm_loss(model, f, w, generator, tokenizer, alpha, distill))
+    if w.tonics_ir > 0 or w.tonics_tr > 0:
+        losses.update(aligner_losses(model, f, w, batch["noun_mask"]))
+    losses["total"] = sum(getattr(w, WEIGHTS[k]) * v for k, v in losses.items())
+    losses["queue_feats"] = f.enqueue
+    return losses
+
+
+class TrainStep(torch.nn.Module):
+    """`train_step` as a module's forward, so that under DDP the whole computation runs through the wrapped
+    module's forward (a method call on the inner model would skip the gradient synchronisation, silently)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: dict, w, generator: torch.Generator, tokenizer, alpha: float) -> dict:
+        return train_step(self.model, batch, w, generator, tokenizer, alpha)
+
+
+def wrap_ddp(model, w, device: torch.device):
+    """TrainStep(model) under DistributedDataParallel (the process group must exist)."""
+    # A head whose loss weight is 0 gets no gradient, which DDP must be told to expect (it costs a graph walk
+    # per step, so only then).
+    unused = ((model.fusion is not None and (w.itm == 0 or w.mlm == 0))
+              or (model.aligner is not None and w.tonics_ir == 0 and w.tonics_tr == 0) or w.itc == 0)
+    return torch.nn.parallel.DistributedDataParallel(
+        TrainStep(model), device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=unused)
