@@ -296,9 +296,9 @@ def bare_setup(feat: Path, cfg, batch_size: int):
     from vlprep.dataset import iter_tar, open_dataset
     from vltrain.losses import itc_loss
     from vltrain.model import build_model, tokenizer_for
-    from vltrain.train import _resolve_input
+    from vltrain.runsetup import resolve_input
 
-    _resolve_input(cfg)  # as train() does: the features record -> image_model "features", feature_dim
+    resolve_input(cfg)  # as train() does: the features record -> image_model "features", feature_dim
     tok = tokenizer_for(cfg.model.text_model)
     ds, xs, caps = open_dataset(feat), [], []
     for shard in ds.shards:

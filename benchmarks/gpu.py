@@ -29,15 +29,16 @@ WORDS = "red green blue cat dog bird tree car boat house sun moon star arrow ico
 def setup(preset: str, batch: int, device: torch.device):
     from vltrain.config import load_config
     from vltrain.model import build_model, tokenizer_for
-    from vltrain.train import TrainStep, _speed_options
+    from vltrain.optim import build_optimizer
+    from vltrain.runsetup import speed_options
+    from vltrain.step import TrainStep
 
     cfg = load_config(preset, sets=["loss.distill_warmup_steps=0", "model.queue_size=4096"] if preset == "albef"
                       else [])
     torch.manual_seed(0)
     model = build_model(cfg.model).to(device).train()
-    _speed_options(cfg, model, device, use_features=False)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    speed_options(cfg, model, device, use_features=False)
+    opt, params = build_optimizer(model, cfg.optim, device)  # the trainer's: two weight-decay groups, fused AdamW
     tok = tokenizer_for(cfg.model.text_model)
     g = torch.Generator().manual_seed(0)
     caps = [" ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (12,), generator=g)) for _ in range(batch)]
@@ -49,17 +50,12 @@ def setup(preset: str, batch: int, device: torch.device):
 
 
 def step(cfg, model, step_fn, params, opt, tok, batch, gen) -> dict:
+    from vltrain.optim import optimizer_step
+
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        losses = step_fn(batch, cfg.loss, gen, tok, cfg.loss.distill_alpha, cfg.data.masked_text_all)
+        losses = step_fn(batch, cfg.loss, gen, tok, cfg.loss.distill_alpha)
     feats = losses.pop("queue_feats")
-    opt.zero_grad(set_to_none=True)
-    losses["total"].backward()
-    torch.nn.utils.clip_grad_norm_(params, 1.0)
-    opt.step()
-    if model.momentum is not None:
-        model.momentum_update()
-    if model.cfg.queue_size:
-        model.dequeue_and_enqueue(*feats)
+    optimizer_step(model, opt, params, losses["total"], cfg.optim.grad_clip, feats)
     return losses
 
 
@@ -68,7 +64,7 @@ def forward_flops(cfg, step_fn, tok, batch, gen) -> float:
 
     counter = FlopCounterMode(display=False)
     with counter, torch.autocast("cuda", dtype=torch.bfloat16):
-        step_fn(batch, cfg.loss, gen, tok, cfg.loss.distill_alpha, cfg.data.masked_text_all)
+        step_fn(batch, cfg.loss, gen, tok, cfg.loss.distill_alpha)
     return float(counter.get_total_flops())
 
 

@@ -34,7 +34,7 @@ import torch
 from vltrain.config import load_config
 from vltrain.model import build_model, tokenizer_for
 from vltrain.samplers import GritSampler, TonicsBatchSampler, TonicsCurriculum
-from vltrain.train import train_step
+from vltrain.step import train_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_options, cpu_now, load_line, run_child_figures, time_sides_figures  # noqa: E402
@@ -61,7 +61,7 @@ def step_time(model_kind: str, n: int, steps: int) -> float:
     times = []
     for i in range(steps + 1):  # the first step warms up allocators and is not counted
         t0 = time.perf_counter()
-        losses = train_step(model, batch, cfg.loss, gen, tok, masked_text_all=cfg.data.masked_text_all)
+        losses = train_step(model, batch, cfg.loss, gen, tok)
         opt.zero_grad(set_to_none=True)
         losses["total"].backward()
         opt.step()

@@ -28,9 +28,10 @@ from pathlib import Path
 
 import torch
 
-from vltrain import train as vt
 from vltrain.config import load_config
 from vltrain.model import build_model, tokenizer_for
+from vltrain.optim import build_optimizer, optimizer_step
+from vltrain.step import train_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_options, load_line, run_child_figures, time_sides_figures  # noqa: E402
@@ -51,8 +52,7 @@ def setup(arm: str, model_kind: str, batch: int):
     cfg = load_config(preset, sets=common + sets)
     torch.manual_seed(0)
     model = build_model(cfg.model).train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    opt, params = build_optimizer(model, cfg.optim, torch.device("cpu"))  # the trainer's groups and fused AdamW
     tok = tokenizer_for(cfg.model.text_model)
     g = torch.Generator().manual_seed(0)
     caps = [" ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (6,), generator=g)) for _ in range(batch)]
@@ -66,16 +66,9 @@ def setup(arm: str, model_kind: str, batch: int):
 
 def step(cfg, model, params, opt, tok, batch, gen) -> float:
     t0 = time.perf_counter()
-    losses = vt.train_step(model, batch, cfg.loss, gen, tok, masked_text_all=cfg.data.masked_text_all)
+    losses = train_step(model, batch, cfg.loss, gen, tok)
     feats = losses.pop("queue_feats")
-    opt.zero_grad(set_to_none=True)
-    losses["total"].backward()
-    torch.nn.utils.clip_grad_norm_(params, 1.0)
-    opt.step()
-    if model.momentum is not None:
-        model.momentum_update()
-    if model.cfg.queue_size:
-        model.dequeue_and_enqueue(*feats)
+    optimizer_step(model, opt, params, losses["total"], cfg.optim.grad_clip, feats)
     return time.perf_counter() - t0
 
 

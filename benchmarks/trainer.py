@@ -5,8 +5,9 @@ A: loop overhead. `vltrain.train.train` itself runs (tiny model, preset albef, b
    (data-RNG fork, lr update, train_step, loss floats, backward, grad clip, AdamW, momentum update, enqueue,
    metric rows every log_every steps, progress). A step's time is the gap between two consecutive batch fetches.
    Baseline ("bare"): the same work the step must do and nothing else, on the same model, batches and global
-   torch modes (`_seed_everything`): train_step, zero_grad, backward, clip_grad_norm_ (preset's grad_clip), fused
-   AdamW over the trainer's two parameter groups, momentum_update and dequeue_and_enqueue (albef has both).
+   torch modes (`seed_everything`): `train_step`, then `optimizer_step` (zero_grad, backward, clip_grad_norm_ at
+   the preset's grad_clip, fused AdamW over `build_optimizer`'s two parameter groups, momentum_update and
+   dequeue_and_enqueue; albef has both): the trainer's own functions, so both sides time the same code.
    Reported per side: the median step and the mean over every step after the first SKIP (logging steps
    included; the median alone hides them), with its CPU time. The final step (evaluation, checkpoint) is not
    a timed gap. Target: mean and median <= 1.10x the bare step.
@@ -36,10 +37,14 @@ import torch  # noqa: E402
 import webdataset as wds  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
+import vltrain.batches  # noqa: E402
 import vltrain.train as vt  # noqa: E402
 from vltrain.config import load_config  # noqa: E402
 from vltrain.data import Collate, ShardStream, count_split, to_rgb, train_transform  # noqa: E402
-from vltrain.model import IMAGE_STATS, ModelConfig, build_model, build_tokenizer  # noqa: E402
+from vltrain.model import IMAGE_STATS, ModelConfig, build_model, build_tokenizer, tokenizer_for  # noqa: E402
+from vltrain.optim import build_optimizer, optimizer_step  # noqa: E402
+from vltrain.runsetup import seed_everything  # noqa: E402
+from vltrain.step import train_step  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (add_options, cpu_now, load_line, print_table_ms, ratio_row, run_child_figures,  # noqa: E402
@@ -108,7 +113,7 @@ def step_figures(stamps: list[tuple[float, float]]) -> dict:
 
 
 class FakeLoader:
-    """Stands in for torch's DataLoader inside vltrain.train: yields the pre-loaded batches, stamping each fetch."""
+    """Stands in for torch's DataLoader inside vltrain.batches: yields the pre-loaded batches, stamping each fetch."""
 
     batches: list[dict] = []
     stamps: list[tuple[float, float]] = []
@@ -135,29 +140,17 @@ def run_vltrain(cfg) -> dict:
 def run_bare(cfg, batches: list[dict]) -> dict:
     """Per-step figures of the step's own work and nothing else, on the same model, batches and settings."""
     device = torch.device(cfg.device)
-    vt._seed_everything(cfg.seed, device)  # the global modes train() sets (deterministic kernels) hold here too
+    seed_everything(cfg.seed, device)  # the global modes train() sets (deterministic kernels) hold here too
     model = build_model(cfg.model).to(device).train()
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
-    tok = vt.tokenizer_for(cfg.model.text_model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.optim.weight_decay},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), fused=True)
+    tok = tokenizer_for(cfg.model.text_model)
+    opt, params = build_optimizer(model, cfg.optim, device)  # the trainer's groups and fused AdamW
     stamps = []
     for batch in itertools.islice(itertools.cycle(batches), cfg.steps):
         stamps.append((time.perf_counter(), cpu_now()))
-        losses = vt.train_step(model, batch, cfg.loss, generator, tok, cfg.loss.distill_alpha,
-                               cfg.data.masked_text_all)
+        losses = train_step(model, batch, cfg.loss, generator, tok, cfg.loss.distill_alpha)
         queue_feats = losses.pop("queue_feats")
-        opt.zero_grad(set_to_none=True)
-        losses["total"].backward()
-        if cfg.optim.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
-        opt.step()
-        if model.momentum is not None:
-            model.momentum_update()
-        if model.cfg.queue_size:
-            model.dequeue_and_enqueue(*queue_feats)
+        optimizer_step(model, opt, params, losses["total"], cfg.optim.grad_clip, queue_feats)
     stamps.append((time.perf_counter(), cpu_now()))
     return step_figures(stamps)
 
@@ -168,7 +161,7 @@ def loop_sides(shards: Path, tmp: Path, steps: int) -> tuple[dict, object]:
     # train() clamps the queue to the training split; the bare side must train the same model
     cfg.model.queue_size = min(cfg.model.queue_size, count_split(cfg.shards, cfg.data.val_frac)["train"])
     FakeLoader.batches = preload(cfg)
-    vt.DataLoader = FakeLoader
+    vltrain.batches.DataLoader = FakeLoader
     return {"bare": lambda out: run_bare(cfg, FakeLoader.batches), "vltrain": lambda out: run_vltrain(cfg)}, cfg
 
 

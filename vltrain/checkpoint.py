@@ -255,8 +255,8 @@ def save_checkpoint(path: Path, run: Run, state: RunState, every_rank: bool = Tr
 def interrupted(run: Run, state: RunState) -> Interrupted:
     """Write last.pt and return the error that tells the user how to go on."""
     save_checkpoint(run.last_path, run, state)
-    return Interrupted(f"stopped at step {state.step} of {run.cfg.steps}: {run.last_path} holds it; run the same command "
-                       "with --resume to continue")
+    return Interrupted(f"stopped at step {state.step} of {run.cfg.steps}: {run.last_path} holds it; run the same "
+                       "command with --resume to continue")
 
 
 def check_ranks(ckpt: dict, path: Path, size: int) -> None:
@@ -289,7 +289,8 @@ def restore(ckpt: dict, run: Run, rank: int, size: int) -> tuple[RunState, dict]
         rng, state.epoch, state.consumed = own["rng"], own["epoch"], own["consumed"]
     if run.sampler is not None:
         if ckpt.get("sampler") is None:
-            raise TrainError(f"{run.last_path} holds no sampler state: it was not written by a {run.cfg.sampler.kind} run")
+            raise TrainError(f"{run.last_path} holds no sampler state: it was not written by a "
+                             f"{run.cfg.sampler.kind} run")
         run.sampler.load_state_dict(ckpt["sampler"])
         state.curriculum_log = ckpt.get("curriculum_log", [])
     return state, rng

@@ -262,11 +262,14 @@ def training_data(cfg: Config, ckpt: dict | None, rank: int, size: int) -> Train
     return d
 
 
-def clamp_queue(cfg: Config, n_train: int) -> int:
-    """model.queue_size clamped to the training split's size; returns the size asked for (warned about later)."""
+def clamp_queue(cfg: Config, n_train: int) -> None:
+    """model.queue_size clamped to the training split's size, with a warning when it was longer."""
     asked = cfg.model.queue_size
     cfg.model.queue_size = min(asked, n_train)
-    return asked
+    if asked > n_train:
+        console.print(f"warning: model.queue_size {asked:,} is longer than the training split ({n_train:,}): every "
+                      f"sample would sit in the queue as its own negative more than once; clamped to {n_train:,}",
+                      highlight=False)
 
 
 def heldout_positions(cfg: Config, d: TrainData) -> None:

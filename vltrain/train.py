@@ -57,13 +57,10 @@ def train(cfg, resume: bool = False, overwrite: bool = False) -> dict:
 
     # --- data
     data = training_data(cfg, ckpt, rank, size)
-    data_sig, asked_queue = data_signature(cfg.shards), clamp_queue(cfg, data.n_train)
+    data_sig = data_signature(cfg.shards)
+    clamp_queue(cfg, data.n_train)
     if ckpt is not None:
         ckpt_io.check_resumable(ckpt, cfg, data_sig, out / "last.pt")
-    if asked_queue > data.n_train:
-        console.print(f"warning: model.queue_size {asked_queue:,} is longer than the training split "
-                      f"({data.n_train:,}): every sample would sit in the queue as its own negative more than once; "
-                      f"clamped to {data.n_train:,}", highlight=False)
     heldout_positions(cfg, data)
 
     # --- model

@@ -19,7 +19,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
-import torch
 
 
 class TonicsCurriculum:
