@@ -1,5 +1,7 @@
 # The commands of the README: `make demo`, `make test` (everything, as CI runs it) and `make test-fast` (the unit
-# tier: no packaged models, no Ray). Every target installs the exact versions of requirements.lock into .venv.
+# tier: tests/vlprep and tests/vltrain less the tests marked `slow`, which load packaged models or real data or spend
+# seconds in subprocesses; every test in tests/integration is `slow`, see tests/integration/conftest.py). Every
+# target installs the exact versions of requirements.lock into .venv.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -33,6 +35,7 @@ test: apt install
 test-kernels: install
 	PY=$(PY) bash scripts/test-kernels.sh
 
+# Under 3 minutes on 2 CPU cores.
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 

@@ -7,6 +7,6 @@ PY=${PY:-.venv/bin/python}
 echo "numeric tests with other CPU kernels (ATEN_CPU_CAPABILITY=default DNNL_MAX_CPU_ISA=SSE41 MKL_ENABLE_INSTRUCTIONS=SSE4_2)"
 ATEN_CPU_CAPABILITY=default DNNL_MAX_CPU_ISA=SSE41 MKL_ENABLE_INSTRUCTIONS=SSE4_2 \
   "$PY" -m pytest -q -p no:cacheprovider "$@" \
-  tests/test_losses.py tests/test_fidelity.py tests/test_softmask.py tests/test_features.py tests/test_model.py \
-  tests/test_presets_pinned.py \
-  "tests/test_ddp.py::test_two_gloo_ranks_equal_one_process_on_the_global_batch"
+  tests/vltrain/test_losses.py tests/vltrain/test_fidelity.py tests/vltrain/test_softmask.py \
+  tests/vlprep/test_features.py tests/vltrain/test_model.py tests/vltrain/test_presets_pinned.py \
+  "tests/integration/test_ddp.py::test_two_gloo_ranks_equal_one_process_on_the_global_batch"

@@ -207,7 +207,7 @@ def _former_grouping(sampler: GritSampler, idx: np.ndarray, img: np.ndarray, txt
 def test_grit_grouping_order_equals_the_former_implementation(monkeypatch, n, m, dim, group_bytes):
     """All sub-queues at once (and in chunks of 3, when the memory budget says so) give exactly the order the
     one-sub-queue-at-a-time implementation gave for the same seed and features, the shorter last one included."""
-    import vltrain.samplers as vs
+    import vltrain.samplers.grit as vs
 
     if group_bytes is not None:
         monkeypatch.setattr(vs, "GROUP_BYTES", group_bytes)
@@ -230,7 +230,7 @@ def test_grit_grouping_order_equals_the_former_implementation(monkeypatch, n, m,
 def test_grit_chains_on_torch_ops_equal_numpy_ties_included():
     """The device path (torch ops, used on a GPU) and the CPU path (numpy) take the same argmax, ties included:
     duplicated features make exact ties, which both resolve to the lowest index."""
-    from vltrain.samplers import _chains_numpy, _chains_torch
+    from vltrain.samplers.grit import _chains_numpy, _chains_torch
 
     g = torch.Generator().manual_seed(0)
     img = torch.nn.functional.normalize(torch.randn(5, 30, 8, generator=g), dim=2)

@@ -150,7 +150,7 @@ def test_every_preset_is_named_in_the_help_the_readme_and_training_md():
     from vltrain.cli import app
     from vltrain.config import PRESETS
 
-    root = Path(__file__).parents[1]
+    root = Path(__file__).parents[2]
     readme, training = (root / "README.md").read_text(), (root / "docs" / "TRAINING.md").read_text()
     shown = CliRunner().invoke(app, ["run", "--help"], env={"COLUMNS": "200"}).output
     for name in PRESETS:

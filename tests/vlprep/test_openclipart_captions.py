@@ -8,7 +8,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "openclipart" / "make_captions.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "openclipart" / "make_captions.py"
 _spec = importlib.util.spec_from_file_location("make_captions", SCRIPT)
 mc = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(mc)

@@ -7,7 +7,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import detected_dataset
+from tests.conftest import detected_dataset
 from vlprep import VlprepError
 from vlprep.dataset import iter_samples
 from vlprep.ontology import OntologyConfig, default_min_instances, make_triplets, map_nouns, ontology, pmi_table

@@ -1,6 +1,6 @@
 """Five presets' first 20 steps on tiny data, pinned: a change to the trainer's structure must not change one number.
 
-The pins (tests/data/preset_pins.json) were written by this file at the commit before the trainer was split into
+The pins (tests/vltrain/data/preset_pins.json) were written by this file at the commit before the trainer was split into
 modules (ee0e786, "vlprep: one run_stage tail ..."), and every later tree must reproduce them: the training rows'
 losses, learning rates and distillation weights, the held-out recalls, and TOnICS' curriculum checks.
 

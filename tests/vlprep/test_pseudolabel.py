@@ -13,14 +13,14 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import COLOURS, THINGS, image_bytes, make_dataset, tiny_checkpoint
+from tests.conftest import COLOURS, THINGS, image_bytes, make_dataset, tiny_checkpoint
 from vlprep import VlprepError, knn
 from vlprep.dataset import finish_dataset, iter_samples, open_dataset, read_sidecars, write_shard
 from vlprep.pseudolabel import (PseudolabelConfig, STRATEGIES, caption_words, neighbour_keys, pseudolabel,
                                 rank_words, top_words)
 from vltrain.encode import CheckpointEncoder
 
-STOP = set((Path(__file__).parents[1] / "vlprep/data/stopwords/english").read_text().split())
+STOP = set((Path(__file__).parents[2] / "vlprep/data/stopwords/english").read_text().split())
 
 
 def words_of(caption: str) -> set[str]:
@@ -357,6 +357,7 @@ def cli(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "vlprep.cli", *map(str, args)], capture_output=True, text=True)
 
 
+@pytest.mark.slow  # three `python -m vlprep.cli` processes
 def test_cli_errors_are_one_line_with_exit_2(world, tmp_path):
     mismatched = tmp_path / "m.pt"
     tiny_checkpoint(mismatched, embed_dim=8)

@@ -3,16 +3,14 @@
 import importlib.util
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_samplers import N_VAL, TINY, onto  # noqa: E402,F401  (the module-scoped TOnICS dataset fixture)
+from tests.vltrain.test_samplers import N_VAL, TINY, onto  # noqa: F401  (the module-scoped TOnICS dataset fixture)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("ablation", ROOT / "pipelines" / "ablation.py")
 ablation = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(ablation)

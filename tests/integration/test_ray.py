@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import image_bytes
+from tests.conftest import image_bytes
 from vlprep import VlprepError
 from vlprep.bow import BowConfig, bow
 from vlprep.detect import DetectConfig, detect
@@ -20,7 +20,7 @@ from vlprep.engine import Work, map_shards
 from vlprep.shards import ShardsConfig, build_shards
 
 pytestmark = pytest.mark.slow
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).parents[1]  # tests/
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,7 @@ import json
 
 from PIL import Image
 
-from conftest import image_bytes
+from tests.conftest import image_bytes
 from vlprep.report import dataset_stats, distribution
 from vlprep.shards import ShardsConfig, build_shards
 

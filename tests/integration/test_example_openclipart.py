@@ -11,7 +11,7 @@ import torch
 
 from vlprep.dataset import iter_samples, open_dataset
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not Path("/usr/share/openclipart/svg").is_dir(),

@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import image_bytes
+from tests.conftest import image_bytes
 from vlprep import VlprepError
 from vlprep.dataset import TarRef
 from vlprep.sources import RowRef, load_images, open_source

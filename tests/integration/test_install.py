@@ -15,7 +15,7 @@ if sys.version_info < (3, 11):
     pytest.skip("tomllib is Python 3.11+", allow_module_level=True)
 import tomllib
 
-PROJECT = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+PROJECT = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
 
 
 def faiss_wheels(requirements: list[str]) -> list[str]:
@@ -47,7 +47,7 @@ def test_a_missing_faiss_is_a_one_line_error(monkeypatch):
 
 # --- the lock (requirements.lock): the environment the tests run in is the one it pins ---------------------------
 
-LOCK = Path(__file__).parents[1] / "requirements.lock"
+LOCK = Path(__file__).parents[2] / "requirements.lock"
 
 
 def read_lock(text: str) -> dict[str, str]:

@@ -29,9 +29,8 @@ from vltrain.config import load_config
 from vltrain.distributed import RankSlice, gather
 from vltrain.model import build_model, tokenizer_for
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_samplers import onto  # noqa: E402,F401  (the module-scoped TOnICS dataset fixture)
-from test_train import TINY, shards  # noqa: E402,F401  (the module-scoped shard fixture)
+from tests.vltrain.test_samplers import onto  # noqa: F401  (the module-scoped TOnICS dataset fixture)
+from tests.vltrain.test_train import TINY, shards  # noqa: F401  (the module-scoped shard fixture)
 
 B = 8  # global batch; 4 per rank
 CAPTIONS = [f"a {w} number {i}" for i, w in enumerate(["red", "cat", "dog", "tree", "car", "boat", "sun", "moon"])]
@@ -180,7 +179,7 @@ def test_rank_slice_splits_each_global_batch_contiguously():
 
 def torchrun(shards, out, *args, nproc: int = 2) -> subprocess.CompletedProcess:
     sets = [x for s in TINY for x in ("--set", s)]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
            "vltrain", "run", str(shards), "--out", str(out), "--batch-size", "4", "--device", "cpu", *sets, *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -249,7 +248,7 @@ def _worker_of_rank(parent: int, rank: int) -> int | None:
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the worker through /proc")
 def test_sigterm_to_one_rank_saves_a_resumable_checkpoint_and_nobody_hangs(shards, tmp_path):
     sets = [x for s in TINY for x in ("--set", s)]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]), "OMP_NUM_THREADS": "1"}
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "vltrain",
            "run", str(shards), "--out", str(out), "--batch-size", "4", "--device", "cpu", *sets, *COMMON,
@@ -280,7 +279,7 @@ def test_a_loader_fault_on_one_rank_stops_every_rank_with_its_error(shards, tmp_
     same step ("another process failed") instead of waiting in the next collective until torchrun's timeout."""
     import shutil
 
-    from test_safety import corrupt_header
+    from tests.vlprep.test_safety import corrupt_header
 
     damaged = tmp_path / "ds"
     shutil.copytree(shards, damaged)

@@ -122,7 +122,7 @@ def test_ray_missing_is_one_line_naming_the_extra(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     (src / "a.txt").write_text("a caption")
-    from conftest import image_bytes
+    from tests.conftest import image_bytes
 
     (src / "a.png").write_bytes(image_bytes())
     for stage in (["shards", str(src), str(tmp_path / "o")], ["bow", str(src), str(tmp_path / "o")]):
@@ -138,7 +138,7 @@ def test_engine_options_are_not_recorded(tmp_path):
     values is the same run)."""
     import json
 
-    from conftest import image_bytes
+    from tests.conftest import image_bytes
     from vlprep.bow import BowConfig, bow
     from vlprep.shards import ShardsConfig, build_shards
 

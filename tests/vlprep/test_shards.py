@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from conftest import image_bytes
+from tests.conftest import image_bytes
 from vlprep import VlprepError
 from vlprep.dataset import iter_samples, open_dataset, read_sidecars
 from vlprep.shards import ShardsConfig, build_shards, prepare_image

@@ -11,9 +11,9 @@ from typer.testing import CliRunner
 from vlprep.encoders import features_spec
 from vlprep.features import FeaturesConfig, features
 from vlprep.shards import ShardsConfig, build_shards
+from vltrain.checkpoint import load_checkpoint
 from vltrain.cli import app
 from vltrain.evaluate import embed_split, reads_features
-from vltrain.model import load_checkpoint
 
 TINY_TEXT = ["model.text_model=tiny", "model.embed_dim=16", "data.workers=0", "data.max_len=12", "log_every=1",
              "optim.warmup_steps=2", "optim.lr=0.01"]

@@ -89,7 +89,7 @@ def test_unknown_device_and_unknown_key_are_one_line(shards, tmp_path):
 
 
 def test_eval_of_a_file_that_is_not_a_checkpoint(shards, tmp_path):
-    readme = Path(__file__).parents[1] / "README.md"
+    readme = Path(__file__).parents[2] / "README.md"
     assert "not a vltrain checkpoint" in error_line(CliRunner().invoke(app, ["eval", str(readme), str(shards)]))
 
 
@@ -126,7 +126,7 @@ def test_pickle_exploit_runs_nothing_anywhere(shards, trained, tmp_path):
     run_dir.mkdir()
     (run_dir / "last.pt").write_bytes(evil.read_bytes())
     assert "refused to load" in error_line(run(shards, run_dir, "--preset", "clip", "--steps", "4", "--resume"))
-    # vlprep pseudolabel (vltrain.model.load_checkpoint, as vlprep embed)
+    # vlprep pseudolabel (vltrain.checkpoint.load_checkpoint, as vlprep embed)
     r = subprocess.run([sys.executable, "-m", "vlprep.cli", "pseudolabel", str(shards), str(shards),
                         str(tmp_path / "pseudo"), "--checkpoint", str(evil)], capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.startswith("error:") and len(r.stderr.strip().splitlines()) == 1, r.stderr
@@ -227,6 +227,7 @@ def test_refuses_to_overwrite_a_run_unless_told(shards, trained, tmp_path):
     assert r.exit_code == 0 and "resumed from step 3 of 5" in r.output
 
 
+@pytest.mark.slow  # three `vltrain run` processes, one stopped by SIGINT
 def test_ctrl_c_saves_a_checkpoint_that_resumes_exactly(shards, tmp_path):
     base = [*VLTRAIN, "run", str(shards), "--preset", "clip", "--batch-size", "4", "--device", "cpu",
             "--steps", "40", *tiny_args("--set", "data.val_frac=0")]
@@ -325,6 +326,7 @@ def test_loading_the_packaged_text_model_is_quiet(capfd):
     assert "LOAD REPORT" not in out + err and "Loading weights" not in out + err and "\x1b[" not in out + err
 
 
+@pytest.mark.slow  # three `vltrain run` processes, each with 2 loader workers
 def test_fresh_runs_are_a_function_of_the_seed(shards, tmp_path):
     cmd = [*VLTRAIN, "run", str(shards), "--preset", "albef", "--batch-size", "4", "--device", "cpu", "--steps", "6",
            *tiny_args("--set", "model.queue_size=8", "--set", "data.workers=2",

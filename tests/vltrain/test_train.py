@@ -241,7 +241,7 @@ def test_gpu_benchmark_says_no_cuda_device_and_exits_0():
     import subprocess
     import sys
 
-    root = Path(__file__).parents[1]
+    root = Path(__file__).parents[2]
     r = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu.py")], capture_output=True, text=True,
                        timeout=120, env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
     assert r.returncode == 0 and "no CUDA device" in r.stdout, r.stderr

@@ -7,8 +7,8 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from conftest import image_bytes
-from test_ontology import detected  # noqa: F401  (the imported-detections dataset both stages' tests use)
+from tests.conftest import image_bytes
+from tests.vlprep.test_ontology import detected  # noqa: F401  (the imported-detections dataset both stages' tests use)
 from vlprep import VlprepError
 from vlprep.dataset import iter_samples
 from vlprep.detect import DetectConfig, detect

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import image_bytes
+from tests.conftest import image_bytes
 from vlprep import VlprepError
 from vlprep.bow import (BowConfig, BowContext, SampleRng, basevocab, bow, deform, is_base, keep, parse_ops, rmstop,
                         rmtop, shuffle)
 from vlprep.dataset import iter_samples, open_dataset, read_sidecars
 from vlprep.shards import ShardsConfig, build_shards
 
-STOP = set((Path(__file__).parents[1] / "vlprep/data/stopwords/english").read_text().split())
+STOP = set((Path(__file__).parents[2] / "vlprep/data/stopwords/english").read_text().split())
 
 
 def make_dataset(tmp_path: Path, captions: list[str], per_shard: int = 3, name: str = "raw") -> Path:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 SCRIPTS = sorted(p for p in BENCH.glob("*.py") if p.name != "common.py")  # common.py is their helper, no script
 
 

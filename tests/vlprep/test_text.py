@@ -4,7 +4,7 @@ from pathlib import Path
 
 from vlprep.text import stop_words, tokenize, words
 
-STOP = set((Path(__file__).parents[1] / "vlprep/data/stopwords/english").read_text().split())
+STOP = set((Path(__file__).parents[2] / "vlprep/data/stopwords/english").read_text().split())
 
 
 def test_tokenize_lowercases_and_splits_every_punctuation_mark():

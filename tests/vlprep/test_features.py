@@ -13,8 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import image_bytes
-from test_dataset import lock_is_free
+from tests.conftest import image_bytes
+from tests.vlprep.test_dataset import lock_is_free
 from vlprep import VlprepError
 from vlprep.dataset import finish_dataset, iter_samples, iter_tar, open_dataset, to_rgb, write_shard
 from vlprep.encoders import (encoder_from_spec, eval_pixels, eval_view, features_spec, load_token_encoder,
@@ -137,6 +137,7 @@ def test_eval_pixels_is_vltrain_eval_transform_and_the_fast_path_is_identical():
 # --- one image, one output --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # the packaged EfficientNet-Lite0 five times, two runs with worker processes
 def test_bytes_do_not_depend_on_workers_or_threads(raw, packaged, tmp_path):
     """The promise: the same input and options give the same bytes for any --workers and --decode-threads, on any
     CPU (the encoder always runs calls of one shape on one intra-op thread, whatever the run's parallelism)."""

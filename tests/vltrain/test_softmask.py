@@ -7,7 +7,6 @@ layer, finite differences.
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,9 +19,8 @@ from vltrain.layers import Attention, FusionLayer
 from vltrain.losses import softmask_itm_loss
 from vltrain.softmask import attention_map, gradcam, masks_for, parse_source, random_mask, sample_words, soft_mask
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_fidelity import CAPTIONS, cfg_for, make_batch, model_for  # noqa: E402
-from test_train import losses, run, shards  # noqa: E402,F401  (the module-scoped shard fixture)
+from tests.vltrain.test_fidelity import CAPTIONS, cfg_for, make_batch, model_for
+from tests.vltrain.test_train import losses, run, shards  # noqa: F401  (the module-scoped shard fixture)
 
 
 def run_step(model, batch, cfg, generator, **kw):

@@ -21,7 +21,7 @@ def cli(*args) -> subprocess.CompletedProcess:
 
 def test_embed_text_and_image(world, tmp_path):
     from vlprep.embed import EmbedConfig, embed, load_embeddings
-    from vltrain.model import load_checkpoint
+    from vltrain.checkpoint import load_checkpoint
 
     encoder = CheckpointEncoder(world["ckpt"], "cpu")
     rep = embed(EmbedConfig(src=world["aligned"], out=tmp_path / "t", modality="text", batch_size=7), encoder)
@@ -101,7 +101,7 @@ def test_intact_captions_prefer_caption_raw():
 
 
 def test_a_features_model_cannot_embed_images(world, tmp_path):
-    from conftest import tiny_checkpoint
+    from tests.conftest import tiny_checkpoint
 
     enc = CheckpointEncoder(tiny_checkpoint(tmp_path / "f.pt", image_model="features"), "cpu")
     with pytest.raises(VlprepError, match="cannot embed images"):

@@ -6,7 +6,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from conftest import image_bytes
+from tests.conftest import image_bytes
 from vlprep.shards import ShardsConfig, build_shards
 from vltrain.data import Collate, ShardStream, count_split, eval_transform, in_val, shard_paths, to_rgb, train_transform
 
