@@ -87,3 +87,44 @@ def detected_dataset(tmp_path: Path, captions: list[str], objects: list[list[str
     (tmp_path / "dets.jsonl").write_text("\n".join(lines) + "\n")
     detect(DetectConfig(src=tmp_path / "raw", out=tmp_path / "det", from_file=tmp_path / "dets.jsonl", min_score=0.3))
     return tmp_path / "det"
+
+
+ANIMALS = ["cat", "dog", "bird"]
+ONTO_COLOURS = ["red", "green", "blue", "yellow"]
+
+
+def ontology_dataset(tmp: Path) -> Path:
+    """48 pairs (near-solid colours that survive crops) with a hand-made ontology (the vlprep ontology output
+    contract): one triplet per caption's animal, a second 'pet' triplet for cats (two triplets of one image in one
+    node). Written to tmp/ds."""
+    from collections import Counter
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from vlprep.shards import ShardsConfig, build_shards
+
+    src = tmp / "src"
+    src.mkdir()
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(48):
+        animal, colour = ANIMALS[i % 3], ONTO_COLOURS[i % 4]
+        Image.fromarray(np.clip(rng.integers(0, 255, 3) + rng.integers(-20, 20, (40, 40, 3)), 0, 255)
+                        .astype(np.uint8)).save(src / f"{i:03d}.png")
+        caption = f"a {colour} {animal} number {i}" + (" and a pet" if animal == "cat" else "")
+        (src / f"{i:03d}.txt").write_text(caption)
+        start = caption.index(animal)
+        rows.append({"key": f"shard_{i:09d}", "index": i, "noun": animal, "start": start,
+                     "end": start + len(animal), "class": animal})
+        if animal == "cat":
+            rows.append({"key": f"shard_{i:09d}", "index": i, "noun": "pet", "start": caption.index("pet"),
+                         "end": caption.index("pet") + 3, "class": "cat"})
+    ds = tmp / "ds"
+    build_shards(ShardsConfig(src=src, out=ds, samples_per_shard=10, workers=1))
+    pq.write_table(pa.Table.from_pylist(rows), ds / "triplets.parquet")
+    counts = Counter(r["class"] for r in rows)
+    (ds / "ontology.json").write_text(json.dumps({
+        "root": {"name": "entity", "instances": 48},
+        "nodes": [{"class": c, "nouns": [c], "instances": counts[c]} for c in ANIMALS]}))
+    return ds

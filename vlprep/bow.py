@@ -243,7 +243,7 @@ class Deformer:
     keep is last), so each run of filters is applied as one. A run that holds basevocab keeps exactly the base
     vocabulary words that pass its other filters, a set computed once here; one without it applies the ops in turn.
     The tokens each step dropped (`take_removed`) are counted from the tokens entering each run, tallied per
-    shard: which step drops a token depends on the token alone. tests/test_bow.py checks output and counts
+    shard: which step drops a token depends on the token alone. tests/vlprep/test_bow.py checks output and counts
     against deform() on many cascades.
     """
 

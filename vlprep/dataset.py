@@ -361,7 +361,7 @@ class ShardTarWriter:
     by tarfile itself with those three fields patched in (~2 us). Anything outside the fast path (a
     name over 100 bytes, which ustar splits into prefix + name or refuses; a size of 8 GiB or more)
     goes through TarInfo.tobuf, so it gets exactly tarfile's header or tarfile's error.
-    tests/test_dataset.py checks the bytes against TarWriter on names and sizes around every limit.
+    tests/vlprep/test_dataset.py checks the bytes against TarWriter on names and sizes around every limit.
     """
 
     def __init__(self, f):

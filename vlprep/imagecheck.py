@@ -9,7 +9,7 @@ The rule that keeps it safe: `probe` answers only when it is sure `Image.open` w
 (format, width, height) and the end check passes; anything unusual (a chunk or marker whose Pillow handler can
 reject the file, a second header, a size Pillow would warn about, a CRC mismatch, a WebP) returns None, and the
 caller takes the Pillow path, so every skip reason and every accepted image stay exactly what they were.
-tests/test_shards.py compares the two paths on valid, damaged and unusual files.
+tests/vlprep/test_shards.py compares the two paths on valid, damaged and unusual files.
 """
 
 import re

@@ -262,14 +262,15 @@ def training_data(cfg: Config, ckpt: dict | None, rank: int, size: int) -> Train
     return d
 
 
-def clamp_queue(cfg: Config, n_train: int) -> None:
-    """model.queue_size clamped to the training split's size, with a warning when it was longer."""
+def clamp_queue(cfg: Config, n_train: int) -> str | None:
+    """model.queue_size clamped to the training split's size; the warning to print when it was longer (after the
+    resume checks, whose refusal would make it moot)."""
     asked = cfg.model.queue_size
     cfg.model.queue_size = min(asked, n_train)
     if asked > n_train:
-        console.print(f"warning: model.queue_size {asked:,} is longer than the training split ({n_train:,}): every "
-                      f"sample would sit in the queue as its own negative more than once; clamped to {n_train:,}",
-                      highlight=False)
+        return (f"warning: model.queue_size {asked:,} is longer than the training split ({n_train:,}): every sample "
+                f"would sit in the queue as its own negative more than once; clamped to {n_train:,}")
+    return None
 
 
 def heldout_positions(cfg: Config, d: TrainData) -> None:

@@ -57,10 +57,11 @@ def train(cfg, resume: bool = False, overwrite: bool = False) -> dict:
 
     # --- data
     data = training_data(cfg, ckpt, rank, size)
-    data_sig = data_signature(cfg.shards)
-    clamp_queue(cfg, data.n_train)
+    data_sig, clamped = data_signature(cfg.shards), clamp_queue(cfg, data.n_train)
     if ckpt is not None:
         ckpt_io.check_resumable(ckpt, cfg, data_sig, out / "last.pt")
+    if clamped:
+        console.print(clamped, highlight=False)
     heldout_positions(cfg, data)
 
     # --- model

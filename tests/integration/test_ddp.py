@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from vltrain import train as train_mod
+from vltrain import step as step_mod
 from vltrain.config import load_config
 from vltrain.distributed import RankSlice, gather
 from vltrain.model import build_model, tokenizer_for
@@ -107,7 +107,7 @@ def single_process(case: str) -> dict:
     torch.set_default_dtype(torch.float64)
     try:
         model = build_model(cfg.model).eval()
-        return one_step(train_mod.TrainStep(model), model, global_batch(cfg, case), cfg)
+        return one_step(step_mod.TrainStep(model), model, global_batch(cfg, case), cfg)
     finally:
         torch.set_default_dtype(before)
 
@@ -121,7 +121,7 @@ def _rank(rank: int, size: int, init: str, case: str, results) -> None:
         model = build_model(cfg.model).eval()
         local = rank_batch(global_batch(cfg, case), rank, size)
         n = B // size
-        out = one_step(train_mod.wrap_ddp(model, cfg.loss, torch.device("cpu")), model, local, cfg)
+        out = one_step(step_mod.wrap_ddp(model, cfg.loss, torch.device("cpu")), model, local, cfg)
         order, ranked = gather(torch.arange(n) + rank * n, False)
         out["order"] = (order.tolist(), ranked.tolist())
         results[rank] = out

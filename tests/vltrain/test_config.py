@@ -38,9 +38,9 @@ def test_presets_set_what_the_papers_say():
     sm = load_config("softmask")  # SoftMask++ 4: albef's model, focal ITC, soft ITM, masked text, MMDA, no distillation
     assert (sm.loss.focal_gamma, sm.loss.distill_alpha, sm.loss.itm, sm.loss.softmask_itm, sm.loss.mlm,
             sm.loss.mlm_prob) == (2.0, 0.0, 1.0, 1.0, 1.0, 0.15)
-    assert (sm.loss.softmask_source, sm.data.masked_text_all, sm.data.augment) == ("gradcam", True, "softmask")
+    assert (sm.loss.softmask_source, sm.loss.masked_text_all, sm.data.augment) == ("gradcam", True, "softmask")
     assert (sm.model.fusion_from, sm.model.fusion_layers, sm.model.momentum) == ("split", 3, True)
-    assert albef.data.augment == "albef" and clip.data.augment == "none" and not albef.data.masked_text_all
+    assert albef.data.augment == "albef" and clip.data.augment == "none" and not albef.loss.masked_text_all
     fist = load_config("fistful")  # A Fistful of Words 3: dual encoder, EMA keys in an 8,192 bank, fixed tau 0.02
     assert (fist.model.fusion_layers, fist.model.momentum, fist.model.queue_size) == (0, True, 8192)
     assert (fist.model.temp, fist.model.temp_learnable, fist.model.pooling) == (0.02, False, "mean")
@@ -157,3 +157,32 @@ def test_every_preset_is_named_in_the_help_the_readme_and_training_md():
         assert re.search(rf"\b{re.escape(name)}\b", " ".join(shown.split())), f"vltrain run --help: {name}"
         assert f"| `{name}` |" in training, f"docs/TRAINING.md preset table: {name}"
         assert re.search(rf"presets[^.]*\b{re.escape(name)}\b", " ".join(readme.split())), f"README: {name}"
+
+
+def test_masked_text_all_is_a_loss_key_and_the_old_data_key_still_works(tmp_path, capsys):
+    from dataclasses import fields
+
+    from vltrain.checkpoint import check_resumable
+    from vltrain.config import DataConfig, LossConfig, to_dict, upgrade
+
+    assert "masked_text_all" in {f.name for f in fields(LossConfig)}
+    assert "masked_text_all" not in {f.name for f in fields(DataConfig)}
+    assert load_config("softmask").loss.masked_text_all and not load_config("albef").loss.masked_text_all
+    # --set and a YAML file with the old key: the value lands under loss, with one note naming the new key
+    assert load_config("albef", sets=["data.masked_text_all=true"]).loss.masked_text_all is True
+    assert capsys.readouterr().err.count("note: data.masked_text_all is now loss.masked_text_all") == 1
+    old_yaml = tmp_path / "old.yaml"
+    old_yaml.write_text("data:\n  masked_text_all: true\n  max_len: 20\n")
+    cfg = load_config("albef", config_file=old_yaml)
+    assert cfg.loss.masked_text_all is True and cfg.data.max_len == 20
+    # a checkpoint's config from before the move rebuilds the same Config, quietly, and resumes
+    old = to_dict(load_config("softmask"))
+    old["data"]["masked_text_all"] = old["loss"].pop("masked_text_all")
+    capsys.readouterr()
+    assert from_dict(old) == load_config("softmask")
+    assert "masked_text_all" not in capsys.readouterr().err
+    assert upgrade(old)["loss"]["masked_text_all"] is True and "masked_text_all" not in upgrade(old)["data"]
+    check_resumable({"config": old, "data": "sig"}, load_config("softmask"), "sig", tmp_path / "last.pt")
+    with pytest.raises(Exception, match="loss.masked_text_all: True -> False"):
+        check_resumable({"config": old, "data": "sig"}, load_config("softmask", sets=["loss.masked_text_all=false"]),
+                        "sig", tmp_path / "last.pt")

@@ -9,14 +9,14 @@ import math
 import pytest
 import torch
 
-from vltrain import train as train_mod
+from vltrain import step as step_mod
 from vltrain.config import load_config
 from vltrain.model import build_model, build_tokenizer
 
 
 def run_step(model, batch, cfg, generator, **kw):
     """train_step with the loss config and the data flag it takes from a whole Config."""
-    return train_mod.train_step(model, batch, cfg.loss, generator, masked_text_all=cfg.data.masked_text_all, **kw)
+    return step_mod.train_step(model, batch, cfg.loss, generator, **kw)
 
 
 TINY = ["model.text_model=tiny", "model.image_model=tiny", "model.embed_dim=16", "data.max_len=12"]
@@ -300,7 +300,7 @@ def test_mlm_loss_from_masked_positions_only_equals_the_full_vocabulary_loss(mas
     alpha soft CE against the momentum model's distribution, at every masked position, from full (B, L, V) logits."""
     from vltrain.losses import mlm_mask
     cfg = cfg_for("albef", "loss.itm=0", "loss.itc=0", "loss.mlm_prob=0.4",
-                  *(["data.masked_text_all=true"] if masked_all else []))
+                  *(["loss.masked_text_all=true"] if masked_all else []))
     model, batch = model_for(cfg), make_batch(CAPTIONS)
     alpha = 0.4
     out = run_step(model, batch, cfg, torch.Generator().manual_seed(7), alpha=alpha)

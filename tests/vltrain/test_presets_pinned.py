@@ -17,24 +17,19 @@ Regenerate (only for an intended change of numbers, saying why in the commit): V
 import json
 import os
 import zlib
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
-from PIL import Image
 
-from vlprep.shards import ShardsConfig, build_shards
+from tests.conftest import ontology_dataset
 from vltrain import data as data_mod
 from vltrain.config import load_config
 from vltrain.train import train
 
 PINS = Path(__file__).parent / "data" / "preset_pins.json"
 PRESETS = ["clip", "albef", "grit", "tonics", "softmask"]
-ANIMALS, COLOURS = ["cat", "dog", "bird"], ["red", "green", "blue", "yellow"]
 TINY = ["model.text_model=tiny", "model.image_model=tiny", "model.embed_dim=16", "data.image_size=32",
         "data.workers=0", "data.max_len=16", "log_every=1", "optim.warmup_steps=3", "optim.lr=0.01",
         "data.val_frac=0.25", "eval_every=10", "ckpt_every=10"]
@@ -51,33 +46,7 @@ TIMING = {"samples_per_s"}
 
 @pytest.fixture(scope="module")
 def onto(tmp_path_factory):
-    """48 pairs (near-solid colours that survive crops) with a hand-made ontology: one triplet per caption's animal,
-    a second 'pet' triplet for the cats."""
-    tmp = tmp_path_factory.mktemp("pins")
-    src = tmp / "src"
-    src.mkdir()
-    rng = np.random.default_rng(0)
-    rows = []
-    for i in range(48):
-        animal, colour = ANIMALS[i % 3], COLOURS[i % 4]
-        pixels = np.clip(rng.integers(0, 255, 3) + rng.integers(-20, 20, (40, 40, 3)), 0, 255).astype(np.uint8)
-        Image.fromarray(pixels).save(src / f"{i:03d}.png")
-        caption = f"a {colour} {animal} number {i}" + (" and a pet" if animal == "cat" else "")
-        (src / f"{i:03d}.txt").write_text(caption)
-        start = caption.index(animal)
-        rows.append({"key": f"shard_{i:09d}", "index": i, "noun": animal, "start": start, "end": start + len(animal),
-                     "class": animal})
-        if animal == "cat":
-            rows.append({"key": f"shard_{i:09d}", "index": i, "noun": "pet", "start": caption.index("pet"),
-                         "end": caption.index("pet") + 3, "class": "cat"})
-    ds = tmp / "ds"
-    build_shards(ShardsConfig(src=src, out=ds, samples_per_shard=10, workers=1))
-    pq.write_table(pa.Table.from_pylist(rows), ds / "triplets.parquet")
-    counts = Counter(r["class"] for r in rows)
-    (ds / "ontology.json").write_text(json.dumps({
-        "root": {"name": "entity", "instances": 48},
-        "nodes": [{"class": c, "nouns": [c], "instances": counts[c]} for c in ANIMALS]}))
-    return ds
+    return ontology_dataset(tmp_path_factory.mktemp("pins"))
 
 
 def pixels_of(key: str, shape) -> torch.Tensor:

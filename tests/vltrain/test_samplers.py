@@ -1,17 +1,13 @@
 import copy
-import io
 import json
 from collections import Counter
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
-from PIL import Image
 from typer.testing import CliRunner
 
-from vlprep.shards import ShardsConfig, build_shards
+from tests.conftest import ANIMALS, ontology_dataset
 from vltrain import checkpoint as ckpt_io
 from vltrain.cli import app
 from vltrain.data import Collate, in_val, span_mask
@@ -351,8 +347,6 @@ def test_grit_state_round_trip_gives_the_same_next_epoch(tmp_path):
 
 # --- end to end on tiny data -------------------------------------------------------------------------------------
 
-ANIMALS = ["cat", "dog", "bird"]
-COLOURS = ["red", "green", "blue", "yellow"]
 N_VAL = sum(in_val(f"shard_{i:09d}", 0.25) for i in range(48))  # the trainer's key-hash validation split
 N_TRAIN = 48 - N_VAL
 TINY = ["model.text_model=tiny", "model.image_model=tiny", "model.embed_dim=16", "data.image_size=32",
@@ -362,33 +356,7 @@ TINY = ["model.text_model=tiny", "model.image_model=tiny", "model.embed_dim=16",
 
 @pytest.fixture(scope="module")
 def onto(tmp_path_factory):
-    """48 pairs with a hand-made ontology (the vlprep ontology output contract): one triplet per caption's animal,
-    a second 'pet' triplet for cats (two triplets of one image in one node)."""
-    tmp = tmp_path_factory.mktemp("onto")
-    src = tmp / "src"
-    src.mkdir()
-    rng = np.random.default_rng(0)
-    rows = []
-    for i in range(48):
-        animal, colour = ANIMALS[i % 3], COLOURS[i % 4]
-        Image.fromarray(np.clip(rng.integers(0, 255, 3) + rng.integers(-20, 20, (40, 40, 3)), 0, 255)
-                        .astype(np.uint8)).save(src / f"{i:03d}.png")
-        caption = f"a {colour} {animal} number {i}" + (" and a pet" if animal == "cat" else "")
-        (src / f"{i:03d}.txt").write_text(caption)
-        start = caption.index(animal)
-        rows.append({"key": f"shard_{i:09d}", "index": i, "noun": animal, "start": start,
-                     "end": start + len(animal), "class": animal})
-        if animal == "cat":
-            rows.append({"key": f"shard_{i:09d}", "index": i, "noun": "pet", "start": caption.index("pet"),
-                         "end": caption.index("pet") + 3, "class": "cat"})
-    ds = tmp / "ds"
-    build_shards(ShardsConfig(src=src, out=ds, samples_per_shard=10, workers=1))
-    pq.write_table(pa.Table.from_pylist(rows), ds / "triplets.parquet")
-    counts = Counter(r["class"] for r in rows)
-    (ds / "ontology.json").write_text(json.dumps({
-        "root": {"name": "entity", "instances": 48},
-        "nodes": [{"class": c, "nouns": [c], "instances": counts[c]} for c in ("cat", "dog", "bird")]}))
-    return ds
+    return ontology_dataset(tmp_path_factory.mktemp("onto"))
 
 
 def _run(ds, out, *args):

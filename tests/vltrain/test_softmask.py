@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vltrain import train as train_mod
+from vltrain import step as step_mod
 from vltrain.config import ConfigError, load_config
 from vltrain.layers import Attention, FusionLayer
 from vltrain.losses import softmask_itm_loss
@@ -24,8 +24,8 @@ from tests.vltrain.test_train import losses, run, shards  # noqa: F401  (the mod
 
 
 def run_step(model, batch, cfg, generator, **kw):
-    """train_step with the loss config and the data flag it takes from a whole Config."""
-    return train_mod.train_step(model, batch, cfg.loss, generator, masked_text_all=cfg.data.masked_text_all, **kw)
+    """train_step with the loss config of a whole Config."""
+    return step_mod.train_step(model, batch, cfg.loss, generator, **kw)
 
 
 # --- attention maps ----------------------------------------------------------------------------------------------
@@ -217,11 +217,31 @@ def test_train_step_logs_softmask_itm_loss_for_every_source(source):
     assert model.itm_head.weight.grad is not None
 
 
+@pytest.mark.parametrize("source", ["gradcam", "random:0.3"])
+def test_the_mask_source_is_parsed_when_the_config_is_built_not_at_each_step(monkeypatch, source):
+    import vltrain.config as vc
+    import vltrain.softmask as sm
+
+    cfg = cfg_for("softmask", f"loss.softmask_source={source}")
+    assert cfg.loss.softmask == sm.parse_source(source)
+    batches = [make_batch(CAPTIONS, seed) for seed in range(2)]  # (make_batch builds a config of its own)
+
+    def parsed_again(text):
+        raise AssertionError(f"softmask_source {text!r} parsed during a step")
+
+    monkeypatch.setattr(sm, "parse_source", parsed_again)
+    monkeypatch.setattr(vc, "parse_source", parsed_again)
+    model = model_for(cfg).train()
+    for seed, batch in enumerate(batches):
+        out = run_step(model, batch, cfg, torch.Generator().manual_seed(seed))
+        assert torch.isfinite(out["softmask_itm_loss"])
+
+
 def test_gradcam_step_mask_follows_the_recomputed_cam(monkeypatch):
     """The mask train_step applies is soft_mask of the Grad-CAM row of the sampled word, recomputed here."""
     import vltrain.softmask as sm
 
-    cfg = cfg_for("softmask", "data.masked_text_all=false")
+    cfg = cfg_for("softmask", "loss.masked_text_all=false")
     model = model_for(cfg)  # eval: no dropout, so the recomputation sees the same numbers
     seen = {}
     real_fuse, real_words = model.fuse, sm.sample_words
@@ -264,7 +284,7 @@ def test_bad_softmask_configs_are_one_line_errors():
              ({"loss.softmask_source": "saliency"}, "unknown loss.softmask_source"),
              ({"data.augment": "strong"}, "unknown data.augment"),
              ({"loss.itm": 0}, "reads the ITM positives"),
-             ({"loss.mlm": 0}, "data.masked_text_all needs loss.mlm > 0")]
+             ({"loss.mlm": 0}, "loss.masked_text_all needs loss.mlm > 0")]
     for sets, msg in cases:
         with pytest.raises(ConfigError, match=msg) as e:
             load_config("softmask", sets=[f"{k}={v}" for k, v in sets.items()])
@@ -289,7 +309,7 @@ def test_masked_text_all_off_is_bit_identical_to_the_code_before_softmask():
     try:
         for preset, want in before.items():
             cfg = cfg_for(preset)
-            assert not cfg.data.masked_text_all and cfg.loss.softmask_itm == 0
+            assert not cfg.loss.masked_text_all and cfg.loss.softmask_itm == 0
             model = model_for(cfg).train()
             torch.manual_seed(1)
             g = torch.Generator().manual_seed(3)

@@ -11,10 +11,11 @@ import numpy as np
 from PIL import Image
 from vlprep import versions
 from vlprep.shards import ShardsConfig, build_shards
-from vltrain import train as train_mod
+from vltrain import step as step_mod
 from vltrain.cli import app
 from vltrain.config import load_config
-from vltrain.train import distill_alpha_at, lr_at
+from vltrain.optim import lr_at
+from vltrain.step import distill_alpha_at
 
 WORDS = ["red", "green", "blue", "cat", "dog", "bird", "tree", "car", "boat", "house", "sun", "moon"]
 TINY = ["model.text_model=tiny", "model.image_model=tiny", "model.embed_dim=16", "data.image_size=32",
@@ -163,7 +164,7 @@ def test_resume_refuses_data_whose_captions_changed(shards, tmp_path):
 
 
 def test_nan_loss_stops_and_keeps_last_checkpoint(shards, tmp_path, monkeypatch):
-    real = train_mod.train_step
+    real = step_mod.train_step
     calls = []
 
     def poisoned(*a, **k):
@@ -173,7 +174,7 @@ def test_nan_loss_stops_and_keeps_last_checkpoint(shards, tmp_path, monkeypatch)
             out["total"] = out["total"] * float("nan")
         return out
 
-    monkeypatch.setattr(train_mod, "train_step", poisoned)
+    monkeypatch.setattr(step_mod, "train_step", poisoned)
     out = tmp_path / "nan"
     r = run(shards, out, "--preset", "clip", "--steps", "5", "--set", "ckpt_every=2", "--set", "data.val_frac=0")
     assert r.exit_code == 2

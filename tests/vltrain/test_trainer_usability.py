@@ -257,7 +257,7 @@ def test_checkpoints_also_follow_the_wall_clock(shards, tmp_path, monkeypatch):
 
     saved = []
     real = ckpt_io.save
-    monkeypatch.setattr(train_mod.ckpt_io, "save", lambda obj, path: (saved.append((obj["step"], path.name)),
+    monkeypatch.setattr(ckpt_io, "save", lambda obj, path: (saved.append((obj["step"], path.name)),
                                                                        real(obj, path)))
     cfg = load_config("clip", sets=[*TINY, "ckpt_every=1000", "eval_every=1000"], shards=[str(shards)],
                       out=str(tmp_path / "a"), steps=3, batch_size=4, device="cpu")

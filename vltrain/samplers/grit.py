@@ -95,7 +95,7 @@ def _greedy_chains(sim: torch.Tensor, sim_t: torch.Tensor, starts: torch.Tensor)
 def _chains_numpy(sim: np.ndarray, sim_t: np.ndarray, starts: np.ndarray) -> np.ndarray:
     # numpy on a CPU: the same steps as _chains_torch, ~3.5x faster there (15 vs 52 ms for 17 chains of M = 960:
     # torch's CPU argmax over an (S, M) block alone is 86 us against numpy's 3.5). Same first-index tie rule;
-    # tests/test_samplers.py checks that both paths give the same orders.
+    # tests/vltrain/test_samplers.py checks that both paths give the same orders.
     s, m, _ = sim.shape
     rows = (sim.reshape(s * m, m), sim_t.reshape(s * m, m))  # image->text rows, text->image rows
     base = np.arange(s) * m
