@@ -85,7 +85,7 @@ ADAM_EPS = 1e-8  # AdamW's default, as the trainer uses it
 
 def one_step(step_fn, model, batch, cfg) -> dict:
     """Forward, backward, enqueue; the ITC loss, every gradient and the queue afterwards."""
-    losses = step_fn(batch, cfg.loss, torch.Generator().manual_seed(0), None, cfg.loss.distill_alpha, False)
+    losses = step_fn(batch, cfg.loss, torch.Generator().manual_seed(0), None, cfg.loss.distill_alpha)
     losses["total"].backward()
     if model.cfg.queue_size:
         model.dequeue_and_enqueue(*losses["queue_feats"])
