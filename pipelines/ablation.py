@@ -40,7 +40,8 @@ from rich.table import Table
 from vltrain import TrainError
 from vltrain.config import ConfigError, load_config
 from vltrain.data import data_signature
-from vltrain.train import Interrupted, train
+from vltrain.checkpoint import Interrupted
+from vltrain.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = ROOT / "pipelines"

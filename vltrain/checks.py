@@ -5,6 +5,7 @@ import json
 from vltrain.checkpoint import Run, RunState, save_checkpoint
 from vltrain.distributed import broadcast
 from vltrain.evaluate import embed_split, heldout_r1, heldout_recall, val_triplet_sim
+from vltrain.figures import plot_curriculum
 from vltrain.report import Report, console
 
 
@@ -12,8 +13,6 @@ def curriculum_check(run: Run, state: RunState, data, rank: int, device) -> dict
     """TOnICS: held-out image retrieval R@1, and a curriculum refresh when it reaches the threshold.
 
     Rank 0 checks and decides; the others follow its decision, so every rank's curriculum stays the same."""
-    from vltrain.figures import plot_curriculum
-
     cfg, sampler = run.cfg, run.sampler
     row = None
     if rank == 0:

@@ -11,6 +11,8 @@ from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
 
+from vltrain.figures import plot_learning_curve
+
 console = Console(stderr=True, emoji=False, soft_wrap=True)
 
 
@@ -156,9 +158,6 @@ class Report:
 
     def val(self, step: int, result: dict) -> None:
         """A held-out evaluation: TensorBoard, a metrics row and the learning curve redrawn."""
-        from vltrain.figures import plot_learning_curve
-
-        self.last_eval = result
         for k, v in result.items():
             if isinstance(v, float):
                 self.tb.add_scalar(f"val/{k}", v, step)

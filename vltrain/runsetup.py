@@ -159,10 +159,6 @@ class TrainData:
     heldout: np.ndarray | None = None       # TOnICS: the refresh check's held-out positions
     val_triplets: np.ndarray | None = None  # triplet mode: the held-out triplets scored at each eval
 
-    @property
-    def tonics(self) -> bool:
-        return isinstance(self.sampler, TonicsBatchSampler)
-
 
 def index_data(cfg: Config, tf_train, tf_eval, grit_ratios: tuple[int, int] = GRIT_RATIOS, world: int = 1) -> dict:
     """Train / val views read through wids, the batch sampler over the train view, the curriculum's node names and
@@ -275,7 +271,7 @@ def clamp_queue(cfg: Config, n_train: int) -> str | None:
 
 def heldout_positions(cfg: Config, d: TrainData) -> None:
     """TOnICS' refresh-check positions and triplet mode's scored held-out triplets, from the validation view."""
-    if d.tonics and cfg.sampler.kind == "tonics":
+    if isinstance(d.sampler, TonicsBatchSampler) and cfg.sampler.kind == "tonics":
         d.heldout = distinct_positions(d.val, cfg.sampler.heldout, cfg.seed)
         if len(d.heldout) < 2:
             raise TrainError(f"the TOnICS refresh check needs held-out instances and the validation split has "

@@ -14,10 +14,9 @@ WEIGHTS = {"itc_loss": "itc", "itc_consistency_loss": "consistency", "itm_loss":
            "softmask_itm_loss": "softmask_itm", "tonics_ir_loss": "tonics_ir", "tonics_tr_loss": "tonics_tr"}
 
 
-def distill_alpha_at(step: int, w) -> float:
-    """Distillation weight of the step-th optimiser step (1-based): ALBEF's alpha * min(1, i / W), i = step - 1.
-    `w` is the run's LossConfig (or a Config, whose .loss is used)."""
-    w = getattr(w, "loss", w)
+def distill_alpha_at(step: int, cfg) -> float:
+    """Distillation weight of the step-th optimiser step (1-based): ALBEF's alpha * min(1, i / W), i = step - 1."""
+    w = cfg.loss
     if w.distill_warmup_steps <= 0:
         return w.distill_alpha
     # ALBEF's Pretrain.py counts i from 0 within the first epoch, so its first step distils with weight 0.

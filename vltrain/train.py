@@ -21,7 +21,7 @@ from vlprep.dataset import release_output
 from vltrain import TrainError
 from vltrain import checkpoint as ckpt_io
 from vltrain.batches import Feed
-from vltrain.checkpoint import Interrupted, Run, RunState, interrupted, save_checkpoint  # noqa: F401 (Interrupted)
+from vltrain.checkpoint import Run, RunState, interrupted, save_checkpoint
 from vltrain.checks import curriculum_check, evaluate_heldout
 from vltrain.data import data_signature, to_device
 from vltrain.distributed import RankSlice, any_flags, broadcast, gather, init_from_env, world
@@ -38,7 +38,7 @@ def train(cfg, resume: bool = False, overwrite: bool = False) -> dict:
     """Train as cfg says, writing OUT/{metrics.jsonl, tb/, last.pt, best.pt}; returns the final metrics.
 
     Refuses an OUT holding another run unless `resume` (continue from OUT/last.pt) or `overwrite` (start over).
-    Ctrl-C / SIGTERM finish the current step, write last.pt and raise `Interrupted`.
+    Ctrl-C / SIGTERM finish the current step, write last.pt and raise `vltrain.checkpoint.Interrupted`.
     """
     # --- set-up (every rank builds the same model from the run seed; its own draws use a per-rank seed)
     cfg, out = copy.deepcopy(cfg), Path(cfg.out)
@@ -106,7 +106,7 @@ def train(cfg, resume: bool = False, overwrite: bool = False) -> dict:
                                           f"printed above){kept}")
             state.consumed, state.step = state.consumed + 1, state.step + 1
             lr, alpha = lr_at(state.step, cfg.optim.lr, cfg.optim.warmup_steps, cfg.steps,
-                              cfg.optim.min_lr_ratio), distill_alpha_at(state.step, cfg.loss)
+                              cfg.optim.min_lr_ratio), distill_alpha_at(state.step, cfg)
             set_lr(optimizer, lr)
             batch = to_device(batch, device)
             if channels_last:
