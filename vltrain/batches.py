@@ -38,11 +38,11 @@ def epoch_batches(epoch: int, seed: int, dataset, sampler, collate, batch_size: 
     seed = seed * 100_003 + epoch
     common = dict(collate_fn=collate, num_workers=workers, pin_memory=device.type == "cuda",
                   generator=torch.Generator().manual_seed(seed), worker_init_fn=_ignore_sigint)
+    dataset.set_epoch(epoch)  # which caption of a multi-caption sample this epoch trains on
     if sampler is not None:
         sampler.set_epoch(epoch)
         loader = DataLoader(dataset, batch_sampler=sampler, **common)
     else:
-        dataset.set_epoch(epoch)
         loader = DataLoader(dataset, batch_size=batch_size, drop_last=True, **common)
     return iter(loader), torch.Generator().manual_seed(seed + 1).get_state()
 

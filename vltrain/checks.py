@@ -39,14 +39,15 @@ def curriculum_check(run: Run, state: RunState, data, rank: int, device) -> dict
 def evaluate_heldout(run: Run, state: RunState, data, report: Report, device) -> None:
     """Rank 0: held-out retrieval (triplets: the aligner's noun-image task), logged; best.pt when it improves."""
     cfg, model = run.cfg, run.model
+    txt2img = None
     if cfg.data.triplets:
         sim = (val_triplet_sim(model, data.val, data.val_triplets, data.collate, cfg.batch_size, device)
                if len(data.val_triplets) >= 2 else None)
-    else:
+    else:  # every caption of a multi-caption image is scored (the protocol of `vltrain eval`)
         emb = embed_split(model, cfg.shards, "val", cfg.data.val_frac, cfg.data.max_len, cfg.batch_size,
                           cfg.data.image_size, cfg.data.workers, device, data.use_features)
-        sim = emb["img"] @ emb["txt"].t() if emb["n"] >= 2 else None
-    result = (heldout_recall(sim, "val triplets" if cfg.data.triplets else "val samples", state.step)
+        sim, txt2img = (emb["img"] @ emb["txt"].t(), emb["txt2img"]) if emb["n"] >= 2 else (None, None)
+    result = (heldout_recall(sim, "val triplets" if cfg.data.triplets else "val samples", state.step, txt2img)
               if sim is not None else None)
     report.last_eval = result
     if result is None:

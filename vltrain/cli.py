@@ -43,14 +43,16 @@ def user_errors():
         raise typer.Exit(2) from None
 
 
-# Column order and headers of every retrieval table: R@1/5/10 image->text, then text->image (papers: TR, IR).
-COLUMNS = [("i2t_r1", "i→t R@1"), ("i2t_r5", "i→t R@5"), ("i2t_r10", "i→t R@10"),
-           ("t2i_r1", "t→i R@1"), ("t2i_r5", "t→i R@5"), ("t2i_r10", "t→i R@10"), ("mean_recall", "mean")]
+# Column order and headers of every retrieval table, as the papers print them: TR (text retrieval: an image finds
+# its captions, image->text) R@1/5/10, then IR (image retrieval: a caption finds its image, text->image), then the mean.
+COLUMNS = [("i2t_r1", "TR@1"), ("i2t_r5", "TR@5"), ("i2t_r10", "TR@10"),
+           ("t2i_r1", "IR@1"), ("t2i_r5", "IR@5"), ("t2i_r10", "IR@10"), ("mean_recall", "mean")]
 
 
 def _recall_table(title: str, rows: dict[str, dict]) -> Table:
     """R@1/5/10 image→text and text→image (and their mean), one row per result dict (ITC, ITM re-rank, chance)."""
-    table = Table(title=title, caption="i→t: image→text (each image finds its caption); t→i: text→image")
+    table = Table(title=title, caption="TR: text retrieval (an image finds one of its captions, image→text); "
+                                       "IR: image retrieval (a caption finds its image, text→image)")
     table.add_column("")
     for _, header in COLUMNS:
         table.add_column(header, justify="right")
@@ -119,7 +121,9 @@ def run(
         return
     ev = result["eval"]
     if ev is not None:
-        out_console.print(_recall_table(f"held-out retrieval (%) at step {result['step']} ({ev['n_val']} pairs)",
+        size = (f"{ev['n_val']} pairs" if ev.get("n_captions", ev["n_val"]) == ev["n_val"]
+                else f"{ev['n_val']} images, {ev['n_captions']} captions")
+        out_console.print(_recall_table(f"held-out retrieval (%) at step {result['step']} ({size})",
                                         {"model": ev, "chance": ev["chance"]}))
     else:
         console.print("no held-out samples: retrieval not evaluated (raise data.val_frac)")
@@ -145,35 +149,62 @@ def config_(
 @app.command("eval")
 def eval_(
     checkpoint: Path = typer.Argument(..., help="A checkpoint from `vltrain run` (last.pt or best.pt)."),
-    shards: list[Path] = typer.Argument(..., help="Shard folders; every sample in them is evaluated."),
-    zeroshot: Optional[Path] = typer.Option(None, help="classes.txt, one class name per line; a sample's label is "
-                                            "the class named in its caption, samples naming none are skipped."),
-    itm_rerank_k: int = typer.Option(0, "--itm-rerank-k", help="Re-rank each query's ITC top-k by ITM (0: off)."),
+    shards: Optional[list[Path]] = typer.Argument(None, help="Shard folders: retrieval over every image and every "
+                                                  "caption in them (several captions per image: docs/FORMAT.md)."),
+    zeroshot_folder: Optional[Path] = typer.Option(None, "--zeroshot-folder", help="Zero-shot benchmark ROOT/CLASS/"
+                                                   "*.jpg, with optional ROOT/classnames.txt and ROOT/templates.txt."),
+    zeroshot: Optional[Path] = typer.Option(None, help="classes.txt, one class name per line: zero-shot on the images "
+                                            "of SHARDS, labelled by the class their caption names (others skipped)."),
+    templates: Optional[Path] = typer.Option(None, help="Prompt templates, one per line with {} for the class name "
+                                             "\\[default: ROOT/templates.txt, else CLIP's 7 ImageNet templates]."),
+    itm_rerank_k: int = typer.Option(0, "--itm-rerank-k", help="Re-rank each query's ITC top-k by ITM (0: off; "
+                                     "ALBEF uses 256 on COCO, 128 on Flickr30K)."),
     out: Optional[Path] = typer.Option(None, help="Result JSON \\[default: CHECKPOINT's folder/eval.json]."),
     device: str = typer.Option("auto", help="auto (CUDA when present), cpu or cuda."),
 ) -> None:
-    """Retrieval R@1/5/10 (optionally ITM re-ranked) and zero-shot accuracy of a checkpoint; a TOnICS aligner
-    checkpoint is scored on noun-to-image retrieval over the triplets of the first folder (vlprep ontology output)."""
+    """Retrieval R@1/5/10 both ways (optionally ITM re-ranked) and zero-shot top-1/top-5 of a checkpoint, scored
+    as the papers do (docs/EVALUATION.md); a TOnICS aligner checkpoint is scored on noun-to-image retrieval over the
+    triplets of the first folder (vlprep ontology output)."""
     from vltrain.evaluate import evaluate_checkpoint
 
     with user_errors():
-        result = evaluate_checkpoint(checkpoint, shards, zeroshot=zeroshot, itm_rerank_k=itm_rerank_k,
-                                     device=device)
-    rows = {"aligner" if "task" in result else "ITC": result["retrieval"]}
-    if "itm_rerank" in result:
-        rows[f"ITM re-rank top-{result['itm_rerank']['k']}"] = result["itm_rerank"]
-    rows["chance"] = result["chance"]
-    out_console.print(_recall_table(f"retrieval (%) on {result['n_samples']} pairs", rows))
+        result = evaluate_checkpoint(checkpoint, shards or [], zeroshot=zeroshot, itm_rerank_k=itm_rerank_k,
+                                     device=device, zeroshot_folder=zeroshot_folder, templates=templates)
+    if "retrieval" in result:
+        r = result["retrieval"]
+        rows = {"aligner" if "task" in result else "ITC": r}
+        if "itm_rerank" in result:
+            rr = result["itm_rerank"]
+            rows[f"ITM re-rank top-{rr['k']}"] = rr
+            console.print(f"ITM re-rank: {rr['seconds']:.1f} s, {rr['seconds_per_1k_images']:.1f} s per 1K images",
+                          highlight=False)
+        rows["chance"] = result["chance"]
+        size = (f"{r['n_images']:,} images, {r['n_captions']:,} captions" if "n_images" in r
+                else f"{result['n_samples']} pairs")
+        out_console.print(_recall_table(f"retrieval (%) on {size}", rows))
     if "zeroshot" in result:
-        zs = result["zeroshot"]
-        if "top1" in zs:
-            out_console.print(f"zero-shot on {zs['samples']} samples ({zs['classes']} classes, {zs['skipped']} "
-                              f"skipped): top-1 {zs['top1']:.2f}%, top-5 {zs['top5']:.2f}%", highlight=False)
-        else:
-            console.print(f"zero-shot: no caption names one of the {zs['classes']} classes; nothing to score")
+        _print_zeroshot(result["zeroshot"])
     out = out or checkpoint.parent / "eval.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     console.print(f"wrote {out}", highlight=False)
+
+
+def _print_zeroshot(zs: dict) -> None:
+    if "top1" not in zs:
+        console.print(f"zero-shot: no caption names one of the {zs['classes']} classes; nothing to score")
+        return
+    n = zs.get("images", zs.get("samples"))
+    skipped = f", {zs['skipped']} skipped" if zs.get("skipped") else ""
+    table = Table(title=f"zero-shot (%) on {n:,} images, {zs['classes']} classes, {len(zs['templates'])} "
+                        f"templates{skipped}")
+    for header in ("", "top-1", "top-5", "mean per class"):
+        table.add_column(header, justify="right" if header else "left")
+    for name, row in (("model", zs), ("chance", zs["chance"])):
+        table.add_row(name, *(f"{row[k]:.2f}" for k in ("top1", "top5", "mean_per_class")))
+    out_console.print(table)
+    if zs["confusions"]:
+        out_console.print("most confused (true → predicted: images): " + "; ".join(
+            f"{c['true']} → {c['predicted']}: {c['count']}" for c in zs["confusions"]), highlight=False)
 
 
 @app.command("gradcam")

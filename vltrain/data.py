@@ -156,9 +156,39 @@ def loader_error(e: Exception) -> Exception:
         return e
 
 
-def load_sample(raw: dict, transform, use_features: bool) -> tuple:
-    """Raw sample (member bytes by extension) -> (image tensor or feature tokens, caption, key)."""
-    caption = raw["txt"].decode("utf-8")  # only the caption: the json member is not needed here
+def sample_captions(raw: dict) -> list[str]:
+    """Every caption of a raw sample: `json.captions` of a multi-caption sample (docs/FORMAT.md), else [txt]."""
+    text = raw["txt"].decode("utf-8")
+    meta = raw.get("json")
+    if not meta or b'"captions"' not in meta:  # most samples have one caption: no json parse for them
+        return [text]
+    captions = json.loads(meta).get("captions")
+    if not isinstance(captions, list) or not captions or not all(isinstance(c, str) and c for c in captions):
+        raise ValueError(f"sample {raw.get('__key__')}: json.captions is not a list of captions")
+    return captions
+
+
+def drawn_caption(captions: list[str], seed: int, epoch: int, key: str) -> str:
+    """The caption a multi-caption sample trains on in an epoch: a function of (seed, epoch, key) only, so every
+    worker, rank and resumed run draws the same one, and each epoch may draw another (ALBEF trains on them all)."""
+    if len(captions) == 1:
+        return captions[0]
+    h = hashlib.blake2b(f"caption:{seed}:{epoch}:{key}".encode(), digest_size=8).digest()
+    return captions[int.from_bytes(h, "big") % len(captions)]
+
+
+# Which caption(s) load_sample returns: "first" (txt), "all" (a tuple, for evaluation) or (seed, epoch) to draw one.
+FIRST, ALL = "first", "all"
+
+
+def load_sample(raw: dict, transform, use_features: bool, captions=FIRST) -> tuple:
+    """Raw sample (member bytes by extension) -> (image tensor or feature tokens, caption(s), key)."""
+    if captions == FIRST:
+        caption = raw["txt"].decode("utf-8")  # only the caption: the json member is not needed here
+    elif captions == ALL:
+        caption = tuple(sample_captions(raw))
+    else:
+        caption = drawn_caption(sample_captions(raw), *captions, raw["__key__"])
     if use_features:
         if "npy" not in raw:
             raise ValueError(f"{raw.get('__url__', '')}: sample {raw['__key__']} has no npy features")
@@ -172,13 +202,15 @@ class ShardStream(IterableDataset):
     """(image tensor or feature tokens, caption, key) from shard folders, one split, shuffled per epoch.
 
     DataLoader workers (and under torchrun, ranks x workers) take disjoint shards; the order depends only on (seed,
-    epoch). A sample that cannot be
+    epoch). `captions` picks what a multi-caption sample gives: "draw" one per epoch (training), "all" (evaluation)
+    or "first". A sample that cannot be
     decoded is skipped and counted in `self.counts` (webdataset's warn_and_continue, with a count); a shard whose
     tar ends before its sizes.json count is a BadShardError.
     """
 
     def __init__(self, folders, split: str, val_frac: float, transform, shuffle: bool = True,
-                 buffer: int = 1000, seed: int = 0, use_features: bool = False, rank: int = 0, world: int = 1):
+                 buffer: int = 1000, seed: int = 0, use_features: bool = False, rank: int = 0, world: int = 1,
+                 captions: str = "draw"):
         self.sizes = shard_sizes(folders)
         self.shards = list(self.sizes)
         if not self.shards:
@@ -186,6 +218,7 @@ class ShardStream(IterableDataset):
         self.split, self.val_frac, self.transform = split, val_frac, transform
         self.shuffle, self.buffer, self.seed, self.epoch = shuffle, buffer, seed, 0
         self.use_features, self.rank, self.world = use_features, rank, world
+        self.captions = captions
         self.counts = LoadCounts()
 
     def set_epoch(self, epoch: int) -> None:
@@ -197,7 +230,8 @@ class ShardStream(IterableDataset):
     def _load(self, raw: dict):
         """The loaded sample, or None (counted) when it cannot be decoded."""
         try:
-            sample = load_sample(raw, self.transform, self.use_features)
+            which = (self.seed, self.epoch) if self.captions == "draw" else self.captions
+            sample = load_sample(raw, self.transform, self.use_features, which)
         except Exception:  # a corrupt image, caption or npy: any decoder error is the sample's, not ours
             self.counts.add(1, 1)
             return None
@@ -326,13 +360,20 @@ def check_index(ds) -> None:
 class InstanceView(torch.utils.data.Dataset):
     """Position p -> (x, caption, key, p[, (start, end)]) for the sample samples[p] of an IndexedShards.
 
-    `spans` (P, 2) gives each position a character span of its caption (TOnICS triplets: the noun).
+    `spans` (P, 2) gives each position a character span of its caption (TOnICS triplets: the noun), which is the
+    first caption (`txt`). Otherwise `captions` is "first" or "draw" (a multi-caption sample gives the caption drawn
+    for `seed` and the epoch of `set_epoch`, as ShardStream does).
     """
 
-    def __init__(self, shards: IndexedShards, samples, transform, use_features: bool = False, spans=None):
+    def __init__(self, shards: IndexedShards, samples, transform, use_features: bool = False, spans=None,
+                 captions: str = "first", seed: int = 0):
         self.shards, self.samples = shards, np.asarray(samples, dtype=np.int64)
         self.transform, self.use_features = transform, use_features
         self.spans = None if spans is None else np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+        self.captions, self.seed, self.epoch = captions, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -341,7 +382,8 @@ class InstanceView(torch.utils.data.Dataset):
         """The sample at position p, or None (counted in shards.counts) when it cannot be decoded."""
         raw = self.shards.raw(int(self.samples[p]))
         try:
-            x, caption, key = load_sample(raw, self.transform, self.use_features)
+            which = (self.seed, self.epoch) if self.captions == "draw" and self.spans is None else FIRST
+            x, caption, key = load_sample(raw, self.transform, self.use_features, which)
         except Exception:  # a corrupt image, caption or npy: the sample's fault; Collate drops the None
             self.shards.counts.add(1, 1)
             return None
@@ -362,7 +404,10 @@ def span_mask(offsets: torch.Tensor, spans: torch.Tensor) -> torch.Tensor:
 
 class Collate:
     """Batch of (x, caption, key[, position[, span]]) -> {'images' | 'features', 'input_ids', 'attention_mask',
-    'keys', 'captions'[, 'index'[, 'noun_mask']]}; noun_mask (B, L) marks the word pieces of each span."""
+    'keys', 'captions'[, 'index'[, 'noun_mask']]}; noun_mask (B, L) marks the word pieces of each span.
+
+    Samples loaded with every caption (a tuple each, for evaluation) give one row of input_ids per caption and
+    'caption_owner' (T,): the batch position of each caption's image."""
 
     def __init__(self, tokenizer, max_len: int, use_features: bool = False):
         self.tokenizer, self.max_len, self.use_features = tokenizer, max_len, use_features
@@ -372,12 +417,18 @@ class Collate:
         if not batch:
             return None
         xs, captions, keys, *extra = zip(*batch)
+        owner = None
+        if isinstance(captions[0], tuple):  # every caption of each sample
+            owner = torch.tensor([i for i, caps in enumerate(captions) for _ in caps], dtype=torch.long)
+            captions = [c for caps in captions for c in caps]
         spans = len(extra) > 1
         extra_args = {"return_offsets_mapping": True} if spans else {}  # fast tokenizers only: triplets need it
         tok = self.tokenizer(list(captions), padding="longest", truncation=True, max_length=self.max_len,
                              return_tensors="pt", **extra_args)
         out = {"features" if self.use_features else "images": torch.stack(xs), "input_ids": tok["input_ids"],
                "attention_mask": tok["attention_mask"], "keys": list(keys), "captions": list(captions)}
+        if owner is not None:
+            out["caption_owner"] = owner
         if extra:
             out["index"] = torch.tensor(extra[0], dtype=torch.long)
         if spans:

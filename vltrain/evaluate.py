@@ -10,80 +10,109 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from rich.console import Console
 from torch.utils.data import DataLoader
 
 from vltrain import TrainError
 from vltrain.checkpoint import load, model_from
 from vltrain.config import from_dict
-from vltrain.data import (SAME_ENCODER, Collate, IndexedShards, InstanceView, ShardStream, eval_transform,
-                          feature_input, to_device)
+from vltrain.data import (ALL, SAME_ENCODER, Collate, IndexedShards, InstanceView, ShardStream, data_signature,
+                          eval_transform, feature_input, to_device)
 from vltrain.layers import noun_states
 from vltrain.losses import upcast
 from vltrain.model import autocast, resolve_device, tokenizer_for
 
 console = Console(stderr=True, emoji=False, soft_wrap=True)
-PROMPT = "a photo of a {}"
 
 KS = (1, 5, 10)
 
 
-def recall_at_k(sim: torch.Tensor, txt2img: torch.Tensor, ks=KS) -> dict[str, float]:
-    """sim (N_img, N_txt), txt2img (N_txt,) image index of each text -> i2t / t2i R@K in % and their mean."""
+PROTOCOL = ("multi-caption retrieval: image→text R@K counts an image when any of its captions is among its K "
+            "best-scored captions, text→image R@K ranks the images for every caption; a wrong candidate scoring as "
+            "high as the right one ranks above it")
+
+
+def recall_at_k(sim: torch.Tensor, txt2img, ks=KS) -> dict[str, float]:
+    """sim (N_img, N_txt), txt2img (N_txt,) image index of each caption -> i2t / t2i R@K in % and their mean.
+
+    The Karpathy-split protocol of ALBEF's evaluation (COCO 5K / Flickr30K 1K test, 5 captions per image): an image
+    hits at K when any of its captions is among its K best-scored captions; a caption hits when its image is among
+    its K best-scored images. The mean is the six recalls' mean (rsum / 6). A rank is the number of wrong candidates
+    scoring at least as high as the best right one, so a tie counts against the query and the result never depends on
+    sort order; a NaN score ranks last. With one caption per image this is the usual one-positive R@K.
+    """
     n_img, n_txt = sim.shape
+    txt2img = torch.as_tensor(txt2img, dtype=torch.long)
+    if txt2img.shape != (n_txt,) or (n_txt and not 0 <= int(txt2img.min()) <= int(txt2img.max()) < n_img):
+        raise ValueError(f"txt2img must give each of the {n_txt} captions an image index below {n_img}")
+    if (torch.bincount(txt2img, minlength=n_img) == 0).any():
+        raise ValueError("every image needs at least one caption for image→text recall")
+    sim = sim.masked_fill(sim.isnan(), float("-inf"))
+    cols = torch.arange(n_txt)
     positive = torch.zeros(n_img, n_txt, dtype=torch.bool)
-    positive[txt2img, torch.arange(n_txt)] = True
+    positive[txt2img, cols] = True
+    best = sim.masked_fill(~positive, float("-inf")).amax(dim=1)  # the best-scored caption of each image
+    rank_i2t = ((sim >= best[:, None]) & ~positive).sum(dim=1)
+    rank_t2i = (sim >= sim[txt2img, cols][None, :]).sum(dim=0) - 1  # minus the caption's own image
     out = {}
-    # rank of the best positive per image (i2t) and of the image per text (t2i)
-    order_i2t = sim.argsort(dim=1, descending=True)
-    first_hit = positive.gather(1, order_i2t).float().argmax(dim=1)
-    order_t2i = sim.t().argsort(dim=1, descending=True)
-    rank_t2i = (order_t2i == txt2img[:, None]).float().argmax(dim=1)
     for k in ks:
-        out[f"i2t_r{k}"] = round(100 * (first_hit < k).float().mean().item(), 2)
-        out[f"t2i_r{k}"] = round(100 * (rank_t2i < k).float().mean().item(), 2)
+        out[f"i2t_r{k}"] = round(100 * (rank_i2t < k).double().mean().item(), 2)
+        out[f"t2i_r{k}"] = round(100 * (rank_t2i < k).double().mean().item(), 2)
     out["mean_recall"] = round(sum(out.values()) / len(out), 2)
     return out
 
 
-def chance_recall(n_img: int, n_txt: int, ks=KS) -> dict[str, float]:
-    """Expected R@K of a random ranking with one positive per query, for the table beside the results."""
-    return {**{f"i2t_r{k}": round(100 * min(1.0, k / n_txt), 2) for k in ks},
+def chance_recall(n_img: int, n_txt: int, ks=KS, captions_per_image=None) -> dict[str, float]:
+    """Expected R@K of a random ranking, for the table beside the results.
+
+    Text→image has one right image among n_img: K / n_img. Image→text with c right captions among n_txt misses when
+    all K drawn are wrong: 1 - C(n_txt - c, K) / C(n_txt, K), averaged over the images (c = 1 when not given)."""
+    counts = [1] * n_img if captions_per_image is None else [int(c) for c in captions_per_image]
+
+    def hit(c: int, k: int) -> float:
+        miss = 1.0
+        for t in range(min(k, n_txt)):
+            miss *= max(0, n_txt - c - t) / (n_txt - t)
+        return 1.0 - miss
+
+    return {**{f"i2t_r{k}": round(100 * sum(hit(c, k) for c in counts) / len(counts), 2) for k in ks},
             **{f"t2i_r{k}": round(100 * min(1.0, k / n_img), 2) for k in ks}}
 
 
-def itm_rerank(sim: torch.Tensor, k: int, itm_score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> tuple:
+def itm_rerank(sim: torch.Tensor, k: int, itm_score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+               batch: int = 256) -> tuple:
     """ALBEF's re-rank: for each query, its ITC top-k get score = ITM match logit + ITC similarity, others -100.
 
-    itm_score(image_idx (M,), text_idx (M,)) -> (M,) match logits. Returns (sim_i2t, sim_t2i), both (N_img, N_txt).
+    itm_score(image_idx (M,), text_idx (M,)) -> (M,) match logits, called with at most `batch` pairs at a time; a
+    pair in the top-k of both directions is scored once. k is capped at the number of candidates of each direction.
+    Returns (sim_i2t, sim_t2i), both (N_img, N_txt).
     """
-    k = min(k, sim.shape[1], sim.shape[0])
-    i2t = torch.full_like(sim, -100.0)
-    for i in range(sim.shape[0]):
-        top_sim, top = sim[i].topk(min(k, sim.shape[1]))
-        i2t[i, top] = itm_score(torch.full_like(top, i), top) + top_sim
-    t2i = torch.full_like(sim, -100.0)
-    for j in range(sim.shape[1]):
-        top_sim, top = sim[:, j].topk(min(k, sim.shape[0]))
-        t2i[top, j] = itm_score(top, torch.full_like(top, j)) + top_sim
-    return i2t, t2i
+    n_img, n_txt = sim.shape
+    top_txt = sim.topk(min(k, n_txt), dim=1).indices  # (N_img, k) captions of each image
+    top_img = sim.topk(min(k, n_img), dim=0).indices  # (k, N_txt) images of each caption
+    i2t_pairs = (torch.arange(n_img)[:, None] * n_txt + top_txt).flatten()
+    t2i_pairs = (top_img * n_txt + torch.arange(n_txt)[None, :]).flatten()
+    pairs, where = torch.cat([i2t_pairs, t2i_pairs]).unique(return_inverse=True)
+    match = torch.empty(len(pairs), dtype=sim.dtype)
+    for a in range(0, len(pairs), batch):
+        p = pairs[a:a + batch]
+        match[a:a + batch] = itm_score(p // n_txt, p % n_txt).to(sim.dtype)
+    flat = sim.flatten()
+    out = []
+    for idx, pos in ((i2t_pairs, where[:len(i2t_pairs)]), (t2i_pairs, where[len(i2t_pairs):])):
+        scores = torch.full((n_img * n_txt,), -100.0, dtype=sim.dtype)
+        scores[idx] = match[pos] + flat[idx]
+        out.append(scores.view(n_img, n_txt))
+    return out[0], out[1]
 
 
-def rerank_recall(sim_i2t: torch.Tensor, sim_t2i: torch.Tensor, txt2img: torch.Tensor, ks=KS) -> dict[str, float]:
+def rerank_recall(sim_i2t: torch.Tensor, sim_t2i: torch.Tensor, txt2img, ks=KS) -> dict[str, float]:
     """R@K when the two directions are ranked by different score matrices (after itm_rerank)."""
     a, b = recall_at_k(sim_i2t, txt2img, ks), recall_at_k(sim_t2i, txt2img, ks)
     out = {**{k_: v for k_, v in a.items() if k_.startswith("i2t")}, **{k_: v for k_, v in b.items() if k_.startswith("t2i")}}
     out["mean_recall"] = round(sum(out.values()) / len(out), 2)
     return out
-
-
-def zeroshot_accuracy(image_embeds: torch.Tensor, class_embeds: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
-    """image_embeds (N, D), class_embeds (C, D), both L2-normalised; labels (N,) -> top-1 / top-5 accuracy in %."""
-    logits = image_embeds @ class_embeds.t()
-    top = logits.topk(min(5, class_embeds.shape[0]), dim=1).indices
-    hit = top == labels[:, None]
-    return {"top1": round(100 * hit[:, 0].float().mean().item(), 2),
-            "top5": round(100 * hit.any(dim=1).float().mean().item(), 2)}
 
 
 # --- running a model over shards ----------------------------------------------------------------------------------
@@ -110,38 +139,47 @@ def reads_features(model, folders) -> bool:
 
 @torch.no_grad()
 def embed_split(model, folders, split: str, val_frac: float, max_len: int, batch_size: int, image_size: int,
-                workers: int, device: torch.device, use_features: bool, keep_inputs: bool = False) -> dict:
-    """ITC embeddings of a split in shard order: img/txt (N, E), ids/mask (N, L), captions[, inputs (N, ...)]."""
+                workers: int, device: torch.device, use_features: bool, keep_fusion: bool = False) -> dict:
+    """ITC embeddings of a split in shard order, every caption of every image (multi-caption samples included).
+
+    Returns {'n': images, 'img' (N, E), 'txt' (T, E), 'txt2img' (T,) the image of each caption, 'keys' (N images),
+    'captions' (T), 'ids'/'mask' (T, max_len)}; keep_fusion adds what ITM needs without re-encoding: the image
+    tokens 'tokens' (N, n, D) and the text encoder's states 'hidden' (T, max_len, D).
+    """
     tok = tokenizer_for(model.cfg.text_model)
     tf = None if use_features else pixel_transform(model, image_size)
-    stream = ShardStream(folders, split, val_frac, tf, shuffle=False, use_features=use_features)
+    stream = ShardStream(folders, split, val_frac, tf, shuffle=False, use_features=use_features, captions=ALL)
     # Its own generator: evaluation must not draw from the global RNG, or a resumed run would diverge.
     loader = DataLoader(stream, batch_size=batch_size, collate_fn=Collate(tok, max_len, use_features),
                         num_workers=workers, generator=torch.Generator().manual_seed(0))
     was_training = model.training
     model.eval()
-    out = {"img": [], "txt": [], "ids": [], "mask": [], "captions": [], "inputs": []}
+    out = {k: [] for k in ("img", "txt", "txt2img", "ids", "mask", "tokens", "hidden")}
+    keys, captions, n = [], [], 0
     for batch in loader:
         if batch is None:  # every sample undecodable (skipped and counted by the reader)
             continue
         batch = to_device(batch, device)
         x = batch["features"] if use_features else batch["images"]
         with autocast(device):
-            _, img = model.encode_image(x)
-            _, txt = model.encode_text(batch["input_ids"], batch["attention_mask"])
+            tokens, img = model.encode_image(x)
+            hidden, txt = model.encode_text(batch["input_ids"], batch["attention_mask"])
         out["img"].append(upcast(img).cpu())
         out["txt"].append(upcast(txt).cpu())
+        out["txt2img"].append(batch["caption_owner"].cpu() + n)
         pad = max_len - batch["input_ids"].shape[1]
-        out["ids"].append(torch.nn.functional.pad(batch["input_ids"].cpu(), (0, pad), value=tok.pad_token_id or 0))
-        out["mask"].append(torch.nn.functional.pad(batch["attention_mask"].cpu(), (0, pad), value=0))
-        out["captions"].extend(batch["captions"])
-        if keep_inputs:  # only ITM re-ranking needs the pixels again
-            out["inputs"].append(x.cpu())
+        out["ids"].append(F.pad(batch["input_ids"].cpu(), (0, pad), value=tok.pad_token_id or 0))
+        out["mask"].append(F.pad(batch["attention_mask"].cpu(), (0, pad), value=0))
+        if keep_fusion:  # ITM re-ranking fuses these pairwise: encoding each image once, not once per pair
+            out["tokens"].append(upcast(tokens).cpu())
+            out["hidden"].append(F.pad(upcast(hidden).cpu(), (0, 0, 0, pad)))
+        keys.extend(batch["keys"])
+        captions.extend(batch["captions"])
+        n += len(img)
     model.train(was_training)
-    if not out["img"]:
+    if not n:
         return {"n": 0}
-    return {"n": sum(len(t) for t in out["img"]), "captions": out["captions"],
-            **{k: torch.cat(v) for k, v in out.items() if k != "captions" and v}}
+    return {"n": n, "keys": keys, "captions": captions, **{k: torch.cat(v) for k, v in out.items() if v}}
 
 
 def distinct_positions(view: InstanceView, limit: int, seed: int) -> np.ndarray:
@@ -203,74 +241,116 @@ def _check_eval_args(path: Path, shards) -> None:
         raise TrainError(f"CHECKPOINT {path} is a folder, not a checkpoint file{hint}")
 
 
-@torch.no_grad()
-def evaluate_checkpoint(path, shards, zeroshot=None, itm_rerank_k: int = 0, device: str = "auto") -> dict:
-    """Retrieval R@1/5/10 over ALL samples of `shards` (optionally ITM re-ranked over the ITC top-k) and zero-shot.
+def _itm_scorer(model, emb: dict, dev) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """itm_score(image_idx, text_idx) for itm_rerank: the fusion encoder on cached image tokens and text states."""
 
-    Zero-shot reads class names from a file (one per line) and scores "a photo of a {name}". A sample's true
-    label is the class whose name appears as whole words in its caption (the longest such name when several
-    do); samples whose caption names no class are skipped and counted in `zeroshot.skipped`.
+    def itm_score(img_idx: torch.Tensor, txt_idx: torch.Tensor) -> torch.Tensor:
+        mask = emb["mask"][txt_idx]
+        length = int(mask.sum(dim=1).max())  # no fusion FLOPs on padding beyond the chunk's longest caption
+        with autocast(dev):
+            fused = model.fuse(emb["hidden"][txt_idx, :length].to(dev), mask[:, :length].to(dev),
+                               emb["tokens"][img_idx].to(dev))
+            return upcast(model.itm_logits(fused)[:, 1]).float().cpu()
+
+    return itm_score
+
+
+@torch.no_grad()
+def evaluate_checkpoint(path, shards=(), zeroshot=None, itm_rerank_k: int = 0, device: str = "auto",
+                        zeroshot_folder=None, templates=None) -> dict:
+    """Retrieval R@1/5/10 over ALL images and captions of `shards` (optionally ITM re-ranked over the ITC top-k) and
+    zero-shot classification (docs/EVALUATION.md).
+
+    Retrieval follows the multi-caption protocol of `recall_at_k`. Zero-shot scores an image-folder benchmark
+    (`zeroshot_folder`, vltrain.zeroshot) or, with `zeroshot` (a file of class names, one per line), the images of
+    `shards` labelled by the class whose name appears as whole words in their first caption (the longest such name
+    when several do; images whose caption names no class are skipped and counted in `zeroshot.skipped`). Classes are
+    embedded as prompt ensembles: `templates` (a file), else ROOT/templates.txt, else CLIP's 7 ImageNet templates.
     A model trained on `vlprep features` tokens reads the shards' tokens when the same encoder made them, and
-    otherwise runs that frozen encoder on the images first.
+    otherwise (and for image folders) runs that frozen encoder on the pixels first.
     """
+    from vltrain.zeroshot import DEFAULT_TEMPLATES, read_templates, score_folder
+
     path = Path(path)
+    shards = [str(s) for s in shards or ()]
     _check_eval_args(path, shards)
+    if zeroshot is not None and zeroshot_folder is not None:
+        raise TrainError("give --zeroshot (class names found in captions) or --zeroshot-folder, not both")
+    if zeroshot is not None and not shards:
+        raise TrainError("--zeroshot labels the images of SHARDS by their captions: give shard folders too")
+    if not shards and zeroshot_folder is None:
+        raise TrainError("nothing to evaluate: give shard folders (retrieval) and/or --zeroshot-folder ROOT")
+    if itm_rerank_k < 0:
+        raise TrainError("--itm-rerank-k must be 0 (off) or a positive number of candidates")
     dev = resolve_device(device)
     ckpt = load(path)
     cfg = from_dict(ckpt["config"])
     model = model_from(ckpt, path).to(dev).eval()
-    shards = [str(s) for s in shards]
+    tmpl = read_templates(templates) if templates is not None else None
     if cfg.data.triplets:
         return _evaluate_triplets(model, cfg, shards, dev, path, ckpt.get("step"),
-                                  zeroshot is not None or itm_rerank_k > 0)
+                                  zeroshot is not None or zeroshot_folder is not None or itm_rerank_k > 0)
+    workers = max(cfg.data.workers, 0)
+    result = {"checkpoint": str(path), "step": ckpt.get("step")}
+    if shards:
+        result.update(_retrieval(model, cfg, shards, itm_rerank_k, workers, dev))
+    if zeroshot is not None:
+        result["zeroshot"] = _zeroshot_by_caption(model, cfg, Path(zeroshot), result.pop("_emb"),
+                                                  tmpl or list(DEFAULT_TEMPLATES), dev)
+    result.pop("_emb", None)
+    if zeroshot_folder is not None:
+        result["zeroshot"] = score_folder(model, zeroshot_folder, pixel_transform(model, cfg.data.image_size), tmpl,
+                                          cfg.data.max_len, cfg.batch_size, workers, dev)
+    return result
+
+
+def _retrieval(model, cfg, shards: list[str], itm_rerank_k: int, workers: int, dev) -> dict:
+    """The retrieval part of `vltrain eval` (and the embeddings, under '_emb', for caption-labelled zero-shot)."""
+    import time
+
     # val_frac 0 puts every sample in the "train" split: `vltrain eval` scores all samples of SHARDS.
     use_features = reads_features(model, shards)
-    emb = embed_split(model, shards, "train", 0.0, cfg.data.max_len, cfg.batch_size, cfg.data.image_size,
-                      max(cfg.data.workers, 0), dev, use_features, keep_inputs=itm_rerank_k > 0)
+    emb = embed_split(model, shards, "train", 0.0, cfg.data.max_len, cfg.batch_size, cfg.data.image_size, workers,
+                      dev, use_features, keep_fusion=itm_rerank_k > 0)
     n = emb["n"]
     if n < 2:
-        raise TrainError(f"evaluation needs at least 2 samples, found {n} in {', '.join(shards)}")
+        raise TrainError(f"evaluation needs at least 2 images, found {n} in {', '.join(shards)}")
     sim = emb["img"] @ emb["txt"].t()
-    txt2img = torch.arange(n)
-    result = {"checkpoint": str(path), "step": ckpt.get("step"), "n_samples": n,
-              "input": "features" if use_features else "pixels",
-              "retrieval": recall_at_k(sim, txt2img), "chance": chance_recall(n, n)}
-
+    per_image = torch.bincount(emb["txt2img"], minlength=n)
+    sizes = {"n_images": n, "n_captions": len(emb["txt"])}
+    out = {"data": data_signature(shards), "input": "features" if use_features else "pixels", "protocol": PROTOCOL,
+           "n_samples": n, "retrieval": {**recall_at_k(sim, emb["txt2img"]), **sizes},
+           "chance": chance_recall(n, len(emb["txt"]), captions_per_image=per_image.tolist()), "_emb": emb}
     if itm_rerank_k > 0:
         if model.fusion is None:
             raise TrainError("--itm-rerank-k needs a model with a fusion encoder (this one has fusion_layers=0)")
+        t0 = time.perf_counter()
+        ranked = itm_rerank(sim, itm_rerank_k, _itm_scorer(model, emb, dev), batch=max(cfg.batch_size, 64))
+        seconds = time.perf_counter() - t0
+        out["itm_rerank"] = {"k": itm_rerank_k, **rerank_recall(*ranked, emb["txt2img"]), **sizes,
+                             "seconds": round(seconds, 2), "seconds_per_1k_images": round(1000 * seconds / n, 2)}
+    return out
 
-        def itm_score(img_idx: torch.Tensor, txt_idx: torch.Tensor) -> torch.Tensor:
-            x, ids, mask = (emb["inputs"][img_idx].to(dev), emb["ids"][txt_idx].to(dev),
-                            emb["mask"][txt_idx].to(dev))
-            with autocast(dev):
-                tokens, _ = model.encode_image(x)
-                hidden, _ = model.encode_text(ids, mask)
-                return model.itm_logits(model.fuse(hidden, mask, tokens))[:, 1].float().cpu()
 
-        result["itm_rerank"] = {"k": itm_rerank_k, **rerank_recall(*itm_rerank(sim, itm_rerank_k, itm_score), txt2img)}
+def _zeroshot_by_caption(model, cfg, zpath: Path, emb: dict, templates: list[str], dev) -> dict:
+    """Zero-shot on the images of the shards, each labelled by the class named in its first caption."""
+    from vltrain.zeroshot import chance, class_embeddings, zeroshot_metrics
 
-    if zeroshot is not None:
-        zpath = Path(zeroshot)
-        if not zpath.is_file():
-            raise TrainError(f"class file not found: {zpath}")
-        names = [line.strip() for line in zpath.read_text().splitlines() if line.strip()]
-        if not names:
-            raise TrainError(f"{zpath}: no class names (one per line)")
-        patterns = [re.compile(r"\b" + re.escape(c.lower()) + r"\b") for c in names]
-        labels = [_class_label(c.lower(), patterns) for c in emb["captions"]]
-        keep = [i for i, y in enumerate(labels) if y is not None]
-        tok = tokenizer_for(cfg.model.text_model)
-        enc = tok([PROMPT.format(c) for c in names], padding="longest", truncation=True, max_length=cfg.data.max_len,
-                  return_tensors="pt")
-        with autocast(dev):
-            _, class_emb = model.encode_text(enc["input_ids"].to(dev), enc["attention_mask"].to(dev))
-        zs = {"classes": len(names), "samples": len(keep), "skipped": n - len(keep), "prompt": PROMPT}
-        if keep:
-            zs.update(zeroshot_accuracy(emb["img"][keep], class_emb.float().cpu(),
-                                        torch.tensor([labels[i] for i in keep])))
-        result["zeroshot"] = zs
-    return result
+    if not zpath.is_file():
+        raise TrainError(f"class file not found: {zpath}")
+    names = [line.strip() for line in zpath.read_text().splitlines() if line.strip()]
+    if len(names) < 2:
+        raise TrainError(f"{zpath}: zero-shot needs at least 2 class names (one per line)")
+    patterns = [re.compile(r"\b" + re.escape(c.lower()) + r"\b") for c in names]
+    first = np.unique(emb["txt2img"].numpy(), return_index=True)[1]  # each image's first caption
+    labels = [_class_label(emb["captions"][i].lower(), patterns) for i in first]
+    keep = [i for i, y in enumerate(labels) if y is not None]
+    zs = {"classes": len(names), "samples": len(keep), "skipped": emb["n"] - len(keep), "templates": templates}
+    if keep:
+        class_emb = class_embeddings(model, names, templates, cfg.data.max_len, dev)
+        zs.update(zeroshot_metrics(emb["img"][keep], class_emb, torch.tensor([labels[i] for i in keep]), names),
+                  chance=chance(len(names)))
+    return zs
 
 
 def _evaluate_triplets(model, cfg, shards: list[str], dev, path: Path, step, extra: bool) -> dict:
@@ -300,15 +380,18 @@ def _evaluate_triplets(model, cfg, shards: list[str], dev, path: Path, step, ext
 # --- the training loop's periodic checks -----------------------------------------------------------------------
 
 
-def heldout_recall(sim: torch.Tensor, what: str, step: int) -> dict:
-    """R@K of a held-out (N, N) image-text similarity with its chance levels; prints the step's one-line summary."""
-    n = sim.shape[0]
-    res = recall_at_k(sim, torch.arange(n))
-    chance = chance_recall(n, n)
-    console.print(f"step {step} eval on {n} {what}: R@1 image→text {res['i2t_r1']:.1f}, text→image "
+def heldout_recall(sim: torch.Tensor, what: str, step: int, txt2img=None) -> dict:
+    """R@K of a held-out (N_img, N_txt) image-text similarity (one caption per image unless txt2img says otherwise)
+    with its chance levels; prints the step's one-line summary."""
+    n, n_txt = sim.shape
+    txt2img = torch.arange(n) if txt2img is None else txt2img
+    res = recall_at_k(sim, txt2img)
+    chance = chance_recall(n, n_txt, captions_per_image=torch.bincount(txt2img, minlength=n).tolist())
+    many = f" ({n_txt} captions)" if n_txt != n else ""
+    console.print(f"step {step} eval on {n} {what}{many}: R@1 image→text {res['i2t_r1']:.1f}, text→image "
                   f"{res['t2i_r1']:.1f} (chance {chance['i2t_r1']:.1f}); mean recall {res['mean_recall']:.2f}",
                   highlight=False)
-    return {**res, "n_val": n, "chance": chance}
+    return {**res, "n_val": n, "n_captions": n_txt, "chance": chance}
 
 
 def val_triplet_sim(model, view: InstanceView, positions, collate: Collate, batch_size: int, device) -> torch.Tensor:

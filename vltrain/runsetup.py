@@ -188,8 +188,10 @@ def index_data(cfg: Config, tf_train, tf_eval, grit_ratios: tuple[int, int] = GR
         except ValueError as e:
             raise TrainError(str(e)) from None
         sampler, names = _tonics_sampler(cfg, splits["train"], n, notes)
+    # The training view draws one caption of a multi-caption sample per epoch; the held-out view takes the first.
     views = {split: InstanceView(shards, splits[split]["samples"], tf_train if split == "train" else tf_eval,
-                                 use_features, splits[split]["spans"]) for split in ("train", "val")}
+                                 use_features, splits[split]["spans"], "draw" if split == "train" else "first",
+                                 cfg.seed) for split in ("train", "val")}
     return {"sampler": sampler, "names": names, "notes": notes, **views}
 
 

@@ -1,7 +1,8 @@
 import torch
 import torch.nn.functional as F
 
-from vltrain.evaluate import chance_recall, itm_rerank, recall_at_k, rerank_recall, zeroshot_accuracy
+from vltrain.evaluate import chance_recall, itm_rerank, recall_at_k, rerank_recall
+from vltrain.zeroshot import zeroshot_metrics
 
 
 def brute_recall(sim, txt2img, k):
@@ -43,5 +44,5 @@ def test_itm_rerank_fixes_a_wrong_itc_ranking():
 def test_zeroshot_top1_top5():
     classes = torch.eye(6)
     images = F.normalize(torch.eye(6)[[0, 1, 2, 3]] + 0.1 * torch.eye(6)[[1, 0, 0, 0]], dim=1)
-    acc = zeroshot_accuracy(images, classes, torch.tensor([0, 1, 0, 3]))
-    assert acc == {"top1": 75.0, "top5": 100.0}
+    acc = zeroshot_metrics(images, classes, torch.tensor([0, 1, 0, 3]), list("abcdef"))
+    assert (acc["top1"], acc["top5"]) == (75.0, 100.0)

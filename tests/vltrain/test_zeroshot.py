@@ -1,0 +1,109 @@
+"""The image-folder zero-shot benchmark: ROOT/CLASS/*.jpg, classnames.txt, templates.txt, and `vltrain eval`."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from tests.conftest import image_bytes, tiny_checkpoint
+from vltrain import TrainError
+from vltrain.cli import app
+from vltrain.zeroshot import DEFAULT_TEMPLATES, image_folder, read_templates
+
+
+def benchmark(root, classes=("cat", "dog", "red_car"), per_class=3):
+    for c, name in enumerate(classes):
+        (root / name / "deeper").mkdir(parents=True)
+        for i in range(per_class):
+            where = root / name / ("deeper" if i == 2 else "")
+            (where / f"{i}.png").write_bytes(image_bytes(24, 20, seed=10 * c + i))
+    (root / "empty_class").mkdir()  # no images: not a class
+    (root / "notes.txt").write_text("not a class folder")
+    return root
+
+
+def test_folder_classes_are_sorted_subfolders_with_images_named_by_classnames(tmp_path):
+    root = benchmark(tmp_path / "zs")
+    b = image_folder(root)
+    assert b["folders"] == ["cat", "dog", "red_car"] and b["names"] == ["cat", "dog", "red car"]
+    assert b["labels"].tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2] and b["templates"] is None
+    assert b["files"][2].parent.name == "deeper"  # images below a class folder, at any depth
+    (root / "classnames.txt").write_text("red_car\tsports car\ncat\tkitten\n")  # FOLDER<TAB>name, any order, partial
+    assert image_folder(root)["names"] == ["kitten", "dog", "sports car"]
+    (root / "classnames.txt").write_text("kitten\npuppy\nautomobile\n")  # one name per line, sorted folder order
+    assert image_folder(root)["names"] == ["kitten", "puppy", "automobile"]
+    (root / "templates.txt").write_text("a photo of a {}.\n\n  a drawing of the {}  \n")
+    assert image_folder(root)["templates"] == ["a photo of a {}.", "a drawing of the {}"]
+
+
+@pytest.mark.parametrize("names, templates, message", [
+    ("kitten\npuppy\n", None, "2 names for 3 class folders"),
+    ("cat\tkitten\nhorse\tpony\n", None, "'horse' is not a class folder"),
+    (None, "a photo\n", "has no {} for the class name"),
+    (None, "\n\n", "no templates"),
+])
+def test_bad_benchmark_files_are_one_line_errors(tmp_path, names, templates, message):
+    root = benchmark(tmp_path / "zs")
+    if names is not None:
+        (root / "classnames.txt").write_text(names)
+    if templates is not None:
+        (root / "templates.txt").write_text(templates)
+    with pytest.raises(TrainError, match=message):
+        image_folder(root)
+
+
+def test_a_folder_with_one_class_or_none_is_an_error(tmp_path):
+    with pytest.raises(TrainError, match="not found"):
+        image_folder(tmp_path / "missing")
+    benchmark(tmp_path / "one", classes=("cat",))
+    with pytest.raises(TrainError, match="at least 2 class folders"):
+        image_folder(tmp_path / "one")
+
+
+def test_eval_scores_a_zero_shot_folder_without_shards(tmp_path):
+    root = benchmark(tmp_path / "zs")
+    (root / "dog" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not an image")  # counted, skipped
+    (root / "classnames.txt").write_text("cat\tkitten\n")
+    ckpt = tiny_checkpoint(tmp_path / "ckpt.pt")
+    r = CliRunner().invoke(app, ["eval", str(ckpt), "--zeroshot-folder", str(root), "--device", "cpu",
+                                 "--out", str(tmp_path / "zs.json")])
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    assert "top-1" in r.output and "mean per class" in r.output and "retrieval" not in r.output
+    res = json.loads((tmp_path / "zs.json").read_text())
+    zs = res["zeroshot"]
+    assert "retrieval" not in res
+    assert (zs["classes"], zs["images"], zs["skipped"]) == (3, 9, 1)
+    assert zs["names"] == ["kitten", "dog", "red car"] and zs["templates"] == list(DEFAULT_TEMPLATES)
+    assert 0 <= zs["top1"] <= zs["top5"] <= 100 and 0 <= zs["mean_per_class"] <= 100
+    assert zs["chance"]["top1"] == pytest.approx(100 / 3, abs=0.01)
+    assert sum(c["count"] for c in zs["confusions"]) <= 9
+
+    # --templates overrides the folder's own file and is recorded
+    (root / "templates.txt").write_text("a {} in the folder\n")
+    custom = tmp_path / "mine.txt"
+    custom.write_text("a photo of a {}.\n")
+    r = CliRunner().invoke(app, ["eval", str(ckpt), "--zeroshot-folder", str(root), "--device", "cpu",
+                                 "--templates", str(custom), "--out", str(tmp_path / "zs2.json")])
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "zs2.json").read_text())["zeroshot"]["templates"] == ["a photo of a {}."]
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "nothing to evaluate"),
+    (["--zeroshot", "classes.txt"], "give shard folders too"),
+    (["--zeroshot-folder", "missing"], "zero-shot folder not found"),
+    (["--zeroshot-folder", "zs", "--templates", "missing.txt"], "cannot read templates"),
+])
+def test_eval_argument_mistakes_are_one_line_errors(tmp_path, monkeypatch, args, message):
+    monkeypatch.chdir(tmp_path)
+    benchmark(tmp_path / "zs")
+    ckpt = tiny_checkpoint(tmp_path / "ckpt.pt")
+    r = CliRunner().invoke(app, ["eval", str(ckpt), *args, "--device", "cpu"])
+    assert r.exit_code == 2, r.output
+    assert message in r.output and "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1
+
+
+def test_read_templates_keeps_other_braces(tmp_path):
+    path = tmp_path / "t.txt"
+    path.write_text("{a} {} {b}\n")
+    assert read_templates(path) == ["{a} {} {b}"]

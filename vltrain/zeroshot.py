@@ -1,0 +1,203 @@
+"""Zero-shot classification as CLIP and open_clip score it: a prompt-ensemble classifier and an image-folder benchmark.
+
+A class's text embedding is the mean of its L2-normalised prompt embeddings (one prompt per template, the class name
+in place of `{}`), normalised again (CLIP, sec. 3.1.4; open_clip's `build_zero_shot_classifier`). An image is
+assigned the class of highest cosine similarity. The benchmark layout is torchvision's ImageFolder: ROOT/CLASS/*.jpg,
+one folder per class, with two optional files: ROOT/classnames.txt (readable names) and ROOT/templates.txt.
+"""
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+
+from vltrain import TrainError
+from vltrain.losses import upcast
+from vltrain.model import autocast, tokenizer_for
+
+# CLIP's 7-template ImageNet ensemble, chosen by the CLIP authors from their 80 ImageNet templates by forward
+# selection on ImageNet (their "Prompt Engineering for ImageNet" notebook); open_clip ships it as
+# SIMPLE_IMAGENET_TEMPLATES. Used when neither --templates nor ROOT/templates.txt is given.
+DEFAULT_TEMPLATES = ("itap of a {}.", "a bad photo of the {}.", "a origami {}.", "a photo of the large {}.",
+                     "a {} in a video game.", "art of the {}.", "a photo of the small {}.")
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff"}
+TOP_CONFUSIONS = 5
+
+
+def read_templates(path) -> list[str]:
+    """One template per line, each holding `{}` where the class name goes; blank lines are ignored."""
+    path = Path(path)
+    try:
+        lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise TrainError(f"cannot read templates {path}: {e}") from None
+    templates = [t for t in lines if t]
+    if not templates:
+        raise TrainError(f"{path}: no templates (one per line, each with {{}} where the class name goes)")
+    bad = [t for t in templates if "{}" not in t]
+    if bad:
+        raise TrainError(f"{path}: template {bad[0]!r} has no {{}} for the class name")
+    return templates
+
+
+def fill(template: str, name: str) -> str:
+    """The prompt for one class: every `{}` replaced by the name (str.format would choke on other braces)."""
+    return template.replace("{}", name)
+
+
+@torch.no_grad()
+def class_embeddings(model, names: list[str], templates, max_len: int, device, batch_size: int = 256) -> torch.Tensor:
+    """(C, E): for each class, the re-normalised mean of its L2-normalised prompt embeddings over the templates."""
+    tok = tokenizer_for(model.cfg.text_model)
+    prompts = [fill(t, name) for name in names for t in templates]
+    was_training = model.training
+    model.eval()
+    out = []
+    for a in range(0, len(prompts), batch_size):
+        enc = tok(prompts[a:a + batch_size], padding="longest", truncation=True, max_length=max_len,
+                  return_tensors="pt")
+        with autocast(device):
+            _, emb = model.encode_text(enc["input_ids"].to(device), enc["attention_mask"].to(device))
+        out.append(upcast(emb).cpu())
+    model.train(was_training)
+    emb = F.normalize(torch.cat(out), dim=-1).view(len(names), len(templates), -1)
+    return F.normalize(emb.mean(dim=1), dim=-1)
+
+
+def zeroshot_metrics(image_embeds: torch.Tensor, class_embeds: torch.Tensor, labels: torch.Tensor,
+                     names: list[str]) -> dict:
+    """Top-1 / top-5 accuracy, mean per-class top-1 accuracy (over the classes that have images), all in %, and the
+    five most frequent (true, predicted) top-1 confusions. image_embeds (N, E), class_embeds (C, E), labels (N,).
+
+    A class scoring exactly as high as the true one ranks above it (a tie counts against the image), so the result
+    does not depend on sort order.
+    """
+    logits = image_embeds @ class_embeds.t()
+    true = logits.gather(1, labels[:, None])
+    rank = (logits >= true).sum(dim=1) - 1  # other classes scoring at least as high as the true one
+    pred = logits.argmax(dim=1)
+    correct = rank == 0
+    per_class = [correct[labels == c].float().mean().item() for c in range(len(names)) if (labels == c).any()]
+    pairs = torch.zeros(len(names), len(names), dtype=torch.long)
+    wrong = ~correct
+    pairs.index_put_((labels[wrong], pred[wrong]), torch.ones(int(wrong.sum()), dtype=torch.long), accumulate=True)
+    pairs.fill_diagonal_(0)
+    order = sorted(((int(n), t, p) for (t, p), n in zip(pairs.nonzero().tolist(), pairs[pairs > 0].tolist())),
+                   key=lambda r: (-r[0], r[1], r[2]))
+    return {"top1": round(100 * correct.float().mean().item(), 2),
+            "top5": round(100 * (rank < 5).float().mean().item(), 2),
+            "mean_per_class": round(100 * sum(per_class) / len(per_class), 2),
+            "confusions": [{"true": names[t], "predicted": names[p], "count": n}
+                           for n, t, p in order[:TOP_CONFUSIONS]]}
+
+
+def chance(n_classes: int) -> dict:
+    """Expected accuracy of a random guess among the classes, in %."""
+    return {"top1": round(100 / n_classes, 2), "top5": round(100 * min(1.0, 5 / n_classes), 2),
+            "mean_per_class": round(100 / n_classes, 2)}
+
+
+# --- the image-folder benchmark --------------------------------------------------------------------------------
+
+
+def _classnames(path: Path, folders: list[str]) -> list[str]:
+    """Readable names from classnames.txt: `FOLDER<TAB>name` lines (a folder left out keeps its name, "_" read as a
+    space), or one name per line in sorted folder order."""
+    try:
+        lines = [line.rstrip("\r") for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise TrainError(f"cannot read {path}: {e}") from None
+    if lines and all("\t" in line for line in lines):
+        names = dict(line.split("\t", 1) for line in lines)
+        unknown = [f for f in names if f not in folders]
+        if unknown:
+            raise TrainError(f"{path}: {unknown[0]!r} is not a class folder of {path.parent}")
+        return [names[f].strip() if names.get(f, "").strip() else f.replace("_", " ") for f in folders]
+    if len(lines) != len(folders):
+        raise TrainError(f"{path}: {len(lines)} names for {len(folders)} class folders; give one name per folder, in "
+                         "sorted folder order, or FOLDER<TAB>name lines")
+    return [line.strip() for line in lines]
+
+
+def image_folder(root) -> dict:
+    """The benchmark at ROOT: {'files', 'labels', 'folders', 'names', 'templates' (None: not given)}.
+
+    Classes are the sub-folders holding at least one image (file suffix .jpg, .png, ...), sorted by name, as
+    torchvision's ImageFolder numbers them; images are found at any depth below the class folder."""
+    root = Path(root)
+    if not root.is_dir():
+        raise TrainError(f"zero-shot folder not found: {root}")
+    files, labels, folders = [], [], []
+    for folder in sorted(p for p in root.iterdir() if p.is_dir()):
+        images = sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+        if images:
+            files.extend(images)
+            labels.extend([len(folders)] * len(images))
+            folders.append(folder.name)
+    if len(folders) < 2:
+        raise TrainError(f"{root}: a zero-shot benchmark needs at least 2 class folders holding images "
+                         f"(ROOT/CLASS/*.jpg), found {len(folders)}")
+    names_file, templates_file = root / "classnames.txt", root / "templates.txt"
+    names = _classnames(names_file, folders) if names_file.is_file() else [f.replace("_", " ") for f in folders]
+    templates = read_templates(templates_file) if templates_file.is_file() else None
+    return {"files": files, "labels": torch.tensor(labels), "folders": folders, "names": names,
+            "templates": templates}
+
+
+class _Images(Dataset):
+    """Image files -> (pixels, index), or None (counted by the caller) when a file cannot be decoded."""
+
+    def __init__(self, files, transform):
+        self.files, self.transform = files, transform
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int):
+        from vlprep.dataset import to_rgb
+
+        try:
+            return self.transform(to_rgb(Path(self.files[i]).read_bytes())), i
+        except Exception:  # any decoder error is the file's, not ours
+            return None
+
+
+def _stack(batch):
+    batch = [b for b in batch if b is not None]
+    return (torch.stack([b[0] for b in batch]), torch.tensor([b[1] for b in batch])) if batch else None
+
+
+@torch.no_grad()
+def embed_images(model, files, transform, batch_size: int, workers: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """ITC embeddings (M, E) of the image files that decode, and their indices (M,) into `files`."""
+    loader = DataLoader(_Images(files, transform), batch_size=batch_size, num_workers=workers, collate_fn=_stack)
+    was_training = model.training
+    model.eval()
+    embs, kept = [], []
+    for batch in loader:
+        if batch is None:
+            continue
+        x, idx = batch
+        with autocast(device):
+            _, emb = model.encode_image(x.to(device))
+        embs.append(upcast(emb).cpu())
+        kept.append(idx)
+    model.train(was_training)
+    if not embs:
+        return torch.zeros(0), torch.zeros(0, dtype=torch.long)
+    return torch.cat(embs), torch.cat(kept)
+
+
+def score_folder(model, root, transform, templates, max_len: int, batch_size: int, workers: int, device) -> dict:
+    """Zero-shot on an image-folder benchmark: top-1, top-5, mean per-class, the top confusions, and what was used."""
+    bench = image_folder(root)
+    templates = list(templates or bench["templates"] or DEFAULT_TEMPLATES)
+    emb, kept = embed_images(model, bench["files"], transform, batch_size, workers, device)
+    skipped = len(bench["files"]) - len(kept)
+    if not len(kept):
+        raise TrainError(f"{root}: none of the {len(bench['files'])} images could be decoded")
+    classes = class_embeddings(model, bench["names"], templates, max_len, device)
+    return {"benchmark": str(root), "classes": len(bench["names"]), "images": len(kept), "skipped": skipped,
+            **zeroshot_metrics(emb, classes, bench["labels"][kept], bench["names"]),
+            "chance": chance(len(bench["names"])), "names": bench["names"], "templates": templates}
