@@ -82,8 +82,10 @@ def chance_recall(n_img: int, n_txt: int, ks=KS, captions_per_image=None) -> dic
 
 def itm_rerank(sim: torch.Tensor, k: int, itm_score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                batch: int = 256) -> tuple:
-    """ALBEF's re-rank: for each query, its ITC top-k get score = ITM match logit + ITC similarity, others -100.
+    """ALBEF's re-rank: each query's ITC top-k candidates are scored by the ITM match logit, the others get -100.
 
+    As ALBEF's retrieval code (Retrieval.py) and the papers that follow it (SoftMask++ app. C, GRIT-VLP supp. sec. 3)
+    describe it: the top-k are ranked by ITM alone (BLIP's code adds the ITC similarity; we do not).
     itm_score(image_idx (M,), text_idx (M,)) -> (M,) match logits, called with at most `batch` pairs at a time; a
     pair in the top-k of both directions is scored once. k is capped at the number of candidates of each direction.
     Returns (sim_i2t, sim_t2i), both (N_img, N_txt).
@@ -98,11 +100,10 @@ def itm_rerank(sim: torch.Tensor, k: int, itm_score: Callable[[torch.Tensor, tor
     for a in range(0, len(pairs), batch):
         p = pairs[a:a + batch]
         match[a:a + batch] = itm_score(p // n_txt, p % n_txt).to(sim.dtype)
-    flat = sim.flatten()
     out = []
     for idx, pos in ((i2t_pairs, where[:len(i2t_pairs)]), (t2i_pairs, where[len(i2t_pairs):])):
         scores = torch.full((n_img * n_txt,), -100.0, dtype=sim.dtype)
-        scores[idx] = match[pos] + flat[idx]
+        scores[idx] = match[pos]
         out.append(scores.view(n_img, n_txt))
     return out[0], out[1]
 
