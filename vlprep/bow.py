@@ -13,6 +13,12 @@ The contract (also in docs/BOW.md):
                precede rmtop in the cascade (ties: token string); after rmstop these are content words
   keep:n       Keep(n): keep the first n tokens
 - A sample whose deformed caption is empty is dropped and counted.
+- A multi-caption sample (json.captions, docs/FORMAT.md) has every caption deformed, so that training never sees
+  an intact extra caption: the first (`txt`) exactly as a single caption, under its key; the j-th extra one
+  (j >= 1) under the key "{key}#{j}" (its own shuffle). An extra caption that comes out empty is left out of the
+  list (counted, `captions_dropped_empty`); an empty first caption drops the sample, as above. json.captions_raw
+  keeps the original list (from an earlier bow, as caption_raw), and the sidecar's `captions` column follows
+  json.captions. The base set's captions are all of its samples' captions (each one a document for rmtop).
 - The same ranking (top_tokens) gives `vlprep pseudolabel` its top(t) over S_a, after rmstop's filter.
 - Base statistics come from a first pass over the Parquet sidecars; the second pass rewrites the
   shards (same names, same keys), copying image bytes untouched and setting json.caption_raw (the
@@ -353,21 +359,24 @@ def base_statistics(ds, cascade: list[Step], base_frac: float, seed: int) -> tup
         side = ds.sidecar(shard)
         if not side.exists():
             raise VlprepError(f"{ds.root}: missing sidecar {side.name}; re-shard the input with `vlprep shards`")
-        t = pq.ParquetFile(side).read(columns=["key", "caption"])
+        multi = "captions" in pq.read_schema(side).names  # a multi-caption dataset: base samples' extras count too
+        t = pq.ParquetFile(side).read(columns=["key", "caption"] + (["captions"] if multi else []))
         keys, captions = t.column("key").to_pylist(), t.column("caption").to_pylist()
+        extras = t.column("captions").to_pylist() if multi else None
         n += len(keys)
         # Counted a shard at a time (one C-level update each), not caption by caption.
         word_lists = list(map(words, captions))
         before.update(chain.from_iterable(word_lists))
         lengths.update(map(len, word_lists))
-        for key, caption in zip(keys, captions):
+        for i, (key, caption) in enumerate(zip(keys, captions)):
             if is_base(seed, key, base_frac):
                 n_base += 1
-                toks = tokenize(caption)
-                vocab.update(toks)
-                for step in prefix:
-                    toks = step.fn(toks, no_ctx, None)
-                df.update(set(toks))
+                for text in [caption, *((extras[i] or [])[1:] if extras else ())]:
+                    toks = tokenize(text)
+                    vocab.update(toks)
+                    for step in prefix:
+                        toks = step.fn(toks, no_ctx, None)
+                    df.update(set(toks))
     t_top = next((s.arg for s in cascade if s.name == "rmtop"), 0)
     top = top_tokens(df, t_top)
     ctx = BowContext(base_vocab=frozenset(vocab), top=frozenset(top))
@@ -434,8 +443,8 @@ def bow_shard(out: Path, src: Path, shard: str, fp: str = "") -> dict:
     deformer, seed = w["deformer"], w["seed"]
     deformer.take_removed()  # a fresh tally (a failed shard before this one may have left counts)
     side = pq.ParquetFile(src / sidecar_name(shard)).read().replace_schema_metadata(None)
-    samples, kept, captions, raw_captions, flags = [], [], [], [], []
-    dropped, base_frac, deform_base = 0, w["base_frac"], w["deform_base"]
+    samples, kept, captions, raw_captions, flags, all_captions = [], [], [], [], [], []
+    dropped, dropped_extra, base_frac, deform_base = 0, 0, w["base_frac"], w["deform_base"]
     for i, raw in iter_aligned(src / shard, side.column("key").to_pylist()):
         key = raw["__key__"]
         text = raw["txt"].decode("utf-8")
@@ -450,6 +459,17 @@ def bow_shard(out: Path, src: Path, shard: str, fp: str = "") -> dict:
                 continue
         raw_caption = meta.setdefault("caption_raw", text)
         meta["bow"] = deform_it
+        extra = meta.get("captions")
+        if isinstance(extra, list):  # a multi-caption sample: every caption is deformed (module docstring)
+            meta.setdefault("captions_raw", list(extra))
+            if deform_it:
+                deformed = [deformer(c, f"{key}#{j}") if isinstance(c, str) else ""
+                            for j, c in enumerate(extra[1:], 1)]
+                dropped_extra += deformed.count("")
+                meta["captions"] = [caption, *filter(None, deformed)]
+            all_captions.append(meta["captions"])
+        else:
+            all_captions.append([caption])
         sample = {k: v for k, v in raw.items() if k not in ("txt", "json", "__url__")}
         sample["txt"], sample["json"] = caption, meta
         samples.append(sample)
@@ -468,8 +488,14 @@ def bow_shard(out: Path, src: Path, shard: str, fp: str = "") -> dict:
             table = table.set_column(table.schema.get_field_index(name), pa.field(name, typ), col)
         else:
             table = table.append_column(pa.field(name, typ), col)
+    if "captions" in table.column_names:  # a multi-caption dataset's sidecar follows json.captions
+        typ = table.schema.field("captions").type
+        table = table.set_column(table.column_names.index("captions"), pa.field("captions", typ),
+                                 pa.array(all_captions, typ))
     stats = {"in": side.num_rows, "written": len(samples), "deformed": sum(flags), "dropped_empty": dropped,
              "removed": deformer.take_removed(), "fingerprint": fp}
+    if dropped_extra:
+        stats["captions_dropped_empty"] = dropped_extra
     write_shard(out, shard, samples, table, stats=stats)
     return stats
 
@@ -512,6 +538,7 @@ def bow(cfg: BowConfig, progress=None, warn: Callable[[str], None] = lambda line
         removed = [sum(stats[s]["removed"][i] for s in ds.shards) for i in range(len(cascade))]
         deformed = sum(stats[s]["deformed"] for s in ds.shards)
         dropped = sum(stats[s]["dropped_empty"] for s in ds.shards)
+        dropped_extra = sum(stats[s].get("captions_dropped_empty", 0) for s in ds.shards)
         finish_dataset(out, sizes, {
             "stage": "bow", "input": str(cfg.src), "options": options,
             "counts": {"in": n_in, "written": written, "deformed": deformed, "dropped_empty": dropped},
@@ -526,7 +553,8 @@ def bow(cfg: BowConfig, progress=None, warn: Callable[[str], None] = lambda line
         report = {
             "stage": "bow", "source": str(cfg.src), "ops": spec, "base_frac": cfg.base_frac, "seed": cfg.seed,
             "deform_base": cfg.deform_base, "samples_in": n_in, "base_samples": before["base"], "written": written,
-            "dropped_empty": dropped, "size_change_pct": round(100 * (written - n_in) / n_in, 2) if n_in else 0.0,
+            "dropped_empty": dropped, "captions_dropped_empty": dropped_extra,
+            "size_change_pct": round(100 * (written - n_in) / n_in, 2) if n_in else 0.0,
             "deformed_fraction": round(deformed / written, 4) if written else 0.0,
             "avg_words_before": _mean(before["lengths"]), "avg_words_after": _mean(after_lengths),
             "vocab_before": len(before["words"]), "vocab_after": len(after_words),

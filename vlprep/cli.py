@@ -3,7 +3,7 @@
 import sys
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 from rich.console import Console
@@ -114,8 +114,10 @@ def _main(version: bool = typer.Option(False, "--version", callback=_version, is
 
 @app.command()
 def shards(
-    src: Path = typer.Argument(..., help="A table (.parquet/.csv/.tsv/.jsonl), a folder of images with "
-                               "same-named .txt captions, or a WebDataset/img2dataset folder or .tar to re-shard."),
+    src: Path = typer.Argument(..., help="A table (.parquet/.csv/.tsv, or JSON Lines .jsonl/.json), a Karpathy "
+                               "split file (dataset_coco.json, dataset_flickr30k.json: one sample per image with all "
+                               "its captions), a folder of images with same-named .txt captions, or a "
+                               "WebDataset/img2dataset folder or .tar to re-shard."),
     out: Path = typer.Argument(..., help="Output dataset folder (created; an earlier run there is resumed)."),
     samples_per_shard: int = typer.Option(1000, "--samples-per-shard", "-n", help="Source records per shard."),
     resize: Optional[int] = typer.Option(None, help="Shorter side to N pixels, aspect kept, never upscaled. "
@@ -129,6 +131,11 @@ def shards(
     image_col: Optional[str] = typer.Option(None, help="Table column with image paths or bytes (auto-detected)."),
     caption_col: Optional[str] = typer.Option(None, help="Table column with captions (auto-detected)."),
     uid_col: Optional[str] = typer.Option(None, help="Table column with a source id, kept as json.uid (optional)."),
+    image_root: Optional[Path] = typer.Option(None, help="Karpathy split file: the folder its images' filepath/"
+                                              "filename are relative to \\[default: the JSON file's folder]."),
+    split: Optional[List[str]] = typer.Option(None, "--split", metavar="<split>", help="Karpathy split file: keep "
+                                              "the images of this split (train, restval, val, test); repeat or "
+                                              "comma-separate for several \\[default: all]."),
     decode_check: bool = typer.Option(False, help="Fully decode pass-through images to catch corrupt data "
                                       "(slower; the default checks headers and end markers)."),
     overwrite: bool = typer.Option(False, help="Replace the vlprep files in a non-empty OUT written otherwise."),
@@ -139,7 +146,8 @@ def shards(
 
     cfg = ShardsConfig(src=src, out=out, samples_per_shard=samples_per_shard, resize=resize, format=format,
                        quality=quality, prefix=prefix, image_col=image_col, caption_col=caption_col,
-                       uid_col=uid_col, decode_check=decode_check, overwrite=overwrite)
+                       uid_col=uid_col, image_root=image_root, split=list(split) if split else None,
+                       decode_check=decode_check, overwrite=overwrite)
     run_stage(cfg, workers, distributor, build_shards, print_shards_report, out, "report.json has the skip counts",
               empty="no sample was written; the skip reasons above say why")
 

@@ -20,10 +20,10 @@ The contract (also in docs/PSEUDOLABEL.md):
 - The pseudo-caption is the first p = --words words joined by single spaces; an image left with no word is
   dropped and counted (`dropped_no_words`); an image that is missing or does not decode is skipped and counted.
 - Output: UNALIGNED's shards under the same names, image bytes (and any other member) copied untouched; `txt` is
-  the pseudo-caption; `json` is the input json without caption_raw/bow (they described a caption that is gone)
-  plus `pseudo: true`, `strategy`, and `neighbours`: the keys of the k ALIGNED captions retrieved most often
-  across the crops (then highest similarity, then key). The sidecars keep the input columns (caption replaced,
-  caption_raw/bow dropped) and gain `pseudo`, `strategy`, `neighbours`.
+  the pseudo-caption; `json` is the input json without caption_raw/bow/captions/captions_raw (they described the
+  caption(s) that are gone) plus `pseudo: true`, `strategy`, and `neighbours`: the keys of the k ALIGNED captions
+  retrieved most often across the crops (then highest similarity, then key). The sidecars keep the input columns
+  (caption replaced, caption_raw/bow/captions dropped) and gain `pseudo`, `strategy`, `neighbours`.
 - The index is saved for reuse as OUT/knn.faiss (CPU form) + OUT/knn_captions.parquet (row id -> key, caption);
   a re-run with the same ALIGNED sidecars, checkpoint (path, size, mtime) and index kind loads it instead of
   re-embedding S_a. Shards resume as in every stage.
@@ -51,7 +51,9 @@ from vlprep.engine import Work, check_engine, map_shards, merged_skips
 from vlprep.text import tokenize
 
 STRATEGIES = ("maxcount", "rmtopmaxcount", "rmtoprand", "weighted")
-DROP_META = ("caption_raw", "bow")  # json keys and sidecar columns about the input's caption, which is replaced
+# json keys and sidecar columns about the input's caption(s), which the pseudo-caption replaces: bow's provenance, and
+# a multi-caption sample's other captions (training would otherwise draw the input's captions instead of the pseudo one)
+DROP_META = ("caption_raw", "bow", "captions", "captions_raw")
 
 
 # --- word ranking (pure) ---------------------------------------------------------------------------

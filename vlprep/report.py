@@ -178,6 +178,8 @@ def print_bow_report(r: dict, console: Console) -> None:
     t.add_row("vocabulary", f"{r['vocab_before']:,}", f"{r['vocab_after']:,}")
     t.add_row("deformed / base", "", f"{r['deformed_fraction']:.1%} deformed, {r['base_samples']:,} base samples")
     t.add_row("dropped (empty)", "", f"{r['dropped_empty']:,}")
+    if r.get("captions_dropped_empty"):  # extra captions of multi-caption samples left out of json.captions
+        t.add_row("extra captions dropped (empty)", "", f"{r['captions_dropped_empty']:,}")
     t.add_row("tokens removed", "", ", ".join(f"{k}: {v:,}" for k, v in r["tokens_removed"].items()))
     t.add_row("top words", ", ".join(w for w, _ in r["top_words_before"]),
               ", ".join(w for w, _ in r["top_words_after"]))

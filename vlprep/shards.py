@@ -7,6 +7,10 @@ are complete and whose records are unchanged (see `fingerprint`), and the result
 to an uninterrupted run. A shard holds at most
 samples_per_shard samples (fewer when some are skipped), as with img2dataset.
 
+A multi-caption source (a Karpathy split file) gives one sample per image with all its captions: `txt` is the first,
+json.captions all of them in file order, and the sidecar gains a `captions` column (docs/FORMAT.md, "Multi-caption
+samples").
+
 Images pass through untouched unless --resize or --format asks for a re-encode. Pass-through checks
 the header and the end-of-image marker (JPEG EOI, PNG IEND, WebP RIFF length) without decoding, which
 catches truncated files at copy speed; --decode-check decodes every image as well.
@@ -32,13 +36,15 @@ from vlprep.dataset import (KEY_RE, check_out, finish_dataset, remove_extra_shar
                             write_json_atomic, write_shard, writing_output)
 from vlprep.engine import Work, check_engine, default_workers, map_shards, merged_skips
 from vlprep.imagecheck import looks_complete, png_chunks_ok, probe  # noqa: F401 (png_chunks_ok: API)
-from vlprep.sources import Item, load_images, open_source
+from vlprep.sources import Item, load_images, open_source, parse_splits
 
 FORMATS = {"jpg": "JPEG", "png": "PNG", "webp": "WEBP"}
 PIL_TO_EXT = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp", "MPO": "jpg"}
 SIDECAR_SCHEMA = pa.schema([("key", pa.string()), ("uid", pa.string()), ("caption", pa.string()),
                             ("source", pa.string()), ("image_ext", pa.string()), ("width", pa.int32()),
                             ("height", pa.int32()), ("image_bytes", pa.int64())])
+# A multi-caption source's sidecars have one more column: every caption of the sample (`caption` is the first).
+MULTI_SIDECAR_SCHEMA = SIDECAR_SCHEMA.append(pa.field("captions", pa.list_(pa.string())))
 MAX_EXAMPLES = 5  # skipped uids kept per reason and shard, to point the user at bad records
 
 
@@ -56,6 +62,8 @@ class ShardsConfig:
     image_col: str | None = None
     caption_col: str | None = None
     uid_col: str | None = None
+    image_root: Path | None = None    # Karpathy split file: the folder its filepath/filename are relative to
+    split: list[str] | None = None    # Karpathy split file: the splits kept (None: all); normalised by validate()
     decode_check: bool = False
     overwrite: bool = False
 
@@ -71,6 +79,7 @@ class ShardsConfig:
         check_engine(self.distributor, self.workers)
         if not KEY_RE.match(self.prefix):
             raise VlprepError(f"--prefix may hold only letters, digits, '_' and '-', not {self.prefix!r}")
+        self.split = parse_splits(self.split)
 
 
 class Skip(Exception):
@@ -101,6 +110,23 @@ def clean_caption(caption: str | bytes | None) -> str:
     if not caption:
         raise Skip("empty_caption")
     return caption
+
+
+def clean_captions(captions: list) -> list[str]:
+    """A multi-caption record's captions, each cleaned as `clean_caption`, in order; an unusable one is left out.
+
+    Skip (the first caption's reason, e.g. empty_caption) when none is left, `missing_caption` for an empty list.
+    """
+    kept, reason = [], "missing_caption"
+    for i, caption in enumerate(captions):
+        try:
+            kept.append(clean_caption(caption))
+        except Skip as s:
+            if i == 0:
+                reason = s.reason
+    if not kept:
+        raise Skip(reason)
+    return kept
 
 
 def read_image(image: str | bytes | None) -> bytes:
@@ -193,14 +219,20 @@ def prepare_image(data: bytes, resize: int | None = None, fmt: str | None = None
 def build_shard(out: Path, first_index: int, items: list[Item], cfg: dict, fp: str = "") -> dict:
     """Write one planned shard; returns its stats {in, written, skipped, examples, fingerprint}."""
     skipped, examples, samples = Counter(), {}, []
-    columns = {name: [] for name in SIDECAR_SCHEMA.names}  # the sidecar, built column-wise (no dict per row)
-    keys, uids, captions, sources, exts, widths, heights, sizes = columns.values()
+    multi = cfg.get("multi_caption", False)  # every shard of a multi-caption source has the captions column
+    schema = MULTI_SIDECAR_SCHEMA if multi else SIDECAR_SCHEMA
+    columns = {name: [] for name in schema.names}  # the sidecar, built column-wise (no dict per row)
+    keys, uids, captions, sources, exts, widths, heights, sizes = list(columns.values())[:8]
     shard = shard_name(cfg["prefix"], first_index // cfg["samples_per_shard"])
     prefix, opts = cfg["prefix"], (cfg["resize"], cfg["format"], cfg["quality"], cfg["decode_check"])
     for i, (item, image) in enumerate(zip(items, load_images(items))):
         key = f"{prefix}_{first_index + i:09d}"
         try:
-            caption = clean_caption(item.caption)
+            if item.captions is None:
+                caption = clean_caption(item.caption)
+            else:
+                all_captions = clean_captions(item.captions)
+                caption = all_captions[0]
             data, ext, w, h = prepare_image(read_image(image), *opts)
         except Skip as s:
             skipped[s.reason] += 1
@@ -208,9 +240,13 @@ def build_shard(out: Path, first_index: int, items: list[Item], cfg: dict, fp: s
             if len(ex) < MAX_EXAMPLES:
                 ex.append(item.uid)
             continue
-        meta = {"uid": item.uid, "source": item.source, "width": w, "height": h}
+        meta = {**(item.meta or {}), "uid": item.uid, "source": item.source, "width": w, "height": h}
         if item.url:
             meta["url"] = item.url
+        if item.captions is not None:
+            meta["captions"] = all_captions
+        if multi:
+            columns["captions"].append(all_captions if item.captions is not None else [caption])
         samples.append({"__key__": key, ext: data, "txt": caption, "json": meta})
         keys.append(key)
         uids.append(item.uid)
@@ -222,7 +258,7 @@ def build_shard(out: Path, first_index: int, items: list[Item], cfg: dict, fp: s
         sizes.append(len(data))
     stats = {"in": len(items), "written": len(samples), "skipped": dict(skipped), "examples": examples,
              "fingerprint": fp}
-    write_shard(out, shard, samples, pa.Table.from_pydict(columns, schema=SIDECAR_SCHEMA), stats=stats)
+    write_shard(out, shard, samples, pa.Table.from_pydict(columns, schema=schema), stats=stats)
     return stats
 
 
@@ -232,11 +268,15 @@ def build_shard(out: Path, first_index: int, items: list[Item], cfg: dict, fp: s
 def fingerprint(items: list[Item]) -> str:
     """What a shard was built from: ids, captions, and image bytes (hashed) or where they are + size + mtime.
 
-    A resumed run reuses a finished shard only when this matches, so an edited source is rebuilt.
+    A resumed run reuses a finished shard only when this matches, so an edited source is rebuilt. A multi-caption
+    item adds all its captions and its extra json fields; other items hash exactly as they always have.
     """
     parts = []  # hashed in one update: the same digest as one update per part, with less call overhead
     for it in items:
-        parts.append(repr((it.uid, it.caption, it.source, it.url)).encode("utf-8", "surrogatepass"))
+        record = (it.uid, it.caption, it.source, it.url)
+        if it.captions is not None or it.meta:
+            record += (it.captions, sorted((it.meta or {}).items()))
+        parts.append(repr(record).encode("utf-8", "surrogatepass"))
         image = it.image
         if isinstance(image, bytes):
             parts.append(hashlib.blake2b(image, digest_size=16).digest())
@@ -255,11 +295,19 @@ def build_shards(cfg: ShardsConfig, progress=None) -> dict:
     cfg.validate()
     t0 = time.perf_counter()
     out = check_out(cfg.out, cfg.src)
-    source = open_source(cfg.src, cfg.image_col, cfg.caption_col, cfg.uid_col)
+    source = open_source(cfg.src, cfg.image_col, cfg.caption_col, cfg.uid_col, cfg.image_root, cfg.split)
     options = {k: v for k, v in asdict(cfg).items() if k not in ("src", "out", "workers", "distributor", "overwrite")}
     options["src"] = str(Path(cfg.src).resolve())
+    # Karpathy options are recorded only when given, so every other source's options stay what they were.
+    for name in ("image_root", "split"):
+        if options[name] is None:
+            del options[name]
+    if cfg.image_root is not None:
+        options["image_root"] = str(Path(cfg.image_root).resolve())
     with writing_output(out, "shards", options, cfg.overwrite):
         job = {k: options[k] for k in ("prefix", "samples_per_shard", "resize", "format", "quality", "decode_check")}
+        if source.multi_caption:
+            job["multi_caption"] = True
 
         planned: list[str] = []
 

@@ -1,4 +1,4 @@
-"""Image-caption sources for `vlprep shards`: tables, image folders, and existing WebDatasets.
+"""Image-caption sources for `vlprep shards`: tables, image folders, existing WebDatasets, and Karpathy split files.
 
 Each source is a generator of `Item`s in a fixed order; the item's position in that order is its
 sample index, so keys depend only on the source, never on timing or the number of workers.
@@ -30,6 +30,7 @@ IMAGE_COLUMNS = ("image", "image_path", "img", "img_path", "filepath", "file_nam
 CAPTION_COLUMNS = ("caption", "text", "txt", "caption_text", "sentence", "title", "alt", "description")
 UID_COLUMNS = ("uid", "key", "id", "image_id")
 WDS_IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+KARPATHY_SPLITS = ("train", "restval", "val", "test")  # the values of `split` in dataset_coco.json / _flickr30k.json
 
 
 class RowRef(NamedTuple):
@@ -42,22 +43,29 @@ class RowRef(NamedTuple):
 
 @dataclass
 class Item:
-    """One source record before any checks: the image as a path, bytes or a reference, the caption as read."""
+    """One source record before any checks: the image as a path, bytes or a reference, the caption as read.
+
+    A multi-caption record (a Karpathy split file) also has `captions`, all of them in file order (`caption` is the
+    first), and `meta`, extra json fields kept with the sample (cocoid, imgid, split).
+    """
 
     uid: str
     image: str | bytes | TarRef | RowRef | None
     caption: str | bytes | None
     source: str
     url: str | None = None
+    captions: list[str | None] | None = None
+    meta: dict | None = None
 
 
 @dataclass
 class Source:
-    kind: str                    # parquet | csv | tsv | jsonl | folder | webdataset
+    kind: str                    # parquet | csv | tsv | jsonl | folder | webdataset | karpathy
     path: Path
     columns: dict[str, str | None]
     total: int | None            # number of items when cheap to know (for the progress bar)
     items: Iterator[Item]
+    multi_caption: bool = False  # items carry `captions`: samples get json.captions and the sidecar a captions column
 
 
 def _pick(columns: list[str], wanted: str | None, defaults: tuple[str, ...], what: str, path: Path,
@@ -279,11 +287,108 @@ def webdataset_source(path: Path) -> Source:
     return Source("webdataset", path, {}, total, items())
 
 
-def open_source(src: str | os.PathLike, image_col=None, caption_col=None, uid_col=None) -> Source:
-    """Pick the source type from the path: a table file, a .tar / folder of .tar shards, or an image folder."""
+def parse_splits(values: str | list[str] | tuple[str, ...] | None) -> list[str] | None:
+    """--split values (repeated and/or comma-separated) -> the chosen splits in KARPATHY_SPLITS order, or None (all).
+
+    One canonical list, so that `--split test,val` and `--split val --split test` record the same options.
+    """
+    if values is None:
+        return None
+    if isinstance(values, str):  # a library caller's split="test,val"
+        values = [values]
+    names = [v.strip() for value in values for v in str(value).split(",")]
+    bad = [n for n in names if n not in KARPATHY_SPLITS]
+    if bad or not names:
+        raise VlprepError(f"unknown --split {bad[0] if bad else ''!r}; splits are: {', '.join(KARPATHY_SPLITS)}")
+    return [s for s in KARPATHY_SPLITS if s in names]
+
+
+NOT_KARPATHY = ("a JSON object without an 'images' list of entries with 'sentences': not a Karpathy split file; "
+                "a table must be JSON Lines (one object per line)")
+
+
+def _single_object(path: Path) -> dict | None:
+    """The object a `.json` file holds when it is one JSON object rather than JSON Lines, else None.
+
+    Cheap for JSON Lines: only the first line is parsed (and the next one looked at). A file whose one object spans
+    several lines (pretty-printed) is parsed whole. A one-line file of one object is JSON Lines of one record, as it
+    always was, unless that object has an 'images' key (a Karpathy file is one line; so is COCO's own annotation
+    file, which is refused by the caller). None also for anything malformed: the JSON Lines reader names the line.
+    """
+    try:
+        with open(path, "rb") as f:
+            first = next((line for line in f if line.strip()), b"")
+            if not first.lstrip().startswith(b"{"):
+                return None
+            try:
+                obj = json.loads(first)
+            except ValueError:  # an object over several lines, or a bad first line (JSONDecodeError, UnicodeError)
+                f.seek(0)
+                try:
+                    obj = json.load(f)
+                except ValueError:
+                    return None
+                return obj if isinstance(obj, dict) else None
+            if not isinstance(obj, dict) or "images" not in obj or any(line.strip() for line in f):
+                return None
+            return obj
+    except OSError as e:
+        raise VlprepError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def _text(value) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def karpathy_source(path: Path, data: dict, image_root: str | os.PathLike | None = None,
+                    splits: list[str] | None = None) -> Source:
+    """A Karpathy split file (dataset_coco.json, dataset_flickr30k.json): one multi-caption item per image entry.
+
+    The image is image_root / filepath / filename (filepath only when present: COCO has it, Flickr30k does not);
+    image_root defaults to the file's folder. The captions are the entry's sentences' `raw` texts, in file order.
+    uid is the cocoid, else the imgid, else the file name. `splits` keeps the entries of those splits (file order
+    kept); None keeps all. A bad entry becomes an item that `vlprep shards` skips and counts (missing image or
+    caption), never an error.
+    """
+    images = data.get("images")
+    if not isinstance(images, list) or not any(isinstance(e, dict) and "sentences" in e for e in images):
+        raise VlprepError(f"{path.name}: {NOT_KARPATHY}")
+    root = Path(image_root) if image_root is not None else path.parent
+    if image_root is not None and not root.is_dir():
+        raise VlprepError(f"--image-root {root}: not a folder")
+    chosen = None if splits is None else set(splits)
+    entries = [e for e in images if isinstance(e, dict) and (chosen is None or e.get("split") in chosen)]
+
+    def items() -> Iterator[Item]:
+        for i, e in enumerate(entries):
+            name = _text(e.get("filename"))
+            folder = _text(e.get("filepath"))
+            image = None if not name else str(root / folder / name) if folder else str(root / name)
+            sentences = e.get("sentences")
+            captions = [_text(s.get("raw")) if isinstance(s, dict) else None
+                        for s in (sentences if isinstance(sentences, list) else [])]
+            meta = {k: e[k] for k in ("cocoid", "imgid", "split") if e.get(k) is not None}
+            uid = next((str(e[k]) for k in ("cocoid", "imgid") if e.get(k) is not None), name or str(i))
+            yield Item(uid=uid, image=image, caption=captions[0] if captions else None, source=path.name,
+                       captions=captions, meta=meta)
+
+    return Source("karpathy", path, {}, len(entries), items(), multi_caption=True)
+
+
+def open_source(src: str | os.PathLike, image_col=None, caption_col=None, uid_col=None, image_root=None,
+                splits: list[str] | None = None) -> Source:
+    """Pick the source type from the path: a table file (or a Karpathy split .json), a .tar / folder of .tar shards,
+    or an image folder. `image_root` and `splits` apply to a Karpathy split file only."""
     path = Path(src)
     if not path.exists():
         raise VlprepError(f"source not found: {path}")
+    data = _single_object(path) if path.is_file() and path.suffix.lower() == ".json" else None
+    if data is not None:  # one JSON object rather than JSON Lines: a Karpathy split file, or a one-line error
+        return karpathy_source(path, data, image_root, splits)
+    if image_root is not None or splits is not None:
+        given = [f for f, v in (("--image-root", image_root), ("--split", splits)) if v is not None]
+        raise VlprepError(f"{' and '.join(given)} appl{'y' if len(given) > 1 else 'ies'} only to a Karpathy split "
+                          f"file (one JSON object with an 'images' list), not to {path.name}")
     if path.is_file():
         if path.suffix == ".tar":
             return webdataset_source(path)

@@ -176,8 +176,8 @@ def eval_(
         if "itm_rerank" in result:
             rr = result["itm_rerank"]
             rows[f"ITM re-rank top-{rr['k']}"] = rr
-            console.print(f"ITM re-rank: {rr['seconds']:.1f} s, {rr['seconds_per_1k_images']:.1f} s per 1K images",
-                          highlight=False)
+            console.print(f"ITM re-rank: {rr['pairs']:,} pairs in {rr['seconds']:.1f} s "
+                          f"({rr['seconds_per_1k_images']:.1f} s per 1K images)", highlight=False)
         rows["chance"] = result["chance"]
         size = (f"{r['n_images']:,} images, {r['n_captions']:,} captions" if "n_images" in r
                 else f"{result['n_samples']} pairs")

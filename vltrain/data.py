@@ -163,6 +163,8 @@ def sample_captions(raw: dict) -> list[str]:
     if not meta or b'"captions"' not in meta:  # most samples have one caption: no json parse for them
         return [text]
     captions = json.loads(meta).get("captions")
+    if captions is None:  # the bytes only mentioned "captions" somewhere else
+        return [text]
     if not isinstance(captions, list) or not captions or not all(isinstance(c, str) and c for c in captions):
         raise ValueError(f"sample {raw.get('__key__')}: json.captions is not a list of captions")
     return captions

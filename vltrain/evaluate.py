@@ -325,11 +325,17 @@ def _retrieval(model, cfg, shards: list[str], itm_rerank_k: int, workers: int, d
     if itm_rerank_k > 0:
         if model.fusion is None:
             raise TrainError("--itm-rerank-k needs a model with a fusion encoder (this one has fusion_layers=0)")
-        t0 = time.perf_counter()
-        ranked = itm_rerank(sim, itm_rerank_k, _itm_scorer(model, emb, dev), batch=max(cfg.batch_size, 64))
+        t0, scorer, pairs = time.perf_counter(), _itm_scorer(model, emb, dev), []
+
+        def counted(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+            pairs.append(len(i))
+            return scorer(i, j)
+
+        ranked = itm_rerank(sim, itm_rerank_k, counted, batch=max(cfg.batch_size, 64))
         seconds = time.perf_counter() - t0
         out["itm_rerank"] = {"k": itm_rerank_k, **rerank_recall(*ranked, emb["txt2img"]), **sizes,
-                             "seconds": round(seconds, 2), "seconds_per_1k_images": round(1000 * seconds / n, 2)}
+                             "pairs": sum(pairs), "seconds": round(seconds, 2),
+                             "seconds_per_1k_images": round(1000 * seconds / n, 2)}
     return out
 
 

@@ -30,6 +30,10 @@ Cleaning rules (rule: reason):
 
 --limit N keeps N evenly spaced files of the sorted SVG list (index i * total // N): deterministic, all categories.
 Counts (shared titles, keyword frequencies) always come from all files: a caption does not depend on N.
+
+Besides the caption, the table keeps its three parts apart (title, description, keywords: '' or [] when empty), so
+make_karpathy.py can turn them into several independent captions of one image. The description column is last:
+the columns before it, and every caption, are the same as before it was added.
 """
 
 import argparse
@@ -213,7 +217,8 @@ def main() -> None:
 
     chosen = svgs if not args.limit or args.limit >= len(svgs) else \
         [svgs[i * len(svgs) // args.limit] for i in range(args.limit)]
-    rows, skipped = {k: [] for k in ("image", "caption", "uid", "title", "keywords", "category")}, Counter()
+    rows, skipped = {k: [] for k in ("image", "caption", "uid", "title", "keywords", "category", "description")}, \
+        Counter()
     for svg in chosen:
         rel, meta = svg.relative_to(args.svg_root), metas[svg]
         uid = rel.with_suffix("").as_posix()
@@ -228,12 +233,13 @@ def main() -> None:
         if reason:
             skipped[reason] += 1
             continue
-        for k, v in zip(rows, (str(png.resolve()), caption, uid, name, keywords, rel.parts[0])):
+        for k, v in zip(rows, (str(png.resolve()), caption, uid, name, keywords, rel.parts[0], desc), strict=True):
             rows[k].append(v)
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     schema = pa.schema([("image", pa.string()), ("caption", pa.string()), ("uid", pa.string()),
-                        ("title", pa.string()), ("keywords", pa.list_(pa.string())), ("category", pa.string())])
+                        ("title", pa.string()), ("keywords", pa.list_(pa.string())), ("category", pa.string()),
+                        ("description", pa.string())])
     pq.write_table(pa.table(rows, schema=schema), args.out)
     n = len(rows["caption"])
     print(f"{n} rows ({len(set(rows['caption']))} distinct captions) written to {args.out} from {len(chosen)} SVGs "

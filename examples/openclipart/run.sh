@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Debian's openclipart clip art -> captions.parquet -> shards -> stats -> bow -> vltrain; detect -> ontology;
-# held-out images -> pseudolabel -> vltrain on bow + pseudo, both runs scored on the same held-out eval set.
+# held-out images -> pseudolabel -> vltrain on bow + pseudo, both runs scored on the same held-out eval set, on a
+# multi-caption split of it (Karpathy format, make_karpathy.py) and on a zero-shot image folder (zeroshot.py).
 # Env: PY, VLPREP (default: the repo's .venv), OUT (default: demo-out/openclipart in the repo),
 #      LIMIT (default 2000 evenly spaced files, about 6 minutes in all; LIMIT=all for all 8,121 images,
 #      about 20 minutes, most of it object detection at ~8 images/s).
@@ -101,12 +102,24 @@ step heldout "$PY" "$HERE/heldout.py" --all "$OUT/captions-all.parquet" --aligne
     --unaligned "$UNALIGNED" --eval "$EVAL" --out-unaligned "$OUT/unaligned.parquet" --out-eval "$OUT/eval.parquet"
 step unaligned-shards "$VLPREP" shards "$OUT/unaligned.parquet" "$OUT/unaligned" --resize 256 -n 1000 --prefix unaligned "${V[@]}"
 step eval-shards "$VLPREP" shards "$OUT/eval.parquet" "$OUT/eval" --resize 256 -n 1000 --prefix eval "${V[@]}"
+# Two more benchmarks on images no run trains on. Multi-caption retrieval as on COCO/Flickr30k (Karpathy's split
+# format): the eval images' name, description and keywords as 2-3 captions each. Zero-shot classification: 30
+# images of each of 10 category folders, none in the tables above, as ROOT/FOLDER/*.png + classnames.txt.
+KARPATHY="$OUT/karpathy/dataset_openclipart.json"
+step karpathy "$PY" "$HERE/make_karpathy.py" --eval "$OUT/eval.parquet" --out "$KARPATHY"
+step karpathy-shards "$VLPREP" shards "$KARPATHY" "$OUT/karpathy-shards" --image-root /usr/share/openclipart/png \
+    --split test --resize 256 -n 1000 --prefix karpathy "${V[@]}"
+step zeroshot-folder "$PY" "$HERE/zeroshot.py" --all "$OUT/captions-all.parquet" --exclude "$OUT/captions.parquet" \
+    "$OUT/unaligned.parquet" "$OUT/eval.parquet" "$KARPATHY" --folder "$OUT/zeroshot-folder"
 # The features-trained checkpoint reads the unaligned images' pixels through the same frozen encoder.
 step pseudolabel "$VLPREP" pseudolabel "$OUT/bow" "$OUT/unaligned" "$OUT/pseudo" --checkpoint "$OUT/run/last.pt" \
     --strategy weighted --crops "${CROPS:-3}" --k 10 --words 4 --batch-size 24 "${V[@]}"
 step features-pseudo "$VLPREP" features "$OUT/pseudo" "$OUT/pseudo-feat" "${V[@]}"
 step features-eval "$VLPREP" features "$OUT/eval" "$OUT/eval-feat" "${V[@]}"
-# Two arms, the same runs but for the data: bow only, and bow + pseudo; each over SEEDS, scored on the eval set.
+# `features` keeps each sample's json member, so all captions of an image survive; the evals read cached tokens.
+step features-karpathy "$VLPREP" features "$OUT/karpathy-shards" "$OUT/karpathy-feat" "${V[@]}"
+# Two arms, the same runs but for the data: bow only, and bow + pseudo; each over SEEDS, scored on the eval set,
+# then on the multi-caption split and the zero-shot folder (summary.py's second and third tables).
 for seed in $SEEDS; do
     for arm in bow pseudo; do
         run="$OUT/cmp/$arm-s$seed"
@@ -121,6 +134,8 @@ for seed in $SEEDS; do
                 --set eval_every=100000 --set seed="$seed" --out "$run" "${again[@]}"
         fi
         quiet "$run.eval.log" "$VLTRAIN" eval "$run/last.pt" "$OUT/eval-feat" --out "$run/eval-heldout.json"
+        quiet "$run.eval-karpathy.log" "$VLTRAIN" eval "$run/last.pt" "$OUT/karpathy-feat" \
+            --zeroshot-folder "$OUT/zeroshot-folder" --out "$run/eval-karpathy.json"
     done
 done
 "$PY" "$HERE/summary.py" "$OUT"

@@ -11,9 +11,19 @@ because Debian ships some files under two folders. From each class, --per-class 
 by uid) are kept, so the set is balanced and deterministic. The caption of each row is its class name, so that
 `vltrain eval --zeroshot classes.txt` labels it (a sample's label is the class named in its caption); the
 retrieval figures `vltrain eval` also prints on this set mean nothing (many rows share a caption).
+
+--folder ROOT writes the same selection as an image-folder benchmark instead of (or besides) the table, for
+`vltrain eval --zeroshot-folder ROOT`: ROOT/FOLDER/NAME.png symlinks to the PNGs (FOLDER the category folder,
+NAME the uid with "/" -> "__", unique because uids are) and ROOT/classnames.txt with `FOLDER<TAB>class name`
+lines, the CLASSES mapping. No templates.txt: `vltrain eval` then uses its built-in prompt ensemble. ROOT is
+replaced only when its contents change, and only if it is such a folder already (it has a classnames.txt).
+--exclude also takes Karpathy-split JSON files (make_karpathy.py): their images are --image-root/filepath/filename.
 """
 
 import argparse
+import json
+import os
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
@@ -29,40 +39,92 @@ def evenly(rows: list, n: int) -> list:
     return rows if n >= len(rows) else [rows[i * len(rows) // n] for i in range(n)]
 
 
+def excluded_images(path: Path, image_root: Path) -> list[str]:
+    """Resolved image paths of a table (its `image` column) or of a Karpathy-split JSON file (root/filepath/name)."""
+    if path.suffix == ".json":
+        images = json.loads(path.read_text(encoding="utf-8"))["images"]
+        return [str((image_root / im.get("filepath", "") / im["filename"]).resolve()) for im in images]
+    return pq.read_table(path, columns=["image"]).column(0).to_pylist()
+
+
+def folder_listing(root: Path) -> tuple[str, dict[str, str]] | None:
+    """(classnames.txt, {FOLDER/NAME: symlink target}) of an image folder written by write_folder, None if absent."""
+    if not (root / "classnames.txt").is_file():
+        return None
+    links = {p.relative_to(root).as_posix(): os.readlink(p) for p in root.glob("*/*") if p.is_symlink()}
+    return (root / "classnames.txt").read_text(encoding="utf-8"), links
+
+
+def write_folder(root: Path, picked: dict[str, list[tuple[str, str]]]) -> bool:
+    """ROOT/FOLDER/NAME.png -> image and ROOT/classnames.txt; False when ROOT already holds exactly that."""
+    picked = {folder: rows for folder, rows in picked.items() if rows}  # a class without images cannot be scored
+    classnames = "".join(f"{folder}\t{CLASSES[folder]}\n" for folder in picked)
+    links = {f"{folder}/{uid.replace('/', '__')}.png": image for folder, rows in picked.items() for image, uid in rows}
+    if len(links) != sum(map(len, picked.values())):
+        raise SystemExit("two uids map to the same file name in the zero-shot folder")
+    old = folder_listing(root)
+    if old == (classnames, links):
+        return False
+    if old is None and root.exists() and (not root.is_dir() or any(root.iterdir())):
+        raise SystemExit(f"{root} exists and is not a zero-shot folder (no classnames.txt): not replacing it")
+    tmp = root.with_name(root.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # a cut run's leftover; rmtree removes symlinks, not their targets
+    for folder in picked:
+        (tmp / folder).mkdir(parents=True)
+    for name, image in links.items():
+        (tmp / name).symlink_to(image)
+    (tmp / "classnames.txt").write_text(classnames, encoding="utf-8")
+    if root.exists():
+        shutil.rmtree(root)
+    tmp.rename(root)
+    return True
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--all", type=Path, required=True, help="captions of every file (make_captions.py, no --limit)")
     ap.add_argument("--exclude", type=Path, nargs="+", required=True,
-                    help="tables whose images must not be in the set (aligned, unaligned, eval)")
+                    help="tables (or Karpathy JSON files) whose images must not be in the set (aligned, unaligned, "
+                         "eval)")
     ap.add_argument("--per-class", type=int, default=30, help="images per class (default 30)")
-    ap.add_argument("--out", type=Path, required=True, help="the zero-shot table (Parquet: image, caption, uid)")
-    ap.add_argument("--classes", type=Path, required=True, help="classes.txt to write, one class name per line")
+    ap.add_argument("--out", type=Path, help="the zero-shot table (Parquet: image, caption, uid)")
+    ap.add_argument("--classes", type=Path, help="classes.txt to write (with --out), one class name per line")
+    ap.add_argument("--folder", type=Path, help="image folder to write: FOLDER/NAME.png symlinks and classnames.txt")
+    ap.add_argument("--image-root", type=Path, default=Path("/usr/share/openclipart/png"),
+                    help="root of the Karpathy JSON files' filepath entries (default /usr/share/openclipart/png)")
     args = ap.parse_args()
+    if (args.out is None) != (args.classes is None) or (args.out is None and args.folder is None):
+        ap.error("give --out and --classes (the table), --folder (the image folder), or both")
 
     table = pq.read_table(args.all, columns=["image", "uid", "category"]).to_pydict()
     used = set()
     for path in args.exclude:
-        used.update(pq.read_table(path, columns=["image"]).column(0).to_pylist())
+        used.update(excluded_images(path, args.image_root))
     rows, seen = {c: [] for c in CLASSES}, set()
     for image, uid, category in sorted(zip(table["image"], table["uid"], table["category"]), key=lambda r: r[1]):
         if category in CLASSES and image not in used and image not in seen:
             seen.add(image)
             rows[category].append((image, uid))
-    out = {"image": [], "caption": [], "uid": []}
-    counts = {}
-    for category, name in CLASSES.items():
-        picked = evenly(rows[category], args.per_class)
-        counts[name] = len(picked)
-        for image, uid in picked:
-            out["image"].append(image)
-            out["caption"].append(name)
-            out["uid"].append(uid)
-    tmp = args.out.with_name(args.out.name + ".tmp")
-    pq.write_table(pa.table(out), tmp)
-    tmp.replace(args.out)
-    args.classes.write_text("".join(name + "\n" for name in CLASSES.values()))
-    print(f"zero-shot set: {len(out['uid'])} images in {len(CLASSES)} classes -> {args.out} "
-          f"({', '.join(f'{k} {v}' for k, v in counts.items())}); classes -> {args.classes}")
+    picked = {category: evenly(rows[category], args.per_class) for category in CLASSES}
+    counts = ", ".join(f"{CLASSES[c]} {len(v)}" for c, v in picked.items())
+    total = sum(map(len, picked.values()))
+    if args.out is not None:
+        out = {"image": [], "caption": [], "uid": []}
+        for category, name in CLASSES.items():
+            for image, uid in picked[category]:
+                out["image"].append(image)
+                out["caption"].append(name)
+                out["uid"].append(uid)
+        tmp = args.out.with_name(args.out.name + ".tmp")
+        pq.write_table(pa.table(out), tmp)
+        tmp.replace(args.out)
+        args.classes.write_text("".join(name + "\n" for name in CLASSES.values()))
+        print(f"zero-shot set: {total} images in {len(CLASSES)} classes -> {args.out} ({counts}); "
+              f"classes -> {args.classes}")
+    if args.folder is not None:
+        changed = write_folder(args.folder, picked)
+        print(f"zero-shot folder: {total} images in {len(CLASSES)} classes -> {args.folder} ({counts})"
+              + ("" if changed else "; unchanged"))
 
 
 if __name__ == "__main__":

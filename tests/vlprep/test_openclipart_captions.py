@@ -196,7 +196,9 @@ def test_script_on_tiny_svgs(clipart, monkeypatch, capsys):
                                             "Croissant (B & W). A croissant fresh from the oven. animal, food, bread"]
     assert rows[0] == {"image": str(clipart / "png/animals/birds/acquila_architetto_franc_01.png"),
                        "caption": "Acquila. animal, bird, eagle", "uid": "animals/birds/acquila_architetto_franc_01",
-                       "title": "Acquila", "keywords": ["animal", "bird", "eagle"], "category": "animals"}
+                       "title": "Acquila", "keywords": ["animal", "bird", "eagle"], "category": "animals",
+                       "description": ""}
+    assert rows[1]["description"] == "A croissant fresh from the oven"  # a text of its own: make_karpathy.py
     out = capsys.readouterr().out
     assert "2 rows (2 distinct captions)" in out
     assert "skipped: no_png 1, malformed_xml 1, no_metadata 1, empty_caption 0" in out

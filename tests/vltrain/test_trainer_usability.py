@@ -314,7 +314,7 @@ def test_config_prints_every_key_as_yaml_that_loads_back(tmp_path):
 def test_eval_table_labels_both_directions(shards, trained):
     r = CliRunner().invoke(app, ["eval", str(trained / "last.pt"), str(shards)], terminal_width=200)
     assert r.exit_code == 0, r.output
-    for header in ("i→t R@1", "i→t R@5", "i→t R@10", "t→i R@1", "t→i R@5", "t→i R@10", "image→text", "text→image"):
+    for header in ("TR@1", "TR@5", "TR@10", "IR@1", "IR@5", "IR@10", "image→text", "text→image"):
         assert header in r.output
 
 
