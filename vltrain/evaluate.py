@@ -1,4 +1,5 @@
-"""Retrieval R@K (ITC similarity, optional ITM re-rank of the top-k), zero-shot accuracy, and `vltrain eval`.
+"""Retrieval R@K as the papers score it (every caption of every image, optional ITM re-rank of the ITC top-k) and
+`vltrain eval`, which also runs zero-shot classification (vltrain.zeroshot); docs/EVALUATION.md.
 
 Metrics are pure functions of score matrices; `embed_split`, `view_scores` and `evaluate_checkpoint` run a model
 over shards to get them (the training loop's periodic checks use the first two).
@@ -111,7 +112,7 @@ def itm_rerank(sim: torch.Tensor, k: int, itm_score: Callable[[torch.Tensor, tor
 def rerank_recall(sim_i2t: torch.Tensor, sim_t2i: torch.Tensor, txt2img, ks=KS) -> dict[str, float]:
     """R@K when the two directions are ranked by different score matrices (after itm_rerank)."""
     a, b = recall_at_k(sim_i2t, txt2img, ks), recall_at_k(sim_t2i, txt2img, ks)
-    out = {**{k_: v for k_, v in a.items() if k_.startswith("i2t")}, **{k_: v for k_, v in b.items() if k_.startswith("t2i")}}
+    out = {**{k: v for k, v in a.items() if k.startswith("i2t")}, **{k: v for k, v in b.items() if k.startswith("t2i")}}
     out["mean_recall"] = round(sum(out.values()) / len(out), 2)
     return out
 

@@ -144,7 +144,8 @@ def test_batched_itm_rerank_equals_a_query_by_query_rerank_and_scores_each_pair_
     i2t, t2i = itm_rerank(sim, k, itm, batch=4)
     assert max(calls) <= 4
     top_t, top_i = sim.topk(k, dim=1).indices, sim.topk(k, dim=0).indices
-    union = {(i, int(j)) for i in range(n_img) for j in top_t[i]} | {(int(i), j) for j in range(18) for i in top_i[:, j]}
+    union = ({(i, int(j)) for i in range(n_img) for j in top_t[i]}
+             | {(int(i), j) for j in range(18) for i in top_i[:, j]})
     assert sum(calls) == len(union)  # a pair in the top-k of both directions is scored once
     want_i2t = torch.full_like(sim, -100.0)
     for i in range(n_img):
