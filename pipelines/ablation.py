@@ -176,6 +176,10 @@ def arm_config(recipe: dict, name: str, seed: int, folders: list[str], out: Path
                        batch_size=merged.get("batch_size"), **{"sampler.kind": merged.get("sampler")})
 
 
+# A Fistful of Words' zero-shot prompt (sec. 3: one template, no ensemble), which the recipes' tables were made with.
+PROMPT = ["a photo of a {}"]
+
+
 def score(run: Path, ckpt_step: int, res: dict, retrieval: Path | None, zeroshot: tuple | None) -> dict:
     """One per-seed row: retrieval on the recipe's set (or the run's own held-out split) and zero-shot top-1;
     cached in RUN/scores.json for the checkpoint's step and the eval sets' contents (their `data_signature`)."""
@@ -197,7 +201,7 @@ def score(run: Path, ckpt_step: int, res: dict, retrieval: Path | None, zeroshot
         r = evaluate_checkpoint(run / "last.pt", [retrieval])
         row.update(r["retrieval"], n_eval=r["n_samples"], chance_r1=r["chance"]["i2t_r1"])
     if zeroshot is not None:
-        z = evaluate_checkpoint(run / "last.pt", [zeroshot[0]], zeroshot=zeroshot[1])["zeroshot"]
+        z = evaluate_checkpoint(run / "last.pt", [zeroshot[0]], zeroshot=zeroshot[1], templates=PROMPT)["zeroshot"]
         row.update(zeroshot=z.get("top1"), zeroshot_n=z["samples"], zeroshot_chance=round(100 / z["classes"], 2))
     cache.write_text(json.dumps(row, indent=2) + "\n")
     return row

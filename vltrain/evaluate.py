@@ -267,7 +267,8 @@ def evaluate_checkpoint(path, shards=(), zeroshot=None, itm_rerank_k: int = 0, d
     (`zeroshot_folder`, vltrain.zeroshot) or, with `zeroshot` (a file of class names, one per line), the images of
     `shards` labelled by the class whose name appears as whole words in their first caption (the longest such name
     when several do; images whose caption names no class are skipped and counted in `zeroshot.skipped`). Classes are
-    embedded as prompt ensembles: `templates` (a file), else ROOT/templates.txt, else CLIP's 7 ImageNet templates.
+    embedded as prompt ensembles: `templates` (a file, or a list of templates), else ROOT/templates.txt, else CLIP's
+    7 ImageNet templates.
     A model trained on `vlprep features` tokens reads the shards' tokens when the same encoder made them, and
     otherwise (and for image folders) runs that frozen encoder on the pixels first.
     """
@@ -288,7 +289,8 @@ def evaluate_checkpoint(path, shards=(), zeroshot=None, itm_rerank_k: int = 0, d
     ckpt = load(path)
     cfg = from_dict(ckpt["config"])
     model = model_from(ckpt, path).to(dev).eval()
-    tmpl = read_templates(templates) if templates is not None else None
+    tmpl = list(templates) if isinstance(templates, (list, tuple)) else (
+        read_templates(templates) if templates is not None else None)
     if cfg.data.triplets:
         return _evaluate_triplets(model, cfg, shards, dev, path, ckpt.get("step"),
                                   zeroshot is not None or zeroshot_folder is not None or itm_rerank_k > 0)
