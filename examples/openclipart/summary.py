@@ -16,10 +16,9 @@ import statistics
 import sys
 from pathlib import Path
 
-COLS = [("i2t_r1", "i→t R@1"), ("i2t_r5", "i→t R@5"), ("i2t_r10", "i→t R@10"), ("t2i_r1", "t→i R@1"),
-        ("t2i_r5", "t→i R@5"), ("t2i_r10", "t→i R@10"), ("mean_recall", "mean")]
-KARPATHY_COLS = [("i2t_r1", "TR@1"), ("i2t_r5", "TR@5"), ("i2t_r10", "TR@10"), ("t2i_r1", "IR@1"),
-                 ("t2i_r5", "IR@5"), ("t2i_r10", "IR@10"), ("mean_recall", "mean")]
+# The papers' columns (and vltrain eval's): TR = text retrieval (image→text), IR = image retrieval (text→image)
+COLS = KARPATHY_COLS = [("i2t_r1", "TR@1"), ("i2t_r5", "TR@5"), ("i2t_r10", "TR@10"), ("t2i_r1", "IR@1"),
+                        ("t2i_r5", "IR@5"), ("t2i_r10", "IR@10"), ("mean_recall", "mean")]
 ZEROSHOT_COLS = [("top1", "top-1"), ("top5", "top-5"), ("mean_per_class", "mean/class")]
 ARMS = {"bow": "bow only", "pseudo": "bow + pseudo"}
 
