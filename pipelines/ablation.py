@@ -37,7 +37,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from vltrain import TrainError
+from vltrain.errors import TrainError
 from vltrain.config import ConfigError, load_config
 from vltrain.data import data_signature
 from vltrain.checkpoint import Interrupted

@@ -6,7 +6,7 @@ import signal
 import torch
 from torch.utils.data import DataLoader
 
-from vltrain import TrainError
+from vltrain.errors import TrainError
 from vltrain.data import loader_error
 
 # Undecodable samples are skipped and counted; past this share of the samples read the data is called broken.

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from vlprep import versions
-from vltrain import TrainError
+from vltrain.errors import TrainError
 from vltrain.config import Config, to_dict, upgrade
 from vltrain.distributed import barrier, gather_objects, world
 from vltrain.model import ModelConfig, VLModel, build_model

@@ -26,7 +26,7 @@ def user_errors():
     """A user mistake becomes one 'error:' line and exit status 2, inside the command so CliRunner sees it too.
 
     An interrupted run (Ctrl-C, SIGTERM) says where its checkpoint is and exits 130."""
-    from vltrain import TrainError
+    from vltrain.errors import TrainError
     from vltrain.config import ConfigError
     from vltrain.checkpoint import Interrupted
 

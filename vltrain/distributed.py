@@ -10,7 +10,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from vltrain import TrainError
+from vltrain.errors import TrainError
 
 
 def world() -> tuple[int, int]:

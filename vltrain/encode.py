@@ -17,26 +17,23 @@ import numpy as np
 import torch
 
 from vlprep import VlprepError
-from vlprep.encoders import resolve_device
 
 
 class CheckpointEncoder:
     """A vltrain checkpoint's ITC encoders with the preprocessing of its config; every output is (B, E) float32."""
 
     def __init__(self, checkpoint: str | os.PathLike, device: str = "auto"):
-        from vltrain.checkpoint import load_checkpoint
-        from vltrain.model import build_tokenizer
+        from vltrain.api import load
 
         self.path, self.device_name = Path(checkpoint), device
-        self.device = resolve_device(device)
         try:
-            self.model, cfg = load_checkpoint(checkpoint, self.device)
+            loaded = load(checkpoint, device)
         except ValueError as e:
             raise VlprepError(str(e)) from None
-        data = cfg.get("data", {})
+        self.model, self.device, data = loaded.net, loaded.device, loaded.config.data
         self.dim = self.model.cfg.embed_dim
-        self.max_len = int(data.get("max_len", 32))
-        st = self.path.stat()
+        self.max_len = int(data.max_len)
+        st = (self.path / "model.safetensors" if self.path.is_dir() else self.path).stat()  # an export: its weights
         self.name = str(self.path.resolve())
         self.fingerprint = f"{self.name}:{st.st_size}:{st.st_mtime_ns}"
         self.info = {"checkpoint": self.name, "model": asdict(self.model.cfg)}
@@ -45,12 +42,12 @@ class CheckpointEncoder:
         self.image_size = None
         if self.model.image_mean is not None:
             feat_size = self.model.image_size if self.model.cfg.image_model == "features" else None
-            self.image_size = int(feat_size or data.get("image_size") or self.model.image_size or 224)
-        self.min_crop_scale = float(data.get("min_crop_scale", 0.5))
+            self.image_size = int(feat_size or data.image_size or self.model.image_size or 224)
+        self.min_crop_scale = float(data.min_crop_scale)
         if self.image_size is not None:
             # NHWC convolutions: ~1.4x faster for EfficientNet-Lite0 on CPU (oneDNN), same outputs to ~1e-7.
             self.model.image_encoder.to(memory_format=torch.channels_last)
-        self.tokenizer = build_tokenizer(self.model.cfg)
+        self.tokenizer = loaded.tokenizer
 
     def __reduce__(self):
         return CheckpointEncoder, (str(self.path), self.device_name)

@@ -15,14 +15,13 @@ import torch.nn.functional as F
 from rich.console import Console
 from torch.utils.data import DataLoader
 
-from vltrain import TrainError
-from vltrain.checkpoint import load, model_from
-from vltrain.config import from_dict
+from vltrain.api import load, pixel_transform
 from vltrain.data import (ALL, SAME_ENCODER, Collate, IndexedShards, InstanceView, ShardStream, data_signature,
-                          eval_transform, feature_input, to_device)
+                          feature_input, to_device)
+from vltrain.errors import TrainError
 from vltrain.layers import noun_states
 from vltrain.losses import upcast
-from vltrain.model import autocast, resolve_device, tokenizer_for
+from vltrain.model import autocast, tokenizer_for
 
 console = Console(stderr=True, emoji=False, soft_wrap=True)
 
@@ -118,12 +117,6 @@ def rerank_recall(sim_i2t: torch.Tensor, sim_t2i: torch.Tensor, txt2img, ks=KS) 
 
 
 # --- running a model over shards ----------------------------------------------------------------------------------
-
-
-def pixel_transform(model, image_size: int):
-    """The deterministic eval transform for the model's pixels; a features model uses its encoder's size."""
-    size = model.image_size if model.cfg.image_model == "features" else image_size
-    return eval_transform(size, model.image_mean, model.image_std)
 
 
 def reads_features(model, folders) -> bool:
@@ -237,10 +230,9 @@ def _check_eval_args(path: Path, shards) -> None:
         if s.is_file() and s.suffix in (".pt", ".pth"):
             raise TrainError(f"{s} is a checkpoint file, not a shard folder: the checkpoint comes first "
                              "(vltrain eval CHECKPOINT SHARDS...)")
-    if path.is_dir():
-        hint = " (the checkpoint comes first: vltrain eval CHECKPOINT SHARDS...)" if (path / "sizes.json").exists() \
-            else ""
-        raise TrainError(f"CHECKPOINT {path} is a folder, not a checkpoint file{hint}")
+    if path.is_dir() and (path / "sizes.json").exists():  # another folder is an export, or load's one-line error
+        raise TrainError(f"CHECKPOINT {path} is a folder, not a checkpoint file (the checkpoint comes first: "
+                         "vltrain eval CHECKPOINT SHARDS...)")
 
 
 def _itm_scorer(model, emb: dict, dev) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -285,17 +277,15 @@ def evaluate_checkpoint(path, shards=(), zeroshot=None, itm_rerank_k: int = 0, d
         raise TrainError("nothing to evaluate: give shard folders (retrieval) and/or --zeroshot-folder ROOT")
     if itm_rerank_k < 0:
         raise TrainError("--itm-rerank-k must be 0 (off) or a positive number of candidates")
-    dev = resolve_device(device)
-    ckpt = load(path)
-    cfg = from_dict(ckpt["config"])
-    model = model_from(ckpt, path).to(dev).eval()
+    loaded = load(path, device)
+    model, cfg, dev = loaded.net, loaded.config, loaded.device
     tmpl = list(templates) if isinstance(templates, (list, tuple)) else (
         read_templates(templates) if templates is not None else None)
     if cfg.data.triplets:
-        return _evaluate_triplets(model, cfg, shards, dev, path, ckpt.get("step"),
+        return _evaluate_triplets(model, cfg, shards, dev, path, loaded.step,
                                   zeroshot is not None or zeroshot_folder is not None or itm_rerank_k > 0)
     workers = max(cfg.data.workers, 0)
-    result = {"checkpoint": str(path), "step": ckpt.get("step")}
+    result = {"checkpoint": str(path), "step": loaded.step}
     if shards:
         result.update(_retrieval(model, cfg, shards, itm_rerank_k, workers, dev))
     if zeroshot is not None:

@@ -8,9 +8,7 @@ import torch
 from PIL import Image
 
 from vlprep.dataset import to_rgb
-from vltrain.checkpoint import load_checkpoint
-from vltrain.evaluate import pixel_transform
-from vltrain.model import resolve_device, tokenizer_for
+from vltrain.api import load
 from vltrain.softmask import caption_gradcam, soft_mask
 
 
@@ -83,17 +81,17 @@ def gradcam_figure(checkpoint, image, caption: str, words: list[str] | None, out
     import matplotlib.pyplot as plt
 
 
-    model, cfg = load_checkpoint(checkpoint, resolve_device(device))
+    loaded = load(checkpoint, device)
+    model, tok = loaded.net, loaded.tokenizer
     if model.fusion is None:
         raise ValueError(f"{checkpoint} has no fusion encoder (fusion_layers=0): Grad-CAM reads its cross-attention")
     try:
         rgb = to_rgb(open(image, "rb").read())
     except (OSError, Image.UnidentifiedImageError) as e:
         raise ValueError(f"cannot read image {image}: {e}") from None
-    dev = next(model.parameters()).device
-    pixels = pixel_transform(model, cfg["data"]["image_size"])(rgb).unsqueeze(0).to(dev)
-    tok = tokenizer_for(model.cfg.text_model)
-    enc = tok([caption], truncation=True, max_length=cfg["data"]["max_len"], return_tensors="pt")
+    dev = loaded.device
+    pixels = loaded.pixels([rgb]).to(dev)
+    enc = tok([caption], truncation=True, max_length=loaded.max_len, return_tensors="pt")
     ids, mask = enc["input_ids"].to(dev), enc["attention_mask"].to(dev)
     if not words:
         pieces = tok.convert_ids_to_tokens(ids[0].tolist())

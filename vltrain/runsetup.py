@@ -12,7 +12,7 @@ import torch
 
 from vlprep import VlprepError
 from vlprep.dataset import lock_output
-from vltrain import TrainError
+from vltrain.errors import TrainError
 from vltrain.config import GRIT_RATIOS, GRIT_RATIOS_BEFORE, Config, grit_sizes
 from vltrain.data import (Collate, IndexedShards, InstanceView, ShardStream, count_split, eval_transform,
                           feature_input, in_val, train_transform)

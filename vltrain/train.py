@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from vlprep.dataset import release_output
-from vltrain import TrainError
+from vltrain.errors import TrainError
 from vltrain import checkpoint as ckpt_io
 from vltrain.batches import Feed
 from vltrain.checkpoint import Run, RunState, interrupted, save_checkpoint

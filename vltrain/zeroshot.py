@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from vltrain import TrainError
+from vltrain.errors import TrainError
 from vltrain.losses import upcast
 from vltrain.model import autocast, tokenizer_for
 

@@ -6,7 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.conftest import image_bytes, tiny_checkpoint
-from vltrain import TrainError
+from vltrain.errors import TrainError
 from vltrain.cli import app
 from vltrain.zeroshot import DEFAULT_TEMPLATES, image_folder, read_templates
 

@@ -1,0 +1,6 @@
+"""vltrain's error type, in a module of its own so that every module can import it without importing the package's
+__init__ (which offers `vltrain.load`, and so imports the modules that import this)."""
+
+
+class TrainError(RuntimeError):
+    """A run that cannot go on (non-finite loss, nothing to resume, too little data); the message is one line."""
