@@ -10,17 +10,23 @@ Checkpoints hold only tensors and plain data, are written atomically and are rea
 refuses every other pickle opcode, so a crafted file cannot run code. Everything we save is therefore converted
 to those types first (`plain`): numpy arrays become tensors, the numpy RNG state a list of ints, the config a
 dict of builtins. Every failure to read or fit a checkpoint is one line (`CheckpointError`).
+
+`load` also reads a `vltrain export` folder (`read_export`: json and safetensors, no pickle at all), whose model is
+rebuilt without the training-only tensors the export leaves out (EXPORT_DROPS).
 """
 
+import json
 import os
 import pickle
 import random
 import zipfile
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file as load_safetensors
 
 from vlprep import versions
 from vltrain.errors import TrainError
@@ -81,6 +87,8 @@ def save(obj: dict, path: Path) -> None:
 def load(path, what: str = "checkpoint") -> dict:
     """Read a checkpoint with weights_only=True and check its layout; CheckpointError (one line) otherwise."""
     path = Path(path)
+    if path.is_dir() and is_export(path):
+        return read_export(path, what)
     if path.is_dir():
         raise CheckpointError(f"{what} {path} is a folder, not a checkpoint file (last.pt or best.pt)")
     if not path.is_file():
@@ -112,6 +120,63 @@ def load(path, what: str = "checkpoint") -> dict:
         raise CheckpointError(f"{path}: written by a newer vltrain (checkpoint format {ckpt['format']}, this "
                               f"version reads {FORMAT})")
     return ckpt
+
+
+# --- an export (`vltrain export`, vltrain.export writes it) ------------------------------------------------------
+
+EXPORT_FORMAT, EXPORT_VERSION = "vltrain-export", 1  # config.json's "format" and "version"
+# What an export leaves out of the state dict: training state that inference never reads, the EMA copy (every key
+# under `momentum.`) and the MoCo queues with their pointer. A model rebuilt from an export is built with
+# EXPORT_MODEL's values, so it has none of these tensors (rather than random ones) and loading stays strict.
+EXPORT_DROPS = ("momentum.", "image_queue", "text_queue", "queue_ptr")
+EXPORT_MODEL = {"momentum": False, "queue_size": 0}
+
+
+def is_export(path: Path) -> bool:
+    """Whether a folder is, or claims to be, a `vltrain export` (perhaps unfinished or damaged, which read_export
+    says): it holds model.safetensors or config.json. Other folders keep load's "a folder, not a checkpoint"."""
+    return (path / "config.json").is_file() or (path / "model.safetensors").is_file()
+
+
+def read_export(path, what: str = "export") -> dict:
+    """A `vltrain export` folder as a checkpoint-shaped dict {"model", "config", "step", "data", "export": True},
+    read with json and safetensors only: no unpickler, so nothing in the folder can run code. model_from rebuilds
+    it (without EXPORT_DROPS). A missing, truncated or foreign config.json or model.safetensors is one line."""
+    path = Path(path)
+    meta_path, weights_path = path / "config.json", path / "model.safetensors"
+    if not meta_path.is_file():
+        raise CheckpointError(f"{what} {path}: not a complete vltrain export (no config.json; an export writes it "
+                              "last, so this one did not finish: export again)")
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{meta_path}: not readable JSON (truncated or corrupt: {type(e).__name__})") from None
+    if not isinstance(meta, dict) or meta.get("format") != EXPORT_FORMAT:
+        raise CheckpointError(f"{what} {path} is a folder, and its config.json is not a vltrain export's (no "
+                              f"\"format\": \"{EXPORT_FORMAT}\"); give a checkpoint file (last.pt, best.pt) or an "
+                              "export")
+    version = meta.get("version")
+    if not isinstance(version, int) or version > EXPORT_VERSION:
+        raise CheckpointError(f"{path}: written by a newer vltrain (export version {version!r}, this version reads "
+                              f"{EXPORT_VERSION})")
+    config, source, tied = meta.get("config"), meta.get("source") or {}, meta.get("tied") or {}
+    if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
+        raise CheckpointError(f"{meta_path}: no \"config\" with a \"model\" section")
+    if not weights_path.is_file():
+        raise CheckpointError(f"{path}: the export has no model.safetensors")
+    try:
+        weights = load_safetensors(weights_path, device="cpu")
+    except (SafetensorError, OSError) as e:
+        why = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        raise CheckpointError(f"{weights_path}: not a readable safetensors file (truncated or corrupt: "
+                              f"{why})") from None
+    # safetensors stores a tensor once: a tied weight (the MLM decoder shares the word embeddings) is listed by name
+    for alias, name in tied.items():
+        if name not in weights:
+            raise CheckpointError(f"{meta_path}: tied weight {alias!r} names {name!r}, which model.safetensors lacks")
+        weights[alias] = weights[name]
+    return {"model": weights, "config": config, "step": source.get("step"), "data": source.get("data"),
+            "export": True}
 
 
 def model_config(saved: dict, path):
@@ -170,8 +235,10 @@ def config_diff(saved: dict, now: dict, prefix: str = "", defaults: dict | None 
 
 
 def model_from(ckpt: dict, path) -> VLModel:
-    """The model a loaded checkpoint describes (on CPU, in train mode), its weights loaded and checked."""
-    model = build_model(model_config(ckpt["config"]["model"], path))
+    """The model a loaded checkpoint describes (on CPU, in train mode), its weights loaded and checked; an export's
+    without the EMA copy and queues it does not hold (EXPORT_MODEL)."""
+    cfg = model_config(ckpt["config"]["model"], path)
+    model = build_model(replace(cfg, **EXPORT_MODEL) if ckpt.get("export") else cfg)
     load_weights(model, ckpt["model"], path)
     return model
 

@@ -159,7 +159,8 @@ def eval_(
                                              "\\[default: ROOT/templates.txt, else CLIP's 7 ImageNet templates]."),
     itm_rerank_k: int = typer.Option(0, "--itm-rerank-k", help="Re-rank each query's ITC top-k by ITM (0: off; "
                                      "ALBEF uses 256 on COCO, 128 on Flickr30K)."),
-    out: Optional[Path] = typer.Option(None, help="Result JSON \\[default: CHECKPOINT's folder/eval.json]."),
+    out: Optional[Path] = typer.Option(None, help="Result JSON \\[default: eval.json in the checkpoint's folder, "
+                                       "or in the export folder]."),
     device: str = typer.Option("auto", help="auto (CUDA when present), cpu or cuda."),
 ) -> None:
     """Retrieval R@1/5/10 both ways (optionally ITM re-ranked) and zero-shot top-1/top-5 of a checkpoint, scored
@@ -184,7 +185,7 @@ def eval_(
         out_console.print(_recall_table(f"retrieval (%) on {size}", rows))
     if "zeroshot" in result:
         _print_zeroshot(result["zeroshot"])
-    out = out or checkpoint.parent / "eval.json"
+    out = out or (checkpoint if checkpoint.is_dir() else checkpoint.parent) / "eval.json"  # an export: inside it
     out.write_text(json.dumps(result, indent=2) + "\n")
     console.print(f"wrote {out}", highlight=False)
 
@@ -224,6 +225,28 @@ def gradcam_(
                               out, device)
     console.print(f"ITM p(match) {info['p_match']:.3f}; words at token positions {info['words']}; wrote {out}",
                   highlight=False)
+
+
+@app.command("export")
+def export_(
+    checkpoint: Path = typer.Argument(..., help="A checkpoint from `vltrain run` (last.pt or best.pt)."),
+    out: Path = typer.Argument(..., help="The folder to write: model.safetensors, config.json, tokenizer/, "
+                               "README.md."),
+    onnx: bool = typer.Option(False, "--onnx", help="Also image_encoder.onnx and text_encoder.onnx (ITC embeddings; "
+                              "needs the \\[onnx] extra)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Write into a non-empty OUT that is not an export "
+                                   "(only the export's files are replaced)."),
+) -> None:
+    """A trained model as a folder to ship: the weights inference needs as safetensors (no optimiser, RNG, momentum
+    copy or queues), config.json with preprocessing, provenance and eval numbers, the tokenizer and a README;
+    `vltrain.load(OUT)`, `vltrain eval OUT` and the other commands read it without pickle (docs/TRAINING.md)."""
+    from vltrain.export import export
+
+    with user_errors():
+        info = export(checkpoint, out, onnx=onnx, overwrite=overwrite)
+    dropped = (f"; left out {len(info['dropped'])} training-only tensors (momentum copy, queues)"
+               if info["dropped"] else "")
+    console.print(f"wrote {out}/ ({', '.join(info['files'])}){dropped}", highlight=False)
 
 
 def main() -> None:

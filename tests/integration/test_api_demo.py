@@ -46,6 +46,16 @@ def test_the_api_embeds_16_images_and_captions_as_vlprep_embed_does(demo, tmp_pa
         assert torch.allclose(ours, theirs, atol=1e-4), (modality, (ours - theirs).abs().max())
 
 
+def test_an_export_of_the_demo_checkpoint_embeds_bit_for_bit_alike(demo, tmp_path):
+    from vltrain.export import export
+
+    export(CKPT, tmp_path / "export")
+    exported = vltrain.load(tmp_path / "export", device="cpu")
+    images, captions = [im for _, im, _ in demo["samples"]], [c for _, _, c in demo["samples"]]
+    assert torch.equal(exported.encode_images(images), demo["model"].encode_images(images))
+    assert torch.equal(exported.encode_texts(captions), demo["model"].encode_texts(captions))
+
+
 def test_zero_shot_on_the_clip_art_categories_beats_chance(demo):
     bench = image_folder(FOLDER)
     probs = demo["model"].zero_shot(bench["files"], bench["names"], templates=bench["templates"])
