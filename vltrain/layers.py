@@ -76,12 +76,19 @@ class FusionLayer(nn.Module):
 
     @torch.no_grad()
     def load_bert_layer(self, layer: nn.Module) -> None:
-        """Copy self-attention and feed-forward weights from a HF BertLayer; cross-attention stays fresh."""
+        """Copy self-attention and feed-forward weights from a HF BertLayer (RobertaLayer: the same modules) or a
+        DistilBERT TransformerBlock (the same post-LN layout under other names); cross-attention stays fresh."""
         att = layer.attention
-        pairs = [(self.self_attn.q, att.self.query), (self.self_attn.k, att.self.key),
-                 (self.self_attn.v, att.self.value), (self.self_attn.o, att.output.dense),
-                 (self.self_attn.ln, att.output.LayerNorm), (self.ffn_in, layer.intermediate.dense),
-                 (self.ffn_out, layer.output.dense), (self.ffn_ln, layer.output.LayerNorm)]
+        if hasattr(layer, "sa_layer_norm"):  # DistilBERT
+            pairs = [(self.self_attn.q, att.q_lin), (self.self_attn.k, att.k_lin), (self.self_attn.v, att.v_lin),
+                     (self.self_attn.o, att.out_lin), (self.self_attn.ln, layer.sa_layer_norm),
+                     (self.ffn_in, layer.ffn.lin1), (self.ffn_out, layer.ffn.lin2),
+                     (self.ffn_ln, layer.output_layer_norm)]
+        else:
+            pairs = [(self.self_attn.q, att.self.query), (self.self_attn.k, att.self.key),
+                     (self.self_attn.v, att.self.value), (self.self_attn.o, att.output.dense),
+                     (self.self_attn.ln, att.output.LayerNorm), (self.ffn_in, layer.intermediate.dense),
+                     (self.ffn_out, layer.output.dense), (self.ffn_ln, layer.output.LayerNorm)]
         for ours, theirs in pairs:
             ours.load_state_dict(theirs.state_dict())
 

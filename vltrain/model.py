@@ -127,6 +127,24 @@ def _build_text_encoder(name: str) -> nn.Module:
             return AutoModel.from_pretrained(path, local_files_only=True)
 
 
+def text_layers(encoder: nn.Module) -> tuple[nn.Module, nn.ModuleList] | None:
+    """(module holding `.layer`, the transformer layers) of a BERT-like HF encoder: BERT and RoBERTa keep them in
+    `.encoder.layer`, DistilBERT in `.transformer.layer`; None for another architecture."""
+    for holder in (getattr(encoder, "encoder", None), getattr(encoder, "transformer", None)):
+        if isinstance(getattr(holder, "layer", None), nn.ModuleList):
+            return holder, holder.layer
+    return None
+
+
+def text_dims(tc) -> dict:
+    """Layer sizes and rates of a BERT-like config under BERT's names (DistilBERT calls them hidden_dim, dropout,
+    attention_dropout and has no layer_norm_eps: its LayerNorms use 1e-12, BERT's default)."""
+    return {"heads": tc.num_attention_heads, "ffn": getattr(tc, "intermediate_size", None) or tc.hidden_dim,
+            "eps": getattr(tc, "layer_norm_eps", 1e-12),
+            "attn_drop": getattr(tc, "attention_probs_dropout_prob", getattr(tc, "attention_dropout", 0.1)),
+            "drop": getattr(tc, "hidden_dropout_prob", getattr(tc, "dropout", 0.1))}
+
+
 def _build_image_encoder(cfg: ModelConfig) -> tuple[nn.Module, int]:
     """(module giving (B, C, h, w) maps or (B, N, D) tokens, token width D)."""
     if cfg.image_model == "efficientnet-lite0":
@@ -177,16 +195,18 @@ class VLModel(nn.Module):
             if split and cfg.fusion_layers == n_text:
                 raise ValueError(f"fusion_from=split needs fusion_layers in 1..{n_text - 1}: the text encoder keeps "
                                  f"the first {n_text} - N of its {n_text} layers, got N = {cfg.fusion_layers}")
-            layers = getattr(getattr(self.text_encoder, "encoder", None), "layer", None)
-            if layers is None:
-                raise ValueError(f"text model {cfg.text_model!r} is not BERT-like (no .encoder.layer to copy from)")
-            eps = tc.layer_norm_eps
+            found = text_layers(self.text_encoder)
+            if found is None:
+                raise ValueError(f"text model {cfg.text_model!r} is not BERT-like (no .encoder.layer or "
+                                 ".transformer.layer to copy from): BERT, RoBERTa and DistilBERT encoders are")
+            holder, layers = found
+            dims = text_dims(tc)
+            eps = dims["eps"]
             # ALBEF's cross-attention keys/values read ViT tokens directly; CNN/region tokens have another width
             # and no final LayerNorm, so project them to the text width and normalise once, shared by all layers.
             self.image_to_text = nn.Sequential(nn.Linear(d_img, d_txt), nn.LayerNorm(d_txt, eps=eps))
             self.fusion = nn.ModuleList(
-                FusionLayer(d_txt, tc.num_attention_heads, tc.intermediate_size, eps,
-                            tc.attention_probs_dropout_prob, tc.hidden_dropout_prob)
+                FusionLayer(d_txt, dims["heads"], dims["ffn"], eps, dims["attn_drop"], dims["drop"])
                 for _ in range(cfg.fusion_layers))
             std = tc.initializer_range
             bert_init(self.image_to_text, std)
@@ -198,8 +218,8 @@ class VLModel(nn.Module):
                 # ALBEF (and GRIT-VLP's ALBEFBase): one BERT cut in two, text = layers 1..6 and fusion = 7..12 of
                 # BERT-base, so no layer is used twice. "copy" instead keeps all L text layers and duplicates the
                 # last N into the fusion encoder, which is not ALBEF's layout.
-                self.text_encoder.encoder.layer = nn.ModuleList(layers[:n_text - cfg.fusion_layers])
-                tc.num_hidden_layers = n_text - cfg.fusion_layers
+                holder.layer = nn.ModuleList(layers[:n_text - cfg.fusion_layers])
+                tc.num_hidden_layers = n_text - cfg.fusion_layers  # DistilBERT's config maps it to n_layers
             self.itm_head = nn.Linear(d_txt, 2)
             # BERT's MLM transform; the packaged MiniLM ships none, so it starts random.
             self.mlm_transform = nn.Sequential(nn.Linear(d_txt, d_txt), nn.GELU(), nn.LayerNorm(d_txt, eps=eps))
@@ -209,8 +229,8 @@ class VLModel(nn.Module):
 
         self.aligner = None
         if cfg.aligner:
-            self.aligner = NounAligner(d_txt, d_img, tc.num_attention_heads, tc.intermediate_size, tc.layer_norm_eps,
-                                       tc.attention_probs_dropout_prob, tc.hidden_dropout_prob)
+            d = text_dims(tc)
+            self.aligner = NounAligner(d_txt, d_img, d["heads"], d["ffn"], d["eps"], d["attn_drop"], d["drop"])
             bert_init(self.aligner, tc.initializer_range)
 
         # The EMA copy is taken from the finished online model, before the queues exist: it holds every module
