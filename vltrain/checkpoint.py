@@ -238,7 +238,8 @@ def model_from(ckpt: dict, path) -> VLModel:
     """The model a loaded checkpoint describes (on CPU, in train mode), its weights loaded and checked; an export's
     without the EMA copy and queues it does not hold (EXPORT_MODEL)."""
     cfg = model_config(ckpt["config"]["model"], path)
-    model = build_model(replace(cfg, **EXPORT_MODEL) if ckpt.get("export") else cfg)
+    # pretrained=False: a backbone's model.image_weights file is not read (the checkpoint's weights replace it)
+    model = build_model(replace(cfg, **EXPORT_MODEL) if ckpt.get("export") else cfg, pretrained=False)
     load_weights(model, ckpt["model"], path)
     return model
 

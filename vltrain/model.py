@@ -3,6 +3,7 @@
 import contextlib
 import copy
 import functools
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,7 +34,10 @@ class ModelConfig:
     """Model architecture; the names map onto `--set model.KEY=VALUE`."""
 
     text_model: str = "minilm"  # "minilm" (packaged all-MiniLM-L6-v2), "tiny" (random 2x32 BERT) or a local HF dir
-    image_model: str = "efficientnet-lite0"  # "efficientnet-lite0" (packaged), "tiny" (random CNN) or "features"
+    # "efficientnet-lite0" (packaged), "tiny" (random CNN), "features" (cached tokens), or a backbone by name:
+    # "torchvision:ARCH" / "timm:NAME" (CNNs and ViTs), weights from `image_weights` (a local state dict)
+    image_model: str = "efficientnet-lite0"
+    image_weights: str = ""  # torchvision:/timm: backbones: torch.save(model.state_dict(), PATH); "" = random init
     feature_dim: int = 2048  # D_in of precomputed tokens when image_model == "features"
     # image_model == "features": the `vlprep features` record of the frozen encoder that made the tokens (meta.json
     # "features"); with it, raw-pixel images are run through that encoder first. {} = tokens only.
@@ -63,6 +67,14 @@ def image_stats(cfg: ModelConfig) -> tuple:
     spec = cfg.feature_encoder if cfg.image_model == "features" else None
     if spec:
         return tuple(spec["mean"]), tuple(spec["std"]), int(spec["size"])
+    if cfg.image_model.startswith("timm:"):
+        import timm
+
+        pre = timm.get_pretrained_cfg(cfg.image_model.split(":", 1)[1])
+        if pre is not None:
+            return tuple(pre.mean), tuple(pre.std), int(pre.input_size[-1])
+    if cfg.image_model.startswith(BACKBONES):  # torchvision's ImageNet weights, and timm models without a record
+        return IMAGENET_MEAN, IMAGENET_STD, 224
     stats = IMAGE_STATS.get(cfg.image_model, {})
     return stats.get("mean"), stats.get("std"), stats.get("size")
 
@@ -145,7 +157,107 @@ def text_dims(tc) -> dict:
             "drop": getattr(tc, "hidden_dropout_prob", getattr(tc, "dropout", 0.1))}
 
 
-def _build_image_encoder(cfg: ModelConfig) -> tuple[nn.Module, int]:
+BACKBONES = ("torchvision:", "timm:")
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+class Backbone(nn.Module):
+    """A torchvision or timm image model as vltrain's image tower, trained end to end: pixels -> tokens (B, N, D)
+    for the fusion encoder and `pool(tokens)` (B, D) for ITC.
+
+    CNNs give their last conv map as N = h * w tokens, pooled by their mean (the global average pool the classifier
+    read). ViTs give every token of their last layer (class token first), pooled as the model pools for its head:
+    the class token for torchvision's and for timm's class-token ViTs, timm's own `forward_head(pre_logits=True)`
+    otherwise. swin and maxvit (window-attention maps in another layout) are refused.
+    """
+
+    def __init__(self, name: str, weights: str, pretrained: bool = True):
+        super().__init__()
+        self.kind, arch = name.split(":", 1)
+        if arch.startswith(("swin", "maxvit")):
+            raise ValueError(f"image_model {name}: window-attention models are not supported; use a CNN or a ViT")
+        if self.kind == "timm":
+            import timm
+
+            try:
+                net = timm.create_model(arch, pretrained=False, num_classes=0)
+            except RuntimeError as e:  # timm: "Unknown model (...)"
+                raise ValueError(f"image_model {name}: {e}") from None
+        else:
+            import torchvision
+
+            if arch not in torchvision.models.list_models(module=torchvision.models):
+                raise ValueError(f"image_model {name}: unknown torchvision classification model (e.g. resnet18, "
+                                 "resnet50, convnext_tiny, efficientnet_b0, vit_b_16; torchvision.models.list_models())")
+            net = torchvision.models.get_model(arch, weights=None)
+        if weights and pretrained:
+            _load_backbone_weights(net, name, weights)
+        elif pretrained:
+            warnings.warn(f"image_model {name} has no model.image_weights: its image tower starts from random "
+                          "weights (pass a local state dict: torch.save(model.state_dict(), PATH))", stacklevel=3)
+        self.vit = self.kind == "torchvision" and hasattr(net, "class_token")
+        self.timm_vit = self.kind == "timm" and hasattr(net, "num_prefix_tokens")  # timm's ViT family
+        if self.kind == "torchvision" and not self.vit:
+            net = _conv_trunk(net, name)
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.vit:  # torchvision VisionTransformer.forward without its head
+            if x.shape[-2:] != (self.net.image_size, self.net.image_size):
+                raise ValueError(f"this ViT reads {self.net.image_size} x {self.net.image_size} images, got "
+                                 f"{x.shape[-2]} x {x.shape[-1]}: set data.image_size={self.net.image_size}")
+            tokens = self.net._process_input(x)
+            tokens = torch.cat([self.net.class_token.expand(tokens.shape[0], -1, -1), tokens], dim=1)
+            return self.net.encoder(tokens)
+        return self.net.forward_features(x) if self.kind == "timm" else self.net(x)
+
+    def pool(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.vit:
+            return tokens[:, 0]
+        if self.timm_vit:  # its own pooling for its head: the class token, or the mean of the patch tokens
+            return self.net.forward_head(tokens, pre_logits=True)
+        return tokens.mean(dim=1)
+
+
+def _conv_trunk(net: nn.Module, name: str) -> nn.Module:
+    """A torchvision CNN without its pooling and classifier: `.features`, or ResNet-style children but the last two."""
+    if isinstance(getattr(net, "features", None), nn.Module):
+        return net.features
+    children = list(net.children())
+    if len(children) > 2 and isinstance(children[-2], nn.AdaptiveAvgPool2d) and isinstance(children[-1], nn.Linear):
+        return nn.Sequential(*children[:-2])
+    raise ValueError(f"image_model {name}: no conv trunk to take (a .features module, or ResNet-style children "
+                     "ending in avgpool and fc)")
+
+
+def _load_backbone_weights(net: nn.Module, name: str, weights: str) -> None:
+    """A local state dict into the full model (weights_only=True); a classifier head the tower drops may be left out
+    or extra, any other mismatch is a one-line error."""
+    path = Path(weights)
+    if not path.is_file():
+        raise ValueError(f"model.image_weights {weights}: file not found")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # unreadable, not a torch file, or pickled objects weights_only refuses
+        raise ValueError(f"model.image_weights {weights}: not a readable state dict "
+                         f"({(str(e).splitlines() or [type(e).__name__])[0][:160]})") from None
+    state = state.get("state_dict", state) if isinstance(state, dict) else state
+    if not isinstance(state, dict):
+        raise ValueError(f"model.image_weights {weights}: expected a state dict, got {type(state).__name__}")
+    try:
+        result = net.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # a tensor of another shape: "size mismatch for conv1.weight: ..."
+        why = next((ln.strip() for ln in str(e).splitlines() if "size mismatch" in ln), str(e).splitlines()[0])
+        raise ValueError(f"model.image_weights {weights} does not fit {name}: {why[:200]}") from None
+    heads = ("fc.", "head.", "heads.", "classifier.", "head_drop.")  # the classification head, unused here
+    missing = [k for k in result.missing_keys if not k.startswith(heads)]
+    extra = [k for k in result.unexpected_keys if not k.startswith(heads)]
+    if missing or extra:
+        raise ValueError(f"model.image_weights {weights} does not fit {name}: {len(missing)} missing, {len(extra)} "
+                         f"unexpected (e.g. {(missing or extra)[0]})")
+
+
+def _build_image_encoder(cfg: ModelConfig, pretrained: bool = True) -> tuple[nn.Module, int]:
     """(module giving (B, C, h, w) maps or (B, N, D) tokens, token width D)."""
     if cfg.image_model == "efficientnet-lite0":
         from vlprep.encoders import EffNetTrunk
@@ -157,7 +269,17 @@ def _build_image_encoder(cfg: ModelConfig) -> tuple[nn.Module, int]:
                              nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.GELU(), nn.AdaptiveAvgPool2d(2)), 32
     if cfg.image_model == "features":
         return nn.Identity(), cfg.feature_dim
-    raise ValueError(f"image_model must be one of {sorted(IMAGE_STATS)}, got {cfg.image_model!r}")
+    if cfg.image_model.startswith(BACKBONES):
+        enc = Backbone(cfg.image_model, cfg.image_weights, pretrained)
+        _, _, size = image_stats(cfg)
+        size = getattr(enc.net, "image_size", size) if enc.vit else size  # a torchvision ViT's fixed input size
+        with torch.no_grad():  # the token width, from one forward pass at the model's input size
+            was = enc.training
+            out = enc.eval()(torch.zeros(1, 3, size, size))
+            enc.train(was)
+        return enc, out.shape[1] if out.dim() == 4 else out.shape[-1]
+    raise ValueError(f"image_model must be one of {sorted(IMAGE_STATS)}, torchvision:ARCH or timm:NAME, got "
+                     f"{cfg.image_model!r}")
 
 
 # --- the model --------------------------------------------------------------------------------------------------
@@ -166,13 +288,13 @@ def _build_image_encoder(cfg: ModelConfig) -> tuple[nn.Module, int]:
 class VLModel(nn.Module):
     """Image/text encoders with ITC projections, optional fusion encoder with ITM/MLM heads, EMA copy, queues."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, pretrained: bool = True):
         super().__init__()
         self.cfg = cfg
         self.image_mean, self.image_std, self.image_size = image_stats(cfg)
         self._pixel_encoder = None  # features models: the frozen token encoder, built on first pixel input
 
-        self.image_encoder, d_img = _build_image_encoder(cfg)
+        self.image_encoder, d_img = _build_image_encoder(cfg, pretrained)
         if cfg.freeze_image:
             self.image_encoder.requires_grad_(False)
         self.text_encoder = _build_text_encoder(cfg.text_model)
@@ -262,8 +384,9 @@ class VLModel(nn.Module):
         with torch.no_grad() if self.cfg.freeze_image else contextlib.nullcontext():
             x = self.image_encoder(images)
         tokens = x.flatten(2).transpose(1, 2) if x.dim() == 4 else x  # (B, C, h, w) maps -> (B, h*w, C)
-        # A CNN has no [CLS]: the global feature is the mean over tokens.
-        return tokens, F.normalize(self.image_proj(tokens.mean(dim=1)), dim=-1)
+        # A CNN has no [CLS]: the global feature is the mean over tokens (a ViT backbone pools its own way).
+        pooled = self.image_encoder.pool(tokens) if isinstance(self.image_encoder, Backbone) else tokens.mean(dim=1)
+        return tokens, F.normalize(self.image_proj(pooled), dim=-1)
 
     @torch.no_grad()
     def pixel_tokens(self, images: torch.Tensor) -> torch.Tensor:
@@ -385,6 +508,7 @@ class VLModel(nn.Module):
         self.queue_ptr[0] = (ptr + b) % q
 
 
-def build_model(cfg: ModelConfig) -> VLModel:
-    """The model for cfg, on CPU in float32; move it with .to(device)."""
-    return VLModel(cfg)
+def build_model(cfg: ModelConfig, pretrained: bool = True) -> VLModel:
+    """The model for cfg, on CPU in float32; move it with .to(device). pretrained=False skips reading
+    `image_weights` (a checkpoint's weights replace them anyway)."""
+    return VLModel(cfg, pretrained)
