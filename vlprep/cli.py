@@ -209,10 +209,10 @@ def features(
     out: Path = typer.Argument(..., help="Output dataset: the same samples (members copied byte for byte) plus "
                                "KEY.npy, the encoder's (N, D) token grid; `vltrain run OUT` then trains on tokens."),
     image_model: str = typer.Option("efficientnet-lite0", help="efficientnet-lite0 (packaged ImageNet weights, "
-                                    "1280 x 7 x 7 at 224) or torchvision:ARCH (a CNN, e.g. torchvision:resnet50; "
-                                    "needs --weights)."),
-    weights: Optional[Path] = typer.Option(None, help="torchvision:ARCH: a local state dict file, saved with "
-                                           "torch.save(model.state_dict(), FILE); nothing is downloaded."),
+                                    "1280 x 7 x 7 at 224), torchvision:ARCH (a CNN or ViT, e.g. torchvision:resnet50, "
+                                    "torchvision:vit_b_16) or timm:NAME (with the [timm] extra); those need --weights."),
+    weights: Optional[Path] = typer.Option(None, help="torchvision:ARCH / timm:NAME: a local state dict file, saved "
+                                           "with torch.save(model.state_dict(), FILE); nothing is downloaded."),
     size: Optional[int] = typer.Option(None, help="Resize the shorter side to N and centre-crop N x N (vltrain's "
                                        "eval view); about N/32 x N/32 tokens (7 x 7 at 224) \\[default: 224]."),
     dtype: str = typer.Option("float16", help="npy dtype: float16 (half the disk) or float32."),

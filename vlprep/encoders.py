@@ -12,7 +12,12 @@ Encoders:
 - `torchvision:ARCH` + a local state dict (`torch.save(model.state_dict(), PATH)`; nothing is downloaded):
   `torchvision.models.get_model(ARCH, weights=None)` with the state dict loaded, cut to its conv trunk (`.features`
   where the model has one, e.g. efficientnet/mobilenet/convnext/vgg/densenet; for ResNet-like models, every child
-  but the final avgpool and fc). ImageNet mean/std.
+  but the final avgpool and fc), or for a ViT (vit_*) every token of its last layer, class token first (`ViTTokens`).
+  ImageNet mean/std.
+- `timm:NAME` + a local state dict: `timm.create_model(NAME, pretrained=False, num_classes=0)` and its
+  `forward_features` (a CNN's last map, a ViT's tokens), with the mean/std timm records for the model.
+vltrain's trainable image towers of the same names (`model.image_model=torchvision:ARCH | timm:NAME`) are built
+from the same pieces.
 """
 
 import contextlib
@@ -27,14 +32,14 @@ from torch import nn
 
 from vlprep import VlprepError
 
-ENCODERS = ("efficientnet-lite0", "torchvision:ARCH")
+ENCODERS = ("efficientnet-lite0", "torchvision:ARCH", "timm:NAME")
 EFFNET_STATS = {"mean": [127 / 255] * 3, "std": [128 / 255] * 3}
 IMAGENET_STATS = {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
 DEFAULT_SIZE = 224
 MIN_SIZE = 32  # every trunk here downsamples by 32: smaller images give no token grid
 SPEC_KEYS = ("encoder", "weights", "weights_sha256", "size", "mean", "std", "tokens", "dim", "dtype")
-# torchvision models whose `.features` is not a (B, C, h, w) conv map (swin's is (B, h, w, C)) or that have none.
-_NOT_CONV = ("swin", "vit", "maxvit")
+# torchvision models whose `.features` is not a (B, C, h, w) conv map (swin's is (B, h, w, C)): not supported.
+_NOT_CONV = ("swin", "maxvit")
 
 
 class TokenEncoder(nn.Module):
@@ -53,10 +58,89 @@ class TokenEncoder(nn.Module):
         return super().train(False)  # frozen: batch norm keeps its running statistics, dropout stays off
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, 3, S, S) normalised pixels -> (B, N, D) float32 tokens, row-major over the (h, w) grid."""
-        fmap = self.trunk(x.contiguous(memory_format=torch.channels_last))  # (B, D, h, w)
+        """(B, 3, S, S) normalised pixels -> (B, N, D) float32 tokens, row-major over the (h, w) grid (a ViT's
+        tokens as its last layer gives them, class token first)."""
+        fmap = self.trunk(x.contiguous(memory_format=torch.channels_last))  # (B, D, h, w), or ViT tokens (B, N, D)
+        if fmap.ndim == 3:
+            return fmap.float().contiguous()
         # A channels_last (B, D, h, w) map is laid out as (B, h, w, D): this view needs no copy.
         return fmap.flatten(2).transpose(1, 2).float().contiguous()
+
+
+class ViTTokens(nn.Module):
+    """torchvision's VisionTransformer without its head: pixels (B, 3, S, S) -> every token of its last layer
+    (B, 1 + N, D), class token first (VisionTransformer.forward up to `encoder`, which ends in its LayerNorm)."""
+
+    def __init__(self, vit: nn.Module):
+        super().__init__()
+        self.vit = vit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        size = self.vit.image_size
+        if x.shape[-2:] != (size, size):
+            raise ValueError(f"this ViT reads {size} x {size} images, got {x.shape[-2]} x {x.shape[-1]}: set the "
+                             f"image size to {size}")
+        tokens = self.vit._process_input(x)
+        tokens = torch.cat([self.vit.class_token.expand(tokens.shape[0], -1, -1), tokens], dim=1)
+        return self.vit.encoder(tokens)
+
+
+class TimmTokens(nn.Module):
+    """A timm model's `forward_features`: a CNN's last map (B, C, h, w) or a ViT's tokens (B, N, D)."""
+
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net.forward_features(x)
+
+
+def timm_model(arch: str) -> nn.Module:
+    """A timm model with random weights and no classifier; VlprepError for a name timm does not know."""
+    try:
+        import timm
+    except ImportError:
+        raise VlprepError("timm:NAME needs timm: pip install 'vlprep-vltrain[timm]'") from None
+    try:
+        return timm.create_model(arch, pretrained=False, num_classes=0)
+    except RuntimeError as e:  # "Unknown model (...)"
+        raise VlprepError(f"timm:{arch}: {e}") from None
+
+
+def timm_stats(arch: str) -> dict:
+    """The mean, std and input size timm records for a model (ImageNet's and 224 when it records none)."""
+    import timm
+
+    pre = timm.get_pretrained_cfg(arch)
+    if pre is None:
+        return {**IMAGENET_STATS, "size": DEFAULT_SIZE}
+    return {"mean": list(pre.mean), "std": list(pre.std), "size": int(pre.input_size[-1])}
+
+
+def load_state(net: nn.Module, name: str, weights: Path) -> None:
+    """A local state dict (weights_only) into a full model; a classifier head left out or extra is fine (the head is
+    not used), any other mismatch is a VlprepError naming it."""
+    try:
+        state = torch.load(weights, map_location="cpu", weights_only=True)
+    except Exception as e:  # missing, unreadable, not a torch file, or pickled objects weights_only refuses
+        first = (str(e).splitlines() or [e.__class__.__name__])[0][:200]
+        raise VlprepError(f"cannot read weights {weights} as a torch state dict ({first})") from None
+    state = state.get("state_dict", state) if isinstance(state, dict) else state
+    if not isinstance(state, dict):
+        raise VlprepError(f"{weights}: expected a state dict (torch.save(model.state_dict(), PATH)), "
+                          f"got {type(state).__name__}")
+    try:
+        result = net.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # a tensor of another shape
+        why = next((ln.strip() for ln in str(e).splitlines() if "size mismatch" in ln), str(e).splitlines()[0])
+        raise VlprepError(f"cannot load {weights} into {name}: {why[:200]}") from None
+    heads = ("fc.", "head.", "heads.", "classifier.", "head_drop.")
+    missing = [k for k in result.missing_keys if not k.startswith(heads)]
+    extra = [k for k in result.unexpected_keys if not k.startswith(heads)]
+    if missing or extra:
+        raise VlprepError(f"cannot load {weights} into {name}: {len(missing)} missing, {len(extra)} unexpected "
+                          f"(e.g. {(missing or extra)[0]})")
 
 
 class EffNetTrunk(nn.Module):
@@ -113,36 +197,41 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def _torchvision_trunk(arch: str, weights: Path) -> nn.Module:
+def torchvision_model(arch: str) -> nn.Module:
+    """A torchvision classification model with random weights; VlprepError for an unknown or unsupported name."""
     import torchvision
 
-    known = torchvision.models.list_models(module=torchvision.models)
-    if arch not in known:
+    if arch not in torchvision.models.list_models(module=torchvision.models):
         raise VlprepError(f"unknown torchvision classification model {arch!r}; e.g. resnet18, resnet50, "
-                          "efficientnet_b0, mobilenet_v3_large, convnext_tiny (torchvision.models.list_models())")
+                          "efficientnet_b0, convnext_tiny, vit_b_16 (torchvision.models.list_models())")
     if arch.startswith(_NOT_CONV):
-        raise VlprepError(f"torchvision:{arch} is a transformer without a conv feature map; use a CNN "
-                          "(resnet*, efficientnet*, mobilenet*, convnext*, regnet*, vgg*, densenet*)")
-    try:
-        state = torch.load(weights, map_location="cpu", weights_only=True)
-    except Exception as e:  # missing, unreadable, not a torch file, or pickled objects weights_only refuses
-        first = (str(e).splitlines() or [e.__class__.__name__])[0][:200]
-        raise VlprepError(f"cannot read weights {weights} as a torch state dict ({first})") from None
-    if not isinstance(state, dict):
-        raise VlprepError(f"{weights}: expected a state dict (torch.save(model.state_dict(), PATH)), "
-                          f"got {type(state).__name__}")
-    model = torchvision.models.get_model(arch, weights=None)
-    try:
-        model.load_state_dict(state)
-    except Exception as e:  # another architecture's weights
-        raise VlprepError(f"cannot load {weights} into torchvision:{arch}: {str(e).splitlines()[0][:200]}") from None
+        raise VlprepError(f"torchvision:{arch}: window-attention models are not supported; use a CNN (resnet*, "
+                          "efficientnet*, mobilenet*, convnext*, regnet*, vgg*, densenet*) or a ViT (vit_*)")
+    return torchvision.models.get_model(arch, weights=None)
+
+
+def conv_trunk(model: nn.Module, name: str) -> nn.Module:
+    """A torchvision CNN without pooling and classifier: `.features` where it has one (efficientnet, mobilenet,
+    convnext, vgg, densenet), else every child but a final avgpool and fc (ResNet-like)."""
     if isinstance(getattr(model, "features", None), nn.Module):
         return model.features
     children = list(model.children())
     if len(children) > 2 and isinstance(children[-2], nn.AdaptiveAvgPool2d) and isinstance(children[-1], nn.Linear):
         return nn.Sequential(*children[:-2])
-    raise VlprepError(f"torchvision:{arch} has no conv trunk to take (a .features module, or ResNet-style "
-                      "children ending in avgpool and fc)")
+    raise VlprepError(f"{name} has no conv trunk to take (a .features module, or ResNet-style children ending in "
+                      "avgpool and fc)")
+
+
+def token_trunk(name: str, weights: Path | None) -> nn.Module:
+    """torchvision:ARCH or timm:NAME as a module giving a conv map (B, C, h, w) or ViT tokens (B, N, D), with the
+    weights of a local state dict when given (random otherwise)."""
+    kind, arch = name.split(":", 1)
+    net = timm_model(arch) if kind == "timm" else torchvision_model(arch)
+    if weights is not None:
+        load_state(net, name, weights)
+    if kind == "timm":
+        return TimmTokens(net)
+    return ViTTokens(net) if hasattr(net, "class_token") else conv_trunk(net, name)
 
 
 def load_token_encoder(name: str = "efficientnet-lite0", weights: str | os.PathLike | None = None,
@@ -153,26 +242,33 @@ def load_token_encoder(name: str = "efficientnet-lite0", weights: str | os.PathL
         raise VlprepError(f"--size must be at least {MIN_SIZE} (the encoders downsample by 32), got {size}")
     if name == "efficientnet-lite0":
         if weights:
-            raise VlprepError("efficientnet-lite0 uses its packaged weights; --weights is for torchvision:ARCH")
+            raise VlprepError("efficientnet-lite0 uses its packaged weights; --weights is for torchvision:ARCH and "
+                              "timm:NAME")
         trunk, stats, path, shown = EffNetTrunk(), EFFNET_STATS, packaged_weights_path(), ""
-    elif name.startswith("torchvision:"):
-        arch = name.split(":", 1)[1]
+    elif name.startswith(("torchvision:", "timm:")):
         if not weights:
             raise VlprepError(f"{name} needs --weights FILE (a local state dict); nothing is downloaded here")
         path = Path(weights).resolve()
         if not path.is_file():
             raise VlprepError(f"weights file not found: {weights}")
-        trunk, stats, shown = _torchvision_trunk(arch, path), IMAGENET_STATS, str(path)
+        stats = timm_stats(name.split(":", 1)[1]) if name.startswith("timm:") else IMAGENET_STATS
+        trunk, shown = token_trunk(name, path), str(path)
     else:
         raise VlprepError(f"unknown image model {name!r}; one of: {', '.join(ENCODERS)}")
     spec = {"encoder": name, "weights": shown, "weights_sha256": file_sha256(path), "size": size,
             "mean": list(stats["mean"]), "std": list(stats["std"]), "tokens": 0, "dim": 0, "dtype": "float32"}
     enc = TokenEncoder(trunk, spec)
-    with torch.inference_mode():
-        fmap = enc.trunk(torch.zeros(1, 3, size, size).contiguous(memory_format=torch.channels_last))
-    if fmap.ndim != 4:
-        raise VlprepError(f"{name}: its trunk gives a {fmap.ndim}-D output, not a (B, C, h, w) conv map")
-    spec["tokens"], spec["dim"] = fmap.shape[2] * fmap.shape[3], fmap.shape[1]
+    try:
+        with torch.inference_mode():
+            fmap = enc.trunk(torch.zeros(1, 3, size, size).contiguous(memory_format=torch.channels_last))
+    except ValueError as e:  # a ViT at another input size than its own
+        raise VlprepError(f"{name}: {str(e).replace('the image size', '--size')}") from None
+    if fmap.ndim == 3:  # ViT tokens (B, N, D)
+        spec["tokens"], spec["dim"] = fmap.shape[1], fmap.shape[2]
+    elif fmap.ndim == 4:
+        spec["tokens"], spec["dim"] = fmap.shape[2] * fmap.shape[3], fmap.shape[1]
+    else:
+        raise VlprepError(f"{name}: its trunk gives a {fmap.ndim}-D output, not a conv map or ViT tokens")
     return enc
 
 

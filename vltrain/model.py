@@ -163,98 +163,43 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 class Backbone(nn.Module):
     """A torchvision or timm image model as vltrain's image tower, trained end to end: pixels -> tokens (B, N, D)
-    for the fusion encoder and `pool(tokens)` (B, D) for ITC.
+    for the fusion encoder and `pool(tokens)` (B, D) for ITC. The pieces are vlprep.encoders' (the frozen encoders of
+    `vlprep features` by the same names), so a name means the same network in both.
 
-    CNNs give their last conv map as N = h * w tokens, pooled by their mean (the global average pool the classifier
+    CNNs give their last conv map as N = h * w tokens, pooled by their mean (the global average pool their classifier
     read). ViTs give every token of their last layer (class token first), pooled as the model pools for its head:
-    the class token for torchvision's and for timm's class-token ViTs, timm's own `forward_head(pre_logits=True)`
-    otherwise. swin and maxvit (window-attention maps in another layout) are refused.
+    the class token for torchvision's, timm's own `forward_head(pre_logits=True)` for timm's. swin and maxvit are
+    refused. Errors (unknown name, weights that do not fit) are one-line ValueErrors.
     """
 
     def __init__(self, name: str, weights: str, pretrained: bool = True):
         super().__init__()
-        self.kind, arch = name.split(":", 1)
-        if arch.startswith(("swin", "maxvit")):
-            raise ValueError(f"image_model {name}: window-attention models are not supported; use a CNN or a ViT")
-        if self.kind == "timm":
-            import timm
+        from vlprep import VlprepError
+        from vlprep.encoders import token_trunk
 
-            try:
-                net = timm.create_model(arch, pretrained=False, num_classes=0)
-            except RuntimeError as e:  # timm: "Unknown model (...)"
-                raise ValueError(f"image_model {name}: {e}") from None
-        else:
-            import torchvision
-
-            if arch not in torchvision.models.list_models(module=torchvision.models):
-                raise ValueError(f"image_model {name}: unknown torchvision classification model (e.g. resnet18, "
-                                 "resnet50, convnext_tiny, efficientnet_b0, vit_b_16; torchvision.models.list_models())")
-            net = torchvision.models.get_model(arch, weights=None)
-        if weights and pretrained:
-            _load_backbone_weights(net, name, weights)
-        elif pretrained:
+        self.kind = name.split(":", 1)[0]
+        if weights and pretrained and not Path(weights).is_file():
+            raise ValueError(f"model.image_weights {weights}: file not found")
+        try:
+            self.net = token_trunk(name, Path(weights) if weights and pretrained else None)
+        except VlprepError as e:
+            raise ValueError(f"image_model {name}: {e}") from None
+        if pretrained and not weights:
             warnings.warn(f"image_model {name} has no model.image_weights: its image tower starts from random "
                           "weights (pass a local state dict: torch.save(model.state_dict(), PATH))", stacklevel=3)
-        self.vit = self.kind == "torchvision" and hasattr(net, "class_token")
-        self.timm_vit = self.kind == "timm" and hasattr(net, "num_prefix_tokens")  # timm's ViT family
-        if self.kind == "torchvision" and not self.vit:
-            net = _conv_trunk(net, name)
-        self.net = net
+        inner = getattr(self.net, "net", None)
+        self.vit = hasattr(getattr(self.net, "vit", None), "class_token")  # torchvision ViT
+        self.timm_vit = self.kind == "timm" and hasattr(inner, "num_prefix_tokens")  # timm's ViT family
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.vit:  # torchvision VisionTransformer.forward without its head
-            if x.shape[-2:] != (self.net.image_size, self.net.image_size):
-                raise ValueError(f"this ViT reads {self.net.image_size} x {self.net.image_size} images, got "
-                                 f"{x.shape[-2]} x {x.shape[-1]}: set data.image_size={self.net.image_size}")
-            tokens = self.net._process_input(x)
-            tokens = torch.cat([self.net.class_token.expand(tokens.shape[0], -1, -1), tokens], dim=1)
-            return self.net.encoder(tokens)
-        return self.net.forward_features(x) if self.kind == "timm" else self.net(x)
+        return self.net(x)
 
     def pool(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.vit:
             return tokens[:, 0]
         if self.timm_vit:  # its own pooling for its head: the class token, or the mean of the patch tokens
-            return self.net.forward_head(tokens, pre_logits=True)
+            return self.net.net.forward_head(tokens, pre_logits=True)
         return tokens.mean(dim=1)
-
-
-def _conv_trunk(net: nn.Module, name: str) -> nn.Module:
-    """A torchvision CNN without its pooling and classifier: `.features`, or ResNet-style children but the last two."""
-    if isinstance(getattr(net, "features", None), nn.Module):
-        return net.features
-    children = list(net.children())
-    if len(children) > 2 and isinstance(children[-2], nn.AdaptiveAvgPool2d) and isinstance(children[-1], nn.Linear):
-        return nn.Sequential(*children[:-2])
-    raise ValueError(f"image_model {name}: no conv trunk to take (a .features module, or ResNet-style children "
-                     "ending in avgpool and fc)")
-
-
-def _load_backbone_weights(net: nn.Module, name: str, weights: str) -> None:
-    """A local state dict into the full model (weights_only=True); a classifier head the tower drops may be left out
-    or extra, any other mismatch is a one-line error."""
-    path = Path(weights)
-    if not path.is_file():
-        raise ValueError(f"model.image_weights {weights}: file not found")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # unreadable, not a torch file, or pickled objects weights_only refuses
-        raise ValueError(f"model.image_weights {weights}: not a readable state dict "
-                         f"({(str(e).splitlines() or [type(e).__name__])[0][:160]})") from None
-    state = state.get("state_dict", state) if isinstance(state, dict) else state
-    if not isinstance(state, dict):
-        raise ValueError(f"model.image_weights {weights}: expected a state dict, got {type(state).__name__}")
-    try:
-        result = net.load_state_dict(state, strict=False)
-    except RuntimeError as e:  # a tensor of another shape: "size mismatch for conv1.weight: ..."
-        why = next((ln.strip() for ln in str(e).splitlines() if "size mismatch" in ln), str(e).splitlines()[0])
-        raise ValueError(f"model.image_weights {weights} does not fit {name}: {why[:200]}") from None
-    heads = ("fc.", "head.", "heads.", "classifier.", "head_drop.")  # the classification head, unused here
-    missing = [k for k in result.missing_keys if not k.startswith(heads)]
-    extra = [k for k in result.unexpected_keys if not k.startswith(heads)]
-    if missing or extra:
-        raise ValueError(f"model.image_weights {weights} does not fit {name}: {len(missing)} missing, {len(extra)} "
-                         f"unexpected (e.g. {(missing or extra)[0]})")
 
 
 def _build_image_encoder(cfg: ModelConfig, pretrained: bool = True) -> tuple[nn.Module, int]:
@@ -272,7 +217,7 @@ def _build_image_encoder(cfg: ModelConfig, pretrained: bool = True) -> tuple[nn.
     if cfg.image_model.startswith(BACKBONES):
         enc = Backbone(cfg.image_model, cfg.image_weights, pretrained)
         _, _, size = image_stats(cfg)
-        size = getattr(enc.net, "image_size", size) if enc.vit else size  # a torchvision ViT's fixed input size
+        size = enc.net.vit.image_size if enc.vit else size  # a torchvision ViT's fixed input size
         with torch.no_grad():  # the token width, from one forward pass at the model's input size
             was = enc.training
             out = enc.eval()(torch.zeros(1, 3, size, size))

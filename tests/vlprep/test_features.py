@@ -251,7 +251,7 @@ def test_bad_options_are_one_line_errors(raw, tmp_path):
                     ({"image_model": "clip"}, "efficientnet-lite0, torchvision:ARCH"),
                     ({"image_model": "torchvision:resnet18"}, "needs --weights"),
                     ({"weights": tmp_path / "w.pt"}, "packaged weights"),
-                    ({"image_model": "torchvision:vit_b_16", "weights": raw / "sizes.json"}, "transformer"),
+                    ({"image_model": "torchvision:swin_t", "weights": raw / "sizes.json"}, "window-attention"),
                     ({"image_model": "torchvision:resnet_nope", "weights": raw / "sizes.json"}, "unknown torchvision"),
                     ({"device": "tpu"}, "--device")]:
         with pytest.raises(VlprepError, match=msg):
@@ -291,6 +291,24 @@ def test_torchvision_resnet18_from_a_local_state_dict(raw, resnet18_weights, tmp
         got = load_npy(s["npy"])
         assert got.dtype == np.float32 and got.shape == (9, 512)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_timm_vit_gives_every_token_of_its_last_layer(raw, tmp_path):
+    """timm:NAME, a ViT: (1 + 14 x 14) tokens of width 192, the model's own forward_features on the eval view."""
+    import timm
+
+    torch.manual_seed(0)
+    vit = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=0).eval()
+    torch.save(vit.state_dict(), tmp_path / "vit.pt")
+    report = run(raw, tmp_path / "out", image_model="timm:vit_tiny_patch16_224", weights=tmp_path / "vit.pt",
+                 dtype="float32", size=224)
+    spec = report["features"]
+    assert (spec["tokens"], spec["dim"]) == (197, 192) and spec["mean"] == [0.5, 0.5, 0.5]
+    s = next(iter_samples(tmp_path / "out", decode=False))
+    x = eval_pixels(to_rgb(s.get("png", s.get("jpg"))), 224, spec["mean"], spec["std"])
+    with torch.inference_mode():
+        want = vit.forward_features(x[None])[0].numpy()
+    np.testing.assert_allclose(load_npy(s["npy"]), want, rtol=1e-4, atol=1e-4)
 
 
 def test_a_state_dict_of_another_model_is_refused(raw, tmp_path):

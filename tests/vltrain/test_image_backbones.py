@@ -66,7 +66,7 @@ def test_a_vit_pools_its_class_token_and_a_cnn_its_mean(monkeypatch):
     tokens, emb = vit.encode_image(x)
     assert tokens.shape == (2, 1 + 16, 16)  # class token + 4 x 4 patches, width 16
     assert torch.allclose(emb, torch.nn.functional.normalize(vit.image_proj(tokens[:, 0]), dim=-1))
-    with pytest.raises(ValueError, match="set data.image_size=32"):
+    with pytest.raises(ValueError, match="reads 32 x 32 images"):
         vit.encode_image(torch.rand(1, 3, 64, 64))
 
 
@@ -81,7 +81,7 @@ def test_weights_load_from_a_local_state_dict_and_none_is_a_warning(tmp_path):
     with pytest.warns(UserWarning, match="starts from random weights"):
         build_model(ModelConfig(**cfg))
     torch.save({"conv1.weight": torch.zeros(1)}, tmp_path / "bad.pt")
-    with pytest.raises(ValueError, match="does not fit torchvision:resnet18"):
+    with pytest.raises(ValueError, match="cannot load .* into torchvision:resnet18"):
         build_model(ModelConfig(**cfg, image_weights=str(tmp_path / "bad.pt")))
     with pytest.raises(ValueError, match="unknown torchvision classification model"):
         build_model(ModelConfig(**{**cfg, "image_model": "torchvision:resnet19"}))
