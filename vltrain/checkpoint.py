@@ -285,6 +285,7 @@ class Run:
     data: str  # the training data's signature (vltrain.data.data_signature)
     out: Path
     stop_signal: int | None = None  # set by the signal handler: save after this step and stop
+    init_from: dict | None = None  # --init-from: where the weights came from (init_weights' record), kept by resumes
 
     @property
     def last_path(self) -> Path:
@@ -296,12 +297,14 @@ class Run:
 
 
 def checkpoint_state(run: Run, state: RunState) -> dict:
-    """What last.pt / best.pt hold: weights, optimiser, position in the data, sampler state, RNG states, config, and
-    `data`, the training data's signature (computed once per run)."""
+    """What last.pt / best.pt hold: weights, optimiser, position in the data, sampler state, RNG states, config,
+    `data`, the training data's signature (computed once per run), and `init_from` for a run started from other
+    weights (init_weights' record, so that a resumed run still says where it began)."""
     return {"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(), "step": state.step,
             "epoch": state.epoch, "consumed": state.consumed, "best": state.best, "config": to_dict(run.cfg),
             "data": run.data, "sampler": run.sampler.state_dict() if run.sampler is not None else None,
-            "curriculum_log": state.curriculum_log, "rng": rng_states(run.generator), "versions": versions()}
+            "curriculum_log": state.curriculum_log, "rng": rng_states(run.generator), "versions": versions(),
+            **({"init_from": run.init_from} if run.init_from else {})}
 
 
 def save_checkpoint(path: Path, run: Run, state: RunState, every_rank: bool = True) -> None:
@@ -362,3 +365,138 @@ def restore(ckpt: dict, run: Run, rank: int, size: int) -> tuple[RunState, dict]
         run.sampler.load_state_dict(ckpt["sampler"])
         state.curriculum_log = ckpt.get("curriculum_log", [])
     return state, rng
+
+
+QUEUES = ("image_queue", "text_queue", "queue_ptr")  # MoCo queues: features of past batches, not weights
+MOMENTUM = "momentum."  # the EMA copy's prefix (VLModel.momentum)
+
+
+def init_weights(model: VLModel, source: dict, path) -> dict:
+    """--init-from: a new run's freshly built model takes a checkpoint's (or an export's) weights by name.
+
+    The run's config built `model`, so it decides the architecture: a tensor both hold is loaded (a shape mismatch is
+    a one-line CheckpointError naming it), one only the model holds stays as built ("new"), one only the checkpoint
+    holds is "dropped". As VLModel does at construction, the EMA copy starts as the online model: a `momentum.*`
+    tensor the checkpoint lacks copies the online tensor just loaded (one it holds is loaded, as ALBEF's fine-tuning
+    loads its pre-training checkpoint's momentum encoders). The MoCo queues start fresh, as at any start, and a fixed
+    temperature (model.temp_learnable=false) keeps the run's model.temp. Returns the record the run prints and keeps
+    in its checkpoints and result.json: path, counts, counts per top-level module, notes.
+    """
+    ours = model.state_dict()
+    theirs = {k: v for k, v in source["model"].items() if k not in QUEUES}
+    kept = [k for k in ("temp", MOMENTUM + "temp") if k in ours and k in theirs and not model.cfg.temp_learnable]
+    shared = [k for k in ours if k in theirs and k not in kept]
+    bad = [k for k in shared if tuple(theirs[k].shape) != tuple(ours[k].shape)]
+    if bad:
+        k = bad[0]
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise CheckpointError(f"--init-from {path}: {k}: checkpoint {tuple(theirs[k].shape)}, model "
+                              f"{tuple(ours[k].shape)}{more}; the run's config decides the architecture"
+                              f"{_architecture_diff(source['config']['model'], model.cfg)}")
+    values = {k: theirs[k] for k in shared}
+    # A tied tensor (the MLM decoder shares the word embeddings) is one parameter under two names: each name takes
+    # the loaded value, or load_state_dict would copy the stale one over it.
+    names_of = {}
+    for k, t in ours.items():
+        if t.numel():
+            names_of.setdefault((t.data_ptr(), tuple(t.shape)), []).append(k)
+    for names in names_of.values():
+        loaded_name = next((n for n in names if n in values), None)
+        for n in names if loaded_name is not None else ():
+            values.setdefault(n, values[loaded_name])
+    copied = [k for k in ours if k.startswith(MOMENTUM) and k not in values and k not in kept]
+    model.load_state_dict({**ours, **values})
+    notes = _fusion_from_text(model, theirs, values)
+    with torch.no_grad():  # the EMA copy the checkpoint lacks: the online tensors as they now are (loaded or built)
+        now = model.state_dict()
+        for k in copied:
+            now[k].copy_(now[k[len(MOMENTUM):]])
+    loaded = [k for k in ours if k in values and k not in copied]
+    new = [k for k in ours if k not in values and k not in copied and k not in kept and k not in QUEUES]
+    dropped = [k for k in theirs if k not in ours]
+    notes += _input_notes(source["config"]["model"], model.cfg, path, dropped, new)
+    if kept:
+        notes.append(f"temp: kept at the run's {model.cfg.temp} (model.temp_learnable=false), not the checkpoint's "
+                     f"{float(theirs['temp']):.4g}")
+    return {"path": str(path), "step": source.get("step"), "preset": source["config"].get("preset"),
+            "loaded": len(loaded), "new": len(new), "dropped": len(dropped), "momentum_copied": len(copied),
+            "queues_fresh": any(k in ours for k in QUEUES),
+            "modules": {"loaded": _by_module(loaded), "new": _by_module(new), "dropped": _by_module(dropped)},
+            "notes": notes}
+
+
+def _fusion_from_text(model: VLModel, theirs: dict, values: dict) -> list[str]:
+    """A fusion encoder the checkpoint lacks is built as VLModel builds one: the self-attention and FFN of fusion
+    layer i from the text layer L - N + i, here the checkpoint's (its trained text encoder, e.g. a clip run's, in
+    place of the packaged one); cross-attention stays new. Returns the note saying so, or none."""
+    if model.fusion is None or any(k.startswith("fusion.") for k in values):
+        return []
+    import copy
+
+    layers, n = model.text_encoder.encoder.layer, len(model.fusion)
+    depth = len(layers) + (n if model.cfg.fusion_from == "split" else 0)  # L: "split" gave its last N to fusion
+    want = {k: tuple(v.shape) for k, v in layers[-1].state_dict().items()}
+    picked = list(range(depth - n, depth))
+    donors = []
+    for j in picked:
+        prefix = f"text_encoder.encoder.layer.{j}."
+        weights = {k[len(prefix):]: v for k, v in theirs.items() if k.startswith(prefix)}
+        if {k: tuple(v.shape) for k, v in weights.items()} != want:
+            return []  # the checkpoint's text encoder is not this one's depth or width: the fusion stays as built
+        donors.append(weights)
+    for fusion_layer, weights in zip(model.fusion, donors):
+        donor = copy.deepcopy(layers[-1])
+        donor.load_state_dict(weights)
+        fusion_layer.load_bert_layer(donor)
+    return [f"fusion: self-attention and FFN of its {n} layer(s) from the checkpoint's text layers "
+            f"{', '.join(map(str, picked))} (as VLModel builds them from the text encoder's last layers); "
+            "cross-attention new"]
+
+
+def _by_module(names: list[str]) -> dict:
+    """Tensor counts per top-level module ('text_encoder', 'fusion', 'momentum', ...), largest first."""
+    counts = {}
+    for name in names:
+        counts[name.split(".")[0]] = counts.get(name.split(".")[0], 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def _image_side(m: dict) -> str:
+    """A model config's image input in words: 'efficientnet-lite0 pixels', 'tokens cached by efficientnet-lite0'."""
+    if m.get("image_model") != "features":
+        return f"{m.get('image_model')} pixels"
+    enc = (m.get("feature_encoder") or {}).get("encoder")
+    return f"{m.get('feature_dim')}-d tokens cached by {enc}" if enc else f"{m.get('feature_dim')}-d cached tokens"
+
+
+def _architecture_diff(saved: dict, cfg: ModelConfig) -> str:
+    """'(checkpoint vs run: model.embed_dim 32 vs 16)' for the model keys that shape tensors, '' when none differ."""
+    keys = ["embed_dim", "text_model", "fusion_from", "aligner"]
+    diffs = [f"model.{k} {saved[k]!r} vs {getattr(cfg, k)!r}" for k in keys
+             if k in saved and saved[k] != getattr(cfg, k)]
+    if _image_side(saved) != _image_side(vars(cfg)):
+        diffs.append(f"image input {_image_side(saved)} vs {_image_side(vars(cfg))}")
+    return f" (checkpoint vs run: {'; '.join(diffs)})" if diffs else ""
+
+
+def _input_notes(saved: dict, cfg: ModelConfig, path, dropped: list, new: list) -> list[str]:
+    """What --init-from between a features model and a pixel model means, when the layers above the image encoder
+    fit: the cached tokens are that encoder's output, so only the encoder itself is dropped or starts as built."""
+    from_features, to_features = saved.get("image_model") == "features", cfg.image_model == "features"
+    if from_features == to_features:
+        return []
+    spec = saved.get("feature_encoder") if from_features else cfg.feature_encoder
+    encoder = (spec or {}).get("encoder")
+    pixel_model = cfg.image_model if from_features else saved.get("image_model")
+    if from_features:
+        n = sum(k.startswith("image_encoder.") for k in new)
+        same = encoder == pixel_model and not (spec or {}).get("weights")
+        how = (" (the packaged weights that cached those tokens)" if same
+               else ", not the encoder whose tokens the loaded layers above it were trained on")
+        return [f"note: {path} was trained on {_image_side(saved)}; this run reads pixels: its {pixel_model} image "
+                f"encoder ({n} tensors) starts as built{how}"]
+    n = sum(k.startswith("image_encoder.") for k in dropped)
+    same = encoder == pixel_model and saved.get("freeze_image") and not (spec or {}).get("weights")
+    how = ", the frozen encoder it was trained with" if same else ", which its loaded layers were not trained on"
+    return [f"note: {path} read pixels through its own {pixel_model} image encoder ({n} tensors, dropped); this run "
+            f"reads {_image_side(vars(cfg))}{how}"]

@@ -98,13 +98,20 @@ def run(
     resume: bool = typer.Option(False, "--resume", help="Continue exactly from OUT/last.pt."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Start over in an OUT that holds another run "
                                    "(its checkpoints, metrics and tb/ are deleted)."),
+    init_from: Optional[Path] = typer.Option(None, "--init-from", help="Start a new run from trained weights: a "
+                                             "checkpoint (last.pt, best.pt) or a `vltrain export` folder. Weights "
+                                             "only: fresh optimiser, schedule and step 0; --preset and --set decide "
+                                             "the architecture, tensors are matched by name (those the model adds "
+                                             "start as built, the momentum copy as the loaded online weights; those "
+                                             "it lacks are dropped; a shape mismatch stops the run), and the run "
+                                             "prints the counts. Not with --resume."),
 ) -> None:
     """Train on the shards (ITC / ITM / MLM or the TOnICS aligner; random, TOnICS or GRIT batches), evaluating
     retrieval on the held-out split as it goes.
 
     Shards made by `vlprep features` are read as cached image tokens (fast on a CPU); others as pixels. The run
     prints a summary, then an estimate of its duration after 10 steps. Ctrl-C saves OUT/last.pt; --resume goes on.
-    `vltrain config --preset P` prints every config key."""
+    --init-from fine-tunes another run's weights. `vltrain config --preset P` prints every config key."""
     from vltrain.config import ConfigError, load_config
     from vltrain.train import train
 
@@ -116,7 +123,7 @@ def run(
                           **{"sampler.kind": sampler, "sampler.refresh_every": refresh_every})
         if resume and overwrite:
             raise ConfigError("give --resume or --overwrite, not both")
-        result = train(cfg, resume=resume, overwrite=overwrite)
+        result = train(cfg, resume=resume, overwrite=overwrite, init_from=init_from)
     if result["rank"] > 0:  # under torchrun rank 0 reports
         return
     ev = result["eval"]

@@ -12,6 +12,7 @@ import torch
 
 from vlprep import VlprepError
 from vlprep.dataset import lock_output
+from vltrain.checkpoint import load
 from vltrain.errors import TrainError
 from vltrain.config import GRIT_RATIOS, GRIT_RATIOS_BEFORE, Config, grit_sizes
 from vltrain.data import (Collate, IndexedShards, InstanceView, ShardStream, count_split, eval_transform,
@@ -58,6 +59,22 @@ def open_output(out: Path, resume: bool, overwrite: bool, rank: int) -> None:
     error = broadcast(error)
     if error is not None:
         raise TrainError(error)
+
+
+def init_source(init_from, out: Path, resume: bool, overwrite: bool) -> dict | None:
+    """--init-from's checkpoint or export, read (CheckpointError: one line), or None without it; refused with --resume,
+    whose run goes on from its own weights, and when it is OUT's own checkpoint, which --overwrite would delete."""
+    if init_from is None:
+        return None
+    if resume:
+        raise TrainError("give --resume or --init-from, not both: --resume continues OUT/last.pt with its optimiser "
+                         "and step, --init-from starts a new run from other weights (a resumed run that began with "
+                         "--init-from keeps them: its checkpoint has everything)")
+    path = Path(init_from)
+    if overwrite and path.name in RUN_FILES and path.resolve().parent == out.resolve():
+        raise TrainError(f"--init-from {path} is a checkpoint of the run in {out}, which --overwrite deletes; copy it "
+                         "elsewhere first, or choose another --out")
+    return load(path, "--init-from")
 
 
 def train_device(name: str) -> torch.device:

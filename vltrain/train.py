@@ -28,16 +28,18 @@ from vltrain.distributed import RankSlice, any_flags, broadcast, gather, init_fr
 from vltrain.model import autocast, build_model
 from vltrain.optim import build_optimizer, lr_at, optimizer_step, set_lr
 from vltrain.report import Report, console, earlier_rows, summary
-from vltrain.runsetup import (clamp_queue, heldout_positions, open_output, resolve_input, resolve_workers,
-                              seed_everything, speed_options, train_device, training_data)
+from vltrain.runsetup import (clamp_queue, heldout_positions, init_source, open_output, resolve_input,
+                              resolve_workers, seed_everything, speed_options, train_device, training_data)
 from vltrain.samplers import GritSampler
 from vltrain.step import TrainStep, distill_alpha_at, wrap_ddp
 
 
-def train(cfg, resume: bool = False, overwrite: bool = False) -> dict:
+def train(cfg, resume: bool = False, overwrite: bool = False, init_from=None) -> dict:
     """Train as cfg says, writing OUT/{metrics.jsonl, tb/, last.pt, best.pt}; returns the final metrics.
 
     Refuses an OUT holding another run unless `resume` (continue from OUT/last.pt) or `overwrite` (start over).
+    `init_from` (a checkpoint or an export folder) starts a new run from its weights only: fresh optimiser, schedule
+    and step 0, the architecture from cfg (vltrain.checkpoint.init_weights); a resume of it re-loads nothing.
     Ctrl-C / SIGTERM finish the current step, write last.pt and raise `vltrain.checkpoint.Interrupted`.
     """
     # --- set-up (every rank builds the same model from the run seed; its own draws use a per-rank seed)
@@ -46,6 +48,8 @@ def train(cfg, resume: bool = False, overwrite: bool = False) -> dict:
     rank, size = world()
     console.quiet = size > 1 and rank > 0  # rank 0 alone reports
     device = train_device(device_name)
+    # --init-from is read before OUT is touched: an unreadable source leaves OUT as it was
+    source = init_source(init_from, out, resume, overwrite)
     open_output(out, resume, overwrite, rank)
     ckpt = ckpt_io.load(out / "last.pt", "--resume checkpoint") if resume else None
     if ckpt is not None:
@@ -66,6 +70,12 @@ def train(cfg, resume: bool = False, overwrite: bool = False) -> dict:
 
     # --- model
     model = build_model(cfg.model) if ckpt is None else ckpt_io.model_from(ckpt, out / "last.pt")
+    init = (ckpt or {}).get("init_from")  # a resumed run keeps its record; its weights are in last.pt
+    if source is not None:
+        init, source = ckpt_io.init_weights(model, source, init_from), None
+        console.print(_init_line(init), highlight=False, markup=False)
+        for note in init["notes"]:
+            console.print(note, highlight=False, markup=False)
     model.to(device).train()
     channels_last = speed_options(cfg, model, device, data.use_features)
     generator = torch.Generator(device=device).manual_seed(rank_seed)  # MLM masks and hard-negative draws
@@ -77,7 +87,7 @@ def train(cfg, resume: bool = False, overwrite: bool = False) -> dict:
 
     # --- optimiser
     optimizer, params = build_optimizer(model, cfg.optim, device)
-    run = Run(cfg, model, optimizer, data.sampler, generator, data_sig, out)
+    run = Run(cfg, model, optimizer, data.sampler, generator, data_sig, out, init_from=init)
 
     # --- resume (the data position is replayed: this epoch's batches already trained on are drawn again)
     state, rng = ckpt_io.restore(ckpt, run, rank, size) if ckpt is not None else (RunState(), None)
@@ -85,7 +95,8 @@ def train(cfg, resume: bool = False, overwrite: bool = False) -> dict:
     feed.start(state)
     if ckpt is not None:
         ckpt_io.set_rng_states(rng, generator)
-        console.print(f"resumed from step {state.step} of {cfg.steps} ({run.last_path})", highlight=False)
+        began = f"; the run began from --init-from {init['path']}" if init else ""
+        console.print(f"resumed from step {state.step} of {cfg.steps} ({run.last_path}){began}", highlight=False)
     console.print(summary(cfg, model, device, data.n_train, data.n_val, data.per_epoch, size), highlight=False,
                   markup=False)
     rows = earlier_rows(out / "metrics.jsonl", state.step) if ckpt is not None else []
@@ -136,7 +147,22 @@ def train(cfg, resume: bool = False, overwrite: bool = False) -> dict:
     if created_group:
         torch.distributed.destroy_process_group()
     return {"step": state.step, "losses": report.losses, "eval": report.last_eval, "out": str(out), "rank": rank,
-            "best_mean_recall": state.best if state.best >= 0 else None, "data": data_sig}
+            "best_mean_recall": state.best if state.best >= 0 else None, "data": data_sig,
+            "init_from": {k: v for k, v in init.items() if k != "notes"} if init else None}
+
+
+def _init_line(init: dict) -> str:
+    """init_weights' record as one line: counts per top-level module (the six largest), then the EMA copy and queues."""
+    def counts(n: int, modules: dict, unit: str = "") -> str:
+        shown = [f"{name} {c}" for name, c in list(modules.items())[:6]] + (["..."] if len(modules) > 6 else [])
+        return f"{n}{unit} ({', '.join(shown)})" if shown else f"{n}{unit}"
+
+    m, src = init["modules"], f" (step {init['step']}, preset {init['preset']})" if init.get("step") is not None else ""
+    line = (f"init-from {init['path']}{src}: loaded {counts(init['loaded'], m['loaded'], ' tensors')}; new "
+            f"{counts(init['new'], m['new'])}; dropped {counts(init['dropped'], m['dropped'])}")
+    if init["momentum_copied"]:
+        line += f"; momentum copy: {init['momentum_copied']} from the online weights"
+    return line + ("; queues start fresh" if init["queues_fresh"] else "")
 
 
 def _finite(losses: dict, step: int, run: Run) -> dict:
