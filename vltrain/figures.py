@@ -1,5 +1,5 @@
 """The figures vltrain draws: the learning curve and TOnICS' curriculum (written during a run), and the Grad-CAM
-maps and soft masks of `vltrain gradcam` (SoftMask++ 3.2). matplotlib is imported by each function, on first use."""
+maps and soft masks of `vltrain gradcam` (SoftMask++ 4.1). matplotlib is imported by each function, on first use."""
 
 from pathlib import Path
 

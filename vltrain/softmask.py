@@ -1,4 +1,4 @@
-"""SoftMask++ (§3.2, eqs. 8-12; Appendix B; Table 5 and Table 9's ablations): word-conditional soft masks on the
+"""SoftMask++ (§4.1, eqs. 8-12; Appendix B; Table 5 and Table 9's ablations): word-conditional soft masks on the
 image tokens, from Grad-CAM over the fusion encoder's cross-attention, and the masked pairs' ITM loss.
 
 The extracted paper text lost its equation bodies; these rules follow its prose and ALBEF's public Grad-CAM
