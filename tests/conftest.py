@@ -46,6 +46,25 @@ def tiny_checkpoint(path: Path, embed_dim: int = 16, image_model: str = "tiny", 
     return path
 
 
+WORDS = ["red", "green", "blue", "cat", "dog", "bird", "tree", "car", "boat", "house", "sun", "moon"]
+
+
+def colour_pairs(tmp: Path, n: int, per_shard: int = 4) -> Path:
+    """tmp/src: n pairs, a near-solid colour per image (it survives random crops) and distinct captions
+    "a WORD WORD number i" (the trainer tests' data); sharded into tmp/ds, which is returned."""
+    src = tmp / "src"
+    src.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        noise = rng.integers(-20, 20, (40, 40, 3))
+        Image.fromarray(np.clip(rng.integers(0, 255, 3) + noise, 0, 255).astype(np.uint8)).save(src / f"{i:03d}.png")
+        (src / f"{i:03d}.txt").write_text(f"a {WORDS[i % 12]} {WORDS[(i * 5 + 1) % 12]} number {i}")
+    from vlprep.shards import ShardsConfig, build_shards
+
+    build_shards(ShardsConfig(src=src, out=tmp / "ds", samples_per_shard=per_shard, workers=1))
+    return tmp / "ds"
+
+
 def make_dataset(root: Path, captions: list[str], per_shard: int, seed: int = 0, prefix: str = "shard") -> Path:
     src = root.with_name(root.name + "-src")
     src.mkdir(parents=True)

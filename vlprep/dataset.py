@@ -286,7 +286,11 @@ def open_derived(src, out, skip_bad_shards: bool = False) -> tuple[Dataset, Path
 
 def to_rgb(data: bytes) -> Image.Image:
     """Decode image bytes to RGB for a model; transparency is composited on white (clip art is mostly transparent)."""
-    im = Image.open(io.BytesIO(data))
+    return rgb(Image.open(io.BytesIO(data)))
+
+
+def rgb(im: Image.Image) -> Image.Image:
+    """A PIL image as RGB for a model, transparency composited on white (to_rgb's rule, for an image in memory)."""
     if im.mode in ("RGBA", "LA", "PA") or (im.mode == "P" and "transparency" in im.info):
         rgba = im.convert("RGBA")
         return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")

@@ -11,7 +11,6 @@ Every caller that needs a trained model (`vltrain eval`, `vltrain gradcam`, the 
 """
 
 import contextlib
-import io
 import os
 from pathlib import Path
 
@@ -40,7 +39,7 @@ def pixel_transform(net, image_size: int):
 
 def to_pil(image) -> Image.Image:
     """A path, PIL image or array (H, W[, C] uint8) as RGB; transparency is composited on white, as in training."""
-    from vlprep.dataset import to_rgb
+    from vlprep.dataset import rgb, to_rgb
 
     if isinstance(image, (str, os.PathLike)):
         return to_rgb(Path(image).read_bytes())
@@ -50,11 +49,7 @@ def to_pil(image) -> Image.Image:
                              f"{tuple(image.shape)}")
         image = Image.fromarray(image[..., 0] if image.ndim == 3 and image.shape[2] == 1 else image)
     if isinstance(image, Image.Image):
-        buf = io.BytesIO()
-        if image.mode in ("RGBA", "LA", "PA", "P"):  # to_rgb's compositing rules, applied to the same pixels
-            image.save(buf, format="PNG")
-            return to_rgb(buf.getvalue())
-        return image.convert("RGB")
+        return rgb(image)
     raise ValueError(f"an image must be a path, a PIL image or a uint8 array, not {type(image).__name__}")
 
 

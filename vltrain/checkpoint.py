@@ -20,6 +20,7 @@ import os
 import pickle
 import random
 import zipfile
+from collections import Counter
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from vlprep import versions
 from vltrain.errors import TrainError
 from vltrain.config import Config, to_dict, upgrade
 from vltrain.distributed import barrier, gather_objects, world
-from vltrain.model import ModelConfig, VLModel, build_model
+from vltrain.model import ModelConfig, VLModel, build_model, text_layers
 
 FORMAT = 1  # bumped when the layout below changes incompatibly
 REQUIRED = {"model": dict, "config": dict}
@@ -136,6 +137,20 @@ def is_export(path: Path) -> bool:
     """Whether a folder is, or claims to be, a `vltrain export` (perhaps unfinished or damaged, which read_export
     says): it holds model.safetensors or config.json. Other folders keep load's "a folder, not a checkpoint"."""
     return (path / "config.json").is_file() or (path / "model.safetensors").is_file()
+
+
+def untie(state: dict) -> tuple[dict, dict]:
+    """(tensors, tied): every tensor once, as safetensors requires, contiguous; `tied` maps each further name of a
+    shared tensor (the MLM decoder's weight is the word embeddings) to the name kept, for read_export to restore."""
+    seen, tensors, tied = {}, {}, {}
+    for name, t in state.items():  # the state dict's order: the first name of a shared tensor is the one kept
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if t.numel() and key in seen:
+            tied[name] = seen[key]
+        else:
+            seen[key] = name
+            tensors[name] = t.detach().contiguous()
+    return tensors, tied
 
 
 def read_export(path, what: str = "export") -> dict:
@@ -394,16 +409,12 @@ def init_weights(model: VLModel, source: dict, path) -> dict:
                               f"{tuple(ours[k].shape)}{more}; the run's config decides the architecture"
                               f"{_architecture_diff(source['config']['model'], model.cfg)}")
     values = {k: theirs[k] for k in shared}
-    # A tied tensor (the MLM decoder shares the word embeddings) is one parameter under two names: each name takes
+    # A tied tensor (the MLM decoder shares the word embeddings) is one parameter under two names: both names take
     # the loaded value, or load_state_dict would copy the stale one over it.
-    names_of = {}
-    for k, t in ours.items():
-        if t.numel():
-            names_of.setdefault((t.data_ptr(), tuple(t.shape)), []).append(k)
-    for names in names_of.values():
-        loaded_name = next((n for n in names if n in values), None)
-        for n in names if loaded_name is not None else ():
-            values.setdefault(n, values[loaded_name])
+    for alias, name in untie(ours)[1].items():
+        if name in values or alias in values:
+            values.setdefault(name, values.get(alias))
+            values.setdefault(alias, values[name])
     copied = [k for k in ours if k.startswith(MOMENTUM) and k not in values and k not in kept]
     model.load_state_dict({**ours, **values})
     notes = _fusion_from_text(model, theirs, values)
@@ -433,13 +444,14 @@ def _fusion_from_text(model: VLModel, theirs: dict, values: dict) -> list[str]:
         return []
     import copy
 
-    layers, n = model.text_encoder.encoder.layer, len(model.fusion)
+    holder, layers = text_layers(model.text_encoder)
+    n = len(model.fusion)
     depth = len(layers) + (n if model.cfg.fusion_from == "split" else 0)  # L: "split" gave its last N to fusion
     want = {k: tuple(v.shape) for k, v in layers[-1].state_dict().items()}
     picked = list(range(depth - n, depth))
     donors = []
     for j in picked:
-        prefix = f"text_encoder.encoder.layer.{j}."
+        prefix = f"text_encoder.{holder}.layer.{j}."
         weights = {k[len(prefix):]: v for k, v in theirs.items() if k.startswith(prefix)}
         if {k: tuple(v.shape) for k, v in weights.items()} != want:
             return []  # the checkpoint's text encoder is not this one's depth or width: the fusion stays as built
@@ -455,9 +467,7 @@ def _fusion_from_text(model: VLModel, theirs: dict, values: dict) -> list[str]:
 
 def _by_module(names: list[str]) -> dict:
     """Tensor counts per top-level module ('text_encoder', 'fusion', 'momentum', ...), largest first."""
-    counts = {}
-    for name in names:
-        counts[name.split(".")[0]] = counts.get(name.split(".")[0], 0) + 1
+    counts = Counter(name.split(".")[0] for name in names)
     return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 

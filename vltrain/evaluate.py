@@ -6,6 +6,7 @@ over shards to get them (the training loop's periodic checks use the first two).
 """
 
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -287,21 +288,19 @@ def evaluate_checkpoint(path, shards=(), zeroshot=None, itm_rerank_k: int = 0, d
     workers = max(cfg.data.workers, 0)
     result = {"checkpoint": str(path), "step": loaded.step}
     if shards:
-        result.update(_retrieval(model, cfg, shards, itm_rerank_k, workers, dev))
-    if zeroshot is not None:
-        result["zeroshot"] = _zeroshot_by_caption(model, cfg, Path(zeroshot), result.pop("_emb"),
-                                                  tmpl or list(DEFAULT_TEMPLATES), dev)
-    result.pop("_emb", None)
+        scores, emb = _retrieval(model, cfg, shards, itm_rerank_k, workers, dev)
+        result.update(scores)
+        if zeroshot is not None:
+            result["zeroshot"] = _zeroshot_by_caption(model, cfg, Path(zeroshot), emb,
+                                                      tmpl or list(DEFAULT_TEMPLATES), dev)
     if zeroshot_folder is not None:
         result["zeroshot"] = score_folder(model, zeroshot_folder, pixel_transform(model, cfg.data.image_size), tmpl,
                                           cfg.data.max_len, cfg.batch_size, workers, dev)
     return result
 
 
-def _retrieval(model, cfg, shards: list[str], itm_rerank_k: int, workers: int, dev) -> dict:
-    """The retrieval part of `vltrain eval` (and the embeddings, under '_emb', for caption-labelled zero-shot)."""
-    import time
-
+def _retrieval(model, cfg, shards: list[str], itm_rerank_k: int, workers: int, dev) -> tuple[dict, dict]:
+    """The retrieval part of `vltrain eval`, and the embeddings (embed_split's) for caption-labelled zero-shot."""
     # val_frac 0 puts every sample in the "train" split: `vltrain eval` scores all samples of SHARDS.
     use_features = reads_features(model, shards)
     emb = embed_split(model, shards, "train", 0.0, cfg.data.max_len, cfg.batch_size, cfg.data.image_size, workers,
@@ -314,7 +313,7 @@ def _retrieval(model, cfg, shards: list[str], itm_rerank_k: int, workers: int, d
     sizes = {"n_images": n, "n_captions": len(emb["txt"])}
     out = {"data": data_signature(shards), "input": "features" if use_features else "pixels", "protocol": PROTOCOL,
            "n_samples": n, "retrieval": {**recall_at_k(sim, emb["txt2img"]), **sizes},
-           "chance": chance_recall(n, len(emb["txt"]), captions_per_image=per_image.tolist()), "_emb": emb}
+           "chance": chance_recall(n, len(emb["txt"]), captions_per_image=per_image.tolist())}
     if itm_rerank_k > 0:
         if model.fusion is None:
             raise TrainError("--itm-rerank-k needs a model with a fusion encoder (this one has fusion_layers=0)")
@@ -329,7 +328,7 @@ def _retrieval(model, cfg, shards: list[str], itm_rerank_k: int, workers: int, d
         out["itm_rerank"] = {"k": itm_rerank_k, **rerank_recall(*ranked, emb["txt2img"]), **sizes,
                              "pairs": sum(pairs), "seconds": round(seconds, 2),
                              "seconds_per_1k_images": round(1000 * seconds / n, 2)}
-    return out
+    return out, emb
 
 
 def _zeroshot_by_caption(model, cfg, zpath: Path, emb: dict, templates: list[str], dev) -> dict:

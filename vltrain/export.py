@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from vltrain.checkpoint import EXPORT_DROPS, EXPORT_FORMAT, EXPORT_VERSION, load, model_from
+from vltrain.checkpoint import EXPORT_DROPS, EXPORT_FORMAT, EXPORT_VERSION, load, model_from, untie
 from vltrain.errors import TrainError
 from vltrain.model import tokenizer_for
 
@@ -94,20 +94,6 @@ def prepare_out(out: Path, overwrite: bool) -> None:
         elif target.exists() or target.is_symlink():
             target.unlink()
     out.mkdir(parents=True, exist_ok=True)
-
-
-def untie(state: dict) -> tuple[dict, dict]:
-    """(tensors, tied): every tensor once, as safetensors requires, contiguous; `tied` maps each further name of a
-    shared tensor (the MLM decoder's weight is the word embeddings) to the name kept, for read_export to restore."""
-    seen, tensors, tied = {}, {}, {}
-    for name, t in state.items():  # the state dict's order: the first name of a shared tensor is the one kept
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
-        if t.numel() and key in seen:
-            tied[name] = seen[key]
-        else:
-            seen[key] = name
-            tensors[name] = t.detach().contiguous()
-    return tensors, tied
 
 
 def sidecar(path: Path) -> dict:

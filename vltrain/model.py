@@ -67,14 +67,12 @@ def image_stats(cfg: ModelConfig) -> tuple:
     spec = cfg.feature_encoder if cfg.image_model == "features" else None
     if spec:
         return tuple(spec["mean"]), tuple(spec["std"]), int(spec["size"])
-    if cfg.image_model.startswith("timm:"):
-        import timm
+    if cfg.image_model.startswith(BACKBONES):  # what vlprep features normalises the same names with
+        from vlprep.encoders import DEFAULT_SIZE, IMAGENET_STATS, timm_stats
 
-        pre = timm.get_pretrained_cfg(cfg.image_model.split(":", 1)[1])
-        if pre is not None:
-            return tuple(pre.mean), tuple(pre.std), int(pre.input_size[-1])
-    if cfg.image_model.startswith(BACKBONES):  # torchvision's ImageNet weights, and timm models without a record
-        return IMAGENET_MEAN, IMAGENET_STD, 224
+        kind, arch = cfg.image_model.split(":", 1)
+        stats = timm_stats(arch) if kind == "timm" else {**IMAGENET_STATS, "size": DEFAULT_SIZE}
+        return tuple(stats["mean"]), tuple(stats["std"]), stats["size"]
     stats = IMAGE_STATS.get(cfg.image_model, {})
     return stats.get("mean"), stats.get("std"), stats.get("size")
 
@@ -139,12 +137,13 @@ def _build_text_encoder(name: str) -> nn.Module:
             return AutoModel.from_pretrained(path, local_files_only=True)
 
 
-def text_layers(encoder: nn.Module) -> tuple[nn.Module, nn.ModuleList] | None:
-    """(module holding `.layer`, the transformer layers) of a BERT-like HF encoder: BERT and RoBERTa keep them in
-    `.encoder.layer`, DistilBERT in `.transformer.layer`; None for another architecture."""
-    for holder in (getattr(encoder, "encoder", None), getattr(encoder, "transformer", None)):
-        if isinstance(getattr(holder, "layer", None), nn.ModuleList):
-            return holder, holder.layer
+def text_layers(encoder: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    """(name of the submodule holding `.layer`, the transformer layers) of a BERT-like HF encoder: BERT and RoBERTa
+    keep them in `.encoder.layer`, DistilBERT in `.transformer.layer`; None for another architecture."""
+    for name in ("encoder", "transformer"):
+        layers = getattr(getattr(encoder, name, None), "layer", None)
+        if isinstance(layers, nn.ModuleList):
+            return name, layers
     return None
 
 
@@ -158,7 +157,6 @@ def text_dims(tc) -> dict:
 
 
 BACKBONES = ("torchvision:", "timm:")
-IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 class Backbone(nn.Module):
@@ -285,7 +283,7 @@ class VLModel(nn.Module):
                 # ALBEF (and GRIT-VLP's ALBEFBase): one BERT cut in two, text = layers 1..6 and fusion = 7..12 of
                 # BERT-base, so no layer is used twice. "copy" instead keeps all L text layers and duplicates the
                 # last N into the fusion encoder, which is not ALBEF's layout.
-                holder.layer = nn.ModuleList(layers[:n_text - cfg.fusion_layers])
+                getattr(self.text_encoder, holder).layer = nn.ModuleList(layers[:n_text - cfg.fusion_layers])
                 tc.num_hidden_layers = n_text - cfg.fusion_layers  # DistilBERT's config maps it to n_layers
             self.itm_head = nn.Linear(d_txt, 2)
             # BERT's MLM transform; the packaged MiniLM ships none, so it starts random.

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
+from vlprep.sources import IMAGE_SUFFIXES
 from vltrain.errors import TrainError
 from vltrain.losses import upcast
 from vltrain.model import autocast, tokenizer_for
@@ -21,7 +22,6 @@ from vltrain.model import autocast, tokenizer_for
 # SIMPLE_IMAGENET_TEMPLATES. Used when neither --templates nor ROOT/templates.txt is given.
 DEFAULT_TEMPLATES = ("itap of a {}.", "a bad photo of the {}.", "a origami {}.", "a photo of the large {}.",
                      "a {} in a video game.", "art of the {}.", "a photo of the small {}.")
-IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff"}
 TOP_CONFUSIONS = 5
 
 

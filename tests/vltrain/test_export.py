@@ -9,18 +9,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 from safetensors import safe_open
 from typer.testing import CliRunner
 
 import vltrain
-from tests.conftest import tiny_checkpoint
-from vlprep.shards import ShardsConfig, build_shards
+from tests.conftest import colour_pairs, tiny_checkpoint
 from vltrain.checkpoint import EXPORT_DROPS, EXPORT_MODEL, CheckpointError, load, model_config, model_from
 from vltrain.cli import app
 from vltrain.model import build_model, tokenizer_for
 
-WORDS = ["red", "green", "blue", "cat", "dog", "bird", "tree", "car", "boat", "house", "sun", "moon"]
 TINY = ["model.text_model=tiny", "model.image_model=tiny", "model.embed_dim=16", "data.image_size=32",
         "data.workers=0", "data.max_len=12", "log_every=1", "optim.warmup_steps=2", "data.val_frac=0"]
 ALBEF = ["model.queue_size=16", "model.momentum_m=0.9", "model.fusion_layers=1"]  # the tiny BERT: split 1 + 1
@@ -52,15 +49,7 @@ def runs(tmp_path_factory):
     """12 pairs in 3 shards, and a clip and an albef run (momentum copy, queues, fusion encoder) of 2 steps each;
     an eval.json beside the albef run's checkpoint."""
     tmp = tmp_path_factory.mktemp("export")
-    src = tmp / "src"
-    src.mkdir()
-    rng = np.random.default_rng(0)
-    for i in range(12):
-        noise = rng.integers(-20, 20, (40, 40, 3))
-        Image.fromarray(np.clip(rng.integers(0, 255, 3) + noise, 0, 255).astype(np.uint8)).save(src / f"{i:03d}.png")
-        (src / f"{i:03d}.txt").write_text(f"a {WORDS[i % 12]} {WORDS[(i * 5 + 1) % 12]} number {i}")
-    build_shards(ShardsConfig(src=src, out=tmp / "ds", samples_per_shard=4, workers=1))
-    found = {"shards": tmp / "ds", "images": sorted(src.glob("*.png"))}
+    found = {"shards": colour_pairs(tmp, 12), "images": sorted((tmp / "src").glob("*.png"))}
     for preset, extra in (("clip", []), ("albef", ALBEF)):
         sets = [x for s in TINY + extra for x in ("--set", s)]
         ok(invoke("run", tmp / "ds", "--out", tmp / preset, "--preset", preset, "--steps", 2, "--batch-size", 4,

@@ -7,8 +7,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-import numpy as np
-from PIL import Image
+from tests.conftest import colour_pairs
 from vlprep import versions
 from vlprep.shards import ShardsConfig, build_shards
 from vltrain import step as step_mod
@@ -17,7 +16,6 @@ from vltrain.config import load_config
 from vltrain.optim import lr_at
 from vltrain.step import distill_alpha_at
 
-WORDS = ["red", "green", "blue", "cat", "dog", "bird", "tree", "car", "boat", "house", "sun", "moon"]
 TINY = ["model.text_model=tiny", "model.image_model=tiny", "model.embed_dim=16", "data.image_size=32",
         "data.workers=0", "data.max_len=12", "log_every=1", "optim.warmup_steps=2", "optim.lr=0.01"]
 
@@ -25,16 +23,7 @@ TINY = ["model.text_model=tiny", "model.image_model=tiny", "model.embed_dim=16",
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
     """24 pairs in 6 shards: a near-solid colour per image (it survives random crops), distinct captions."""
-    tmp = tmp_path_factory.mktemp("train")
-    src = tmp / "src"
-    src.mkdir()
-    rng = np.random.default_rng(0)
-    for i in range(24):
-        noise = rng.integers(-20, 20, (40, 40, 3))
-        Image.fromarray(np.clip(rng.integers(0, 255, 3) + noise, 0, 255).astype(np.uint8)).save(src / f"{i:03d}.png")
-        (src / f"{i:03d}.txt").write_text(f"a {WORDS[i % 12]} {WORDS[(i * 5 + 1) % 12]} number {i}")
-    build_shards(ShardsConfig(src=src, out=tmp / "ds", samples_per_shard=4, workers=1))
-    return tmp / "ds"
+    return colour_pairs(tmp_path_factory.mktemp("train"), 24)
 
 
 def run(shards, out, *args):
