@@ -4,7 +4,7 @@ import json
 
 from vltrain.checkpoint import Run, RunState, save_checkpoint
 from vltrain.distributed import broadcast
-from vltrain.evaluate import embed_split, heldout_r1, heldout_recall, val_triplet_sim
+from vltrain.evaluate import drop_images, embed_split, heldout_r1, heldout_recall, val_triplet_sim
 from vltrain.figures import plot_curriculum
 from vltrain.report import Report, console
 
@@ -46,6 +46,8 @@ def evaluate_heldout(run: Run, state: RunState, data, report: Report, device) ->
     else:  # every caption of a multi-caption image is scored (the protocol of `vltrain eval`)
         emb = embed_split(model, cfg.shards, "val", cfg.data.val_frac, cfg.data.max_len, cfg.batch_size,
                           cfg.data.image_size, cfg.data.workers, device, data.use_features)
+        if data.heldout_keys:  # the TOnICS refresh check's images are not scored
+            emb = drop_images(emb, data.heldout_keys)
         sim, txt2img = (emb["img"] @ emb["txt"].t(), emb["txt2img"]) if emb["n"] >= 2 else (None, None)
     result = (heldout_recall(sim, "val triplets" if cfg.data.triplets else "val samples", state.step, txt2img)
               if sim is not None else None)

@@ -68,7 +68,8 @@ class SamplerConfig:
     beta: float = 0.2
     refresh_every: int = 500        # TOnICS: steps between held-out checks (paper: 5K of 500K steps)
     threshold: float = 0.9          # TOnICS: refresh when held-out image retrieval R@1 >= threshold
-    heldout: int = 100              # TOnICS: held-out instances for the check (from the validation split)
+    heldout: int = 100              # TOnICS: held-out images for the check (at most half the validation split's;
+                                    # the held-out score uses the others, never these)
     search_space: int = 0           # GRIT M; 0 = 10 * batch_size (paper 5.1: N=96, M=960)
     queue_size: int = 0             # GRIT L; 0 = 50 * M (paper 5.1: L=48,000 = 50 * 960)
 

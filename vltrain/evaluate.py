@@ -178,6 +178,25 @@ def embed_split(model, folders, split: str, val_frac: float, max_len: int, batch
     return {"n": n, "keys": keys, "captions": captions, **{k: torch.cat(v) for k, v in out.items() if v}}
 
 
+def drop_images(emb: dict, keys: set) -> dict:
+    """`embed_split`'s embeddings without the images whose key is in `keys`, and without those images' captions."""
+    keep = torch.tensor([k not in keys for k in emb["keys"]], dtype=torch.bool)
+    if bool(keep.all()):
+        return emb
+    new_index = torch.cumsum(keep.long(), 0) - 1  # an old image index -> its index among the kept images
+    txt2img = torch.as_tensor(emb["txt2img"])
+    rows = keep[txt2img]
+    out = {**emb, "n": int(keep.sum()), "img": emb["img"][keep], "txt": emb["txt"][rows],
+           "txt2img": new_index[txt2img[rows]], "keys": [k for k, m in zip(emb["keys"], keep.tolist()) if m],
+           "captions": [c for c, m in zip(emb["captions"], rows.tolist()) if m]}
+    for name in ("ids", "mask", "hidden"):
+        if name in emb:
+            out[name] = emb[name][rows]
+    if "tokens" in emb:
+        out["tokens"] = emb["tokens"][keep]
+    return out
+
+
 def distinct_positions(view: InstanceView, limit: int, seed: int) -> np.ndarray:
     """Up to `limit` positions of a view in a seeded random order, one per image (retrieval needs one positive)."""
     order = np.random.default_rng([seed, 99]).permutation(len(view))

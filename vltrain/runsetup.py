@@ -175,6 +175,7 @@ class TrainData:
     names: list | None = None  # TOnICS: the curriculum's node names
     heldout: np.ndarray | None = None       # TOnICS: the refresh check's held-out positions
     val_triplets: np.ndarray | None = None  # triplet mode: the held-out triplets scored at each eval
+    heldout_keys: set | None = None         # pairs under TOnICS: the check's images, left out of the scored set
 
 
 def index_data(cfg: Config, tf_train, tf_eval, grit_ratios: tuple[int, int] = GRIT_RATIOS, world: int = 1) -> dict:
@@ -289,11 +290,23 @@ def clamp_queue(cfg: Config, n_train: int) -> str | None:
 
 
 def heldout_positions(cfg: Config, d: TrainData) -> None:
-    """TOnICS' refresh-check positions and triplet mode's scored held-out triplets, from the validation view."""
-    if isinstance(d.sampler, TonicsBatchSampler) and cfg.sampler.kind == "tonics":
-        d.heldout = distinct_positions(d.val, cfg.sampler.heldout, cfg.seed)
+    """TOnICS' refresh-check positions and the scored held-out positions, from the validation view, never sharing an
+    image: the check takes the first sampler.heldout images of a seeded order (at most half of the split's distinct
+    images) and the score the images after them, so a curriculum decision never sees a triplet it is scored on. Triplet mode sets the check's share aside
+    whatever the sampler, so a random-batch arm scores the same triplets as its TOnICS twin (same seed and
+    sampler.heldout); with pairs the check's images leave the held-out evaluation (`heldout_keys`)."""
+    tonics = isinstance(d.sampler, TonicsBatchSampler) and cfg.sampler.kind == "tonics"
+    if not (tonics or cfg.data.triplets):
+        return
+    order = distinct_positions(d.val, len(d.val), cfg.seed)
+    reserve = min(cfg.sampler.heldout, len(order) // 2)
+    if tonics:
+        d.heldout = order[:reserve]
         if len(d.heldout) < 2:
-            raise TrainError(f"the TOnICS refresh check needs held-out instances and the validation split has "
-                             f"{len(d.heldout)}; raise data.val_frac")
+            raise TrainError(f"the TOnICS refresh check needs held-out images and the validation split has "
+                             f"{len(order)} distinct images (half of them at most are checked, the rest scored); "
+                             "raise data.val_frac")
+        if not cfg.data.triplets:
+            d.heldout_keys = {d.val.shards.keys[int(d.val.samples[p])] for p in d.heldout}
     if cfg.data.triplets:
-        d.val_triplets = distinct_positions(d.val, EVAL_TRIPLETS, cfg.seed)
+        d.val_triplets = order[reserve:reserve + EVAL_TRIPLETS]

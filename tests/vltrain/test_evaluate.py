@@ -46,3 +46,15 @@ def test_zeroshot_top1_top5():
     images = F.normalize(torch.eye(6)[[0, 1, 2, 3]] + 0.1 * torch.eye(6)[[1, 0, 0, 0]], dim=1)
     acc = zeroshot_metrics(images, classes, torch.tensor([0, 1, 0, 3]), list("abcdef"))
     assert (acc["top1"], acc["top5"]) == (75.0, 100.0)
+
+
+def test_drop_images_removes_an_image_and_its_captions_and_renumbers_the_rest():
+    from vltrain.evaluate import drop_images
+
+    emb = {"n": 3, "img": torch.eye(3), "txt": torch.arange(12.0).reshape(4, 3), "txt2img": torch.tensor([0, 1, 1, 2]),
+           "keys": ["a", "b", "c"], "captions": ["a0", "b0", "b1", "c0"], "ids": torch.arange(8).reshape(4, 2)}
+    out = drop_images(emb, {"b"})
+    assert out["n"] == 2 and out["keys"] == ["a", "c"] and out["captions"] == ["a0", "c0"]
+    assert torch.equal(out["img"], torch.eye(3)[[0, 2]]) and torch.equal(out["txt"], emb["txt"][[0, 3]])
+    assert out["txt2img"].tolist() == [0, 1] and out["ids"].tolist() == [[0, 1], [6, 7]]
+    assert drop_images(emb, {"z"}) is emb

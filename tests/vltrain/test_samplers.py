@@ -420,7 +420,8 @@ def test_tonics_preset_runs_refreshes_and_resumes_exactly(onto, tmp_path, preset
     assert (tmp_path / "full" / "curriculum.png").stat().st_size > 0
     assert set(_rows(tmp_path / "full", "total")) == set(range(1, 9))
     assert bool(_rows(tmp_path / "full", "tonics_tr_loss")) == (preset == "tonics")
-    assert _rows(tmp_path / "full", "val")[6]["n_val"] == N_VAL  # aligner retrieval on the held-out triplets
+    # aligner retrieval on the held-out triplets, less the half of the images that the refresh check reads
+    assert _rows(tmp_path / "full", "val")[6]["n_val"] == N_VAL - N_VAL // 2
 
     r = _run(onto, tmp_path / "part", *common, "--steps", "4")  # stops one batch into the second period
     assert r.exit_code == 0, r.output + repr(r.exception)
@@ -433,6 +434,28 @@ def test_tonics_preset_runs_refreshes_and_resumes_exactly(onto, tmp_path, preset
     assert r.exit_code == 0, r.output + repr(r.exception)
     res = json.loads((tmp_path / "full" / "eval.json").read_text())
     assert res["n_samples"] == 48 and 0 <= res["retrieval"]["t2i_r1"] <= res["retrieval"]["t2i_r10"] <= 100
+
+
+@pytest.mark.parametrize("sampler", ["tonics", "random"])
+def test_tonics_refresh_check_never_reads_a_scored_image(onto, sampler):
+    """The curriculum's refresh check and the held-out score draw disjoint images of the validation split, and a
+    random-batch twin (same seed, same sampler.heldout) scores exactly the TOnICS arm's triplets."""
+    from vltrain.config import load_config
+    from vltrain.runsetup import heldout_positions, training_data
+
+    def positions(kind):
+        cfg = load_config("tonics", None, TINY + ["sampler.heldout=4"], shards=[str(onto)], steps=4, batch_size=4,
+                          **{"sampler.kind": kind})
+        data = training_data(cfg, None, 0, 1)
+        heldout_positions(cfg, data)
+        return data
+
+    data, twin = positions("tonics"), positions(sampler)
+    images = lambda pos: {int(data.val.samples[p]) for p in pos}  # noqa: E731
+    assert len(data.heldout) == 4 and len(data.val_triplets) == N_VAL - 4
+    assert not images(data.heldout) & images(data.val_triplets)
+    assert images(data.heldout) | images(data.val_triplets) == set(data.val.samples.tolist())
+    assert np.array_equal(twin.val_triplets, data.val_triplets)
 
 
 def test_tonics_preset_on_vlprep_features_output_finds_its_ontology(onto, tmp_path):
