@@ -1,31 +1,36 @@
-"""Run an ablation recipe: its arms over seeds with `vltrain`, scored on fixed held-out sets, with the paper's finding
-beside ours.
+"""Run an ablation recipe: its arms over seeds with `vltrain`, scored on fixed held-out sets, each finding tested as a
+paired difference over seeds against the paper's own effect.
 
     .venv/bin/python pipelines/ablation.py pipelines/NAME.yaml [--quick] [--seeds 3 | 0,1,2] [--steps N]
                                            [--demo DIR] [--out DIR] [--arms a,b]
+    .venv/bin/python pipelines/ablation.py --rescore RESULTS.json
     .venv/bin/python pipelines/ablation.py --list
 
 A recipe (pipelines/*.yaml) has `about` (the --list line), `paper`, `common` (preset, steps, batch_size, sampler
 and a `set` mapping of dotted config keys), `arms` (name -> its `data`, a list of input names or shard folders,
 and the same keys as `common`, overriding them), `eval` (`retrieval`: an input whose pairs score R@1/5/10, or
 `heldout` for each run's own held-out split; `zeroshot`: an input labelled by class name, or absent), `findings`
-(each: the paper's claim, the arm that should be `better` `than` another, on which `metric`) and `quick` (steps,
-seeds and arms of the smoke version). Input names refer to pipelines/inputs.yaml; a missing input is built first
-with the stage that makes it (the demo itself when that is missing).
+(each: the paper's claim, the arm that should be `better` `than` another, on which `metric`, and `paper_effect`,
+the paper's better-minus-other difference in the metric's points, or null for a finding of our own) and `quick`
+(steps, seeds and arms of the smoke version). Input names refer to pipelines/inputs.yaml; a missing input is built
+first with the stage that makes it (the demo itself when that is missing).
 
-Every arm trains once per seed into OUT/ARM/sSEED; a finished run (result.json at its step count, trained on data
-with the same keys and captions: `vltrain.data.data_signature`) is reused, one whose inputs were rebuilt since
-trains again, and an interrupted one resumes, so the same command continues a cut run. OUT gets results.json
-(every per-seed row, the per-arm mean and sample standard deviation, the findings), table.md (the same as
-Markdown) and chart.png (bars with error bars). A finding's verdict compares the two arms' mean ± sd intervals of
-its metric: "reproduced" when the better arm's interval lies wholly above the other's, "not reproduced" when
-wholly below, "inconclusive" when they overlap (always with a single seed).
+Every arm trains once per seed into OUT/ARM/sSEED with the seed setting its initial weights, data order and held-out
+draw, the same across arms; a finished run (result.json at its step count, trained on data with the same keys and
+captions: `vltrain.data.data_signature`) is reused, one whose inputs were rebuilt since trains again, and an
+interrupted one resumes, so the same command continues a cut run. OUT gets results.json (`rows`, one per arm and
+seed with every metric; `arms`, each arm's mean and sd; `eval`, the eval sizes and their sampling sd; `findings`),
+table.md and chart.png. Each finding gets `diff` (the mean over seeds of better minus other on the same seed),
+`ci_low`/`ci_high` (its 95% paired t interval), Holm-adjusted p-values, a `verdict` (agrees, disagrees, rules out
+the paper's effect, inconclusive) and `seeds_needed` (pipelines/verdicts.py states the rule). `--rescore` recomputes
+all of that from a results file's rows and findings alone, with no training, and writes it back.
 """
 
 import argparse
 import glob
 import hashlib
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -43,15 +48,20 @@ from vltrain.data import data_signature
 from vltrain.checkpoint import Interrupted
 from vltrain.train import train
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module pipelines/verdicts.py
+import verdicts  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 HERE = ROOT / "pipelines"
 DEFAULT_DEMO = ROOT / "demo-out" / "openclipart"
 console = Console(stderr=True, emoji=False)
 
 RETRIEVAL = ["i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10", "mean_recall"]
-COLUMNS = RETRIEVAL + ["zeroshot"]
-HEADERS = {"i2t_r1": "i→t R@1", "i2t_r5": "i→t R@5", "i2t_r10": "i→t R@10", "t2i_r1": "t→i R@1",
-           "t2i_r5": "t→i R@5", "t2i_r10": "t→i R@10", "mean_recall": "mean R", "zeroshot": "zero-shot top-1"}
+# Columns computed from a row's others (rows are scored once; a derived column is recomputed on --rescore).
+DERIVED = {"r1_mean": lambda r: (r["i2t_r1"] + r["t2i_r1"]) / 2 if "i2t_r1" in r and "t2i_r1" in r else None}
+COLUMNS = RETRIEVAL + list(DERIVED) + ["zeroshot"]
+HEADERS = {"i2t_r1": "TR@1", "i2t_r5": "TR@5", "i2t_r10": "TR@10", "t2i_r1": "IR@1", "t2i_r5": "IR@5",
+           "t2i_r10": "IR@10", "mean_recall": "mean R", "r1_mean": "mean R@1", "zeroshot": "zero-shot top-1"}
 QUICK = {"steps": 6, "seeds": 1}
 
 
@@ -245,6 +255,15 @@ def slim(run: Path) -> None:
 # --- summary, verdicts, table, chart --------------------------------------------------------------------------------
 
 
+def derive(row: dict) -> dict:
+    """The row with its DERIVED columns (re)computed from the scored ones."""
+    for name, f in DERIVED.items():
+        value = f(row)
+        if value is not None:
+            row[name] = round(value, 4)
+    return row
+
+
 def summarise(rows: list[dict]) -> dict:
     """Mean and sample standard deviation over the seeds of every column a row has."""
     out = {"seeds": len(rows)}
@@ -256,76 +275,158 @@ def summarise(rows: list[dict]) -> dict:
     return out
 
 
-def verdict(better: dict, than: dict, metric: str) -> str:
-    """reproduced / not reproduced / inconclusive from two arms' mean ± sd of `metric` (see the module doc)."""
-    if metric not in better or metric not in than:
-        return "inconclusive"
-    if better["seeds"] < 2 or than["seeds"] < 2:
-        return "inconclusive"
-    lo_b, hi_b = better[metric] - better[metric + "_sd"], better[metric] + better[metric + "_sd"]
-    lo_t, hi_t = than[metric] - than[metric + "_sd"], than[metric] + than[metric + "_sd"]
-    if lo_b > hi_t:
-        return "reproduced"
-    if hi_b < lo_t:
-        return "not reproduced"
-    return "inconclusive"
+def eval_sizes(rows: list[dict]) -> dict:
+    """The eval sets' sizes and the sampling sd (in points) of each R@1 and zero-shot top-1 at its mean over all rows:
+    sqrt(p (1 - p) / n) for n queries, the spread a metric would have over other draws of as many eval items."""
+    first = rows[0]
+    out = {"retrieval_images": first["n_eval"], "retrieval_captions": first.get("n_captions", first["n_eval"]),
+           "chance_r1": first["chance_r1"]}
+    queries = {"i2t_r1": out["retrieval_images"], "t2i_r1": out["retrieval_captions"]}
+    if first.get("zeroshot_n"):
+        out.update(zeroshot_images=first["zeroshot_n"], zeroshot_chance=first["zeroshot_chance"])
+        queries["zeroshot"] = first["zeroshot_n"]
+    for metric, n in queries.items():
+        vals = [r[metric] for r in rows if r.get(metric) is not None]
+        if vals and n:
+            p = statistics.fmean(vals) / 100
+            out[f"{metric}_sampling_sd"] = round(100 * math.sqrt(p * (1 - p) / n), 2)
+    return out
 
 
 def cell(s: dict, c: str) -> str:
     return f"{s[c]:.1f} ± {s[c + '_sd']:.1f}" if c in s else "-"
 
 
-def write_outputs(out: Path, recipe: dict, name: str, rows: list[dict], summary: dict, findings: list[dict],
-                  meta: dict) -> None:
+def _num(x, signed: bool = True) -> str:
+    return "-" if x is None else (f"{x:+.2f}" if signed else f"{x:.2f}")
+
+
+def finding_cells(f: dict) -> list[str]:
+    """A finding's cells: the paper's effect, ours with its interval, the Holm p-values, the verdict, seeds needed."""
+    ours = f"{_num(f['diff'])} [{_num(f['ci_low'])}, {_num(f['ci_high'])}]" if f["diff"] is not None else "-"
+    if f["missing_seeds"]:
+        ours += f" ({f['n_seeds']} seeds; seed(s) {', '.join(map(str, f['missing_seeds']))} missing in one arm)"
+    p = _num(f.get("p_zero"), False) + (f" / {_num(f['p_paper'], False)}" if "p_paper" in f else "")
+    need = f["seeds_needed"]
+    need = "-" if need is None or f["verdict"] != "inconclusive" else (
+        f"> {verdicts.MAX_SEEDS}" if need > verdicts.MAX_SEEDS else str(need))
+    paper = "ours" if f.get("paper_effect") is None else _num(f["paper_effect"])
+    return [paper, ours, p, f["verdict"], need]
+
+
+def table_md(results: dict) -> str:
+    meta, rows, summary, findings, sizes = (results[k] for k in ("meta", "rows", "arms", "findings", "eval"))
     cols = [c for c in COLUMNS if any(c in s for s in summary.values())]
-    (out / "results.json").write_text(json.dumps({"recipe": name, **meta, "rows": rows, "arms": summary,
-                                                  "findings": findings}, indent=2) + "\n")
-    first = rows[0]
-    chance_text = f"chance R@1 {first['chance_r1']:.1f} on {first['n_eval']} pairs"
-    if "zeroshot_chance" in first:
-        chance_text += f", zero-shot chance {first['zeroshot_chance']:.1f} on {first['zeroshot_n']} images"
-    md = [f"`{meta['command']}` ({meta['date']}; {meta['seeds']} seed(s), {meta['steps']}): mean ± sd over seeds; "
-          f"{chance_text}.", "", "| arm | " + " | ".join(HEADERS[c] for c in cols) + " |",
-          "|---" * (len(cols) + 1) + "|"]
+    seeds = sorted({r["seed"] for r in rows})
+    text = (f"retrieval on {sizes['retrieval_images']:,} images and {sizes['retrieval_captions']:,} captions (chance "
+            f"R@1 {sizes['chance_r1']:.2f}")
+    sd = [f"{HEADERS[m]} ± {sizes[m + '_sampling_sd']:.1f}" for m in ("i2t_r1", "t2i_r1")
+          if m + "_sampling_sd" in sizes]
+    text += (f"; sampling sd {', '.join(sd)})" if sd else ")")
+    if "zeroshot_images" in sizes:
+        text += (f", zero-shot on {sizes['zeroshot_images']:,} images (chance {sizes['zeroshot_chance']:.1f}%"
+                 + (f"; sampling sd ± {sizes['zeroshot_sampling_sd']:.1f}" if "zeroshot_sampling_sd" in sizes else "")
+                 + ")")
+    md = [f"`{meta['command']}` ({meta['date']}; seeds {', '.join(map(str, seeds))}; {meta['steps']}). "
+          f"Arms: mean ± sd over seeds. Eval: {text}.", "",
+          "| arm | " + " | ".join(HEADERS[c] for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
     md += [f"| {arm} | " + " | ".join(cell(s, c) for c in cols) + " |" for arm, s in summary.items()]
     if findings:
-        md += ["", "| paper's finding | ours: " + "better arm vs other on metric | verdict |", "|---|---|---|"]
-        md += [f"| {f['paper']} | {f['better']} {cell(summary[f['better']], f['metric'])} vs {f['than']} "
-               f"{cell(summary[f['than']], f['metric'])} ({HEADERS[f['metric']]}) | {f['verdict']} |" for f in findings]
-    (out / "table.md").write_text("\n".join(md) + "\n")
-    chance = {"R@1 chance": first["chance_r1"], "zero-shot chance": first.get("zeroshot_chance")}
-    chart(out / "chart.png", summary, [c for c in ("i2t_r1", "t2i_r1", "zeroshot") if c in cols],
-          f"{name}: mean ± sd over {meta['seeds']} seed(s)", chance)
+        n_tests = sum(1 + (f.get("paper_effect") is not None) for f in findings)
+        md += ["", f"Findings: the per-seed paired difference better − other, its mean and 95% t interval over seeds; "
+               f"p-values of the paired t tests against 0 and against the paper's effect, Holm-adjusted over this "
+               f"recipe's {n_tests} tests (family-wise 5%); seeds per arm for 80% power to detect the paper's effect "
+               f"at the observed sd (inconclusive findings).", "",
+               "| paper's finding | better − other (metric) | paper's effect | ours [95% CI] | p vs 0 / vs paper "
+               "| verdict | seeds for 80% power |", "|---|---|---|---|---|---|---|"]
+        md += [f"| {f['paper']} | {f['better']} − {f['than']} ({HEADERS[f['metric']]}) | "
+               + " | ".join(finding_cells(f)) + " |" for f in findings]
+    return "\n".join(md) + "\n"
 
 
-def chart(path: Path, summary: dict, metrics: list[str], title: str, chance: dict) -> None:
+def rescore(results: dict) -> dict:
+    """The summary, eval sizes and findings recomputed from `rows` and the findings' definitions alone."""
+    rows = [derive(dict(r)) for r in results["rows"]]
+    if not rows:
+        raise RecipeError("the results hold no rows to score")
+    arms = list(dict.fromkeys(r["arm"] for r in rows))
+    keep = ("paper", "better", "than", "metric", "paper_effect")
+    defs = [{k: f.get(k) for k in keep} for f in results.get("findings", [])]
+    for f in defs:
+        for side in ("better", "than"):
+            if f[side] not in arms:
+                raise RecipeError(f"finding {f['paper']!r} names arm {f[side]!r}, which has no rows")
+        if f["metric"] not in COLUMNS:
+            raise RecipeError(f"finding {f['paper']!r}: metric must be one of {', '.join(COLUMNS)}")
+    return {**results, "rows": rows, "arms": {a: summarise([r for r in rows if r["arm"] == a]) for a in arms},
+            "eval": eval_sizes(rows), "findings": verdicts.judge(defs, rows)}
+
+
+def write_outputs(results_path: Path, results: dict) -> tuple[Path, Path]:
+    """results.json, and beside it the table and chart: table.md and chart.png for OUT/results.json, NAME.md and
+    NAME.png for any other NAME.json (pipelines/results/RECIPE.json)."""
+    results_path.write_text(json.dumps(results, indent=2) + "\n")
+    if results_path.name == "results.json":
+        table, png = results_path.parent / "table.md", results_path.parent / "chart.png"
+    else:
+        table, png = results_path.with_suffix(".md"), results_path.with_suffix(".png")
+    table.write_text(table_md(results))
+    chart(png, results)
+    return table, png
+
+
+def chart(path: Path, results: dict) -> None:
+    """Left: each arm's mean ± sd of R@1 both ways and zero-shot; right: each finding's paired difference with its
+    95% interval (ours, black) and the paper's effect (red diamond)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    summary, findings, sizes = results["arms"], results["findings"], results["eval"]
+    metrics = [c for c in ("i2t_r1", "t2i_r1", "zeroshot") if any(c in s for s in summary.values())]
     arms = list(summary)
+    fig, (ax, fx) = plt.subplots(1, 2, figsize=(15, max(4.5, 0.55 * len(findings) + 2)),
+                                 gridspec_kw={"width_ratios": [1, 1.2]})
     width = 0.8 / max(len(metrics), 1)
-    fig, ax = plt.subplots(figsize=(min(14.0, max(6.0, 1.3 * len(arms) + 2)), 4.5))
     for i, m in enumerate(metrics):
         xs = [j + (i - (len(metrics) - 1) / 2) * width for j in range(len(arms))]
         ax.bar(xs, [summary[a].get(m, 0) for a in arms], width, yerr=[summary[a].get(m + "_sd", 0) for a in arms],
                capsize=3, label=HEADERS[m])
-    for (label, y), style in zip(chance.items(), (":", "--")):
+    chance = (("R@1 chance", sizes.get("chance_r1"), ":"), ("zero-shot chance", sizes.get("zeroshot_chance"), "--"))
+    for label, y, style in chance:
         if y is not None:
             ax.axhline(y, color="grey", linestyle=style, linewidth=1, label=label)
     ax.set_xticks(range(len(arms)), arms, rotation=20, ha="right")
     ax.set_ylabel("%")
-    ax.set_title(title)
-    ax.legend()
+    ax.set_title(f"{results['recipe']}: arms, mean ± sd over seeds")
+    ax.legend(fontsize=8)
+    labelled = False
+    for k, f in enumerate(reversed(findings)):
+        if f["diff"] is not None:
+            lo = f["ci_low"] if f["ci_low"] is not None else f["diff"]
+            hi = f["ci_high"] if f["ci_high"] is not None else f["diff"]
+            fx.errorbar(f["diff"], k, xerr=[[f["diff"] - lo], [hi - f["diff"]]], fmt="o", color="black", capsize=3)
+        if f.get("paper_effect") is not None:
+            fx.plot(f["paper_effect"], k, "D", color="tab:red", label=None if labelled else "paper's effect")
+            labelled = True
+    fx.axvline(0, color="grey", linewidth=1)
+    fx.set_yticks(range(len(findings)), [f"{f['better']} − {f['than']} ({HEADERS[f['metric']]}): {f['verdict']}"
+                                         for f in reversed(findings)], fontsize=8)
+    fx.set_xlabel("difference, points (ours: mean and 95% interval over seeds)")
+    fx.set_title("findings")
+    if labelled:
+        fx.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def print_table(name: str, summary: dict, findings: list[dict]) -> None:
+def print_table(results: dict) -> None:
+    summary, findings = results["arms"], results["findings"]
     cols = [c for c in COLUMNS if any(c in s for s in summary.values())]
-    table = Table(title=f"{name}: mean ± sd over seeds", caption="i→t: image→text; t→i: text→image")
+    table = Table(title=f"{results['recipe']}: mean ± sd over seeds",
+                  caption="TR: text retrieval (image→text); IR: image retrieval (text→image)")
     for c in ["arm"] + [HEADERS[c] for c in cols]:
         table.add_column(c, justify="right")
     for arm, s in summary.items():
@@ -333,7 +434,9 @@ def print_table(name: str, summary: dict, findings: list[dict]) -> None:
     wide = Console(width=max(Console().width, 140))
     wide.print(table)
     for f in findings:
-        wide.print(f"{f['verdict']:>15}: {f['paper']} ({f['better']} vs {f['than']}, {HEADERS[f['metric']]})",
+        paper, ours, _, verdict, need = finding_cells(f)
+        wide.print(f"{verdict:>28}: {f['paper']} ({f['better']} − {f['than']}, {HEADERS[f['metric']]}: ours {ours}, "
+                   f"paper {paper}" + (f"; {need} seeds for 80% power" if need != "-" else "") + ")",
                    highlight=False, markup=False, soft_wrap=True)
 
 
@@ -366,7 +469,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--demo", type=Path, default=DEFAULT_DEMO, help=f"the demo's folder (default {DEFAULT_DEMO})")
     ap.add_argument("--out", type=Path, help="results folder (default DEMO/ablation/NAME, DEMO/ablation/NAME-quick)")
     ap.add_argument("--arms", help="comma-separated subset of the arms")
+    ap.add_argument("--rescore", type=Path, metavar="RESULTS.json",
+                    help="recompute the summary, findings, table and chart from a results file's rows (no training) "
+                    "and write them back beside it")
     args = ap.parse_args(argv)
+    if args.rescore is not None:
+        return rescore_file(args.rescore)
     if args.list:
         for p in recipe_paths():
             print(f"{p.stem:<16} {(yaml.safe_load(p.read_text()) or {}).get('about', '')}")
@@ -401,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
             for seed in seeds:
                 run = out / arm / f"s{seed}"
                 res = run_arm(recipe, arm, seed, folders, run, steps, demo)
-                rows.append({"arm": arm, "seed": seed, **score(run, res["step"], res, retrieval, zeroshot)})
+                rows.append(derive({"arm": arm, "seed": seed, **score(run, res["step"], res, retrieval, zeroshot)}))
     except Interrupted as e:
         console.print(f"{str(e).split(':')[0]}: the same command resumes this run", highlight=False, markup=False,
                       soft_wrap=True)
@@ -410,16 +518,31 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"error: {e}", highlight=False, markup=False, soft_wrap=True)
         return 2
 
-    summary = {arm: summarise([r for r in rows if r["arm"] == arm]) for arm in names}
-    findings = [{**f, "verdict": verdict(summary[f["better"]], summary[f["than"]], f["metric"])}
-                for f in recipe.get("findings", []) if f["better"] in summary and f["than"] in summary]
+    defs = [{k: f.get(k) for k in ("paper", "better", "than", "metric", "paper_effect")}
+            for f in recipe.get("findings", []) if f["better"] in names and f["than"] in names]
     command = "make ablation RECIPE=" + name + (" QUICK=1" if args.quick else "")
-    meta = {"command": command, "date": time.strftime("%Y-%m-%d"), "seeds": len(seeds),
-            "steps": f"{rows[0]['step']} steps" if rows else "", "paper": recipe.get("paper", "")}
+    meta = {"command": command, "date": time.strftime("%Y-%m-%d"), "steps": f"{rows[0]['step']} steps",
+            "paper": recipe.get("paper", "")}
     out.mkdir(parents=True, exist_ok=True)
-    write_outputs(out, recipe, name, rows, summary, findings, meta)
-    print_table(name, summary, findings)
-    console.print(f"wrote {out}/results.json, table.md and chart.png", highlight=False, markup=False, soft_wrap=True)
+    results = rescore({"recipe": name, "meta": meta, "rows": rows, "findings": defs})
+    table, png = write_outputs(out / "results.json", results)
+    print_table(results)
+    console.print(f"wrote {out}/results.json, {table.name} and {png.name}", highlight=False, markup=False,
+                  soft_wrap=True)
+    return 0
+
+
+def rescore_file(path: Path) -> int:
+    """--rescore: the summary, findings, table and chart of a results.json again, from its rows alone."""
+    try:
+        results = rescore(json.loads(path.read_text()))
+        table, png = write_outputs(path, results)
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, RecipeError) as e:
+        what = f"missing key {e}" if isinstance(e, KeyError) else str(e)
+        console.print(f"error: {path}: cannot rescore ({what})", highlight=False, markup=False, soft_wrap=True)
+        return 2
+    print_table(results)
+    console.print(f"rescored {path}; wrote {table} and {png}", highlight=False, markup=False, soft_wrap=True)
     return 0
 
 

@@ -5,6 +5,7 @@ import json
 import statistics
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -45,15 +46,142 @@ def test_a_recipe_naming_an_unknown_arm_or_metric_is_refused(tmp_path):
             ablation.load_recipe(path)
 
 
-def test_verdict_compares_mean_plus_minus_sd_intervals():
-    def arm(mean, sd, seeds=3):
-        return {"seeds": seeds, "zeroshot": mean, "zeroshot_sd": sd}
+verdicts = ablation.verdicts  # pipelines/verdicts.py, as ablation.py imports it
 
-    assert ablation.verdict(arm(30, 1), arm(27, 1), "zeroshot") == "reproduced"       # 29..31 above 26..28
-    assert ablation.verdict(arm(27, 1), arm(30, 1), "zeroshot") == "not reproduced"   # wholly below
-    assert ablation.verdict(arm(30, 1), arm(28.5, 1), "zeroshot") == "inconclusive"   # 29..31 meets 27.5..29.5
-    assert ablation.verdict(arm(30, 0, 1), arm(20, 0, 1), "zeroshot") == "inconclusive"  # one seed: no spread
-    assert ablation.verdict(arm(30, 1), {"seeds": 3}, "zeroshot") == "inconclusive"   # metric not measured
+T_975 = {2: 4.302652729749464, 4: 2.7764451051977987}  # Student t quantiles (0.975; df), from printed tables
+
+
+def _rows(diffs_by_arm: dict) -> list[dict]:
+    return [{"arm": arm, "seed": s, "m": v} for arm, vals in diffs_by_arm.items() for s, v in enumerate(vals)]
+
+
+def test_paired_t_interval_and_p_value_match_the_textbook_formulas():
+    d = [1.5, 2.0, 4.1]
+    mean = sum(d) / 3
+    sd = (sum((x - mean) ** 2 for x in d) / 2) ** 0.5
+    got = verdicts.t_interval(d)
+    want = (mean, mean - T_975[2] * sd / 3 ** 0.5, mean + T_975[2] * sd / 3 ** 0.5)
+    assert got == pytest.approx(want, rel=1e-9)  # float64 arithmetic on five numbers
+    # p = 0.05 exactly where the 95% interval touches the null
+    assert verdicts.t_pvalue(d, want[1]) == pytest.approx(0.05, rel=1e-7)
+    assert verdicts.t_interval([3.0])[1:] == (float("-inf"), float("inf")) and verdicts.t_pvalue([3.0]) == 1.0
+    diffs, seeds, missing = verdicts.paired_differences(
+        [{"arm": "b", "seed": 0, "m": 5}, {"arm": "b", "seed": 1, "m": 6}, {"arm": "b", "seed": 2, "m": 1},
+         {"arm": "c", "seed": 1, "m": 2}, {"arm": "c", "seed": 2, "m": 3}, {"arm": "c", "seed": 3, "m": 9}], "b", "c", "m")
+    assert (diffs, seeds, missing) == ([4, -2], [1, 2], [0, 3])  # pairs by seed; unpaired seeds are named
+
+
+def test_holm_adjustment_on_a_worked_example():
+    # sorted 0.005, 0.01, 0.03, 0.04 -> x4, x3, x2, x1 = 0.02, 0.03, 0.06, 0.04 -> monotone: 0.02, 0.03, 0.06, 0.06
+    assert verdicts.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert verdicts.holm([0.5, 0.9]) == [1.0, 1.0]
+
+
+def test_each_verdict_from_constructed_differences():
+    f = lambda paper_effect: [{"paper": "p", "better": "b", "than": "c", "metric": "m",  # noqa: E731
+                               "paper_effect": paper_effect}]
+    c = [0.0] * 5
+    # the differences are b's values: a tight cluster far from 0 on the paper's side, on the other side, near 0
+    (v,) = verdicts.judge(f(2.0), _rows({"b": [2.0, 2.1, 1.9, 2.05, 1.95], "c": c}))
+    assert v["verdict"] == "agrees" and v["ci_low"] > 0 and v["diff"] == 2.0 and v["n_seeds"] == 5
+    (v,) = verdicts.judge(f(2.0), _rows({"b": [-2.0, -2.1, -1.9, -2.05, -1.95], "c": c}))
+    assert v["verdict"] == "disagrees"
+    (v,) = verdicts.judge(f(-0.3), _rows({"b": [-2.0, -2.1, -1.9, -2.05, -1.95], "c": c}))
+    assert v["verdict"] == "agrees"  # a negative paper effect: its side is below zero
+    (v,) = verdicts.judge(f(5.0), _rows({"b": [0.1, -0.1, 0.2, -0.2, 0.0], "c": c}))
+    assert v["verdict"] == "rules out the paper's effect" and v["ci_high"] < 5.0
+    (v,) = verdicts.judge(f(5.0), _rows({"b": [3.0, -2.0, 8.0, -1.0, 2.0], "c": c}))
+    assert v["verdict"] == "inconclusive" and v["seeds_needed"] > 5
+    (v,) = verdicts.judge(f(None), _rows({"b": [2.0, 2.1, 1.9, 2.05, 1.95], "c": c}))
+    assert v["verdict"] == "agrees" and "p_paper" not in v and v["seeds_needed"] is None  # ours: predicts b > c
+    (v,) = verdicts.judge(f(2.0), _rows({"b": [9.0], "c": [0.0]}))
+    assert v["verdict"] == "inconclusive" and v["ci_low"] is None  # one seed decides nothing
+
+
+def test_holm_makes_a_lone_significant_finding_inconclusive_among_many_tests():
+    rows = _rows({"b": [1.0, 0.2, 1.5, 0.4, 0.9], "c": [0.0] * 5})
+    lone = verdicts.judge([{"paper": "p", "better": "b", "than": "c", "metric": "m", "paper_effect": None}], rows)
+    assert lone[0]["verdict"] == "agrees" and 0.005 < verdicts.t_pvalue([1.0, 0.2, 1.5, 0.4, 0.9]) < 0.05
+    many = verdicts.judge([{"paper": "p", "better": "b", "than": "c", "metric": "m", "paper_effect": None}] * 10, rows)
+    assert {f["verdict"] for f in many} == {"inconclusive"}  # 10 tests: each needs p < 0.005 at the first step
+
+
+def _simulate(true_effect: float, paper_effect, n: int, reps: int, k: int = 1, seed: int = 0) -> list[list[str]]:
+    """Verdicts of `reps` simulated recipes: k findings, each with n seeds of differences ~ N(true_effect, 1)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(reps):
+        diffs = rng.normal(true_effect, 1.0, size=(k, n))
+        rows = [{"arm": f"b{j}", "seed": s, "m": float(diffs[j, s])} for j in range(k) for s in range(n)]
+        rows += [{"arm": f"c{j}", "seed": s, "m": 0.0} for j in range(k) for s in range(n)]
+        found = [{"paper": "p", "better": f"b{j}", "than": f"c{j}", "metric": "m", "paper_effect": paper_effect}
+                 for j in range(k)]
+        out.append([f["verdict"] for f in verdicts.judge(found, rows)])
+    return out
+
+
+def test_simulated_error_rates_stay_at_the_stated_level_and_power_rises_with_seeds(monkeypatch):
+    monkeypatch.setattr(verdicts, "seeds_needed", lambda *a, **k: None)  # not what is simulated here; slow
+    reps = 1500
+    margin = 3 * (0.05 * 0.95 / reps) ** 0.5  # three binomial sds of a 5% rate over `reps` draws
+    # no true effect: a verdict on either side of 0 is false, at most 5% of recipes (exact t test, Holm)
+    for n in (3, 10):
+        null = _simulate(0.0, 2.0, n, reps, seed=n)
+        assert sum(v[0] in ("agrees", "disagrees") for v in null) / reps <= 0.05 + margin
+    # the true effect equals the paper's: "rules out" or "disagrees" is false, at most 5%
+    same = _simulate(1.0, 1.0, 5, reps, seed=1)
+    assert sum(v[0] in ("rules out the paper's effect", "disagrees") for v in same) / reps <= 0.05 + margin
+    # family-wise: five null findings in one recipe, any false side verdict in at most 5% of recipes
+    family = _simulate(0.0, None, 3, reps, k=5, seed=2)
+    assert sum(any(x != "inconclusive" for x in v) for v in family) / reps <= 0.05 + margin
+    # a true effect of one sd (the paper's size): "agrees" grows with the seeds, unlike the old sd-overlap rule
+    power = [sum(v[0] == "agrees" for v in _simulate(1.0, 1.0, n, 400, seed=10 + n)) / 400 for n in (3, 6, 12, 24)]
+    assert power == sorted(power) and power[0] < 0.2 and power[-1] > 0.9
+
+
+def test_seeds_needed_gives_the_power_it_promises():
+    n = verdicts.seeds_needed(1.0, 1.0, 0.05)
+    # the normal approximation ((z_0.975 + z_0.8) sd / effect)^2 = 7.85 is a lower bound for the t test
+    assert 8 <= n <= 12
+    rng = np.random.default_rng(5)
+    hits = 0
+    for _ in range(2000):
+        d = rng.normal(1.0, 1.0, n)
+        hits += verdicts.t_pvalue(list(d)) < 0.05
+    assert hits / 2000 >= 0.8 - 3 * (0.8 * 0.2 / 2000) ** 0.5
+    assert verdicts.seeds_needed(2.0, 0.01, 0.05) == verdicts.MAX_SEEDS + 1
+    assert verdicts.seeds_needed(0.0, 1.0, 0.05) == 2 and verdicts.seeds_needed(1.0, 0.0, 0.05) is None
+
+
+def test_rescore_recomputes_findings_table_and_chart_from_rows_alone(tmp_path, capsys):
+    rows = [{"arm": a, "seed": s, "i2t_r1": v, "t2i_r1": v + 1, "mean_recall": v, "n_eval": 500, "n_captions": 900,
+             "chance_r1": 0.2, "step": 10}
+            for a, vals in (("a", [10.0, 12.0, 11.0]), ("b", [14.0, 15.5, 14.2]), ("c", [9.0, 11.0])) for s, v in
+            enumerate(vals)]
+    path = tmp_path / "grit.json"
+    path.write_text(json.dumps({"recipe": "grit", "meta": {"command": "make ablation RECIPE=grit", "date": "d",
+                                                           "steps": "10 steps", "paper": "GRIT"}, "rows": rows,
+                                "findings": [{"paper": "b beats a", "better": "b", "than": "a", "metric": "r1_mean",
+                                              "paper_effect": 3.3, "verdict": "stale"},
+                                             {"paper": "c beats a", "better": "c", "than": "a",
+                                              "metric": "i2t_r1", "paper_effect": None}]}))
+    assert ablation.main(["--rescore", str(path)]) == 0
+    res = json.loads(path.read_text())
+    b_a = [14.0 - 10.0, 15.5 - 12.0, 14.2 - 11.0]  # r1_mean = (TR@1 + IR@1) / 2 = v + 0.5 for both arms
+    mean, lo, hi = verdicts.t_interval(b_a)
+    (f1, f2) = res["findings"]
+    assert (f1["diff"], f1["ci_low"], f1["ci_high"]) == (round(mean, 2), round(lo, 2), round(hi, 2))
+    assert f1["verdict"] in verdicts.VERDICTS and f1["verdict"] != "stale" and f1["paper_effect"] == 3.3
+    assert f2["n_seeds"] == 2 and f2["missing_seeds"] == [2]
+    assert res["rows"][0]["r1_mean"] == 10.5 and res["eval"]["retrieval_captions"] == 900
+    table = (tmp_path / "grit.md").read_text()
+    assert "| b beats a | b − a (mean R@1) | +3.30 |" in table and "seed(s) 2 missing in one arm" in table
+    assert (tmp_path / "grit.png").stat().st_size > 5000
+    first = path.read_text()
+    assert ablation.main(["--rescore", str(path)]) == 0 and path.read_text() == first  # a fixed point
+    path.write_text("{}")
+    assert ablation.main(["--rescore", str(path)]) == 2
+    assert "cannot rescore" in capsys.readouterr().err
 
 
 def test_seeds_option_is_a_count_or_a_list():
@@ -76,7 +204,8 @@ def test_a_recipe_runs_every_arm_over_seeds_and_writes_its_table(onto, tmp_path,
                            "model.fusion_layers": 1, "sampler.ontology": "", "loss.mlm": 0.0}},
         "arms": {"random": {"data": [str(onto)]},
                  "tonics": {"data": [str(onto)], "sampler": "tonics", "set": {"sampler.refresh_every": 1}}},
-        "findings": [{"paper": "curriculum helps", "better": "tonics", "than": "random", "metric": "mean_recall"}],
+        "findings": [{"paper": "curriculum helps", "better": "tonics", "than": "random", "metric": "mean_recall",
+                      "paper_effect": 1.0}],
     }
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
@@ -84,12 +213,15 @@ def test_a_recipe_runs_every_arm_over_seeds_and_writes_its_table(onto, tmp_path,
     assert ablation.main([str(path), "--out", str(out), "--demo", str(tmp_path)]) == 0
     res = json.loads((out / "results.json").read_text())
     assert [(r["arm"], r["seed"]) for r in res["rows"]] == [("random", 0), ("random", 1), ("tonics", 0), ("tonics", 1)]
-    assert all(r["n_eval"] == N_VAL for r in res["rows"])  # one held-out split for every arm
+    # the random arm scores the whole held-out split; with pairs, TOnICS leaves out the images its check reads
+    assert [r["n_eval"] for r in res["rows"]] == [N_VAL, N_VAL, N_VAL - N_VAL // 2, N_VAL - N_VAL // 2]
     vals = [json.loads((out / "tonics" / f"s{s}" / "result.json").read_text())["eval"]["t2i_r5"] for s in (0, 1)]
     assert res["arms"]["tonics"]["t2i_r5"] == round(statistics.fmean(vals), 2)
     assert res["arms"]["tonics"]["t2i_r5_sd"] == round(statistics.stdev(vals), 2)
     (finding,) = res["findings"]
-    assert finding["verdict"] == ablation.verdict(res["arms"]["tonics"], res["arms"]["random"], "mean_recall")
+    diffs = [next(r["mean_recall"] for r in res["rows"] if (r["arm"], r["seed"]) == ("tonics", s))
+             - next(r["mean_recall"] for r in res["rows"] if (r["arm"], r["seed"]) == ("random", s)) for s in (0, 1)]
+    assert finding["diff"] == round(statistics.fmean(diffs), 2) and finding["verdict"] in verdicts.VERDICTS
     table = (out / "table.md").read_text()
     assert "| tonics |" in table and "curriculum helps" in table and finding["verdict"] in table
     assert (out / "chart.png").stat().st_size > 5000
