@@ -6,7 +6,7 @@ The extracted paper text lost its equation bodies; these rules follow its prose 
 - Grad-CAM: g = d s+ / d A for every fusion layer's cross-attention probabilities A (B, H, L, N), where s+ is the
   positive pairs' ITM match probability summed over the batch; the map is mean over layers and heads of A * ReLU(g).
 - One word per caption, uniform over its non-padding tokens ([CLS] included); its map row (B, N) becomes the mask:
-  min-max normalised, rescaled so the masked weight sums to N / 2, clipped to [0, 1], M = 1 - w.
+  min-max normalised, scaled so that the weights clipped to [0, 1] sum to exactly N / 2, M = 1 - w.
 - The positive pairs, with M multiplied into their image tokens, are classified as matches again (eq. 12).
 """
 
@@ -49,19 +49,56 @@ def sample_words(valid: torch.Tensor, generator: torch.Generator | None = None) 
     return torch.multinomial(valid.float(), 1, generator=generator).squeeze(1)
 
 
-def soft_mask(cam: torch.Tensor) -> torch.Tensor:
-    """The chosen word's map (B, N) -> soft mask M (B, N) in [0, 1], carrying no gradient.
+def fill_to(w: torch.Tensor, total: float) -> torch.Tensor:
+    """Weights w (B, N) in [0, 1] -> clip(s * w, 0, 1) with a per-row scale s >= 0 solved so that each row sums to
+    exactly `total` (0 < total <= N): water-filling, sort-based and closed-form, no iteration.
 
-    w = row min-max to [0, 1] (a constant row: 0.5 everywhere); w <- w * (N / 2) / sum(w), so the masked weight
-    is half the patches (Appendix B); clip to [0, 1]; M = 1 - w.
+    f(s) = sum_i min(s * w_i, 1) is continuous, piecewise linear and nondecreasing in s, with breakpoints at
+    s = 1 / w_(j) for the row sorted in descending order w_(1) >= ... >= w_(N). At the j-th breakpoint the top j
+    entries are at 1 and f = j + R_j / w_(j), R_j = w_(j+1) + ... + w_(N). Let k be the number of breakpoints with
+    f <= total (k = 0 when sum(w) > total already): between the k-th and (k+1)-th breakpoint exactly the top k entries
+    are clipped, f(s) = k + s * R_k, and s = (total - k) / R_k.
+
+    Degenerate rows: if the row has p positive entries and p <= total, no finite s reaches more than p (k = p,
+    R_k = 0); then every positive entry is 1 and every zero stays 0, so the row sums to p (< total unless p = total).
+    Float32 throughout (no float64, which not every device has): R_j is a suffix sum of at most N terms in [0, 1],
+    summed smallest first, so s carries a relative error of at most about (N + 1) * 2^-24 and the row's total about
+    (N + 1) * 2^-24 * total (7e-5 for N = 49; tests/vltrain/test_softmask.py checks it).
+    """
+    desc = w.sort(dim=-1, descending=True).values
+    zero = torch.zeros_like(desc[..., :1])
+    suffix = torch.cat([desc.flip(-1).cumsum(dim=-1).flip(-1), zero], dim=-1)  # R_0 .. R_N: R_j = sum of desc[j:]
+    j = torch.arange(1, w.shape[-1] + 1, device=w.device, dtype=w.dtype)
+    at_breaks = torch.where(desc > 0, j + suffix[..., 1:] / desc.clamp(min=torch.finfo(w.dtype).tiny),
+                            torch.full_like(desc, torch.inf))  # f at s = 1 / w_(j); a zero never reaches 1
+    k = (at_breaks <= total).sum(dim=-1, keepdim=True)
+    rest = suffix.gather(-1, k)
+    scale = (total - k) / rest.clamp(min=torch.finfo(w.dtype).tiny)
+    return torch.where(rest > 0, (scale * w).clamp(0.0, 1.0), (w > 0).to(w.dtype))
+
+
+def soft_mask(cam: torch.Tensor) -> torch.Tensor:
+    """The chosen word's map (B, N) -> soft mask M (B, N) in [0, 1], carrying no gradient (float32, cam's device).
+
+    w = row min-max to [0, 1] (a constant row: 0.5 everywhere, which already sums to N / 2); w <- clip(s * w, 0, 1)
+    with the row's scale s solved (`fill_to`) so that sum(w) = N / 2 exactly: the masked weight is half the patches
+    (Appendix B, eq. 9); M = 1 - w. The order is kept: a larger cam value never gets a larger M.
+
+    Rescaling by N / 2 / sum(w) and clipping afterwards, as this function did before, lost masked weight on peaked
+    maps (N = 49, target 24.5; before -> now): a Gaussian bump centred on the 7 x 7 grid, sigma 0.5 / 1 / 1.5 / 2
+    patches: 6.1 / 14.4 / 20.8 / 23.4 -> 24.5; the Grad-CAM rows of steps 91-100 of a 100-step softmask run on the
+    demo's cached 49-token features (320 rows, docs/SOFTMASK.md): mean 22.0, median 23.0 -> mean 24.2; the 303 rows
+    with at least 25 positive entries 15.7 at the lowest -> 24.5 each, the 17 others (below) 7.0-18.2 -> 7-24.
+    A row with fewer than N / 2 positive entries after the min-max (at least one entry, its minimum, is 0) cannot
+    reach N / 2: its positive entries all become 1, its zeros stay 0, and it masks the count of positive entries.
     """
     cam = cam.detach().float()
     n = cam.shape[-1]
     lo, hi = cam.min(dim=-1, keepdim=True).values, cam.max(dim=-1, keepdim=True).values
     span = hi - lo
     w = torch.where(span > 0, (cam - lo) / span.clamp(min=torch.finfo(cam.dtype).tiny), torch.full_like(cam, 0.5))
-    w = w * (n / 2) / w.sum(dim=-1, keepdim=True)  # sum(w) >= 1 after min-max: the row's maximum is 1
-    return 1.0 - w.clamp(0.0, 1.0)
+    w = torch.where(span > 0, fill_to(w, n / 2), w)  # the constant row stays exactly 0.5
+    return 1.0 - w
 
 
 def random_mask(b: int, n: int, ratio: float, generator: torch.Generator | None = None,

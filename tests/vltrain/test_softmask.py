@@ -124,31 +124,153 @@ def test_sample_words_is_uniform_over_valid_tokens_and_never_padding():
 
 
 def soft_mask_by_hand(row: list[float]) -> list[float]:
+    """The rule re-derived in float64 Python, one row: min-max to w (a constant row: 0.5); if fewer than N / 2
+    entries are positive, every positive one goes to 1; else bisect for the scale s with sum(min(s * w, 1)) = N / 2,
+    on [0, 1 / min positive w] (where the sum is the positive count >= N / 2), down to a relative width of 1e-15."""
     n, lo, hi = len(row), min(row), max(row)
-    w = [0.5] * n if hi == lo else [(v - lo) / (hi - lo) for v in row]
-    total = sum(w)
-    w = [min(1.0, max(0.0, v * (n / 2) / total)) for v in w]
-    return [1.0 - v for v in w]
+    if hi == lo:
+        return [0.5] * n
+    w = [(v - lo) / (hi - lo) for v in row]
+    positive = [v for v in w if v > 0]
+    if len(positive) <= n / 2:
+        return [1.0 - (1.0 if v > 0 else 0.0) for v in w]
+    a, b = 0.0, 1.0 / min(positive)
+    while b - a > 1e-15 * b:
+        mid = (a + b) / 2
+        if sum(min(mid * v, 1.0) for v in w) < n / 2:
+            a = mid
+        else:
+            b = mid
+    return [1.0 - min(b * v, 1.0) for v in w]
+
+
+def sum_tolerance(n: int) -> float:
+    """How far sum(1 - M) may be from N / 2 in float32 (u = 2^-24, the unit roundoff): soft_mask's scale is
+    (N/2 - k) / R_k with R_k a suffix sum of at most N terms in [0, 1], so R_k is off by at most (N - 1) u R_k, the
+    division adds u and s * w another u: each unclipped weight is off by (N + 1) u relative and their sum, at most
+    N / 2, by (N + 1) u N / 2. M = 1 - w rounds once more, 2^-25 per entry, N u / 2 in all (1 - M is exact again:
+    M >= 1/2 there). Summed in float64 here, the test adds nothing. Twice the bound, for second-order terms."""
+    u = 2.0 ** -24
+    return 2 * ((n + 1) * u * n / 2 + n * u / 2)
+
+
+def entry_tolerance(n: int) -> float:
+    """Entrywise against the float64 derivation: the min-max in float32 puts each w off by up to 3 u relative (the
+    subtraction, the span, the division), which moves R_k by 3 u relative too; with the (N + 1) u above and the
+    2^-25 of 1 - M, each M is within (N + 5) u; twice that."""
+    return 2 * (n + 5) * 2.0 ** -24
+
+
+def gaussian_bump(sigma: float, centre=(3.0, 3.0), side: int = 7) -> torch.Tensor:
+    yy, xx = torch.meshgrid(torch.arange(side, dtype=torch.float32), torch.arange(side, dtype=torch.float32),
+                            indexing="ij")
+    return torch.exp(-((yy - centre[0]) ** 2 + (xx - centre[1]) ** 2) / (2 * sigma ** 2)).reshape(1, -1)
+
+
+def old_masked_total(cam: torch.Tensor) -> torch.Tensor:
+    """What soft_mask masked before (rescale to N / 2, then clip), per row, in float64."""
+    lo, hi = cam.min(-1, keepdim=True).values, cam.max(-1, keepdim=True).values
+    w = ((cam - lo) / (hi - lo)).double()
+    return (w * (cam.shape[-1] / 2) / w.sum(-1, keepdim=True)).clamp(0, 1).sum(-1)
+
+
+def check_against_the_derivation(cams: torch.Tensor) -> torch.Tensor:
+    """soft_mask(cams) entrywise against soft_mask_by_hand, its masked total against N / 2 (or the positive count
+    of a degenerate row) within sum_tolerance; returns M."""
+    n = cams.shape[-1]
+    m = soft_mask(cams)
+    assert m.dtype == torch.float32 and float(m.min()) >= 0 and float(m.max()) <= 1
+    for i in range(cams.shape[0]):
+        ref = soft_mask_by_hand(cams[i].double().tolist())
+        assert m[i].tolist() == pytest.approx(ref, abs=entry_tolerance(n)), i
+        row = cams[i]
+        positive = int((row > row.min()).sum())
+        want = n / 2 if positive > n / 2 or bool((row == row.min()).all()) else positive
+        assert sum(1 - v for v in ref) == pytest.approx(want, abs=1e-12)  # the derivation reaches it
+        assert float((1 - m[i]).double().sum()) == pytest.approx(want, abs=sum_tolerance(n)), i
+    return m
 
 
 def test_soft_mask_against_the_rule_by_hand():
     torch.manual_seed(2)
-    cams = torch.cat([torch.rand(3, 10), torch.full((1, 10), 0.7), torch.tensor([[0.0] * 9 + [5.0]])])
+    cams = torch.cat([torch.rand(3, 10), torch.full((1, 10), 0.7), torch.tensor([[0.0] * 9 + [5.0]]),
+                      torch.tensor([[0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]])])
     m = soft_mask(cams.requires_grad_())
     assert not m.requires_grad
-    for i in range(cams.shape[0]):
-        assert m[i].tolist() == pytest.approx(soft_mask_by_hand(cams[i].tolist()), abs=1e-6)
-    assert float(m.min()) >= 0 and float(m.max()) <= 1
-    assert m[3].tolist() == pytest.approx([0.5] * 10)  # a constant row
-    # the sum rule: the masked weight is half the tokens, unless clipping at 1 cut it
+    check_against_the_derivation(cams.detach())
+    assert m[3].tolist() == [0.5] * 10  # a constant row, exactly
     w = 1 - m
-    for i in range(cams.shape[0]):
-        row = cams[i].tolist()
-        lo, hi = min(row), max(row)
-        pre = [0.5] * 10 if hi == lo else [(v - lo) / (hi - lo) for v in row]
-        pre = [v * 5 / sum(pre) for v in pre]
-        assert float(w[i].sum()) == pytest.approx(5.0 if max(pre) <= 1 else sum(min(v, 1.0) for v in pre), abs=1e-5)
-    assert float(w[4].sum()) == pytest.approx(1.0)  # [0,..,0,5]: one hot token, w = 5 there, clipped to 1
+    assert w[4].tolist() == [0.0] * 9 + [1.0]  # [0,..,0,5]: one positive entry of 10, at 1; the row masks 1 < 5
+    assert w[5].tolist() == pytest.approx([0.0] + [5 / 9] * 9)  # sum(w) = 9 > 5: scaled down, nothing clipped
+
+
+def test_soft_mask_sums_to_half_the_patches_on_a_peaked_map():
+    """Gaussian bumps on the 7 x 7 grid: rescale-then-clip masked 6.1 of 24.5 at sigma 0.5; now 24.5 exactly."""
+    cams = torch.cat([gaussian_bump(s) for s in (0.5, 1.0, 1.5, 2.0)] + [gaussian_bump(0.7, (1.0, 5.0))])
+    old = old_masked_total(cams)
+    assert old.tolist() == pytest.approx([6.14, 14.38, 20.81, 23.40, old[4].item()], abs=0.01)
+    assert float(old.max()) < 24
+    m = check_against_the_derivation(cams)
+    assert (1 - m[0]).max() == 1 and int(((1 - m[0]) == 1).sum()) > 1  # the peak and its neighbours saturate
+
+
+def test_soft_mask_sums_to_half_the_patches_on_a_flat_map():
+    for n in (49, 50, 1):
+        m = check_against_the_derivation(torch.full((2, n), 3.25))
+        assert m.tolist() == [[0.5] * n] * 2
+    # nearly flat: every entry positive but the minimum, sum(w) > N / 2, scaled down below 1 and nothing clipped
+    cams = torch.tensor([[1.0] * 48 + [0.0]]) + 1e-3 * torch.arange(49.0)
+    check_against_the_derivation(cams)
+
+
+def test_soft_mask_sums_to_half_the_patches_on_random_maps():
+    g = torch.Generator().manual_seed(11)
+    for n in (49, 50, 196, 7):
+        uniform = torch.rand(4, n, generator=g)
+        peaked = torch.rand(4, n, generator=g) ** 12
+        heavy = torch.randn(4, n, generator=g).mul(2).exp()
+        relu = torch.randn(4, n, generator=g).clamp(min=0) * torch.rand(4, n, generator=g)  # Grad-CAM's ReLU zeros
+        ties = torch.randint(0, 4, (4, n), generator=g).float()
+        check_against_the_derivation(torch.cat([uniform, peaked, heavy, relu, ties]))
+
+
+def test_soft_mask_keeps_the_order_of_the_map():
+    """A larger cam value never gets a larger M (equal values get equal M): M along the row sorted by cam is
+    nonincreasing. Exact, with no tolerance: every step (min-max, the scale, the clip) is a monotone rounding."""
+    g = torch.Generator().manual_seed(12)
+    cams = torch.cat([torch.rand(8, 49, generator=g) ** 6, torch.randint(0, 5, (8, 49), generator=g).float(),
+                      torch.cat([gaussian_bump(s) for s in (0.5, 1.0, 2.0)])])
+    m = soft_mask(cams)
+    order = cams.argsort(dim=-1)
+    m_sorted, c_sorted = m.gather(1, order), cams.gather(1, order)
+    assert bool((m_sorted[:, 1:] <= m_sorted[:, :-1]).all())
+    same = c_sorted[:, 1:] == c_sorted[:, :-1]
+    assert bool((m_sorted[:, 1:][same] == m_sorted[:, :-1][same]).all())
+
+
+def test_soft_mask_degenerate_rows_mask_their_positive_entries():
+    """Fewer than N / 2 entries above the row's minimum: no scale reaches N / 2, so every positive entry is 1, the
+    zeros stay 0 and the row masks the count of positive entries; exactly N / 2 positive entries reach N / 2."""
+    cams = torch.zeros(3, 49)
+    cams[0, :9] = torch.arange(1.0, 10.0)
+    cams[1, 3] = 1e-30  # one positive entry, tiny: still 1
+    cams[2, :24] = torch.rand(24) + 0.1
+    m = check_against_the_derivation(cams)
+    w = 1 - m
+    assert w[0].tolist() == [1.0] * 9 + [0.0] * 40
+    assert w[1].sum().item() == 1.0 and w[1, 3].item() == 1.0
+    assert w[2].sum().item() == 24.0  # 24 of the 24.5 it would need
+    even = torch.zeros(1, 10)
+    even[0, :5] = torch.tensor([0.1, 0.2, 0.3, 0.4, 1.0])
+    assert (1 - soft_mask(even)).tolist() == [[1.0] * 5 + [0.0] * 5]  # p = N / 2 exactly: the target, reached
+
+
+def test_soft_mask_is_float32_and_reads_any_float_dtype():
+    g = torch.Generator().manual_seed(13)
+    cam = torch.rand(3, 49, generator=g, dtype=torch.float64) ** 4
+    m64, m32 = soft_mask(cam), soft_mask(cam.float())
+    assert m64.dtype == torch.float32 and torch.equal(m64, m32)
+    assert soft_mask(cam.half()).dtype == torch.float32
 
 
 def test_random_mask_zeroes_round_r_n_tokens_per_row():
