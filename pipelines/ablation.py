@@ -358,6 +358,9 @@ def rescore(results: dict) -> dict:
                 raise RecipeError(f"finding {f['paper']!r} names arm {f[side]!r}, which has no rows")
         if f["metric"] not in COLUMNS:
             raise RecipeError(f"finding {f['paper']!r}: metric must be one of {', '.join(COLUMNS)}")
+    if "meta" not in results:  # written before the verdict rule: its command, date and steps sat at the top level
+        results = {"meta": {k: results.get(k, "") for k in ("command", "date", "steps", "paper")},
+                   **{k: v for k, v in results.items() if k not in ("command", "date", "steps", "paper", "seeds")}}
     return {**results, "rows": rows, "arms": {a: summarise([r for r in rows if r["arm"] == a]) for a in arms},
             "eval": eval_sizes(rows), "findings": verdicts.judge(defs, rows)}
 
