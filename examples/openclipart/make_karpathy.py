@@ -8,11 +8,13 @@ keeps them cleaned in its `title`, `description` and `keywords` columns; each be
 name, description (when non-empty and not the name again) and the keywords joined with ", " (when any), in that
 order, duplicates (the same lowercase words) left out.
 
-The images are exactly those of the demo's eval table (--eval, heldout.py's eval.parquet): they are in no training
+The images are those of the demo's eval table (--eval, heldout.py's eval.parquet): they are in no training
 table (neither the aligned subset nor the unaligned images), by uid and by file, and their full captions are distinct.
 Images with fewer than --min-captions captions (default 2) are left out: an image with only a name is already scored,
 with that same text, by the single-caption eval table, and the point of this set is several captions per image.
-The count of images with 1, 2 and 3 captions is printed either way.
+The count of images with 1, 2 and 3 captions is printed either way. --size N then keeps N evenly spaced images (in
+uid order) of those left, so a table of every held-out candidate yields a set of a chosen size (the recipes' bigger
+held-out set, pipelines/inputs.yaml: heldout.py --eval all, then --size); without it every image is kept.
 
 Single texts are less distinctive than full captions: a keyword list like "computer, icons" belongs to dozens of
 eval images. Equal texts get equal scores, and `vltrain eval` ranks ties against the right answer, so a text that n
@@ -63,8 +65,12 @@ def main() -> None:
     ap.add_argument("--min-captions", type=int, default=2, help="leave out images with fewer captions (default 2)")
     ap.add_argument("--drop-shared", action="store_true",
                     help="drop captions whose text another image of the set also has (before --min-captions)")
+    ap.add_argument("--size", type=int, help="keep this many evenly spaced images (uid order) of those left "
+                                             "(default: all)")
     ap.add_argument("--out", type=Path, required=True, help="the Karpathy-format JSON file to write")
     args = ap.parse_args()
+    if args.size is not None and args.size < 1:
+        ap.error("--size must be at least 1")
 
     table = pq.read_table(args.eval)
     if "description" not in table.column_names:
@@ -78,10 +84,11 @@ def main() -> None:
     by_count = Counter(len(cs) for cs in caps.values())
 
     root, least = args.image_root.resolve(), max(1, args.min_captions)
+    kept_rows = [r for r in rows if len(caps[r["uid"]]) >= least]
+    if args.size is not None and args.size < len(kept_rows):
+        kept_rows = [kept_rows[i * len(kept_rows) // args.size] for i in range(args.size)]
     images, sentid = [], 0
-    for r in rows:
-        if len(caps[r["uid"]]) < least:
-            continue
+    for r in kept_rows:
         png = Path(r["image"])
         if not png.is_file():
             raise SystemExit(f"{r['uid']}: image {png} not found")
@@ -105,8 +112,10 @@ def main() -> None:
     kept = Counter(len(im["sentences"]) for im in images)
     print(f"{len(images)} images, {sentid} captions -> {args.out}; images by caption count: "
           + ", ".join(f"{k}: {kept[k]}" for k in sorted(kept)))
-    print(f"  of the {len(rows)} eval images, {sum(by_count[k] for k in range(least))} with fewer than {least} "
-          f"captions left out (" + ", ".join(f"{k}: {by_count[k]}" for k in sorted(by_count)) + ")")
+    short = sum(by_count[k] for k in range(least))
+    print(f"  of the {len(rows)} eval images, {short} with fewer than {least} captions left out ("
+          + ", ".join(f"{k}: {by_count[k]}" for k in sorted(by_count)) + ")"
+          + (f"; {len(images)} evenly spaced of the other {len(rows) - short} kept (--size)" if args.size else ""))
     if args.drop_shared:
         shared = Counter({t: n for t, n in texts.items() if n > 1})
         what = "captions dropped (--drop-shared): their text is another eval image's too"

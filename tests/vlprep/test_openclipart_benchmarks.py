@@ -87,3 +87,66 @@ def test_zeroshot_folder_holds_balanced_classes_and_no_excluded_image(png_root, 
     assert picked == ["animals/dog.png", "animals/owl.png", "food/cake.png", "food/tea.png", "people/kid.png",
                       "people/mum.png"]
     assert bench["templates"] is None  # the built-in ensemble
+
+
+def test_recipe_heldout_sets_are_held_out_disjoint_and_deterministic(tmp_path, monkeypatch):
+    """pipelines/inputs.yaml's heldout-retrieval and heldout-zeroshot-table: heldout.py --exclude --eval all, then
+    make_karpathy.py --size, then zeroshot.py --more-classes excluding the retrieval file."""
+    heldout, mk, zs = load("heldout"), load("make_karpathy"), load("zeroshot")
+    root = tmp_path / "png"
+    files = ["animals/cat", "animals/dog", "animals/owl", "animals/fox", "food/pie", "food/tea", "food/bun",
+             "office/pen", "office/pin", "electronics/cd", "people/kid", "people/mum", "shapes/star"]
+    for i, f in enumerate(files):
+        (root / f"{f}.png").parent.mkdir(parents=True, exist_ok=True)
+        (root / f"{f}.png").write_bytes(image_bytes(20, 16, seed=i))
+    # uid, file, title, keywords; animals/pets/cat is Debian's second folder for the trained cat.png
+    rows = [("animals/cat", "animals/cat", "Cat", ["pet"]), ("animals/pets/cat", "animals/cat", "Cat", ["pet"]),
+            ("animals/dog", "animals/dog", "Dog", ["pet"]), ("animals/owl", "animals/owl", "Owl", ["bird"]),
+            ("animals/fox", "animals/fox", "Fox", ["wild"]), ("food/pie", "food/pie", "Pie", ["dessert"]),
+            ("food/tea", "food/tea", "Tea", ["drink"]), ("food/bun", "food/bun", "Bun", ["bread"]),
+            ("office/pen", "office/pen", "Pen", ["ink"]), ("office/pin", "office/pin", "Pin", []),  # one text
+            ("electronics/cd", "electronics/cd", "Cd", ["disc"]), ("shapes/star", "shapes/star", "Star", ["shape"]),
+            ("people/kid", "people/kid", "Smiley", ["people"]), ("people/mum", "people/mum", "Smiley", ["people"])]
+    image = {uid: str(root / f"{f}.png") for uid, f, *_ in rows}
+    table = pa.table({"image": [image[r[0]] for r in rows],
+                      "caption": [f"{t}. {', '.join(k)}" if k else t for _, _, t, k in rows],
+                      "uid": [r[0] for r in rows], "title": [r[2] for r in rows], "keywords": [r[3] for r in rows],
+                      "category": [r[0].split("/")[0] for r in rows], "description": [""] * len(rows)})
+    pq.write_table(table, tmp_path / "all.parquet")
+    train = {"animals/cat": image["animals/cat"], "animals/dog": image["animals/dog"]}  # aligned, unaligned
+    for name, index in (("captions", 0), ("unaligned", 2)):  # the rows of animals/cat and animals/dog
+        pq.write_table(table.take([index]), tmp_path / f"{name}.parquet")
+
+    def build(out: Path) -> tuple[list[str], list[str], list[str]]:
+        out.mkdir()
+        run(heldout, monkeypatch, "--all", str(tmp_path / "all.parquet"), "--aligned",
+            str(tmp_path / "captions.parquet"), "--exclude", str(tmp_path / "unaligned.parquet"), "--eval", "all",
+            "--out-eval", str(out / "cand.parquet"))
+        run(mk, monkeypatch, "--eval", str(out / "cand.parquet"), "--image-root", str(root), "--size", "4",
+            "--out", str(out / "retrieval.json"))
+        run(zs, monkeypatch, "--all", str(tmp_path / "all.parquet"), "--exclude", str(tmp_path / "captions.parquet"),
+            str(tmp_path / "unaligned.parquet"), str(out / "retrieval.json"), "--image-root", str(root),
+            "--more-classes", "--per-class", "5", "--out", str(out / "zs.parquet"), "--classes", str(out / "zs.txt"))
+        data = json.loads((out / "retrieval.json").read_text(encoding="utf-8"))
+        retrieval = [str(root / im["filepath"] / im["filename"]) for im in data["images"]]
+        zeroshot = pq.read_table(out / "zs.parquet").to_pydict()
+        return retrieval, list(zeroshot["image"]), list(zeroshot["uid"])
+
+    retrieval, zs_images, zs_uids = build(tmp_path / "a")
+    # the 8 candidates (a caption of their own, 2 texts) in uid order: fox, owl, cd, bun, pie, tea, pen, star
+    assert retrieval == [image[u] for u in ("animals/fox", "electronics/cd", "food/pie", "office/pen")]
+    # every other held-out image of the 12 classes, the shared "Smiley. people" ones and the one-text pin too
+    assert zs_uids == ["animals/owl", "food/bun", "food/tea", "people/kid", "people/mum", "office/pin"]
+    assert pq.read_table(tmp_path / "a" / "zs.parquet").column("caption").to_pylist() == [
+        "animal", "food", "food", "person", "person", "office supply"]
+    assert (tmp_path / "a" / "zs.txt").read_text().splitlines()[-2:] == ["office supply", "electronic device"]
+    retrieval_uids = {uid for uid, f in image.items() if f in retrieval}
+    trained_uids = {uid for uid, f in image.items() if f in train.values()}  # by file: animals/pets/cat too
+    assert trained_uids == {"animals/cat", "animals/pets/cat", "animals/dog"}
+    assert not (set(retrieval) | set(zs_images)) & set(train.values())
+    assert not (retrieval_uids | set(zs_uids)) & trained_uids
+    assert not set(retrieval) & set(zs_images) and not retrieval_uids & set(zs_uids)
+
+    build(tmp_path / "b")  # the same inputs give the same bytes
+    for name in ("cand.parquet", "retrieval.json", "zs.parquet", "zs.txt"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
