@@ -73,7 +73,11 @@ def test_run_sh_on_a_subset(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads((tmp_path / "ablation" / "fistful-quick" / "results.json").read_text())
     assert [row["arm"] for row in res["rows"]] == ["intact", "bow"]
-    assert all(row["n_eval"] == summary["n_pairs"] and row["zeroshot_n"] == 300 for row in res["rows"])
+    # the recipe scores on its own held-out sets (pipelines/inputs.yaml), not the demo's 10-pair check
+    n_ret = open_dataset(tmp_path / "recipes" / "heldout-retrieval-feat").num_samples
+    n_zs = open_dataset(tmp_path / "recipes" / "heldout-zeroshot-feat").num_samples
+    assert n_ret > summary["n_pairs"] and n_zs > 0
+    assert all(row["n_eval"] == n_ret and row["zeroshot_n"] == n_zs for row in res["rows"]), res["rows"]
     assert json.loads((tmp_path / "recipes" / "bow-default" / "meta.json").read_text())["features"] == feat
     table = (tmp_path / "ablation" / "fistful-quick" / "table.md").read_text()
-    assert "Table 2" in table and "inconclusive" in table  # one seed is never a verdict
+    assert "Table 3" in table and "Table 8" in table and "inconclusive" in table  # one seed is never a verdict
