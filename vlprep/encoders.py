@@ -37,6 +37,7 @@ EFFNET_STATS = {"mean": [127 / 255] * 3, "std": [128 / 255] * 3}
 IMAGENET_STATS = {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
 DEFAULT_SIZE = 224
 MIN_SIZE = 32  # every trunk here downsamples by 32: smaller images give no token grid
+MAX_SIZE = 1024  # 32 x 32 = 1,024 tokens an image; --size 100000 would allocate 120 GB for one probe image
 SPEC_KEYS = ("encoder", "weights", "weights_sha256", "size", "mean", "std", "tokens", "dim", "dtype")
 # torchvision models whose `.features` is not a (B, C, h, w) conv map (swin's is (B, h, w, C)): not supported.
 _NOT_CONV = ("swin", "maxvit")
@@ -238,8 +239,9 @@ def load_token_encoder(name: str = "efficientnet-lite0", weights: str | os.PathL
                        size: int | None = None) -> TokenEncoder:
     """A frozen TokenEncoder on the CPU, with its spec filled in (dtype "float32": what forward returns)."""
     size = DEFAULT_SIZE if size is None else int(size)
-    if size < MIN_SIZE:
-        raise VlprepError(f"--size must be at least {MIN_SIZE} (the encoders downsample by 32), got {size}")
+    if not MIN_SIZE <= size <= MAX_SIZE:
+        raise VlprepError(f"--size must be in [{MIN_SIZE}, {MAX_SIZE}] (the encoders downsample by 32; {MAX_SIZE} "
+                          f"gives 32 x 32 tokens an image), got {size}")
     if name == "efficientnet-lite0":
         if weights:
             raise VlprepError("efficientnet-lite0 uses its packaged weights; --weights is for torchvision:ARCH and "

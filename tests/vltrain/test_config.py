@@ -1,3 +1,4 @@
+import functools
 import re
 from pathlib import Path
 
@@ -78,13 +79,15 @@ def test_precedence_preset_file_set_flags(tmp_path):
     (["steps=abc"], r"steps: expected an integer, got 'abc'"),
     (["model.momentum=3"], r"model.momentum: expected true/false"),
     (["loss.itm"], r"--set expects key=value"),
-    (["batch_size=1"], r"batch_size must be at least 2"),
+    (["batch_size=1"], r"^batch_size=1 is outside its range \[2, inf\) \(contrastive and ITM losses need "
+                       r"negatives\)$"),
     (["preset=clip", "loss.distill_alpha=0.4", "model.momentum=false"], r"distill_alpha > 0 needs model.momentum"),
     (["model.fusion_from=share"], r"^unknown model.fusion_from 'share'; use one of copy, split$"),
     (["model.fusion_layers=0"], r"^model.fusion_from=split needs model.fusion_layers >= 1"),
-    (["loss.distill_warmup_steps=-2"], r"^loss.distill_warmup_steps must be >= 0, or -1 for one epoch"),
+    (["loss.distill_warmup_steps=-2"], r"^loss.distill_warmup_steps=-2 is outside its range \[-1, inf\) \(steps; "
+                                       r"-1 = one epoch"),
     (["model.pooling=max"], r"^unknown model.pooling 'max'; use one of cls, mean$"),
-    (["model.temp=0.9"], r"^model.temp must be in \[0.001, 0.5\]"),
+    (["model.temp=0.9"], r"^model.temp=0.9 is outside its range \[0.001, 0.5\] \(the ITC temperature's clamp\)$"),
     (["loss.dedupe=image"], r"^unknown loss.dedupe 'image'; use one of none, caption$"),
     (["loss.dedupe=caption", "loss.focal_gamma=2"], r"^loss.dedupe=caption needs plain or distilled ITC"),
     (["loss.itm_negatives=top1"], r"^unknown loss.itm_negatives 'top1'; use one of sample, hardest$"),
@@ -186,3 +189,123 @@ def test_masked_text_all_is_a_loss_key_and_the_old_data_key_still_works(tmp_path
     with pytest.raises(Exception, match="loss.masked_text_all: True -> False"):
         check_resumable({"config": old, "data": "sig"}, load_config("softmask", sets=["loss.masked_text_all=false"]),
                         "sig", tmp_path / "last.pt")
+
+
+# --- bounded config errors (issue 29) ------------------------------------------------------------------------------
+
+
+def alias_bomb(levels: int, key: str = "optim.lr") -> str:
+    """Billion laughs: each level is 9 aliases of the one before, so `levels` levels stand for 9 ** levels values."""
+    lines = ['l0: &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, levels + 1)]
+    section, name = key.split(".")
+    return "\n".join(lines) + f"\n{section}:\n  {name}: *l{levels}\n"
+
+
+@pytest.mark.parametrize("key", ["optim.lr", "model.text_model"])
+def test_a_yaml_alias_bomb_is_refused_before_it_expands(tmp_path, key):
+    """Before: 6 levels under optim.lr gave a 4.3 MB "one-line" error (9 levels: MemoryError after 25 s at 2.3 GB);
+    under model.text_model the 531,441 strings became the model name and `vltrain config` printed 5.8 MB."""
+    f = tmp_path / "bomb.yaml"
+    f.write_text(alias_bomb(6, key))
+    with pytest.raises(ConfigError) as e:
+        load_config("albef", f)
+    assert str(e.value) == (f"{f}: refused: its aliases expand to more than 10,000 values (an alias bomb?); write "
+                            "the values out")
+    with pytest.raises(ConfigError, match=r"^--set optim.lr: refused: its aliases expand to more than 10,000"):
+        load_config("albef", sets=["optim.lr=" + alias_bomb(6, key)])  # the whole document as one --set value
+    # aliases within the budget still work, and a self-referencing alias is refused, not followed
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("defaults: &d {itc: 0.5, itm: 0.5}\nloss: *d\n")
+    with pytest.raises(ConfigError, match="unknown config key defaults"):
+        load_config("albef", ok)
+    ok.write_text("loss: &d {itc: 0.5, itm: 0.5}\n")
+    assert load_config("albef", ok).loss.itm == 0.5
+    (tmp_path / "loop.yaml").write_text("optim: &a {betas: *a}\n")
+    with pytest.raises(ConfigError, match="refused: a recursive alias"):
+        load_config("albef", tmp_path / "loop.yaml")
+
+
+@pytest.mark.parametrize("sets,match", [
+    (["model.text_model=[a, b]"], r"^model.text_model: expected a string, got \['a', 'b'\]$"),
+    (["optim.lr={a: 1}"], r"^optim.lr: expected a number, got \{'a': 1\}$"),
+    (["out=[x]"], r"^out: expected a string, got \['x'\]$"),
+    (["model.feature_encoder=[1]"], r"^model.feature_encoder: expected a mapping, got \[1\]$"),
+    (["optim.betas={a: 1}"], r"^optim.betas: expected a list, got \{'a': 1\}$"),
+    (["train.tf32=[auto]"], r"^train.tf32: expected str or bool, got \['auto'\]$"),
+])
+def test_every_value_is_type_checked_against_its_field(sets, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config("albef", sets=sets)
+
+
+def test_error_messages_quote_at_most_80_characters_of_a_value():
+    for sets in (["model.text_model=" + "[" + ", ".join(["x" * 50] * 1000) + "]"],
+                 ["optim.lr=" + "y" * 100_000], ["data.input=" + "z" * 100_000], ["a" * 5000 + "=1"]):
+        with pytest.raises(ConfigError) as e:
+            load_config("albef", sets=sets)
+        assert len(str(e.value)) < 300 and "\n" not in str(e.value) and "…" in str(e.value), str(e.value)[:400]
+
+
+def test_numeric_keys_are_checked_against_the_ranges_table():
+    """Before: model.embed_dim=0 trained with a constant loss of ln 8 and exited 0."""
+    from vltrain.config import RANGES, in_range
+
+    with pytest.raises(ConfigError, match=r"^model.embed_dim=0 is outside its range \[1, inf\) \(ITC projection "
+                                          r"size\)$"):
+        load_config("albef", sets=["model.embed_dim=0"])
+    bad = {"steps": -1, "seed": -1, "model.feature_dim": 0, "model.momentum_m": 1.5, "model.queue_size": -1,
+           "data.image_size": 100000, "data.max_len": 1, "data.min_crop_scale": 0, "loss.itm": -1,
+           "loss.mlm_prob": 2, "loss.distill_alpha": 1.5, "sampler.threshold": 2, "optim.lr": 0,
+           "optim.lr ": ".nan", "optim.weight_decay": -0.1, "optim.min_lr_ratio": 2, "optim.grad_clip": -1,
+           "optim.betas": "[0.9, 1.0]", "epochs": -1, "ckpt_minutes": 0, "data.val_frac": 1}
+    for key, value in bad.items():
+        with pytest.raises(ConfigError, match=rf"^{re.escape(key.strip())}=.* is outside its range [\[(]"):
+            load_config("albef", sets=[f"{key.strip()}={value}"])
+    with pytest.raises(ConfigError, match=r"^optim.betas: expected two numbers"):
+        load_config("albef", sets=["optim.betas=[0.9]"])
+    assert in_range(0, "[0, 1)") and not in_range(1, "[0, 1)") and not in_range(0, "(0, 1]")
+    assert not in_range(float("nan"), "[0, inf)") and not in_range(float("inf"), "(0, inf)")
+    for preset in PRESETS:  # every default and preset value is in range
+        cfg = load_config(preset)
+        for key, (interval, _) in RANGES.items():
+            value = functools.reduce(getattr, key.split("."), cfg)
+            assert all(in_range(v, interval) for v in (value if isinstance(value, list) else [value])), (preset, key)
+
+
+def test_every_numeric_key_has_a_range_and_the_docs_list_them():
+    from dataclasses import fields as dc_fields, is_dataclass
+
+    from vltrain.config import RANGES
+
+    def numeric(obj, prefix=""):
+        for f in dc_fields(obj):
+            value = getattr(obj, f.name)
+            if is_dataclass(value):
+                yield from numeric(value, f"{prefix}{f.name}.")
+            elif (isinstance(value, (int, float)) and not isinstance(value, bool)) or f.name == "betas":
+                yield prefix + f.name
+
+    assert set(numeric(Config())) == set(RANGES)
+    docs = " ".join((Path(__file__).parents[2] / "docs" / "TRAINING.md").read_text().split())
+    for key, (interval, _) in RANGES.items():
+        assert f"| `{key}` | `{interval}` |" in docs, key
+
+
+def test_a_config_folder_or_unreadable_file_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=rf"^--config {re.escape(str(tmp_path))} is a folder; give a YAML file$"):
+        load_config("albef", tmp_path)
+    (tmp_path / "big.yaml").write_text("# x\n" * 400_000)
+    with pytest.raises(ConfigError, match=r"big.yaml: 1,600,000 bytes; a config file is at most 1,048,576$"):
+        load_config("albef", tmp_path / "big.yaml")
+    (tmp_path / "bin.yaml").write_bytes(b"steps: \xff\xfe\n")
+    with pytest.raises(ConfigError, match=r"bin.yaml: not UTF-8 text$"):
+        load_config("albef", tmp_path / "bin.yaml")
+
+
+@pytest.mark.parametrize("key", ["out", "shards", "model.text_model", "model.image_weights", "sampler.ontology"])
+def test_a_url_in_a_path_key_is_refused(key):
+    with pytest.raises(ConfigError, match=rf"^{key} s3://b/x: remote paths \(s3://, gs://, http\(s\)://...\) are "
+                                          "not supported yet"):
+        load_config("albef", sets=[f"{key}=s3://b/x"])
+    assert load_config("albef", sets=["out=C:/runs/x"]).out == "C:/runs/x"  # a drive letter is not a scheme
