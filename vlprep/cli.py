@@ -1,7 +1,7 @@
 """`vlprep` command line: one thin typer command per stage; validation and work live in the stage modules."""
 
 import sys
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import List, Optional
 
@@ -13,6 +13,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColu
 from rich.text import Text
 
 from vlprep import VlprepError, version_line
+from vlprep.remote import refuse_urls
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Prepare image-caption WebDataset shards for vision-language alignment.")
@@ -56,6 +57,22 @@ def engine(cfg, workers: int | None, distributor: str):
     return cfg
 
 
+def _touches(filename, out: Path) -> bool:
+    a, b = Path(filename).resolve(), Path(out).resolve()
+    return a.is_relative_to(b) or b.is_relative_to(a)
+
+
+@contextmanager
+def writing(out: Path):
+    """An OSError on OUT or a folder above it (a file in the way, read-only, disk full) is one line; others pass."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None or not _touches(e.filename, out):
+            raise
+        raise VlprepError(f"cannot write {out}: {(e.strerror or type(e).__name__).lower()}") from None
+
+
 def run_stage(cfg, workers: int | None, distributor: str, stage, printer, out: Path, wrote: str = "",
               empty: str = "", report_console: Console | None = None, early_warnings: bool = False,
               encoder=None) -> dict:
@@ -70,7 +87,7 @@ def run_stage(cfg, workers: int | None, distributor: str, stage, printer, out: P
         console.print("warning: " + line, style="yellow", highlight=False, markup=False)
 
     args = (cfg,) if encoder is None else (cfg, encoder)
-    with progress_bar() as progress:
+    with writing(out), progress_bar() as progress:
         report = stage(*args, progress=progress, **({"warn": warn} if early_warnings else {}))
     printer(report, report_console or console)
     warn_report(report)
@@ -214,7 +231,8 @@ def features(
     weights: Optional[Path] = typer.Option(None, help="torchvision:ARCH / timm:NAME: a local state dict file, saved "
                                            "with torch.save(model.state_dict(), FILE); nothing is downloaded."),
     size: Optional[int] = typer.Option(None, help="Resize the shorter side to N and centre-crop N x N (vltrain's "
-                                       "eval view); about N/32 x N/32 tokens (7 x 7 at 224) \\[default: 224]."),
+                                       "eval view); about N/32 x N/32 tokens (7 x 7 at 224); 32 to 1024 (the encoders "
+                                       "downsample by 32; 1024 gives 32 x 32 tokens) \\[default: 224]."),
     dtype: str = typer.Option("float16", help="npy dtype: float16 (half the disk) or float32."),
     batch_size: Optional[int] = typer.Option(None, help="Images per encoder call, a fixed shape (the last call of a "
                                              "shard is padded): part of the result, like --dtype \\[default: 4 on "
@@ -343,10 +361,14 @@ def stats(
     """Sample count, caption lengths, vocabulary, top words and image sizes of a dataset."""
     from vlprep.report import dataset_stats, print_stats
 
-    with console.status("reading sidecars") if console.is_terminal else nullcontext():
+    status = console.status("reading sidecars") if console.is_terminal else nullcontext()
+    with writing(out or dataset / "stats"), status:
         report = dataset_stats(dataset, out=out, top=top)
     print_stats(report, Console(emoji=False))
     console.print(f"wrote {', '.join(report['outputs'])}")
+
+
+refuse_urls(app)  # every Path argument: a URL is one line, never the folder ./s3:/...
 
 
 def main() -> None:

@@ -86,6 +86,8 @@ class TorchvisionDetector:
         import torch
         import torchvision.models.detection as det
 
+        from vlprep.encoders import read_weights
+
         builder = getattr(det, arch, None)
         if builder is None or not callable(builder) or arch.startswith("_"):
             names = [n for n in dir(det) if n.endswith(("_fpn", "_fpn_v2", "_vgg16", "_large")) and callable(getattr(det, n))]
@@ -94,8 +96,8 @@ class TorchvisionDetector:
             raise VlprepError(f"torchvision:{arch} needs --weights FILE (a local state dict); not found: {weights}")
         self.categories = coco_categories()
         model = builder(weights=None, weights_backbone=None, num_classes=len(self.categories))
+        state = read_weights(weights)
         try:
-            state = torch.load(weights, map_location="cpu", weights_only=True)
             model.load_state_dict(state)
         except Exception as e:  # wrong file, wrong architecture
             raise VlprepError(f"cannot load {weights} into {arch}: {str(e).splitlines()[0][:200]}") from None

@@ -119,14 +119,32 @@ def timm_stats(arch: str) -> dict:
     return {"mean": list(pre.mean), "std": list(pre.std), "size": int(pre.input_size[-1])}
 
 
+RESAVE = "re-save it as a plain state dict of tensors, torch.save(model.state_dict(), PATH), or as .safetensors"
+
+
+def read_weights(weights: Path):
+    """A --weights file as tensors: a .safetensors file, or torch.load(weights_only=True), which runs no code; a file
+    holding other Python objects (a whole pickled model) is refused with how to re-save it, never loaded unsafely."""
+    import pickle
+
+    try:
+        if str(weights).endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            return load_file(str(weights))
+        return torch.load(weights, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise VlprepError(f"refused to load {weights}: it holds pickled Python objects (a whole model?), which "
+                          f"could run code; {RESAVE}") from None
+    except Exception as e:  # missing, unreadable, not a torch file
+        first = (str(e).splitlines() or [e.__class__.__name__])[0][:200]
+        raise VlprepError(f"cannot read weights {weights} as a torch state dict ({first})") from None
+
+
 def load_state(net: nn.Module, name: str, weights: Path) -> None:
     """A local state dict (weights_only) into a full model; a classifier head left out or extra is fine (the head is
     not used), any other mismatch is a VlprepError naming it."""
-    try:
-        state = torch.load(weights, map_location="cpu", weights_only=True)
-    except Exception as e:  # missing, unreadable, not a torch file, or pickled objects weights_only refuses
-        first = (str(e).splitlines() or [e.__class__.__name__])[0][:200]
-        raise VlprepError(f"cannot read weights {weights} as a torch state dict ({first})") from None
+    state = read_weights(weights)
     state = state.get("state_dict", state) if isinstance(state, dict) else state
     if not isinstance(state, dict):
         raise VlprepError(f"{weights}: expected a state dict (torch.save(model.state_dict(), PATH)), "

@@ -102,6 +102,7 @@ def load(path, what: str = "checkpoint") -> dict:
         # weights_only refused a pickle opcode or global: an old checkpoint, or a file crafted to run code.
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
         why = next((ln for ln in lines if "unsupported" in ln.lower()), lines[-1] if lines else type(e).__name__)
+        why = why.split(". Please use")[0]  # torch goes on to suggest allowlisting the global, an unsafe route
         raise CheckpointError(f"{path}: refused to load: it holds Python objects other than tensors and plain data, "
                               f"which could run code ({why[:160]})") from None
     except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as e:

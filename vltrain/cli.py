@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from vlprep import VlprepError
+from vlprep.remote import refuse_urls
 from vltrain.config import Config
 
 
@@ -41,6 +42,32 @@ def user_errors():
         console.print("error: " + str(loader_error(e)), style="bold red", highlight=False, markup=False,
                       soft_wrap=True)
         raise typer.Exit(2) from None
+
+
+def _touches(filename, out: Path) -> bool:
+    a, b = Path(filename).resolve(), Path(out).resolve()
+    return a.is_relative_to(b) or b.is_relative_to(a)
+
+
+@contextmanager
+def writing(out: Path):
+    """An OSError on OUT or a folder above it (a file in the way, read-only, disk full) is one line; others pass."""
+    from vltrain.errors import TrainError
+
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None or not _touches(e.filename, out):
+            raise
+        raise TrainError(f"cannot write {out}: {(e.strerror or type(e).__name__).lower()}") from None
+
+
+def writable_file(out: Path) -> None:
+    """Before the work: the folder of the file OUT must exist (nothing is computed only to fail writing it)."""
+    from vltrain.errors import TrainError
+
+    if not out.parent.is_dir():
+        raise TrainError(f"cannot write {out}: {out.parent} is not a folder")
 
 
 # Column order and headers of every retrieval table, as the papers print them: TR (text retrieval: an image finds
@@ -123,7 +150,8 @@ def run(
                           **{"sampler.kind": sampler, "sampler.refresh_every": refresh_every})
         if resume and overwrite:
             raise ConfigError("give --resume or --overwrite, not both")
-        result = train(cfg, resume=resume, overwrite=overwrite, init_from=init_from)
+        with writing(Path(cfg.out)):
+            result = train(cfg, resume=resume, overwrite=overwrite, init_from=init_from)
     if result["rank"] > 0:  # under torchrun rank 0 reports
         return
     ev = result["eval"]
@@ -134,7 +162,8 @@ def run(
                                         {"model": ev, "chance": ev["chance"]}))
     else:
         console.print("no held-out samples: retrieval not evaluated (raise data.val_frac)")
-    Path(result["out"], "result.json").write_text(json.dumps(result, indent=2) + "\n")
+    with user_errors(), writing(Path(result["out"])):
+        Path(result["out"], "result.json").write_text(json.dumps(result, indent=2) + "\n")
     console.print(f"wrote {result['out']}/ (last.pt, metrics.jsonl, learning_curve.png, tb/, result.json)",
                   highlight=False)
 
@@ -175,7 +204,9 @@ def eval_(
     triplets of the first folder (vlprep ontology output)."""
     from vltrain.evaluate import evaluate_checkpoint
 
+    out = out or (checkpoint if checkpoint.is_dir() else checkpoint.parent) / "eval.json"  # an export: inside it
     with user_errors():
+        writable_file(out)
         result = evaluate_checkpoint(checkpoint, shards or [], zeroshot=zeroshot, itm_rerank_k=itm_rerank_k,
                                      device=device, zeroshot_folder=zeroshot_folder, templates=templates)
     if "retrieval" in result:
@@ -192,8 +223,8 @@ def eval_(
         out_console.print(_recall_table(f"retrieval (%) on {size}", rows))
     if "zeroshot" in result:
         _print_zeroshot(result["zeroshot"])
-    out = out or (checkpoint if checkpoint.is_dir() else checkpoint.parent) / "eval.json"  # an export: inside it
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    with user_errors(), writing(out):
+        out.write_text(json.dumps(result, indent=2) + "\n")
     console.print(f"wrote {out}", highlight=False)
 
 
@@ -227,9 +258,10 @@ def gradcam_(
     """Where each word looks: SoftMask++'s Grad-CAM over the fusion cross-attention and the soft mask it makes."""
     from vltrain.figures import gradcam_figure
 
-    with user_errors():
-        info = gradcam_figure(checkpoint, image, caption, [w.strip() for w in words.split(",")] if words else None,
-                              out, device)
+    with user_errors(), writing(out):
+        writable_file(out)
+        wanted = [w.strip() for w in (words or "").split(",") if w.strip()]
+        info = gradcam_figure(checkpoint, image, caption, wanted, out, device)
     console.print(f"ITM p(match) {info['p_match']:.3f}; words at token positions {info['words']}; wrote {out}",
                   highlight=False)
 
@@ -254,6 +286,9 @@ def export_(
     dropped = (f"; left out {len(info['dropped'])} training-only tensors (momentum copy, queues)"
                if info["dropped"] else "")
     console.print(f"wrote {out}/ ({', '.join(info['files'])}){dropped}", highlight=False)
+
+
+refuse_urls(app)  # every Path argument: a URL is one line, never the folder ./s3:/...
 
 
 def main() -> None:

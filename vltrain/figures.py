@@ -59,17 +59,34 @@ def plot_curriculum(log: list[dict], names: list[str], path: Path, top: int = 8)
     plt.close(fig)
 
 
+def caption_words(tokenizer, ids: torch.Tensor) -> list[str]:
+    """The caption's whole words as its word pieces spell them ("snow", "##board", "##er" -> "snowboarder")."""
+    words = []
+    for p in tokenizer.convert_ids_to_tokens(ids[0].tolist()):
+        if p in tokenizer.all_special_tokens:
+            continue
+        if p.startswith("##") and words:
+            words[-1] += p[2:]
+        else:
+            words.append(p)
+    return words
+
+
 def word_positions(tokenizer, ids: torch.Tensor, words: list[str]) -> dict[str, int]:
-    """Each requested word -> the position of its first word piece in ids (1, L); ValueError for a missing word."""
+    """Each requested word -> the position in ids (1, L) of the first of its word pieces, where all of them stand as
+    one whole caption word (a contiguous span that no ## piece continues); ValueError for a word not in the caption."""
     pieces = tokenizer.convert_ids_to_tokens(ids[0].tolist())
+    if not caption_words(tokenizer, ids):
+        raise ValueError("the caption is empty: give the words the image shows")
     found = {}
     for word in words:
-        first = tokenizer.tokenize(word)[:1]
-        hits = [i for i, p in enumerate(pieces) if first and p == first[0]]
+        spans = [t for t in (tokenizer.tokenize(word), tokenizer.tokenize(" " + word)) if t]
+        hits = [i for want in spans for i in range(len(pieces) - len(want) + 1)
+                if pieces[i:i + len(want)] == want and not "".join(pieces[i + len(want):][:1]).startswith("##")]
         if not hits:
-            shown = " ".join(p for p in pieces if p not in tokenizer.all_special_tokens)
-            raise ValueError(f"word {word!r} is not in the caption's tokens ({shown})")
-        found[word] = hits[0]
+            shown = " ".join(caption_words(tokenizer, ids))
+            raise ValueError(f"word {word[:80]!r} is not a word of the caption ({shown[:200]})")
+        found[word] = min(hits)
     return found
 
 
@@ -94,8 +111,7 @@ def gradcam_figure(checkpoint, image, caption: str, words: list[str] | None, out
     enc = tok([caption], truncation=True, max_length=loaded.max_len, return_tensors="pt")
     ids, mask = enc["input_ids"].to(dev), enc["attention_mask"].to(dev)
     if not words:
-        pieces = tok.convert_ids_to_tokens(ids[0].tolist())
-        words = [p for p in pieces if p not in tok.all_special_tokens and not p.startswith("##")][:3]
+        words = caption_words(tok, ids)[:3]
     pos = word_positions(tok, ids, words)
     cam, p_match = caption_gradcam(model, pixels, ids, mask)
     n = cam.shape[1]

@@ -1,0 +1,89 @@
+"""`vlprep` refuses what it cannot do in one line, before it creates anything: remote paths, an unbounded --size,
+an OUT it cannot write and a --weights file of pickled objects (issue 29)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import colour_pairs
+
+REMOTE = "remote paths (s3://, gs://, http(s)://...) are not supported yet; copy the data to a local path"
+
+
+def vlprep(*args, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vlprep.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=300, cwd=cwd, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+
+
+def error_line(r: subprocess.CompletedProcess) -> str:
+    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.stdout + r.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def ds(tmp_path_factory) -> Path:
+    return colour_pairs(tmp_path_factory.mktemp("bounds"), 8)
+
+
+def test_urls_are_refused_before_anything_is_created(ds, tmp_path):
+    """Before: `vlprep shards SRC s3://b2/raw` created ./s3:/b2/raw/ with a lock, a run file and .tar.tmp files, then
+    died with a pyarrow traceback."""
+    src = ds.parent / "src"
+    for args, says in ((["shards", src, "s3://b2/raw"], "OUT s3://b2/raw"),
+                       (["shards", "https://h/t.csv", "out"], "SRC https://h/t.csv"),
+                       (["features", ds, "gs://b/feat"], "OUT gs://b/feat"),
+                       (["bow", "s3://b/ds", "out"], "SRC s3://b/ds"),
+                       (["detect", ds, "out", "--weights", "s3://b/w.pt"], "--weights s3://b/w.pt"),
+                       (["stats", ds, "--out", "http://h/stats"], "--out http://h/stats"),
+                       (["embed", ds, "out", "--checkpoint", "s3://b/last.pt"], "--checkpoint s3://b/last.pt")):
+        assert error_line(vlprep(*args, cwd=tmp_path)) == f"error: {says}: {REMOTE}", args
+    assert list(tmp_path.iterdir()) == []
+    r = vlprep("stats", ds, "--out", "C:/stats", cwd=tmp_path)  # a drive letter is a local (relative) path here
+    assert r.returncode == 0 and (tmp_path / "C:" / "stats" / "report.json").is_file(), r.stderr
+
+
+def test_features_size_is_bounded(ds, tmp_path):
+    """Before: --size 100000 tried a 120 GB allocation for the probe image."""
+    for size in (100000, 16):
+        assert error_line(vlprep("features", ds, tmp_path / "f", "--size", size)) == \
+            "error: --size must be in [32, 1024] (the encoders downsample by 32; 1024 gives 32 x 32 tokens an " \
+            f"image), got {size}"
+    assert not (tmp_path / "f").exists()
+
+
+def test_an_out_that_cannot_be_written_is_one_line(ds, tmp_path):
+    """OUT lies under a regular file, so creating it fails with NotADirectoryError even for root (tests run as root,
+    where a chmod'ed read-only folder would still be writable). Before: an OSError traceback."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert error_line(vlprep("stats", ds, "--out", blocker / "stats")) == \
+        f"error: cannot write {blocker / 'stats'}: not a directory"
+    assert error_line(vlprep("features", ds, blocker / "feat", "--size", 32, "--workers", 1)) == \
+        f"error: cannot write {blocker / 'feat'}: not a directory"
+    assert blocker.read_text() == "x" and list(tmp_path.iterdir()) == [blocker]
+
+
+def test_a_pickled_weights_file_is_refused_with_the_safe_way_to_resave_it(ds, tmp_path):
+    """Before: the message quoted torch's "This file can still be loaded ... two options", the weights_only=False
+    route that runs the file's code."""
+    import torchvision
+
+    net = torchvision.models.resnet18()
+    torch.save(net, tmp_path / "whole.pt")
+    line = error_line(vlprep("features", ds, tmp_path / "f", "--image-model", "torchvision:resnet18", "--weights",
+                             tmp_path / "whole.pt", "--size", 32))
+    assert line == (f"error: refused to load {(tmp_path / 'whole.pt').resolve()}: it holds pickled Python objects (a "
+                    "whole model?), which could run code; re-save it as a plain state dict of tensors, "
+                    "torch.save(model.state_dict(), PATH), or as .safetensors")
+    assert "weights_only" not in line and "trust" not in line and not (tmp_path / "f").exists()
+    from safetensors.torch import save_file
+
+    save_file(net.state_dict(), tmp_path / "w.safetensors")  # the suggested route works
+    r = vlprep("features", ds, tmp_path / "f", "--image-model", "torchvision:resnet18", "--weights",
+               tmp_path / "w.safetensors", "--size", 32, "--workers", 1)
+    assert r.returncode == 0, r.stderr
