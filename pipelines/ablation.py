@@ -456,6 +456,8 @@ def parse_seeds(text: str | None, default) -> list[int]:
             seeds = list(range(int(text)))  # a count: seeds 0 .. N-1
     except ValueError:
         seeds = []
+    if any(seed < 0 for seed in seeds):
+        raise RecipeError(f"--seeds {text!r}: seeds are at least 0")
     if not seeds:  # "0" is a count of none; one seed 0 is "1" (or "0," as a list)
         raise RecipeError(f"--seeds {text!r}: give a count of at least 1 (3: seeds 0, 1, 2) or a comma-separated "
                           "list (0,1,2; seed 0 alone: 1)")
@@ -476,6 +478,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="recompute the summary, findings, table and chart from a results file's rows (no training) "
                     "and write them back beside it")
     args = ap.parse_args(argv)
+    try:  # refused in one line before anything is read or built
+        if args.steps is not None and args.steps < 1:
+            raise RecipeError(f"--steps {args.steps}: give at least 1 (or leave it out for the recipe's steps)")
+        if args.seeds is not None:
+            parse_seeds(args.seeds, 1)
+    except RecipeError as e:
+        console.print(f"error: {e}", highlight=False, markup=False, soft_wrap=True)
+        return 2
     if args.rescore is not None:
         return rescore_file(args.rescore)
     if args.list:

@@ -119,6 +119,12 @@ def _cell_image(value, base: Path) -> str | bytes | None:
     return str(base / value) if not os.path.isabs(value) else value
 
 
+# Python's default field limit, 128 KiB, stopped a whole table at one long caption; 64 MiB still bounds the cell an
+# unclosed quote runs on to the end of the file.
+CSV_FIELD_BYTES = 64 << 20
+csv.field_size_limit(CSV_FIELD_BYTES)
+
+
 def _table_rows(path: Path, kind: str, cols: list[str]) -> Iterator[dict]:
     if kind == "parquet":
         pf = pq.ParquetFile(path)
@@ -127,7 +133,11 @@ def _table_rows(path: Path, kind: str, cols: list[str]) -> Iterator[dict]:
     elif kind in ("csv", "tsv"):
         # surrogateescape keeps going past a non-UTF-8 cell; that row's caption is then skipped, counted.
         with open(path, newline="", encoding="utf-8", errors="surrogateescape") as f:
-            yield from csv.DictReader(f, delimiter="\t" if kind == "tsv" else ",")
+            reader = csv.DictReader(f, delimiter="\t" if kind == "tsv" else ",")
+            try:
+                yield from reader
+            except csv.Error as e:  # a cell past CSV_FIELD_BYTES: an unclosed quote, most likely
+                raise VlprepError(f"{path.name}:{reader.line_num}: {e} ({CSV_FIELD_BYTES >> 20} MiB)") from None
     else:
         with open(path, "rb") as f:
             for lineno, line in enumerate(f, 1):

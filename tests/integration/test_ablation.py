@@ -279,3 +279,19 @@ def test_an_input_is_built_again_when_the_files_its_build_reads_change(tmp_path)
     src.write_text("two")
     ablation.ensure("made", inputs, tmp_path, logs)
     assert dst.read_text() == "two"
+
+
+def test_bad_seeds_and_steps_are_refused_in_one_line_before_anything_is_built(tmp_path, capsys):
+    """Before: --seeds -1 ran a seed -1, and --steps 0 silently meant the recipe's steps; --steps -5 went on too."""
+    recipe = {"about": "t", "eval": {"retrieval": "heldout"}, "arms": {"a": {"data": [str(tmp_path / "nope")]}}}
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    for args, says in ((["--seeds", "-1"], "--seeds '-1': seeds are at least 0"),
+                       (["--seeds", "2,-3"], "--seeds '2,-3': seeds are at least 0"),
+                       (["--steps", "0"], "--steps 0: give at least 1 (or leave it out for the recipe's steps)"),
+                       (["--steps", "-5"], "--steps -5: give at least 1 (or leave it out for the recipe's steps)")):
+        assert ablation.main([str(path), "--demo", str(tmp_path / "demo"), *args]) == 2
+        assert capsys.readouterr().err.strip() == f"error: {says}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.yaml"]  # no demo folder, no results
+    with pytest.raises(ablation.RecipeError, match="seeds are at least 0"):
+        ablation.parse_seeds("-1", 1)

@@ -95,3 +95,13 @@ def test_url_only_table_gets_a_hint(tmp_path):
     pq.write_table(pa.table({"url": ["http://a"], "caption": ["c"]}), tmp_path / "u.parquet")
     with pytest.raises(VlprepError, match="columns are: url, caption.*img2dataset"):
         open_source(tmp_path / "u.parquet")
+
+
+@pytest.mark.parametrize("sep,suffix", [(",", "csv"), ("\t", "tsv")])
+def test_a_200_kib_caption_in_a_csv_or_tsv_is_read_whole(tmp_path, sep, suffix):
+    """Before: `_csv.Error: field larger than field limit (131072)` stopped the whole table at the long caption."""
+    long = "snow " * 40_960  # 200 KiB
+    cell = f'"{long}"' if suffix == "csv" else long
+    (tmp_path / f"t.{suffix}").write_text(f"file{sep}caption\na.png{sep}short\nb.png{sep}{cell}\nc.png{sep}after\n")
+    items = list(open_source(tmp_path / f"t.{suffix}").items)
+    assert [len(it.caption) for it in items] == [5, len(long), 5]
