@@ -14,9 +14,15 @@ Each worker runs the stage's initializer once (models load once per worker, not 
 reads what it set up from a module global of the stage. Only paths, fingerprints and counts travel between the
 driver and the workers; image bytes are read where the shard is written. Outputs depend only on the plan, so
 they are byte-identical for any distributor and worker count.
+
+Workers never outlive the driver (vlprep.lifeline): SIGTERM or SIGINT (Ctrl-C) while shards run stops the workers
+(terminated, then waited for) before `map_shards` raises `Stopped`, a KeyboardInterrupt, so OUT's lock is released
+only when no worker is left; a driver killed outright takes its pool workers with it, and no worker renames a file
+into OUT once its driver is gone.
 """
 
 import os
+import socket
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -27,6 +33,7 @@ from typing import NamedTuple
 
 from vlprep import VlprepError
 from vlprep.dataset import shard_done
+from vlprep.lifeline import Driver, guard, reset_signals_in_worker, stop_on_signals, this_driver
 
 DISTRIBUTORS = ("local", "ray")
 RAY_EXTRA = "pip install -e '.[ray]'"
@@ -52,7 +59,9 @@ def check_engine(distributor: str, workers: int) -> None:
     if workers < 1:
         raise VlprepError("--workers must be at least 1")
     if distributor == "ray":
-        _import_ray()
+        ray = _import_ray()
+        if not ray.is_initialized():
+            _probe_ray_address(os.environ.get("RAY_ADDRESS") or "")
 
 
 def shard_fingerprint_done(out: Path, work: Work) -> dict | None:
@@ -76,18 +85,38 @@ class InlineExecutor:
         fut.set_result(fn(*args))  # an exception propagates at once, with its own traceback
         return fut
 
-    def shutdown(self) -> None:
+    def shutdown(self, abort: bool = False) -> None:
         pass
 
 
+def _start_pool_worker(driver: Driver, init: Callable | None, initargs: tuple) -> None:
+    guard(driver, child=True)
+    reset_signals_in_worker()
+    if init is not None:
+        init(*initargs)
+
+
 class PoolExecutor(ProcessPoolExecutor):
-    """A local process pool; `spawn` for stages whose models must not be forked (torch's thread pools)."""
+    """A local process pool; `spawn` for stages whose models must not be forked (torch's thread pools).
+
+    Its workers die with this process (vlprep.lifeline.guard), so the pool must be made, used and shut down from
+    one thread that lives as long as it does (PR_SET_PDEATHSIG follows the thread that started a worker).
+    """
 
     def __init__(self, workers: int, init: Callable | None, initargs: tuple, start: str = "fork"):
-        super().__init__(workers, mp_context=get_context(start), initializer=init, initargs=initargs)
+        super().__init__(workers, mp_context=get_context(start), initializer=_start_pool_worker,
+                         initargs=(this_driver(), init, initargs))
 
-    def shutdown(self, wait: bool = True, **kw) -> None:
-        super().shutdown(wait=wait, cancel_futures=True)
+    def shutdown(self, wait: bool = True, abort: bool = False, **kw) -> None:
+        """`abort`: stop the running shards now rather than let them finish (they leave only *.tmp files, which the
+        next run clears), and return once every worker has exited."""
+        # Python 3.14 has terminate_workers(); before it the pool keeps its processes in _processes.
+        procs = list((self._processes or {}).values()) if abort else []
+        for p in procs:
+            p.terminate()
+        super().shutdown(wait=wait or abort, cancel_futures=True)
+        for p in procs:
+            p.join()
 
 
 def _import_ray():
@@ -98,10 +127,45 @@ def _import_ray():
     return ray
 
 
+RAY_CONNECT_TIMEOUT = "VLPREP_RAY_CONNECT_TIMEOUT"  # seconds to reach RAY_ADDRESS (default 10)
+
+
+def _probe_ray_address(address: str) -> None:
+    """A one-line error when RAY_ADDRESS names a host:port nothing answers on within the timeout.
+
+    ray.init retries an unreachable address for minutes (ray 2.60: over 180 s for 127.0.0.1:1), inside a C++
+    call that no timeout of ours can cut short, so the address is tried with a plain TCP connection first. An
+    address that accepts connections but is no Ray cluster is still ray.init's to judge."""
+    if address in ("", "local"):
+        return  # a Ray started here
+    target = address.split("://", 1)[1] if "://" in address else address
+    if address == "auto":  # the address file of the Ray last started on this machine (ray.init's own lookup)
+        try:
+            from ray._private.services import canonicalize_bootstrap_address
+
+            target = canonicalize_bootstrap_address(address) or ""
+        except Exception:
+            return  # no such file, or another Ray version: ray.init says what is wrong
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        return  # not host:port: ray.init says what is wrong
+    try:
+        timeout = float(os.environ.get(RAY_CONNECT_TIMEOUT) or 10)
+    except ValueError:
+        raise VlprepError(f"{RAY_CONNECT_TIMEOUT} must be a number of seconds") from None
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as e:
+        why = "timed out" if isinstance(e, TimeoutError) else (e.strerror or str(e)).lower()
+        raise VlprepError(f"cannot reach the Ray cluster at RAY_ADDRESS={address} ({why}, within {timeout:g} s); "
+                          "start it, fix RAY_ADDRESS, or unset it to start a Ray here") from None
+
+
 def ray_connect():
     """The ray module, connected: to RAY_ADDRESS when set, else to a Ray started here; ray.init runs at most once."""
     ray = _import_ray()
     if not ray.is_initialized():
+        _probe_ray_address(os.environ.get("RAY_ADDRESS") or "")
         # ray.init reads RAY_ADDRESS itself; without it, it starts a local Ray with every CPU of this machine.
         ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=False,
                  logging_level="WARNING")
@@ -111,7 +175,8 @@ def ray_connect():
 class _RayWorker:
     """The body of one Ray actor: the stage's initializer at start, then per-shard calls."""
 
-    def __init__(self, init: Callable | None, initargs: tuple):
+    def __init__(self, driver: Driver, init: Callable | None, initargs: tuple):
+        guard(driver, child=False)
         if init is not None:
             init(*initargs)
 
@@ -134,8 +199,10 @@ class RayExecutor:
         actor = ray.remote(**opts)(_RayWorker)
         # initargs go to the object store once, not once per actor
         args_ref = ray.put(initargs)
-        self.actors = [actor.remote(init, args_ref) for _ in range(workers)]
+        driver = this_driver()
+        self.actors = [actor.remote(driver, init, args_ref) for _ in range(workers)]
         self.busy = [0] * workers
+        self.running: set = set()  # refs of the calls not finished yet
         self.lock = threading.Lock()
 
     def ready(self) -> None:
@@ -148,10 +215,13 @@ class RayExecutor:
             self.busy[i] += 1
         ref = self.actors[i].run.remote(fn, args)
         out = Future()
+        with self.lock:
+            self.running.add(ref)
 
         def done(f: Future) -> None:
             with self.lock:
                 self.busy[i] -= 1
+                self.running.discard(ref)
             exc = f.exception()
             if exc is None:
                 out.set_result(f.result())
@@ -161,9 +231,14 @@ class RayExecutor:
         ref.future().add_done_callback(done)
         return out
 
-    def shutdown(self) -> None:
+    def shutdown(self, abort: bool = False) -> None:
         for a in self.actors:
             self.ray.kill(a)
+        if abort:  # ray.kill only asks: wait (a little) until the running calls have failed with their actors
+            with self.lock:
+                running = list(self.running)
+            if running:
+                self.ray.wait(running, num_returns=len(running), timeout=10)
 
 
 def make_executor(distributor: str, workers: int, init: Callable | None = None, initargs: tuple = (),
@@ -192,6 +267,8 @@ def map_shards(out: Path, plan: Iterable[Work], fn: Callable[..., dict], *, init
     The plan may be a generator (`vlprep shards` streams its source): at most two shards per worker are in flight,
     so memory stays bounded by the shard size. The executor, and with it the models, starts only when a shard is
     left to do. `executor` lets a caller reuse one it made (benchmarks exclude the start-up that way).
+    SIGTERM or SIGINT raise `Stopped` (a KeyboardInterrupt) once the executor made here is stopped and its workers
+    have exited; a caller's own executor is the caller's to stop.
     """
     stats: dict[str, dict | None] = {}
     pending: dict[Future, Work] = {}
@@ -206,28 +283,33 @@ def map_shards(out: Path, plan: Iterable[Work], fn: Callable[..., dict], *, init
             if progress is not None:
                 progress.advance(task, work.size)
 
-    try:
-        for work in plan:
-            if work.shard in stats:
-                raise VlprepError(f"internal: shard {work.shard} planned twice")
-            previous = done(out, work)
-            if previous is not None:
-                stats[work.shard] = previous
-                resumed.add(work.shard)
-                if progress is not None:
-                    progress.advance(task, work.size)
-                continue
-            stats[work.shard] = None  # keeps the plan's order in the result
-            if ex is None:
-                ex = make_executor(distributor, workers, init, initargs, start, gpu)
-            pending[ex.submit(fn, out, *work.args, work.fingerprint)] = work
-            if len(pending) >= 2 * workers:
+    stopped = False
+    with stop_on_signals():  # SIGTERM / SIGINT -> Stopped: the workers are stopped before it propagates
+        try:
+            for work in plan:
+                if work.shard in stats:
+                    raise VlprepError(f"internal: shard {work.shard} planned twice")
+                previous = done(out, work)
+                if previous is not None:
+                    stats[work.shard] = previous
+                    resumed.add(work.shard)
+                    if progress is not None:
+                        progress.advance(task, work.size)
+                    continue
+                stats[work.shard] = None  # keeps the plan's order in the result
+                if ex is None:
+                    ex = make_executor(distributor, workers, init, initargs, start, gpu)
+                pending[ex.submit(fn, out, *work.args, work.fingerprint)] = work
+                if len(pending) >= 2 * workers:
+                    collect(wait(pending, return_when=FIRST_COMPLETED).done)
+            while pending:
                 collect(wait(pending, return_when=FIRST_COMPLETED).done)
-        while pending:
-            collect(wait(pending, return_when=FIRST_COMPLETED).done)
-    finally:
-        if own and ex is not None:
-            ex.shutdown()
+        except KeyboardInterrupt:
+            stopped = True
+            raise
+        finally:
+            if own and ex is not None:
+                ex.shutdown(abort=stopped)
     return stats, resumed
 
 
