@@ -182,3 +182,27 @@ def test_distributor_help_names_the_ray_extra():
 
     out = CliRunner().invoke(app, ["bow", "--help"], env={"COLUMNS": "200"}).output
     assert "needs the [ray] extra" in out
+
+
+def test_an_unreachable_ray_address_is_one_line_before_ray_init(monkeypatch):
+    """ray.init retries an unreachable RAY_ADDRESS for minutes; the engine tries it first with a timeout (the
+    ray:// client form too). Addresses ray.init resolves itself (local, unset) are not tried."""
+    from vlprep.engine import _probe_ray_address
+
+    monkeypatch.setenv("VLPREP_RAY_CONNECT_TIMEOUT", "2")
+    for address in ("127.0.0.1:1", "ray://127.0.0.1:1"):
+        with pytest.raises(VlprepError) as e:
+            _probe_ray_address(address)
+        assert str(e.value) == (f"cannot reach the Ray cluster at RAY_ADDRESS={address} (connection refused, within "
+                                "2 s); start it, fix RAY_ADDRESS, or unset it to start a Ray here")
+    import socket
+
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        _probe_ray_address(f"127.0.0.1:{listening.getsockname()[1]}")  # something answers: ray.init's to judge
+    for address in ("", "local"):
+        _probe_ray_address(address)
+    monkeypatch.setenv("VLPREP_RAY_CONNECT_TIMEOUT", "soon")
+    with pytest.raises(VlprepError, match="VLPREP_RAY_CONNECT_TIMEOUT must be a number of seconds"):
+        _probe_ray_address("127.0.0.1:1")
