@@ -147,3 +147,38 @@ def ontology_dataset(tmp: Path) -> Path:
         "root": {"name": "entity", "instances": 48},
         "nodes": [{"class": c, "nouns": [c], "instances": counts[c]} for c in ANIMALS]}))
     return ds
+
+
+def features_pairs(tmp: Path, n: int = 120, per_shard: int = 40) -> Path:
+    """colour_pairs' n pairs (in tmp/ds) with `vlprep features` tokens at 64 px in tmp/feat, which is returned:
+    EfficientNet-Lite0's 2x2 grid, so every `npy` member is (4, 1280) float16."""
+    from vlprep.features import FeaturesConfig, features
+
+    ds = colour_pairs(tmp, n, per_shard)
+    features(FeaturesConfig(src=ds, out=tmp / "feat", size=64, device="cpu", decode_threads=0))
+    return tmp / "feat"
+
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=False)
+    return buf.getvalue()
+
+
+def replace_member(folder: Path, name: str, data: bytes) -> Path:
+    """Rewrite the shard of `folder` that holds member `name` (e.g. KEY.npy) with `data` in its place, every other
+    member and the member order kept; returns the shard."""
+    import tarfile
+
+    for shard in sorted(folder.glob("*.tar")):
+        with tarfile.open(shard) as tar:
+            members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]
+        if name not in [m.name for m, _ in members]:
+            continue
+        with tarfile.open(shard, "w", format=tarfile.USTAR_FORMAT) as tar:
+            for m, body in members:
+                body = data if m.name == name else body
+                m.size = len(body)
+                tar.addfile(m, io.BytesIO(body))
+        return shard
+    raise FileNotFoundError(f"no member {name} in {folder}")

@@ -14,14 +14,18 @@ MAX_BAD_FRACTION = 0.01
 MIN_READ_FOR_BAD_CHECK = 200  # before that, one bad sample among the first few is not yet a 1% problem
 
 
-def check_bad_samples(counts, final: bool = False) -> int:
-    """The undecodable samples so far; a TrainError once they are more than 1% of those read (checked after 200
-    reads, or at an epoch's end)."""
+def check_bad_samples(counts, final: bool = False, features: bool = False) -> int:
+    """The bad samples so far; a TrainError once they are more than 1% of those read (checked after 200 reads, or at
+    an epoch's end). `features`: the data is `vlprep features` tokens, whose remedy is to make them again."""
     read, bad = counts.totals()
     if bad > MAX_BAD_FRACTION * read and (final or read >= MIN_READ_FOR_BAD_CHECK):
-        raise TrainError(f"{bad} of {read} samples read could not be decoded ({100 * bad / read:.1f}%, more than "
-                         f"{100 * MAX_BAD_FRACTION:g}%): the data is damaged; re-create it with `vlprep shards "
-                         "--decode-check`, which leaves such images out")
+        share = f"({100 * bad / read:.1f}%, more than {100 * MAX_BAD_FRACTION:g}%"
+        if features:  # the npy members disagree with meta.json's features record, or do not load
+            why = ", ".join(f"{r} {n}" for r, n in sorted(counts.reasons().items()))
+            raise TrainError(f"{bad} of {read} samples read had unusable npy features {share}: {why}): the cached "
+                             "tokens are damaged; make them again with `vlprep features` (docs/FEATURES.md)")
+        raise TrainError(f"{bad} of {read} samples read could not be decoded {share}): the data is damaged; "
+                         "re-create it with `vlprep shards --decode-check`, which leaves such images out")
     return bad
 
 
@@ -64,7 +68,7 @@ class Feed:
     def __init__(self, data, batch_sampler, seed: int, batch_size: int, workers: int, device: torch.device):
         self.data, self.batch_sampler, self.seed = data, batch_sampler, seed
         self.batch_size, self.workers, self.device = batch_size, workers, device
-        self.bad = 0  # undecodable samples so far
+        self.bad = 0  # bad (skipped) samples so far
 
     def _open(self, epoch: int) -> None:
         self.batches, self.rng = epoch_batches(epoch, self.seed, self.data.train, self.batch_sampler,
@@ -88,13 +92,13 @@ class Feed:
                         raise TrainError(f"epoch {state.epoch} gave no batch of {self.batch_size} from "
                                          f"{self.data.n_train} training samples; lower --batch-size or data.workers"
                                          ) from None
-                    check_bad_samples(self.data.counts, final=True)
+                    check_bad_samples(self.data.counts, True, self.data.use_features)
                     state.epoch, state.consumed = state.epoch + 1, 0
                     self._open(state.epoch)
                     continue
                 if batch is None:  # every sample of this batch was undecodable (counted)
                     state.consumed += 1
-            self.bad = check_bad_samples(self.data.counts)
+            self.bad = check_bad_samples(self.data.counts, False, self.data.use_features)
             return batch, None
         except TrainError as e:
             return None, e

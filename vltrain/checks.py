@@ -37,20 +37,29 @@ def curriculum_check(run: Run, state: RunState, data, rank: int, device) -> dict
 
 
 def evaluate_heldout(run: Run, state: RunState, data, report: Report, device) -> None:
-    """Rank 0: held-out retrieval (triplets: the aligner's noun-image task), logged; best.pt when it improves."""
+    """Rank 0: held-out retrieval (triplets: the aligner's noun-image task), logged; best.pt when it improves.
+
+    Bad held-out samples (LoadCounts' reasons) are left out of both sides, and the result says how many."""
     cfg, model = run.cfg, run.model
     txt2img = None
     if cfg.data.triplets:
+        counts = data.val.shards.counts  # shared with the training view: this evaluation's share is the difference
+        before = counts.skipped()
         sim = (val_triplet_sim(model, data.val, data.val_triplets, data.collate, cfg.batch_size, device)
                if len(data.val_triplets) >= 2 else None)
+        after = counts.skipped()
+        skipped = {"count": after["count"] - before["count"],
+                   "reasons": {r: n - before["reasons"].get(r, 0) for r, n in after["reasons"].items()
+                               if n > before["reasons"].get(r, 0)}}
     else:  # every caption of a multi-caption image is scored (the protocol of `vltrain eval`)
         emb = embed_split(model, cfg.shards, "val", cfg.data.val_frac, cfg.data.max_len, cfg.batch_size,
                           cfg.data.image_size, cfg.data.workers, device, data.use_features)
-        if data.heldout_keys:  # the TOnICS refresh check's images are not scored
+        skipped = emb["skipped"]
+        if data.heldout_keys and emb["n"]:  # the TOnICS refresh check's images are not scored
             emb = drop_images(emb, data.heldout_keys)
         sim, txt2img = (emb["img"] @ emb["txt"].t(), emb["txt2img"]) if emb["n"] >= 2 else (None, None)
-    result = (heldout_recall(sim, "val triplets" if cfg.data.triplets else "val samples", state.step, txt2img)
-              if sim is not None else None)
+    result = (heldout_recall(sim, "val triplets" if cfg.data.triplets else "val samples", state.step, txt2img,
+                             skipped if skipped["count"] else None) if sim is not None else None)
     report.last_eval = result
     if result is None:
         return

@@ -119,28 +119,52 @@ def data_signature(folders: list[str | Path]) -> str:
     return h.hexdigest()[:16]
 
 
+class BadSample(ValueError):
+    """A sample that cannot be used, with the reason it is counted under (one of LoadCounts.REASONS)."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
 class LoadCounts:
-    """Samples read and samples skipped as undecodable, summed over the main process and DataLoader workers.
+    """Samples read and samples skipped as bad (by reason), summed over the main process and DataLoader workers.
 
     The counts live in a shared-memory tensor with one row per worker (no locks needed): workers are new
     processes every epoch, and only shared memory carries their counts back to the training loop.
     """
 
     SLOTS = 65
+    # Why a sample was skipped: an image, caption or other member that does not decode, and the `npy` checks of
+    # `load_tokens`. Column 0 of the counts is the samples read, column 1 + i the samples skipped for REASONS[i].
+    REASONS = ("undecodable", "npy_missing", "npy_unreadable", "npy_dtype", "npy_shape", "npy_nonfinite")
 
     def __init__(self):
-        self.counts = torch.zeros((self.SLOTS, 2), dtype=torch.int64).share_memory_()
+        self.counts = torch.zeros((self.SLOTS, 1 + len(self.REASONS)), dtype=torch.int64).share_memory_()
 
-    def add(self, read: int, bad: int) -> None:
+    def add(self, read: int, bad: int, reason: str = "undecodable") -> None:
         info = get_worker_info()
         slot = 0 if info is None else 1 + info.id % (self.SLOTS - 1)
         self.counts[slot, 0] += read
-        self.counts[slot, 1] += bad
+        self.counts[slot, 1 + self.REASONS.index(reason)] += bad
 
     def totals(self) -> tuple[int, int]:
-        """(samples read, of which undecodable)."""
-        read, bad = self.counts.sum(dim=0).tolist()
-        return int(read), int(bad)
+        """(samples read, of which skipped as bad)."""
+        total = self.counts.sum(dim=0)
+        return int(total[0]), int(total[1:].sum())
+
+    def reasons(self) -> dict[str, int]:
+        """The skipped samples by reason, the reasons that occurred only."""
+        total = self.counts.sum(dim=0)[1:].tolist()
+        return {r: int(n) for r, n in zip(self.REASONS, total) if n}
+
+    def skipped(self) -> dict:
+        """{'count': skipped samples, 'reasons': {reason: count}}, as eval.json and the held-out results carry it."""
+        return {"count": self.totals()[1], "reasons": self.reasons()}
+
+
+def skip_reason(e: Exception) -> str:
+    return e.reason if isinstance(e, BadSample) else "undecodable"
 
 
 def loader_error(e: Exception) -> Exception:
@@ -183,8 +207,48 @@ def drawn_caption(captions: list[str], seed: int, epoch: int, key: str) -> str:
 FIRST, ALL = "first", "all"
 
 
-def load_sample(raw: dict, transform, use_features: bool, captions=FIRST) -> tuple:
-    """Raw sample (member bytes by extension) -> (image tensor or feature tokens, caption(s), key)."""
+def token_shape(folders) -> tuple[int, int] | None:
+    """(N, D): the shape every `npy` member of these folders has, from their `features` records (None when none has
+    a record: nothing to check a member's shape against); ValueError when the records disagree."""
+    from vlprep.encoders import features_spec
+
+    shapes = {}
+    for folder in folders:
+        spec = features_spec(folder)
+        if spec and "tokens" in spec and "dim" in spec:
+            shapes.setdefault((int(spec["tokens"]), int(spec["dim"])), str(folder))
+    if len(shapes) > 1:
+        raise ValueError("the features records of " + " and ".join(f"{f} ({n}x{d} tokens)" for (n, d), f in
+                                                                   shapes.items()) + " disagree")
+    return next(iter(shapes), None)
+
+
+def load_tokens(data: bytes, shape: tuple[int, int] | None) -> torch.Tensor:
+    """An `npy` member -> float32 tokens (N, D), checked against the dataset's `features` record (docs/FORMAT.md):
+    float16, float32 and float64 are read as float32, in C order and native byte order; BadSample when the member
+    does not load, has another dtype kind or shape (`shape`; any 2-D shape when None) or a value that is not finite."""
+    try:
+        arr = np.load(io.BytesIO(data), allow_pickle=False)
+    except Exception as e:  # not an npy file, a pickled (object) array, cut short: numpy's error names it
+        raise BadSample("npy_unreadable", f"not a readable npy array ({type(e).__name__}: {e})") from None
+    if arr.dtype.kind != "f" or arr.dtype.itemsize not in (2, 4, 8):
+        raise BadSample("npy_dtype", f"npy dtype {arr.dtype}, not float16, float32 or float64")
+    if arr.shape != (shape or arr.shape) or arr.ndim != 2:
+        want = f"{shape[0]}x{shape[1]}" if shape else "2-D"
+        raise BadSample("npy_shape", f"npy shape {arr.shape}, the features record says {want}")
+    # One copy: float32 (float64 values beyond float32's range become inf, caught below), C order, native bytes.
+    with np.errstate(over="ignore"):
+        x = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+    if not bool(torch.isfinite(x).all()):
+        raise BadSample("npy_nonfinite", "npy tokens hold NaN or infinite values")
+    return x
+
+
+def load_sample(raw: dict, transform, use_features: bool, captions=FIRST, shape=None) -> tuple:
+    """Raw sample (member bytes by extension) -> (image tensor or feature tokens, caption(s), key).
+
+    With `use_features` the `npy` member is read by `load_tokens` against `shape` (N, D); a bad one is a BadSample.
+    """
     if captions == FIRST:
         caption = raw["txt"].decode("utf-8")  # only the caption: the json member is not needed here
     elif captions == ALL:
@@ -193,8 +257,8 @@ def load_sample(raw: dict, transform, use_features: bool, captions=FIRST) -> tup
         caption = drawn_caption(sample_captions(raw), *captions, raw["__key__"])
     if use_features:
         if "npy" not in raw:
-            raise ValueError(f"{raw.get('__url__', '')}: sample {raw['__key__']} has no npy features")
-        x = torch.from_numpy(np.load(io.BytesIO(raw["npy"]), allow_pickle=False)).float()
+            raise BadSample("npy_missing", f"{raw.get('__url__', '')}: sample {raw['__key__']} has no npy features")
+        x = load_tokens(raw["npy"], shape)
     else:
         x = transform(to_rgb(raw[image_ext(raw)]))
     return x, caption, raw["__key__"]
@@ -221,6 +285,7 @@ class ShardStream(IterableDataset):
         self.shuffle, self.buffer, self.seed, self.epoch = shuffle, buffer, seed, 0
         self.use_features, self.rank, self.world = use_features, rank, world
         self.captions = captions
+        self.shape = token_shape(folders) if use_features else None  # what every npy member must be
         self.counts = LoadCounts()
 
     def set_epoch(self, epoch: int) -> None:
@@ -233,9 +298,9 @@ class ShardStream(IterableDataset):
         """The loaded sample, or None (counted) when it cannot be decoded."""
         try:
             which = (self.seed, self.epoch) if self.captions == "draw" else self.captions
-            sample = load_sample(raw, self.transform, self.use_features, which)
-        except Exception:  # a corrupt image, caption or npy: any decoder error is the sample's, not ours
-            self.counts.add(1, 1)
+            sample = load_sample(raw, self.transform, self.use_features, which, self.shape)
+        except Exception as e:  # a corrupt image, caption or npy: any decoder error is the sample's, not ours
+            self.counts.add(1, 1, skip_reason(e))
             return None
         self.counts.add(1, 0)
         return sample
@@ -371,6 +436,7 @@ class InstanceView(torch.utils.data.Dataset):
                  captions: str = "first", seed: int = 0):
         self.shards, self.samples = shards, np.asarray(samples, dtype=np.int64)
         self.transform, self.use_features = transform, use_features
+        self.shape = token_shape(shards.roots) if use_features else None  # what every npy member must be
         self.spans = None if spans is None else np.asarray(spans, dtype=np.int64).reshape(-1, 2)
         self.captions, self.seed, self.epoch = captions, seed, 0
 
@@ -385,9 +451,9 @@ class InstanceView(torch.utils.data.Dataset):
         raw = self.shards.raw(int(self.samples[p]))
         try:
             which = (self.seed, self.epoch) if self.captions == "draw" and self.spans is None else FIRST
-            x, caption, key = load_sample(raw, self.transform, self.use_features, which)
-        except Exception:  # a corrupt image, caption or npy: the sample's fault; Collate drops the None
-            self.shards.counts.add(1, 1)
+            x, caption, key = load_sample(raw, self.transform, self.use_features, which, self.shape)
+        except Exception as e:  # a corrupt image, caption or npy: the sample's fault; Collate drops the None
+            self.shards.counts.add(1, 1, skip_reason(e))
             return None
         self.shards.counts.add(1, 0)
         if self.spans is None:

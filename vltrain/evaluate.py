@@ -139,7 +139,8 @@ def embed_split(model, folders, split: str, val_frac: float, max_len: int, batch
     """ITC embeddings of a split in shard order, every caption of every image (multi-caption samples included).
 
     Returns {'n': images, 'img' (N, E), 'txt' (T, E), 'txt2img' (T,) the image of each caption, 'keys' (N images),
-    'captions' (T), 'ids'/'mask' (T, max_len)}; keep_fusion adds what ITM needs without re-encoding: the image
+    'captions' (T), 'ids'/'mask' (T, max_len), 'read': samples read, 'skipped': {'count', 'reasons'} the bad samples
+    left out (LoadCounts.skipped)}; keep_fusion adds what ITM needs without re-encoding: the image
     tokens 'tokens' (N, n, D) and the text encoder's states 'hidden' (T, max_len, D).
     """
     tok = tokenizer_for(model.cfg.text_model)
@@ -173,9 +174,10 @@ def embed_split(model, folders, split: str, val_frac: float, max_len: int, batch
         captions.extend(batch["captions"])
         n += len(img)
     model.train(was_training)
+    seen = {"read": stream.counts.totals()[0], "skipped": stream.counts.skipped()}
     if not n:
-        return {"n": 0}
-    return {"n": n, "keys": keys, "captions": captions, **{k: torch.cat(v) for k, v in out.items() if v}}
+        return {"n": 0, **seen}
+    return {"n": n, "keys": keys, "captions": captions, **seen, **{k: torch.cat(v) for k, v in out.items() if v}}
 
 
 def drop_images(emb: dict, keys: set) -> dict:
@@ -325,13 +327,19 @@ def _retrieval(model, cfg, shards: list[str], itm_rerank_k: int, workers: int, d
     emb = embed_split(model, shards, "train", 0.0, cfg.data.max_len, cfg.batch_size, cfg.data.image_size, workers,
                       dev, use_features, keep_fusion=itm_rerank_k > 0)
     n = emb["n"]
+    if emb["skipped"]["count"]:
+        console.print(f"warning: {skipped_note(emb['skipped'], emb['read'])}: not scored", highlight=False)
     if n < 2:
         raise TrainError(f"evaluation needs at least 2 images, found {n} in {', '.join(shards)}")
+    finite = emb["img"].isfinite().all(dim=1)
+    if not bool(finite.all()):  # recalls from NaN embeddings would be printed as if they meant something
+        raise TrainError(f"the checkpoint gives non-finite image embeddings for {int((~finite).sum())} of {n} "
+                         f"images (first: {emb['keys'][int((~finite).nonzero()[0])]}); its weights are damaged")
     sim = emb["img"] @ emb["txt"].t()
     per_image = torch.bincount(emb["txt2img"], minlength=n)
     sizes = {"n_images": n, "n_captions": len(emb["txt"])}
     out = {"data": data_signature(shards), "input": "features" if use_features else "pixels", "protocol": PROTOCOL,
-           "n_samples": n, "retrieval": {**recall_at_k(sim, emb["txt2img"]), **sizes},
+           "n_samples": n, "skipped": emb["skipped"], "retrieval": {**recall_at_k(sim, emb["txt2img"]), **sizes},
            "chance": chance_recall(n, len(emb["txt"]), captions_per_image=per_image.tolist())}
     if itm_rerank_k > 0:
         if model.fusion is None:
@@ -391,25 +399,37 @@ def _evaluate_triplets(model, cfg, shards: list[str], dev, path: Path, step, ext
         raise TrainError(f"evaluation needs at least 2 triplets of distinct images, found {n}")
     collate = Collate(tokenizer_for(cfg.model.text_model), cfg.data.max_len, use_features)
     sim = view_scores(model, view, positions, collate, cfg.batch_size, True, dev).t()  # (image, noun)
+    skipped, n = data.counts.skipped(), len(sim)  # bad samples drop out of both sides
+    if skipped["count"]:
+        console.print(f"warning: {skipped_note(skipped, data.counts.totals()[0])}: not scored", highlight=False)
     return {"checkpoint": str(path), "step": step, "n_samples": n, "task": "noun-image retrieval, one triplet per image",
-            "retrieval": recall_at_k(sim, torch.arange(n)), "chance": chance_recall(n, n)}
+            "skipped": skipped, "retrieval": recall_at_k(sim, torch.arange(n)), "chance": chance_recall(n, n)}
 
 
 # --- the training loop's periodic checks -----------------------------------------------------------------------
 
 
-def heldout_recall(sim: torch.Tensor, what: str, step: int, txt2img=None) -> dict:
+def skipped_note(skipped: dict, read: int | None = None) -> str:
+    """'2 of 120 samples skipped (npy_nonfinite 1, npy_shape 1)' for LoadCounts.skipped()."""
+    n = skipped["count"]
+    why = ", ".join(f"{r} {c}" for r, c in sorted(skipped["reasons"].items()))
+    return f"{f'{n} of {read}' if read is not None else n} sample{'s' if n != 1 else ''} skipped ({why})"
+
+
+def heldout_recall(sim: torch.Tensor, what: str, step: int, txt2img=None, skipped: dict | None = None) -> dict:
     """R@K of a held-out (N_img, N_txt) image-text similarity (one caption per image unless txt2img says otherwise)
-    with its chance levels; prints the step's one-line summary."""
+    with its chance levels; prints the step's one-line summary, with the bad samples `skipped` left out."""
     n, n_txt = sim.shape
     txt2img = torch.arange(n) if txt2img is None else txt2img
     res = recall_at_k(sim, txt2img)
     chance = chance_recall(n, n_txt, captions_per_image=torch.bincount(txt2img, minlength=n).tolist())
     many = f" ({n_txt} captions)" if n_txt != n else ""
+    left_out = f"; {skipped_note(skipped)}, not scored" if skipped and skipped["count"] else ""
     console.print(f"step {step} eval on {n} {what}{many}: R@1 image→text {res['i2t_r1']:.1f}, text→image "
-                  f"{res['t2i_r1']:.1f} (chance {chance['i2t_r1']:.1f}); mean recall {res['mean_recall']:.2f}",
+                  f"{res['t2i_r1']:.1f} (chance {chance['i2t_r1']:.1f}); mean recall {res['mean_recall']:.2f}"
+                  + left_out,
                   highlight=False)
-    return {**res, "n_val": n, "n_captions": n_txt, "chance": chance}
+    return {**res, "n_val": n, "n_captions": n_txt, "chance": chance, **({"skipped": skipped} if skipped else {})}
 
 
 def val_triplet_sim(model, view: InstanceView, positions, collate: Collate, batch_size: int, device) -> torch.Tensor:

@@ -102,7 +102,7 @@ def train(cfg, resume: bool = False, overwrite: bool = False, init_from=None) ->
     rows = earlier_rows(out / "metrics.jsonl", state.step) if ckpt is not None else []
 
     # --- loop
-    last_save = time.monotonic()
+    last_save, start = time.monotonic(), state.step
     with Report(cfg, out, rank, rows, state.step, device, data.use_features) as report, _signals_to(run):
         while state.step < cfg.steps:
             batch, fault = feed.next(state)
@@ -133,11 +133,15 @@ def train(cfg, resume: bool = False, overwrite: bool = False, init_from=None) ->
             # TOnICS at the end of a period, so that a refreshed P_S starts with the next period
             if data.heldout is not None and state.step % cfg.sampler.refresh_every == 0:
                 report.curriculum(state.step, curriculum_check(run, state, data, rank, device))
-            if rank == 0 and (state.step % cfg.eval_every == 0 or state.step == cfg.steps):
-                evaluate_heldout(run, state, data, report, device)
-            if state.step % cfg.ckpt_every == 0 or state.step == cfg.steps or save_due:
+            saved = state.step % cfg.ckpt_every == 0 or state.step == cfg.steps or save_due
+            if saved:  # before the evaluation: an evaluation that fails never costs the steps trained
                 save_checkpoint(run.last_path, run, state)
                 last_save = time.monotonic()
+            if state.step % cfg.eval_every == 0 or state.step == cfg.steps:
+                _evaluate(run, state, data, report, device, rank, saved)
+        if ckpt is not None and start >= cfg.steps:
+            # resumed at the end (a run stopped in or before its final evaluation): evaluate, train nothing again
+            _evaluate(run, state, data, report, device, rank, True)
 
     # --- end
     if not broadcast(run.last_path.exists()):  # resumed at or past the final step: still leave a checkpoint behind
@@ -163,6 +167,17 @@ def _init_line(init: dict) -> str:
     if init["momentum_copied"]:
         line += f"; momentum copy: {init['momentum_copied']} from the online weights"
     return line + ("; queues start fresh" if init["queues_fresh"] else "")
+
+
+def _evaluate(run: Run, state: RunState, data, report: Report, device, rank: int, saved: bool) -> None:
+    """The held-out evaluation on rank 0; when it improves best and last.pt was just saved, last.pt again, so that a
+    resumed run knows the best mean recall that best.pt holds (every rank saves: the RNG states are gathered)."""
+    best = state.best
+    if rank == 0:
+        evaluate_heldout(run, state, data, report, device)
+    state.best = broadcast(state.best)
+    if saved and state.best != best:
+        save_checkpoint(run.last_path, run, state)
 
 
 def _finite(losses: dict, step: int, run: Run) -> dict:
