@@ -99,9 +99,11 @@ def guard(driver: Driver, child: bool) -> bool:
     if _guarded:  # a process guards once (its hooks stay for its life)
         return True
     _guarded = True
+    me = os.getpid()
 
     def rename_guard(event: str, args: tuple) -> None:
-        if event == "os.rename" and not alive():
+        # a process the worker forks inherits the hook (not the thread), and its parent is the worker: not judged
+        if event == "os.rename" and os.getpid() == me and not alive():
             os._exit(1)
 
     def watch() -> None:

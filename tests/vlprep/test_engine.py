@@ -33,6 +33,19 @@ def _fail(out: Path, n: int, fp: str) -> dict:
     raise VlprepError(f"shard {n} is bad")
 
 
+def _lifeline(out: Path, n: int, fp: str) -> dict:
+    """What a pool worker set up to die with its driver (vlprep.lifeline)."""
+    import ctypes
+    import signal
+    import threading
+
+    got = ctypes.c_int()
+    ctypes.CDLL(None).prctl(2, ctypes.byref(got), 0, 0, 0)  # PR_GET_PDEATHSIG
+    return {"pdeathsig": got.value, "sigint_ignored": signal.getsignal(signal.SIGINT) == signal.SIG_IGN,
+            "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+            "watchdog": "vlprep-lifeline" in [t.name for t in threading.enumerate()]}
+
+
 def plan(sizes, salt="a"):
     return [Work(f"s-{n:06d}.tar", (n,), f"{salt}{n}", n) for n in sizes]
 
@@ -72,6 +85,18 @@ def test_a_pool_gives_the_same_bytes_and_runs_the_initializer_once_per_worker(tm
     pids = {s["pid"] for s in stats.values()}
     assert os.getpid() not in pids and 1 <= len(pids) <= 2
     assert all(s["inits"] == 1 for s in stats.values())  # once per worker process, not once per shard
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_pool_workers_die_with_their_driver_and_leave_ctrl_c_to_it(tmp_path, start):
+    """The kernel kills them when the driver exits (even kill -9), a thread watches the driver, SIGTERM kills them
+    (a forked worker does not keep the driver's handler) and Ctrl-C is the driver's to handle."""
+    import signal
+
+    stats, _ = map_shards(tmp_path, plan([1, 2]), _lifeline, workers=2, start=start)
+    assert list(stats.values()) == [{"pdeathsig": signal.SIGKILL, "sigint_ignored": True, "sigterm_default": True,
+                                     "watchdog": True}] * 2
 
 
 def test_progress_advances_by_each_shards_samples(tmp_path):
