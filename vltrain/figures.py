@@ -85,7 +85,8 @@ def word_positions(tokenizer, ids: torch.Tensor, words: list[str]) -> dict[str, 
                 if pieces[i:i + len(want)] == want and not "".join(pieces[i + len(want):][:1]).startswith("##")]
         if not hits:
             shown = " ".join(caption_words(tokenizer, ids))
-            raise ValueError(f"word {word[:80]!r} is not a word of the caption ({shown[:200]})")
+            raise ValueError(f"word {word[:80]!r} is not in the caption's tokens ({shown[:200]}): give whole words of "
+                             "it")
         found[word] = min(hits)
     return found
 

@@ -82,9 +82,11 @@ def test_gradcam_matches_whole_words(fusion_ckpt, picture, tmp_path):
     png = tmp_path / "g.png"
     line = error_line(invoke("gradcam", fusion_ckpt, picture, "a cat in the snow", "--words", "snowboarder,catamaran",
                              "--out", png))
-    assert line == "error: word 'snowboarder' is not a word of the caption (a cat in the snow)"
+    assert line == ("error: word 'snowboarder' is not in the caption's tokens (a cat in the snow): give whole words "
+                    "of it")
     assert error_line(invoke("gradcam", fusion_ckpt, picture, "a snowboarder jumps", "--words", "snow",
-                             "--out", png)) == "error: word 'snow' is not a word of the caption (a snowboarder jumps)"
+                             "--out", png)) == \
+        "error: word 'snow' is not in the caption's tokens (a snowboarder jumps): give whole words of it"
     assert error_line(invoke("gradcam", fusion_ckpt, picture, " ", "--out", png)) == \
         "error: the caption is empty: give the words the image shows"
     assert not png.exists()
