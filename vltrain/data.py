@@ -7,11 +7,15 @@ samplers. wids never unpickles anything here: only the caption, image and `npy` 
 """
 
 import contextlib
+import functools
 import hashlib
 import io
 import json
 import os
 import random
+import shutil
+import tempfile
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -367,6 +371,11 @@ class IndexedShards:
                              + ", ".join(map(str, self.roots)))
         self.keys = keys
         self._wids = None  # opened on first use, in each DataLoader worker
+        # wids writes a lock file beside the path it opens (wids_dl.download_and_open: LOCAL.lock). Inputs are never
+        # written to (a read-only dataset must train), so wids opens a link to each shard in a private folder; the
+        # process that made the folder removes it (DataLoader workers are forks that share it and leave it be).
+        self.links = tempfile.mkdtemp(prefix="vltrain-wids-")
+        weakref.finalize(self, _remove_links, self.links, os.getpid())
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
@@ -375,12 +384,21 @@ class IndexedShards:
         import wids
 
         out = []
-        for root in self.roots:
+        for f, root in enumerate(self.roots):
             # wids prints a line per dataset on stderr; the shards are local files, read in place (no cache copy).
             with contextlib.redirect_stderr(io.StringIO()):
-                out.append(wids.ShardListDataset(str(root / "index.json"), localname=os.fspath,
-                                                 transformations=[], lru_size=16))
+                out.append(wids.ShardListDataset(str(root / "index.json"), transformations=[], lru_size=16,
+                                                 localname=functools.partial(self._link, f)))
         return out
+
+    def _link(self, folder: int, url: str) -> str:
+        """wids' local name of a shard: a symlink to it in self.links, where wids' lock file goes."""
+        link = os.path.join(self.links, str(folder), os.path.basename(url))
+        if not os.path.islink(link):
+            os.makedirs(os.path.dirname(link), exist_ok=True)
+            with contextlib.suppress(FileExistsError):  # another loader worker made the same link
+                os.symlink(os.path.abspath(url), link)
+        return link
 
     def raw(self, index: int) -> dict:
         """{'__key__', 'txt', 'jpg' | 'png' | ..., ...}: the member bytes of sample `index`."""
@@ -391,7 +409,9 @@ class IndexedShards:
         url = Path(w.shards[int(np.searchsorted(w.cum_lengths, local, side="right"))]["url"]).name
         try:
             shard, inner, desc = w.get_shard(local)
-        except (OSError, ValueError, AssertionError) as e:  # wids could not index the tar (e.g. a corrupt header)
+        except OSError as e:  # the file system refused: not the data's fault, so no advice to re-create it
+            raise open_error(e, self.roots[f] / url, self.links) from None
+        except (ValueError, AssertionError) as e:  # wids could not index the tar (e.g. a corrupt header)
             raise BadShardError(f"{self.roots[f] / url}: not a readable tar ({type(e).__name__}: {e}); "
                                 f"{REMAKE_HINT}") from None
         if len(shard) != desc["nsamples"]:  # a corrupt header ends the tar early, for wids as for tarfile
@@ -407,6 +427,22 @@ class IndexedShards:
             raise ValueError(f"wids returned {raw['__key__']} for index {index}, the sidecars say "
                              f"{self.keys[index]}: index.json is out of date")
         return raw
+
+
+def _remove_links(path: str, pid: int) -> None:
+    if os.getpid() == pid:  # only the process that made the folder: a loader worker's copy must not remove it
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def open_error(e: OSError, shard: Path, links: str) -> VlprepError:
+    """The one line for a shard wids could not open: its lock file or link (in our temp folder) or the shard itself."""
+    why, name = e.strerror or str(e), str(e.filename or "")
+    if name.startswith(links) and (name.endswith(".lock") or not os.path.islink(name)):
+        what = "wids' lock file" if name.endswith(".lock") else "the link wids opens"
+        return VlprepError(f"{shard}: cannot create {what} {name} ({why}); the dataset is fine: make "
+                           f"{tempfile.gettempdir()} writable or set TMPDIR to a writable folder")
+    return VlprepError(f"{shard}: cannot open the shard ({type(e).__name__}: {why}); check that this user can read "
+                       "it (the file itself is not known to be damaged)")
 
 
 def check_index(ds) -> None:
