@@ -1,5 +1,6 @@
 """`vlprep` command line: one thin typer command per stage; validation and work live in the stage modules."""
 
+import signal
 import sys
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -87,8 +88,13 @@ def run_stage(cfg, workers: int | None, distributor: str, stage, printer, out: P
         console.print("warning: " + line, style="yellow", highlight=False, markup=False)
 
     args = (cfg,) if encoder is None else (cfg, encoder)
-    with writing(out), progress_bar() as progress:
-        report = stage(*args, progress=progress, **({"warn": warn} if early_warnings else {}))
+    try:
+        with writing(out), progress_bar() as progress:
+            report = stage(*args, progress=progress, **({"warn": warn} if early_warnings else {}))
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM through the engine's `Stopped`; typer would print nothing
+        console.print("interrupted: completed shards are kept; run the same command again to resume",
+                      highlight=False)
+        raise typer.Exit(128 + getattr(e, "signum", signal.SIGINT)) from None
     printer(report, report_console or console)
     warn_report(report)
     for line in report.get("warnings", []):
