@@ -22,7 +22,8 @@ interrupted one resumes, so the same command continues a cut run. OUT gets resul
 seed with every metric; `arms`, each arm's mean and sd; `eval`, the eval sizes and their sampling sd; `findings`),
 table.md and chart.png. Each finding gets `diff` (the mean over seeds of better minus other on the same seed),
 `ci_low`/`ci_high` (its 95% paired t interval), Holm-adjusted p-values, a `verdict` (agrees, disagrees, rules out
-the paper's effect, inconclusive) and `seeds_needed` (pipelines/verdicts.py states the rule). `--rescore` recomputes
+the paper's effect, inconclusive), `seeds_needed` (pipelines/verdicts.py states the rule) and `near_chance` (both
+arms under 3 times the metric's chance: a verdict on the floor speaks of the run's length). `--rescore` recomputes
 all of that from a results file's rows and findings alone, with no training, and writes it back.
 """
 
@@ -63,6 +64,11 @@ COLUMNS = RETRIEVAL + list(DERIVED) + ["zeroshot"]
 HEADERS = {"i2t_r1": "TR@1", "i2t_r5": "TR@5", "i2t_r10": "TR@10", "t2i_r1": "IR@1", "t2i_r5": "IR@5",
            "t2i_r10": "IR@10", "mean_recall": "mean R", "r1_mean": "mean R@1", "zeroshot": "zero-shot top-1"}
 QUICK = {"steps": 6, "seeds": 1}
+# A metric's chance level in units of the row's chance R@1 (R@k of a random ranking is about k times R@1's; mean R is
+# the mean of R@1, 5, 10 both ways); zero-shot has its own chance column.
+CHANCE_UNITS = {"i2t_r1": 1, "t2i_r1": 1, "r1_mean": 1, "i2t_r5": 5, "t2i_r5": 5, "i2t_r10": 10, "t2i_r10": 10,
+                "mean_recall": 16 / 3}
+NEAR_CHANCE = 3.0  # a finding whose two arms both score under this many times chance is flagged "near chance"
 
 
 class RecipeError(Exception):
@@ -311,7 +317,8 @@ def finding_cells(f: dict) -> list[str]:
     need = "-" if need is None or f["verdict"] != "inconclusive" else (
         f"> {verdicts.MAX_SEEDS}" if need > verdicts.MAX_SEEDS else str(need))
     paper = "ours" if f.get("paper_effect") is None else _num(f["paper_effect"])
-    return [paper, ours, p, f["verdict"], need]
+    verdict = f["verdict"] + (f" (both arms under {NEAR_CHANCE:g}x chance)" if f.get("near_chance") else "")
+    return [paper, ours, p, verdict, need]
 
 
 def table_md(results: dict) -> str:
@@ -336,7 +343,8 @@ def table_md(results: dict) -> str:
         md += ["", f"Findings: the per-seed paired difference better − other, its mean and 95% t interval over seeds; "
                f"p-values of the paired t tests against 0 and against the paper's effect, Holm-adjusted over this "
                f"recipe's {n_tests} tests (family-wise 5%); seeds per arm for 80% power to detect the paper's effect "
-               f"at the observed sd (inconclusive findings).", "",
+               f"at the observed sd (inconclusive findings). A verdict marked \"under {NEAR_CHANCE:g}x chance\" compares two "
+               f"arms on the metric's floor: there it speaks of this run's length, not of the method.", "",
                "| paper's finding | better − other (metric) | paper's effect | ours [95% CI] | p vs 0 / vs paper "
                "| verdict | seeds for 80% power |", "|---|---|---|---|---|---|---|"]
         md += [f"| {f['paper']} | {f['better']} − {f['than']} ({HEADERS[f['metric']]}) | "
@@ -361,8 +369,27 @@ def rescore(results: dict) -> dict:
     if "meta" not in results:  # written before the verdict rule: its command, date and steps sat at the top level
         results = {"meta": {k: results.get(k, "") for k in ("command", "date", "steps", "paper")},
                    **{k: v for k, v in results.items() if k not in ("command", "date", "steps", "paper", "seeds")}}
+    findings = verdicts.judge(defs, rows)
+    for f in findings:
+        f["near_chance"] = near_chance(f["metric"], [r for r in rows if r["arm"] in (f["better"], f["than"])])
     return {**results, "rows": rows, "arms": {a: summarise([r for r in rows if r["arm"] == a]) for a in arms},
-            "eval": eval_sizes(rows), "findings": verdicts.judge(defs, rows)}
+            "eval": eval_sizes(rows), "findings": findings}
+
+
+def near_chance(metric: str, rows: list[dict]) -> bool:
+    """Whether both arms of a finding score under NEAR_CHANCE times the metric's chance level (their mean over
+    seeds). Such a finding is on the metric's floor: an interval that excludes the paper's effect there says the run
+    was too short to show any effect, not that the method has none. The verdict itself stays the test's."""
+    def chance(r: dict) -> float | None:
+        if metric == "zeroshot":
+            return r.get("zeroshot_chance")
+        return None if r.get("chance_r1") is None else r["chance_r1"] * CHANCE_UNITS[metric]
+
+    for arm in dict.fromkeys(r["arm"] for r in rows):
+        mine = [r for r in rows if r["arm"] == arm and r.get(metric) is not None and chance(r) is not None]
+        if not mine or statistics.mean(r[metric] for r in mine) >= NEAR_CHANCE * statistics.mean(map(chance, mine)):
+            return False
+    return True
 
 
 def write_outputs(results_path: Path, results: dict) -> tuple[Path, Path]:
@@ -415,6 +442,7 @@ def chart(path: Path, results: dict) -> None:
             labelled = True
     fx.axvline(0, color="grey", linewidth=1)
     fx.set_yticks(range(len(findings)), [f"{f['better']} − {f['than']} ({HEADERS[f['metric']]}): {f['verdict']}"
+                                          + (" (near chance)" if f.get("near_chance") else "")
                                          for f in reversed(findings)], fontsize=8)
     fx.set_xlabel("difference, points (ours: mean and 95% interval over seeds)")
     fx.set_title("findings")
