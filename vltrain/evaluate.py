@@ -413,7 +413,8 @@ def skipped_note(skipped: dict, read: int | None = None) -> str:
     """'2 of 120 samples skipped (npy_nonfinite 1, npy_shape 1)' for LoadCounts.skipped()."""
     n = skipped["count"]
     why = ", ".join(f"{r} {c}" for r, c in sorted(skipped["reasons"].items()))
-    return f"{f'{n} of {read}' if read is not None else n} sample{'s' if n != 1 else ''} skipped ({why})"
+    counted = f"{n} of {read} samples" if read is not None else f"{n} sample{'s' if n != 1 else ''}"
+    return f"{counted} skipped ({why})"
 
 
 def heldout_recall(sim: torch.Tensor, what: str, step: int, txt2img=None, skipped: dict | None = None) -> dict:
