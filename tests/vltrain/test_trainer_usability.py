@@ -262,11 +262,14 @@ def test_checkpoints_also_follow_the_wall_clock(shards, tmp_path, monkeypatch):
     cfg = load_config("clip", sets=[*TINY, "ckpt_every=1000", "eval_every=1000"], shards=[str(shards)],
                       out=str(tmp_path / "a"), steps=3, batch_size=4, device="cpu")
     train_mod.train(cfg)
-    assert [s for s, n in saved if n == "last.pt"] == [3]  # ckpt_every and 10 minutes both far away
+    # ckpt_every and 10 minutes both far away: the final step's save, before its evaluation (which can then never
+    # cost trained steps), and once more because that evaluation set best.pt's score, which a resume must know
+    assert [s for s, n in saved if n == "last.pt"] == [3, 3]
+    assert [s for s, n in saved if n == "best.pt"] == [3]
     saved.clear()
     cfg.out, cfg.ckpt_minutes = str(tmp_path / "b"), 1e-9
     train_mod.train(cfg)
-    assert [s for s, n in saved if n == "last.pt"] == [1, 2, 3]
+    assert [s for s, n in saved if n == "last.pt"] == [1, 2, 3, 3]
 
 
 # --- what the run tells the user ----------------------------------------------------------------------------------
