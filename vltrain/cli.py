@@ -158,6 +158,8 @@ def run(
     if ev is not None:
         size = (f"{ev['n_val']} pairs" if ev.get("n_captions", ev["n_val"]) == ev["n_val"]
                 else f"{ev['n_val']} images, {ev['n_captions']} captions")
+        if ev.get("skipped", {}).get("count"):
+            size += f"; {ev['skipped']['count']} bad sample(s) skipped"
         out_console.print(_recall_table(f"held-out retrieval (%) at step {result['step']} ({size})",
                                         {"model": ev, "chance": ev["chance"]}))
     else:
@@ -220,6 +222,8 @@ def eval_(
         rows["chance"] = result["chance"]
         size = (f"{r['n_images']:,} images, {r['n_captions']:,} captions" if "n_images" in r
                 else f"{result['n_samples']} pairs")
+        if result.get("skipped", {}).get("count"):
+            size += f"; {result['skipped']['count']} bad sample(s) skipped"
         out_console.print(_recall_table(f"retrieval (%) on {size}", rows))
     if "zeroshot" in result:
         _print_zeroshot(result["zeroshot"])

@@ -91,10 +91,11 @@ def test_a_bad_held_out_npy_does_not_lose_the_run(good, tmp_path):
     r = run(ds, out, "--steps", "8", "--set", f"data.val_frac={VAL_FRAC}", "--set", "ckpt_every=4",
             "--set", "eval_every=1000")
     assert r.exit_code == 0, r.output
-    assert torch.load(out / "last.pt", weights_only=False)["step"] == 8
+    assert torch.load(out / "last.pt", weights_only=True)["step"] == 8
     val = [row["val"] for row in metrics(out) if "val" in row]
     assert len(val) == 1 and val[0]["skipped"] == {"count": 1, "reasons": {"npy_shape": 1}}
     assert "1 sample skipped (npy_shape 1)" in r.output
+    assert "1 bad sample(s) skipped" in " ".join(r.output.split())  # the held-out table's title says so too
 
 
 def test_a_failing_final_evaluation_keeps_the_trained_steps_and_resume_does_not_retrain(good, tmp_path, monkeypatch):
@@ -113,7 +114,7 @@ def test_a_failing_final_evaluation_keeps_the_trained_steps_and_resume_does_not_
                                    "--set", "eval_every=1000"]
     r = run(good["feat"], out, *opts)
     assert r.exit_code != 0 and calls == [8], r.output
-    assert torch.load(out / "last.pt", weights_only=False)["step"] == 8
+    assert torch.load(out / "last.pt", weights_only=True)["step"] == 8
     trained = metrics(out)
     assert [row["step"] for row in trained] == list(range(1, 9))
     monkeypatch.undo()
@@ -134,6 +135,7 @@ def test_vltrain_eval_skips_a_bad_npy_and_says_so(good, tmp_path):
     assert result["skipped"] == {"count": 2, "reasons": {"npy_shape": 1, "npy_nonfinite": 1}}
     assert result["n_samples"] == 118 and result["retrieval"]["n_images"] == 118
     assert "2 of 120 samples skipped (npy_nonfinite 1, npy_shape 1)" in r.output
+    assert "118 images, 118 captions; 2 bad sample(s) skipped" in " ".join(r.output.split())  # the table's title
     # the good dataset: nothing skipped, and the same scores as before
     r = CliRunner().invoke(app, ["eval", str(good["ckpt"]), str(good["feat"]), "--out", str(tmp_path / "g.json")])
     assert r.exit_code == 0 and "skipped" not in r.output, r.output
