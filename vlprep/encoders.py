@@ -133,7 +133,10 @@ def read_weights(weights: Path):
 
             return load_file(str(weights))
         return torch.load(weights, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
+    except pickle.UnpicklingError as e:
+        if "unsupported global" not in str(e).lower():  # no class or function named in it: junk, truncated bytes
+            first = (str(e).splitlines() or ["unreadable"])[0][:200]
+            raise VlprepError(f"cannot read weights {weights} as a torch state dict ({first})") from None
         raise VlprepError(f"refused to load {weights}: it holds pickled Python objects (a whole model?), which "
                           f"could run code; {RESAVE}") from None
     except Exception as e:  # missing, unreadable, not a torch file

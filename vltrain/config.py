@@ -404,7 +404,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "sampler.heldout": ("[2, inf)", "images"),
     "sampler.search_space": ("[0, inf)", "0 = 10 x batch_size"),
     "sampler.queue_size": ("[0, inf)", "0 = 50 x search_space"),
-    "optim.lr": ("(0, inf)", "peak learning rate"),
+    "optim.lr": ("[0, inf)", "peak learning rate; 0 keeps the weights (a frozen check run)"),
     "optim.weight_decay": ("[0, inf)", "AdamW decoupled decay"),
     "optim.warmup_steps": ("[0, inf)", "steps"),
     "optim.min_lr_ratio": ("[0, 1]", "the cosine's floor as a share of lr"),

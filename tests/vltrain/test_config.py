@@ -256,7 +256,7 @@ def test_numeric_keys_are_checked_against_the_ranges_table():
         load_config("albef", sets=["model.embed_dim=0"])
     bad = {"steps": -1, "seed": -1, "model.feature_dim": 0, "model.momentum_m": 1.5, "model.queue_size": -1,
            "data.image_size": 100000, "data.max_len": 1, "data.min_crop_scale": 0, "loss.itm": -1,
-           "loss.mlm_prob": 2, "loss.distill_alpha": 1.5, "sampler.threshold": 2, "optim.lr": 0,
+           "loss.mlm_prob": 2, "loss.distill_alpha": 1.5, "sampler.threshold": 2, "optim.lr": -1e-4,
            "optim.lr ": ".nan", "optim.weight_decay": -0.1, "optim.min_lr_ratio": 2, "optim.grad_clip": -1,
            "optim.betas": "[0.9, 1.0]", "epochs": -1, "ckpt_minutes": 0, "data.val_frac": 1}
     for key, value in bad.items():
