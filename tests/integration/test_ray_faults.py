@@ -1,4 +1,4 @@
-"""--distributor ray when things go wrong (issue 29): an unreachable RAY_ADDRESS fails in one line within the
+"""--distributor ray when things go wrong: an unreachable RAY_ADDRESS fails in one line within the
 connect timeout, and the actors of a driver killed with kill -9 (on the local Ray it started) exit at once and
 rename nothing into OUT.
 

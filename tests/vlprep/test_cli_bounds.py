@@ -1,5 +1,5 @@
 """`vlprep` refuses what it cannot do in one line, before it creates anything: remote paths, an unbounded --size,
-an OUT it cannot write and a --weights file of pickled objects (issue 29)."""
+an OUT it cannot write and a --weights file of pickled objects."""
 
 import os
 import subprocess

@@ -1,4 +1,4 @@
-"""Workers die with their driver (issue 29): a `vlprep features --workers 2` killed mid-run (SIGTERM, kill -9)
+"""Workers die with their driver: a `vlprep features --workers 2` killed mid-run (SIGTERM, kill -9)
 leaves no process behind and no file in OUT changes after it, and a re-run gives the bytes of an uninterrupted run.
 Also the pieces one by one: a forked pool, the rename guard, Stopped.
 

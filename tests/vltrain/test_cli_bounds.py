@@ -1,5 +1,5 @@
 """`vltrain` refuses what it cannot do in one line, before it creates anything: remote paths, configs outside their
-bounds, gradcam words the caption does not hold, and an OUT it cannot write (issue 29)."""
+bounds, gradcam words the caption does not hold, and an OUT it cannot write."""
 
 import os
 from pathlib import Path

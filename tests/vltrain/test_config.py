@@ -191,7 +191,7 @@ def test_masked_text_all_is_a_loss_key_and_the_old_data_key_still_works(tmp_path
                         "sig", tmp_path / "last.pt")
 
 
-# --- bounded config errors (issue 29) ------------------------------------------------------------------------------
+# --- bounded config errors -------------------------------------------------------------------------------------------
 
 
 def alias_bomb(levels: int, key: str = "optim.lr") -> str:
