@@ -2,7 +2,7 @@
 
 import signal
 import sys
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 from typing import List, Optional
 
@@ -14,7 +14,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColu
 from rich.text import Text
 
 from vlprep import VlprepError, version_line
-from vlprep.remote import refuse_urls
+from vlprep.remote import refuse_urls, writing
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Prepare image-caption WebDataset shards for vision-language alignment.")
@@ -56,22 +56,6 @@ def engine(cfg, workers: int | None, distributor: str):
         cfg.workers = workers
     cfg.distributor = distributor
     return cfg
-
-
-def _touches(filename, out: Path) -> bool:
-    a, b = Path(filename).resolve(), Path(out).resolve()
-    return a.is_relative_to(b) or b.is_relative_to(a)
-
-
-@contextmanager
-def writing(out: Path):
-    """An OSError on OUT or a folder above it (a file in the way, read-only, disk full) is one line; others pass."""
-    try:
-        yield
-    except OSError as e:
-        if e.filename is None or not _touches(e.filename, out):
-            raise
-        raise VlprepError(f"cannot write {out}: {(e.strerror or type(e).__name__).lower()}") from None
 
 
 def run_stage(cfg, workers: int | None, distributor: str, stage, printer, out: Path, wrote: str = "",

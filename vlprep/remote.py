@@ -1,10 +1,12 @@
-"""Remote paths (s3://, gs://, http(s)://...) are refused until object storage is supported.
+"""The paths the CLIs take and write. Remote paths (s3://, gs://, http(s)://...) are refused until object storage
+is supported, and an OSError on an output folder is one line (`writing`).
 
 The check reads the raw argument: `Path("s3://b/x")` is the local folder `s3:/b/x`, so a Path is too late to tell."""
 
 import functools
 import inspect
 import re
+from contextlib import contextmanager
 from pathlib import Path
 from typing import get_args, get_type_hints
 
@@ -57,3 +59,20 @@ def refuse_urls(app) -> None:
                 option = isinstance(info, typer.models.OptionInfo)
                 flag = next((d for d in info.param_decls or () if d.startswith("--")), "--" + name.replace("_", "-"))
                 info.parser = functools.partial(local_path, what=flag if option else name.upper())
+
+
+def _touches(filename, out: Path) -> bool:
+    a, b = Path(filename).resolve(), Path(out).resolve()
+    return a.is_relative_to(b) or b.is_relative_to(a)
+
+
+@contextmanager
+def writing(out: Path, error: type[Exception] = VlprepError):
+    """An OSError on OUT or a folder above it (a file in the way, read-only, disk full) is one line, raised as
+    `error` (each CLI's own user-error class); others pass."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None or not _touches(e.filename, out):
+            raise
+        raise error(f"cannot write {out}: {(e.strerror or type(e).__name__).lower()}") from None

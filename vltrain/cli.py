@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from vlprep import VlprepError
-from vlprep.remote import refuse_urls
+from vlprep.remote import refuse_urls, writing as remote_writing
 from vltrain.config import Config
 
 
@@ -44,22 +44,11 @@ def user_errors():
         raise typer.Exit(2) from None
 
 
-def _touches(filename, out: Path) -> bool:
-    a, b = Path(filename).resolve(), Path(out).resolve()
-    return a.is_relative_to(b) or b.is_relative_to(a)
-
-
-@contextmanager
 def writing(out: Path):
-    """An OSError on OUT or a folder above it (a file in the way, read-only, disk full) is one line; others pass."""
+    """An OSError on OUT or a folder above it is one line (vlprep.remote.writing, as a TrainError)."""
     from vltrain.errors import TrainError
 
-    try:
-        yield
-    except OSError as e:
-        if e.filename is None or not _touches(e.filename, out):
-            raise
-        raise TrainError(f"cannot write {out}: {(e.strerror or type(e).__name__).lower()}") from None
+    return remote_writing(out, TrainError)
 
 
 def writable_file(out: Path) -> None:
