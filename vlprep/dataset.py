@@ -9,6 +9,7 @@ import contextlib
 import hashlib
 import json
 import os
+import stat
 import re
 import tarfile
 from collections.abc import Callable, Iterable, Iterator
@@ -109,9 +110,17 @@ def open_dataset(path: str | os.PathLike) -> Dataset:
     unsafe = [s for s in sizes if not plain_shard_name(s)]
     if unsafe:  # derived stages write OUT/<name>: a path here would write outside OUT
         raise VlprepError(f"{sizes_file}: shard name {unsafe[0]!r} is not a plain .tar file name in the folder")
-    missing = [s for s in sizes if not (root / s).exists()]
+    missing, odd = [], []
+    for s in sizes:
+        try:
+            (odd if not stat.S_ISREG(os.stat(root / s).st_mode) else []).append(s)
+        except FileNotFoundError:
+            missing.append(s)
     if missing:
         raise VlprepError(f"{root}: {len(missing)} shard(s) listed in sizes.json are missing, e.g. {missing[0]}")
+    if odd:  # a FIFO would block its reader until some writer came, and no tar reader can seek in it
+        raise VlprepError(f"{root / odd[0]}: not a regular file (a folder, FIFO or device); a shard must be a tar "
+                          "file")
     return Dataset(root=root, shards=list(sizes), sizes=sizes)
 
 

@@ -8,6 +8,7 @@ from torch.utils.data import DataLoader
 
 from vltrain.errors import TrainError
 from vltrain.data import loader_error
+from vltrain.distributed import world
 
 # Undecodable samples are skipped and counted; past this share of the samples read the data is called broken.
 MAX_BAD_FRACTION = 0.01
@@ -27,6 +28,12 @@ def check_bad_samples(counts, final: bool = False, features: bool = False) -> in
         raise TrainError(f"{bad} of {read} samples read could not be decoded {share}): the data is damaged; "
                          "re-create it with `vlprep shards --decode-check`, which leaves such images out")
     return bad
+
+
+class StopFetch(BaseException):
+    """Raised by the run's signal handler while `Feed.next` waits for data (a hung mount, a FIFO as a shard): the
+    read is given up, so the first Ctrl-C / SIGTERM stops the run at once. A BaseException, like KeyboardInterrupt,
+    so that no `except Exception` on the way (a reader's skip-and-go-on handler) can swallow it."""
 
 
 def _ignore_sigint(worker_id: int) -> None:
@@ -69,6 +76,7 @@ class Feed:
         self.data, self.batch_sampler, self.seed = data, batch_sampler, seed
         self.batch_size, self.workers, self.device = batch_size, workers, device
         self.bad = 0  # bad (skipped) samples so far
+        self.reading = False  # inside `next`: a signal handler may raise StopFetch to give up the read
 
     def _open(self, epoch: int) -> None:
         self.batches, self.rng = epoch_batches(epoch, self.seed, self.data.train, self.batch_sampler,
@@ -82,6 +90,17 @@ class Feed:
     def next(self, state) -> tuple[dict | None, Exception | None]:
         # A fault (a damaged shard, an empty epoch, too many undecodable samples) is returned, not raised, so that
         # under torchrun every rank learns of it at once instead of waiting in the next collective.
+        # (None, None): a signal gave up the read (StopFetch); the caller stops, with nothing of this batch counted.
+        try:
+            self.reading = True
+            try:
+                return self._next(state)
+            finally:
+                self.reading = False
+        except StopFetch:
+            return None, None
+
+    def _next(self, state) -> tuple[dict | None, Exception | None]:
         try:
             batch = None
             while batch is None:
@@ -89,6 +108,14 @@ class Feed:
                     batch, self.rng = next_batch(self.batches, self.rng)
                 except StopIteration:
                     if state.consumed == 0:  # never loop forever on an epoch that yields nothing
+                        rank, size = world()
+                        if size > 1 and self.batch_sampler is None:  # the random stream: each rank reads its shards
+                            n, shards = self.data.n_train, len(self.data.train.shards)
+                            raise TrainError(
+                                f"epoch {state.epoch} gave this process (rank {rank}) no batch of "
+                                f"{self.batch_size}: each of the {size} reads its own shards of the {shards} (holding "
+                                f"{n} training samples in all), and its shards hold fewer; write more, evenly "
+                                "filled shards, or lower --batch-size or data.workers") from None
                         raise TrainError(f"epoch {state.epoch} gave no batch of {self.batch_size} from "
                                          f"{self.data.n_train} training samples; lower --batch-size or data.workers"
                                          ) from None

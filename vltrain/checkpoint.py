@@ -274,7 +274,12 @@ def load_checkpoint(path, device="cpu") -> tuple[VLModel, dict]:
 
 
 class Interrupted(TrainError):
-    """Ctrl-C or SIGTERM: last.pt was written; the message says how to go on."""
+    """Ctrl-C or SIGTERM: last.pt was written; the message says how to go on. `signum`: the signal that stopped the
+    run (the exit status is 128 + it, as a shell reports a process the signal killed: 130, 143)."""
+
+    def __init__(self, message: str, signum: int = 2):
+        super().__init__(message)
+        self.signum = signum
 
 
 @dataclass
@@ -343,7 +348,7 @@ def interrupted(run: Run, state: RunState) -> Interrupted:
     """Write last.pt and return the error that tells the user how to go on."""
     save_checkpoint(run.last_path, run, state)
     return Interrupted(f"stopped at step {state.step} of {run.cfg.steps}: {run.last_path} holds it; run the same "
-                       "command with --resume to continue")
+                       "command with --resume to continue", run.stop_signal or 2)
 
 
 def check_ranks(ckpt: dict, path: Path, size: int) -> None:

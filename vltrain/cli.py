@@ -26,21 +26,25 @@ out_console = Console(emoji=False)
 def user_errors():
     """A user mistake becomes one 'error:' line and exit status 2, inside the command so CliRunner sees it too.
 
-    An interrupted run (Ctrl-C, SIGTERM) says where its checkpoint is and exits 130."""
+    An interrupted run says where its checkpoint is and exits 128 + the signal (Ctrl-C 130, SIGTERM 143)."""
     from vltrain.errors import TrainError
     from vltrain.config import ConfigError
     from vltrain.checkpoint import Interrupted
 
+    from vltrain.distributed import report_error  # under torchrun: once per job, not once per process
+    from vltrain.errors import PeerFailed
+
     try:
         yield
     except Interrupted as e:
-        console.print(str(e), highlight=False, markup=False, soft_wrap=True)
-        raise typer.Exit(130) from None
+        report_error(str(e), lambda line: console.print(line, highlight=False, markup=False, soft_wrap=True))
+        raise typer.Exit(128 + e.signum) from None
     except (VlprepError, ConfigError, TrainError, ValueError, FileNotFoundError) as e:
         from vltrain.data import loader_error  # a DataLoader worker's error: its own line, not torch's traceback
 
-        console.print("error: " + str(loader_error(e)), style="bold red", highlight=False, markup=False,
-                      soft_wrap=True)
+        report_error(str(loader_error(e)), lambda line: console.print(
+            "error: " + line, style="bold red", highlight=False, markup=False, soft_wrap=True),
+            peer=isinstance(e, PeerFailed))
         raise typer.Exit(2) from None
 
 

@@ -4,13 +4,18 @@ A plain `vltrain run` never initialises a process group, and every helper here i
 so single-process training runs exactly the code it ran before DDP existed.
 """
 
+import datetime
 import os
+import time
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from vltrain.errors import TrainError
+
+ERROR_WAIT = 2.0  # seconds rank 0 waits for the other ranks' errors before it prints them (below)
 
 
 def world() -> tuple[int, int]:
@@ -124,3 +129,53 @@ class RankSlice:
 
     def __getattr__(self, name):
         return getattr(self.sampler, name)
+
+
+def _launcher_store():
+    """torchrun's own key-value store (its agent keeps it, so it outlives any rank), under a prefix of this run's id
+    and restart; None outside torchrun or when it cannot be reached."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=datetime.timedelta(seconds=2 * ERROR_WAIT))
+        prefix = f"vltrain/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT')}"
+        return dist.PrefixStore(prefix, store)
+    except (RuntimeError, ValueError, KeyError, OSError):
+        return None
+
+
+def report_error(message: str, echo: Callable[[str], None], peer: bool = False) -> None:
+    """`echo(message)` once per torchrun job, not once per rank.
+
+    Every failing rank posts its line to torchrun's store. Rank 0 waits up to ERROR_WAIT s for the other ranks' lines
+    and echoes each distinct one once, in rank order: a line that not every rank posted is prefixed with the rank it
+    came from, and `peer` lines ("another process failed") are left out when a rank posted its own error. Another
+    rank echoes its own line only when rank 0 has not said within twice that wait that it echoed them (rank 0 is
+    then busy or hung elsewhere, and torchrun is about to stop it). Outside torchrun: `echo(message)`."""
+    store = _launcher_store()
+    if store is None:
+        echo(message)
+        return
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    try:
+        store.set(f"error/{rank}", ("peer:" if peer else "own:") + message)
+        if rank > 0:
+            store.wait(["error/echoed"], datetime.timedelta(seconds=2 * ERROR_WAIT))
+            return
+        keys, deadline = [f"error/{r}" for r in range(size)], time.monotonic() + ERROR_WAIT
+        while not store.check(keys) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        posted = [(r, store.get(k).decode()) for r, k in enumerate(keys) if store.check([k])]
+    except (RuntimeError, OSError):  # the store went away, or rank 0 never echoed: say it here
+        echo(message if rank == 0 else f"rank {rank}: {message}")
+        return
+    own = [(r, m.partition(":")[2]) for r, m in posted if m.startswith("own:")]
+    lines = own or [(r, m.partition(":")[2]) for r, m in posted]
+    ranks_of: dict[str, list[int]] = {}
+    for r, m in lines:
+        ranks_of.setdefault(m, []).append(r)
+    for m, ranks in ranks_of.items():
+        everyone = len(ranks) == size
+        echo(m if everyone else f"rank {', '.join(map(str, ranks))}: {m}")
+    store.set("error/echoed", "1")

@@ -4,3 +4,7 @@ __init__ (which offers `vltrain.load`, and so imports the modules that import th
 
 class TrainError(RuntimeError):
     """A run that cannot go on (non-finite loss, nothing to resume, too little data); the message is one line."""
+
+
+class PeerFailed(TrainError):
+    """Under torchrun: this process stopped because another one failed; that one's error is the line to read."""

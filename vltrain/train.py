@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 from vlprep.dataset import release_output
-from vltrain.errors import TrainError
+from vltrain.errors import PeerFailed, TrainError
 from vltrain import checkpoint as ckpt_io
-from vltrain.batches import Feed
+from vltrain.batches import Feed, StopFetch
 from vltrain.checkpoint import Run, RunState, interrupted, save_checkpoint
 from vltrain.checks import curriculum_check, evaluate_heldout
 from vltrain.data import data_signature, to_device
@@ -103,7 +103,7 @@ def train(cfg, resume: bool = False, overwrite: bool = False, init_from=None) ->
 
     # --- loop
     last_save, start = time.monotonic(), state.step
-    with Report(cfg, out, rank, rows, state.step, device, data.use_features) as report, _signals_to(run):
+    with Report(cfg, out, rank, rows, state.step, device, data.use_features) as report, _signals_to(run, feed):
         while state.step < cfg.steps:
             batch, fault = feed.next(state)
             # One all-reduce under torchrun (the identity in one process): every rank stops or saves together.
@@ -113,7 +113,7 @@ def train(cfg, resume: bool = False, overwrite: bool = False, init_from=None) ->
                 raise interrupted(run, state)
             if failed:
                 kept = f"; the last checkpoint {run.last_path} is kept" if run.last_path.exists() else ""
-                raise fault or TrainError(f"stopped at step {state.step}: another process failed (its error is "
+                raise fault or PeerFailed(f"stopped at step {state.step}: another process failed (its error is "
                                           f"printed above){kept}")
             state.consumed, state.step = state.consumed + 1, state.step + 1
             lr, alpha = lr_at(state.step, cfg.optim.lr, cfg.optim.warmup_steps, cfg.steps,
@@ -187,25 +187,34 @@ def _finite(losses: dict, step: int, run: Run) -> dict:
     if any_flags([not finite])[0]:
         kept = f"; the last good checkpoint {run.last_path} is kept" if run.last_path.exists() else ""
         where = "" if finite else " (" + ", ".join(f"{k}={v:.4g}" for k, v in losses_f.items()) + ")"
-        raise TrainError(f"non-finite loss at step {step}{where or ' on another rank'}{kept}")
+        raise (PeerFailed if finite else TrainError)(f"non-finite loss at step {step}{where or ' on another rank'}"
+                                                     f"{kept}")
     return losses_f
 
 
-def _on_signal(run: Run, signum, frame) -> None:
-    """First Ctrl-C / SIGTERM: note it, so the loop saves after this step; a second one abandons the step."""
+def _on_signal(run: Run, feed: Feed, signum, frame) -> None:
+    """First Ctrl-C / SIGTERM: note it, so the loop saves after this step; a second one abandons the step.
+
+    While the loop waits for its next batch the wait is given up at once (StopFetch): a read that blocks (a hung
+    mount, a FIFO as a shard) resumes after a handler that returns, and would hold the run until the data came."""
     if run.stop_signal is not None:
         raise KeyboardInterrupt
     run.stop_signal = signum
-    console.print(f"{signal.Signals(signum).name}: finishing this step, then saving last.pt (again to abandon)",
-                  highlight=False)
+    name = signal.Signals(signum).name
+    if feed.reading:
+        console.print(f"{name}: giving up the read of the next batch, saving last.pt (again to abandon)",
+                      highlight=False)
+        raise StopFetch
+    console.print(f"{name}: finishing this step, then saving last.pt (again to abandon)", highlight=False)
 
 
 @contextlib.contextmanager
-def _signals_to(run: Run):
+def _signals_to(run: Run, feed: Feed):
     """Ctrl-C and SIGTERM handled by `_on_signal` while the loop runs (main thread only), the former handlers after."""
     handlers = {}
     if threading.current_thread() is threading.main_thread():
-        handlers = {s: signal.signal(s, functools.partial(_on_signal, run)) for s in (signal.SIGINT, signal.SIGTERM)}
+        handler = functools.partial(_on_signal, run, feed)
+        handlers = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:

@@ -252,6 +252,69 @@ def test_ctrl_c_saves_a_checkpoint_that_resumes_exactly(shards, tmp_path):
     assert metric_rows(out) == metric_rows(ref)
 
 
+# `vltrain run` whose read of one shard blocks in read(2) for ever, as on a hung network mount: a pipe nobody
+# writes to. Before blocking it creates the file HANG_MARK names, so the test knows the run is waiting.
+HANGING_RUN = """
+import os, sys
+import vlprep.dataset as dataset
+real = dataset.iter_tar
+def iter_tar(path, *args, **kwargs):
+    if str(path).endswith(os.environ["HANG_SHARD"]):
+        r, w = os.pipe()
+        open(os.environ["HANG_MARK"], "w").close()
+        os.read(r, 1)
+    return real(path, *args, **kwargs)
+dataset.iter_tar = iter_tar
+from vltrain.cli import main
+sys.argv = ["vltrain", *sys.argv[1:]]
+main()
+"""
+
+
+@pytest.mark.slow  # two `vltrain run` processes, each stopped by SIGTERM while blocked reading a shard
+@pytest.mark.parametrize("workers", [0, 1])
+def test_sigterm_ends_a_run_blocked_on_a_read_at_once(shards, tmp_path, workers):
+    """A read that never returns (a hung mount): the first SIGTERM gives the read up, saves the last completed step
+    and exits 143, instead of waiting for data that never comes."""
+    out, mark = tmp_path / "run", tmp_path / "blocked"
+    env = {**os.environ, "HANG_SHARD": "shard-000003.tar", "HANG_MARK": str(mark)}
+    proc = subprocess.Popen([sys.executable, "-c", HANGING_RUN, "run", str(shards), "--out", str(out), "--preset",
+                             "clip", "--batch-size", "4", "--device", "cpu", "--steps", "1000",
+                             *tiny_args("--set", f"data.workers={workers}", "--set", "data.val_frac=0")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not mark.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.05)
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        text, _ = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # workers=0 ends in about a second; a loader worker costs the DataLoader's 5 s join before it is terminated
+    assert took < (10 if workers == 0 else 20), (took, text)
+    assert proc.returncode == 143, text
+    step = torch.load(out / "last.pt", weights_only=True)["step"]
+    assert f"stopped at step {step} of 1000" in text and "--resume" in text and "Traceback" not in text, text
+    assert "giving up the read of the next batch" in text
+
+
+def test_a_shard_that_is_not_a_regular_file_is_one_line(shards, tmp_path):
+    """A FIFO (or folder) in a shard's place would block its reader, and no tar reader can seek in it."""
+    import shutil
+
+    data = tmp_path / "ds"
+    shutil.copytree(shards, data)
+    (data / "shard-000003.tar").unlink()
+    os.mkfifo(data / "shard-000003.tar")
+    line = error_line(run(data, tmp_path / "run", "--preset", "clip", "--steps", "2"))
+    assert "shard-000003.tar: not a regular file" in line
+
+
 def test_checkpoints_also_follow_the_wall_clock(shards, tmp_path, monkeypatch):
     from vltrain import train as train_mod
 
