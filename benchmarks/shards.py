@@ -23,7 +23,8 @@ the clock; rounds alternate the order of the sides; medians of wall and CPU time
   run does, nothing skipped: detect the source type, walk the folder (sorted), claim the output folder (lock,
   run marker, resume check), per planned shard a fingerprint (stat of every image) and a finished-shard check,
   per sample read the image and caption, clean and check the caption, check the image (format and size from its
-  header, the end-of-image check: every PNG chunk's CRC, JPEG EOI, WebP RIFF length), build the .json metadata;
+  header, the end-of-image check: every PNG chunk's length up to IEND and every CRC but IDAT's, JPEG EOI, WebP RIFF
+  length), build the .json metadata;
   write a ustar tar (3 members per sample) and the Parquet sidecar under .tmp names and rename them; then
   sizes.json, index.json, meta.json, report.json (with the duplicate-uid scan of the sidecars).
 - `fast writer resize` (B baseline): `fast writer`, except that each image is opened with PIL first; one whose

@@ -10,6 +10,13 @@ The rule that keeps it safe: `probe` answers only when it is sure `Image.open` w
 reject the file, a second header, a size Pillow would warn about, a CRC mismatch, a WebP) returns None, and the
 caller takes the Pillow path, so every skip reason and every accepted image stay exactly what they were.
 tests/vlprep/test_shards.py compares the two paths on valid, damaged and unusual files.
+
+The PNG end check is structural by default: every chunk length is walked to IEND and every chunk's CRC is checked
+except IDAT's, whose payload is skipped. IDAT is nearly all of a PNG's bytes, and its CRC was 11.6 of vlprep's 102
+ms on benchmarks/shards.py part A; a file cut short still fails (a length runs past the end, or IEND is missing),
+and so does a damaged header chunk (Pillow reads those at open). A flipped byte inside IDAT data is left to the
+decoder: `--decode-check` (`idat_crc=True`) checks every CRC and decodes, and training skips and counts a sample
+that does not decode. docs/FORMAT.md, "What the readers refuse", has the contract.
 """
 
 import re
@@ -34,21 +41,24 @@ _JPEG_SOF = {0xC0, 0xC1, 0xC2}
 _JPEG_LAYERS = (1, 3, 4)
 
 
-def png_chunks_ok(data: bytes) -> bool:
-    """Every PNG chunk's length lines up and its CRC matches, ending at IEND: a cut file with its IEND kept (or any
-    flipped byte) fails, at about 1/20 the cost of decoding (zlib.crc32 runs in C; benchmark in docs/FORMAT.md)."""
-    return _png_walk(data) is not None
+def png_chunks_ok(data: bytes, idat_crc: bool = False) -> bool:
+    """Every PNG chunk's length lines up, ending at IEND, and every chunk's CRC matches, IDAT's only with `idat_crc`:
+    a cut file with its IEND kept fails either way; a flipped byte inside IDAT data fails only with `idat_crc`."""
+    return _png_walk(data, idat_crc) is not None
 
 
-def _png_walk(data: bytes) -> tuple[int, int, bool] | None:
-    """(width, height, Pillow would open it as we read it) of a PNG whose chunks all check out, else None."""
+def _png_walk(data: bytes, idat_crc: bool = False) -> tuple[int, int, bool] | None:
+    """(width, height, Pillow would open it as we read it) of a PNG whose chunks all check out, else None.
+
+    IDAT's CRC is checked only with `idat_crc` (the module docstring says why)."""
     view, n, crc32, unpack, stored = memoryview(data), len(data), zlib.crc32, _CHUNK.unpack_from, _CRC.unpack_from
     pos, size, simple, mode, text = 8, None, True, "", 0
     # The chunks Pillow reads at open (up to the first IDAT): checked as its handlers check them.
     while pos + 12 <= n:
         length, cid = unpack(data, pos)
         end = pos + 12 + length
-        if end > n or crc32(view[pos + 4:end - 4]) != stored(data, end - 4)[0]:
+        if end > n or ((cid != b"IDAT" or idat_crc)
+                       and crc32(view[pos + 4:end - 4]) != stored(data, end - 4)[0]):
             return None
         pos = end
         if cid == b"IDAT":
@@ -78,11 +88,12 @@ def _png_walk(data: bytes) -> tuple[int, int, bool] | None:
             simple = False
     else:
         return None
-    # The rest: lengths and CRCs only, up to IEND.
+    # The rest: lengths and CRCs only (IDAT's with idat_crc), up to IEND.
     while pos + 12 <= n:
         length, cid = unpack(data, pos)
         end = pos + 12 + length
-        if end > n or crc32(view[pos + 4:end - 4]) != stored(data, end - 4)[0]:
+        if end > n or ((cid != b"IDAT" or idat_crc)
+                       and crc32(view[pos + 4:end - 4]) != stored(data, end - 4)[0]):
             return None
         if cid == b"IEND":
             return (size[0], size[1], simple) if size else (0, 0, False)
@@ -140,12 +151,13 @@ def probe(data: bytes) -> tuple[str, int, int] | None:
     return fmt, w, h
 
 
-def looks_complete(data: bytes, fmt: str) -> bool:
-    """End-of-image check without decoding: catches files cut short in a download or copy (PNG: every chunk)."""
+def looks_complete(data: bytes, fmt: str, idat_crc: bool = False) -> bool:
+    """End-of-image check without decoding: catches files cut short in a download or copy (PNG: every chunk's length,
+    and its CRC but IDAT's unless `idat_crc`, which --decode-check passes)."""
     if fmt in ("JPEG", "MPO"):
         return data.rstrip(b"\0")[-2:] == b"\xff\xd9"
     if fmt == "PNG":
-        return png_chunks_ok(data)
+        return png_chunks_ok(data, idat_crc)
     if fmt == "WEBP":
         return len(data) >= 12 and int.from_bytes(data[4:8], "little") + 8 <= len(data)
     return True

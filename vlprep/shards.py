@@ -13,7 +13,8 @@ samples").
 
 Images pass through untouched unless --resize or --format asks for a re-encode. Pass-through checks
 the header and the end-of-image marker (JPEG EOI, PNG IEND, WebP RIFF length) without decoding, which
-catches truncated files at copy speed; --decode-check decodes every image as well.
+catches truncated files at copy speed; --decode-check decodes every image as well, and checks the CRC of
+every PNG chunk, IDAT included (vlprep/imagecheck.py).
 """
 
 import hashlib
@@ -184,7 +185,7 @@ def prepare_image(data: bytes, resize: int | None = None, fmt: str | None = None
     out_ext = fmt or src_ext or "png"
     small = resize is None or min(w, h) <= resize
     if small and src_ext == out_ext:  # pass-through: same format, nothing to shrink
-        if not looks_complete(data, src_fmt):
+        if not looks_complete(data, src_fmt, idat_crc=decode_check):  # --decode-check: every PNG CRC too
             raise Skip("truncated_image")
         if decode_check:
             try:

@@ -312,8 +312,11 @@ def test_png_chunk_walk_catches_a_cut_png_that_keeps_iend(tmp_path):
     assert cut.endswith(b"IEND\xaeB`\x82")
     assert png_chunks_ok(good) and not png_chunks_ok(cut)
     flipped = bytearray(good)
-    flipped[60] ^= 0xFF  # one byte inside the first chunks: its CRC no longer matches
+    flipped[20] ^= 0xFF  # one byte inside IHDR: its CRC no longer matches
     assert not png_chunks_ok(bytes(flipped))
+    flipped = bytearray(good)
+    flipped[60] ^= 0xFF  # one byte inside IDAT data: the default walk skips IDAT's CRC, --decode-check's does not
+    assert png_chunks_ok(bytes(flipped)) and not png_chunks_ok(bytes(flipped), idat_crc=True)
     # the re-derivation: Pillow, decoding fully, agrees on both
     import io
 

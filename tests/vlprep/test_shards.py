@@ -173,9 +173,10 @@ def test_decode_check_catches_corrupt_data_with_intact_markers(tmp_path):
     import zlib
 
     data = bytearray(image_bytes(64, 64, "PNG"))
-    data[200:1200] = b"\x00" * 1000  # pixel data destroyed, IEND intact: the chunk CRCs no longer match
+    data[200:1200] = b"\x00" * 1000  # pixel data destroyed, IEND intact: IDAT's CRC no longer matches
+    assert prepare_image(bytes(data))[1] == "png"  # the cheap check walks the chunks but skips IDAT's CRC
     with pytest.raises(Skip) as e:
-        prepare_image(bytes(data))  # the cheap check walks the chunks
+        prepare_image(bytes(data), decode_check=True)  # --decode-check checks every CRC, then decodes
     assert e.value.reason == "truncated_image"
     # destroyed inside the zlib stream with the chunk's CRC recomputed: only decoding can tell
     png = image_bytes(64, 64, "PNG")
