@@ -41,21 +41,26 @@ def _ignore_sigint(worker_id: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def epoch_batches(epoch: int, seed: int, dataset, sampler, collate, batch_size: int, workers: int,
-                  device: torch.device) -> tuple:
-    """(batch iterator, data RNG state) at the start of an epoch; both depend only on (seed, epoch)."""
-    # A generator per epoch fixes the workers' seeds, so a resumed epoch replays the same augmentations.
-    # Index samplers: an epoch is a GRIT pass over the data or a TOnICS curriculum period.
-    seed = seed * 100_003 + epoch
+def make_loader(seed: int, dataset, sampler, collate, batch_size: int, workers: int,
+                device: torch.device) -> DataLoader:
+    """The run's one DataLoader. Its workers are forked once and kept across epochs (persistent_workers): a fork per
+    epoch cost every first step after it ~39 ms of copy-on-write faults on the weights and AdamW state. They learn
+    the epoch through shared memory and reseed at its start (vltrain.data.reseed_worker), so an epoch's samples and
+    augmentations are a function of (seed, epoch) only, as with workers started afresh each epoch."""
     common = dict(collate_fn=collate, num_workers=workers, pin_memory=device.type == "cuda",
-                  generator=torch.Generator().manual_seed(seed), worker_init_fn=_ignore_sigint)
-    dataset.set_epoch(epoch)  # which caption of a multi-caption sample this epoch trains on
+                  generator=torch.Generator().manual_seed(seed * 100_003), worker_init_fn=_ignore_sigint,
+                  persistent_workers=workers > 0)
+    if sampler is not None:  # index samplers: an epoch is a GRIT pass over the data or a TOnICS curriculum period
+        return DataLoader(dataset, batch_sampler=sampler, **common)
+    return DataLoader(dataset, batch_size=batch_size, drop_last=True, **common)
+
+
+def epoch_batches(loader: DataLoader, epoch: int, seed: int, dataset, sampler) -> tuple:
+    """(batch iterator, data RNG state) at the start of an epoch; both depend only on (seed, epoch)."""
+    dataset.set_epoch(epoch)  # which caption of a multi-caption sample this epoch trains on; workers reseed for it
     if sampler is not None:
         sampler.set_epoch(epoch)
-        loader = DataLoader(dataset, batch_sampler=sampler, **common)
-    else:
-        loader = DataLoader(dataset, batch_size=batch_size, drop_last=True, **common)
-    return iter(loader), torch.Generator().manual_seed(seed + 1).get_state()
+    return iter(loader), torch.Generator().manual_seed(seed * 100_003 + epoch + 1).get_state()
 
 
 def next_batch(batches, rng_state: torch.Tensor) -> tuple[dict, torch.Tensor]:
@@ -77,10 +82,13 @@ class Feed:
         self.batch_size, self.workers, self.device = batch_size, workers, device
         self.bad = 0  # bad (skipped) samples so far
         self.reading = False  # inside `next`: a signal handler may raise StopFetch to give up the read
+        self.loader = None  # made on the first epoch, kept for the run
 
     def _open(self, epoch: int) -> None:
-        self.batches, self.rng = epoch_batches(epoch, self.seed, self.data.train, self.batch_sampler,
-                                               self.data.collate, self.batch_size, self.workers, self.device)
+        if self.loader is None:
+            self.loader = make_loader(self.seed, self.data.train, self.batch_sampler, self.data.collate,
+                                      self.batch_size, self.workers, self.device)
+        self.batches, self.rng = epoch_batches(self.loader, epoch, self.seed, self.data.train, self.batch_sampler)
 
     def start(self, state) -> None:
         self._open(state.epoch)

@@ -224,6 +224,8 @@ def load_weights(model, weights: dict, path) -> None:
 
 
 # Keys a resumed run may change: how long it runs, where and how it reports, how it loads data, the speed options.
+# Keys added with a default that is not the behaviour from before them: a checkpoint older than the key ran as this.
+BEFORE_KEY = {"data.bucket": 0, "train.precision": "fp32"}
 RESUMABLE = {"steps", "epochs", "out", "device", "log_every", "eval_every", "ckpt_every", "ckpt_minutes",
              "data.workers", "train.tf32", "train.channels_last", "train.compile"}
 
@@ -307,6 +309,7 @@ class Run:
     out: Path
     stop_signal: int | None = None  # set by the signal handler: save after this step and stop
     init_from: dict | None = None  # --init-from: where the weights came from (init_weights' record), kept by resumes
+    precision: str = "fp32"  # what train.precision resolved to (fp32 / bf16); a resumed run keeps it
 
     @property
     def last_path(self) -> Path:
@@ -325,6 +328,7 @@ def checkpoint_state(run: Run, state: RunState) -> dict:
             "epoch": state.epoch, "consumed": state.consumed, "best": state.best, "config": to_dict(run.cfg),
             "data": run.data, "sampler": run.sampler.state_dict() if run.sampler is not None else None,
             "curriculum_log": state.curriculum_log, "rng": rng_states(run.generator), "versions": versions(),
+            "precision": run.precision,
             **({"init_from": run.init_from} if run.init_from else {})}
 
 
@@ -361,7 +365,11 @@ def check_ranks(ckpt: dict, path: Path, size: int) -> None:
 
 def check_resumable(ckpt: dict, cfg: Config, data: str, path: Path) -> None:
     """A TrainError unless `ckpt` continues this run: the same config (but RESUMABLE keys) and training data."""
-    diffs = config_diff(upgrade(ckpt["config"]), to_dict(cfg), defaults=to_dict(Config()))
+    defaults = to_dict(Config())
+    for dotted, value in BEFORE_KEY.items():  # an older checkpoint ran as these keys' former behaviour
+        section, key = dotted.split(".")
+        defaults[section][key] = value
+    diffs = config_diff(upgrade(ckpt["config"]), to_dict(cfg), defaults=defaults)
     if diffs:
         raise TrainError(f"--resume: {path} was trained with another config ({'; '.join(diffs[:8])}"
                          f"{'; ...' if len(diffs) > 8 else ''}); use the same options, or a new --out")

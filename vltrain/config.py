@@ -34,6 +34,8 @@ class DataConfig:
     min_crop_scale: float = 0.5     # RandomResizedCrop scale lower bound of augment=none (ALBEF fine-tuning: 0.5)
     triplets: bool = False          # TOnICS triplet mode: instances are (caption, image, noun span) triplets
     augment: str = "none"           # training images: none (crop + flip), albef (+ RandAugment), softmask (+ colour)
+    bucket: int = 8                 # random stream: batches cut from windows of this many batches sorted by caption
+                                    # length, so each pads to a similar length; 0 = off (GRIT / TOnICS orders: never)
 
 
 @dataclass
@@ -88,6 +90,7 @@ class OptimConfig:
 
 
 SWITCHES = ("auto", "on", "off")
+PRECISIONS = ("auto", "fp32", "bf16")
 
 
 @dataclass
@@ -96,6 +99,8 @@ class TrainConfig:
     tf32: str | bool = "auto"           # TF32 matmuls and convolutions (CUDA only; auto = on there)
     channels_last: str | bool = "auto"  # NHWC memory format for the CNN image tower and its pixels (auto = on CUDA)
     compile: bool = False               # torch.compile the image and text encoders in place (same checkpoint keys)
+    precision: str = "auto"             # fp32, bf16 (autocast), auto: bf16 on CUDA, and on a CPU with bf16
+                                        # arithmetic where a quick check of the model finds it faster; else fp32
 
 
 @dataclass
@@ -386,6 +391,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "data.val_frac": ("[0, 1)", "a share of the samples"),
     "data.workers": ("[-1, inf)", "-1 = auto"),
     "data.min_crop_scale": ("(0, 1]", "a share of the image area"),
+    "data.bucket": ("[0, 1000]", "batches per length-sorted window; 0 = off"),
     "loss.itc": ("[0, inf)", "a loss weight"),
     "loss.itm": ("[0, inf)", "a loss weight"),
     "loss.mlm": ("[0, inf)", "a loss weight"),
@@ -493,6 +499,8 @@ def validate(cfg: Config) -> None:
             setattr(cfg.train, key, "on" if value else "off")
         if getattr(cfg.train, key) not in SWITCHES:
             raise ConfigError(f"train.{key} must be one of {', '.join(SWITCHES)}, got {shown(getattr(cfg.train, key))}")
+    if cfg.train.precision not in PRECISIONS:
+        raise ConfigError(f"train.precision must be one of {', '.join(PRECISIONS)}, got {shown(cfg.train.precision)}")
     s = cfg.sampler
     if s.kind not in SAMPLERS:
         raise ConfigError(f"unknown sampler {shown(s.kind)}; samplers: {', '.join(SAMPLERS)}")

@@ -280,20 +280,27 @@ class ShardStream(IterableDataset):
 
     def __init__(self, folders, split: str, val_frac: float, transform, shuffle: bool = True,
                  buffer: int = 1000, seed: int = 0, use_features: bool = False, rank: int = 0, world: int = 1,
-                 captions: str = "draw"):
+                 captions: str = "draw", bucket: int = 0, batch: int = 1, lengths=None):
         self.sizes = shard_sizes(folders)
         self.shards = list(self.sizes)
         if not self.shards:
             raise ValueError("no shards in " + ", ".join(map(str, folders)))
         self.split, self.val_frac, self.transform = split, val_frac, transform
-        self.shuffle, self.buffer, self.seed, self.epoch = shuffle, buffer, seed, 0
+        self.shuffle, self.buffer, self.seed = shuffle, buffer, seed
+        self._epoch = EpochCounter()
         self.use_features, self.rank, self.world = use_features, rank, world
         self.captions = captions
         self.shape = token_shape(folders) if use_features else None  # what every npy member must be
         self.counts = LoadCounts()
+        # Length bucketing (shuffled training only): `lengths` maps captions to token counts (TokenLengths)
+        self.bucket, self.batch, self.lengths = (bucket, batch, lengths) if shuffle and lengths else (0, 1, None)
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch.value
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+        self._epoch.value = epoch
 
     def _wanted(self, key: str) -> bool:
         return in_val(key, self.val_frac) == (self.split == "val")
@@ -319,7 +326,8 @@ class ShardStream(IterableDataset):
             raise short_shard(shard, n, "sizes.json says", self.sizes[shard], REMAKE_HINT)
 
     def __iter__(self) -> Iterator[tuple]:
-        rng = random.Random(self.seed * 1_000_003 + self.epoch)
+        epoch = self.epoch
+        rng = random.Random(self.seed * 1_000_003 + epoch)
         shards = list(self.shards)
         if self.shuffle:
             rng.shuffle(shards)
@@ -328,26 +336,57 @@ class ShardStream(IterableDataset):
             workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
             slot = self.rank * workers + worker
             shards = shards[slot::self.world * workers]
-            rng = random.Random(self.seed * 1_000_003 + self.epoch * 1009 + 7919 * slot + 1)
+            rng = random.Random(self.seed * 1_000_003 + epoch * 1009 + 7919 * slot + 1)
         elif info is not None:
             shards = shards[info.id::info.num_workers]
-            rng = random.Random(self.seed * 1_000_003 + self.epoch * 1009 + info.id)
+            rng = random.Random(self.seed * 1_000_003 + epoch * 1009 + info.id)
+        if info is not None:  # a worker that lives across epochs: its augmentations a function of (seed, epoch, id)
+            reseed_worker(self.seed, epoch, info.id)
+        raws = self._shuffled(shards, rng) if self.shuffle else self._raws(shards)
+        if self.bucket > 0:
+            raws = self._bucketed(raws, rng, epoch)
+        yield from (s for s in map(self._load, raws) if s is not None)
+
+    def _raws(self, shards: list) -> Iterator[dict]:
+        for shard in shards:
+            for raw in self._samples(shard):
+                if self._wanted(raw["__key__"]):
+                    yield raw
+
+    def _shuffled(self, shards: list, rng: random.Random) -> Iterator[dict]:
         # The buffer holds raw samples (encoded bytes), not decoded tensors: 1,000 tensors of
         # 3x224x224 floats would be 600 MB per worker and slow everything down.
         buf = []
-        for shard in shards:
-            for raw in self._samples(shard):
-                if not self._wanted(raw["__key__"]):
-                    continue
-                if not self.shuffle:
-                    if (sample := self._load(raw)) is not None:
-                        yield sample
-                    continue
-                buf.append(raw)
-                if len(buf) >= self.buffer and (sample := self._load(buf.pop(rng.randrange(len(buf))))) is not None:
-                    yield sample
+        for raw in self._raws(shards):
+            buf.append(raw)
+            if len(buf) >= self.buffer:
+                yield buf.pop(rng.randrange(len(buf)))
         rng.shuffle(buf)
-        yield from (s for s in map(self._load, buf) if s is not None)
+        yield from buf
+
+    def _bucketed(self, raws: Iterator[dict], rng: random.Random, epoch: int) -> Iterator[dict]:
+        """The shuffled raw samples in windows of `bucket` batches: each window sorted by caption length (ties in
+        arrival order), cut into batches, the batches in a shuffled order, so a batch pads to a similar length.
+
+        A trailing partial batch stays last, where the loader's drop_last leaves it. The order is a function of the
+        seed and epoch (the rng), so a resumed run draws the same batches."""
+        size = self.bucket * self.batch
+        window = []
+        for raw in raws:
+            window.append(raw)
+            if len(window) == size:
+                yield from self._window(window, rng, epoch)
+                window = []
+        yield from self._window(window, rng, epoch)
+
+    def _window(self, window: list, rng: random.Random, epoch: int) -> list:
+        which = (self.seed, epoch) if self.captions == "draw" else self.captions
+        lengths = self.lengths([caption_of(raw, which) for raw in window])
+        order = sorted(range(len(window)), key=lambda i: lengths[i])  # stable: ties keep their arrival order
+        full = len(order) - len(order) % self.batch
+        batches = [order[i:i + self.batch] for i in range(0, full, self.batch)]
+        rng.shuffle(batches)
+        return [window[i] for b in batches for i in b] + [window[i] for i in order[full:]]
 
 
 class IndexedShards:
@@ -474,19 +513,28 @@ class InstanceView(torch.utils.data.Dataset):
         self.transform, self.use_features = transform, use_features
         self.shape = token_shape(shards.roots) if use_features else None  # what every npy member must be
         self.spans = None if spans is None else np.asarray(spans, dtype=np.int64).reshape(-1, 2)
-        self.captions, self.seed, self.epoch = captions, seed, 0
+        self.captions, self.seed = captions, seed
+        self._epoch, self._seeded = EpochCounter(), None  # _seeded: the epoch this worker last reseeded for
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch.value
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+        self._epoch.value = epoch
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def __getitem__(self, p: int) -> tuple | None:
         """The sample at position p, or None (counted in shards.counts) when it cannot be decoded."""
+        epoch, info = self.epoch, get_worker_info()
+        if info is not None and self._seeded != epoch:  # a worker kept across epochs: reseed at each one's start
+            reseed_worker(self.seed, epoch, info.id)
+            self._seeded = epoch
         raw = self.shards.raw(int(self.samples[p]))
         try:
-            which = (self.seed, self.epoch) if self.captions == "draw" and self.spans is None else FIRST
+            which = (self.seed, epoch) if self.captions == "draw" and self.spans is None else FIRST
             x, caption, key = load_sample(raw, self.transform, self.use_features, which, self.shape)
         except Exception as e:  # a corrupt image, caption or npy: the sample's fault; Collate drops the None
             self.shards.counts.add(1, 1, skip_reason(e))
@@ -504,6 +552,56 @@ def span_mask(offsets: torch.Tensor, spans: torch.Tensor) -> torch.Tensor:
     """
     start, end = spans[:, None, 0], spans[:, None, 1]
     return (offsets[..., 0] < end) & (offsets[..., 1] > start) & (offsets[..., 1] > offsets[..., 0])
+
+
+def caption_of(raw: dict, captions) -> str:
+    """The caption `load_sample` would train on for `raw` ('' when it cannot be read: the load counts that)."""
+    try:
+        if captions == FIRST:
+            return raw["txt"].decode("utf-8")
+        return drawn_caption(sample_captions(raw), *captions, raw["__key__"])
+    except (KeyError, UnicodeDecodeError, ValueError):
+        return ""
+
+
+class TokenLengths:
+    """Captions -> their token counts as Collate tokenises them (with [CLS] / [SEP], cut at max_len); a class, not a
+    closure, so that a DataLoader worker started by spawn can receive it."""
+
+    def __init__(self, tokenizer, max_len: int):
+        self.tokenizer, self.max_len = tokenizer, max_len
+
+    def __call__(self, captions: list[str]) -> list[int]:
+        if not captions:
+            return []
+        ids = self.tokenizer(captions, truncation=True, max_length=self.max_len)["input_ids"]
+        return [len(x) for x in ids]
+
+
+class EpochCounter:
+    """The data's epoch in shared memory: DataLoader workers that live across epochs (persistent_workers) read the
+    epoch the main process set, not the one they were forked with."""
+
+    def __init__(self):
+        self._value = torch.zeros((), dtype=torch.int64).share_memory_()
+
+    @property
+    def value(self) -> int:
+        return int(self._value)
+
+    @value.setter
+    def value(self, epoch: int) -> None:
+        self._value.fill_(epoch)
+
+
+def reseed_worker(seed: int, epoch: int, worker: int) -> None:
+    """A DataLoader worker's torch, numpy and random generators, as a function of (run seed, epoch, worker id)
+    only: a worker kept across epochs then draws the augmentations a freshly started one would, so a run resumed
+    mid-training replays them bit for bit."""
+    s = (seed * 1_000_003 + epoch * 10_007 + worker * 101 + 17) % 2 ** 32
+    torch.manual_seed(s)
+    np.random.seed(s)
+    random.seed(s)
 
 
 class Collate:

@@ -117,9 +117,29 @@ def tokenizer_for(text_model: str):
     return build_tokenizer(ModelConfig(text_model=text_model))
 
 
-def autocast(device: torch.device):
-    """bf16 autocast on CUDA; full float32 elsewhere (CPU bf16 is slow and unhelpful for small models)."""
-    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+def bf16_supported(device: torch.device) -> bool:
+    """Whether `device` computes in bfloat16 natively: CUDA, or a CPU that reports AVX512_BF16 or AMX (torch would
+    emulate bf16 elsewhere, slower than float32)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return False
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:  # not Linux: ask torch's dispatcher which kernels it picked
+        return torch.backends.cpu.get_cpu_capability() in ("AVX512_BF16", "AMX")  # pragma: no cover
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def autocast(device: torch.device, precision: str = "auto"):
+    """The context a forward pass runs in: bf16 autocast for precision "bf16", none for "fp32"; "auto" (evaluation
+    and inference) is bf16 on CUDA and float32 on a CPU. Under autocast the matmuls run in bf16 while the losses
+    upcast their logits to float32 (vltrain.losses.upcast) and parameters and optimiser state stay float32."""
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" else "fp32"
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def _build_text_encoder(name: str) -> nn.Module:

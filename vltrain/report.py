@@ -24,7 +24,8 @@ def fmt_duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def summary(cfg, model, device, n_train: int, n_val: int, per_epoch: int, size: int = 1) -> str:
+def summary(cfg, model, device, n_train: int, n_val: int, per_epoch: int, size: int = 1,
+            precision: tuple[str, str] = ("fp32", "")) -> str:
     """The start-of-run block: what will train, on what, for how long, where it goes."""
     m, w, d = cfg.model, cfg.loss, cfg.data
     trained, frozen, n_params = [], [], 0
@@ -51,7 +52,8 @@ def summary(cfg, model, device, n_train: int, n_val: int, per_epoch: int, size: 
     extras += [f"distill {w.distill_alpha:g}" + (f", ramped up over {w.distill_warmup_steps:,} steps"
                                                  if w.distill_warmup_steps > 0 else "")] if w.distill_alpha > 0 else []
     extras += [f"MLM {w.mlm_prob:.0%}"] if w.mlm > 0 else []
-    dtype = "bf16 autocast" if device.type == "cuda" else "float32"
+    p, why = precision
+    dtype = ("bf16 autocast" if p == "bf16" else "float32") + (f", {why}" if why else "")
     lines = [
         f"vltrain run: preset {cfg.preset}, {cfg.steps:,} steps = {cfg.steps / max(per_epoch, 1):.1f} epochs of "
         f"{per_epoch:,} batches of {cfg.batch_size}"

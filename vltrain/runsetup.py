@@ -4,6 +4,8 @@ training data (streamed shards, or index-sampled views for GRIT, TOnICS and trip
 import math
 import random
 import shutil
+import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,11 +17,11 @@ from vlprep.dataset import lock_output
 from vltrain.checkpoint import load
 from vltrain.errors import TrainError
 from vltrain.config import GRIT_RATIOS, GRIT_RATIOS_BEFORE, Config, grit_sizes
-from vltrain.data import (Collate, IndexedShards, InstanceView, ShardStream, count_split, eval_transform,
-                          feature_input, in_val, train_transform)
+from vltrain.data import (Collate, IndexedShards, InstanceView, ShardStream, TokenLengths, count_split,
+                          eval_transform, feature_input, in_val, train_transform)
 from vltrain.distributed import broadcast
 from vltrain.evaluate import distinct_positions
-from vltrain.model import image_stats, resolve_device, tokenizer_for
+from vltrain.model import autocast, bf16_supported, image_stats, resolve_device, tokenizer_for
 from vltrain.report import console
 from vltrain.samplers import GritSampler, TonicsBatchSampler, TonicsCurriculum, default_ontology, tonics_instances
 
@@ -154,6 +156,57 @@ def speed_options(cfg: Config, model, device: torch.device, use_features: bool) 
     return channels_last
 
 
+def resolve_precision(cfg: Config, model, device: torch.device, ckpt: dict | None, rank: int) -> tuple[str, str]:
+    """(fp32 or bf16: what train.precision means for this run, the reason in a few words). A resumed run keeps its
+    checkpoint's (fp32 before the key existed). `auto`: bf16 on CUDA; on a CPU with bf16 arithmetic (AVX512_BF16,
+    AMX) bf16 when a quick check of the model's text tower finds it at least BF16_GAIN times faster, else fp32.
+    Under torchrun rank 0 decides for every rank."""
+    if ckpt is not None:
+        p = ckpt.get("precision", "fp32")
+        return p, "as the resumed run"
+    asked, supported = cfg.train.precision, bf16_supported(device)
+    if asked == "fp32":
+        return "fp32", "train.precision=fp32"
+    if asked == "bf16":
+        if not supported:
+            raise TrainError(f"train.precision=bf16: this {'CPU' if device.type == 'cpu' else 'device'} has no bf16 "
+                             "arithmetic (AVX512_BF16 or AMX), so torch would emulate it, slower than fp32; use fp32 "
+                             "or auto")
+        return "bf16", "train.precision=bf16"
+    if not supported:
+        return "fp32", "auto: no bf16 arithmetic here"
+    if device.type == "cuda":
+        return "bf16", "auto on CUDA"
+    width = model.text_encoder.config.hidden_size
+    if width < BF16_MIN_WIDTH:  # decided without timing: such matmuls gain nothing, and the result stays reproducible
+        return "fp32", f"auto: a {width}-wide text tower is too small to gain from bf16"
+    gain = broadcast(bf16_gain(model, cfg.batch_size, min(16, cfg.data.max_len)) if rank == 0 else None)
+    return ("bf16" if gain >= BF16_GAIN else "fp32"), f"auto: bf16 ran {gain:.1f}x fp32 in a quick check"
+
+
+BF16_GAIN = 1.2  # auto takes bf16 on a CPU only when it is at least this much faster
+BF16_MIN_WIDTH = 256  # auto keeps fp32 on a CPU for narrower text towers (the tests' tiny model is 32 wide)
+
+
+def bf16_gain(model, batch: int, length: int, reps: int = 3) -> float:
+    """fp32 time / bf16 time of the text tower's forward on a (batch, length) caption batch, medians of `reps`
+    alternating calls after one of each (no gradient; the backward's matmuls gain alike)."""
+    ids = torch.full((batch, length), 1000, dtype=torch.long)
+    mask = torch.ones_like(ids)
+    times, training = {"fp32": [], "bf16": []}, model.training
+    model.eval()  # no dropout draws: the run's random numbers are the same whether or not the check ran
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        for i in range(reps + 1):
+            for p in ("fp32", "bf16"):
+                t0 = time.perf_counter()
+                with autocast(torch.device("cpu"), p):
+                    model.encode_text(ids, mask)
+                if i:
+                    times[p].append(time.perf_counter() - t0)
+    model.train(training)
+    return statistics.median(times["fp32"]) / statistics.median(times["bf16"])
+
+
 # --- the training data ---------------------------------------------------------------------------------------
 
 
@@ -259,7 +312,8 @@ def training_data(cfg: Config, ckpt: dict | None, rank: int, size: int) -> Train
     else:
         counts = count_split(cfg.shards, cfg.data.val_frac)
         stream = ShardStream(cfg.shards, "train", cfg.data.val_frac, tf_train, seed=cfg.seed,
-                             use_features=use_features, rank=rank, world=size)
+                             use_features=use_features, rank=rank, world=size, bucket=cfg.data.bucket,
+                             batch=cfg.batch_size, lengths=TokenLengths(tok, cfg.data.max_len))
         d = TrainData(tok, collate, use_features, stream, None, stream.counts, counts["train"], counts["val"], 0)
     global_batch = cfg.batch_size * size  # --batch-size is per process
     if d.n_train < global_batch:

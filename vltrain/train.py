@@ -29,7 +29,8 @@ from vltrain.model import autocast, build_model
 from vltrain.optim import build_optimizer, lr_at, optimizer_step, set_lr
 from vltrain.report import Report, console, earlier_rows, summary
 from vltrain.runsetup import (clamp_queue, heldout_positions, init_source, open_output, resolve_input,
-                              resolve_workers, seed_everything, speed_options, train_device, training_data)
+                              resolve_precision, resolve_workers, seed_everything, speed_options, train_device,
+                              training_data)
 from vltrain.samplers import GritSampler
 from vltrain.step import TrainStep, distill_alpha_at, wrap_ddp
 
@@ -78,6 +79,7 @@ def train(cfg, resume: bool = False, overwrite: bool = False, init_from=None) ->
             console.print(note, highlight=False, markup=False)
     model.to(device).train()
     channels_last = speed_options(cfg, model, device, data.use_features)
+    precision, why = resolve_precision(cfg, model, device, ckpt, rank)
     generator = torch.Generator(device=device).manual_seed(rank_seed)  # MLM masks and hard-negative draws
     step_fn = TrainStep(model) if size == 1 else wrap_ddp(model, cfg.loss, device)
     if size > 1:
@@ -87,7 +89,7 @@ def train(cfg, resume: bool = False, overwrite: bool = False, init_from=None) ->
 
     # --- optimiser
     optimizer, params = build_optimizer(model, cfg.optim, device)
-    run = Run(cfg, model, optimizer, data.sampler, generator, data_sig, out, init_from=init)
+    run = Run(cfg, model, optimizer, data.sampler, generator, data_sig, out, init_from=init, precision=precision)
 
     # --- resume (the data position is replayed: this epoch's batches already trained on are drawn again)
     state, rng = ckpt_io.restore(ckpt, run, rank, size) if ckpt is not None else (RunState(), None)
@@ -97,8 +99,8 @@ def train(cfg, resume: bool = False, overwrite: bool = False, init_from=None) ->
         ckpt_io.set_rng_states(rng, generator)
         began = f"; the run began from --init-from {init['path']}" if init else ""
         console.print(f"resumed from step {state.step} of {cfg.steps} ({run.last_path}){began}", highlight=False)
-    console.print(summary(cfg, model, device, data.n_train, data.n_val, data.per_epoch, size), highlight=False,
-                  markup=False)
+    console.print(summary(cfg, model, device, data.n_train, data.n_val, data.per_epoch, size, (precision, why)),
+                  highlight=False, markup=False)
     rows = earlier_rows(out / "metrics.jsonl", state.step) if ckpt is not None else []
 
     # --- loop
@@ -122,7 +124,7 @@ def train(cfg, resume: bool = False, overwrite: bool = False, init_from=None) ->
             batch = to_device(batch, device)
             if channels_last:
                 batch["images"] = batch["images"].contiguous(memory_format=torch.channels_last)
-            with autocast(device):
+            with autocast(device, precision):
                 losses = step_fn(batch, cfg.loss, generator, data.tokenizer, alpha)
             queue_feats = losses.pop("queue_feats")
             losses_f = _finite(losses, state.step, run)

@@ -1,0 +1,272 @@
+"""Model FLOPs utilisation of the trainer's step on cached tokens, against the matmul peak measured in the same run.
+
+Peak: the median FLOP/s of --peak-reps square matmuls of --peak-size (2 n^3 FLOPs each) in float32, and in bfloat16
+   where the device runs it natively (CUDA; a CPU that reports AVX512_BF16 or AMX). The peak is what this machine's
+   BLAS reaches on one large matmul with every thread, so no step of smaller matmuls can reach 100% of it.
+Step: for each preset of --presets and batch of --batches, the trainer's own step on batches drawn the way `vltrain
+   run` draws them from the `vlprep features` dataset --data (its sampler, bucketing and collate: `training_data` and
+   `Feed`, data.val_frac 0.05), the packaged MiniLM text model: the batch moved to the device, the loss step
+   (`TrainStep` under the run's precision, vltrain.model.autocast), then `optimizer_step` (backward, gradient
+   clipping, fused AdamW, momentum update and enqueue). Nothing else of the loop (logging, checks, the GRIT
+   collect) is timed. One untimed step, then --steps timed steps over the drawn batches; medians.
+FLOPs: `torch.utils.flop_counter.FlopCounterMode` around one forward and backward of the same step (the optimiser
+   has no matmuls). Total FLOPs: counted on each drawn batch as it is (captions padded to the longest in the batch).
+   Useful FLOPs: the same step with the padding left out, computed as the mean over the batch's captions of F(L_i),
+   where F(L) is the count of the step with every caption of the batch at L tokens and L_i is caption i's own
+   length. F is a quadratic in L (linear layers grow with L, self-attention with L^2): it is fitted exactly to the
+   counts at L = 8, 16 and 32 and checked at L = 24 (the fit error is printed). The masked-LM head runs on the
+   masked positions only, a random ~15% of the real tokens, so F carries a little draw noise (under 1% here).
+MFU: useful FLOPs per second of step / the peak of the dtype the step runs in. The padding share is 1 - useful /
+   total. Samples/s: the batch / the median step time.
+
+Data: --data, a `vlprep features` dataset (default: the demo's demo-out/openclipart/bow-feat when it exists; else
+   --images openclipart PNGs from /usr/share/openclipart/png with their file names as captions, or synthetic images,
+   made into shards and features first, untimed, as benchmarks/features.py makes them; short captions there mean
+   less padding than the demo's).
+
+The load average is printed at the start and the end; the script always exits 0 and ends with a table.
+
+    .venv/bin/python benchmarks/mfu.py [--data DIR] [--presets clip,albef,grit,softmask] [--batches 32,128]
+        [--precisions fp32,bf16] [--steps 6] [--device auto]
+"""
+
+import argparse
+import contextlib
+import io
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "demo-out" / "openclipart" / "bow-feat"
+FIT_LENGTHS, CHECK_LENGTH = (8, 16, 32), 24
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_peak(dtype: torch.dtype, device: torch.device, n: int, reps: int) -> float:
+    """Median FLOP/s of `reps` (n, n) @ (n, n) matmuls in `dtype` after two untimed ones."""
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, generator=g, device=device).to(dtype)
+    b = torch.randn(n, n, generator=g, device=device).to(dtype)
+    for _ in range(2):
+        a @ b
+    times = []
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        a @ b
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * n ** 3 / statistics.median(times)
+
+
+def make_data(tmp: Path, n: int) -> tuple[Path, str]:
+    """A `vlprep features` dataset of n images (benchmarks/features.py's images), made untimed."""
+    from features import make_shards
+    from vlprep.features import FeaturesConfig, features
+
+    pixels, origin = make_shards(tmp, n)
+    with contextlib.redirect_stderr(io.StringIO()):
+        features(FeaturesConfig(src=pixels, out=tmp / "feat", device="cpu"))
+    return tmp / "feat", origin
+
+
+class Setup:
+    """One (preset, batch, precision): the config resolved as train() resolves it, the model, optimiser and the
+    drawn batches (on the device)."""
+
+    def __init__(self, data: Path, preset: str, batch: int, precision: str, device: torch.device, n_batches: int,
+                 out: Path):
+        from vltrain.batches import Feed
+        from vltrain.checkpoint import RunState
+        from vltrain.config import TrainConfig, load_config
+        from vltrain.data import to_device
+        from vltrain.model import build_model
+        from vltrain.optim import build_optimizer
+        from vltrain.runsetup import resolve_input, resolve_workers, training_data
+        from vltrain.step import TrainStep
+
+        sets = ["model.text_model=minilm", "data.workers=0"]
+        if precision != "fp32" or hasattr(TrainConfig(), "precision"):  # (the trainer before train.precision: fp32)
+            sets.append(f"train.precision={precision}")
+        self.cfg = cfg = load_config(preset=preset, sets=sets, shards=[str(data)], out=str(out), steps=1000,
+                                     batch_size=batch, device=device.type)
+        resolve_input(cfg)
+        resolve_workers(cfg, device)
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            d = training_data(cfg, None, 0, 1)
+        torch.manual_seed(0)
+        self.model = build_model(cfg.model).to(device).train()
+        self.step_fn, self.tokenizer, self.device = TrainStep(self.model), d.tokenizer, device
+        self.optimizer, self.params = build_optimizer(self.model, cfg.optim, device)
+        self.generator = torch.Generator(device=device).manual_seed(0)
+        feed, state = Feed(d, d.sampler, cfg.seed, batch, 0, device), RunState()
+        feed.start(state)
+        self.batches = []
+        while len(self.batches) < n_batches:
+            b, fault = feed.next(state)
+            if fault is not None:
+                raise fault
+            state.consumed += 1
+            self.batches.append(to_device(b, device))
+
+    def forward(self, batch: dict) -> dict:
+        from vltrain.model import autocast
+
+        precision = getattr(self.cfg.train, "precision", None)
+        with autocast(self.device, precision) if precision else autocast(self.device):
+            return self.step_fn(batch, self.cfg.loss, self.generator, self.tokenizer, self.cfg.loss.distill_alpha)
+
+    def step(self, batch: dict) -> None:
+        from vltrain.optim import optimizer_step
+
+        losses = self.forward(batch)
+        feats = losses.pop("queue_feats")
+        optimizer_step(self.model, self.optimizer, self.params, losses["total"], self.cfg.optim.grad_clip, feats)
+
+    def count(self, batch: dict) -> float:
+        """FLOPs of one forward and backward of the step on `batch`."""
+        counter = FlopCounterMode(display=False)
+        with counter:
+            losses = self.forward(batch)
+            losses["total"].backward()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(counter.get_total_flops())
+
+    def at_length(self, batch: dict, n: int) -> dict:
+        """`batch` with every caption exactly n tokens long (token values do not change the FLOPs)."""
+        ids = batch["input_ids"]
+        reps = -(-n // ids.shape[1])
+        out = dict(batch)
+        out["input_ids"] = ids.repeat(1, reps)[:, :n].contiguous()
+        out["attention_mask"] = torch.ones_like(out["input_ids"])
+        return out
+
+
+def measure(s: Setup, steps: int) -> dict:
+    """Median step time; total and useful FLOPs per step (means over the drawn batches)."""
+    s.step(s.batches[0])  # untimed
+    times = []
+    for i in range(steps):
+        b = s.batches[(i + 1) % len(s.batches)]
+        sync(s.device)
+        t0 = time.perf_counter()
+        s.step(b)
+        sync(s.device)
+        times.append(time.perf_counter() - t0)
+    total = statistics.mean(s.count(b) for b in s.batches)
+    f = {n: s.count(s.at_length(s.batches[0], n)) for n in (*FIT_LENGTHS, CHECK_LENGTH)}
+    x = torch.tensor(FIT_LENGTHS, dtype=torch.float64)
+    coef = torch.linalg.solve(torch.stack([torch.ones_like(x), x, x * x], 1),
+                              torch.tensor([f[n] for n in FIT_LENGTHS], dtype=torch.float64))
+
+    def fit(n):
+        return float(coef[0] + coef[1] * n + coef[2] * n * n)
+
+    fit_error = abs(fit(CHECK_LENGTH) - f[CHECK_LENGTH]) / f[CHECK_LENGTH]
+    lengths = [m.sum(1).tolist() for m in (b["attention_mask"] for b in s.batches)]
+    useful = statistics.mean(statistics.mean(fit(n) for n in ls) for ls in lengths)
+    padded = statistics.mean(b["input_ids"].shape[1] for b in s.batches)
+    mean_len = statistics.mean(statistics.mean(ls) for ls in lengths)
+    return {"time": statistics.median(times), "total": total, "useful": useful, "fit_error": fit_error,
+            "padded_to": padded, "mean_len": mean_len}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", type=Path, default=None, help="a `vlprep features` dataset (default: the demo's bow-feat "
+                    "when it exists, else one made from --images images)")
+    ap.add_argument("--images", type=int, default=1120)
+    ap.add_argument("--presets", default="clip,albef,grit,softmask")
+    ap.add_argument("--batches", default="32,128")
+    ap.add_argument("--precisions", default="fp32,bf16", help="bf16 is skipped where the device lacks it")
+    ap.add_argument("--steps", type=int, default=6, help="timed steps per row")
+    ap.add_argument("--draw", type=int, default=4, help="batches drawn per row (FLOPs are their mean)")
+    ap.add_argument("--peak-size", type=int, default=2048)
+    ap.add_argument("--peak-reps", type=int, default=10)
+    ap.add_argument("--device", default="auto")
+    args = ap.parse_args()
+
+    try:
+        from vltrain.model import bf16_supported
+    except ImportError:  # the trainer before train.precision ran fp32 on a CPU
+        def bf16_supported(device):
+            return False
+
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)
+    print(common.load_line("start"), flush=True)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-mfu-"))
+    try:
+        data, origin = args.data, "--data"
+        if data is None and DEMO.is_dir():
+            data, origin = DEMO, "the demo's bow-feat"
+        elif data is None:
+            data, origin = make_data(tmp, args.images)
+        precisions = [p for p in args.precisions.split(",") if p == "fp32" or bf16_supported(device)]
+        peaks = {p: matmul_peak(DTYPES[p], device, args.peak_size, args.peak_reps) for p in precisions}
+        print(f"  device {device}, torch threads {torch.get_num_threads()}; data {data} ({origin}); peak "
+              + ", ".join(f"{p} {v / 1e9:.0f} GFLOP/s" for p, v in peaks.items())
+              + f" ({args.peak_size}^2 matmuls, median of {args.peak_reps})", flush=True)
+        header = (f"  {'preset':<9}{'batch':>6} {'dtype':>5} {'step ms':>8} {'samples/s':>10} {'GFLOP':>7} "
+                  f"{'useful':>7} {'pad %':>6} {'len':>5} {'padded':>7} {'MFU %':>6} {'useful MFU %':>13} {'fit':>6}")
+        print(header, flush=True)
+        rows = []
+        for preset in args.presets.split(","):
+            for batch in map(int, args.batches.split(",")):
+                for p in precisions:
+                    s = Setup(data, preset, batch, p, device, args.draw, tmp / "out")
+                    m = measure(s, args.steps)
+                    del s
+                    mfu, useful_mfu = (m[k] / m["time"] / peaks[p] for k in ("total", "useful"))
+                    rows.append({"preset": preset, "batch": batch, "precision": p, **m, "mfu": mfu,
+                                 "useful_mfu": useful_mfu, "samples_s": batch / m["time"]})
+                    print(f"  {preset:<9}{batch:>6} {p:>5} {1e3 * m['time']:>8.1f} {batch / m['time']:>10.1f} "
+                          f"{m['total'] / 1e9:>7.1f} {m['useful'] / 1e9:>7.1f} "
+                          f"{100 * (1 - m['useful'] / m['total']):>6.1f} {m['mean_len']:>5.1f} {m['padded_to']:>7.1f} "
+                          f"{100 * mfu:>6.1f} {100 * useful_mfu:>13.1f} {100 * m['fit_error']:>5.2f}%", flush=True)
+        print("  (GFLOP: per step, forward + backward, as counted; useful: without the padding; len: mean caption "
+              "tokens; padded: the batches' padded length; MFU against the peak of the step's dtype; fit: the "
+              "quadratic's error at L = 24)")
+        by = {(r["preset"], r["batch"], r["precision"]): r for r in rows}
+        out = []
+        if ("clip", 32, "fp32") in by:
+            out.append(common.value_row("clip fp32 batch 32: useful MFU", 100 * by["clip", 32, "fp32"]["useful_mfu"],
+                                        50.0, "% of the fp32 peak"))
+        if ("clip", 32, "fp32") in by and ("clip", 128, "fp32") in by:
+            out.append(common.value_row("clip fp32: samples/s batch 128 / batch 32",
+                                        by["clip", 128, "fp32"]["samples_s"] / by["clip", 32, "fp32"]["samples_s"],
+                                        1.0, "ratio"))
+        for preset in ("albef", "grit", "softmask"):
+            for batch in map(int, args.batches.split(",")):
+                if (preset, batch, "fp32") in by:
+                    out.append(common.value_row(f"{preset} fp32 batch {batch}: useful MFU",
+                                                100 * by[preset, batch, "fp32"]["useful_mfu"], 35.0,
+                                                "% of the fp32 peak"))
+        for batch in map(int, args.batches.split(",")):
+            if ("clip", batch, "bf16") in by:
+                out.append(common.value_row(f"clip batch {batch}: bf16 / fp32 samples/s",
+                                            by["clip", batch, "bf16"]["samples_s"]
+                                            / by["clip", batch, "fp32"]["samples_s"], 1.6, "ratio"))
+        print(common.load_line("end"), flush=True)
+        common.print_table(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
