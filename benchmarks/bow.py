@@ -7,11 +7,11 @@ B: end to end on image shards, `bow(BowConfig(src, out, workers=1))` against a p
    and writes the same bytes with the fastest writer we have; target <= 1.3x. Each timed call writes into a fresh
    empty folder, made before and removed after the clock; rounds alternate the order of the sides; medians of
    wall and CPU time decide. What each side does, exactly:
-   - `fast writer` (baseline): for each input tar (sorted), tarfile.open(path, "r:") and, for every member,
-     `extractfile(m).read()` (the reads bow's reader does); the members of the samples bow keeps go through a
-     `ShardTarWriter` (1 MiB buffer), with the txt and json payloads bow writes for them (taken from one untimed
-     bow run before the clock, so the same bytes go to disk and the samples bow drops are not written). No
-     parsing, no deforming, no sidecar, no report.
+   - `fast writer` (baseline): for each input tar (sorted), `vlprep.tarread.TarReader(path)` and, for every
+     member, `read(offset, size)`: the reads bow's reader (`iter_tar`) does, through the same header parser; the
+     members of the samples bow keeps go through a `ShardTarWriter` (1 MiB buffer), with the txt and json payloads
+     bow writes for them (taken from one untimed bow run before the clock, so the same bytes go to disk and the
+     samples bow drops are not written). No parsing, no deforming, no sidecar, no report.
    - `bow w=1`: the whole stage with the default ops (shuffle,rmstop,basevocab,rmtop:1000,keep:4), base fraction
      0.1: read every Parquet sidecar for the base statistics, hash the sidecars for the resume fingerprints, claim
      the output folder; per shard read the sidecar and every tar member (with the member-name safety checks),
@@ -19,11 +19,16 @@ B: end to end on image shards, `bow(BowConfig(src, out, workers=1))` against a p
      a ustar tar plus the edited Parquet sidecar under .tmp names and rename them; then sizes.json / index.json /
      meta.json, the 'after' statistics from the new sidecars, bow_report.png (matplotlib, Agg) and report.json.
    - `bow w=2` (informational): the same with a pool of 2 worker processes.
-   - `tarfile addfile` (informational; the former baseline): every member of every sample (kept or
-     not) read as above and written through `tarfile.open(path, "w")` + `addfile`.
+   - `fast writer, tarfile reads` (informational; the baseline until bow's reader stopped using tarfile): the
+     same, with the members read through `tarfile.open(path, "r:")` and `extractfile(m).read()`.
+   - `tarfile addfile` (informational; the baseline before that): every member of every sample (kept or not) read
+     through tarfile and written through `tarfile.open(path, "w")` + `addfile`.
    - `limit` (informational): the same output bytes with no per-sample Python: member headers, payloads and
      paddings of the kept samples are prepared before the clock; per shard the input tar is read in one call, the
      image payloads are sliced out of it into their slots, and the output is one `b"".join` and one write.
+   - `disk read` (informational): every input tar and sidecar read whole, once, with one `read()` each (the page
+     cache is warm, as for every side). Its samples/s is the ceiling for any stage that reads the dataset; bow's
+     own samples/s is printed against it.
 C: peak RSS of `bow` on a dataset of --mem-captions samples (tiny shared PNG), each run in a fresh
    subprocess so nothing else is counted; a tenth of the dataset is run too, to show the growth.
 
@@ -53,6 +58,7 @@ import common  # noqa: E402
 from vlprep.bow import (DEFAULT_OPS, BowConfig, BowContext, Deformer, SampleRng, bow, deform,  # noqa: E402
                         keyed_shuffle, parse_ops)
 from vlprep.dataset import ShardTarWriter, sidecar_name  # noqa: E402
+from vlprep.tarread import TarReader  # noqa: E402
 from vlprep.text import stop_words, tokenize  # noqa: E402
 
 DEFAULT_SRC = Path("/usr/share/openclipart/png")
@@ -295,7 +301,22 @@ def kept_payloads(ref: Path) -> dict[str, dict[str, dict[str, bytes]]]:
 
 
 def fast_writer(src: Path, kept: dict, out: Path) -> None:
-    """Baseline: bow's reads, and its kept samples' members (its txt and json bytes) through ShardTarWriter."""
+    """Baseline: bow's reads (TarReader, as iter_tar reads), and its kept samples' members (its txt and json bytes)
+    through ShardTarWriter."""
+    for shard in sorted(src.glob("*.tar")):
+        keep = kept[shard.name]
+        with (TarReader(shard) as tin, open(out / shard.name, "wb", buffering=1 << 20) as f,
+              ShardTarWriter(f) as tw):
+            for name, offset, size in tin:
+                data = tin.read(offset, size)
+                key, _, ext = name.partition(".")
+                new = keep.get(key)
+                if new is not None:
+                    tw.add(name, new.get(ext, data))
+
+
+def fast_writer_tarfile(src: Path, kept: dict, out: Path) -> None:
+    """Informational (the former baseline): `fast_writer` with the members read through tarfile."""
     for shard in sorted(src.glob("*.tar")):
         keep = kept[shard.name]
         with (tarfile.open(shard, "r:") as tin, open(out / shard.name, "wb", buffering=1 << 20) as f,
@@ -306,6 +327,13 @@ def fast_writer(src: Path, kept: dict, out: Path) -> None:
                 new = keep.get(key)
                 if new is not None:
                     tw.add(m.name, new.get(ext, data))
+
+
+def disk_read(src: Path, out: Path) -> None:
+    """Informational: every input tar and sidecar read whole, once (the ceiling of any stage reading src)."""
+    for path in sorted([*src.glob("*.tar"), *src.glob("*.parquet")]):
+        with open(path, "rb") as f:
+            f.read()
 
 
 def limit_plan(src: Path, ref: Path) -> list[tuple[Path, str, list[bytes], list[tuple[int, int]]]]:
@@ -360,8 +388,10 @@ def make_sides(root: Path) -> dict[str, common.Side]:
     return {"fast writer": lambda out: fast_writer(ds, kept, out),
             "bow w=1": lambda out: run_bow(ds, out / "bow", 1, n),
             "bow w=2": lambda out: run_bow(ds, out / "bow", 2, n),
+            "fast writer, tarfile reads": lambda out: fast_writer_tarfile(ds, kept, out),
             "tarfile addfile": lambda out: tar_addfile(ds, out),
-            "limit": lambda out: limit(plan, out)}
+            "limit": lambda out: limit(plan, out),
+            "disk read": lambda out: disk_read(ds, out)}
 
 
 def bench_end_to_end(tmp: Path, shards: int, per_shard: int, repeats: int, src: Path | None,
@@ -379,13 +409,21 @@ def bench_end_to_end(tmp: Path, shards: int, per_shard: int, repeats: int, src: 
           f"{r['deformed_fraction']}, base {r['base_samples']:,}, avg words {r['avg_words_before']} -> "
           f"{r['avg_words_after']} (the baseline writes the same {r['written']:,} kept samples)")
     t = common.time_sides(make_sides(tmp), repeats, tmp, isolate, label="B ")
-    return [common.ratio_row("B bow w=1", t["fast writer"], t["bow w=1"], TARGET_RATIO),
+    rows = [common.ratio_row("B bow w=1", t["fast writer"], t["bow w=1"], TARGET_RATIO),
             common.ratio_row("B bow w=2", t["fast writer"], t["bow w=2"], None, note="2 worker processes"),
+            common.ratio_row("B bow w=1 vs tarfile reads", t["fast writer, tarfile reads"], t["bow w=1"], None,
+                             note="former baseline"),
             common.ratio_row("B bow w=1 vs tarfile addfile", t["tarfile addfile"], t["bow w=1"], None,
-                             note="old baseline"),
+                             note="older baseline"),
             common.ratio_row("B bow w=1 vs limit", t["limit"], t["bow w=1"], None, note="no per-sample Python"),
             common.ratio_row("B fast writer vs limit", t["limit"], t["fast writer"], None,
                              note="the baseline's own gap")]
+    rate, ceiling = n / common.median(t["bow w=1"]["wall"]), n / common.median(t["disk read"]["wall"])
+    print(f"  bow w=1: {rate:,.0f} samples/s; a plain read of the same tars and sidecars: {ceiling:,.0f} samples/s "
+          f"(bow at {100 * rate / ceiling:.1f}% of it)", flush=True)
+    rows.append(common.value_row("B bow w=1 samples/s", rate, None, "samples/s",
+                                 note=f"disk read limit {ceiling:,.0f} samples/s, page cache warm"))
+    return rows
 
 
 # --- C: peak memory ----------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from vlprep import VlprepError, __version__, versions
+from vlprep.tarread import TarReader
 
 IMAGE_EXTS = ("jpg", "png", "webp")
 # Extensions whose payload webdataset would unpickle; we never read them (docs/FORMAT.md, "Safety").
@@ -154,20 +155,16 @@ def iter_tar(path: str | os.PathLike, handler: Callable[[Exception], bool] = rer
 
     Grouping follows webdataset: the key is the member path up to the first dot of its file name,
     consecutive members with one key form a sample, `__*__` metadata members are skipped. Read with
-    tarfile directly rather than webdataset's tar_file_iterator + group_by_keys: it is about 1.4x
-    faster per member, and member I/O is most of what the text-only stages spend (benchmarks/bow.py).
+    vlprep.tarread rather than webdataset's tar_file_iterator + group_by_keys or tarfile: it parses our
+    plain ustar headers about 6x faster than tarfile, which was half of what the text-only stages spent
+    (benchmarks/bow.py), and hands any other tar to tarfile, so members and errors are tarfile's.
     """
     url = str(path)
     sample = None
     try:
-        # Seekable mode ("r:"), not streaming ("r|"): reads go straight to the file, which is faster;
-        # the member list it keeps is bounded by the shard size.
-        with tarfile.open(path, mode="r:") as tf:
-            for info in tf:
-                if not info.isfile():
-                    continue
+        with TarReader(path) as tar:
+            for name, offset, size in tar:
                 try:
-                    name = info.name
                     # _check_member's tests, inlined with their cheap part first (this loop runs per member)
                     if name[:1] == "/" or (".." in name and ".." in name.split("/")):
                         _check_member(name)
@@ -180,9 +177,8 @@ def iter_tar(path: str | os.PathLike, handler: Callable[[Exception], bool] = rer
                     key = f"{dirname}/{stem}" if dirname else stem
                     ext = ext.lower()
                     if sample is not None and key == sample["__key__"] and ext in sample:
-                        raise ShardFormatError(f"duplicate member {info.name!r}")
-                    data = (TarRef(url, info.offset_data, info.size) if ext in refs
-                            else tf.extractfile(info).read())
+                        raise ShardFormatError(f"duplicate member {name!r}")
+                    data = TarRef(url, offset, size) if ext in refs else tar.read(offset, size)
                 except Exception as exn:
                     if hasattr(exn, "args") and exn.args and isinstance(exn.args[0], str):
                         exn.args = (f"{exn.args[0]} @ {url}",) + exn.args[1:]
@@ -220,11 +216,11 @@ def count_tar_samples(path: Path) -> int:
     """Samples in a tar by its member headers alone (no payload reads), grouped as `iter_tar` groups them."""
     n, last = 0, None
     try:
-        with tarfile.open(path, mode="r:") as tf:
-            for info in tf:
-                dirname, _, base = info.name.rpartition("/")
+        with TarReader(path) as tar:
+            for name, _, _ in tar:
+                dirname, _, base = name.rpartition("/")
                 stem, dot, _ = base.partition(".")
-                if not info.isfile() or not dot or _META.match(info.name):
+                if not dot or _META.match(name):
                     continue
                 key = f"{dirname}/{stem}"
                 if key != last:
