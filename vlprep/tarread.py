@@ -12,8 +12,9 @@ the same member at the same offset. That means: the checksum matches as an unsig
 are plain octal, and the other numbers are ones tarfile's nti() reads; the type is a regular file, directory, link,
 device or FIFO; a file's data ends inside the file. Anything else hands the whole tar to tarfile, which reads from
 the start and skips the members already yielded: a pax (`x`, `g`) or GNU (`L`, `K`, `S`) extended header, an
-unknown type, a signed checksum, a header that does not check out, a member or header cut short, an empty file. So the members, the errors (tarfile.ReadError) and the shortened member
-list that tarfile gives on a damaged tar (it takes a corrupt header for the end of the archive) are tarfile's own.
+unknown type, a signed checksum, a header that does not check out, a member or header cut short, an empty file.
+So the members, the errors (tarfile.ReadError) and the shortened member list that tarfile gives on a damaged tar
+(it takes a corrupt header for the end of the archive) are tarfile's own.
 tests/vlprep/test_tarread.py compares the two on the tars the test suite writes and on damaged ones.
 """
 
