@@ -343,8 +343,9 @@ class ShardStream(IterableDataset):
         if info is not None:  # a worker that lives across epochs: its augmentations a function of (seed, epoch, id)
             reseed_worker(self.seed, epoch, info.id)
         raws = self._shuffled(shards, rng) if self.shuffle else self._raws(shards)
-        if self.bucket > 0:
-            raws = self._bucketed(raws, rng, epoch)
+        if self.bucket > 0:  # its own generator: the shuffled stream is the same with and without bucketing
+            slot = (self.rank * info.num_workers + info.id) if info is not None else self.rank
+            raws = self._bucketed(raws, random.Random(f"bucket {self.seed} {epoch} {slot}"), epoch)
         yield from (s for s in map(self._load, raws) if s is not None)
 
     def _raws(self, shards: list) -> Iterator[dict]:

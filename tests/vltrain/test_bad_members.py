@@ -69,10 +69,11 @@ def test_a_bad_npy_member_is_a_counted_skip_in_training(good, tmp_path, what):
     """Before: `RuntimeError: stack expects each tensor to be equal size` from collate (shapes), a NaN loss stop
     (nan) and a traceback; now the run trains its epoch with bad_samples 1."""
     ds = damaged(good, tmp_path, {train_key(): npy_bytes(WRONG[what])})
-    r = run(ds, tmp_path / "run", "--steps", "15", "--set", "data.val_frac=0", "--set", "eval_every=1000")
+    r = run(ds, tmp_path / "run", "--steps", "14", "--set", "data.val_frac=0", "--set", "eval_every=1000")
     assert r.exit_code == 0, r.output
     rows = metrics(tmp_path / "run")
-    assert rows[-1]["step"] == 15 and rows[-1]["bad_samples"] == 1  # one epoch of 120: every sample read once
+    # one epoch: the 119 good samples make 14 batches of 8, and the bad one was read (and skipped) once
+    assert rows[-1]["step"] == 14 and rows[-1]["bad_samples"] == 1
 
 
 @pytest.mark.parametrize("loader", [["--set", "data.workers=1"], ["--set", "sampler.kind=grit"]])

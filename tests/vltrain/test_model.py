@@ -1,5 +1,6 @@
 """vltrain.model: shapes, bidirectional fusion (no causal mask), init from the text layers, ties, EMA, queues."""
 
+import copy
 import pytest
 import torch
 
@@ -342,3 +343,37 @@ def test_packaged_minilm_and_efficientnet_forward():
         assert torch.equal(f.self_attn.q.weight, t.attention.self.query.weight)
         assert torch.equal(f.ffn_out.weight, t.output.dense.weight)
     assert m.mlm_decoder.weight is m.text_encoder.get_input_embeddings().weight
+
+
+def test_momentum_update_is_bit_identical_to_the_per_tensor_ema_and_follows_replaced_tensors():
+    """The multi-tensor update against the plain loop it replaced, mom.mul_(m).add_(p, alpha=1 - m) per parameter
+    and float buffer (integer counters copied), over three steps; then a parameter replaced by a new object (as a
+    load by assignment does) is followed, not the stale one."""
+    torch.manual_seed(0)
+    m = build_model(tiny(momentum=True, momentum_m=0.9))
+    ref = copy.deepcopy(m)
+    for step in range(3):
+        with torch.no_grad():
+            for model in (m, ref):
+                torch.manual_seed(step)
+                for n, p in model.named_parameters():
+                    if not n.startswith("momentum."):
+                        p.add_(torch.randn_like(p))
+                for n, b in model.named_buffers():
+                    if not n.startswith("momentum.") and b.is_floating_point():
+                        b.add_(1.0)
+        m.momentum_update()
+        with torch.no_grad():  # the former implementation, by name
+            mom, mom_buf = dict(ref.momentum.named_parameters()), dict(ref.momentum.named_buffers())
+            for n, p in ref.named_parameters():
+                if not n.startswith("momentum."):
+                    mom[n].mul_(0.9).add_(p, alpha=1 - 0.9)
+            for n, b in ref.named_buffers():
+                if n in mom_buf:
+                    mom_buf[n].mul_(0.9).add_(b, alpha=1 - 0.9) if b.is_floating_point() else mom_buf[n].copy_(b)
+        for (n, a), (_, b) in zip(m.momentum.state_dict().items(), ref.momentum.state_dict().items()):
+            assert torch.equal(a, b), n
+    m.text_proj.weight = torch.nn.Parameter(torch.ones_like(m.text_proj.weight))
+    m.momentum_update()
+    torch.testing.assert_close(m.momentum.text_proj.weight,
+                               0.9 * ref.momentum.text_proj.weight + 0.1 * torch.ones_like(m.text_proj.weight))

@@ -347,7 +347,7 @@ def test_start_summary_estimate_and_queue_clamp(shards, tmp_path):
     n_train = int(re.search(r"train (\d+), held out (\d+)", text).group(1))
     assert f"model.queue_size 4,096 is longer than the training split ({n_train})" in text
     assert f"clamped to {n_train}" in text and f"queue {n_train}" in text
-    for part in ("preset albef, 12 steps", "device   cpu (float32)", "image    tiny on 32px pixels (trained)",
+    for part in ("preset albef, 12 steps", "device   cpu (float32, ", "image    tiny on 32px pixels (trained)",
                  "losses   itc 1, itm 1, mlm 1", "trains ", "out      "):
         assert part in text, part
     assert re.search(r"10 steps in [\d.]+ s \([\d.]+ s/step, [\d.]+ samples/s\): the remaining 2 steps take about",

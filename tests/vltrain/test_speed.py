@@ -1,0 +1,179 @@
+"""The trainer's speed features keep what a run relies on: length bucketing sees every sample once per epoch and
+pads less, loader workers kept across epochs replay a resumed run bit for bit, and train.precision picks and
+records its dtype."""
+
+import json
+import random
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from vltrain.cli import app
+from vltrain.data import ShardStream, TokenLengths, caption_of
+from vltrain.model import tokenizer_for
+
+from tests.conftest import make_dataset
+from tests.vltrain.test_train import TINY, losses
+
+B, BUCKET = 4, 3
+
+
+@pytest.fixture(scope="module")
+def varied(tmp_path_factory):
+    """60 pairs whose captions run from 1 to 30 words, in shards of 10 (a near-tie of lengths on purpose: each
+    length occurs twice, so the sort's tie rule is exercised)."""
+    rng = random.Random(0)
+    words = "red green blue cat dog bird tree car boat house sun moon star".split()
+    captions = [" ".join(rng.choice(words) for _ in range(1 + i % 30)) + f" n{i}" for i in range(60)]
+    return make_dataset(tmp_path_factory.mktemp("varied") / "ds", captions, per_shard=10)
+
+
+def stream(ds, bucket: int, seed: int = 0, epoch: int = 0) -> list[str]:
+    tok = tokenizer_for("tiny")
+    s = ShardStream([ds], "train", 0.0, lambda im: torch.zeros(1), seed=seed, buffer=20, bucket=bucket, batch=B,
+                    lengths=TokenLengths(tok, 32))
+    s.set_epoch(epoch)
+    return [caption for _, caption, _ in s]
+
+
+def test_bucketing_sorts_each_window_into_batches_and_keeps_every_sample(varied):
+    """Re-derived here: the unbucketed stream's order, cut into windows of BUCKET batches, each window sorted by
+    token count (stable), cut into batches of B: the bucketed stream yields exactly those batches, in some order
+    within each window, and a partial last batch last."""
+    tok = tokenizer_for("tiny")
+    for epoch in (0, 1):
+        plain, bucketed = stream(varied, 0, epoch=epoch), stream(varied, BUCKET, epoch=epoch)
+        assert sorted(plain) == sorted(bucketed) and len(plain) == 60  # each sample once per epoch
+        size = BUCKET * B
+        for start in range(0, len(plain), size):
+            window = plain[start:start + size]
+            lengths = [len(tok(c, truncation=True, max_length=32)["input_ids"]) for c in window]
+            ranked = [c for _, c in sorted(zip(lengths, window), key=lambda t: t[0])]
+            expect = [tuple(ranked[i:i + B]) for i in range(0, len(ranked) - len(ranked) % B, B)]
+            got = bucketed[start:start + size]
+            got_batches = [tuple(got[i:i + B]) for i in range(0, len(got) - len(got) % B, B)]
+            assert sorted(got_batches) == sorted(expect)
+            assert got[len(got) - len(got) % B:] == ranked[len(ranked) - len(ranked) % B:]
+
+
+def test_bucketing_pads_less_and_depends_only_on_seed_and_epoch(varied):
+    tok = tokenizer_for("tiny")
+
+    def padding(captions):  # padded token slots / all slots, batch by batch as Collate pads them
+        pad = total = 0
+        for i in range(0, len(captions) - B + 1, B):
+            n = [len(tok(c, truncation=True, max_length=32)["input_ids"]) for c in captions[i:i + B]]
+            pad, total = pad + max(n) * B - sum(n), total + max(n) * B
+        return pad / total
+
+    assert padding(stream(varied, BUCKET)) < 0.75 * padding(stream(varied, 0))  # 0.15 against 0.29 here
+    assert stream(varied, BUCKET, seed=0, epoch=1) == stream(varied, BUCKET, seed=0, epoch=1)
+    assert stream(varied, BUCKET, seed=0, epoch=1) != stream(varied, BUCKET, seed=0, epoch=2)
+
+
+def test_caption_of_is_the_caption_a_sample_trains_on():
+    """Bucketing sorts by the caption load_sample will pick: the epoch's drawn one of a multi-caption sample."""
+    from vltrain.data import drawn_caption, sample_captions
+
+    caps = ["one", "two words", "three more words"]
+    raw = {"__key__": "k", "txt": b"one", "json": json.dumps({"captions": caps}).encode()}
+    drawn = {caption_of(raw, (0, epoch)) for epoch in range(12)}
+    assert drawn == {drawn_caption(sample_captions(raw), 0, e, "k") for e in range(12)} and len(drawn) > 1
+    assert caption_of(raw, "first") == "one" and caption_of({"__key__": "k", "txt": b"\xff"}, "first") == ""
+
+
+def run(ds, out, *args):
+    sets = [x for s in TINY for x in ("--set", s)]
+    return CliRunner().invoke(app, ["run", str(ds), "--out", str(out), "--batch-size", "4", "--device", "cpu", *sets,
+                                    *args])
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_resume_is_exact_with_workers_kept_across_epochs_and_bucketing(varied, tmp_path, workers):
+    """20 steps against 15 + 5 with --resume, over epochs of about 13 batches from loader workers kept across
+    epochs, bucketed: the same losses bit for bit (each worker reseeds per epoch, so a fresh worker replays a kept
+    one)."""
+    common = ["--preset", "clip", "--set", "optim.warmup_steps=0", "--set", "optim.min_lr_ratio=1.0",
+              "--set", "data.val_frac=0.1", "--set", f"data.workers={workers}", "--set", "data.bucket=2",
+              "--set", "data.image_size=32"]
+    r = run(varied, tmp_path / "full", *common, "--steps", "20")
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    r = run(varied, tmp_path / "part", *common, "--steps", "15")
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    # the part run stopped in its second epoch: the resumed run's fresh workers start there, where the full run's
+    # workers had lived through the first
+    assert torch.load(tmp_path / "part" / "last.pt", weights_only=True)["epoch"] == 1
+    r = run(varied, tmp_path / "part", *common, "--steps", "20", "--resume")
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    full, part = losses(tmp_path / "full"), losses(tmp_path / "part")
+    assert sorted(part) == list(range(1, 21)) and full == part
+
+
+def test_under_bf16_autocast_the_losses_parameters_and_adamw_state_stay_float32():
+    """train.precision=bf16: matmuls in bf16, while what accumulates (losses, parameters, optimiser moments) is
+    float32. CPU autocast runs anywhere (emulated where the CPU lacks bf16), so this holds on any x86-64 CPU."""
+    from vltrain.config import load_config
+    from vltrain.model import autocast, build_model
+    from vltrain.optim import build_optimizer, optimizer_step
+    from vltrain.step import train_step
+
+    cfg = load_config(preset="albef", sets=[*TINY, "model.fusion_layers=1", "model.queue_size=8"])
+    torch.manual_seed(0)
+    model = build_model(cfg.model).train()
+    tok = tokenizer_for("tiny")
+    enc = tok([f"a red thing number {i}" for i in range(4)], padding="longest", return_tensors="pt")
+    batch = {"images": torch.randn(4, 3, 32, 32), "input_ids": enc["input_ids"],
+             "attention_mask": enc["attention_mask"], "captions": [f"c{i}" for i in range(4)]}
+    opt, params = build_optimizer(model, cfg.optim, torch.device("cpu"))
+    with autocast(torch.device("cpu"), "bf16"):
+        losses = train_step(model, batch, cfg.loss, torch.Generator().manual_seed(0), tok, 0.4)
+        assert model.image_proj(torch.randn(2, model.image_proj.in_features)).dtype == torch.bfloat16  # it is on
+    feats = losses.pop("queue_feats")
+    assert all(v.dtype == torch.float32 for v in losses.values()), {k: v.dtype for k, v in losses.items()}
+    optimizer_step(model, opt, params, losses["total"], 1.0, feats)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(t.dtype == torch.float32 for s in opt.state.values() for k, t in s.items() if k != "step")
+    assert model.image_queue.dtype == torch.float32
+
+
+def test_precision_is_chosen_said_recorded_and_kept_on_resume(varied, tmp_path, monkeypatch):
+    from vltrain import runsetup
+
+    common = ["--preset", "clip", "--set", "data.val_frac=0", "--set", "data.image_size=32"]
+    # auto on the tiny (32-wide) text tower: fp32 without any timing, whatever the CPU
+    r = run(varied, tmp_path / "auto", *common, "--steps", "1")
+    assert r.exit_code == 0 and "float32, auto: a 32-wide text tower is too small to gain from bf16" in r.output
+    assert torch.load(tmp_path / "auto" / "last.pt", weights_only=True)["precision"] == "fp32"
+    # bf16 where the CPU has no bf16 arithmetic: one line, nothing trained
+    monkeypatch.setattr(runsetup, "bf16_supported", lambda device: False)
+    r = run(varied, tmp_path / "nobf16", *common, "--steps", "1", "--set", "train.precision=bf16")
+    assert r.exit_code == 2 and "train.precision=bf16: this CPU has no bf16 arithmetic" in r.output
+    monkeypatch.setattr(runsetup, "bf16_supported", lambda device: True)
+    r = run(varied, tmp_path / "bf16", *common, "--steps", "2", "--set", "train.precision=bf16")
+    assert r.exit_code == 0 and "bf16 autocast, train.precision=bf16" in r.output, r.output
+    assert torch.load(tmp_path / "bf16" / "last.pt", weights_only=True)["precision"] == "bf16"
+    r = run(varied, tmp_path / "bf16", *common, "--steps", "3", "--set", "train.precision=bf16", "--resume")
+    assert r.exit_code == 0 and "bf16 autocast, as the resumed run" in r.output, r.output
+    fp32 = losses(tmp_path / "auto")[1]
+    bf16 = losses(tmp_path / "bf16")[1]
+    # the same first batch and weights: bf16 keeps 8 mantissa bits (unit roundoff 2^-8 = 0.4%), so the step-1 loss
+    # moves, but by far less than the loss itself (a few roundings through two layers: a few percent at most)
+    assert bf16 != fp32 and bf16 == pytest.approx(fp32, rel=0.05)
+
+
+def test_a_checkpoint_from_before_bucketing_and_precision_names_the_keys_to_resume_it(varied, tmp_path):
+    """A checkpoint without data.bucket / train.precision trained unbucketed in fp32: --resume says so in one line,
+    and resumes once the user asks for that."""
+    common = ["--preset", "clip", "--set", "data.val_frac=0", "--set", "data.image_size=32"]
+    r = run(varied, tmp_path / "old", *common, "--steps", "2", "--set", "data.bucket=0")
+    assert r.exit_code == 0, r.output
+    path = tmp_path / "old" / "last.pt"
+    ckpt = torch.load(path, weights_only=True)
+    del ckpt["config"]["data"]["bucket"], ckpt["config"]["train"]["precision"], ckpt["precision"]
+    torch.save(ckpt, path)
+    r = run(varied, tmp_path / "old", *common, "--steps", "3", "--resume")
+    assert r.exit_code == 2 and "data.bucket: 0 (absent from this older checkpoint) -> 8" in r.output, r.output
+    r = run(varied, tmp_path / "old", *common, "--steps", "3", "--resume", "--set", "data.bucket=0",
+            "--set", "train.precision=fp32")
+    assert r.exit_code == 0 and "float32, as the resumed run" in r.output, r.output
