@@ -83,8 +83,8 @@ def main() -> None:
     try:
         res = {name: [] for name in arms}
         for seed in seeds:  # seed-major: a change of machine load spreads over every arm alike
-            for name, sets in arms.items():
-                r = one_run(args.data, sets, seed, args.steps, tmp / f"{len(res[name])}-{seed}")
+            for i, (name, sets) in enumerate(arms.items()):
+                r = one_run(args.data, sets, seed, args.steps, tmp / f"arm{i}-seed{seed}")
                 res[name].append(r)
                 print(f"  seed {seed} {name:<22} " + "  ".join(f"{h} {r[k]:6.2f}" for k, h in METRICS)
                       + f"  {r['samples_s']:6.1f} samples/s", flush=True)
