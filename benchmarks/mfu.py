@@ -18,6 +18,10 @@ FLOPs: `torch.utils.flop_counter.FlopCounterMode` around one forward and backwar
    masked positions only, a random ~15% of the real tokens, so F carries a little draw noise (under 1% here).
 MFU: useful FLOPs per second of step / the peak of the dtype the step runs in. The padding share is 1 - useful /
    total. Samples/s: the batch / the median step time.
+Extras (--extras): train.compile (the image and text encoders compiled in place, as the trainer does) on clip fp32
+   batch 32, its median step against the eager one above and the compiling first step; and the frozen image
+   tower's forward on pixels (packaged EfficientNet-Lite0, batch 32 at 224 px, no gradient), contiguous against
+   channels_last.
 
 Data: --data, a `vlprep features` dataset (default: the demo's demo-out/openclipart/bow-feat when it exists; else
    --images openclipart PNGs from /usr/share/openclipart/png with their file names as captions, or synthetic images,
@@ -186,6 +190,35 @@ def measure(s: Setup, steps: int) -> dict:
             "padded_to": padded, "mean_len": mean_len}
 
 
+def channels_last_ratio(device: torch.device, reps: int) -> float:
+    """Median time of the frozen packaged EfficientNet-Lite0 forward (no gradient, eval mode: the pixel path with
+    model.freeze_image) on a batch of 32 at 224 px, contiguous over channels_last (weights and input alike);
+    alternating rounds after one untimed call of each."""
+    from vltrain.config import load_config
+    from vltrain.model import build_model
+
+    cfg = load_config(preset="clip", sets=["model.text_model=tiny", "model.freeze_image=true"])
+    model = build_model(cfg.model).to(device).eval()
+    x = torch.randn(32, 3, 224, 224, generator=torch.Generator().manual_seed(0)).to(device)
+    times = {"contiguous": [], "channels_last": []}
+    with torch.no_grad():
+        for i in range(reps + 1):
+            for fmt in times:
+                layout = torch.channels_last if fmt == "channels_last" else torch.contiguous_format
+                model.image_encoder.to(memory_format=layout)
+                xx = x.contiguous(memory_format=layout)
+                sync(device)
+                t0 = time.perf_counter()
+                model.encode_image(xx)
+                sync(device)
+                if i:
+                    times[fmt].append(time.perf_counter() - t0)
+    a, b = statistics.median(times["contiguous"]), statistics.median(times["channels_last"])
+    print(f"  frozen image tower, batch 32 at 224: contiguous {1e3 * a:.0f} ms, channels_last {1e3 * b:.0f} ms "
+          f"({a / b:.2f}x)", flush=True)
+    return a / b
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", type=Path, default=None, help="a `vlprep features` dataset (default: the demo's bow-feat "
@@ -199,6 +232,9 @@ def main() -> None:
     ap.add_argument("--peak-size", type=int, default=2048)
     ap.add_argument("--peak-reps", type=int, default=10)
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--extras", default="compile,channels_last", help="also time train.compile on clip batch 32 "
+                    "(compile), and the frozen image tower's forward on pixels contiguous against channels_last "
+                    "(channels_last); '' for neither")
     args = ap.parse_args()
 
     try:
@@ -262,6 +298,25 @@ def main() -> None:
                 out.append(common.value_row(f"clip batch {batch}: bf16 / fp32 samples/s",
                                             by["clip", batch, "bf16"]["samples_s"]
                                             / by["clip", batch, "fp32"]["samples_s"], 1.6, "ratio"))
+        extras = [e for e in args.extras.split(",") if e]
+        if "compile" in extras and ("clip", 32, "fp32") in by:
+            s = Setup(data, "clip", 32, "fp32", device, args.draw, tmp / "out")
+            s.model.image_encoder.compile()  # as train.compile does: in place
+            s.model.text_encoder.compile()
+            t0 = time.perf_counter()
+            s.step(s.batches[0])
+            first = time.perf_counter() - t0
+            m = measure(s, args.steps)
+            ratio = by["clip", 32, "fp32"]["time"] / m["time"]
+            print(f"  train.compile, clip fp32 batch 32: step {1e3 * m['time']:.1f} ms against "
+                  f"{1e3 * by['clip', 32, 'fp32']['time']:.1f} ms eager ({ratio:.2f}x); the first step (compiling) "
+                  f"{first:.1f} s", flush=True)
+            out.append(common.value_row("train.compile: eager / compiled step time (clip fp32 32)", ratio, None,
+                                        "ratio", note=f"compile {first:.0f} s"))
+        if "channels_last" in extras:
+            ratio = channels_last_ratio(device, args.steps)
+            out.append(common.value_row("frozen EfficientNet-Lite0 forward, batch 32 at 224: contiguous / "
+                                        "channels_last time", ratio, None, "ratio"))
         print(common.load_line("end"), flush=True)
         common.print_table(out)
     finally:
