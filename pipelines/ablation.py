@@ -43,6 +43,8 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from vlprep import VlprepError, cut
+from vlprep.remote import check_local
 from vltrain.errors import TrainError
 from vltrain.config import ConfigError, load_config
 from vltrain.data import data_signature
@@ -64,6 +66,8 @@ COLUMNS = RETRIEVAL + list(DERIVED) + ["zeroshot"]
 HEADERS = {"i2t_r1": "TR@1", "i2t_r5": "TR@5", "i2t_r10": "TR@10", "t2i_r1": "IR@1", "t2i_r5": "IR@5",
            "t2i_r10": "IR@10", "mean_recall": "mean R", "r1_mean": "mean R@1", "zeroshot": "zero-shot top-1"}
 QUICK = {"steps": 6, "seeds": 1}
+MAX_SEEDS = 1000  # --seeds: at most this many seeds, each a numpy seed (0 .. 2**32 - 1)
+MAX_SEED = 2**32 - 1
 # A metric's chance level in units of the row's chance R@1 (R@k of a random ranking is about k times R@1's; mean R is
 # the mean of R@1, 5, 10 both ways); zero-shot has its own chance column.
 CHANCE_UNITS = {"i2t_r1": 1, "t2i_r1": 1, "r1_mean": 1, "i2t_r5": 5, "t2i_r5": 5, "i2t_r10": 10, "t2i_r10": 10,
@@ -477,32 +481,41 @@ def print_table(results: dict) -> None:
 def parse_seeds(text: str | None, default) -> list[int]:
     if text is None:
         return list(range(default)) if isinstance(default, int) else list(default)
+    shown = cut(repr(text))
     try:
         if "," in text or not text.isdigit():
             seeds = [int(x) for x in text.split(",") if x.strip()]
         else:
-            seeds = list(range(int(text)))  # a count: seeds 0 .. N-1
+            count = int(text) if len(text.lstrip("0")) <= 9 else MAX_SEEDS + 1  # a count: seeds 0 .. N-1
+            if count > MAX_SEEDS:
+                raise RecipeError(f"--seeds {shown}: at most {MAX_SEEDS} seeds")
+            seeds = list(range(count))
     except ValueError:
         seeds = []
     if any(seed < 0 for seed in seeds):
-        raise RecipeError(f"--seeds {text!r}: seeds are at least 0")
+        raise RecipeError(f"--seeds {shown}: seeds are at least 0")
+    if any(seed > MAX_SEED for seed in seeds):
+        raise RecipeError(f"--seeds {shown}: seeds are at most {MAX_SEED} (2**32 - 1, numpy's largest seed)")
+    if len(seeds) > MAX_SEEDS:
+        raise RecipeError(f"--seeds {shown}: at most {MAX_SEEDS} seeds")
     if not seeds:  # "0" is a count of none; one seed 0 is "1" (or "0," as a list)
-        raise RecipeError(f"--seeds {text!r}: give a count of at least 1 (3: seeds 0, 1, 2) or a comma-separated "
+        raise RecipeError(f"--seeds {shown}: give a count of at least 1 (3: seeds 0, 1, 2) or a comma-separated "
                           "list (0,1,2; seed 0 alone: 1)")
     return seeds
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("recipe", type=Path, nargs="?", help="pipelines/NAME.yaml (or just NAME)")
+    # paths are read as text and checked before they become Paths: Path("s3://b/x") is the local folder s3:/b/x
+    ap.add_argument("recipe", nargs="?", help="pipelines/NAME.yaml (or just NAME)")
     ap.add_argument("--list", action="store_true", help="list the recipes, one line each")
     ap.add_argument("--quick", action="store_true", help="the smoke version: the recipe's quick steps, seeds, arms")
     ap.add_argument("--seeds", help="a count (3: seeds 0, 1, 2) or a list (0,1,2), overriding the recipe's")
     ap.add_argument("--steps", type=int, help="override every arm's steps")
-    ap.add_argument("--demo", type=Path, default=DEFAULT_DEMO, help=f"the demo's folder (default {DEFAULT_DEMO})")
-    ap.add_argument("--out", type=Path, help="results folder (default DEMO/ablation/NAME, DEMO/ablation/NAME-quick)")
+    ap.add_argument("--demo", default=str(DEFAULT_DEMO), help=f"the demo's folder (default {DEFAULT_DEMO})")
+    ap.add_argument("--out", help="results folder (default DEMO/ablation/NAME, DEMO/ablation/NAME-quick)")
     ap.add_argument("--arms", help="comma-separated subset of the arms")
-    ap.add_argument("--rescore", type=Path, metavar="RESULTS.json",
+    ap.add_argument("--rescore", metavar="RESULTS.json",
                     help="recompute the summary, findings, table and chart from a results file's rows (no training) "
                     "and write them back beside it")
     args = ap.parse_args(argv)
@@ -511,7 +524,11 @@ def main(argv: list[str] | None = None) -> int:
             raise RecipeError(f"--steps {args.steps}: give at least 1 (or leave it out for the recipe's steps)")
         if args.seeds is not None:
             parse_seeds(args.seeds, 1)
-    except RecipeError as e:
+        for flag in ("recipe", "demo", "out", "rescore"):
+            value = getattr(args, flag)
+            if value is not None:
+                setattr(args, flag, Path(check_local(value, "RECIPE" if flag == "recipe" else "--" + flag)))
+    except (RecipeError, VlprepError) as e:
         console.print(f"error: {e}", highlight=False, markup=False, soft_wrap=True)
         return 2
     if args.rescore is not None:

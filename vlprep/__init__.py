@@ -23,5 +23,11 @@ def version_line(prog: str) -> str:
     return f"{prog} {__version__} (torch {v['torch']}, transformers {v['transformers']})"
 
 
+def cut(text: str, limit: int = 80) -> str:
+    """`text` cut to `limit` characters with an ellipsis: an error message never quotes a whole (possibly huge) value.
+    Both CLIs use it (vltrain's config errors through vltrain.config.cut, the same rule)."""
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
 class VlprepError(Exception):
     """A user mistake (bad path, missing column, bad option): the CLI prints it as one line."""

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import get_args, get_type_hints
 
-from vlprep import VlprepError
+from vlprep import VlprepError, cut
 
 # scheme:// with a scheme of 2+ characters: a Windows drive (C:/x, C:\x) is a local path
 URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+://")
@@ -23,8 +23,7 @@ def is_url(value) -> bool:
 def check_local(value: str, what: str = "") -> str:
     """`value` unchanged, or a VlprepError when it is a URL; `what` names the argument ("--out", "shards")."""
     if is_url(value):
-        shown = value if len(value) <= 80 else value[:79] + "…"
-        raise VlprepError(f"{what + ' ' if what else ''}{shown}: remote paths (s3://, gs://, http(s)://...) are not "
+        raise VlprepError(f"{what + ' ' if what else ''}{cut(value)}: remote paths (s3://, gs://, http(s)://...) are not "
                           "supported yet; copy the data to a local path")
     return value
 

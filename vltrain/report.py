@@ -3,6 +3,7 @@ terminal), metrics.jsonl and TensorBoard, all behind `Report`. Only rank 0 write
 
 import datetime
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -17,11 +18,29 @@ console = Console(stderr=True, emoji=False, soft_wrap=True)
 
 
 def fmt_duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "forever"
     if seconds < 90:
         return f"{seconds:.0f} s"
     if seconds < 5400:
         return f"{seconds / 60:.0f} min"
     return f"{seconds / 3600:.1f} h"
+
+
+def time_left(sec_per_step: float, steps: int) -> float:
+    """Seconds for `steps` more steps; inf when the product is beyond a float (--steps with hundreds of digits)."""
+    try:
+        return sec_per_step * steps
+    except OverflowError:
+        return math.inf
+
+
+def end_time(left: float) -> str:
+    """`until about HH:MM`, or a plain word when now + left is beyond any date datetime can hold (year 9999)."""
+    try:
+        return "until about " + (datetime.datetime.now() + datetime.timedelta(seconds=left)).strftime("%H:%M")
+    except (OverflowError, ValueError):
+        return "ending beyond any date this clock can print"
 
 
 def summary(cfg, model, device, n_train: int, n_val: int, per_epoch: int, size: int = 1,
@@ -151,7 +170,7 @@ class Report:
                              + f" lr {lr:.2e}")
         if self.progress.disable and step % self.report_every == 0:
             console.print(f"step {step}/{cfg.steps} loss {losses['total']:.3f}, {sec_per_step:.2f} s/step, "
-                          f"eta {fmt_duration(sec_per_step * (cfg.steps - step))}", highlight=False)
+                          f"eta {fmt_duration(time_left(sec_per_step, cfg.steps - step))}", highlight=False)
 
     def curriculum(self, step: int, row: dict) -> None:
         self.log({"step": step, "curriculum": row})
@@ -170,11 +189,10 @@ class Report:
         """After the first 10 steps: the measured speed and when the run will end (with a hint on a slow CPU run)."""
         cfg = self.cfg
         sec_per_step = elapsed / done
-        left = sec_per_step * (cfg.steps - step)
-        end = (datetime.datetime.now() + datetime.timedelta(seconds=left)).strftime("%H:%M")
+        left = time_left(sec_per_step, cfg.steps - step)
         console.print(f"{done} steps in {elapsed:.1f} s ({sec_per_step:.2f} s/step, "
                       f"{cfg.batch_size / sec_per_step:.1f} samples/s): the remaining {cfg.steps - step:,}"
-                      f" steps take about {fmt_duration(left)} (until about {end})", highlight=False)
+                      f" steps take about {fmt_duration(left)} ({end_time(left)})", highlight=False)
         if left > 3600 and self.device.type == "cpu" and not self.use_features:
             console.print("hint: on a CPU, cache the image tower once with `vlprep features IN OUT` and "
                           "train on OUT: several times faster (docs/FEATURES.md)", highlight=False)

@@ -1,0 +1,194 @@
+"""Faults a probe of careless and hostile inputs found, each now one line (or no fault at all): a URL or huge --seeds
+given to pipelines/ablation.py, a FIFO as --config, --steps beyond any clock, overlong or unknown model names, an
+overlong --preset, an export OUT below a file, and a gradcam word matched to another word's [UNK]."""
+
+import importlib.util
+import os
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import yaml
+from PIL import Image
+from typer.testing import CliRunner
+
+from vlprep.shards import ShardsConfig, build_shards
+from vltrain.cli import app
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["model.text_model=tiny", "model.image_model=tiny", "model.embed_dim=16", "data.image_size=32",
+        "data.workers=0", "data.max_len=12", "log_every=1", "optim.warmup_steps=2", "optim.lr=0.01"]
+
+
+def load_ablation():
+    spec = importlib.util.spec_from_file_location("ablation_probe", ROOT / "pipelines" / "ablation.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """8 pixel pairs in 2 shards."""
+    tmp = tmp_path_factory.mktemp("probe")
+    src = tmp / "src"
+    src.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(8):
+        Image.fromarray(rng.integers(0, 255, (36, 36, 3)).astype(np.uint8)).save(src / f"{i:03d}.png")
+        (src / f"{i:03d}.txt").write_text(f"a picture of thing {i}")
+    build_shards(ShardsConfig(src=src, out=tmp / "ds", samples_per_shard=4, workers=1))
+    return tmp / "ds"
+
+
+def tiny_args(*extra: str, leave: str = "") -> list[str]:
+    return [x for s in TINY if not (leave and s.startswith(leave + "=")) for x in ("--set", s)] + list(extra)
+
+
+def run(shards, out, *args, leave: str = ""):
+    return CliRunner().invoke(app, ["run", str(shards), "--out", str(out), "--batch-size", "4", "--device", "cpu",
+                                    "--steps", "2", "--preset", "clip", *tiny_args(*args, leave=leave)])
+
+
+def error_line(result) -> str:
+    """The one line a failed command printed (its output must be exactly one non-empty line, no traceback)."""
+    lines = [ln for ln in result.output.splitlines() if ln.strip()]
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    return lines[0]
+
+
+# --- 1. pipelines/ablation.py: URLs and huge --seeds ----------------------------------------------------------------
+
+
+def test_ablation_refuses_urls_for_out_demo_recipe_and_rescore_before_anything_is_built(tmp_path, monkeypatch,
+                                                                                        capsys):
+    """Before: `--out s3://b/abl` was the local folder ./s3:/b/abl (argparse's type=Path collapses `//`)."""
+    ablation = load_ablation()
+    recipe = {"about": "t", "eval": {"retrieval": "heldout"}, "arms": {"a": {"data": [str(tmp_path / "nope")]}}}
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    monkeypatch.chdir(tmp_path)
+    for args, flag in (([str(path), "--out", "s3://b/abl", "--demo", str(tmp_path / "demo")], "--out s3://b/abl"),
+                       ([str(path), "--demo", "gs://b/demo"], "--demo gs://b/demo"),
+                       (["s3://b/r.yaml", "--demo", str(tmp_path / "demo")], "RECIPE s3://b/r.yaml"),
+                       (["--rescore", "https://h/results.json"], "--rescore https://h/results.json")):
+        assert ablation.main(args) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: {flag}: remote paths") and "\n" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.yaml"]  # no s3:, gs: or demo folder
+
+
+def test_ablation_bounds_the_seed_count_and_each_seed(tmp_path, capsys):
+    """Before: --seeds 99999999999999999999 was an OverflowError traceback from list(range(...))."""
+    ablation = load_ablation()
+    recipe = {"about": "t", "eval": {"retrieval": "heldout"}, "arms": {"a": {"data": [str(tmp_path / "nope")]}}}
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    huge = "9" * 5000
+    for seeds, says in (("99999999999999999999", "--seeds '99999999999999999999': at most 1000 seeds"),
+                        ("1001", "--seeds '1001': at most 1000 seeds"),
+                        (",".join(map(str, range(1001))), "at most 1000 seeds"),
+                        ("3,4294967296", "--seeds '3,4294967296': seeds are at most 4294967295"),
+                        (huge, "at most 1000 seeds")):
+        assert ablation.main([str(path), "--demo", str(tmp_path / "demo"), "--seeds", seeds]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: --seeds ") and says in err and "\n" not in err and len(err) < 200, err
+    assert ablation.parse_seeds("1000", 1) == list(range(1000))
+    assert ablation.parse_seeds("0,4294967295", 1) == [0, 4294967295]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.yaml"]
+
+
+# --- 2. --config a FIFO ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["config", "run"])
+def test_config_that_is_a_fifo_is_refused_not_read(command, shards, tmp_path):
+    """Before: reading the FIFO waited forever for a writer. Here a helper thread writes a valid config into it after
+    2 s if anyone opened it for reading, so the old code ends (exit 0 or a training run) instead of hanging."""
+    fifo = tmp_path / "cfg.yaml"
+    os.mkfifo(fifo)
+    done = threading.Event()
+
+    def feed():  # O_NONBLOCK: opening for writing fails (ENXIO) while no one reads, so this never blocks
+        deadline = time.monotonic() + 2
+        while not done.is_set():
+            try:
+                fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:
+                time.sleep(0.05)
+                continue
+            while time.monotonic() < deadline and not done.is_set():
+                time.sleep(0.05)
+            os.write(fd, b"steps: 1\n")
+            os.close(fd)
+            return
+
+    helper = threading.Thread(target=feed, daemon=True)
+    helper.start()
+    try:
+        if command == "config":
+            result = CliRunner().invoke(app, ["config", "--config", str(fifo)])
+        else:
+            result = run(shards, tmp_path / "r", "--config", str(fifo))
+    finally:
+        done.set()
+        helper.join(5)
+    assert "is not a regular file" in error_line(result)
+    assert not (tmp_path / "r").exists()
+
+
+# --- 3. --steps beyond any date -------------------------------------------------------------------------------------
+
+
+def test_eta_note_of_a_run_ending_beyond_any_date_does_not_crash(capsys):
+    """Before: datetime.now() + timedelta(seconds=1e22) was `OverflowError: Python int too large to convert to C int`
+    after the first 10 steps of `vltrain run --steps 99999999999999999999999`."""
+    from vltrain import report
+
+    for steps in (99999999999999999999999, 10 ** 400):  # past year 9999; past a float
+        fake = SimpleNamespace(cfg=SimpleNamespace(steps=steps, batch_size=4), device=SimpleNamespace(type="cpu"),
+                               use_features=True)
+        report.Report._eta_note(fake, 10, 1.0, 10)
+    assert report.end_time(60).startswith("until about ")
+    assert report.fmt_duration(float("inf")) == "forever"
+
+
+# --- 4. an overlong text_model --------------------------------------------------------------------------------------
+
+
+def test_an_overlong_text_model_is_the_one_line_of_an_unknown_one_cut_to_80_characters(shards, tmp_path):
+    """Before: Path(name).is_dir() raised `OSError: [Errno 36] File name too long` (a traceback); a 200-character
+    name was quoted whole."""
+    line = error_line(run(shards, tmp_path / "r", "--set", "model.text_model=" + "t" * 300))
+    assert "text_model must be 'minilm', 'tiny' or a local Hugging Face model folder, got 'ttt" in line
+    assert line.endswith("…") and len(line) < 200, line
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"model": {"text_model": "x" * 200_000}}))
+    line = error_line(run(shards, tmp_path / "r", "--config", str(config), leave="model.text_model"))
+    assert "local Hugging Face model folder, got 'xxx" in line and len(line) < 200, line[:300]
+    from vltrain.model import _text_path
+
+    with pytest.raises(ValueError, match="local Hugging Face model folder") as e:
+        _text_path("y" * 200)
+    assert len(str(e.value)) < 200 and str(e.value).endswith("…")
+
+
+# --- 5. an unknown image_model on pixels ----------------------------------------------------------------------------
+
+
+def test_an_unknown_image_model_on_pixels_names_the_valid_choices(shards, tmp_path):
+    """Before: image_stats gave mean None and torchvision's Normalize raised `TypeError: 'NoneType' object is not
+    iterable`."""
+    line = error_line(run(shards, tmp_path / "r", "--set", "model.image_model=foo"))
+    assert line == ("error: image_model must be one of ['efficientnet-lite0', 'features', 'tiny'], torchvision:ARCH "
+                    "or timm:NAME, got 'foo'")
+    line = error_line(run(shards, tmp_path / "r", "--set", "model.image_model=" + "f" * 5000))
+    assert len(line) < 250 and line.endswith("…"), line
+    from vltrain.model import ModelConfig, image_stats
+
+    assert image_stats(ModelConfig(image_model="tiny"))[2] == 32
+    assert image_stats(ModelConfig(image_model="features")) == (None, None, None)
