@@ -237,9 +237,12 @@ def features(
     overwrite: bool = typer.Option(False, help="Replace the vlprep files in a non-empty OUT written otherwise."),
 ) -> None:
     """Cache a frozen image encoder's tokens as an npy member of every sample (fast training on a CPU)."""
-    from vlprep.features import FeaturesConfig, features as run_features
+    from vlprep import cut
+    from vlprep.features import DTYPES, FeaturesConfig, features as run_features
     from vlprep.report import print_features_report
 
+    if dtype not in DTYPES:  # vlprep.features says the same, quoting the whole value
+        raise VlprepError(f"--dtype must be float16 or float32, got {cut(repr(dtype))}")
     cfg = FeaturesConfig(src=src, out=out, image_model=image_model, weights=weights, size=size, dtype=dtype,
                          batch_size=batch_size, device=device, overwrite=overwrite,
                          skip_bad_shards=skip_bad_shards)

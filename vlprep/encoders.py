@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vlprep import VlprepError
+from vlprep import VlprepError, cut
 
 ENCODERS = ("efficientnet-lite0", "torchvision:ARCH", "timm:NAME")
 EFFNET_STATS = {"mean": [127 / 255] * 3, "std": [128 / 255] * 3}
@@ -106,7 +106,7 @@ def timm_model(arch: str) -> nn.Module:
     try:
         return timm.create_model(arch, pretrained=False, num_classes=0)
     except RuntimeError as e:  # "Unknown model (...)"
-        raise VlprepError(f"timm:{arch}: {e}") from None
+        raise VlprepError(f"timm:{cut(arch)}: {cut(str(e), 200)}") from None
 
 
 def timm_stats(arch: str) -> dict:
@@ -122,26 +122,47 @@ def timm_stats(arch: str) -> dict:
 RESAVE = "re-save it as a plain state dict of tensors, torch.save(model.state_dict(), PATH), or as .safetensors"
 
 
+def _load_detail(e: Exception) -> str:
+    """The part of a torch.load error worth quoting: the WeightsUnpickler's own reason ("Unsupported operand 149"),
+    or the first line of another error. Never torch's advice to retry with weights_only=False (which could run code):
+    a line that mentions it is left out."""
+    text = str(e)
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    first = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    if not first or "weights_only" in first or "False" in first:
+        return ""
+    return f" ({cut(first, 200)})"
+
+
 def read_weights(weights: Path):
     """A --weights file as tensors: a .safetensors file, or torch.load(weights_only=True), which runs no code; a file
-    holding other Python objects (a whole pickled model) is refused with how to re-save it, never loaded unsafely."""
+    holding other Python objects (a whole pickled model) is refused with how to re-save it, never loaded unsafely.
+    The error never quotes torch's advice to load it with weights_only=False."""
     import pickle
+    import warnings
 
     try:
         if str(weights).endswith(".safetensors"):
             from safetensors.torch import load_file
 
             return load_file(str(weights))
-        return torch.load(weights, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # a plain pickle (protocol 4, 5): torch warns before it refuses the file
+            warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+            return torch.load(weights, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        if "unsupported global" not in str(e).lower():  # no class or function named in it: junk, truncated bytes
-            first = (str(e).splitlines() or ["unreadable"])[0][:200]
-            raise VlprepError(f"cannot read weights {weights} as a torch state dict ({first})") from None
+        if "unsupported global" not in str(e).lower():  # no class or function named in it: junk, a plain pickle
+            raise VlprepError(f"cannot read weights {weights}: not a torch state dict (a torch.save file of tensors), "
+                              f"or it holds Python objects{_load_detail(e)}; {RESAVE}") from None
         raise VlprepError(f"refused to load {weights}: it holds pickled Python objects (a whole model?), which "
                           f"could run code; {RESAVE}") from None
-    except Exception as e:  # missing, unreadable, not a torch file
+    except OSError as e:  # missing, unreadable
         first = (str(e).splitlines() or [e.__class__.__name__])[0][:200]
         raise VlprepError(f"cannot read weights {weights} as a torch state dict ({first})") from None
+    except Exception as e:  # not a torch file: random bytes stop torch's unpickler anywhere (IndexError, ...)
+        detail = _load_detail(e) or f" ({type(e).__name__})"
+        raise VlprepError(f"cannot read weights {weights}: not a torch state dict (a torch.save file of tensors) "
+                          f"or .safetensors file{detail}; {RESAVE}") from None
 
 
 def load_state(net: nn.Module, name: str, weights: Path) -> None:
@@ -204,9 +225,9 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
-        raise VlprepError(f"--device must be auto, cpu or cuda[:N], got {name!r}")
+        raise VlprepError(f"--device must be auto, cpu or cuda[:N], got {cut(repr(name))}")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise VlprepError(f"--device {name}: CUDA is not available on this machine")
+        raise VlprepError(f"--device {cut(name)}: CUDA is not available on this machine")
     return torch.device(name)
 
 
@@ -224,7 +245,7 @@ def torchvision_model(arch: str) -> nn.Module:
     import torchvision
 
     if arch not in torchvision.models.list_models(module=torchvision.models):
-        raise VlprepError(f"unknown torchvision classification model {arch!r}; e.g. resnet18, resnet50, "
+        raise VlprepError(f"unknown torchvision classification model {cut(repr(arch))}; e.g. resnet18, resnet50, "
                           "efficientnet_b0, convnext_tiny, vit_b_16 (torchvision.models.list_models())")
     if arch.startswith(_NOT_CONV):
         raise VlprepError(f"torchvision:{arch}: window-attention models are not supported; use a CNN (resnet*, "
@@ -270,14 +291,14 @@ def load_token_encoder(name: str = "efficientnet-lite0", weights: str | os.PathL
         trunk, stats, path, shown = EffNetTrunk(), EFFNET_STATS, packaged_weights_path(), ""
     elif name.startswith(("torchvision:", "timm:")):
         if not weights:
-            raise VlprepError(f"{name} needs --weights FILE (a local state dict); nothing is downloaded here")
+            raise VlprepError(f"{cut(name)} needs --weights FILE (a local state dict); nothing is downloaded here")
         path = Path(weights).resolve()
         if not path.is_file():
             raise VlprepError(f"weights file not found: {weights}")
         stats = timm_stats(name.split(":", 1)[1]) if name.startswith("timm:") else IMAGENET_STATS
         trunk, shown = token_trunk(name, path), str(path)
     else:
-        raise VlprepError(f"unknown image model {name!r}; one of: {', '.join(ENCODERS)}")
+        raise VlprepError(f"unknown image model {cut(repr(name))}; one of: {', '.join(ENCODERS)}")
     spec = {"encoder": name, "weights": shown, "weights_sha256": file_sha256(path), "size": size,
             "mean": list(stats["mean"]), "std": list(stats["std"]), "tokens": 0, "dim": 0, "dtype": "float32"}
     enc = TokenEncoder(trunk, spec)

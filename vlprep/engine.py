@@ -31,7 +31,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import NamedTuple
 
-from vlprep import VlprepError
+from vlprep import VlprepError, cut
 from vlprep.dataset import shard_done
 from vlprep.lifeline import Driver, guard, reset_signals_in_worker, stop_on_signals, this_driver
 
@@ -55,7 +55,7 @@ def default_workers(cap: int = 4) -> int:
 def check_engine(distributor: str, workers: int) -> None:
     """One-line errors for a bad --distributor / --workers (before any output is touched)."""
     if distributor not in DISTRIBUTORS:
-        raise VlprepError(f"unknown --distributor {distributor!r}; use {' or '.join(DISTRIBUTORS)}")
+        raise VlprepError(f"unknown --distributor {cut(repr(distributor))}; use {' or '.join(DISTRIBUTORS)}")
     if workers < 1:
         raise VlprepError("--workers must be at least 1")
     if distributor == "ray":
@@ -130,12 +130,47 @@ def _import_ray():
 RAY_CONNECT_TIMEOUT = "VLPREP_RAY_CONNECT_TIMEOUT"  # seconds to reach RAY_ADDRESS (default 10)
 
 
+RAY_FORMS = "HOST:PORT (e.g. 127.0.0.1:6379), ray://HOST:PORT, auto or local"
+
+
+def _host_port(text: str) -> bool:
+    """Whether `text` is HOST:PORT as ray parses it: a host without ':' (an IPv6 one in brackets), a port 1-65535."""
+    if text.startswith("["):
+        host, sep, port = text[1:].partition("]:")
+    else:
+        host, sep, port = text.rpartition(":")
+        sep = sep if ":" not in host else ""
+    return (bool(sep) and bool(host) and not any(c.isspace() for c in host) and port.isascii() and port.isdigit()
+            and 1 <= int(port) <= 65535)
+
+
+def check_ray_address(address: str) -> None:
+    """A one-line VlprepError naming RAY_ADDRESS when it is none of the forms ray.init takes (ray's
+    canonicalize_bootstrap_address: HOST:PORT, "auto", "local"; ray.init: SCHEME://..., the Ray Client, ray://HOST:PORT
+    for Ray's own). ray.init's own error is `ValueError: Invalid address format` deep in a traceback. Another
+    SCHEME:// is a Ray Client module ray.init imports: left to it (ray_connect makes its error one line too)."""
+    if address in ("", "auto", "local"):
+        return
+    scheme, sep, rest = address.partition("://")
+    if sep and scheme in ("http", "https"):
+        why = "an http(s) address is a dashboard or API server, not a Ray cluster"
+    elif sep and scheme != "ray":
+        return
+    elif _host_port(rest if sep else address):
+        return
+    else:
+        why = "not a Ray address"
+    raise VlprepError(f"RAY_ADDRESS={cut(address)}: {why}; give {RAY_FORMS}, or unset it to start a Ray here")
+
+
 def _probe_ray_address(address: str) -> None:
-    """A one-line error when RAY_ADDRESS names a host:port nothing answers on within the timeout.
+    """A one-line error when RAY_ADDRESS names a host:port nothing answers on within the timeout (or is no address:
+    check_ray_address).
 
     ray.init retries an unreachable address for minutes (ray 2.60: over 180 s for 127.0.0.1:1), inside a C++
     call that no timeout of ours can cut short, so the address is tried with a plain TCP connection first. An
     address that accepts connections but is no Ray cluster is still ray.init's to judge."""
+    check_ray_address(address)
     if address in ("", "local"):
         return  # a Ray started here
     target = address.split("://", 1)[1] if "://" in address else address
@@ -165,10 +200,19 @@ def ray_connect():
     """The ray module, connected: to RAY_ADDRESS when set, else to a Ray started here; ray.init runs at most once."""
     ray = _import_ray()
     if not ray.is_initialized():
-        _probe_ray_address(os.environ.get("RAY_ADDRESS") or "")
+        address = os.environ.get("RAY_ADDRESS") or ""
+        _probe_ray_address(address)
         # ray.init reads RAY_ADDRESS itself; without it, it starts a local Ray with every CPU of this machine.
-        ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=False,
-                 logging_level="WARNING")
+        try:
+            ray.init(address=address or None, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+        except Exception as e:  # ConnectionError, RuntimeError, ValueError, a Ray Client module that is not there...
+            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+            why = f"{type(e).__name__}: {cut(lines[0], 200)}" if lines else type(e).__name__
+            if address:
+                raise VlprepError(f"cannot connect to the Ray cluster at RAY_ADDRESS={cut(address)} ({why}); start "
+                                  "it, fix RAY_ADDRESS, or unset it to start a Ray here") from None
+            raise VlprepError(f"cannot start a local Ray (RAY_ADDRESS is unset) ({why}); set RAY_ADDRESS to a "
+                              "running cluster, or use --distributor local") from None
     return ray
 
 

@@ -23,8 +23,8 @@ def is_url(value) -> bool:
 def check_local(value: str, what: str = "") -> str:
     """`value` unchanged, or a VlprepError when it is a URL; `what` names the argument ("--out", "shards")."""
     if is_url(value):
-        raise VlprepError(f"{what + ' ' if what else ''}{cut(value)}: remote paths (s3://, gs://, http(s)://...) are not "
-                          "supported yet; copy the data to a local path")
+        raise VlprepError(f"{what + ' ' if what else ''}{cut(value)}: remote paths (s3://, gs://, http(s)://...) are "
+                          "not supported yet; copy the data to a local path")
     return value
 
 

@@ -73,6 +73,17 @@ def config_file(path: Path | None) -> Path | None:
     return path
 
 
+def known_preset(preset: str | None) -> str | None:
+    """--preset as given, or a ConfigError quoting at most 80 characters of an unknown one (vltrain.config's own
+    check quotes it whole)."""
+    from vlprep import cut
+    from vltrain.config import PRESETS, ConfigError
+
+    if preset is not None and preset not in PRESETS:
+        raise ConfigError(f"unknown preset {cut(repr(preset))}; presets: {', '.join(PRESETS)}")
+    return preset
+
+
 # Column order and headers of every retrieval table, as the papers print them: TR (text retrieval: an image finds
 # its captions, image->text) R@1/5/10, then IR (image retrieval: a caption finds its image, text->image), then the mean.
 COLUMNS = [("i2t_r1", "TR@1"), ("i2t_r5", "TR@5"), ("i2t_r10", "TR@10"),
@@ -148,8 +159,8 @@ def run(
     with user_errors():
         if steps is not None and epochs is not None:
             raise ConfigError("give --steps or --epochs, not both")
-        cfg = load_config(preset, config_file(config), set_ or [], shards=[str(s) for s in shards], out=out,
-                          steps=steps, epochs=epochs, batch_size=batch_size, device=device,
+        cfg = load_config(known_preset(preset), config_file(config), set_ or [], shards=[str(s) for s in shards],
+                          out=out, steps=steps, epochs=epochs, batch_size=batch_size, device=device,
                           **{"sampler.kind": sampler, "sampler.refresh_every": refresh_every})
         if resume and overwrite:
             raise ConfigError("give --resume or --overwrite, not both")
@@ -183,7 +194,7 @@ def config_(
     from vltrain.config import load_config, to_yaml
 
     with user_errors():
-        cfg = load_config(preset, config_file(config), set_ or [])
+        cfg = load_config(known_preset(preset), config_file(config), set_ or [])
     sys.stdout.write(to_yaml(cfg))
 
 
@@ -288,7 +299,7 @@ def export_(
     `vltrain.load(OUT)`, `vltrain eval OUT` and the other commands read it without pickle (docs/TRAINING.md)."""
     from vltrain.export import export
 
-    with user_errors():
+    with user_errors(), writing(out):  # OUT below a file, read-only or on a full disk: one line
         info = export(checkpoint, out, onnx=onnx, overwrite=overwrite)
     dropped = (f"; left out {len(info['dropped'])} training-only tensors (momentum copy, queues)"
                if info["dropped"] else "")

@@ -72,17 +72,45 @@ def caption_words(tokenizer, ids: torch.Tensor) -> list[str]:
     return words
 
 
-def word_positions(tokenizer, ids: torch.Tensor, words: list[str]) -> dict[str, int]:
+def _offsets(tokenizer, ids: torch.Tensor, caption: str | None) -> list[tuple[int, int]] | None:
+    """Per position of ids (1, L), the (start, end) in `caption` of the text its token came from (a fast tokenizer's
+    offsets, the caption encoded again as ids were); None when they cannot be had."""
+    if caption is None or not getattr(tokenizer, "is_fast", False):
+        return None
+    enc = tokenizer(caption, truncation=True, max_length=ids.shape[1], return_offsets_mapping=True)
+    if enc["input_ids"] != ids[0].tolist():
+        return None
+    return [tuple(o) for o in enc["offset_mapping"]]
+
+
+def _same_words(tokenizer, a: str, b: str) -> bool:
+    """Whether two spellings are the same words to the tokenizer (its normaliser: lowercase, accents), as text."""
+    norm = getattr(getattr(tokenizer, "backend_tokenizer", None), "normalizer", None)
+
+    def fold(text: str) -> str:
+        return " ".join((norm.normalize_str(text) if norm is not None else text).casefold().split())
+
+    return fold(a) == fold(b)
+
+
+def word_positions(tokenizer, ids: torch.Tensor, words: list[str], caption: str | None = None) -> dict[str, int]:
     """Each requested word -> the position in ids (1, L) of the first of its word pieces, where all of them stand as
-    one whole caption word (a contiguous span that no ## piece continues); ValueError for a word not in the caption."""
+    one whole caption word (a contiguous span that no ## piece continues); ValueError for a word not in the caption.
+
+    Token ids cannot tell apart the words the vocabulary lacks: each is [UNK]. A span holding [UNK] matches only where
+    the caption's own text is the word (`caption`: the text ids were encoded from; without it, never)."""
     pieces = tokenizer.convert_ids_to_tokens(ids[0].tolist())
     if not caption_words(tokenizer, ids):
         raise ValueError("the caption is empty: give the words the image shows")
+    unk = tokenizer.unk_token
+    offsets = _offsets(tokenizer, ids, caption) if unk in pieces else None
     found = {}
     for word in words:
         spans = [t for t in (tokenizer.tokenize(word), tokenizer.tokenize(" " + word)) if t]
         hits = [i for want in spans for i in range(len(pieces) - len(want) + 1)
-                if pieces[i:i + len(want)] == want and not "".join(pieces[i + len(want):][:1]).startswith("##")]
+                if pieces[i:i + len(want)] == want and not "".join(pieces[i + len(want):][:1]).startswith("##")
+                and (unk not in want or (offsets is not None and _same_words(
+                    tokenizer, caption[offsets[i][0]:offsets[i + len(want) - 1][1]], word)))]
         if not hits:
             shown = " ".join(caption_words(tokenizer, ids))
             raise ValueError(f"word {word[:80]!r} is not in the caption's tokens ({shown[:200]}): give whole words of "
@@ -113,7 +141,7 @@ def gradcam_figure(checkpoint, image, caption: str, words: list[str] | None, out
     ids, mask = enc["input_ids"].to(dev), enc["attention_mask"].to(dev)
     if not words:
         words = caption_words(tok, ids)[:3]
-    pos = word_positions(tok, ids, words)
+    pos = word_positions(tok, ids, words, caption)
     cam, p_match = caption_gradcam(model, pixels, ids, mask)
     n = cam.shape[1]
     side = int(round(n ** 0.5))

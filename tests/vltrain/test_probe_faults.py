@@ -192,3 +192,87 @@ def test_an_unknown_image_model_on_pixels_names_the_valid_choices(shards, tmp_pa
 
     assert image_stats(ModelConfig(image_model="tiny"))[2] == 32
     assert image_stats(ModelConfig(image_model="features")) == (None, None, None)
+
+
+# --- 6. an overlong --preset ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["config", "run"])
+def test_an_overlong_preset_is_quoted_cut_to_80_characters(command, shards, tmp_path):
+    """Before: `unknown preset 'ppp...'` quoted all 5,000 characters."""
+    args = ["config", "--preset", "p" * 5000] if command == "config" else \
+        ["run", str(shards), "--out", str(tmp_path / "r"), "--preset", "p" * 5000]
+    line = error_line(CliRunner().invoke(app, args))
+    assert line.startswith("error: unknown preset 'ppp") and "p" * 78 + "…" in line and "p" * 79 not in line
+    assert line.endswith("; presets: clip, albef, albef-base, tonics, tonics-ir, fistful, softmask, grit"), line
+    assert error_line(CliRunner().invoke(app, ["config", "--preset", "nope"])) == \
+        "error: unknown preset 'nope'; presets: clip, albef, albef-base, tonics, tonics-ir, fistful, softmask, grit"
+    assert not (tmp_path / "r").exists()
+
+
+# --- 7. export into an OUT that cannot be made ----------------------------------------------------------------------
+
+
+def fusion_checkpoint(path: Path) -> Path:
+    """A random tiny model with one fusion layer (what gradcam reads), in vltrain's checkpoint format."""
+    import torch
+
+    from vltrain.config import Config, DataConfig, to_dict
+    from vltrain.model import ModelConfig, build_model
+
+    torch.manual_seed(0)
+    mc = ModelConfig(text_model="tiny", image_model="tiny", embed_dim=16, fusion_layers=1)
+    torch.save({"model": build_model(mc).state_dict(),
+                "config": to_dict(Config(model=mc, data=DataConfig(image_size=32, max_len=12)))}, path)
+    return path
+
+
+def test_export_into_an_out_that_cannot_be_made_is_one_line(tmp_path, monkeypatch):
+    """OUT below a regular file (root may write anywhere, so chmod proves nothing), and os.mkdir denied. Before:
+    NotADirectoryError / PermissionError tracebacks from vltrain.export.prepare_out."""
+    ckpt = fusion_checkpoint(tmp_path / "m.pt")
+    blocker = tmp_path / "afile"
+    blocker.write_text("x")
+    line = error_line(CliRunner().invoke(app, ["export", str(ckpt), str(blocker / "exp")]))
+    assert line == f"error: cannot write {blocker / 'exp'}: not a directory"
+    denied = tmp_path / "ro" / "exp"
+
+    def no_mkdir(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(os, "mkdir", no_mkdir)
+    line = error_line(CliRunner().invoke(app, ["export", str(ckpt), str(denied)]))
+    assert line == f"error: cannot write {denied}: permission denied"
+    assert blocker.read_text() == "x" and sorted(p.name for p in tmp_path.iterdir()) == ["afile", "m.pt"]
+
+
+# --- 9. gradcam words the vocabulary lacks --------------------------------------------------------------------------
+
+
+def test_gradcam_never_matches_a_word_to_another_words_unk(tmp_path):
+    """Both 200-letter words are [UNK] to the tokenizer. Before: --words vvv... drew the map of www...'s [UNK] under
+    the label vvv... and exited 0."""
+    ckpt = fusion_checkpoint(tmp_path / "m.pt")
+    image = tmp_path / "i.png"
+    Image.fromarray(np.full((32, 32, 3), 128, np.uint8)).save(image)
+    caption = "a cat " + "w" * 200
+    r = CliRunner().invoke(app, ["gradcam", str(ckpt), str(image), caption, "--words", "v" * 200, "--out",
+                                 str(tmp_path / "gc.png"), "--device", "cpu"])
+    assert f"error: word '{'v' * 80}' is not in the caption's tokens (a cat): give whole words of it" == error_line(r)
+    assert not (tmp_path / "gc.png").exists()
+    r = CliRunner().invoke(app, ["gradcam", str(ckpt), str(image), caption, "--words", "cat," + "W" * 200, "--out",
+                                 str(tmp_path / "gc.png"), "--device", "cpu"])
+    assert r.exit_code == 0 and (tmp_path / "gc.png").is_file(), r.output  # the word itself: its [UNK] is its own
+    assert "'cat': 2" in r.output and f"'{'W' * 200}': 3" in r.output.replace("\n", ""), r.output
+
+    from vltrain.figures import word_positions
+    from vltrain.model import tokenizer_for
+
+    tok = tokenizer_for("tiny")
+    ids = tok([caption], return_tensors="pt")["input_ids"]
+    assert word_positions(tok, ids, ["cat", "w" * 200], caption) == {"cat": 2, "w" * 200: 3}
+    for word in ("v" * 200, "[UNK]"):
+        with pytest.raises(ValueError, match="is not in the caption's tokens"):
+            word_positions(tok, ids, [word], caption)
+    with pytest.raises(ValueError, match="is not in the caption's tokens"):  # no caption text: an [UNK] never matches
+        word_positions(tok, ids, ["w" * 200])
