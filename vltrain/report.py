@@ -24,7 +24,9 @@ def fmt_duration(seconds: float) -> str:
         return f"{seconds:.0f} s"
     if seconds < 5400:
         return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
+    if seconds < 1e7:  # under about 4 months
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 31_557_600:.3g} years"
 
 
 def time_left(sec_per_step: float, steps: int) -> float:

@@ -154,7 +154,8 @@ def test_eta_note_of_a_run_ending_beyond_any_date_does_not_crash(capsys):
                                use_features=True)
         report.Report._eta_note(fake, 10, 1.0, 10)
     assert report.end_time(60).startswith("until about ")
-    assert report.fmt_duration(float("inf")) == "forever"
+    assert report.fmt_duration(float("inf")) == "forever" and report.fmt_duration(3.8e22) == "1.2e+15 years"
+    assert report.fmt_duration(6000) == "1.7 h"
 
 
 # --- 4. an overlong text_model --------------------------------------------------------------------------------------
