@@ -25,12 +25,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from scipy import stats
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "pipelines"))
+from verdicts import t_interval  # noqa: E402
 ARMS = {"fp32, no bucketing": ["train.precision=fp32", "data.bucket=0"],
         "fp32, bucketed": ["train.precision=fp32"],
         "bf16, bucketed": ["train.precision=bf16"]}
@@ -51,13 +51,8 @@ def one_run(data: Path, sets: list[str], seed: int, steps: int, out: Path) -> di
 
 
 def paired(a: list[float], b: list[float]) -> tuple[float, float, float]:
-    """Mean of b - a and its 95% paired t interval."""
-    d = [y - x for x, y in zip(a, b)]
-    m = statistics.mean(d)
-    if len(d) < 2:
-        return m, float("nan"), float("nan")
-    half = stats.t.ppf(0.975, len(d) - 1) * statistics.stdev(d) / len(d) ** 0.5
-    return m, m - half, m + half
+    """Mean of b - a and its 95% paired t interval (the recipes' own, pipelines/verdicts.py)."""
+    return t_interval([y - x for x, y in zip(a, b)], 0.95)
 
 
 def main() -> None:
