@@ -60,8 +60,10 @@ def check_engine(distributor: str, workers: int) -> None:
         raise VlprepError("--workers must be at least 1")
     if distributor == "ray":
         ray = _import_ray()
+        address = os.environ.get("RAY_ADDRESS") or ""
+        check_ray_address(address)  # a malformed address is the user's mistake even when Ray already runs here
         if not ray.is_initialized():
-            _probe_ray_address(os.environ.get("RAY_ADDRESS") or "")
+            _probe_ray_address(address)
 
 
 def shard_fingerprint_done(out: Path, work: Work) -> dict | None:

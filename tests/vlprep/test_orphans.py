@@ -135,7 +135,12 @@ def test_forked_pool_workers_die_with_a_killed_driver(tmp_path):
     driver = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=env, stdout=subprocess.PIPE,
                               text=True)
     try:
-        workers = {int(driver.stdout.readline()), int(driver.stdout.readline())}
+        workers = set()
+        while len(workers) < 2:  # the workers' pids; the driver's own progress lines may come in between
+            line = driver.stdout.readline()
+            assert line, "the driver ended before both workers started"
+            if line.strip().isdigit():
+                workers.add(int(line))
         assert workers | {driver.pid} <= set(marked(marker))
         driver.kill()
         driver.wait()
