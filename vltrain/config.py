@@ -97,7 +97,8 @@ PRECISIONS = ("auto", "fp32", "bf16")
 class TrainConfig:
     """GPU speed options; "auto" turns each on with CUDA and leaves a CPU run as it was."""
     tf32: str | bool = "auto"           # TF32 matmuls and convolutions (CUDA only; auto = on there)
-    channels_last: str | bool = "auto"  # NHWC memory format for the CNN image tower and its pixels (auto = on CUDA)
+    channels_last: str | bool = "auto"  # NHWC memory format for the CNN image tower and its pixels (auto = on
+                                        # CUDA, and on a CPU for a frozen image tower)
     compile: bool = False               # torch.compile the image and text encoders in place (same checkpoint keys)
     precision: str = "auto"             # fp32, bf16 (autocast), auto: bf16 on CUDA, and on a CPU with bf16
                                         # arithmetic where a quick check of the model finds it faster; else fp32
