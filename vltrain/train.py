@@ -28,9 +28,9 @@ from vltrain.distributed import RankSlice, any_flags, broadcast, gather, init_fr
 from vltrain.model import autocast, build_model
 from vltrain.optim import build_optimizer, lr_at, optimizer_step, set_lr
 from vltrain.report import Report, console, earlier_rows, summary
-from vltrain.runsetup import (clamp_queue, heldout_positions, init_source, open_output, resolve_input,
-                              resolve_precision, resolve_workers, seed_everything, speed_options, train_device,
-                              training_data)
+from vltrain.runsetup import (clamp_queue, heldout_positions, init_source, keep_freed_memory, open_output,
+                              resolve_input, resolve_precision, resolve_workers, seed_everything, speed_options,
+                              train_device, training_data)
 from vltrain.samplers import GritSampler
 from vltrain.step import TrainStep, distill_alpha_at, wrap_ddp
 
@@ -49,6 +49,8 @@ def train(cfg, resume: bool = False, overwrite: bool = False, init_from=None) ->
     rank, size = world()
     console.quiet = size > 1 and rank > 0  # rank 0 alone reports
     device = train_device(device_name)
+    if device.type == "cpu":
+        keep_freed_memory()
     # --init-from is read before OUT is touched: an unreadable source leaves OUT as it was
     source = init_source(init_from, out, resume, overwrite)
     open_output(out, resume, overwrite, rank)
