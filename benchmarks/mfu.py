@@ -5,7 +5,8 @@ Peak: the median FLOP/s of --peak-reps square matmuls of --peak-size (2 n^3 FLOP
    BLAS reaches on one large matmul with every thread, so no step of smaller matmuls can reach 100% of it.
 Step: for each preset of --presets and batch of --batches, the trainer's own step on batches drawn the way `vltrain
    run` draws them from the `vlprep features` dataset --data (its sampler, bucketing and collate: `training_data` and
-   `Feed`, data.val_frac 0.05), the packaged MiniLM text model: the batch moved to the device, the loss step
+   `Feed`, data.val_frac 0.05), the packaged MiniLM text model, the process's allocator set as train() sets it
+   (vltrain.runsetup.keep_freed_memory on a CPU): the batch moved to the device, the loss step
    (`TrainStep` under the run's precision, vltrain.model.autocast), then `optimizer_step` (backward, gradient
    clipping, fused AdamW, momentum update and enqueue). Nothing else of the loop (logging, checks, the GRIT
    collect) is timed. One untimed step, then --steps timed steps over the drawn batches; medians.
@@ -104,6 +105,13 @@ class Setup:
         from vltrain.runsetup import resolve_input, resolve_workers, training_data
         from vltrain.step import TrainStep
 
+        try:  # what train() does on a CPU (the trainer before it had no such call)
+            from vltrain.runsetup import keep_freed_memory
+        except ImportError:
+            def keep_freed_memory():
+                return False
+        if device.type == "cpu":
+            keep_freed_memory()
         sets = ["model.text_model=minilm", "data.workers=0"]
         if precision != "fp32" or hasattr(TrainConfig(), "precision"):  # (the trainer before train.precision: fp32)
             sets.append(f"train.precision={precision}")
