@@ -15,7 +15,7 @@ import yaml
 from PIL import Image
 from typer.testing import CliRunner
 
-from vlprep.shards import ShardsConfig, build_shards
+from tests.conftest import colour_pairs
 from vltrain.cli import app
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,15 +33,7 @@ def load_ablation():
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
     """8 pixel pairs in 2 shards."""
-    tmp = tmp_path_factory.mktemp("probe")
-    src = tmp / "src"
-    src.mkdir()
-    rng = np.random.default_rng(0)
-    for i in range(8):
-        Image.fromarray(rng.integers(0, 255, (36, 36, 3)).astype(np.uint8)).save(src / f"{i:03d}.png")
-        (src / f"{i:03d}.txt").write_text(f"a picture of thing {i}")
-    build_shards(ShardsConfig(src=src, out=tmp / "ds", samples_per_shard=4, workers=1))
-    return tmp / "ds"
+    return colour_pairs(tmp_path_factory.mktemp("probe"), 8)
 
 
 def tiny_args(*extra: str, leave: str = "") -> list[str]:
