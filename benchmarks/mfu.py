@@ -123,6 +123,11 @@ class Setup:
             d = training_data(cfg, None, 0, 1)
         torch.manual_seed(0)
         self.model = build_model(cfg.model).to(device).train()
+        try:  # the speed options as train() applies them (train.unpad; the trainer before it: padded batches)
+            from vltrain.runsetup import speed_options
+            speed_options(cfg, self.model, device, use_features=True)
+        except ImportError:
+            pass
         self.step_fn, self.tokenizer, self.device = TrainStep(self.model), d.tokenizer, device
         self.optimizer, self.params = build_optimizer(self.model, cfg.optim, device)
         self.generator = torch.Generator(device=device).manual_seed(0)

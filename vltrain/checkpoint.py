@@ -225,7 +225,7 @@ def load_weights(model, weights: dict, path) -> None:
 
 # Keys a resumed run may change: how long it runs, where and how it reports, how it loads data, the speed options.
 # Keys added with a default that is not the behaviour from before them: a checkpoint older than the key ran as this.
-BEFORE_KEY = {"data.bucket": 0, "train.precision": "fp32"}
+BEFORE_KEY = {"data.bucket": 0, "train.precision": "fp32", "train.unpad": False}
 RESUMABLE = {"steps", "epochs", "out", "device", "log_every", "eval_every", "ckpt_every", "ckpt_minutes",
              "data.workers", "train.tf32", "train.channels_last", "train.compile"}
 

@@ -100,6 +100,8 @@ class TrainConfig:
     channels_last: str | bool = "auto"  # NHWC memory format for the CNN image tower and its pixels (auto = on
                                         # CUDA, and on a CPU for a frozen image tower)
     compile: bool = False               # torch.compile the image and text encoders in place (same checkpoint keys)
+    unpad: bool = True                  # text encoder and fusion layers run on length groups of each batch, each
+                                        # cut to its longest caption, instead of the whole batch padded to its longest
     precision: str = "auto"             # fp32, bf16 (autocast), auto: bf16 on CUDA, and on a CPU with bf16
                                         # arithmetic where a quick check of the model finds it faster; else fp32
 

@@ -141,7 +141,7 @@ def fit_workers(cfg: Config, n_train: int, n_shards: int) -> None:
 
 
 def speed_options(cfg: Config, model, device: torch.device, use_features: bool) -> bool:
-    """Apply train.tf32 / channels_last / compile; returns whether pixels go channels-last."""
+    """Apply train.tf32 / channels_last / unpad / compile; returns whether pixels go channels-last."""
     cuda = device.type == "cuda"
     if cuda:  # TF32: ~10-bit mantissa matmuls on Ampere and later, the usual trade for training speed
         on = cfg.train.tf32 != "off"
@@ -152,6 +152,9 @@ def speed_options(cfg: Config, model, device: torch.device, use_features: bool) 
                                           or (cfg.train.channels_last == "auto" and (cuda or cfg.model.freeze_image)))
     if channels_last:  # NHWC convolutions are the fast path of tensor cores; only 4-D weights change layout
         model.image_encoder.to(memory_format=torch.channels_last)
+    # Up to 4 groups: GRIT's and TOnICS' batches (never length-bucketed) and every ITM / MLM pass stop paying for
+    # padding; a bucketed batch is one group (benchmarks/mfu.py)
+    model.set_unpad(4 if cfg.train.unpad else 0)
     if cfg.train.compile:  # in place (nn.Module.compile), so state_dict keys and checkpoints stay the same
         model.image_encoder.compile()
         model.text_encoder.compile()

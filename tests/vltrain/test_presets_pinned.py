@@ -33,7 +33,9 @@ PRESETS = ["clip", "albef", "grit", "tonics", "softmask"]
 TINY = ["model.text_model=tiny", "model.image_model=tiny", "model.embed_dim=16", "data.image_size=32",
         "data.workers=0", "data.max_len=16", "log_every=1", "optim.warmup_steps=3", "optim.lr=0.01",
         "data.val_frac=0.25", "eval_every=10", "ckpt_every=10",
-        "data.bucket=0"]  # the random stream as it was pinned (length bucketing came later: tests/vltrain/test_speed.py)
+        # the random stream and the padded batches as they were pinned (length bucketing and length groups came
+        # later: tests/vltrain/test_speed.py)
+        "data.bucket=0", "train.unpad=false"]
 PER_PRESET = {  # the tiny BERT has 2 layers: split 1 + 1; queues and GRIT's search space sized for 36 pairs
     "clip": [],
     "albef": ["model.fusion_layers=1", "model.queue_size=16", "model.momentum_m=0.9"],

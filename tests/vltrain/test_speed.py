@@ -1,7 +1,8 @@
 """The trainer's speed features keep what a run relies on: length bucketing sees every sample once per epoch and
-pads less, loader workers kept across epochs replay a resumed run bit for bit, and train.precision picks and
-records its dtype."""
+pads less, loader workers kept across epochs replay a resumed run bit for bit, train.precision picks and records
+its dtype, and length groups compute what the padded batch computes."""
 
+import itertools
 import json
 import random
 from pathlib import Path
@@ -12,7 +13,8 @@ from typer.testing import CliRunner
 
 from vltrain.cli import app
 from vltrain.data import ShardStream, TokenLengths, caption_of
-from vltrain.model import tokenizer_for
+from vltrain.config import load_config
+from vltrain.model import build_model, length_groups, tokenizer_for
 
 from tests.conftest import make_dataset
 from tests.vltrain.test_train import TINY, losses
@@ -164,19 +166,21 @@ def test_precision_is_chosen_said_recorded_and_kept_on_resume(varied, tmp_path, 
 
 
 def test_a_checkpoint_from_before_bucketing_and_precision_names_the_keys_to_resume_it(varied, tmp_path):
-    """A checkpoint without data.bucket / train.precision trained unbucketed in fp32: --resume says so in one line,
-    and resumes once the user asks for that."""
+    """A checkpoint without data.bucket / train.precision / train.unpad trained unbucketed in fp32 on padded
+    batches: --resume says so in one line, and resumes once the user asks for that."""
     common = ["--preset", "clip", "--set", "data.val_frac=0", "--set", "data.image_size=32"]
     r = run(varied, tmp_path / "old", *common, "--steps", "2", "--set", "data.bucket=0")
     assert r.exit_code == 0, r.output
     path = tmp_path / "old" / "last.pt"
     ckpt = torch.load(path, weights_only=True)
     del ckpt["config"]["data"]["bucket"], ckpt["config"]["train"]["precision"], ckpt["precision"]
+    del ckpt["config"]["train"]["unpad"]
     torch.save(ckpt, path)
     r = run(varied, tmp_path / "old", *common, "--steps", "3", "--resume")
     assert r.exit_code == 2 and "data.bucket: 0 (absent from this older checkpoint) -> 8" in r.output, r.output
+    assert "train.unpad: False (absent from this older checkpoint) -> True" in r.output, r.output
     r = run(varied, tmp_path / "old", *common, "--steps", "3", "--resume", "--set", "data.bucket=0",
-            "--set", "train.precision=fp32")
+            "--set", "train.precision=fp32", "--set", "train.unpad=false")
     assert r.exit_code == 0 and "float32, as the resumed run" in r.output, r.output
 
 
@@ -210,3 +214,70 @@ def test_freed_memory_is_reused_without_page_faults():
 
     assert faults("default") > 3 * 16_384 * 0.9  # every tensor faulted in anew (the case being fixed)
     assert faults("keep") < 16_384 * 0.1
+
+
+def partition_costs(lengths: list[int], groups: int, row_cost: int) -> list[int]:
+    """Every way to cut the sorted distinct lengths into at most `groups` contiguous runs, by brute force: each run
+    costs its rows times its longest length, plus row_cost."""
+    values = sorted(set(lengths))
+    costs = []
+    for g in range(1, groups + 1):
+        for cuts in itertools.combinations(range(1, len(values)), g - 1):
+            bounds = [0, *cuts, len(values)]
+            runs = [values[a:b] for a, b in zip(bounds, bounds[1:])]
+            costs.append(sum(sum(n in run for n in lengths) * run[-1] + row_cost for run in runs))
+    return costs
+
+
+@pytest.mark.parametrize("lengths, L", [([3, 3, 4, 9, 9, 9, 20, 21, 2, 30, 5, 5], 32),
+                                        ([7, 1, 7, 1, 7, 16, 16, 2, 3, 11], 16),
+                                        ([6] * 9 + [7], 7)])
+def test_length_groups_cover_each_row_once_at_the_least_cost(lengths, L):
+    """The groups hold every row once, each row no longer than its group's length; their cost (positions computed
+    plus 16 per group) is the least over every cut of the sorted lengths into at most 4 runs, found by brute force;
+    when no grouping beats the batch as it comes, there are none (the last case: one run at the full length)."""
+    mask = (torch.arange(L) < torch.tensor(lengths)[:, None]).long()
+    mask[0, 0] = 0  # a row need not attend its first position: its length is its last attended position + 1
+    groups = length_groups(mask, 4, row_cost=16)
+    best = min(partition_costs(lengths, 4, 16))
+    if groups is None:
+        assert best == len(lengths) * L + 16
+        return
+    rows = torch.cat([r for r, _ in groups]).tolist()
+    assert sorted(rows) == list(range(len(lengths)))
+    assert all(lengths[i] <= n for r, n in groups for i in r.tolist())
+    assert sum(len(r) * n + 16 for r, n in groups) == best
+
+
+def test_length_groups_compute_what_the_padded_batch_computes(tmp_path):
+    """The tiny model in float64, without dropout: the text encoder and the fusion layers on length groups give the
+    padded batch's hidden states at every attended position, its ITC embeddings and its fused states, and the same
+    gradients. Float64 rounding of a few dozen operations per value: 1e-12 relative is far above it and far below
+    any real difference."""
+    cfg = load_config(preset="albef", sets=["model.text_model=tiny", "model.image_model=features",
+                                            "model.feature_dim=8", "model.embed_dim=16", "model.fusion_layers=1"],
+                      shards=["x"], out=str(tmp_path))
+    torch.manual_seed(0)
+    model = build_model(cfg.model).double().eval()
+    lengths = torch.tensor([2, 9, 3, 16, 4, 4, 11, 2, 7, 15])
+    mask = (torch.arange(16) < lengths[:, None]).long()
+    ids = torch.randint(1000, 2000, mask.shape) * mask
+    image = torch.randn(len(lengths), 5, 8, dtype=torch.float64)
+    keep = mask.bool()
+
+    def run(groups):
+        model.zero_grad()
+        model.set_unpad(groups)
+        hidden, emb = model.encode_text(ids, mask)
+        fused = model.fuse(hidden, mask, model.encode_image(image)[0])
+        (emb.sum() + (fused * keep.unsqueeze(-1)).pow(2).sum()).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return hidden[keep], emb, fused[keep], grads
+
+    padded, grouped = run(0), run(4)
+    assert length_groups(mask, 4) is not None
+    for a, b in zip(padded[:3], grouped[:3]):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+    assert padded[3].keys() == grouped[3].keys()
+    for name, grad in padded[3].items():
+        torch.testing.assert_close(grouped[3][name], grad, rtol=1e-12, atol=1e-12, msg=name)
