@@ -181,6 +181,12 @@ def is_base(seed: int, key: str, frac: float) -> bool:
     return int.from_bytes(h, "big") < frac * 2**64
 
 
+def base_test(seed: int, frac: float) -> Callable[[str], bool]:
+    """is_base(seed, ., frac) with its prefix and threshold made once: the stage asks it twice per sample."""
+    prefix, limit, blake2b, from_bytes = f"base:{seed}:".encode(), frac * 2**64, hashlib.blake2b, int.from_bytes
+    return lambda key: from_bytes(blake2b(prefix + key.encode(), digest_size=8).digest(), "big") < limit
+
+
 _blake2b = hashlib.blake2b
 _SWAPS: dict[int, tuple] = {}  # list length n -> (unpack of its n - 1 big-endian 16-bit draws, (n, n - 1, ..., 2))
 
@@ -317,13 +323,15 @@ class Deformer:
             if run is None:
                 continue
             idx, allowed, tally = run
-            for token, count in tally.items():
-                if allowed is not None and token in allowed:
-                    continue
-                for i in idx:
-                    if not self.cascade[i].fn([token], self.context, None):
-                        removed[i] += count
-                        break
+            # Each step applied once to the distinct tokens the run dropped (it tests each token alone), rather than
+            # to each token on its own: one call per step instead of one per token and step.
+            left = [t for t in tally if t not in allowed] if allowed is not None else list(tally)
+            for i in idx:
+                kept = self.cascade[i].fn(left, self.context, None)
+                if len(kept) != len(left):
+                    survived = set(kept)
+                    removed[i] += sum(tally[t] for t in left if t not in survived)
+                left = kept
             tally.clear()
         if self.keep_at is not None:
             removed[self.keep_at], self.kept_over = self.kept_over, 0
@@ -355,6 +363,7 @@ def base_statistics(ds, cascade: list[Step], base_frac: float, seed: int) -> tup
     # (which would spend most of the t slots on stop words and punctuation that rmstop already removed).
     prefix, no_ctx = ranking_prefix(cascade), BowContext()
     n = n_base = 0
+    in_base = base_test(seed, base_frac)
     for shard in ds.shards:
         side = ds.sidecar(shard)
         if not side.exists():
@@ -369,7 +378,7 @@ def base_statistics(ds, cascade: list[Step], base_frac: float, seed: int) -> tup
         before.update(chain.from_iterable(word_lists))
         lengths.update(map(len, word_lists))
         for i, (key, caption) in enumerate(zip(keys, captions)):
-            if is_base(seed, key, base_frac):
+            if in_base(key):
                 n_base += 1
                 for text in [caption, *((extras[i] or [])[1:] if extras else ())]:
                     toks = tokenize(text)
@@ -416,7 +425,7 @@ def _init_worker(cascade_spec: str, context: BowContext, seed: int, base_frac: f
     # The context (base vocabulary, top set) is sent once per worker, not once per shard.
     cascade = parse_ops(cascade_spec)
     _worker.update(cascade=cascade, context=context, seed=seed, base_frac=base_frac, deform_base=deform_base,
-                   deformer=Deformer(cascade, context, seed))
+                   deformer=Deformer(cascade, context, seed), in_base=base_test(seed, base_frac))
 
 
 def shard_fingerprints(ds, ctx: BowContext) -> dict[str, str]:
@@ -440,18 +449,18 @@ def shard_fingerprints(ds, ctx: BowContext) -> dict[str, str]:
 def bow_shard(out: Path, src: Path, shard: str, fp: str = "") -> dict:
     """Second pass over one shard: deform captions, copy everything else; returns the shard's counts."""
     w = _worker
-    deformer, seed = w["deformer"], w["seed"]
+    deformer, in_base = w["deformer"], w["in_base"]
     deformer.take_removed()  # a fresh tally (a failed shard before this one may have left counts)
     side = pq.ParquetFile(src / sidecar_name(shard)).read().replace_schema_metadata(None)
     samples, kept, captions, raw_captions, flags, all_captions = [], [], [], [], [], []
-    dropped, dropped_extra, base_frac, deform_base = 0, 0, w["base_frac"], w["deform_base"]
+    dropped, dropped_extra, deform_base = 0, 0, w["deform_base"]
     for i, raw in iter_aligned(src / shard, side.column("key").to_pylist()):
         key = raw["__key__"]
         text = raw["txt"].decode("utf-8")
         # decode_sample's work, without copying the sample; every json is parsed, so a bad one still raises
         meta = (json.loads(raw["json"]) if "json" in raw else None) or {}
         caption = text
-        deform_it = deform_base or not is_base(seed, key, base_frac)
+        deform_it = deform_base or not in_base(key)
         if deform_it:
             caption = deformer(text, key)
             if not caption:

@@ -131,14 +131,13 @@ def print_shards_report(report: dict, console: Console) -> None:
 def plot_bow(out: Path, words_before: Counter, words_after: Counter, len_before: Counter,
              len_after: Counter) -> list[str]:
     """One PNG: rank-frequency (log-log) and caption-length histograms, before vs after."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import matplotlib.ticker
+    from matplotlib.figure import Figure
 
-    # One figure, no tight_layout: savefig dominates this stage's fixed cost on small datasets.
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.5))
+    # A bare Figure (no pyplot state to set up and tear down), one figure, no tight_layout: drawing it is this
+    # stage's largest fixed cost on small datasets (benchmarks/bow.py, part B).
+    fig = Figure(figsize=(11, 4.5))
+    ax, bx = fig.subplots(1, 2)
     fig.subplots_adjust(left=0.09, right=0.98, bottom=0.12, top=0.92, wspace=0.25)
     for counter, label in ((words_before, "before"), (words_after, "after")):
         freqs = sorted(counter.values(), reverse=True)
@@ -147,7 +146,9 @@ def plot_bow(out: Path, words_before: Counter, words_after: Counter, len_before:
             # same, and drawing every rank of a large vocabulary was a good part of the stage's fixed cost.
             ranks = np.unique(np.geomspace(1, len(freqs), num=min(len(freqs), 400)).round().astype(int))
             ax.loglog(ranks, np.asarray(freqs)[ranks - 1], label=f"{label} ({len(freqs):,} words)")
-    ax.set(title="rank-frequency", xlabel="rank", ylabel="occurrences")
+    # A title at a given height: the automatic placement measures every tick label above the axes at each draw.
+    ax.set_title("rank-frequency", y=1.0)
+    ax.set(xlabel="rank", ylabel="occurrences")
     # Log axes' minor ticks and their math-text labels ($10^{3}$) cost more to lay out than the rest of the
     # figure: major ticks only, labelled as plain numbers.
     ax.minorticks_off()
@@ -159,12 +160,20 @@ def plot_bow(out: Path, words_before: Counter, words_after: Counter, len_before:
     bins = np.arange(0, min(top, 60) + 2) - 0.5
     for hist, label in ((len_before, "before"), (len_after, "after")):
         ks = list(hist)
-        bx.hist([min(k, 60) for k in ks], bins=bins, weights=[hist[k] for k in ks], alpha=0.6, label=label)
-    bx.set(title="caption length", xlabel="words (60 = 60 or more)", ylabel="captions")
+        # One filled step outline per histogram, as hist() draws it with one rectangle per bin
+        counts, _ = np.histogram([min(k, 60) for k in ks], bins=bins, weights=[hist[k] for k in ks])
+        bx.stairs(counts, bins, fill=True, alpha=0.6, label=label)
+    bx.set_title("caption length", y=1.0)
+    bx.set(xlabel="words (60 = 60 or more)", ylabel="captions")
     bx.legend()
+    # The ticks the locators would draw, fixed: an axis makes a tick (five artists) for every location its
+    # locator returns, also the ones outside the view that it never draws.
+    for axis in (ax.xaxis, ax.yaxis, bx.xaxis, bx.yaxis):
+        lo, hi = sorted(axis.get_view_interval())
+        locs = [v for v in axis.get_major_locator()() if lo <= v <= hi]
+        axis.set_major_locator(matplotlib.ticker.FixedLocator(locs))
     path = out / "bow_report.png"
     fig.savefig(path, dpi=72)
-    plt.close(fig)
     return [str(path)]
 
 
