@@ -9,7 +9,12 @@ paired difference with a 95% paired t interval over the seeds (t with n - 1 degr
 the units, which is honest about the variation between runs but wide at n = 3), and whether it excludes zero.
 
     .venv/bin/python benchmarks/learning.py [--data demo-out/openclipart/bow-feat] [--seeds 0,1,2] [--steps 100]
-        [--arm NAME=KEY=VALUE,KEY=VALUE ...]
+        [--arm NAME=KEY=VALUE,KEY=VALUE ...] [--eval DIR]
+
+--eval DIR scores each run's last.pt on every image and caption of the shard folder DIR instead (`vltrain eval`'s
+retrieval, multi-caption where DIR has several captions an image), for a held-out set larger than the run's own
+split: the recipes' `heldout-retrieval-feat` (1,198 images, 2,499 captions, none of them in the demo's training
+data) is the one the default looks for.
 
 Default arms: fp32 without bucketing (the trainer before these options), fp32 with bucketing (the default
 `data.bucket`), bf16 with bucketing. The load average is printed at the start and the end; exits 0.
@@ -37,8 +42,9 @@ ARMS = {"fp32, no bucketing": ["train.precision=fp32", "data.bucket=0"],
 METRICS = (("i2t_r1", "TR@1"), ("t2i_r1", "IR@1"), ("mean_recall", "mean R"))
 
 
-def one_run(data: Path, sets: list[str], seed: int, steps: int, out: Path) -> dict:
+def one_run(data: Path, sets: list[str], seed: int, steps: int, out: Path, heldout: Path | None = None) -> dict:
     from vltrain.config import load_config
+    from vltrain.evaluate import evaluate_checkpoint
     from vltrain.train import train
 
     cfg = load_config(preset="clip", sets=[*sets, "eval_every=50", "log_every=10"], shards=[str(data)], out=str(out),
@@ -47,6 +53,10 @@ def one_run(data: Path, sets: list[str], seed: int, steps: int, out: Path) -> di
         result = train(cfg)
     rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     rates = [r["samples_per_s"] for r in rows if "samples_per_s" in r][1:]
+    if heldout is not None:
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            scores = evaluate_checkpoint(out / "last.pt", [str(heldout)], device="cpu")
+        return {**{k: scores["retrieval"][k] for k, _ in METRICS}, "samples_s": statistics.median(rates)}
     return {**{k: result["eval"][k] for k, _ in METRICS}, "samples_s": statistics.median(rates)}
 
 
@@ -62,7 +72,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--arm", action="append", default=[], help="NAME=KEY=VALUE,KEY=VALUE (repeatable; replaces the "
                     "default arms; the first arm is the reference)")
+    ap.add_argument("--eval", type=Path, default=None, help="score each run on this shard folder's images and "
+                    "captions instead of its own held-out split (e.g. demo-out/openclipart/recipes/"
+                    "heldout-retrieval-feat)")
     args = ap.parse_args()
+    if args.eval is not None and not (args.eval / "sizes.json").is_file():
+        print(f"no dataset at {args.eval}: `make ablation` builds the recipes' held-out set", file=sys.stderr)
+        return
     if not (args.data / "sizes.json").is_file():
         print(f"no dataset at {args.data}: run `make demo` first, or give --data", file=sys.stderr)
         return
@@ -79,7 +95,7 @@ def main() -> None:
         res = {name: [] for name in arms}
         for seed in seeds:  # seed-major: a change of machine load spreads over every arm alike
             for i, (name, sets) in enumerate(arms.items()):
-                r = one_run(args.data, sets, seed, args.steps, tmp / f"arm{i}-seed{seed}")
+                r = one_run(args.data, sets, seed, args.steps, tmp / f"arm{i}-seed{seed}", args.eval)
                 res[name].append(r)
                 print(f"  seed {seed} {name:<22} " + "  ".join(f"{h} {r[k]:6.2f}" for k, h in METRICS)
                       + f"  {r['samples_s']:6.1f} samples/s", flush=True)

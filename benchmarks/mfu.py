@@ -22,7 +22,8 @@ MFU: useful FLOPs per second of step / the peak of the dtype the step runs in. T
 Extras (--extras): train.compile (the image and text encoders compiled in place, as the trainer does) on clip fp32
    batch 32, its median step against the eager one above and the compiling first step; and the frozen image
    tower's forward on pixels (packaged EfficientNet-Lite0, batch 32 at 224 px, no gradient), contiguous against
-   channels_last.
+   channels_last; and (phases) clip's step at each batch in each precision, part by part (forward, backward,
+   gradient clipping, AdamW; medians, timed apart), with the bf16 / fp32 ratio each part can reach.
 
 Data: --data, a `vlprep features` dataset (default: the demo's demo-out/openclipart/bow-feat when it exists; else
    --images openclipart PNGs from /usr/share/openclipart/png with their file names as captions, or synthetic images,
@@ -203,6 +204,34 @@ def measure(s: Setup, steps: int) -> dict:
             "padded_to": padded, "mean_len": mean_len}
 
 
+def phases(s: Setup, steps: int) -> dict:
+    """Median ms of each part of the step, timed apart (a sync before each clock read): the loss step's forward,
+    the backward, gradient clipping, the AdamW step (the calls of `optimizer_step`, one at a time). The parts that
+    bf16 cannot speed up show here: clipping and AdamW read and write float32 gradients, weights and state."""
+    parts = {"forward": [], "backward": [], "clip": [], "adamw": []}
+    for i in range(steps + 1):
+        b = s.batches[i % len(s.batches)]
+        clock = [time.perf_counter()]
+        losses = s.forward(b)
+        sync(s.device)
+        clock.append(time.perf_counter())
+        losses.pop("queue_feats")
+        s.optimizer.zero_grad(set_to_none=True)
+        losses["total"].backward()
+        sync(s.device)
+        clock.append(time.perf_counter())
+        torch.nn.utils.clip_grad_norm_(s.params, s.cfg.optim.grad_clip)
+        sync(s.device)
+        clock.append(time.perf_counter())
+        s.optimizer.step()
+        sync(s.device)
+        clock.append(time.perf_counter())
+        if i:  # the first is untimed
+            for k, a, b2 in zip(parts, clock, clock[1:]):
+                parts[k].append(1e3 * (b2 - a))
+    return {k: statistics.median(v) for k, v in parts.items()}
+
+
 def channels_last_ratio(device: torch.device, reps: int) -> float:
     """Median time of the frozen packaged EfficientNet-Lite0 forward (no gradient, eval mode: the pixel path with
     model.freeze_image) on a batch of 32 at 224 px, contiguous over channels_last (weights and input alike);
@@ -245,9 +274,9 @@ def main() -> None:
     ap.add_argument("--peak-size", type=int, default=2048)
     ap.add_argument("--peak-reps", type=int, default=10)
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--extras", default="compile,channels_last", help="also time train.compile on clip batch 32 "
-                    "(compile), and the frozen image tower's forward on pixels contiguous against channels_last "
-                    "(channels_last); '' for neither")
+    ap.add_argument("--extras", default="compile,channels_last,phases", help="also time train.compile on clip batch "
+                    "32 (compile), the frozen image tower's forward on pixels contiguous against channels_last "
+                    "(channels_last), and clip's step part by part in each precision (phases); '' for none")
     args = ap.parse_args()
 
     try:
@@ -326,6 +355,20 @@ def main() -> None:
                   f"{first:.1f} s", flush=True)
             out.append(common.value_row("train.compile: eager / compiled step time (clip fp32 32)", ratio, None,
                                         "ratio", note=f"compile {first:.0f} s"))
+        if "phases" in extras:
+            for batch in map(int, args.batches.split(",")):
+                got = {}
+                for p in precisions:
+                    got[p] = phases(Setup(data, "clip", batch, p, device, args.draw, tmp / "out"), 2 * args.steps)
+                    print(f"  clip batch {batch} {p}, ms per part: " + ", ".join(f"{k} {v:.1f}" for k, v in
+                                                                          got[p].items()), flush=True)
+                if "bf16" in got:
+                    fp32, fixed = sum(got["fp32"].values()), got["bf16"]["clip"] + got["bf16"]["adamw"]
+                    at3 = fixed + (got["fp32"]["forward"] + got["fp32"]["backward"]) / 3
+                    print(f"  clip batch {batch}: fp32 / bf16 per part "
+                          + ", ".join(f"{k} {got['fp32'][k] / got['bf16'][k]:.2f}x" for k in got["fp32"])
+                          + f"; bf16's ceiling with clipping and AdamW as they are: {fp32 / fixed:.1f}x with a free "
+                          f"forward and backward, {fp32 / at3:.2f}x with both 3x faster", flush=True)
         if "channels_last" in extras:
             ratio = channels_last_ratio(device, args.steps)
             out.append(common.value_row("frozen EfficientNet-Lite0 forward, batch 32 at 224: contiguous / "
