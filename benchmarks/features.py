@@ -35,9 +35,11 @@ Train: `vltrain.train.train(cfg)` of `--preset clip` (ITC only: no fusion, queue
      and decode the npy members and Collate tokenises the captions; the image side is a mean and a projection.
    - bare: the same model (`build_model` of the features run's config, resolved as train() does), the same
      weight-decay groups, fused AdamW, constant lr, float32, torch's default threads, deterministic algorithms off,
-     over the same feature tokens, all loaded beforehand as float32 and stacked into batches of a seeded shuffle (so
-     captions pad to the lengths the trainer's shuffled batches do), the captions tokenised per batch beforehand as
-     Collate does (padding longest, at most data.max_len = 32 tokens). Per step only: `encode_image`, `encode_text`,
+     over the same feature tokens, all loaded beforehand as float32 and stacked into batches of a seeded shuffle
+     length-bucketed as the trainer's (windows of data.bucket = 8 batches sorted by caption token count, the batch
+     order shuffled; so captions pad to the lengths the trainer's batches do), the captions tokenised per batch
+     beforehand as Collate does (padding longest, at most data.max_len = 32 tokens), glibc told to keep freed
+     memory as train() tells it on a CPU. Per step only: `encode_image`, `encode_text`,
      ITC logits over the temperature, `itc_loss`, backward, `clip_grad_norm_(params, 1.0)`, `optimizer.step()`.
    A train() side's samples/s is its steady state from OUT/metrics.jsonl: samples / seconds over the log intervals
    after the first (warm-up and DataLoader start), epoch restarts included. Its CPU time is read over the same
@@ -296,7 +298,7 @@ def bare_setup(feat: Path, cfg, batch_size: int):
     from vlprep.dataset import iter_tar, open_dataset
     from vltrain.losses import itc_loss
     from vltrain.model import build_model, tokenizer_for
-    from vltrain.runsetup import resolve_input
+    from vltrain.runsetup import keep_freed_memory, resolve_input
 
     resolve_input(cfg)  # as train() does: the features record -> image_model "features", feature_dim
     tok = tokenizer_for(cfg.model.text_model)
@@ -305,14 +307,22 @@ def bare_setup(feat: Path, cfg, batch_size: int):
         for raw in iter_tar(ds.root / shard):
             xs.append(torch.from_numpy(np.load(io.BytesIO(raw["npy"]), allow_pickle=False)).float())
             caps.append(raw["txt"].decode("utf-8"))
-    # Shuffled like the trainer's batches: a caption padded to the longest of 32 random ones is ~12 tokens here,
-    # of 32 neighbours in shard order (similar file names) ~10, and the text tower's cost follows the length.
-    order, batches = np.random.default_rng(0).permutation(len(xs)), []
-    for i in range(0, len(xs) - batch_size + 1, batch_size):
-        pick = order[i:i + batch_size]
+    # Batched like the trainer's: a seeded shuffle, cut into windows of data.bucket batches, each window sorted by
+    # caption token count (stable) and cut into batches, the batch order shuffled (length bucketing; without it a
+    # caption would pad to the longest of 32 random ones, and the text tower's cost follows the length).
+    rng = np.random.default_rng(0)
+    order, batches, size = rng.permutation(len(xs)).tolist(), [], batch_size * max(cfg.data.bucket, 1)
+    lengths = [len(ids) for ids in tok(caps, truncation=True, max_length=cfg.data.max_len)["input_ids"]]
+    picks = []
+    for w in range(0, len(order), size):
+        window = sorted(order[w:w + size], key=lambda j: lengths[j]) if cfg.data.bucket else order[w:w + size]
+        picks += [window[i:i + batch_size] for i in range(0, len(window) - batch_size + 1, batch_size)]
+    for k in rng.permutation(len(picks)).tolist() if cfg.data.bucket else range(len(picks)):
+        pick = picks[k]
         t = tok([caps[j] for j in pick], padding="longest", truncation=True, max_length=cfg.data.max_len,
                 return_tensors="pt")
         batches.append((torch.stack([xs[j] for j in pick]), t["input_ids"], t["attention_mask"]))
+    keep_freed_memory()  # as train() does on a CPU: the baseline does not pay for what the trainer stopped paying
     model = build_model(cfg.model).train()
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.optim.weight_decay},
