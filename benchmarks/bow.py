@@ -8,16 +8,17 @@ B: end to end on image shards, `bow(BowConfig(src, out, workers=1))` against pla
    into a fresh empty folder, made before and removed after the clock; rounds alternate the order of the sides;
    medians of wall and CPU time decide. What each side does, exactly:
    - `plain bow` (baseline): the work bow's tars need, nothing else. Per sidecar (sorted) its key and caption
-     columns (`pq.ParquetFile.read`); for each base key (`is_base`) the caption's tokens go into the base vocabulary
-     and, after rmstop, into the document frequencies that give rmtop's 1000 words (`top_tokens`): the statistics
-     the cascade needs. Then per input tar (sorted) `TarReader` reads every member (the reads bow does), the members
-     of one key are gathered, and per sample: txt decoded, json parsed, the caption deformed by the stage's own
-     `Deformer` (its speed is part A) unless the key is a base key, an empty result dropped, json.caption_raw and
-     json.bow set, and the json (one `JSONEncoder(ensure_ascii=False, sort_keys=True)`), image and txt members
-     written through a `ShardTarWriter` (1 MiB buffer). Its tars are checked before the clock to be bow's, byte for
-     byte. No sidecar, no index files, no 'before' / 'after' statistics, no report: those are bow's own extras.
-     (Until 2026-11-25 the baseline was `fast writer`, below, which writes bow's output bytes computed before the
-     clock, so it skipped the deforming and the statistics that every honest run of the same work must do.)
+     columns (`pq.ParquetFile.read`); for each base key (`base_test`, the stage's base test) the caption's tokens
+     go into the base vocabulary and, after rmstop, into the document frequencies that give rmtop's 1000 words
+     (`top_tokens`): the statistics the cascade needs. Then per input tar (sorted) `TarReader` reads every member
+     (the reads bow does), the members of one key are gathered, and per sample: txt decoded, json parsed (every
+     one, as bow does: a bad json member stops bow even in a sample it drops), the caption deformed by the stage's
+     own `Deformer` (its speed is part A) unless the key is a base key, an empty result dropped, json.caption_raw
+     and json.bow set, and the json (one `JSONEncoder(ensure_ascii=False, sort_keys=True)`), image and txt members
+     written through a `ShardTarWriter` (1 MiB buffer). Its tars are checked before the clock to be bow's, byte
+     for byte. No sidecar, no index files, no 'before' / 'after' statistics, no report: those are bow's own
+     extras. (Until 2026-11-25 the baseline was `fast writer`, below, which writes bow's output bytes computed
+     before the clock, so it skipped the deforming and the statistics that any honest run of the same work does.)
    - `fast writer` (informational; the baseline until 2026-11-25): for each input tar (sorted),
      `vlprep.tarread.TarReader(path)` and, for every member, `read(offset, size)`: the reads bow's reader
      (`iter_tar`) does, through the same header parser; the members of the samples bow keeps go through a
@@ -69,8 +70,8 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from vlprep.bow import (DEFAULT_OPS, BowConfig, BowContext, Deformer, SampleRng, bow, deform,  # noqa: E402
-                        is_base, keyed_shuffle, parse_ops, ranking_prefix, top_tokens)
+from vlprep.bow import (DEFAULT_OPS, BowConfig, BowContext, Deformer, SampleRng, base_test, bow, deform,  # noqa: E402
+                        keyed_shuffle, parse_ops, ranking_prefix, top_tokens)
 from vlprep.dataset import ShardTarWriter, sidecar_name  # noqa: E402
 from vlprep.tarread import TarReader  # noqa: E402
 from vlprep.text import stop_words, tokenize  # noqa: E402
@@ -318,11 +319,11 @@ def plain_bow(src: Path, out: Path, seed: int = 0, base_frac: float = 0.1) -> No
     """Baseline: the statistics the cascade needs, then per tar bow's reads, deformed captions and kept members."""
     cascade = parse_ops(DEFAULT_OPS)
     prefix, no_ctx = ranking_prefix(cascade), BowContext()
-    vocab, df = set(), Counter()
+    vocab, df, in_base = set(), Counter(), base_test(seed, base_frac)
     for side in sorted(src.glob("*.parquet")):
         t = pq.ParquetFile(side).read(columns=["key", "caption"])
         for key, caption in zip(t.column(0).to_pylist(), t.column(1).to_pylist()):
-            if is_base(seed, key, base_frac):
+            if in_base(key):
                 toks = tokenize(caption)
                 vocab.update(toks)
                 for step in prefix:
@@ -335,7 +336,7 @@ def plain_bow(src: Path, out: Path, seed: int = 0, base_frac: float = 0.1) -> No
     def write(tw: ShardTarWriter, key: str, members: dict[str, bytes]) -> None:
         text = members.pop("txt").decode("utf-8")
         meta = json.loads(members.pop("json"))
-        flag = not is_base(seed, key, base_frac)
+        flag = not in_base(key)
         caption = deformer(text, key) if flag else text
         if not caption:
             return
@@ -372,8 +373,8 @@ def check_plain_bow(src: Path, ref: Path, tmp: Path) -> None:
 
 
 def fast_writer(src: Path, kept: dict, out: Path) -> None:
-    """Informational (the baseline until 2026-11-25): bow's reads (TarReader, as iter_tar reads), and its kept samples' members (its txt and json bytes)
-    through ShardTarWriter."""
+    """Informational (the baseline until 2026-11-25): bow's reads (TarReader, as iter_tar reads), and its kept
+    samples' members (its txt and json bytes, made before the clock) through ShardTarWriter."""
     for shard in sorted(src.glob("*.tar")):
         keep = kept[shard.name]
         with (TarReader(shard) as tin, open(out / shard.name, "wb", buffering=1 << 20) as f,

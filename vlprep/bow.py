@@ -368,8 +368,9 @@ def base_statistics(ds, cascade: list[Step], base_frac: float, seed: int) -> tup
         side = ds.sidecar(shard)
         if not side.exists():
             raise VlprepError(f"{ds.root}: missing sidecar {side.name}; re-shard the input with `vlprep shards`")
-        multi = "captions" in pq.read_schema(side).names  # a multi-caption dataset: base samples' extras count too
-        t = pq.ParquetFile(side).read(columns=["key", "caption"] + (["captions"] if multi else []))
+        pf = pq.ParquetFile(side)
+        multi = "captions" in pf.schema_arrow.names  # a multi-caption dataset: base samples' extras count too
+        t = pf.read(columns=["key", "caption"] + (["captions"] if multi else []))
         keys, captions = t.column("key").to_pylist(), t.column("caption").to_pylist()
         extras = t.column("captions").to_pylist() if multi else None
         n += len(keys)
@@ -402,10 +403,14 @@ def emptying_warnings(cascade: list[Step], ctx: BowContext, deformed: int | None
     if at is not None:
         before = cascade[:at]
         # The ops before rmtop filter word by word (shuffle and keep never drop a single word), so a word of the
-        # base vocabulary survives them iff the one-word caption survives them.
+        # base vocabulary (a token, which tokenize gives back whole) survives them iff the one-word caption does:
+        # each op is applied once to the whole vocabulary, as a list of one-word captions would be, word by word.
         # (shuffle is left out: it needs a generator, and a one-word caption is its own permutation)
-        drops = [s for s in before if s.name != "shuffle"]
-        left = sum(1 for w in ctx.base_vocab if deform(w, drops, ctx, None)) if drops else len(ctx.base_vocab)
+        left = list(ctx.base_vocab)
+        for step in before:
+            if step.name != "shuffle":
+                left = step.fn(left, ctx, None)
+        left = len(left)
         t = cascade[at].arg
         if t >= left:
             after = f" after {','.join(s.label for s in before)}" if before else ""
@@ -479,9 +484,9 @@ def bow_shard(out: Path, src: Path, shard: str, fp: str = "") -> dict:
             all_captions.append(meta["captions"])
         else:
             all_captions.append([caption])
-        sample = {k: v for k, v in raw.items() if k not in ("txt", "json", "__url__")}
-        sample["txt"], sample["json"] = caption, meta
-        samples.append(sample)
+        # the sample written is the raw one, read for this loop alone (encode_sample leaves out its __url__)
+        raw["txt"], raw["json"] = caption, meta
+        samples.append(raw)
         kept.append(i)
         captions.append(caption)
         raw_captions.append(raw_caption)
@@ -506,7 +511,9 @@ def bow_shard(out: Path, src: Path, shard: str, fp: str = "") -> dict:
     if dropped_extra:
         stats["captions_dropped_empty"] = dropped_extra
     write_shard(out, shard, samples, table, stats=stats)
-    return stats
+    # The 'after' statistics of the kept captions travel back with the counts but are not stored with them (a
+    # resumed shard's are read from its sidecar): counting them here saves reading every new sidecar again.
+    return {**stats, "after": _word_stats(captions)}
 
 
 def bow(cfg: BowConfig, progress=None, warn: Callable[[str], None] = lambda line: None) -> dict:
@@ -554,11 +561,11 @@ def bow(cfg: BowConfig, progress=None, warn: Callable[[str], None] = lambda line
             **carried_features(cfg.src),
         })
         after_words, after_lengths = Counter(), Counter()
-        for shard in ds.shards:  # the 'after' statistics, from the sidecars just written
-            word_lists = list(map(words, pq.ParquetFile(out / sidecar_name(shard)).read(columns=["caption"])
-                                  .column(0).to_pylist()))
-            after_words.update(chain.from_iterable(word_lists))
-            after_lengths.update(map(len, word_lists))
+        for shard in ds.shards:  # the 'after' statistics: of each shard's kept captions (bow_shard), in shard order
+            shard_words, shard_lengths = stats[shard].pop("after", None) or _word_stats(
+                pq.ParquetFile(out / sidecar_name(shard)).read(columns=["caption"]).column(0).to_pylist())
+            after_words.update(shard_words)
+            after_lengths.update(shard_lengths)
         report = {
             "stage": "bow", "source": str(cfg.src), "ops": spec, "base_frac": cfg.base_frac, "seed": cfg.seed,
             "deform_base": cfg.deform_base, "samples_in": n_in, "base_samples": before["base"], "written": written,
@@ -583,6 +590,12 @@ def bow(cfg: BowConfig, progress=None, warn: Callable[[str], None] = lambda line
         report["plots"] = plot_bow(out, before["words"], after_words, before["lengths"], after_lengths)
         write_json_atomic(out / "report.json", report)
     return report
+
+
+def _word_stats(captions: list[str]) -> tuple[Counter, Counter]:
+    """(word counts, caption lengths in words) of some captions."""
+    word_lists = list(map(words, captions))
+    return Counter(chain.from_iterable(word_lists)), Counter(map(len, word_lists))
 
 
 def _ranked_after(cascade: list[Step]) -> str | None:
