@@ -316,8 +316,6 @@ def regroup(parts: list[torch.Tensor], groups: list[tuple[torch.Tensor, int]], l
     """The per-group outputs (n_g, L_g, D) of `length_groups`' groups back as one (B, length, D) in the rows' own
     order, zero past each group's length."""
     rows = torch.cat([r for r, _ in groups])
-    if len(groups) == 1 and parts[0].shape[1] == length:
-        return parts[0].index_select(0, torch.argsort(rows))
     padded = torch.cat([F.pad(p, (0, 0, 0, length - p.shape[1])) for p in parts])
     return padded.index_select(0, torch.argsort(rows))
 
