@@ -139,6 +139,9 @@ def transient(e: BaseException) -> bool:
     if isinstance(e, _PERMANENT):
         return False
     status = getattr(e, "status", None) or getattr(e, "code", None)
+    response = getattr(e, "response", None)
+    if isinstance(response, dict):  # botocore's ClientError: NoSuchBucket, AccessDenied (4xx) or SlowDown (503)
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or status
     if isinstance(status, int) and 400 <= status < 500:
         return status in (408, 429)
     if isinstance(e, (ConnectionError, TimeoutError, OSError)):
@@ -436,6 +439,8 @@ def lock(url: str, tool: str = "vlprep") -> None:
         try:
             try:
                 retried(target, lambda: fs.pipe_file(lpath, body, mode="create"), doing="write")
+            except RemoteNotFound:
+                raise VlprepError(f"OUT {url}: cannot create {target}: not found (does the bucket exist?)") from None
             except TypeError:  # a filesystem without create-only writes: check, write, read back (a narrow race)
                 if exists(target):
                     raise FileExistsError(target) from None
