@@ -211,6 +211,12 @@ def test_shards_and_bow_to_s3_are_byte_identical_to_local_and_vltrain_trains_fro
         assert digests(remote) == digests(local) and len(digests(local)) == 2 * 6 + 2, name
         assert ".vlprep.lock" not in remote and not any(n.endswith(".tmp") for n in remote)  # released, no leftovers
         assert json.loads(remote["meta.json"])["input"] == (str(source) if name == "raw" else "s3://bkt/raw/")
+    # --distributor ray: the actors fetch their input shards and upload their own output shards (a local Ray, started
+    # by the stage in its own process, with the AWS_* variables of its environment)
+    if os.environ.get("CI") or __import__("importlib").util.find_spec("ray"):
+        r = vlprep("bow", "s3://bkt/raw/", "s3://bkt/bow-ray/", "--workers", "2", "--distributor", "ray", *BOW)
+        assert r.returncode == 0, r.stderr
+        assert digests(s3_objects("bow-ray")) == digests(local_files(tmp_path / "bow"))
     out = tmp_path / "run"
     r = train("s3://bkt/bow/", out, "--set", "data.val_frac=0")
     assert r.exit_code == 0, r.output
