@@ -144,6 +144,8 @@ def transient(e: BaseException) -> bool:
         status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or status
     if isinstance(status, int) and 400 <= status < 500:
         return status in (408, 429)
+    if isinstance(status, int) and status >= 500:
+        return True
     if isinstance(e, (ConnectionError, TimeoutError, OSError)):
         return True
     return type(e).__module__.split(".")[0] in _TRANSIENT_LIBS
