@@ -3,7 +3,8 @@
 
 A: vltrain's loader throughput, samples/s over one epoch of the random stream (ShardStream through the run's
    DataLoader, pixel decode, crop and tokenisation included), the shards read from disk (baseline) and from
-   http://127.0.0.1 (vlprep.objstore's ranged reads). Target: >= 0.9x the local throughput on loopback.
+   http://127.0.0.1 (vlprep.objstore's ranged reads; the server in a process of its own, as a real one is).
+   Target: >= 0.9x the local throughput on loopback.
 B: `vlprep bow` wall time with OUT on the local S3 endpoint (staging folder, uploads, listing, lock object) against
    a local OUT, the same input, --workers as given. Informational (no target: the upload cost is the store's).
 Rounds alternate the order of the sides after one untimed warm-up round (benchmarks/common.py); medians decide.
@@ -30,7 +31,7 @@ sys.path.insert(1, str(ROOT))
 from common import load_line, print_table, ratio_row, time_sides, value_row  # noqa: E402
 
 # The servers the object-storage tests use (a benchmark reuses them rather than keeping a copy of its own).
-from tests.integration.servers import http_server, moto_s3, s3_env  # noqa: E402
+from tests.integration.servers import http_server_process, moto_s3, s3_env  # noqa: E402
 
 
 def make_source(folder: Path, n: int) -> Path:
@@ -91,7 +92,7 @@ def main() -> None:
         rows = []
 
         # --- A: loader throughput, disk vs http://127.0.0.1
-        with http_server(tmp) as (base, faults):
+        with http_server_process(tmp) as base:
             rates = {"local": [], "http": []}
 
             def side(name: str):

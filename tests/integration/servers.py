@@ -125,6 +125,33 @@ def http_server(root: Path):
         thread.join(timeout=10)
 
 
+@contextlib.contextmanager
+def http_server_process(root: Path):
+    """The base URL of the same server (without faults) in a process of its own, as a real server is: the
+    benchmarks' clients then share no interpreter lock with it. Killed at the end."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, __file__, str(root), str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+    try:
+        _wait_for(port, proc, "the HTTP server")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def _wait_for(port: int, proc: subprocess.Popen, what: str, log: Path | None = None) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{what} did not start" + (f": {log.read_text()[-2000:]}" if log else "")) from None
+            time.sleep(0.1)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -142,15 +169,7 @@ def moto_s3(log: Path):
         proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                                 stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **S3_ENV})
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"moto_server did not start: {log.read_text()[-2000:]}") from None
-                time.sleep(0.1)
+        _wait_for(port, proc, "moto_server", log)
         yield f"http://127.0.0.1:{port}"
     finally:
         proc.kill()
@@ -165,3 +184,10 @@ def s3_env(endpoint: str) -> dict:
 def copy_tree(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst
+
+
+if __name__ == "__main__":  # http_server_process: python servers.py ROOT PORT
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[2])),
+                                            functools.partial(RangeHandler, directory=sys.argv[1]))
+    httpd.daemon_threads = True
+    httpd.serve_forever()
