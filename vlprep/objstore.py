@@ -443,6 +443,10 @@ def lock(url: str, tool: str = "vlprep") -> None:
                 retried(target, lambda: fs.pipe_file(lpath, body, mode="create"), doing="write")
             except RemoteNotFound:
                 raise VlprepError(f"OUT {url}: cannot create {target}: not found (does the bucket exist?)") from None
+            except RemoteError:  # a store whose refused create-only write is not FileExistsError (a 412)
+                if exists(target):
+                    raise FileExistsError(target) from None
+                raise
             except TypeError:  # a filesystem without create-only writes: check, write, read back (a narrow race)
                 if exists(target):
                     raise FileExistsError(target) from None
