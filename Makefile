@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 # Reinstalls when pyproject.toml or the lock changes; pip moves a venv left at other versions to the locked ones.
 $(STAMP): pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c $(LOCK) -e '.[cpu,test,ray]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -c $(LOCK) -e '.[cpu,test,ray,cloud]'
 	touch $(STAMP)
 
 install: $(STAMP)

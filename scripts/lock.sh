@@ -4,7 +4,7 @@
 set -euo pipefail
 PYTHON=${PYTHON:-python3}
 LOCK=${LOCK:-requirements.lock}
-EXTRAS=${EXTRAS:-cpu,test,ray}
+EXTRAS=${EXTRAS:-cpu,test,ray,cloud}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 "$PYTHON" -m venv "$tmp/venv"

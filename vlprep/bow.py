@@ -446,7 +446,7 @@ def shard_fingerprints(ds, ctx: BowContext) -> dict[str, str]:
     for shard in ds.shards:
         h = g.copy()
         h.update(ds.sidecar(shard).read_bytes())
-        h.update(str((ds.root / shard).stat().st_size).encode())
+        h.update(str(ds.tar_size(shard)).encode())
         fps[shard] = h.hexdigest()
     return fps
 
@@ -537,7 +537,7 @@ def bow(cfg: BowConfig, progress=None, warn: Callable[[str], None] = lambda line
         raise VlprepError(f"the base set is empty ({before['samples']} samples x --base-frac {cfg.base_frac}); "
                           "raise --base-frac")
     options = {k: v for k, v in asdict(cfg).items() if k not in ("src", "out", "workers", "distributor", "overwrite", "skip_bad_shards")}
-    options["src"] = str(ds.root.resolve())
+    options["src"] = ds.location
     with writing_output(out, "bow", options, cfg.overwrite):
         for line in emptying_warnings(cascade, ctx):  # before the long pass, so the user can stop it
             warn(line)

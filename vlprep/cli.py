@@ -86,7 +86,7 @@ def run_stage(cfg, workers: int | None, distributor: str, stage, printer, out: P
             warn(line)
     if empty and report.get("written") == 0:
         console.print(f"[yellow]warning:[/] {empty}")
-    console.print(f"wrote {out}/" + (f" ({wrote})" if wrote else ""), highlight=False)
+    console.print(f"wrote {str(out).rstrip('/')}/" + (f" ({wrote})" if wrote else ""), highlight=False)
     return report
 
 
@@ -354,6 +354,8 @@ def stats(
     """Sample count, caption lengths, vocabulary, top words and image sizes of a dataset."""
     from vlprep.report import dataset_stats, print_stats
 
+    if out is None and not isinstance(dataset, Path):
+        raise VlprepError(f"DATASET {dataset} is a URL: give --out, a local folder for report.json and stats.png")
     status = console.status("reading sidecars") if console.is_terminal else nullcontext()
     with writing(out or dataset / "stats"), status:
         report = dataset_stats(dataset, out=out, top=top)
@@ -361,7 +363,11 @@ def stats(
     console.print(f"wrote {', '.join(report['outputs'])}")
 
 
-refuse_urls(app)  # every Path argument: a URL is one line, never the folder ./s3:/...
+# Dataset folders may be URLs (s3://, gs://, http(s)://; OUT s3:// or gs://, docs/SCALE.md); every other Path argument
+# refuses one in one line, never the folder ./s3:/...
+refuse_urls(app, {"shards": ("out",), "bow": ("src", "out"), "detect": ("src", "out"), "features": ("src", "out"),
+                  "ontology": ("src", "out"), "embed": ("dataset", "out"), "pseudolabel": ("aligned", "unaligned", "out"),
+                  "stats": ("dataset",)})
 
 
 def main() -> None:

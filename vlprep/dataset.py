@@ -6,6 +6,7 @@ so the rules of docs/FORMAT.md live in one place.
 
 import io
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -21,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
 
-from vlprep import VlprepError, __version__, versions
+from vlprep import VlprepError, __version__, objstore, versions
 from vlprep.tarread import TarReader
 
 IMAGE_EXTS = ("jpg", "png", "webp")
@@ -56,19 +57,51 @@ def reraise(exn: Exception) -> bool:
 
 @dataclass
 class Dataset:
-    """A finished dataset folder: its shard files (in order), their sample counts, and any shards left out as bad."""
+    """A finished dataset folder: its shard files (in order), their sample counts, and any shards left out as bad.
+
+    A remote dataset (`url` set: s3://, gs://, http(s)://) has as `root` a local mirror of its small files
+    (sizes.json, index.json, meta.json, and each sidecar once asked for); its tars are read by URL (`tar`).
+    """
 
     root: Path
     shards: list[str]
     sizes: dict[str, int]
     bad: dict[str, str] = field(default_factory=dict)
+    url: str | None = None
+    listed: dict[str, dict] | None = None  # a remote folder's entries {name: {size, etag}} (None: no listing, http)
 
     @property
     def num_samples(self) -> int:
         return sum(self.sizes.values())
 
+    @property
+    def location(self) -> str:
+        """The folder as the user named it, for the records (meta.json, the run marker): its URL or absolute path."""
+        return self.url or str(self.root.resolve())
+
+    def tar(self, shard: str) -> Path | str:
+        """A shard's tar: a local path, or a URL that iter_tar reads."""
+        return objstore.join(self.url, shard) if self.url else self.root / shard
+
     def sidecar(self, shard: str) -> Path:
-        return self.root / sidecar_name(shard)
+        """A shard's sidecar as a local file (a remote one is fetched into the mirror the first time; a missing one
+        is a path that does not exist, as for a local folder)."""
+        path = self.root / sidecar_name(shard)
+        if self.url and not path.exists():
+            with contextlib.suppress(objstore.RemoteNotFound):
+                objstore.get_file(objstore.join(self.url, path.name), path)
+        return path
+
+    def stat(self, shard: str) -> dict:
+        """{'size', 'etag'} of a shard's tar (etag '' for a local file or a server that gives none)."""
+        if not self.url:
+            return {"size": (self.root / shard).stat().st_size, "etag": ""}
+        if self.listed is not None and shard in self.listed:
+            return self.listed[shard]
+        return objstore.info(self.tar(shard))
+
+    def tar_size(self, shard: str) -> int:
+        return self.stat(shard)["size"]
 
     def fingerprint(self, shard: str, salt: bytes = b"") -> str:
         """What a derived stage's output shard depends on: its input sidecar (keys, captions, stage columns) and
@@ -87,7 +120,13 @@ def plain_shard_name(name) -> bool:
 
 
 def open_dataset(path: str | os.PathLike) -> Dataset:
-    """Open a finished dataset folder (it must have sizes.json); one-line errors for everything else."""
+    """Open a finished dataset folder (it must have sizes.json); one-line errors for everything else.
+
+    `path` may be a URL: s3://, gs://, http(s):// (see `open_remote`), or file:///path for a local folder."""
+    if isinstance(path, str) and path.lower().startswith("file://"):
+        path = objstore.file_url_path(path)
+    if objstore.is_remote(path):
+        return open_remote(path)
     root = Path(path)
     if not root.exists():
         raise VlprepError(f"dataset not found: {root}")
@@ -102,15 +141,7 @@ def open_dataset(path: str | os.PathLike) -> Dataset:
                 "(re-run the stage that writes it to resume, or re-shard it with `vlprep shards`)"
             )
         raise VlprepError(f"not a shard dataset (no sizes.json and no .tar shards): {root}")
-    try:
-        sizes = json.loads(sizes_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise VlprepError(f"{sizes_file}: not valid JSON ({e})") from None
-    if not isinstance(sizes, dict) or not all(isinstance(v, int) and v >= 0 for v in sizes.values()):
-        raise VlprepError(f"{sizes_file}: expected {{shard name: sample count}}")
-    unsafe = [s for s in sizes if not plain_shard_name(s)]
-    if unsafe:  # derived stages write OUT/<name>: a path here would write outside OUT
-        raise VlprepError(f"{sizes_file}: shard name {unsafe[0]!r} is not a plain .tar file name in the folder")
+    sizes = read_sizes(sizes_file, sizes_file)
     missing, odd = [], []
     for s in sizes:
         try:
@@ -123,6 +154,47 @@ def open_dataset(path: str | os.PathLike) -> Dataset:
         raise VlprepError(f"{root / odd[0]}: not a regular file (a folder, FIFO or device); a shard must be a tar "
                           "file")
     return Dataset(root=root, shards=list(sizes), sizes=sizes)
+
+
+def read_sizes(path: Path, shown) -> dict[str, int]:
+    """A sizes.json file's {shard name: count}; one-line errors naming it as `shown` (a path or a URL)."""
+    try:
+        sizes = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise VlprepError(f"{shown}: not valid JSON ({e})") from None
+    if not isinstance(sizes, dict) or not all(isinstance(v, int) and v >= 0 for v in sizes.values()):
+        raise VlprepError(f"{shown}: expected {{shard name: sample count}}")
+    unsafe = [s for s in sizes if not plain_shard_name(s)]
+    if unsafe:  # derived stages write OUT/<name>: a path here would write outside OUT
+        raise VlprepError(f"{shown}: shard name {unsafe[0]!r} is not a plain .tar file name in the folder")
+    return sizes
+
+
+def open_remote(url: str) -> Dataset:
+    """A finished dataset at a URL: its sizes.json, index.json and meta.json fetched into a local mirror (sidecars on
+    demand), its listing (one LIST request on s3:// and gs://) checked for every shard sizes.json names."""
+    url = objstore.norm(url)
+    listed = objstore.listing(url)
+    if listed is not None and "sizes.json" not in listed:
+        tars = [n for n in listed if n.endswith(".tar")]
+        if tars:
+            raise VlprepError(f"{url} has {len(tars)} .tar files but no sizes.json: it is not a finished vlprep "
+                              "dataset (re-run the stage that writes it to resume)")
+        raise VlprepError(f"not a shard dataset (no sizes.json and no .tar shards): {url}")
+    root = objstore.mirror(url)
+    try:
+        objstore.get_file(objstore.join(url, "sizes.json"), root / "sizes.json")
+    except objstore.RemoteNotFound:
+        raise VlprepError(f"not a shard dataset (no sizes.json): {url}") from None
+    for name in ("index.json", "meta.json"):
+        (root / name).unlink(missing_ok=True)
+        with contextlib.suppress(objstore.RemoteNotFound):
+            objstore.get_file(objstore.join(url, name), root / name)
+    sizes = read_sizes(root / "sizes.json", objstore.join(url, "sizes.json"))
+    missing = [s for s in sizes if listed is not None and s not in listed]
+    if missing:
+        raise VlprepError(f"{url}: {len(missing)} shard(s) listed in sizes.json are missing, e.g. {missing[0]}")
+    return Dataset(root=root, shards=list(sizes), sizes=sizes, url=url, listed=listed)
 
 
 def _check_member(name: str) -> str:
@@ -148,10 +220,12 @@ class TarRef(NamedTuple):
 
 
 def iter_tar(path: str | os.PathLike, handler: Callable[[Exception], bool] = reraise,
-             refs: tuple[str, ...] = ()) -> Iterator[dict]:
+             refs: tuple[str, ...] = (), on_retry: Callable[[], None] | None = None) -> Iterator[dict]:
     """Samples of one tar, raw: {'__key__', '__url__', ext: bytes, ...}; unsafe or pickled members raise.
 
-    Members whose extension is in `refs` are not read: they come as a TarRef to their bytes.
+    Members whose extension is in `refs` are not read: they come as a TarRef to their bytes. `path` may be a URL,
+    read in ranged blocks with retries (vlprep.objstore; `on_retry` is called per retry); a read that still fails is
+    a RemoteError naming the URL.
 
     Grouping follows webdataset: the key is the member path up to the first dot of its file name,
     consecutive members with one key form a sample, `__*__` metadata members are skipped. Read with
@@ -162,7 +236,7 @@ def iter_tar(path: str | os.PathLike, handler: Callable[[Exception], bool] = rer
     url = str(path)
     sample = None
     try:
-        with TarReader(path) as tar:
+        with TarReader(path, on_retry=on_retry) as tar:
             for name, offset, size in tar:
                 try:
                     # _check_member's tests, inlined with their cheap part first (this loop runs per member)
@@ -180,7 +254,8 @@ def iter_tar(path: str | os.PathLike, handler: Callable[[Exception], bool] = rer
                         raise ShardFormatError(f"duplicate member {name!r}")
                     data = TarRef(url, offset, size) if ext in refs else tar.read(offset, size)
                 except Exception as exn:
-                    if hasattr(exn, "args") and exn.args and isinstance(exn.args[0], str):
+                    if hasattr(exn, "args") and exn.args and isinstance(exn.args[0], str) and not isinstance(
+                            exn, objstore.RemoteError):  # (which names the URL already)
                         exn.args = (f"{exn.args[0]} @ {url}",) + exn.args[1:]
                     if handler(exn):
                         continue
@@ -212,7 +287,7 @@ def iter_aligned(tar_path: Path, keys: list[str]) -> Iterator[tuple[int, dict]]:
         raise short_shard(tar_path, n, "its sidecar lists", len(keys))
 
 
-def count_tar_samples(path: Path) -> int:
+def count_tar_samples(path: Path | str) -> int:
     """Samples in a tar by its member headers alone (no payload reads), grouped as `iter_tar` groups them."""
     n, last = 0, None
     try:
@@ -243,12 +318,12 @@ def check_shards(ds: Dataset) -> Dataset:
             rows = pq.read_metadata(side).num_rows
         except Exception:  # missing or unreadable sidecar
             rows = -1
-        n = count_tar_samples(ds.root / shard)
+        n = count_tar_samples(ds.tar(shard))
         if not n == rows == ds.sizes[shard]:
             bad[shard] = (f"the tar holds {n if n >= 0 else 'no readable'} samples, its sidecar "
                           f"{'is unreadable' if rows < 0 else f'lists {rows}'}, sizes.json says {ds.sizes[shard]}")
     keep = [s for s in ds.shards if s not in bad]
-    return Dataset(root=ds.root, shards=keep, sizes={s: ds.sizes[s] for s in keep}, bad={**ds.bad, **bad})
+    return dataclasses.replace(ds, shards=keep, sizes={s: ds.sizes[s] for s in keep}, bad={**ds.bad, **bad})
 
 
 def batches(it: Iterable, n: int) -> Iterator[list]:
@@ -268,7 +343,12 @@ def check_out(out, *inputs) -> Path:
 
     `--overwrite` clears vlprep's files in OUT and a run removes its stale `*.tmp`, so an OUT that overlaps an
     input could delete that input (`vlprep shards imgdir imgdir --overwrite` once deleted every image).
+    A URL OUT (s3://, gs://) gives its local staging folder (vlprep.objstore), where the stage writes.
     """
+    if isinstance(out, str) and out.lower().startswith("file://"):
+        out = objstore.file_url_path(out)
+    if isinstance(out, str) and "://" in out:
+        return _check_remote_out(out, inputs)
     out = Path(out)
     o = out.resolve()
     for src in inputs:
@@ -280,6 +360,25 @@ def check_out(out, *inputs) -> Path:
         if i in o.parents:
             raise VlprepError(f"OUT {out} lies inside the input {src}; choose a folder outside it")
     return out
+
+
+def _check_remote_out(out: str, inputs) -> Path:
+    if objstore.scheme(out) not in objstore.WRITABLE:
+        kind = objstore.scheme(out)
+        why = "is read-only here" if kind in objstore.SCHEMES else "is not a supported URL scheme"
+        raise VlprepError(f"OUT {out}: {kind}:// {why}; write to s3://, gs:// or a local folder")
+    o = objstore.norm(out)
+    for src in inputs:
+        i = objstore.mirrored(src) or (objstore.norm(src) if objstore.is_remote(src) else None)
+        if i is None:
+            continue  # a local input: no overlap with a URL
+        if o == i:
+            raise VlprepError(f"OUT {out} is the input {i}; choose another folder")
+        if i.startswith(o + "/"):
+            raise VlprepError(f"OUT {out} contains the input {i}; choose a folder outside it")
+        if o.startswith(i + "/"):
+            raise VlprepError(f"OUT {out} lies inside the input {i}; choose a folder outside it")
+    return objstore.staging(o)
 
 
 def open_derived(src, out, skip_bad_shards: bool = False) -> tuple[Dataset, Path]:
@@ -322,12 +421,12 @@ def iter_samples(path: str | os.PathLike | Dataset, decode: bool = True,
     ds = path if isinstance(path, Dataset) else open_dataset(path)
     for shard in ds.shards:
         n = 0
-        for raw in iter_tar(ds.root / shard, handler=handler):
+        for raw in iter_tar(ds.tar(shard), handler=handler):
             raw["__shard__"] = shard
             n += 1
             yield decode_sample(raw) if decode else raw
         if n != ds.sizes[shard] and handler is reraise:
-            raise short_shard(ds.root / shard, n, "sizes.json says", ds.sizes[shard])
+            raise short_shard(ds.tar(shard), n, "sizes.json says", ds.sizes[shard])
 
 
 # --- writing -----------------------------------------------------------------------------------
@@ -466,13 +565,19 @@ def write_shard(root: Path, shard: str, samples: Iterable[dict], rows: list[dict
     pq.write_table(table, tmp_pq)
     os.replace(tmp_pq, root / sidecar)
     os.replace(tmp_tar, root / shard)
+    # A URL OUT: upload both under their final keys, the tar last, and keep only the (small) sidecar here
+    objstore.publish(root, [sidecar, shard], keep=[sidecar])
     return n
 
 
 def shard_done(root: Path, shard: str) -> dict | None:
     """The stored stats of a completed shard, or None when it must be (re)written."""
     tar, side = root / shard, root / sidecar_name(shard)
-    if not (tar.exists() and side.exists()):
+    if objstore.remote_of(root) is not None:  # a URL OUT: complete when its listing has both (the tar goes last)
+        listed = _out_listings.get(str(root), {})
+        if shard not in listed or side.name not in listed or not objstore.pull(root, side.name):
+            return None
+    elif not (tar.exists() and side.exists()):
         return None
     try:
         meta = pq.read_schema(side).metadata or {}
@@ -507,10 +612,20 @@ def carried_features(src: str | os.PathLike) -> dict:
     ontology), so that its output still trains on the cached tokens; {} for a pixel dataset. (Read here rather
     than through `encoders.features_spec`, which would import torch into every light stage.)"""
     try:
-        spec = json.loads((Path(src) / "meta.json").read_text()).get("features")
-    except (OSError, ValueError, AttributeError):
+        spec = json.loads((local_root(src) / "meta.json").read_text()).get("features")
+    except (OSError, ValueError, AttributeError, VlprepError):
         return {}
     return {"features": spec} if isinstance(spec, dict) else {}
+
+
+def local_root(folder) -> Path:
+    """A dataset folder's local path: the folder itself, or a remote dataset's mirror (sizes, index and meta.json)."""
+    if isinstance(folder, str) and folder.lower().startswith("file://"):
+        return Path(objstore.file_url_path(folder))
+    if objstore.is_remote(folder):
+        url = objstore.norm(folder)
+        return objstore.mirror(url) if url in objstore._mirrors else open_remote(url).root
+    return Path(folder)
 
 
 def finish_dataset(root: Path, sizes: dict[str, int], meta: dict) -> None:
@@ -526,8 +641,10 @@ def finish_dataset(root: Path, sizes: dict[str, int], meta: dict) -> None:
 
 
 RUN_MARKER = ".vlprep-run.json"
-LOCK_FILE = ".vlprep.lock"
+LOCK_FILE = objstore.LOCK_NAME
 _locks: dict[Path, int] = {}  # OUT (resolved) -> the open lock file this process holds
+_out_listings: dict[str, dict] = {}  # a URL OUT's staging folder -> its remote entries when the stage began
+SUMMARY_FILES = ("index.json", "meta.json", "sizes.json")  # uploaded last, in this order: sizes.json marks done
 
 
 def lock_output(root: Path, tool: str = "vlprep") -> None:
@@ -559,6 +676,13 @@ def release_output(root: Path) -> None:
     """Let other processes write OUT again (the stage has finished with it)."""
     import fcntl
 
+    if objstore.remote_of(root) is not None:  # the staging folder goes too: OUT's listing is what a re-run reads
+        import shutil
+
+        _out_listings.pop(str(root), None)
+        objstore.unlock(objstore.remote_of(root))
+        shutil.rmtree(root, ignore_errors=True)
+        return
     fd = _locks.pop(Path(root).resolve(), None)
     if fd is not None:
         fcntl.flock(fd, fcntl.LOCK_UN)
@@ -575,6 +699,8 @@ def prepare_output(root: Path, stage: str, options: dict, overwrite: bool = Fals
     """
     marker = root / RUN_MARKER
     run = {"stage": stage, "options": options}
+    if objstore.remote_of(root) is not None:
+        return _prepare_remote(root, objstore.remote_of(root), run, overwrite)
     if root.exists() and not root.is_dir():
         raise VlprepError(f"output exists and is not a folder: {root}")
     existing = [p for p in root.iterdir() if p.name != LOCK_FILE] if root.exists() else []
@@ -607,10 +733,13 @@ def prepare_output(root: Path, stage: str, options: dict, overwrite: bool = Fals
 @contextlib.contextmanager
 def writing_output(root: Path, stage: str, options: dict, overwrite: bool = False) -> Iterator[Path]:
     """`prepare_output`, the body, then `release_output`, also when the body raises: a library user's process
-    goes on after an error, and another process may then write OUT."""
+    goes on after an error, and another process may then write OUT. A URL OUT gets the files the body left in its
+    staging folder uploaded when the body ends without an error, sizes.json last."""
     prepare_output(root, stage, options, overwrite)
     try:
         yield root
+        if objstore.remote_of(root) is not None:
+            _upload_rest(root, objstore.remote_of(root))
     finally:
         release_output(root)
 
@@ -620,3 +749,61 @@ def remove_extra_shards(root: Path, prefix: str, keep: set[str]) -> None:
     for p in list(root.glob(f"{prefix}-*.tar")) + list(root.glob(f"{prefix}-*.parquet")):
         if p.with_suffix(".tar").name not in keep:
             p.unlink()
+    url = objstore.remote_of(root)
+    if url is not None:
+        listed = objstore.listing(url) or {}
+        objstore.remove(objstore.join(url, n) for n in listed if n.startswith(f"{prefix}-")
+                        and n.endswith((".tar", ".parquet")) and Path(n).with_suffix(".tar").name not in keep)
+
+
+# --- a URL OUT (vlprep.objstore): the staging folder's counterpart of prepare_output and the final upload ------------
+
+_STAGE_FILES = (".tar", ".parquet", ".json", ".tmp", ".png", ".npy", ".faiss")
+
+
+def _prepare_remote(root: Path, url: str, run: dict, overwrite: bool) -> None:
+    """prepare_output for a URL OUT: the same rules on its listing, the lock object instead of flock, and an empty
+    staging folder (a completed shard is known by its remote tar and sidecar, whose schema metadata holds its
+    fingerprint: resume works from the listing)."""
+    import shutil
+
+    listed = objstore.listing(url)
+    existing = [n for n in listed if n != LOCK_FILE]
+    if existing and LOCK_FILE not in listed and RUN_MARKER not in listed and "sizes.json" not in listed:
+        raise VlprepError(f"output folder {url} is not empty and was not written by vlprep; choose a new or "
+                          "empty folder (--overwrite only clears vlprep's own output)")
+    objstore.lock(url)
+    try:
+        previous = None
+        if RUN_MARKER in listed:
+            with contextlib.suppress(VlprepError, ValueError):
+                previous = json.loads(objstore.read_bytes(objstore.join(url, RUN_MARKER)))
+        if existing and previous != run:
+            if not overwrite:
+                why = "was written with other options" if previous else "is not empty"
+                raise VlprepError(f"output folder {url} {why}; choose another folder or pass --overwrite")
+            objstore.remove(objstore.join(url, n) for n, e in listed.items()
+                            if e["type"] == "file" and n != LOCK_FILE and n.endswith(_STAGE_FILES))
+            listed = objstore.listing(url)
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+        write_json_atomic(root / RUN_MARKER, run)
+        objstore.publish(root, [RUN_MARKER], keep=[RUN_MARKER])
+        _out_listings[str(root)] = listed
+    except BaseException:
+        objstore.unlock(url)
+        raise
+
+
+def _upload_rest(root: Path, url: str) -> None:
+    """What the stage left in its staging folder besides the shards (already uploaded as they completed): report,
+    plots, indexes, then index.json, meta.json and sizes.json, the last one marking the dataset finished."""
+    listed = objstore.listing(url)
+    rest, summary = [], []
+    for p in sorted(root.iterdir()):
+        if not p.is_file() or p.name.endswith(".tmp") or p.name in (RUN_MARKER, LOCK_FILE):
+            continue
+        if p.suffix == ".parquet" and p.with_suffix(".tar").name in listed and not p.with_suffix(".tar").exists():
+            continue  # a shard's sidecar, uploaded with its tar
+        (summary if p.name in SUMMARY_FILES else rest).append(p.name)
+    objstore.publish(root, rest + sorted(summary, key=SUMMARY_FILES.index), keep=rest + summary)

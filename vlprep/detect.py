@@ -263,7 +263,7 @@ def detect(cfg: DetectConfig, progress=None) -> dict:
     options = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()
                if k not in ("src", "out", "overwrite", "batch_size", "device", "workers", "distributor",
                             "skip_bad_shards")}
-    options["src"] = str(ds.root.resolve())
+    options["src"] = ds.location
     with writing_output(out, "detect", options, cfg.overwrite):
         salt = json.dumps({"backend": backend, "min_score": cfg.min_score}).encode()
         if cfg.from_file is not None:

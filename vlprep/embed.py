@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from vlprep import VlprepError
+from vlprep import VlprepError, objstore
 from vlprep.dataset import (batches, image_ext, iter_aligned, open_derived, sidecar_name, to_rgb,
                             write_json_atomic, writing_output)
 from vlprep.engine import Work, check_engine, map_shards, merged_skips
@@ -156,12 +156,14 @@ def embed_shard(out: Path, src: Path, shard: str, modality: str, deformed: bool,
     meta = {b"fingerprint": fp.encode(), b"stats": json.dumps(stats).encode()}
     pq.write_table(table.replace_schema_metadata(meta), part.with_name(part.name + ".tmp"))
     os.replace(part.with_name(part.name + ".tmp"), part)  # last: a part is complete when its parquet is there
+    names = [f"_parts/{part.stem}.npy", f"_parts/{part.name}"]
+    objstore.publish(out, names, keep=names)  # a URL OUT: uploaded in the same order (vlprep.objstore)
     return stats
 
 
 def _part_done(out: Path, work: Work) -> dict | None:
     part = _part(out, work.shard)
-    if not (part.exists() and part.with_suffix(".npy").exists()):
+    if not (objstore.pull(out, f"_parts/{part.name}") and objstore.pull(out, f"_parts/{part.stem}.npy")):
         return None
     meta = pq.read_schema(part).metadata or {}
     if meta.get(b"fingerprint") != work.fingerprint.encode():
@@ -180,7 +182,7 @@ def embed(cfg: EmbedConfig, enc, progress=None) -> dict:
         check_images(enc)
     t0 = time.perf_counter()
     ds, out = open_derived(cfg.src, cfg.out, cfg.skip_bad_shards)
-    options = {"src": str(ds.root.resolve()), "encoder": enc.name, "modality": cfg.modality, "deformed": cfg.deformed}
+    options = {"src": ds.location, "encoder": enc.name, "modality": cfg.modality, "deformed": cfg.deformed}
     with writing_output(out, "embed", options, cfg.overwrite):
         for name in ("embeddings.npy", "keys.parquet"):  # a stale pair must not outlive a failed run
             (out / name).unlink(missing_ok=True)
@@ -199,6 +201,8 @@ def embed(cfg: EmbedConfig, enc, progress=None) -> dict:
         arr = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(n, enc.dim))
         tables, row = [], 0
         for shard in ds.shards:
+            objstore.pull(out, f"_parts/{_part(out, shard).stem}.npy")  # made on another machine (a URL OUT)
+            objstore.pull(out, f"_parts/{_part(out, shard).name}")
             x = np.load(_part(out, shard).with_suffix(".npy"))
             arr[row:row + len(x)] = x
             row += len(x)

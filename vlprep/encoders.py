@@ -335,8 +335,11 @@ def encoder_from_spec(spec: dict) -> TokenEncoder:
 
 
 def features_spec(folder: str | os.PathLike) -> dict | None:
-    """The "features" record of a dataset folder's meta.json; None for a pixel dataset (no record, no meta.json)."""
-    meta = Path(folder) / "meta.json"
+    """The "features" record of a dataset folder's meta.json; None for a pixel dataset (no record, no meta.json).
+    `folder` may be a URL (its meta.json is read from the dataset's local mirror, vlprep.dataset.local_root)."""
+    from vlprep.dataset import local_root
+
+    meta = local_root(folder) / "meta.json"
     if not meta.exists():
         return None
     try:

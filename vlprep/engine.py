@@ -31,8 +31,8 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import NamedTuple
 
-from vlprep import VlprepError, cut
-from vlprep.dataset import shard_done
+from vlprep import VlprepError, cut, objstore
+from vlprep.dataset import shard_done, sidecar_name
 from vlprep.lifeline import Driver, guard, reset_signals_in_worker, stop_on_signals, this_driver
 
 DISTRIBUTORS = ("local", "ray")
@@ -40,7 +40,10 @@ RAY_EXTRA = "pip install -e '.[ray]'"
 
 
 class Work(NamedTuple):
-    """One planned output shard: its name, the per-shard function's arguments, its fingerprint, its input samples."""
+    """One planned output shard: its name, the per-shard function's arguments, its fingerprint, its input samples.
+
+    A derived stage's arguments start with (input folder, input shard name): for a remote input dataset (its mirror
+    folder) the worker fetches that shard and its sidecar into a local folder of its own first (`run_shard`)."""
 
     shard: str
     args: tuple
@@ -301,6 +304,24 @@ def make_executor(distributor: str, workers: int, init: Callable | None = None, 
 # --- the engine ------------------------------------------------------------------------------------------------
 
 
+def run_shard(fn: Callable[..., dict], out_url: str | None, out: Path, args: tuple, fp: str) -> dict:
+    """fn(out, *args, fp) in a worker. Object storage: a URL OUT's staging folder is made and known here (write_shard
+    uploads to it), and a remote input shard (objstore.RemoteSrc) is read from a local copy, removed afterwards."""
+    if out_url is not None:
+        objstore.register(out, out_url)
+        Path(out).mkdir(parents=True, exist_ok=True)
+    if args and isinstance(args[0], objstore.RemoteSrc):
+        with objstore.fetched(args[0], args[1]) as local:
+            return fn(out, local, *args[1:], fp)
+    return fn(out, *args, fp)
+
+
+def _remote_args(args: tuple) -> tuple:
+    """A Work's arguments with a remote input dataset's mirror folder replaced by its URL (objstore.RemoteSrc)."""
+    url = objstore.mirrored(args[0]) if args and isinstance(args[0], Path) else None
+    return (objstore.RemoteSrc(url),) + tuple(args[1:]) if url else args
+
+
 def map_shards(out: Path, plan: Iterable[Work], fn: Callable[..., dict], *, init: Callable | None = None,
                initargs: tuple = (), workers: int = 1, distributor: str = "local", progress=None,
                label: str = "", total: int | None = None, start: str = "fork", gpu: bool = False,
@@ -321,11 +342,14 @@ def map_shards(out: Path, plan: Iterable[Work], fn: Callable[..., dict], *, init
     resumed: set[str] = set()
     task = progress.add_task(label, total=total) if progress is not None else None
     ex, own = executor, executor is None
+    out_url = objstore.remote_of(out)
 
     def collect(futures) -> None:
         for fut in futures:
             work = pending.pop(fut)
             stats[work.shard] = fut.result()
+            if out_url is not None and done is shard_fingerprint_done:
+                objstore.pull(out, sidecar_name(work.shard))  # a worker on another machine kept it there
             if progress is not None:
                 progress.advance(task, work.size)
 
@@ -345,7 +369,7 @@ def map_shards(out: Path, plan: Iterable[Work], fn: Callable[..., dict], *, init
                 stats[work.shard] = None  # keeps the plan's order in the result
                 if ex is None:
                     ex = make_executor(distributor, workers, init, initargs, start, gpu)
-                pending[ex.submit(fn, out, *work.args, work.fingerprint)] = work
+                pending[ex.submit(run_shard, fn, out_url, out, _remote_args(work.args), work.fingerprint)] = work
                 if len(pending) >= 2 * workers:
                     collect(wait(pending, return_when=FIRST_COMPLETED).done)
             while pending:

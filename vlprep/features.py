@@ -200,7 +200,7 @@ def _features(cfg: FeaturesConfig, progress) -> dict:
     batch_size = cfg.batch_size or default_batch_size(device)
     spec = {**enc.spec, "dtype": cfg.dtype}
     options = {"image_model": cfg.image_model, "weights": spec["weights"], "size": spec["size"],
-               "dtype": cfg.dtype, "batch_size": batch_size, "src": str(ds.root.resolve())}
+               "dtype": cfg.dtype, "batch_size": batch_size, "src": ds.location}
     with writing_output(out, "features", options, cfg.overwrite):
         # A shard is redone when its input sidecar or anything that changes the tokens (weights bytes and the call
         # shape included) differs.

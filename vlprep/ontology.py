@@ -29,7 +29,7 @@ from typing import NamedTuple
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from vlprep import VlprepError
+from vlprep import VlprepError, objstore
 from vlprep.dataset import (carried_features, decode_sample, finish_dataset, iter_aligned, open_derived, sidecar_name,
                             write_json_atomic, write_shard, writing_output)
 from vlprep.engine import Work, check_engine, map_shards
@@ -178,17 +178,19 @@ def nouns_shard(out: Path, src: Path, shard: str, fp: str) -> dict:
     path = nouns_file(out, shard)
     pq.write_table(table.replace_schema_metadata({b"fingerprint": fp.encode()}), path.with_name(path.name + ".tmp"))
     path.with_name(path.name + ".tmp").replace(path)
+    objstore.publish(out, [f"_nouns/{path.name}"], keep=[f"_nouns/{path.name}"])  # a URL OUT (vlprep.objstore)
     return {"in": len(captions)}
 
 
 def _nouns_done(out: Path, work: Work) -> dict | None:
     path = nouns_file(out, work.shard)
-    if path.exists() and (pq.read_schema(path).metadata or {}).get(b"fingerprint") == work.fingerprint.encode():
+    if objstore.pull(out, f"_nouns/{path.name}") and (pq.read_schema(path).metadata or {}).get(b"fingerprint") == work.fingerprint.encode():
         return {"in": pq.read_metadata(path).num_rows}
     return None
 
 
 def read_nouns(out: Path, shard: str) -> list[list[tuple[str, int, int]]]:
+    objstore.pull(out, f"_nouns/{nouns_file(out, shard).name}")  # made on another machine (a URL OUT)
     return [[tuple(d.values()) for d in row] for row in pq.read_table(nouns_file(out, shard)).column(0).to_pylist()]
 
 
@@ -222,7 +224,7 @@ def ontology(cfg: OntologyConfig, progress=None) -> dict:
     overrides = load_overrides(cfg.overrides, all_labels)
     options = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()
                if k not in ("src", "out", "overwrite", "skip_bad_shards", "workers", "distributor")}
-    options["src"] = str(ds.root.resolve())
+    options["src"] = ds.location
     with writing_output(out, "ontology", options, cfg.overwrite):
         (out / "_nouns").mkdir(exist_ok=True)
         engine = {"workers": cfg.workers, "distributor": cfg.distributor, "progress": progress}

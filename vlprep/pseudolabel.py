@@ -336,7 +336,7 @@ def pseudolabel(cfg: PseudolabelConfig, enc, progress=None) -> dict:
     options = {k: v for k, v in asdict(cfg).items() if k not in ("aligned", "unaligned", "out", "batch_size",
                                                                   "device", "workers", "distributor", "overwrite",
                                                                   "skip_bad_shards")}
-    options.update(aligned=str(aligned.root.resolve()), unaligned=str(ds.root.resolve()), encoder=enc.name)
+    options.update(aligned=aligned.location, unaligned=ds.location, encoder=enc.name)
     with writing_output(out, "pseudolabel", options, cfg.overwrite):
 
         # --- plan: the caption index (saved in OUT for the workers) and one Work per UNALIGNED shard
@@ -348,7 +348,7 @@ def pseudolabel(cfg: PseudolabelConfig, enc, progress=None) -> dict:
         _init_worker(enc, out, index_fp, params)  # the driver's copy: the report's statistics, and one worker's state
         index_s = time.perf_counter() - t_index
         salt = (index_fp + repr(sorted(options.items()))).encode()
-        plan = [Work(s, (ds.root, s), ds.fingerprint(s, salt + str((ds.root / s).stat().st_size).encode()),
+        plan = [Work(s, (ds.root, s), ds.fingerprint(s, salt + str(ds.tar_size(s)).encode()),
                      ds.sizes[s]) for s in ds.shards]
         t_images = time.perf_counter()
         stats, resumed = map_shards(out, plan, pseudolabel_shard, init=_init_worker,

@@ -1,5 +1,6 @@
-"""The paths the CLIs take and write. Remote paths (s3://, gs://, http(s)://...) are refused until object storage
-is supported, and an OSError on an output folder is one line (`writing`).
+"""The paths the CLIs take and write. A dataset folder argument may be a URL (s3://, gs://, http(s)://, and
+file:// for a local path; vlprep.objstore reads and writes them); every other path (a config, a checkpoint, weights,
+a run folder) stays local, and a URL there is one line. An OSError on an output folder is one line (`writing`).
 
 The check reads the raw argument: `Path("s3://b/x")` is the local folder `s3:/b/x`, so a Path is too late to tell."""
 
@@ -10,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import get_args, get_type_hints
 
-from vlprep import VlprepError, cut
+from vlprep import VlprepError, cut, objstore
 
 # scheme:// with a scheme of 2+ characters: a Windows drive (C:/x, C:\x) is a local path
 URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+://")
@@ -20,47 +21,78 @@ def is_url(value) -> bool:
     return isinstance(value, str) and URL.match(value) is not None
 
 
+LOCAL_ONLY = "only dataset folders may be URLs (s3://, gs://, http(s)://); give a local path"
+
+
 def check_local(value: str, what: str = "") -> str:
     """`value` unchanged, or a VlprepError when it is a URL; `what` names the argument ("--out", "shards")."""
     if is_url(value):
-        raise VlprepError(f"{what + ' ' if what else ''}{cut(value)}: remote paths (s3://, gs://, http(s)://...) are "
-                          "not supported yet; copy the data to a local path")
+        raise VlprepError(f"{what + ' ' if what else ''}{cut(value)}: {LOCAL_ONLY}")
     return value
 
 
-def local_path(value, what: str = "") -> Path:
-    """A typer `parser=` for path arguments: a URL is one 'error:' line and exit status 2, before the command runs."""
+def check_dataset(value: str, what: str = "", out: bool = False) -> str | Path:
+    """A dataset folder argument: a local Path, or a URL of a scheme we read (`out`: write) kept as a str;
+    file:///path is that Path. One line for any other scheme."""
+    if not is_url(value):
+        return Path(value)
+    kind = objstore.scheme(value)
+    if kind == "file":
+        return Path(objstore.file_url_path(value))
+    shown = f"{what + ' ' if what else ''}{cut(value)}"
+    if kind not in objstore.SCHEMES:
+        raise VlprepError(f"{shown}: unsupported URL scheme {kind}://; use s3://, gs://, http(s):// or file://")
+    if out and kind not in objstore.WRITABLE:
+        raise VlprepError(f"{shown}: {kind}:// is read-only here; write to s3://, gs:// or a local folder")
+    return value
+
+
+def _one_line(check, value, what: str = "", **kw):
+    """A typer `parser=`: `check`'s VlprepError is one 'error:' line and exit status 2, before the command runs."""
     import typer
     from rich.console import Console
 
     try:
-        return Path(check_local(value, what))
+        return check(value, what, **kw)
     except VlprepError as e:
         Console(stderr=True, emoji=False).print(f"error: {e}", style="bold red", highlight=False, markup=False,
                                                 soft_wrap=True)
         raise typer.Exit(2) from None
 
 
+def local_path(value, what: str = "") -> Path:
+    """A typer `parser=` for path arguments: a URL is one 'error:' line and exit status 2, before the command runs."""
+    return Path(_one_line(check_local, value, what))
+
+
 def _holds_path(annotation) -> bool:
     return annotation is Path or any(_holds_path(a) for a in get_args(annotation))
 
 
-def refuse_urls(app) -> None:
-    """Give every Path argument and option of a typer app's commands the `local_path` parser (call after the last
-    command is defined): no command can take a URL for a folder."""
+def refuse_urls(app, datasets: dict[str, tuple[str, ...]] | None = None) -> None:
+    """Give every Path argument and option of a typer app's commands a parser (call after the last command is
+    defined): `datasets` names, per command, the parameters that are dataset folders and so may be URLs (`out`
+    among them: written); every other one refuses a URL in one line, never the folder ./s3:/..."""
     import typer
 
     for command in app.registered_commands:
         hints = get_type_hints(command.callback)
+        allowed = (datasets or {}).get(command.name or command.callback.__name__, ())
         for name, param in inspect.signature(command.callback).parameters.items():
             info = param.default
             if isinstance(info, typer.models.ParameterInfo) and _holds_path(hints.get(name)):
                 option = isinstance(info, typer.models.OptionInfo)
                 flag = next((d for d in info.param_decls or () if d.startswith("--")), "--" + name.replace("_", "-"))
-                info.parser = functools.partial(local_path, what=flag if option else name.upper())
+                what = flag if option else name.upper()
+                if name in allowed:
+                    info.parser = functools.partial(_one_line, check_dataset, what=what, out=name == "out")
+                else:
+                    info.parser = functools.partial(local_path, what=what)
 
 
 def _touches(filename, out: Path) -> bool:
+    if is_url(str(out)):
+        return False
     a, b = Path(filename).resolve(), Path(out).resolve()
     return a.is_relative_to(b) or b.is_relative_to(a)
 

@@ -7,6 +7,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from vlprep import objstore
 from vlprep.dataset import iter_samples, open_dataset, read_sidecars, write_json_atomic
 from vlprep.text import words
 
@@ -49,7 +50,7 @@ def dataset_stats(path, out: Path | None = None, top: int = 20) -> dict:
         vocab.update(ws)
     sized = [(w, h) for w, h in zip(widths, heights) if w is not None and h is not None]
     report = {
-        "dataset": str(ds.root),
+        "dataset": ds.url or str(ds.root),
         "samples": ds.num_samples,
         "shards": len(ds.shards),
         "caption_words": distribution(lengths),
@@ -303,6 +304,7 @@ def pseudolabel_figures(out: Path, ds, report: dict, n: int = 24) -> list[str]:
         if "caption" in side.column_names:
             given.update((k, c) for k, c in zip(side.column("key").to_pylist(), side.column("caption").to_pylist())
                          if k in wanted)
+        objstore.pull(out, shard)  # a URL OUT keeps its uploaded tars only there (vlprep.objstore)
         for raw in iter_tar(out / shard):
             if raw["__key__"] in wanted and image_ext(raw):
                 im = to_rgb(raw[image_ext(raw)])

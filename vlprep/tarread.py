@@ -53,13 +53,21 @@ class TarReader:
     `[(m.name, m.offset_data, m.size) for m in tarfile.open(path, "r:") if m.isfile()]`; `read` for their bytes.
 
     Iterating raises tarfile.ReadError where tarfile would (an empty file, a first header that is not one, a member
-    cut short). Use it as a context manager (it owns the open file).
+    cut short). Use it as a context manager (it owns the open file). A URL (s3://, gs://, http(s)://) is read in
+    ranged blocks through vlprep.objstore, whose reads resume after a transient fault (`on_retry` counts them).
     """
 
-    def __init__(self, path: str | os.PathLike, buffering: int = 1 << 16):
+    def __init__(self, path: str | os.PathLike, buffering: int = 1 << 16, on_retry=None):
         # 64 KiB: as fast as 1 MiB on shards of small members read whole, and a header-only scan of large members
         # reads little more than tarfile's 8 KiB per header
-        self.f = open(path, "rb", buffering=buffering)
+        from vlprep import objstore
+
+        if objstore.is_remote(path):
+            self.f = objstore.open_read(path, on_retry, buffering)
+            self.size = self.f.raw.size
+        else:
+            self.f = open(path, "rb", buffering=buffering)
+            self.size = None
         self._tf: tarfile.TarFile | None = None
         self._sparse: dict[int, tarfile.TarInfo] = {}
         self.fast = True  # False once tarfile has taken over (tests read it)
@@ -88,7 +96,7 @@ class TarReader:
 
     def __iter__(self) -> Iterator[tuple[str, int, int]]:
         f, enc = self.f, tarfile.ENCODING
-        file_size = os.fstat(f.fileno()).st_size
+        file_size = os.fstat(f.fileno()).st_size if self.size is None else self.size
         checked = set()  # the other numbers' bytes of headers already found readable (one value in our shards)
         pos = 0
         while True:

@@ -90,6 +90,11 @@ class Feed:
                                       self.batch_size, self.workers, self.device)
         self.batches, self.rng = epoch_batches(self.loader, epoch, self.seed, self.data.train, self.batch_sampler)
 
+    def io(self) -> dict | None:
+        """Remote reads retried and shards left out (LoadCounts.io_totals), when there were any; else None."""
+        totals = self.data.counts.io_totals() if hasattr(self.data.counts, "io_totals") else {}
+        return totals if any(totals.values()) else None
+
     def start(self, state) -> None:
         self._open(state.epoch)
         for _ in range(state.consumed):  # the data position is replayed: this epoch's trained batches are redrawn

@@ -53,7 +53,8 @@ def evaluate_heldout(run: Run, state: RunState, data, report: Report, device) ->
                                if n > before["reasons"].get(r, 0)}}
     else:  # every caption of a multi-caption image is scored (the protocol of `vltrain eval`)
         emb = embed_split(model, cfg.shards, "val", cfg.data.val_frac, cfg.data.max_len, cfg.batch_size,
-                          cfg.data.image_size, cfg.data.workers, device, data.use_features)
+                          cfg.data.image_size, cfg.data.workers, device, data.use_features,
+                          skip_bad_shards=cfg.data.skip_bad_shards)
         skipped = emb["skipped"]
         if data.heldout_keys and emb["n"]:  # the TOnICS refresh check's images are not scored
             emb = drop_images(emb, data.heldout_keys)

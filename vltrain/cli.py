@@ -139,6 +139,9 @@ def run(
     resume: bool = typer.Option(False, "--resume", help="Continue exactly from OUT/last.pt."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Start over in an OUT that holds another run "
                                    "(its checkpoints, metrics and tb/ are deleted)."),
+    skip_bad_shards: bool = typer.Option(False, "--skip-bad-shards", help="Leave out (and count) a shard that is cut "
+                                         "short or, at a URL, cannot be read after the retries, instead of stopping "
+                                         "(data.skip_bad_shards)."),
     init_from: Optional[Path] = typer.Option(None, "--init-from", help="Start a new run from trained weights: a "
                                              "checkpoint (last.pt, best.pt) or a `vltrain export` folder. Weights "
                                              "only: fresh optimiser, schedule and step 0; --preset and --set decide "
@@ -161,7 +164,8 @@ def run(
             raise ConfigError("give --steps or --epochs, not both")
         cfg = load_config(known_preset(preset), config_file(config), set_ or [], shards=[str(s) for s in shards],
                           out=out, steps=steps, epochs=epochs, batch_size=batch_size, device=device,
-                          **{"sampler.kind": sampler, "sampler.refresh_every": refresh_every})
+                          **{"sampler.kind": sampler, "sampler.refresh_every": refresh_every,
+                             "data.skip_bad_shards": skip_bad_shards or None})
         if resume and overwrite:
             raise ConfigError("give --resume or --overwrite, not both")
         with writing(Path(cfg.out)):
@@ -214,6 +218,8 @@ def eval_(
     out: Optional[Path] = typer.Option(None, help="Result JSON \\[default: eval.json in the checkpoint's folder, "
                                        "or in the export folder]."),
     device: str = typer.Option("auto", help="auto (CUDA when present), cpu or cuda."),
+    skip_bad_shards: bool = typer.Option(False, "--skip-bad-shards", help="Leave out (and count, shards_skipped) a "
+                                         "shard that is cut short or, at a URL, cannot be read after the retries."),
 ) -> None:
     """Retrieval R@1/5/10 both ways (optionally ITM re-ranked) and zero-shot top-1/top-5 of a checkpoint, scored
     as the papers do (docs/EVALUATION.md); a TOnICS aligner checkpoint is scored on noun-to-image retrieval over the
@@ -224,7 +230,8 @@ def eval_(
     with user_errors():
         writable_file(out)
         result = evaluate_checkpoint(checkpoint, shards or [], zeroshot=zeroshot, itm_rerank_k=itm_rerank_k,
-                                     device=device, zeroshot_folder=zeroshot_folder, templates=templates)
+                                     device=device, zeroshot_folder=zeroshot_folder, templates=templates,
+                                     skip_bad_shards=skip_bad_shards)
     if "retrieval" in result:
         r = result["retrieval"]
         rows = {"aligner" if "task" in result else "ITC": r}
@@ -306,7 +313,9 @@ def export_(
     console.print(f"wrote {out}/ ({', '.join(info['files'])}){dropped}", highlight=False)
 
 
-refuse_urls(app)  # every Path argument: a URL is one line, never the folder ./s3:/...
+# SHARDS may be URLs (s3://, gs://, http(s)://; docs/SCALE.md); every other Path argument refuses one in one line,
+# never the folder ./s3:/...
+refuse_urls(app, {"run": ("shards",), "eval": ("shards",)})
 
 
 def main() -> None:

@@ -13,9 +13,9 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 import yaml
 
-from vlprep import VlprepError
+from vlprep import VlprepError, objstore
 from vlprep.encoders import MAX_SIZE, MIN_SIZE
-from vlprep.remote import check_local
+from vlprep.remote import check_dataset, check_local
 from vltrain.model import FUSION_FROM, POOLING, TEMP_MAX, TEMP_MIN, ModelConfig
 from vltrain.softmask import parse_source
 
@@ -36,6 +36,7 @@ class DataConfig:
     augment: str = "none"           # training images: none (crop + flip), albef (+ RandAugment), softmask (+ colour)
     bucket: int = 8                 # random stream: batches cut from windows of this many batches sorted by caption
                                     # length, so each pads to a similar length; 0 = off (GRIT / TOnICS orders: never)
+    skip_bad_shards: bool = False   # random stream: leave out (counted) a shard cut short or, at a URL, unreadable
 
 
 @dataclass
@@ -439,7 +440,7 @@ def check_ranges(cfg: Config) -> None:
             raise ConfigError(f"{key}={shown(value)} is outside its range {interval} ({meaning})")
 
 
-# Keys that name local files or folders: object storage is not supported yet (vlprep.remote).
+# Keys that name local files or folders (a URL is refused in one line, vlprep.remote); `shards` may be URLs.
 PATH_KEYS = ("shards", "out", "model.text_model", "model.image_weights", "sampler.ontology")
 
 
@@ -447,10 +448,17 @@ def validate(cfg: Config) -> None:
     check_ranges(cfg)
     for key in PATH_KEYS:
         value = functools.reduce(getattr, key.split("."), cfg)
+        check = check_dataset if key == "shards" else check_local
         try:
-            [check_local(v, key) for v in (value if isinstance(value, list) else [value])]
+            [check(v, key) for v in (value if isinstance(value, list) else [value])]
         except VlprepError as e:
             raise ConfigError(str(e)) from None
+    remote = [s for s in cfg.shards if objstore.is_remote(s)]
+    if remote and (cfg.sampler.kind != "random" or cfg.data.triplets):
+        why = f"sampler.kind={cfg.sampler.kind}" if cfg.sampler.kind != "random" else "data.triplets"
+        raise ConfigError(f"{why} reads samples by index (random access), which needs local shards, and {remote[0]} "
+                          "is a URL: copy the dataset to a local folder (e.g. aws s3 sync, gcloud storage rsync), or "
+                          "train with sampler.kind=random, which streams")
     if cfg.device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", cfg.device):
         raise ConfigError(f"unknown device {shown(cfg.device)}; use auto (CUDA when present), cpu, cuda or cuda:N")
     if cfg.steps < 1 and cfg.epochs <= 0:

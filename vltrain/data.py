@@ -14,6 +14,7 @@ import json
 import os
 import random
 import shutil
+import sys
 import tempfile
 import weakref
 from collections.abc import Iterator
@@ -24,7 +25,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 from torchvision.transforms import v2
 
-from vlprep import VlprepError
+from vlprep import VlprepError, objstore
 from vlprep.dataset import (PICKLE_EXTS, REMAKE_HINT, BadShardError, ShardFormatError, image_ext, iter_tar,
                             open_dataset, plain_shard_name, short_shard, to_rgb)
 
@@ -95,10 +96,10 @@ def eval_transform(size: int, mean, std) -> v2.Compose:
                        v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
 
 
-def shard_sizes(folders: list[str | Path]) -> dict[Path, int]:
-    """Every shard of the given dataset folders -> its sizes.json count, interleaved so that every folder is mixed
-    from the start."""
-    lists = [[(ds.root / s, n) for s, n in ds.sizes.items()] for ds in map(open_dataset, folders)]
+def shard_sizes(folders: list[str | Path]) -> dict[Path | str, int]:
+    """Every shard of the given dataset folders (a path, or a URL for a remote folder) -> its sizes.json count,
+    interleaved so that every folder is mixed from the start."""
+    lists = [[(ds.tar(s), n) for s, n in ds.sizes.items()] for ds in map(open_dataset, folders)]
     out = {}
     for i in range(max((len(x) for x in lists), default=0)):
         out.update(x[i] for x in lists if i < len(x))
@@ -112,11 +113,19 @@ def shard_paths(folders: list[str | Path]) -> list[Path]:
 def data_signature(folders: list[str | Path]) -> str:
     """What identifies the training data's contents, for `--resume` and for pipelines that reuse finished runs: a
     hash of each folder's sizes.json and every shard's Parquet sidecar (keys and captions), which vlprep rewrites
-    when a shard's records change. Content, not mtimes: a stage re-run with the same result keeps the signature."""
+    when a shard's records change. Content, not mtimes: a stage re-run with the same result keeps the signature.
+    A remote folder (a URL) is not read whole for it: its sizes.json, and each shard's tar and sidecar by their ETag
+    (S3's and GCS's are content hashes for a plain upload) or, where the server gives none, their size."""
     h = hashlib.sha256()
     for folder in folders:
         ds = open_dataset(folder)
         h.update(b"\0" + json.dumps(ds.sizes, sort_keys=True).encode())
+        if ds.url:
+            for shard in ds.sizes:
+                side = Path(shard).with_suffix(".parquet").name
+                tar, meta = ds.stat(shard), (ds.listed or {}).get(side) or objstore.info(objstore.join(ds.url, side))
+                h.update(json.dumps([shard, tar["etag"] or tar["size"], meta["etag"] or meta["size"]]).encode())
+            continue
         for shard in ds.sizes:
             side = ds.root / Path(shard).with_suffix(".parquet")
             h.update(shard.encode() + (side.read_bytes() if side.is_file() else b"-"))
@@ -142,15 +151,33 @@ class LoadCounts:
     # Why a sample was skipped: an image, caption or other member that does not decode, and the `npy` checks of
     # `load_tokens`. Column 0 of the counts is the samples read, column 1 + i the samples skipped for REASONS[i].
     REASONS = ("undecodable", "npy_missing", "npy_unreadable", "npy_dtype", "npy_shape", "npy_nonfinite")
+    # Reading shards, apart from samples: retried remote reads (vlprep.objstore) and shards left out as unreadable.
+    IO = ("read_retries", "shards_skipped")
 
     def __init__(self):
         self.counts = torch.zeros((self.SLOTS, 1 + len(self.REASONS)), dtype=torch.int64).share_memory_()
+        self.io = torch.zeros((self.SLOTS, len(self.IO)), dtype=torch.int64).share_memory_()
+
+    @staticmethod
+    def _slot() -> int:
+        info = get_worker_info()
+        return 0 if info is None else 1 + info.id % (LoadCounts.SLOTS - 1)
 
     def add(self, read: int, bad: int, reason: str = "undecodable") -> None:
-        info = get_worker_info()
-        slot = 0 if info is None else 1 + info.id % (self.SLOTS - 1)
+        slot = self._slot()
         self.counts[slot, 0] += read
         self.counts[slot, 1 + self.REASONS.index(reason)] += bad
+
+    def retry(self) -> None:
+        """A remote read that failed transiently and is tried again."""
+        self.io[self._slot(), 0] += 1
+
+    def skip_shard(self) -> None:
+        self.io[self._slot(), 1] += 1
+
+    def io_totals(self) -> dict[str, int]:
+        """{'read_retries': n, 'shards_skipped': m} over the main process and the loader workers."""
+        return {k: int(v) for k, v in zip(self.IO, self.io.sum(dim=0).tolist())}
 
     def totals(self) -> tuple[int, int]:
         """(samples read, of which skipped as bad)."""
@@ -275,12 +302,14 @@ class ShardStream(IterableDataset):
     epoch). `captions` picks what a multi-caption sample gives: "draw" one per epoch (training), "all" (evaluation)
     or "first". A sample that cannot be
     decoded is skipped and counted in `self.counts` (webdataset's warn_and_continue, with a count); a shard whose
-    tar ends before its sizes.json count is a BadShardError.
+    tar ends before its sizes.json count is a BadShardError, and a remote shard that cannot be read after the
+    retries (vlprep.objstore; each retry counted) a RemoteError naming its URL. With `skip_bad_shards` both leave the
+    rest of that shard out instead, counted (`counts.io_totals()`) and warned about on stderr.
     """
 
     def __init__(self, folders, split: str, val_frac: float, transform, shuffle: bool = True,
                  buffer: int = 1000, seed: int = 0, use_features: bool = False, rank: int = 0, world: int = 1,
-                 captions: str = "draw", bucket: int = 0, batch: int = 1, lengths=None):
+                 captions: str = "draw", bucket: int = 0, batch: int = 1, lengths=None, skip_bad_shards: bool = False):
         self.sizes = shard_sizes(folders)
         self.shards = list(self.sizes)
         if not self.shards:
@@ -292,6 +321,7 @@ class ShardStream(IterableDataset):
         self.captions = captions
         self.shape = token_shape(folders) if use_features else None  # what every npy member must be
         self.counts = LoadCounts()
+        self.skip_bad_shards = skip_bad_shards
         # Length bucketing (shuffled training only): `lengths` maps captions to token counts (TokenLengths)
         self.bucket, self.batch, self.lengths = (bucket, batch, lengths) if shuffle and lengths else (0, 1, None)
 
@@ -316,14 +346,21 @@ class ShardStream(IterableDataset):
         self.counts.add(1, 0)
         return sample
 
-    def _samples(self, shard: Path) -> Iterator[dict]:
+    def _samples(self, shard: Path | str) -> Iterator[dict]:
         """The raw samples of one shard; a tar that ends before its sizes.json count is a BadShardError."""
         n = 0
-        for raw in iter_tar(shard):
-            n += 1
-            yield raw
-        if n != self.sizes[shard]:
-            raise short_shard(shard, n, "sizes.json says", self.sizes[shard], REMAKE_HINT)
+        try:
+            for raw in iter_tar(shard, on_retry=self.counts.retry):
+                n += 1
+                yield raw
+            if n != self.sizes[shard]:
+                raise short_shard(shard, n, "sizes.json says", self.sizes[shard], REMAKE_HINT)
+        except (BadShardError, objstore.RemoteError) as e:
+            if not self.skip_bad_shards:
+                raise
+            self.counts.skip_shard()
+            print(f"warning: left out the rest of shard {shard} (--skip-bad-shards, after {n} samples): {e}",
+                  file=sys.stderr, flush=True)
 
     def __iter__(self) -> Iterator[tuple]:
         epoch = self.epoch
@@ -398,6 +435,10 @@ class IndexedShards:
 
         datasets = [open_dataset(f) for f in folders]
         for ds in datasets:
+            if ds.url:  # wids' random access wants local files (docs/SCALE.md: index samplers need local shards)
+                raise VlprepError(f"{ds.url}: the index samplers (grit, tonics, triplets) read samples by index and "
+                                  "need local shards; copy the dataset to a local folder (e.g. aws s3 sync, gcloud "
+                                  "storage rsync) or train with sampler.kind=random, which streams")
             check_index(ds)
         self.roots = [ds.root for ds in datasets]
         self.counts = LoadCounts()

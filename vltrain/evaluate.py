@@ -135,7 +135,8 @@ def reads_features(model, folders) -> bool:
 
 @torch.no_grad()
 def embed_split(model, folders, split: str, val_frac: float, max_len: int, batch_size: int, image_size: int,
-                workers: int, device: torch.device, use_features: bool, keep_fusion: bool = False) -> dict:
+                workers: int, device: torch.device, use_features: bool, keep_fusion: bool = False,
+                skip_bad_shards: bool = False) -> dict:
     """ITC embeddings of a split in shard order, every caption of every image (multi-caption samples included).
 
     Returns {'n': images, 'img' (N, E), 'txt' (T, E), 'txt2img' (T,) the image of each caption, 'keys' (N images),
@@ -145,7 +146,8 @@ def embed_split(model, folders, split: str, val_frac: float, max_len: int, batch
     """
     tok = tokenizer_for(model.cfg.text_model)
     tf = None if use_features else pixel_transform(model, image_size)
-    stream = ShardStream(folders, split, val_frac, tf, shuffle=False, use_features=use_features, captions=ALL)
+    stream = ShardStream(folders, split, val_frac, tf, shuffle=False, use_features=use_features, captions=ALL,
+                         skip_bad_shards=skip_bad_shards)
     # Its own generator: evaluation must not draw from the global RNG, or a resumed run would diverge.
     loader = DataLoader(stream, batch_size=batch_size, collate_fn=Collate(tok, max_len, use_features),
                         num_workers=workers, generator=torch.Generator().manual_seed(0))
@@ -174,7 +176,7 @@ def embed_split(model, folders, split: str, val_frac: float, max_len: int, batch
         captions.extend(batch["captions"])
         n += len(img)
     model.train(was_training)
-    seen = {"read": stream.counts.totals()[0], "skipped": stream.counts.skipped()}
+    seen = {"read": stream.counts.totals()[0], "skipped": stream.counts.skipped(), "io": stream.counts.io_totals()}
     if not n:
         return {"n": 0, **seen}
     return {"n": n, "keys": keys, "captions": captions, **seen, **{k: torch.cat(v) for k, v in out.items() if v}}
@@ -273,7 +275,7 @@ def _itm_scorer(model, emb: dict, dev) -> Callable[[torch.Tensor, torch.Tensor],
 
 @torch.no_grad()
 def evaluate_checkpoint(path, shards=(), zeroshot=None, itm_rerank_k: int = 0, device: str = "auto",
-                        zeroshot_folder=None, templates=None) -> dict:
+                        zeroshot_folder=None, templates=None, skip_bad_shards: bool = False) -> dict:
     """Retrieval R@1/5/10 over ALL images and captions of `shards` (optionally ITM re-ranked over the ITC top-k) and
     zero-shot classification (docs/EVALUATION.md).
 
@@ -284,7 +286,8 @@ def evaluate_checkpoint(path, shards=(), zeroshot=None, itm_rerank_k: int = 0, d
     embedded as prompt ensembles: `templates` (a file, or a list of templates), else ROOT/templates.txt, else CLIP's
     7 ImageNet templates.
     A model trained on `vlprep features` tokens reads the shards' tokens when the same encoder made them, and
-    otherwise (and for image folders) runs that frozen encoder on the pixels first.
+    otherwise (and for image folders) runs that frozen encoder on the pixels first. `skip_bad_shards` leaves out a
+    shard cut short or, at a URL, unreadable after the retries (counted in `shards_skipped`), instead of stopping.
     """
     from vltrain.zeroshot import DEFAULT_TEMPLATES, read_templates, score_folder
 
@@ -309,7 +312,7 @@ def evaluate_checkpoint(path, shards=(), zeroshot=None, itm_rerank_k: int = 0, d
     workers = max(cfg.data.workers, 0)
     result = {"checkpoint": str(path), "step": loaded.step}
     if shards:
-        scores, emb = _retrieval(model, cfg, shards, itm_rerank_k, workers, dev)
+        scores, emb = _retrieval(model, cfg, shards, itm_rerank_k, workers, dev, skip_bad_shards)
         result.update(scores)
         if zeroshot is not None:
             result["zeroshot"] = _zeroshot_by_caption(model, cfg, Path(zeroshot), emb,
@@ -320,12 +323,13 @@ def evaluate_checkpoint(path, shards=(), zeroshot=None, itm_rerank_k: int = 0, d
     return result
 
 
-def _retrieval(model, cfg, shards: list[str], itm_rerank_k: int, workers: int, dev) -> tuple[dict, dict]:
+def _retrieval(model, cfg, shards: list[str], itm_rerank_k: int, workers: int, dev,
+               skip_bad_shards: bool = False) -> tuple[dict, dict]:
     """The retrieval part of `vltrain eval`, and the embeddings (embed_split's) for caption-labelled zero-shot."""
     # val_frac 0 puts every sample in the "train" split: `vltrain eval` scores all samples of SHARDS.
     use_features = reads_features(model, shards)
     emb = embed_split(model, shards, "train", 0.0, cfg.data.max_len, cfg.batch_size, cfg.data.image_size, workers,
-                      dev, use_features, keep_fusion=itm_rerank_k > 0)
+                      dev, use_features, keep_fusion=itm_rerank_k > 0, skip_bad_shards=skip_bad_shards)
     n = emb["n"]
     if emb["skipped"]["count"]:
         console.print(f"warning: {skipped_note(emb['skipped'], emb['read'])}: not scored", highlight=False)
@@ -341,6 +345,8 @@ def _retrieval(model, cfg, shards: list[str], itm_rerank_k: int, workers: int, d
     out = {"data": data_signature(shards), "input": "features" if use_features else "pixels", "protocol": PROTOCOL,
            "n_samples": n, "skipped": emb["skipped"], "retrieval": {**recall_at_k(sim, emb["txt2img"]), **sizes},
            "chance": chance_recall(n, len(emb["txt"]), captions_per_image=per_image.tolist())}
+    if any(emb["io"].values()):  # remote shards: reads retried, shards left out (--skip-bad-shards)
+        out.update(emb["io"])
     if itm_rerank_k > 0:
         if model.fusion is None:
             raise TrainError("--itm-rerank-k needs a model with a fusion encoder (this one has fusion_layers=0)")

@@ -149,8 +149,10 @@ class Report:
         self.metrics.write(json.dumps(row) + "\n")
         self.metrics.flush()
 
-    def step(self, step: int, losses: dict, lr: float, alpha: float, bad: int, samples: int) -> None:
-        """After an optimiser step: the ETA note after 10 steps, a row every log_every steps, the progress."""
+    def step(self, step: int, losses: dict, lr: float, alpha: float, bad: int, samples: int,
+             io: dict | None = None) -> None:
+        """After an optimiser step: the ETA note after 10 steps, a row every log_every steps, the progress; `io`
+        (remote data: read_retries, shards_skipped) joins the row."""
         cfg = self.cfg
         self.losses, self.seen = losses, self.seen + samples
         done, elapsed = step - self.start_step, time.perf_counter() - self.t_start
@@ -160,7 +162,7 @@ class Report:
         if step % cfg.log_every == 0 or step == cfg.steps:
             rate = self.seen / max(time.perf_counter() - self.t0, 1e-9)
             self.t0, self.seen = time.perf_counter(), 0
-            row = {"step": step, **losses, "lr": lr, "samples_per_s": round(rate, 2), "bad_samples": bad}
+            row = {"step": step, **losses, "lr": lr, "samples_per_s": round(rate, 2), "bad_samples": bad, **(io or {})}
             if cfg.loss.distill_alpha > 0:
                 row["distill_alpha"] = alpha
             self.log(row)

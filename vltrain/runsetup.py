@@ -336,7 +336,8 @@ def training_data(cfg: Config, ckpt: dict | None, rank: int, size: int) -> Train
         counts = count_split(cfg.shards, cfg.data.val_frac)
         stream = ShardStream(cfg.shards, "train", cfg.data.val_frac, tf_train, seed=cfg.seed,
                              use_features=use_features, rank=rank, world=size, bucket=cfg.data.bucket,
-                             batch=cfg.batch_size, lengths=TokenLengths(tok, cfg.data.max_len))
+                             batch=cfg.batch_size, lengths=TokenLengths(tok, cfg.data.max_len),
+                             skip_bad_shards=cfg.data.skip_bad_shards)
         d = TrainData(tok, collate, use_features, stream, None, stream.counts, counts["train"], counts["val"], 0)
     global_batch = cfg.batch_size * size  # --batch-size is per process
     if d.n_train < global_batch:

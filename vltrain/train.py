@@ -133,7 +133,7 @@ def train(cfg, resume: bool = False, overwrite: bool = False, init_from=None) ->
             optimizer_step(model, optimizer, params, losses["total"], cfg.optim.grad_clip, queue_feats)
             if isinstance(data.sampler, GritSampler):  # phase 1: this step's ITC features, no extra forward pass
                 data.sampler.collect(gather(batch["index"], False)[1], *queue_feats)  # the global batch, rank order
-            report.step(state.step, losses_f, lr, alpha, feed.bad, cfg.batch_size * size)
+            report.step(state.step, losses_f, lr, alpha, feed.bad, cfg.batch_size * size, feed.io())
             # TOnICS at the end of a period, so that a refreshed P_S starts with the next period
             if data.heldout is not None and state.step % cfg.sampler.refresh_every == 0:
                 report.curriculum(state.step, curriculum_check(run, state, data, rank, device))

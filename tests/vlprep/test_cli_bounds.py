@@ -1,4 +1,4 @@
-"""`vlprep` refuses what it cannot do in one line, before it creates anything: remote paths, an unbounded --size,
+"""`vlprep` refuses what it cannot do in one line, before it creates anything: URLs where no URL can go, an unbounded --size,
 an OUT it cannot write and a --weights file of pickled objects."""
 
 import os
@@ -11,7 +11,8 @@ import torch
 
 from tests.conftest import colour_pairs
 
-REMOTE = "remote paths (s3://, gs://, http(s)://...) are not supported yet; copy the data to a local path"
+LOCAL_ONLY = "only dataset folders may be URLs (s3://, gs://, http(s)://); give a local path"
+SCHEMES = "use s3://, gs://, http(s):// or file://"
 
 
 def vlprep(*args, cwd=None) -> subprocess.CompletedProcess:
@@ -30,18 +31,22 @@ def ds(tmp_path_factory) -> Path:
     return colour_pairs(tmp_path_factory.mktemp("bounds"), 8)
 
 
-def test_urls_are_refused_before_anything_is_created(ds, tmp_path):
+def test_urls_are_refused_where_no_url_can_go_before_anything_is_created(ds, tmp_path):
     """Before: `vlprep shards SRC s3://b2/raw` created ./s3:/b2/raw/ with a lock, a run file and .tar.tmp files, then
-    died with a pyarrow traceback."""
+    died with a pyarrow traceback. Dataset folders may be URLs now (tests/integration/test_objstore.py); a source
+    table, weights, a checkpoint or a stats folder may not, an http(s) OUT is read-only, and an unknown scheme is
+    named. No URL here is ever contacted: each is refused while the arguments are parsed."""
     src = ds.parent / "src"
-    for args, says in ((["shards", src, "s3://b2/raw"], "OUT s3://b2/raw"),
-                       (["shards", "https://h/t.csv", "out"], "SRC https://h/t.csv"),
-                       (["features", ds, "gs://b/feat"], "OUT gs://b/feat"),
-                       (["bow", "s3://b/ds", "out"], "SRC s3://b/ds"),
-                       (["detect", ds, "out", "--weights", "s3://b/w.pt"], "--weights s3://b/w.pt"),
-                       (["stats", ds, "--out", "http://h/stats"], "--out http://h/stats"),
-                       (["embed", ds, "out", "--checkpoint", "s3://b/last.pt"], "--checkpoint s3://b/last.pt")):
-        assert error_line(vlprep(*args, cwd=tmp_path)) == f"error: {says}: {REMOTE}", args
+    for args, says in ((["shards", "https://h/t.csv", "out"], f"SRC https://h/t.csv: {LOCAL_ONLY}"),
+                       (["shards", src, "ftp://b2/raw"], f"OUT ftp://b2/raw: unsupported URL scheme ftp://; {SCHEMES}"),
+                       (["features", ds, "http://h/feat"], "OUT http://h/feat: http:// is read-only here; write to "
+                                                           "s3://, gs:// or a local folder"),
+                       (["bow", "hdfs://b/ds", "out"], f"SRC hdfs://b/ds: unsupported URL scheme hdfs://; {SCHEMES}"),
+                       (["detect", ds, "out", "--weights", "s3://b/w.pt"], f"--weights s3://b/w.pt: {LOCAL_ONLY}"),
+                       (["stats", ds, "--out", "http://h/stats"], f"--out http://h/stats: {LOCAL_ONLY}"),
+                       (["embed", ds, "out", "--checkpoint", "s3://b/last.pt"],
+                        f"--checkpoint s3://b/last.pt: {LOCAL_ONLY}")):
+        assert error_line(vlprep(*args, cwd=tmp_path)) == f"error: {says}", args
     assert list(tmp_path.iterdir()) == []
     r = vlprep("stats", ds, "--out", "C:/stats", cwd=tmp_path)  # a drive letter is a local (relative) path here
     assert r.returncode == 0 and (tmp_path / "C:" / "stats" / "report.json").is_file(), r.stderr

@@ -303,9 +303,21 @@ def test_a_config_folder_or_unreadable_file_is_one_line(tmp_path):
         load_config("albef", tmp_path / "bin.yaml")
 
 
-@pytest.mark.parametrize("key", ["out", "shards", "model.text_model", "model.image_weights", "sampler.ontology"])
+@pytest.mark.parametrize("key", ["out", "model.text_model", "model.image_weights", "sampler.ontology"])
 def test_a_url_in_a_path_key_is_refused(key):
-    with pytest.raises(ConfigError, match=rf"^{key} s3://b/x: remote paths \(s3://, gs://, http\(s\)://...\) are "
-                                          "not supported yet"):
+    with pytest.raises(ConfigError, match=rf"^{key} s3://b/x: only dataset folders may be URLs \(s3://, gs://, "
+                                          r"http\(s\)://\); give a local path$"):
         load_config("albef", sets=[f"{key}=s3://b/x"])
     assert load_config("albef", sets=["out=C:/runs/x"]).out == "C:/runs/x"  # a drive letter is not a scheme
+
+
+def test_shards_may_be_urls_of_a_scheme_we_read_and_only_for_the_streaming_sampler():
+    """Nothing is contacted here: the config is only validated."""
+    assert load_config("clip", sets=["shards=[s3://b/x, 'http://127.0.0.1:1/ds/']"]).shards == [
+        "s3://b/x", "http://127.0.0.1:1/ds/"]
+    with pytest.raises(ConfigError, match=r"^shards ftp://b/x: unsupported URL scheme ftp://; use s3://, gs://, "
+                                          r"http\(s\):// or file://$"):
+        load_config("clip", sets=["shards=[ftp://b/x]"])
+    with pytest.raises(ConfigError, match=r"^sampler.kind=grit reads samples by index \(random access\), which needs "
+                                          "local shards, and gs://b/x is a URL"):
+        load_config("grit", sets=["shards=[gs://b/x]"])

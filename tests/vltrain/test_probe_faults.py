@@ -70,7 +70,7 @@ def test_ablation_refuses_urls_for_out_demo_recipe_and_rescore_before_anything_i
                        (["--rescore", "https://h/results.json"], "--rescore https://h/results.json")):
         assert ablation.main(args) == 2
         err = capsys.readouterr().err.strip()
-        assert err.startswith(f"error: {flag}: remote paths") and "\n" not in err, err
+        assert err.startswith(f"error: {flag}: only dataset folders may be URLs") and "\n" not in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.yaml"]  # no s3:, gs: or demo folder
 
 

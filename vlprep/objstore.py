@@ -1,0 +1,483 @@
+"""Datasets in object storage: a dataset folder given as an fsspec URL (s3://, gs://, http(s)://) is read with
+bounded retries, and a stage's OUT URL is written through a local staging folder under an advisory lock object.
+
+- Reading. `open_read(url)` is a seekable file whose reads resume at their offset after a transient error
+  (connection reset, 5xx, timeout): `VLPREP_REMOTE_TRIES` tries in all (default 5), waiting
+  `VLPREP_REMOTE_BACKOFF` seconds (default 0.5) doubled after each, at most 8 s. A read that still fails, or a
+  permanent error (404, 403), is one `RemoteError` line naming the URL.
+- Writing. A URL OUT has a local staging folder (`staging`): the stage writes there as it writes a local OUT, and
+  each completed file is uploaded under its final key (`publish`), the shard's tar after its sidecar; a PUT
+  becomes visible only once complete, so a stopped stage leaves no final-named partial object. The summary files
+  go last, `sizes.json` the very last (`vlprep.dataset.writing_output`).
+- Locking. `flock` does not exist on an object store: `lock` creates `OUT/.vlprep.lock` (host, pid, start time)
+  with a create-only write where the store has one (S3's If-None-Match, which s3fs's mode="create" sends).
+  It is advisory: a writer that ignores it is not stopped.
+
+Credentials and endpoints come from the standard places of each library (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID /
+AWS_SECRET_ACCESS_KEY, ~/.aws, GOOGLE_APPLICATION_CREDENTIALS, fsspec's own config), never from an option of ours.
+"""
+
+import atexit
+import contextlib
+import hashlib
+import io
+import json
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import NamedTuple
+
+from vlprep import VlprepError, cut
+
+# scheme -> the package fsspec needs for it (the [cloud] extra)
+SCHEMES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "http": "aiohttp", "https": "aiohttp"}
+WRITABLE = ("s3", "s3a", "gs", "gcs")
+CLOUD_EXTRA = "pip install -e '.[cloud]'"
+LOCK_NAME = ".vlprep.lock"
+BLOCK = 8 << 20  # bytes per ranged read: one request per 8 MiB of a shard
+
+
+class RemoteError(VlprepError):
+    """A remote file that cannot be read or written (after the retries, for a transient fault)."""
+
+
+class RemoteNotFound(RemoteError):
+    """A remote file that does not exist (404, NoSuchKey)."""
+
+
+class RemoteSrc(NamedTuple):
+    """A remote input dataset folder in a `Work`'s arguments: the worker fetches the shard it processes from it."""
+
+    url: str
+
+
+def scheme(url: str) -> str:
+    return url.split("://", 1)[0].lower() if "://" in url else ""
+
+
+def is_remote(value) -> bool:
+    """Whether `value` is a URL read through fsspec (s3://, gs://, http(s)://); a file:// URL is a local path."""
+    return isinstance(value, str) and scheme(value) in SCHEMES
+
+
+def file_url_path(url: str) -> str:
+    """file:///data/ds -> /data/ds (file://host/... is refused: it names another machine)."""
+    from urllib.parse import unquote, urlsplit
+
+    parts = urlsplit(url)
+    if parts.netloc not in ("", "localhost"):
+        raise VlprepError(f"{cut(url)}: a file:// URL names a local path (file:///path); use the path itself")
+    return unquote(parts.path)
+
+
+def norm(url: str) -> str:
+    """A dataset folder's URL without its trailing slash (s3://b/ds/ -> s3://b/ds)."""
+    return url.rstrip("/")
+
+
+def join(url: str, name: str) -> str:
+    return f"{norm(url)}/{name}"
+
+
+def filesystem(url: str):
+    """(fsspec filesystem, path in it) for a URL; one line when the [cloud] extra is missing."""
+    try:
+        import fsspec
+    except ImportError:
+        raise VlprepError(f"{cut(url)}: reading URLs needs fsspec and the [cloud] extra: {CLOUD_EXTRA}") from None
+    kind = scheme(url)
+    opts = {}
+    if kind in ("http", "https"):
+        # a server that stops sending is a timeout (a transient fault), not a read that waits forever
+        try:
+            import aiohttp
+        except ImportError:
+            raise VlprepError(f"{cut(url)}: reading {kind}:// URLs needs aiohttp, in the [cloud] extra: "
+                              f"{CLOUD_EXTRA}") from None
+        limit = _env_float("VLPREP_REMOTE_TIMEOUT", 60.0)
+        opts["client_kwargs"] = {"timeout": aiohttp.ClientTimeout(total=None, sock_connect=limit, sock_read=limit)}
+    try:
+        return fsspec.core.url_to_fs(url, **opts)
+    except ImportError:
+        raise VlprepError(f"{cut(url)}: {kind}:// URLs need {SCHEMES.get(kind, 'a package')}, in the [cloud] extra: "
+                          f"{CLOUD_EXTRA}") from None
+    except ValueError as e:
+        raise VlprepError(f"{cut(url)}: not a URL fsspec can open ({cut(str(e), 120)})") from None
+
+
+def _env_float(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name) or default)
+    except ValueError:
+        raise VlprepError(f"{name} must be a number") from None
+
+
+def tries() -> int:
+    return max(1, int(_env_float("VLPREP_REMOTE_TRIES", 5)))
+
+
+def backoff(attempt: int) -> float:
+    """The wait before retry number `attempt` + 1: VLPREP_REMOTE_BACKOFF doubled each time, at most 8 s."""
+    return min(_env_float("VLPREP_REMOTE_BACKOFF", 0.5) * 2 ** attempt, 8.0)
+
+
+_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
+_TRANSIENT_LIBS = ("aiohttp", "botocore", "aiobotocore", "urllib3", "requests", "google", "gcsfs")
+
+
+def transient(e: BaseException) -> bool:
+    """Whether another try may succeed: a connection reset or refused, a timeout, a 5xx (or 408, 429) answer, a body
+    cut short. A missing object or a refused permission is not retried."""
+    if isinstance(e, FileNotFoundError) and e.__cause__ is not None and e.__cause__ is not e:
+        return transient(e.__cause__)  # fsspec's http info() says "not found" for any failure, a 503 included
+    if isinstance(e, _PERMANENT):
+        return False
+    status = getattr(e, "status", None) or getattr(e, "code", None)
+    response = getattr(e, "response", None)
+    if isinstance(response, dict):  # botocore's ClientError: NoSuchBucket, AccessDenied (4xx) or SlowDown (503)
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or status
+    if isinstance(status, int) and 400 <= status < 500:
+        return status in (408, 429)
+    if isinstance(status, int) and status >= 500:
+        return True
+    if isinstance(e, (ConnectionError, TimeoutError, OSError)):
+        return True
+    return type(e).__module__.split(".")[0] in _TRANSIENT_LIBS
+
+
+def why(e: BaseException) -> str:
+    """An exception as a short phrase for a one-line error."""
+    text = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+    return f"{type(e).__name__}: {cut(text, 160)}" if text else type(e).__name__
+
+
+def retried(url: str, call: Callable, on_retry: Callable[[], None] | None = None, doing: str = "read"):
+    """call() with up to `tries()` attempts while it fails transiently; a RemoteError line naming `url` after."""
+    n = tries()
+    for attempt in range(n):
+        try:
+            return call()
+        except Exception as e:
+            if isinstance(e, (VlprepError, FileExistsError)):
+                raise  # FileExistsError: a create-only write found the object (the lock's callers handle it)
+            if not transient(e):
+                if isinstance(e, FileNotFoundError):
+                    raise RemoteNotFound(f"{url}: not found") from None
+                raise RemoteError(f"{url}: cannot {doing} it ({why(e)})") from None
+            if attempt == n - 1:
+                cause = e.__cause__ if isinstance(e, FileNotFoundError) and e.__cause__ is not None else e
+                raise RemoteError(f"{url}: cannot {doing} it after {n} tries ({why(cause)})") from None
+        if on_retry is not None:
+            on_retry()
+        time.sleep(backoff(attempt))
+
+
+class RemoteFile(io.RawIOBase):
+    """A remote file opened for reading, seekable, whose reads resume at their offset after a transient error.
+
+    Hand-written: fsspec's files (HTTPFile, S3File) read in ranged blocks but give up on the first fault, and
+    webdataset's `gopen` streams a whole URL with no resume, so a retry there would re-read samples already used.
+    Here a failed read reopens the file at the same offset, so the samples come out exactly as without the fault.
+    `on_retry` is called once per retry (vltrain counts them in its metrics).
+    """
+
+    def __init__(self, url: str, on_retry: Callable[[], None] | None = None, block: int = BLOCK):
+        super().__init__()
+        self.url, self.on_retry, self.block = url, on_retry, block
+        self.fs, self.path = filesystem(url)
+        self._f = None
+        self.pos = 0
+        self.size = retried(url, lambda: self._open().size, on_retry)
+
+    def _open(self):
+        if self._f is None:
+            self._f = self.fs.open(self.path, "rb", block_size=self.block, cache_type="readahead")
+        return self._f
+
+    def _drop(self) -> None:
+        f, self._f = self._f, None
+        if f is not None:
+            with contextlib.suppress(Exception):
+                f.close()
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = offset if whence == 0 else self.pos + offset if whence == 1 else self.size + offset
+        return self.pos
+
+    def readinto(self, buf) -> int:
+        want = min(len(buf), max(0, self.size - self.pos))
+        if want == 0:
+            return 0
+
+        def read() -> bytes:
+            try:
+                f = self._open()
+                if f.tell() != self.pos:
+                    f.seek(self.pos)
+                data = f.read(want)
+            except BaseException:
+                self._drop()  # the next try opens the file afresh at self.pos
+                raise
+            if not data:
+                self._drop()
+                raise ConnectionError(f"no data at offset {self.pos} of {self.size}")
+            return data
+
+        data = retried(self.url, read, self.on_retry)
+        buf[:len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+    def close(self) -> None:
+        self._drop()
+        super().close()
+
+
+def open_read(url: str, on_retry: Callable[[], None] | None = None, buffering: int = 1 << 16) -> io.BufferedReader:
+    """A buffered, seekable reader of a remote file (RemoteFile); `.raw.size` is its length."""
+    return io.BufferedReader(RemoteFile(url, on_retry), buffer_size=buffering)
+
+
+def read_bytes(url: str, on_retry: Callable[[], None] | None = None) -> bytes:
+    fs, path = filesystem(url)
+    return retried(url, lambda: fs.cat_file(path), on_retry)
+
+
+def exists(url: str) -> bool:
+    fs, path = filesystem(url)
+    return retried(url, lambda: fs.exists(path))
+
+
+def info(url: str) -> dict:
+    """{'size', 'etag'} of a remote file: the ETag (S3, GCS, most HTTP servers) or '' when it has none."""
+    fs, path = filesystem(url)
+    got = retried(url, lambda: fs.info(path))
+    etag = got.get("ETag") or got.get("etag") or got.get("md5Hash") or ""
+    return {"size": int(got.get("size") or 0), "etag": str(etag).strip('"')}
+
+
+def listing(url: str) -> dict[str, dict] | None:
+    """The folder's entries {name: {'size', 'etag', 'type'}} (one LIST request); None where a server has no listing
+    (http(s): a file's info is asked on its own)."""
+    if scheme(url) not in WRITABLE:
+        return None
+    fs, path = filesystem(url)
+    try:
+        entries = retried(url, lambda: fs.ls(path, detail=True, refresh=True))
+    except RemoteNotFound:
+        return {}
+    out = {}
+    for e in entries:
+        name = e["name"].rstrip("/").rsplit("/", 1)[-1]
+        if name and e["name"].rstrip("/") != path.rstrip("/"):
+            etag = e.get("ETag") or e.get("etag") or e.get("md5Hash") or ""
+            out[name] = {"size": int(e.get("size") or 0), "etag": str(etag).strip('"'), "type": e.get("type", "file")}
+    return out
+
+
+def get_file(url: str, local: Path, on_retry: Callable[[], None] | None = None) -> None:
+    """Download `url` to `local`, whole: through `local`.tmp, renamed when complete."""
+    fs, path = filesystem(url)
+    tmp = local.with_name(local.name + ".tmp")
+    retried(url, lambda: fs.get_file(path, str(tmp)), on_retry)
+    os.replace(tmp, local)
+
+
+def put_file(local: Path, url: str) -> None:
+    """Upload `local` to `url`: a PUT (or a multipart upload) is visible under its key only once it is complete."""
+    fs, path = filesystem(url)
+    retried(url, lambda: fs.put_file(str(local), path), doing="write")
+
+
+def remove(urls: Iterable[str]) -> None:
+    for url in urls:
+        fs, path = filesystem(url)
+        with contextlib.suppress(FileNotFoundError):
+            retried(url, lambda: fs.rm_file(path), doing="delete")
+
+
+# --- input datasets: a local mirror of the small files --------------------------------------------------------------
+
+_mirrors: dict[str, Path] = {}  # dataset URL -> local folder holding its sizes/index/meta.json and fetched sidecars
+
+
+def mirror(url: str) -> Path:
+    """This process's local folder for a remote dataset's small files (removed when the process that made it ends;
+    DataLoader workers forked from it share it)."""
+    url = norm(url)
+    if url not in _mirrors:
+        path = Path(tempfile.mkdtemp(prefix="vlprep-in-"))
+        atexit.register(_remove, str(path), os.getpid())
+        _mirrors[url] = path
+    return _mirrors[url]
+
+
+def mirrored(path) -> str | None:
+    """The URL whose mirror `path` is, if any."""
+    return next((url for url, p in _mirrors.items() if p == path), None)
+
+
+def _remove(path: str, pid: int) -> None:
+    if os.getpid() == pid:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def fetched(src: RemoteSrc, shard: str):
+    """A local folder holding `shard` and its sidecar from the remote dataset `src`, removed afterwards: what a
+    stage's per-shard function reads (one shard at a time per worker, so local disk stays bounded by the shard)."""
+    from vlprep.dataset import sidecar_name
+
+    folder = Path(tempfile.mkdtemp(prefix="vlprep-shard-"))
+    try:
+        for name in (sidecar_name(shard), shard):
+            get_file(join(src.url, name), folder / name)
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+# --- OUT URLs: the staging folder, uploads, the lock object -----------------------------------------------------------
+
+_staged: dict[str, str] = {}  # local staging folder -> OUT URL (in the driver and in each worker)
+
+
+def staging(url: str) -> Path:
+    """The local folder a stage writes for OUT `url` (the same path in the driver and every worker, so a Ray actor
+    on another machine makes its own)."""
+    url = norm(url)
+    digest = hashlib.blake2b(url.encode(), digest_size=8).hexdigest()
+    path = Path(tempfile.gettempdir()) / f"vlprep-out-{os.getuid() if hasattr(os, 'getuid') else 0}" / digest
+    register(path, url)
+    return path
+
+
+def register(path, url: str) -> None:
+    _staged[str(path)] = norm(url)
+
+
+def remote_of(path) -> str | None:
+    """OUT's URL when `path` is its staging folder, else None (a local OUT)."""
+    return _staged.get(str(path))
+
+
+def publish(root: Path, names: Iterable[str], keep: Iterable[str] = ()) -> None:
+    """Upload the completed files `names` of staging folder `root`, in order (the one that marks completion last),
+    then remove the local copies of those not in `keep`."""
+    url = remote_of(root)
+    if url is None:
+        return
+    names = list(names)
+    for name in names:
+        sys.audit("vlprep.upload", name)  # vlprep.lifeline: a worker whose driver is gone exits instead
+        put_file(root / name, join(url, name))
+    for name in names:
+        if name not in set(keep):
+            (root / name).unlink(missing_ok=True)
+
+
+def pull(root: Path, name: str) -> bool:
+    """Whether `root / name` exists locally, downloading it first when `root` stages a URL that has it."""
+    local = root / name
+    if local.exists():
+        return True
+    url = remote_of(root)
+    if url is None:
+        return False
+    try:
+        local.parent.mkdir(parents=True, exist_ok=True)
+        get_file(join(url, name), local)
+    except RemoteNotFound:
+        return False
+    return True
+
+
+def lock_record() -> dict:
+    from vlprep.lifeline import _start_time
+
+    return {"host": socket.gethostname(), "pid": os.getpid(), "start": _start_time(os.getpid()) or "",
+            "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "token": uuid.uuid4().hex}
+
+
+_held: dict[str, str] = {}  # OUT URL -> the token of the lock object this process wrote
+
+
+def _stale(holder: dict) -> bool:
+    """A lock whose holder ran on this machine and is gone (its pid is dead or is another process now)."""
+    from vlprep.lifeline import _start_time
+
+    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+        return False
+    return _start_time(holder["pid"]) != holder.get("start")
+
+
+def lock(url: str, tool: str = "vlprep") -> None:
+    """Create OUT's lock object, or a one-line refusal naming its holder. A lock left by a process of this machine
+    that is gone (kill -9) is replaced; one from another machine is cleared by hand (docs/SCALE.md)."""
+    url = norm(url)
+    if url in _held:
+        return
+    fs, path = filesystem(url)
+    target = join(url, LOCK_NAME)
+    lpath = f"{path.rstrip('/')}/{LOCK_NAME}"
+    record = lock_record()
+    body = json.dumps(record).encode()
+    for _ in range(2):
+        try:
+            try:
+                retried(target, lambda: fs.pipe_file(lpath, body, mode="create"), doing="write")
+            except RemoteNotFound:
+                raise VlprepError(f"OUT {url}: cannot create {target}: not found (does the bucket exist?)") from None
+            except RemoteError:  # a store whose refused create-only write is not FileExistsError (a 412)
+                if exists(target):
+                    raise FileExistsError(target) from None
+                raise
+            except TypeError:  # a filesystem without create-only writes: check, write, read back (a narrow race)
+                if exists(target):
+                    raise FileExistsError(target) from None
+                retried(target, lambda: fs.pipe_file(lpath, body), doing="write")
+                if json.loads(read_bytes(target)).get("token") != record["token"]:
+                    raise FileExistsError(target) from None
+            _held[url] = record["token"]
+            return
+        except FileExistsError:
+            pass
+        try:
+            holder = json.loads(read_bytes(target))
+        except (RemoteError, ValueError):
+            holder = {}
+        if holder and _stale(holder):
+            remove([target])
+            continue
+        who = (f"pid {holder.get('pid', 'unknown')} on {holder.get('host', 'an unknown host')}, since "
+               f"{holder.get('since', '?')}") if holder else "unknown"
+        raise VlprepError(f"OUT {url} is being written by another {tool} process ({who}); wait for it to finish or "
+                          f"choose another folder (the lock is advisory: if that process is gone, delete {target})")
+    raise VlprepError(f"OUT {url}: cannot take the lock {target}; delete it if no process writes OUT, and run again")
+
+
+def unlock(url: str) -> None:
+    """Delete OUT's lock object if this process holds it."""
+    url = norm(url)
+    token = _held.pop(url, None)
+    if token is None:
+        return
+    target = join(url, LOCK_NAME)
+    with contextlib.suppress(RemoteError, ValueError):
+        if json.loads(read_bytes(target)).get("token") == token:
+            remove([target])
