@@ -9,10 +9,20 @@ B, `--resize 256`: `build_shards --resize 256` vs the same plain loop that shrin
 
 What each side does, exactly (each timed call writes into a fresh empty folder, made before and removed after
 the clock; rounds alternate the order of the sides; medians of wall and CPU time decide):
-- `fast writer` (A baseline): os.listdir the folder, sort the non-.txt names, and for every 1000 of them open a
-  file (1 MiB buffer) with a `ShardTarWriter`, and per image: read the image file and its .txt file (plain string
-  paths), json.dumps {"uid": stem, "source": folder name}, and add the three members (json, image, txt) as
-  vlprep orders them. No checks of any kind, no sidecar, no index files.
+- `plain` (A baseline, since 2026-11-25): the tars vlprep writes, byte for byte (checked before the clock), from
+  plain code. os.listdir the folder, sort the non-.txt names, and for every 1000 of them open a file (1 MiB buffer)
+  with a `ShardTarWriter`, and per image: read the image file and its .txt file (plain string paths); check the
+  image as vlprep's default pass-through does (a PNG: every chunk's length up to IEND and every CRC but IDAT's, by
+  a plain loop of its own; anything else: Pillow's header read and the end-of-image check) and take its width
+  and height (a PNG's from IHDR); decode the caption as UTF-8 and collapse its whitespace; encode
+  {"height", "source", "uid", "width"} with one `JSONEncoder(ensure_ascii=False, sort_keys=True)`; add the three
+  members (json, image, txt) under vlprep's keys. No sidecar, no fingerprints, no resume, no index files, no
+  report: those are vlprep's own extras. The check is in the baseline because it is part of the stage's contract
+  (docs/FORMAT.md: a pass-through run skips a truncated or damaged image): without it a loop would keep samples
+  that vlprep skips, so it would not do the same work.
+- `fast writer` (A, informational; the baseline until 2026-11-25): the same loop without the check, the caption
+  cleaning and the width and height: each txt file's bytes as read, json.dumps {"uid": stem, "source": folder
+  name}, the image's own name, so it wrote other bytes than vlprep.
 - `tarfile addfile` (A, informational; the former baseline): the same loop through
   `tarfile.open(..., "w")` (its defaults) and `addfile` with a TarInfo holding only the name and size.
 - `limit` (A, informational): the same bytes as `fast writer` with no per-sample Python work beyond one
@@ -43,10 +53,12 @@ import io
 import json
 import os
 import shutil
+import struct
 import sys
 import tarfile
 import tempfile
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +67,7 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from vlprep.dataset import ShardTarWriter  # noqa: E402
+from vlprep.imagecheck import PNG_MAGIC  # noqa: E402
 from vlprep.shards import ShardsConfig, build_shards  # noqa: E402
 
 DEFAULT_SRC = Path("/usr/share/openclipart/png")
@@ -136,8 +149,74 @@ def shrink(data: bytes) -> bytes:
     return buf.getvalue()
 
 
+_CHUNK = struct.Struct(">I4s")
+
+
+def checked_size(data: bytes) -> tuple[str, int, int] | None:
+    """(ext, width, height) of an image that passes vlprep's default pass-through check, else None.
+
+    A PNG by a plain walk of its chunks: each length inside the file, each CRC but IDAT's, up to IEND; its size
+    from IHDR. Other formats: Pillow's header read, then the end-of-image check (JPEG EOI, WebP RIFF length)."""
+    if data.startswith(PNG_MAGIC):
+        n, pos, view, crc32, unpack = len(data), 8, memoryview(data), zlib.crc32, _CHUNK.unpack_from
+        while pos + 12 <= n:
+            length, cid = unpack(data, pos)
+            end = pos + 12 + length
+            if end > n or (cid != b"IDAT" and crc32(view[pos + 4:end - 4]) != int.from_bytes(data[end - 4:end])):
+                return None
+            if cid == b"IEND":
+                return ("png", *struct.unpack_from(">II", data, 16))
+            pos = end
+        return None
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            fmt, (w, h) = im.format, im.size
+    except Exception:
+        return None
+    if fmt == "JPEG":
+        return ("jpg", w, h) if data.rstrip(b"\0")[-2:] == b"\xff\xd9" else None
+    if fmt == "WEBP":
+        return ("webp", w, h) if int.from_bytes(data[4:8], "little") + 8 <= len(data) else None
+    return None
+
+
+def plain(folder: Path, out: Path) -> None:
+    """A baseline: vlprep's tars from a plain loop (list, sort, read, check, clean, encode, write 3 members)."""
+    base, source = str(folder) + "/", folder.name
+    names = sorted(n for n in os.listdir(folder) if not n.endswith(".txt"))
+    encode = json.JSONEncoder(ensure_ascii=False, sort_keys=True).encode
+    for s in range(0, len(names), PER_SHARD):
+        with open(out / f"shard-{s // PER_SHARD:06d}.tar", "wb", buffering=1 << 20) as f, ShardTarWriter(f) as tw:
+            for i, name in enumerate(names[s: s + PER_SHARD], s):
+                stem = name.rsplit(".", 1)[0]
+                image, txt = _read(base + name), _read(base + stem + ".txt")
+                head = checked_size(image)
+                caption = " ".join(txt.decode("utf-8").split())
+                if head is None or not caption:
+                    continue  # vlprep skips it (and counts it)
+                key = f"shard_{i:09d}."
+                tw.add(key + "json", encode({"height": head[2], "source": source, "uid": stem,
+                                             "width": head[1]}).encode())
+                tw.add(key + head[0], image)
+                tw.add(key + "txt", caption.encode())
+
+
+def check_plain(folder: Path, tmp: Path, workers: int) -> None:
+    """Before the clock: the baseline's tars are vlprep's, byte for byte (else it would not do the same work)."""
+    a, b = tmp / "check-plain", tmp / "check-vlprep"
+    a.mkdir()
+    plain(folder, a)
+    build_shards(ShardsConfig(src=folder, out=b, samples_per_shard=PER_SHARD, workers=workers))
+    for tar in sorted(b.glob("*.tar")):
+        if (a / tar.name).read_bytes() != tar.read_bytes():
+            sys.exit(f"the plain baseline wrote other bytes than vlprep for {tar.name}")
+    shutil.rmtree(a)
+    shutil.rmtree(b)
+
+
 def fast_writer(folder: Path, out: Path, resize: bool = False) -> None:
-    """A (and B with resize): list, sort, then per image read image + caption and write 3 members."""
+    """A, informational (the baseline until 2026-11-25), and B with resize: list, sort, then per image read image +
+    caption and write 3 members."""
     base, source = str(folder) + "/", folder.name
     names = sorted(n for n in os.listdir(folder) if not n.endswith(".txt"))
     for s in range(0, len(names), PER_SHARD):
@@ -227,8 +306,9 @@ def make_sides(folder: Path, workers: int) -> dict[str, dict[str, common.Side]]:
     images = sorted(str(p) for p in folder.iterdir() if p.suffix != ".txt")
     n, plan = len(images), limit_plan(folder)
     return {
-        "a": {"fast writer": lambda out: fast_writer(folder, out),
+        "a": {"plain": lambda out: plain(folder, out),
               "vlprep": lambda out: vlprep(folder, out / "ds", None, workers, n),
+              "fast writer": lambda out: fast_writer(folder, out),
               "tarfile addfile": lambda out: tar_addfile(folder, out),
               "limit": lambda out: limit(plan, out)},
         "b": {"fast writer resize": lambda out: fast_writer(folder, out, resize=True),
@@ -288,9 +368,15 @@ def main() -> None:
         sides = make_sides(folder, args.workers)
         rows = []
         if "a" not in skip:
-            print("A: pass-through; baseline = the same reads and members through ShardTarWriter")
+            print("A: pass-through; baseline = the same reads, checks and members (vlprep's bytes) through "
+                  "ShardTarWriter")
+            check_plain(folder, tmp, args.workers)
             t = common.time_sides(sides["a"], args.repeats, tmp, args.isolate, label="A ")
-            rows += [common.ratio_row("A pass-through", t["fast writer"], t["vlprep"], TARGET_A),
+            rows += [common.ratio_row("A pass-through", t["plain"], t["vlprep"], TARGET_A),
+                     common.ratio_row("A vs fast writer", t["fast writer"], t["vlprep"], None,
+                                      note="baseline until 2026-11-25: no check, other bytes"),
+                     common.ratio_row("A plain vs fast writer", t["fast writer"], t["plain"], None,
+                                      note="what the check and vlprep's bytes cost"),
                      common.ratio_row("A vs tarfile addfile", t["tarfile addfile"], t["vlprep"], None,
                                       note="old baseline"),
                      common.ratio_row("A vs limit", t["limit"], t["vlprep"], None, note="no per-sample Python"),
