@@ -512,6 +512,24 @@ class ShardTarWriter:
         for k, v in members:
             self.add(key + k, v)
 
+    def write_sample(self, sample: dict) -> None:
+        """write(encode_sample(sample)) in one pass over the sample (write_shard calls it for every sample)."""
+        key = sample["__key__"] + "."
+        members = []
+        for k in sorted(sample):
+            if k[0] == "_":  # encode_sample drops "__*", write "_*"
+                continue
+            v = sample[k]
+            if isinstance(v, str):
+                v = v.encode("utf-8")
+            elif isinstance(v, dict):
+                v = _json_encode(v).encode("utf-8")
+            elif not isinstance(v, (bytes, bytearray, memoryview)):
+                raise ValueError(f"{k} doesn't map to a bytes after encoding ({type(v)})")
+            members.append((k, v))
+        for k, v in members:
+            self.add(key + k, v)
+
     def close(self) -> None:
         """The end of the archive as tarfile writes it: two zero blocks, then zeros up to a 10240-byte record."""
         end = 1024 + (-(self.offset + 1024) % tarfile.RECORDSIZE)
@@ -555,7 +573,7 @@ def write_shard(root: Path, shard: str, samples: Iterable[dict], rows: list[dict
     # temporary-name step. A 1 MiB buffer: a member is three writes (header, data, padding).
     with open(tmp_tar, "wb", buffering=1 << 20) as f, ShardTarWriter(f) as tw:
         for sample in samples:
-            tw.write(encode_sample(sample))
+            tw.write_sample(sample)
             n += 1
     table = rows if isinstance(rows, pa.Table) else pa.Table.from_pylist(rows, schema=schema)
     meta = {b"vlprep": json.dumps({"shard": shard, "stats": stats or {}}).encode()}

@@ -62,6 +62,13 @@ def test_shard_tar_writer_matches_webdataset_tarwriter():
         ours_bytes([{"__key__": "k" * 97, "txt": "x"}])
     with pytest.raises(ValueError, match="doesn't map to a bytes"):
         ours_bytes([{"__key__": "k", "cls": 3}])
+    one_pass = io.BytesIO()
+    with ShardTarWriter(one_pass) as tw:  # write_sample (write_shard's path) writes what write(encode_sample) does
+        for s in samples + [{"__key__": "k", "__url__": "u", "_x": b"dropped", "txt": "t"}]:
+            tw.write_sample(s)
+    assert one_pass.getvalue() == ours_bytes(samples + [{"__key__": "k", "__url__": "u", "_x": b"dropped", "txt": "t"}])
+    with pytest.raises(ValueError, match="doesn't map to a bytes"):
+        ShardTarWriter(io.BytesIO()).write_sample({"__key__": "k", "cls": 3})
     tw = ShardTarWriter(io.BytesIO())
     for size in (8**11 - 1, 8**11):  # the largest size ustar's 11 octal digits hold, and one over
         info = tarfile.TarInfo("k.txt")
