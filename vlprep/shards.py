@@ -96,17 +96,18 @@ class Skip(Exception):
 
 def clean_caption(caption: str | bytes | None) -> str:
     """One-line UTF-8 caption with runs of whitespace collapsed, or Skip."""
-    if caption is None:
-        raise Skip("missing_caption")
-    if isinstance(caption, bytes):
+    if isinstance(caption, bytes):  # (strict UTF-8 decoding leaves no lone surrogate to check for)
         try:
             caption = caption.decode("utf-8")
         except UnicodeDecodeError:
             raise Skip("caption_not_utf8") from None
-    try:
-        caption.encode("utf-8")  # lone surrogates: a CSV cell that was not UTF-8 (read with surrogateescape)
-    except UnicodeEncodeError:
-        raise Skip("caption_not_utf8") from None
+    elif caption is None:
+        raise Skip("missing_caption")
+    else:
+        try:
+            caption.encode("utf-8")  # lone surrogates: a CSV cell that was not UTF-8 (read with surrogateescape)
+        except UnicodeEncodeError:
+            raise Skip("caption_not_utf8") from None
     caption = " ".join(caption.split())  # = re.sub(r"\s+", " ", c).strip(): the same whitespace set
     if not caption:
         raise Skip("empty_caption")
@@ -222,8 +223,7 @@ def build_shard(out: Path, first_index: int, items: list[Item], cfg: dict, fp: s
     skipped, examples, samples = Counter(), {}, []
     multi = cfg.get("multi_caption", False)  # every shard of a multi-caption source has the captions column
     schema = MULTI_SIDECAR_SCHEMA if multi else SIDECAR_SCHEMA
-    columns = {name: [] for name in schema.names}  # the sidecar, built column-wise (no dict per row)
-    keys, uids, captions, sources, exts, widths, heights, sizes = list(columns.values())[:8]
+    rows, all_lists = [], []  # the sidecar: a tuple per row (transposed into columns below), and the captions column
     shard = shard_name(cfg["prefix"], first_index // cfg["samples_per_shard"])
     prefix, opts = cfg["prefix"], (cfg["resize"], cfg["format"], cfg["quality"], cfg["decode_check"])
     for i, (item, image) in enumerate(zip(items, load_images(items))):
@@ -241,26 +241,27 @@ def build_shard(out: Path, first_index: int, items: list[Item], cfg: dict, fp: s
             if len(ex) < MAX_EXAMPLES:
                 ex.append(item.uid)
             continue
-        meta = {**(item.meta or {}), "uid": item.uid, "source": item.source, "width": w, "height": h}
+        uid, source = item.uid, item.source
+        meta = {"uid": uid, "source": source, "width": w, "height": h}
+        if item.meta:  # (json members are written with sorted keys: the order here does not show)
+            meta = {**item.meta, **meta}
         if item.url:
             meta["url"] = item.url
         if item.captions is not None:
             meta["captions"] = all_captions
         if multi:
-            columns["captions"].append(all_captions if item.captions is not None else [caption])
+            all_lists.append(all_captions if item.captions is not None else [caption])
         samples.append({"__key__": key, ext: data, "txt": caption, "json": meta})
-        keys.append(key)
-        uids.append(item.uid)
-        captions.append(caption)
-        sources.append(item.source)
-        exts.append(ext)
-        widths.append(w)
-        heights.append(h)
-        sizes.append(len(data))
+        rows.append((key, uid, caption, source, ext, w, h, len(data)))
+    columns = dict(zip(SIDECAR_SCHEMA.names, map(list, zip(*rows)))) if rows else {n: [] for n in SIDECAR_SCHEMA.names}
+    if multi:
+        columns["captions"] = all_lists
     stats = {"in": len(items), "written": len(samples), "skipped": dict(skipped), "examples": examples,
              "fingerprint": fp}
     write_shard(out, shard, samples, pa.Table.from_pydict(columns, schema=schema), stats=stats)
-    return stats
+    # The written uids travel back with the counts for the duplicate-uid scan, but are not stored with them (a
+    # resumed shard's are read from its sidecar): that scan then reads no sidecar back.
+    return {**stats, "uids": columns["uid"]}
 
 
 # --- the stage ---------------------------------------------------------------------------------
@@ -331,7 +332,7 @@ def build_shards(cfg: ShardsConfig, progress=None) -> dict:
             "stage": "shards", "input": str(cfg.src), "source_kind": source.kind, "columns": source.columns,
             "options": options, "counts": {"in": n_in, "written": written, "skipped": dict(sorted(skipped.items()))},
         })
-        dups = duplicate_uids(out, planned)
+        dups = duplicate_uids(out, planned, {s: stats[s].pop("uids", None) for s in planned})
         elapsed = time.perf_counter() - t0
         report = {
             "stage": "shards", "source": str(cfg.src), "source_kind": source.kind, "columns": source.columns,
@@ -350,12 +351,17 @@ def _chunks(items: Iterator[Item], n: int) -> Iterator[list[Item]]:
         yield chunk
 
 
-def duplicate_uids(out: Path, shards: list[str]) -> dict:
-    """Written rows whose uid an earlier row already has ({'rows', 'examples'}); they are kept: the data is the user's."""
+def duplicate_uids(out: Path, shards: list[str], known: dict[str, list[str] | None] | None = None) -> dict:
+    """Written rows whose uid an earlier row already has ({'rows', 'examples'}); they are kept: the data is the user's.
+
+    `known`: a shard's written uids when this run wrote it; the others' are read from their sidecars."""
     seen, dup, examples = set(), 0, []
     for shard in shards:
-        # ParquetFile.read, not pq.read_table: the same column without the dataset machinery (~3x less CPU)
-        for uid in pq.ParquetFile(out / sidecar_name(shard)).read(columns=["uid"]).column(0).to_pylist():
+        uids = (known or {}).get(shard)
+        if uids is None:
+            # ParquetFile.read, not pq.read_table: the same column without the dataset machinery (~3x less CPU)
+            uids = pq.ParquetFile(out / sidecar_name(shard)).read(columns=["uid"]).column(0).to_pylist()
+        for uid in uids:
             if uid in seen:
                 dup += 1
                 if len(examples) < MAX_EXAMPLES and uid not in examples:
