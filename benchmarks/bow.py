@@ -30,7 +30,7 @@ B: end to end on image shards, `bow(BowConfig(src, out, workers=1))` against pla
      the output folder; per shard read the sidecar and every tar member (with the member-name safety checks),
      decode txt + json, deform the non-base captions, drop empty ones, re-encode json, write the kept samples as
      a ustar tar plus the edited Parquet sidecar under .tmp names and rename them; then sizes.json / index.json /
-     meta.json, the 'after' statistics from the new sidecars, bow_report.png (matplotlib, Agg) and report.json.
+     meta.json, the 'after' statistics of the kept captions, bow_report.png (matplotlib, Agg) and report.json.
    - `bow w=2` (informational): the same with a pool of 2 worker processes.
    - `fast writer, tarfile reads` (informational; the baseline until bow's reader stopped using tarfile): the
      same, with the members read through `tarfile.open(path, "r:")` and `extractfile(m).read()`.

@@ -36,7 +36,7 @@ the clock; rounds alternate the order of the sides; medians of wall and CPU time
   header, the end-of-image check: every PNG chunk's length up to IEND and every CRC but IDAT's, JPEG EOI, WebP RIFF
   length), build the .json metadata;
   write a ustar tar (3 members per sample) and the Parquet sidecar under .tmp names and rename them; then
-  sizes.json, index.json, meta.json, report.json (with the duplicate-uid scan of the sidecars).
+  sizes.json, index.json, meta.json, report.json (with the duplicate-uid scan of the uids the shards wrote).
 - `fast writer resize` (B baseline): `fast writer`, except that each image is opened with PIL first; one whose
   shorter side is > 256 is loaded, resized to 256 (bicubic, reducing_gap 3, JPEG draft mode as vlprep uses) and
   saved to memory in its format, the others are copied as read.
