@@ -1,11 +1,18 @@
 """vlprep: turn image-caption collections into WebDataset shards and derive datasets from them."""
 
+import functools
+
 __version__ = "0.1.0"
 
 
 def versions() -> dict[str, str | None]:
     """What made an output: this project's version and the installed torch and transformers (None: not installed).
     meta.json and vltrain checkpoints record it; `vlprep --version` and `vltrain --version` print it."""
+    return dict(_versions())
+
+
+@functools.cache  # reading a package's metadata parses its METADATA file (1-2 ms for torch's); it cannot change
+def _versions() -> tuple[tuple[str, str | None], ...]:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {"vlprep-vltrain": __version__}
@@ -14,7 +21,7 @@ def versions() -> dict[str, str | None]:
             out[name] = version(name)
         except PackageNotFoundError:
             out[name] = None
-    return out
+    return tuple(out.items())
 
 
 def version_line(prog: str) -> str:
