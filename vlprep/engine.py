@@ -311,7 +311,7 @@ def run_shard(fn: Callable[..., dict], out_url: str | None, out: Path, args: tup
         objstore.register(out, out_url)
         Path(out).mkdir(parents=True, exist_ok=True)
     if args and isinstance(args[0], objstore.RemoteSrc):
-        with objstore.fetched(args[0], args[1]) as local:
+        with objstore.fetched(args[0], (sidecar_name(args[1]), args[1])) as local:
             return fn(out, local, *args[1:], fp)
     return fn(out, *args, fp)
 

@@ -338,14 +338,13 @@ def _remove(path: str, pid: int) -> None:
 
 
 @contextlib.contextmanager
-def fetched(src: RemoteSrc, shard: str):
-    """A local folder holding `shard` and its sidecar from the remote dataset `src`, removed afterwards: what a
-    stage's per-shard function reads (one shard at a time per worker, so local disk stays bounded by the shard)."""
-    from vlprep.dataset import sidecar_name
-
+def fetched(src: RemoteSrc, names: Iterable[str]):
+    """A local folder holding the files `names` of the remote dataset `src` (a shard and its sidecar), removed
+    afterwards: what a stage's per-shard function reads (one shard at a time per worker, so local disk stays bounded
+    by the shard)."""
     folder = Path(tempfile.mkdtemp(prefix="vlprep-shard-"))
     try:
-        for name in (sidecar_name(shard), shard):
+        for name in names:
             get_file(join(src.url, name), folder / name)
         yield folder
     finally:
