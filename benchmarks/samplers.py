@@ -55,7 +55,7 @@ def step_time(model_kind: str, n: int, steps: int) -> float:
     captions = [" ".join(rng.choice(words, size=12)) for _ in range(n)]
     enc = tok(captions, padding="longest", truncation=True, max_length=cfg.data.max_len, return_tensors="pt")
     batch = {"images": torch.randn(n, 3, size, size), "input_ids": enc["input_ids"],
-             "attention_mask": enc["attention_mask"]}
+             "attention_mask": enc["attention_mask"], "captions": captions}  # as Collate's batches carry them
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     gen = torch.Generator().manual_seed(0)
     times = []

@@ -7,7 +7,9 @@ A: loop overhead. `vltrain.train.train` itself runs (tiny model, preset albef, b
    Baseline ("bare"): the same work the step must do and nothing else, on the same model, batches and global
    torch modes (`seed_everything`): `train_step`, then `optimizer_step` (zero_grad, backward, clip_grad_norm_ at
    the preset's grad_clip, fused AdamW over `build_optimizer`'s two parameter groups, momentum_update and
-   dequeue_and_enqueue; albef has both): the trainer's own functions, so both sides time the same code.
+   dequeue_and_enqueue; albef has both): the trainer's own functions, so both sides time the same code, with
+   the speed options train() applies (`speed_options`: length groups, `train.unpad`) and freed memory kept as
+   train() keeps it on a CPU (`keep_freed_memory`).
    Reported per side: the median step and the mean over every step after the first SKIP (logging steps
    included; the median alone hides them), with its CPU time. The final step (evaluation, checkpoint) is not
    a timed gap. Target: mean and median <= 1.10x the bare step.
@@ -43,7 +45,7 @@ from vltrain.config import load_config  # noqa: E402
 from vltrain.data import Collate, ShardStream, count_split, to_rgb, train_transform  # noqa: E402
 from vltrain.model import IMAGE_STATS, ModelConfig, build_model, build_tokenizer, tokenizer_for  # noqa: E402
 from vltrain.optim import build_optimizer, optimizer_step  # noqa: E402
-from vltrain.runsetup import seed_everything  # noqa: E402
+from vltrain.runsetup import keep_freed_memory, seed_everything, speed_options  # noqa: E402
 from vltrain.step import train_step  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -141,7 +143,9 @@ def run_bare(cfg, batches: list[dict]) -> dict:
     """Per-step figures of the step's own work and nothing else, on the same model, batches and settings."""
     device = torch.device(cfg.device)
     seed_everything(cfg.seed, device)  # the global modes train() sets (deterministic kernels) hold here too
+    keep_freed_memory()  # as train() does on a CPU, process-wide: whichever side runs first
     model = build_model(cfg.model).to(device).train()
+    speed_options(cfg, model, device, use_features=False)  # train()'s speed options: the same step contents
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
     tok = tokenizer_for(cfg.model.text_model)
     opt, params = build_optimizer(model, cfg.optim, device)  # the trainer's groups and fused AdamW

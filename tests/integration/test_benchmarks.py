@@ -76,3 +76,16 @@ def test_print_table_ms_shows_milliseconds(capsys):
     common.print_table_ms([row])
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.split()[:5] == ["step", "100.00", "105.00", "1.05x", "1.00x"] and line.split()[-1] == "PASS"
+
+
+def test_the_samplers_benchmark_times_a_real_grit_step():
+    """benchmarks/samplers.py's step (the budget it compares against) runs the trainer's own train_step on its
+    hand-made batch: a batch missing a key the step reads (its captions) broke the script while --help still
+    parsed."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import samplers
+        seconds = samplers.step_time("tiny", 4, 1)
+    finally:
+        sys.path.remove(str(BENCH))
+    assert 0 < seconds < 60
