@@ -124,7 +124,7 @@ def test_forked_pool_workers_die_with_a_killed_driver(tmp_path):
         from vlprep.engine import Work, map_shards
 
         def slow(out, n, fp):
-            print(os.getpid(), flush=True)
+            os.write(1, f"{os.getpid()}\\n".encode())  # one write under PIPE_BUF: the two workers' lines never mix
             time.sleep(60)
             return {}
 
