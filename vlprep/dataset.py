@@ -441,18 +441,21 @@ def shard_name(prefix: str, index: int) -> str:
 _json_encode = json.JSONEncoder(ensure_ascii=False, sort_keys=True).encode
 
 
+def _payload(v):
+    """A member's payload as written: str as UTF-8, dict as our JSON; anything else as it is."""
+    if isinstance(v, str):
+        return v.encode("utf-8")
+    if isinstance(v, dict):
+        return _json_encode(v).encode("utf-8")
+    return v
+
+
 def encode_sample(sample: dict) -> dict:
     """Sample dict with str/dict payloads -> bytes payloads in a fixed member order."""
     out = {"__key__": sample["__key__"]}
     for k in sorted(sample):
-        if k.startswith("__"):
-            continue
-        v = sample[k]
-        if isinstance(v, str):
-            v = v.encode("utf-8")
-        elif isinstance(v, dict):
-            v = _json_encode(v).encode("utf-8")
-        out[k] = v
+        if not k.startswith("__"):
+            out[k] = _payload(sample[k])
     return out
 
 
@@ -519,12 +522,8 @@ class ShardTarWriter:
         for k in sorted(sample):
             if k[0] == "_":  # encode_sample drops "__*", write "_*"
                 continue
-            v = sample[k]
-            if isinstance(v, str):
-                v = v.encode("utf-8")
-            elif isinstance(v, dict):
-                v = _json_encode(v).encode("utf-8")
-            elif not isinstance(v, (bytes, bytearray, memoryview)):
+            v = _payload(sample[k])
+            if not isinstance(v, (bytes, bytearray, memoryview)):
                 raise ValueError(f"{k} doesn't map to a bytes after encoding ({type(v)})")
             members.append((k, v))
         for k, v in members:

@@ -1,8 +1,10 @@
 """Dual encoders, ALBEF fusion encoder, ITC/ITM/MLM heads, momentum (EMA) copy and MoCo queues; tensors out, no losses."""
 
+import collections
 import contextlib
 import copy
 import functools
+import itertools
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -269,8 +271,9 @@ def length_groups(mask: torch.Tensor, groups: int, row_cost: int = 64,
     """The rows of a (B, L) attention mask in at most `groups` groups of similar length, each with the length it
     needs (its rows' last attended position + 1): [(row indices, length), ...], or None when they would not save
     `min_saving` of the batch's positions as it comes (below that, the extra calls cost more than they save:
-    `clip` at batch 128 with 3% padding ran 5-10% slower in groups, benchmarks/mfu.py). Rows are independent sequences in the text encoder and the fusion layers, so running each
-    group cut to its own length computes the same attended positions with less padding.
+    `clip` at batch 128 with 3% padding ran 5-10% slower in groups, benchmarks/mfu.py). Rows are independent
+    sequences in the text encoder and the fusion layers, so running each group cut to its own length computes the
+    same attended positions with less padding.
 
     The groups are contiguous runs of the rows sorted by length, chosen to minimise the positions computed plus
     `row_cost` per group (a group's fixed cost of kernel launches and small matmuls, in positions' worth):
@@ -280,12 +283,9 @@ def length_groups(mask: torch.Tensor, groups: int, row_cost: int = 64,
     if B == 0 or L == 0:
         return None
     ends = (mask.bool() * torch.arange(1, L + 1, device=mask.device)).amax(dim=1).clamp(min=1).tolist()
-    values = sorted(set(ends))
-    count = [0] * (len(values) + 1)  # count[j] = rows with a length among the first j distinct values
-    for e in ends:
-        count[values.index(e) + 1] += 1
-    for j in range(len(values)):
-        count[j + 1] += count[j]
+    tally = collections.Counter(ends)
+    values = sorted(tally)
+    count = [0, *itertools.accumulate(tally[v] for v in values)]  # count[j]: rows among the first j lengths
     k = len(values)
     # best[g][j]: cheapest cover of the first j distinct values by g groups; cut[g][j]: where its last group starts
     inf = float("inf")
