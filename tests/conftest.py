@@ -1,11 +1,39 @@
 import io
 import json
+import os
+import uuid
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
+
+from tests.leakguard import MARK, guard
+
+# --- the leak guard (tests/leakguard.py): every test, module and the session must leave the process as they found it
+
+
+def pytest_configure(config) -> None:
+    # the session's mark, inherited by every process a test starts (leakguard.started_here); a pytest that a test
+    # runs inside this one keeps its parent's
+    os.environ.setdefault(MARK, uuid.uuid4().hex)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def session_leaves_no_trace():
+    yield from guard("the session-scoped fixtures")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def module_leaves_no_trace(request):
+    yield from guard(f"the module-scoped fixtures of {request.module.__name__}")
+
+
+@pytest.fixture(autouse=True)
+def test_leaves_no_trace(request):
+    yield from guard(request.node.nodeid)
+
 
 COLOURS = ["red", "green", "blue", "yellow", "purple", "orange"]
 THINGS = ["dog", "cat", "car", "boat", "tree", "house", "bird", "kite"]

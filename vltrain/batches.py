@@ -90,6 +90,14 @@ class Feed:
                                       self.batch_size, self.workers, self.device)
         self.batches, self.rng = epoch_batches(self.loader, epoch, self.seed, self.data.train, self.batch_sampler)
 
+    def close(self) -> None:
+        """Stop the loader's workers now, rather than when the last reference to the feed goes."""
+        batches, self.batches, self.loader = getattr(self, "batches", None), None, None
+        # torch's multi-worker iterator stops its workers in _shutdown_workers, which is also what its __del__ calls
+        shutdown = getattr(batches, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+
     def io(self) -> dict | None:
         """Remote reads retried and shards left out (LoadCounts.io_totals), when there were any; else None."""
         totals = self.data.counts.io_totals() if hasattr(self.data.counts, "io_totals") else {}

@@ -95,7 +95,8 @@ def train(cfg, resume: bool = False, overwrite: bool = False, init_from=None) ->
 
     # --- resume (the data position is replayed: this epoch's batches already trained on are drawn again)
     state, rng = ckpt_io.restore(ckpt, run, rank, size) if ckpt is not None else (RunState(), None)
-    feed = Feed(data, batch_sampler, rank_seed, cfg.batch_size, cfg.data.workers, device)
+    rows = earlier_rows(out / "metrics.jsonl", state.step) if ckpt is not None else []
+    feed = Feed(data, batch_sampler, rank_seed, cfg.batch_size, cfg.data.workers, device)  # closed by _running
     feed.start(state)
     if ckpt is not None:
         ckpt_io.set_rng_states(rng, generator)
@@ -103,11 +104,10 @@ def train(cfg, resume: bool = False, overwrite: bool = False, init_from=None) ->
         console.print(f"resumed from step {state.step} of {cfg.steps} ({run.last_path}){began}", highlight=False)
     console.print(summary(cfg, model, device, data.n_train, data.n_val, data.per_epoch, size, (precision, why)),
                   highlight=False, markup=False)
-    rows = earlier_rows(out / "metrics.jsonl", state.step) if ckpt is not None else []
 
     # --- loop
     last_save, start = time.monotonic(), state.step
-    with Report(cfg, out, rank, rows, state.step, device, data.use_features) as report, _signals_to(run, feed):
+    with Report(cfg, out, rank, rows, state.step, device, data.use_features) as report, _running(run, feed):
         while state.step < cfg.steps:
             batch, fault = feed.next(state)
             # One all-reduce under torchrun (the identity in one process): every rank stops or saves together.
@@ -213,8 +213,10 @@ def _on_signal(run: Run, feed: Feed, signum, frame) -> None:
 
 
 @contextlib.contextmanager
-def _signals_to(run: Run, feed: Feed):
-    """Ctrl-C and SIGTERM handled by `_on_signal` while the loop runs (main thread only), the former handlers after."""
+def _running(run: Run, feed: Feed):
+    """Ctrl-C and SIGTERM handled by `_on_signal` while the loop runs (main thread only), the former handlers after;
+    and the feed's loader workers stopped when the loop ends, however it ends (a failed run's traceback holds the
+    feed, and with it workers that would outlive the run in a Python session)."""
     handlers = {}
     if threading.current_thread() is threading.main_thread():
         handler = functools.partial(_on_signal, run, feed)
@@ -222,5 +224,6 @@ def _signals_to(run: Run, feed: Feed):
     try:
         yield
     finally:
+        feed.close()
         for s, h in handlers.items():
             signal.signal(s, h)

@@ -1,13 +1,14 @@
 """--distributor ray on a local 2-CPU Ray: the outputs are sha256-identical to the local run (shards, bow,
 detect --from-file), each actor runs its initializer once, and worker errors come back as one line.
 
-One Ray for the whole session: starting it takes several seconds here. The stages find it initialised and never
+One Ray for the module: starting it takes several seconds here. The stages find it initialised and never
 call ray.init themselves.
 """
 
 import hashlib
 import json
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -23,17 +24,26 @@ pytestmark = pytest.mark.slow
 TESTS = Path(__file__).parents[1]  # tests/
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def local_ray():
+    """A local 2-CPU Ray for this module, and afterwards the process as it was: ray.init sets RAY_* variables and
+    PYTHONBREAKPOINT in os.environ and installs a SIGTERM handler, and ray.shutdown undoes neither (every later test's
+    subprocesses inherited the variables, and the handler outlived the cluster)."""
     # In CI the [ray] extra is installed (Makefile): a missing Ray fails there rather than skipping.
     ray = __import__("ray") if os.environ.get("CI") else pytest.importorskip("ray")
-    if not ray.is_initialized():
-        # The actors import vlprep and this test folder (for the helpers below) like the driver does.
-        path = os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")])
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="WARNING",
-                 runtime_env={"env_vars": {"PYTHONPATH": path}})
-    yield ray
-    ray.shutdown()
+    env, handlers = dict(os.environ), {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    # The actors import vlprep and this test folder (for the helpers below) like the driver does.
+    path = os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")])
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="WARNING",
+             runtime_env={"env_vars": {"PYTHONPATH": path}})
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+        os.environ.clear()
+        os.environ.update(env)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 def digests(folder: Path) -> dict[str, str]:

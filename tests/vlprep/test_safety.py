@@ -18,6 +18,7 @@ import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
+from tests.leakguard import started_here
 from vlprep import VlprepError
 from vlprep.bow import BowConfig, bow
 from vlprep.dataset import BadShardError, check_shards, open_dataset, prepare_output
@@ -155,11 +156,15 @@ def test_training_loaders_refuse_a_short_shard(damaged, tmp_path):
 
 
 def test_worker_error_reaches_the_user_as_one_line(damaged, tmp_path):
+    """...and the failed run's loader workers are stopped with it. Before: the traceback that CliRunner keeps (as a
+    Python session would) held the loader, and its two workers ran on after the run had failed."""
+    before = started_here()
     r = vltrain_run(damaged, tmp_path / "run", "--batch-size", "2", "--steps", "20", "--set", "data.workers=2")
     assert r.exit_code == 2, r.output
     errors = [ln for ln in r.output.splitlines() if ln.startswith("error: ")]
     assert len(errors) == 1 and "shard-000001.tar: the tar holds 1 samples, sizes.json says 4" in errors[0]
     assert "Traceback" not in r.output and "DataLoader worker" not in r.output
+    assert r.exception is not None and started_here() - before == set()  # stopped before train() returned
 
 
 # --- 3. shard names in sizes.json / index.json cannot point outside the folder -------------------------------------
