@@ -80,8 +80,9 @@ def canonical(url: str) -> str:
     netloc, path, query = parts.netloc, _path(parts.path), parts.query
     if kind in BUCKETS:
         if "@" in netloc:
-            raise VlprepError(f"{cut(redact(url))}: credentials in a {kind}:// URL are not read (they would be "
-                              f"recorded with it); remove them and set {ENV_HINT[kind]}")
+            raise VlprepError(f"{cut(redact(url))}: credentials in the URL are not read ({kind}:// takes them from "
+                              f"the environment; the URL would be recorded with them): remove them and set "
+                              f"{ENV_HINT[kind]}")
         if query:
             raise VlprepError(f"{cut(redact(url))}: a query string on a {kind}:// dataset URL is not supported; name "
                               "the folder only (credentials come from the environment)")

@@ -68,7 +68,8 @@ def test_a_local_out_that_aliases_its_input_is_refused(tmp_path):
 @pytest.mark.parametrize("url, shown", [
     ("http://user:PW@h/feat/", "http://h/feat/"), ("https://u%40x:P%3Aw@h:8443/a", "https://h:8443/a"),
     ("http://h/feat/sizes.json?token=T0K", "http://h/feat/sizes.json?token=***"),
-    ("https://h/a?X-Amz-Signature=S1G&X-Amz-Credential=C&page=2", "https://h/a?X-Amz-Signature=***&X-Amz-Credential=***&page=2"),
+    ("https://h/a?X-Amz-Signature=S1G&X-Amz-Credential=C&page=2",
+     "https://h/a?X-Amz-Signature=***&X-Amz-Credential=***&page=2"),
     ("https://h/a?sig=S&se=2030&sp=r", "https://h/a?sig=***&se=2030&sp=r"),
     ("https://h/a?api_key=K&password=P&access_token=A", "https://h/a?api_key=***&password=***&access_token=***"),
     ("s3://k:T@bkt/raw", "s3://bkt/raw"), ("/local/path", "/local/path"),
