@@ -43,6 +43,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from vlprep import VlprepError
+from vlprep.urls import redact
 from vlprep.dataset import (carried_features, finish_dataset, iter_aligned, open_derived, sidecar_name,
                             write_json_atomic, write_shard, writing_output)
 from vlprep.engine import Work, check_engine, default_workers, map_shards
@@ -556,7 +557,7 @@ def bow(cfg: BowConfig, progress=None, warn: Callable[[str], None] = lambda line
         dropped = sum(stats[s]["dropped_empty"] for s in ds.shards)
         dropped_extra = sum(stats[s].get("captions_dropped_empty", 0) for s in ds.shards)
         finish_dataset(out, sizes, {
-            "stage": "bow", "input": str(cfg.src), "options": options,
+            "stage": "bow", "input": redact(str(cfg.src)), "options": options,
             "counts": {"in": n_in, "written": written, "deformed": deformed, "dropped_empty": dropped},
             **carried_features(cfg.src),
         })
@@ -567,7 +568,7 @@ def bow(cfg: BowConfig, progress=None, warn: Callable[[str], None] = lambda line
             after_words.update(shard_words)
             after_lengths.update(shard_lengths)
         report = {
-            "stage": "bow", "source": str(cfg.src), "ops": spec, "base_frac": cfg.base_frac, "seed": cfg.seed,
+            "stage": "bow", "source": redact(str(cfg.src)), "ops": spec, "base_frac": cfg.base_frac, "seed": cfg.seed,
             "deform_base": cfg.deform_base, "samples_in": n_in, "base_samples": before["base"], "written": written,
             "dropped_empty": dropped, "captions_dropped_empty": dropped_extra,
             "size_change_pct": round(100 * (written - n_in) / n_in, 2) if n_in else 0.0,

@@ -14,6 +14,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColu
 from rich.text import Text
 
 from vlprep import VlprepError, version_line
+from vlprep.urls import redact, redact_text
 from vlprep.remote import refuse_urls, writing
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -69,7 +70,7 @@ def run_stage(cfg, workers: int | None, distributor: str, stage, printer, out: P
 
     def warn(line: str) -> None:
         said.append(line)
-        console.print("warning: " + line, style="yellow", highlight=False, markup=False)
+        console.print("warning: " + redact_text(line), style="yellow", highlight=False, markup=False)
 
     args = (cfg,) if encoder is None else (cfg, encoder)
     try:
@@ -86,7 +87,7 @@ def run_stage(cfg, workers: int | None, distributor: str, stage, printer, out: P
             warn(line)
     if empty and report.get("written") == 0:
         console.print(f"[yellow]warning:[/] {empty}")
-    console.print(f"wrote {str(out).rstrip('/')}/" + (f" ({wrote})" if wrote else ""), highlight=False)
+    console.print(f"wrote {redact(str(out)).rstrip('/')}/" + (f" ({wrote})" if wrote else ""), highlight=False)
     return report
 
 
@@ -375,7 +376,7 @@ def main() -> None:
         app()
     except VlprepError as e:
         # escaped: a message may hold brackets (".[ray]", a path) that rich would take for markup and drop
-        console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        console.print(f"[bold red]error:[/] {escape(redact_text(str(e)))}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:
         console.print("interrupted: completed shards are kept; run the same command again to resume")

@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
 
-from vlprep import VlprepError, __version__, objstore, versions
+from vlprep import VlprepError, __version__, objstore, urls, versions
 from vlprep.tarread import TarReader
 
 IMAGE_EXTS = ("jpg", "png", "webp")
@@ -48,7 +48,8 @@ REMAKE_HINT = "re-create it with the vlprep stage that wrote it"
 
 def short_shard(path, n: int, says: str, expected: int, hint: str = SKIP_HINT) -> BadShardError:
     """The one-line error for a tar holding n samples where `says` (e.g. "sizes.json says") gives `expected`."""
-    return BadShardError(f"{path}: the tar holds {n} samples, {says} {expected} (a corrupt or cut tar); {hint}")
+    return BadShardError(f"{urls.redact(str(path))}: the tar holds {n} samples, {says} {expected} (a corrupt or cut "
+                         f"tar); {hint}")
 
 
 def reraise(exn: Exception) -> bool:
@@ -76,8 +77,9 @@ class Dataset:
 
     @property
     def location(self) -> str:
-        """The folder as the user named it, for the records (meta.json, the run marker): its URL or absolute path."""
-        return self.url or str(self.root.resolve())
+        """The folder for the records (meta.json, the run marker): its canonical URL, redacted (vlprep.urls), or
+        absolute path."""
+        return urls.redact(self.url) if self.url else str(self.root.resolve())
 
     def tar(self, shard: str) -> Path | str:
         """A shard's tar: a local path, or a URL that iter_tar reads."""
@@ -174,26 +176,27 @@ def open_remote(url: str) -> Dataset:
     """A finished dataset at a URL: its sizes.json, index.json and meta.json fetched into a local mirror (sidecars on
     demand), its listing (one LIST request on s3:// and gs://) checked for every shard sizes.json names."""
     url = objstore.norm(url)
+    shown = urls.redact(url)
     listed = objstore.listing(url)
     if listed is not None and "sizes.json" not in listed:
         tars = [n for n in listed if n.endswith(".tar")]
         if tars:
-            raise VlprepError(f"{url} has {len(tars)} .tar files but no sizes.json: it is not a finished vlprep "
+            raise VlprepError(f"{shown} has {len(tars)} .tar files but no sizes.json: it is not a finished vlprep "
                               "dataset (re-run the stage that writes it to resume)")
-        raise VlprepError(f"not a shard dataset (no sizes.json and no .tar shards): {url}")
+        raise VlprepError(f"not a shard dataset (no sizes.json and no .tar shards): {shown}")
     root = objstore.mirror(url)
     try:
         objstore.get_file(objstore.join(url, "sizes.json"), root / "sizes.json")
     except objstore.RemoteNotFound:
-        raise VlprepError(f"not a shard dataset (no sizes.json): {url}") from None
+        raise VlprepError(f"not a shard dataset (no sizes.json): {shown}") from None
     for name in ("index.json", "meta.json"):
         (root / name).unlink(missing_ok=True)
         with contextlib.suppress(objstore.RemoteNotFound):
             objstore.get_file(objstore.join(url, name), root / name)
-    sizes = read_sizes(root / "sizes.json", objstore.join(url, "sizes.json"))
+    sizes = read_sizes(root / "sizes.json", urls.redact(objstore.join(url, "sizes.json")))
     missing = [s for s in sizes if listed is not None and s not in listed]
     if missing:
-        raise VlprepError(f"{url}: {len(missing)} shard(s) listed in sizes.json are missing, e.g. {missing[0]}")
+        raise VlprepError(f"{shown}: {len(missing)} shard(s) listed in sizes.json are missing, e.g. {missing[0]}")
     return Dataset(root=root, shards=list(sizes), sizes=sizes, url=url, listed=listed)
 
 
@@ -256,7 +259,7 @@ def iter_tar(path: str | os.PathLike, handler: Callable[[Exception], bool] = rer
                 except Exception as exn:
                     if hasattr(exn, "args") and exn.args and isinstance(exn.args[0], str) and not isinstance(
                             exn, objstore.RemoteError):  # (which names the URL already)
-                        exn.args = (f"{exn.args[0]} @ {url}",) + exn.args[1:]
+                        exn.args = (f"{exn.args[0]} @ {urls.redact(url)}",) + exn.args[1:]
                     if handler(exn):
                         continue
                     break
@@ -268,7 +271,8 @@ def iter_tar(path: str | os.PathLike, handler: Callable[[Exception], bool] = rer
         if sample is not None:
             yield sample
     except tarfile.ReadError as e:
-        raise VlprepError(f"{url}: not a readable tar file ({e})") from None
+        # BadShardError: --skip-bad-shards leaves it out (an http server's HTML error page where a tar should be)
+        raise BadShardError(f"{urls.redact(url)}: not a readable tar file ({e})") from None
 
 
 def iter_aligned(tar_path: Path, keys: list[str]) -> Iterator[tuple[int, dict]]:
@@ -342,43 +346,28 @@ def check_out(out, *inputs) -> Path:
     """OUT as a Path; a one-line error when it is an input, holds one, or lies inside one.
 
     `--overwrite` clears vlprep's files in OUT and a run removes its stale `*.tmp`, so an OUT that overlaps an
-    input could delete that input (`vlprep shards imgdir imgdir --overwrite` once deleted every image).
-    A URL OUT (s3://, gs://) gives its local staging folder (vlprep.objstore), where the stage writes.
+    input could delete that input (`vlprep shards imgdir imgdir --overwrite` once deleted every image). Both sides
+    are compared in their canonical form (vlprep.urls: s3a:// is s3://, file:///x is /x, symlinks and `..`
+    resolved). A URL OUT (s3://, gs://) gives its local staging folder (vlprep.objstore), where the stage writes.
     """
-    if isinstance(out, str) and out.lower().startswith("file://"):
-        out = objstore.file_url_path(out)
-    if isinstance(out, str) and "://" in out:
-        return _check_remote_out(out, inputs)
-    out = Path(out)
-    o = out.resolve()
-    for src in inputs:
-        i = Path(src).resolve()
-        if o == i:
-            raise VlprepError(f"OUT {out} is the input {src}; choose another folder")
-        if o in i.parents:
-            raise VlprepError(f"OUT {out} contains the input {src}; choose a folder outside it")
-        if i in o.parents:
-            raise VlprepError(f"OUT {out} lies inside the input {src}; choose a folder outside it")
-    return out
-
-
-def _check_remote_out(out: str, inputs) -> Path:
-    if objstore.scheme(out) not in objstore.WRITABLE:
+    remote = isinstance(out, str) and "://" in out and objstore.scheme(out) != "file"
+    if remote and objstore.scheme(out) not in objstore.WRITABLE:
         kind = objstore.scheme(out)
         why = "is read-only here" if kind in objstore.SCHEMES else "is not a supported URL scheme"
-        raise VlprepError(f"OUT {out}: {kind}:// {why}; write to s3://, gs:// or a local folder")
-    o = objstore.norm(out)
+        raise VlprepError(f"OUT {urls.redact(out)}: {kind}:// {why}; write to s3://, gs:// or a local folder")
+    if isinstance(out, str) and not remote and "://" in out:
+        out = objstore.file_url_path(out)
     for src in inputs:
-        i = objstore.mirrored(src) or (objstore.norm(src) if objstore.is_remote(src) else None)
-        if i is None:
-            continue  # a local input: no overlap with a URL
-        if o == i:
-            raise VlprepError(f"OUT {out} is the input {i}; choose another folder")
-        if i.startswith(o + "/"):
-            raise VlprepError(f"OUT {out} contains the input {i}; choose a folder outside it")
-        if o.startswith(i + "/"):
-            raise VlprepError(f"OUT {out} lies inside the input {i}; choose a folder outside it")
-    return objstore.staging(o)
+        src = objstore.mirrored(src) or src  # a remote input's mirror folder stands for its URL
+        shown, where = urls.redact(str(out)), urls.redact(str(src))
+        relation = urls.overlap(out, src)
+        if relation == "same":
+            raise VlprepError(f"OUT {shown} is the input {where}; choose another folder")
+        if relation == "contains":
+            raise VlprepError(f"OUT {shown} contains the input {where}; choose a folder outside it")
+        if relation == "inside":
+            raise VlprepError(f"OUT {shown} lies inside the input {where}; choose a folder outside it")
+    return objstore.staging(objstore.norm(out)) if remote else Path(out)
 
 
 def open_derived(src, out, skip_bad_shards: bool = False) -> tuple[Dataset, Path]:

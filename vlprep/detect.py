@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from vlprep import VlprepError
+from vlprep.urls import redact
 from vlprep.dataset import (batches, carried_features, decode_sample, finish_dataset, image_ext, iter_aligned,
                             open_derived, sidecar_name, to_rgb, write_json_atomic, write_shard, writing_output)
 from vlprep.engine import Work, check_engine, map_shards
@@ -288,12 +289,13 @@ def detect(cfg: DetectConfig, progress=None) -> dict:
         for shard in ds.shards:
             for objs in pq.read_table(out / sidecar_name(shard), columns=["objects"]).column(0).to_pylist():
                 labels.update({o["label"] for o in objs})
-        finish_dataset(out, sizes, {"stage": "detect", "input": str(cfg.src), "backend": backend, "options": options,
+        finish_dataset(out, sizes, {"stage": "detect", "input": redact(str(cfg.src)), "backend": backend,
+                                    "options": options,
                                     "counts": {"in": total["in"], "written": total["written"]},
                                     **carried_features(cfg.src)})
         elapsed = time.perf_counter() - t0
         report = {
-            "stage": "detect", "source": str(cfg.src), "backend": backend, "min_score": cfg.min_score,
+            "stage": "detect", "source": redact(str(cfg.src)), "backend": backend, "min_score": cfg.min_score,
             "samples": total["written"], "with_objects": total["with_objects"], "objects": total["objects"],
             "undecodable": total["undecodable"], "images_per_label": dict(labels.most_common()),
             "shards": len(ds.shards), "shards_resumed": len(resumed), "bad_shards": ds.bad,

@@ -33,6 +33,7 @@ import pyarrow.parquet as pq
 import torch
 
 from vlprep import VlprepError, objstore
+from vlprep.urls import redact
 from vlprep.dataset import (batches, image_ext, iter_aligned, open_derived, sidecar_name, to_rgb,
                             write_json_atomic, writing_output)
 from vlprep.engine import Work, check_engine, map_shards, merged_skips
@@ -215,7 +216,7 @@ def embed(cfg: EmbedConfig, enc, progress=None) -> dict:
         os.replace(tmp, out / "embeddings.npy")
         skipped, _ = merged_skips(stats.values())
         elapsed = time.perf_counter() - t0
-        report = {"stage": "embed", "source": str(cfg.src), "encoder": enc.name, "modality": cfg.modality,
+        report = {"stage": "embed", "source": redact(str(cfg.src)), "encoder": enc.name, "modality": cfg.modality,
                   "dim": enc.dim, "samples_in": ds.num_samples, "written": n, "skipped": dict(skipped),
                   "device": str(enc.device), "shards": len(ds.shards), "shards_resumed": len(resumed),
                   "bad_shards": ds.bad, "elapsed_s": round(elapsed, 3),

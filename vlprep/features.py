@@ -33,6 +33,7 @@ import pyarrow.parquet as pq
 import torch
 
 from vlprep import VlprepError
+from vlprep.urls import redact
 from vlprep.dataset import (batches, finish_dataset, iter_aligned, open_derived, sidecar_name, write_json_atomic,
                             write_shard, writing_output)
 from vlprep.embed import decode
@@ -218,11 +219,12 @@ def _features(cfg: FeaturesConfig, progress) -> dict:
         skipped, examples = merged_skips(stats.values(), limit=MAX_EXAMPLES)
         n_in, written = sum(st["in"] for st in stats.values()), sum(st["written"] for st in stats.values())
         sizes = {s: stats[s]["written"] for s in ds.shards}
-        finish_dataset(out, sizes, {"stage": "features", "input": str(cfg.src), "options": options,
+        finish_dataset(out, sizes, {"stage": "features", "input": redact(str(cfg.src)), "options": options,
                                     "counts": {"in": n_in, "written": written}, "features": spec})
         elapsed = time.perf_counter() - t0
         report = {
-            "stage": "features", "source": str(cfg.src), "features": spec, "samples_in": n_in, "written": written,
+            "stage": "features", "source": redact(str(cfg.src)), "features": spec, "samples_in": n_in,
+            "written": written,
             "skipped": dict(sorted(skipped.items())), "skipped_examples": dict(sorted(examples.items())),
             "npy_bytes": spec["tokens"] * spec["dim"] * np.dtype(cfg.dtype).itemsize, "device": str(device),
             "shards": len(ds.shards), "shards_resumed": len(resumed), "bad_shards": ds.bad,

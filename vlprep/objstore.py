@@ -33,11 +33,13 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import NamedTuple
 
-from vlprep import VlprepError, cut
+from vlprep import VlprepError, cut, urls
 
-# scheme -> the package fsspec needs for it (the [cloud] extra)
-SCHEMES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "http": "aiohttp", "https": "aiohttp"}
-WRITABLE = ("s3", "s3a", "gs", "gcs")
+# scheme -> the package fsspec needs for it (the [cloud] extra); ALIASES name the same stores (canonical)
+SCHEMES = {"s3": "s3fs", "s3a": "s3fs", "s3n": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "http": "aiohttp",
+           "https": "aiohttp"}
+ALIASES = {"s3a": "s3", "s3n": "s3", "gcs": "gs"}
+WRITABLE = ("s3", "s3a", "s3n", "gs", "gcs")
 CLOUD_EXTRA = "pip install -e '.[cloud]'"
 LOCK_NAME = ".vlprep.lock"
 BLOCK = 8 << 20  # bytes per ranged read: one request per 8 MiB of a shard
@@ -58,7 +60,7 @@ class RemoteSrc(NamedTuple):
 
 
 def scheme(url: str) -> str:
-    return url.split("://", 1)[0].lower() if "://" in url else ""
+    return urls.scheme(url)
 
 
 def is_remote(value) -> bool:
@@ -72,25 +74,29 @@ def file_url_path(url: str) -> str:
 
     parts = urlsplit(url)
     if parts.netloc not in ("", "localhost"):
-        raise VlprepError(f"{cut(url)}: a file:// URL names a local path (file:///path); use the path itself")
+        raise VlprepError(f"{cut(urls.redact(url))}: a file:// URL names a local path (file:///path); use the path "
+                          "itself")
     return unquote(parts.path)
 
 
 def norm(url: str) -> str:
-    """A dataset folder's URL without its trailing slash (s3://b/ds/ -> s3://b/ds)."""
-    return url.rstrip("/")
+    """A dataset folder's URL in its one canonical form (vlprep.urls.canonical: s3a://b/ds/ -> s3://b/ds)."""
+    return urls.canonical(url)
 
 
 def join(url: str, name: str) -> str:
-    return f"{norm(url)}/{name}"
+    """The URL of file `name` in folder `url`; a query string (a token) stays after the file name."""
+    return urls.join(norm(url), name)
 
 
 def filesystem(url: str):
-    """(fsspec filesystem, path in it) for a URL; one line when the [cloud] extra is missing."""
+    """(fsspec filesystem, path in it) for a URL (canonical first: fsspec knows no s3n://); one line when the
+    [cloud] extra is missing. Errors name the URL redacted (vlprep.urls)."""
+    url, shown = urls.canonical(url), cut(urls.redact(url))
     try:
         import fsspec
     except ImportError:
-        raise VlprepError(f"{cut(url)}: reading URLs needs fsspec and the [cloud] extra: {CLOUD_EXTRA}") from None
+        raise VlprepError(f"{shown}: reading URLs needs fsspec and the [cloud] extra: {CLOUD_EXTRA}") from None
     kind = scheme(url)
     opts = {}
     if kind in ("http", "https"):
@@ -98,17 +104,17 @@ def filesystem(url: str):
         try:
             import aiohttp
         except ImportError:
-            raise VlprepError(f"{cut(url)}: reading {kind}:// URLs needs aiohttp, in the [cloud] extra: "
+            raise VlprepError(f"{shown}: reading {kind}:// URLs needs aiohttp, in the [cloud] extra: "
                               f"{CLOUD_EXTRA}") from None
         limit = _env_float("VLPREP_REMOTE_TIMEOUT", 60.0)
         opts["client_kwargs"] = {"timeout": aiohttp.ClientTimeout(total=None, sock_connect=limit, sock_read=limit)}
     try:
         return fsspec.core.url_to_fs(url, **opts)
     except ImportError:
-        raise VlprepError(f"{cut(url)}: {kind}:// URLs need {SCHEMES.get(kind, 'a package')}, in the [cloud] extra: "
+        raise VlprepError(f"{shown}: {kind}:// URLs need {SCHEMES.get(kind, 'a package')}, in the [cloud] extra: "
                           f"{CLOUD_EXTRA}") from None
     except ValueError as e:
-        raise VlprepError(f"{cut(url)}: not a URL fsspec can open ({cut(str(e), 120)})") from None
+        raise VlprepError(f"{shown}: not a URL fsspec can open ({cut(urls.redact_text(str(e)), 120)})") from None
 
 
 def _env_float(name: str, default: float) -> float:
@@ -152,27 +158,39 @@ def transient(e: BaseException) -> bool:
 
 
 def why(e: BaseException) -> str:
-    """An exception as a short phrase for a one-line error."""
-    text = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+    """An exception as a short phrase for a one-line error (any URL in it redacted)."""
+    text = urls.redact_text(next((ln.strip() for ln in str(e).splitlines() if ln.strip()), ""))
     return f"{type(e).__name__}: {cut(text, 160)}" if text else type(e).__name__
 
 
+def missing_credentials(e: BaseException) -> bool:
+    """botocore's NoCredentialsError / PartialCredentialsError (and the like): a configuration error, not a fault
+    another try could mend."""
+    return any(c.__module__.split(".")[0] in ("botocore", "google") and "Credentials" in c.__name__
+               for c in type(e).__mro__)
+
+
 def retried(url: str, call: Callable, on_retry: Callable[[], None] | None = None, doing: str = "read"):
-    """call() with up to `tries()` attempts while it fails transiently; a RemoteError line naming `url` after."""
-    n = tries()
+    """call() with up to `tries()` attempts while it fails transiently; a RemoteError line naming `url` (redacted)
+    after. Missing credentials are one line at once."""
+    n, shown = tries(), urls.redact(url)
     for attempt in range(n):
         try:
             return call()
         except Exception as e:
             if isinstance(e, (VlprepError, FileExistsError)):
                 raise  # FileExistsError: a create-only write found the object (the lock's callers handle it)
+            if missing_credentials(e) or missing_credentials(e.__cause__ or e):
+                kind = scheme(url)
+                raise RemoteError(f"{shown}: no credentials to {doing} it ({why(e)}); set "
+                                  f"{urls.ENV_HINT.get(kind, 'the standard variables of its library')}") from None
             if not transient(e):
                 if isinstance(e, FileNotFoundError):
-                    raise RemoteNotFound(f"{url}: not found") from None
-                raise RemoteError(f"{url}: cannot {doing} it ({why(e)})") from None
+                    raise RemoteNotFound(f"{shown}: not found") from None
+                raise RemoteError(f"{shown}: cannot {doing} it ({why(e)})") from None
             if attempt == n - 1:
                 cause = e.__cause__ if isinstance(e, FileNotFoundError) and e.__cause__ is not None else e
-                raise RemoteError(f"{url}: cannot {doing} it after {n} tries ({why(cause)})") from None
+                raise RemoteError(f"{shown}: cannot {doing} it after {n} tries ({why(cause)})") from None
         if on_retry is not None:
             on_retry()
         time.sleep(backoff(attempt))
@@ -425,6 +443,20 @@ def _stale(holder: dict) -> bool:
     return _start_time(holder["pid"]) != holder.get("start")
 
 
+def _read_lock(target: str) -> dict | None:
+    """The lock object's record; None when it cannot be read or is not JSON, one line when it is JSON but not a
+    record (a list, a string): someone else's object, which we neither trust nor delete."""
+    try:
+        holder = json.loads(read_bytes(target))
+    except (RemoteError, ValueError):
+        return None
+    if not isinstance(holder, dict):
+        raise VlprepError(f"{urls.redact(target)} is not a vlprep lock (a JSON {type(holder).__name__}, not an object "
+                          f"naming host and pid); if no process writes OUT, delete it (aws s3 rm / gcloud storage rm "
+                          f"{urls.redact(target)}) and run again")
+    return holder
+
+
 def lock(url: str, tool: str = "vlprep") -> None:
     """Create OUT's lock object, or a one-line refusal naming its holder. A lock left by a process of this machine
     that is gone (kill -9) is replaced; one from another machine is cleared by hand (docs/SCALE.md)."""
@@ -450,16 +482,13 @@ def lock(url: str, tool: str = "vlprep") -> None:
                 if exists(target):
                     raise FileExistsError(target) from None
                 retried(target, lambda: fs.pipe_file(lpath, body), doing="write")
-                if json.loads(read_bytes(target)).get("token") != record["token"]:
+                if (_read_lock(target) or {}).get("token") != record["token"]:
                     raise FileExistsError(target) from None
             _held[url] = record["token"]
             return
         except FileExistsError:
             pass
-        try:
-            holder = json.loads(read_bytes(target))
-        except (RemoteError, ValueError):
-            holder = {}
+        holder = _read_lock(target) or {}
         if holder and _stale(holder):
             remove([target])
             continue
@@ -477,6 +506,6 @@ def unlock(url: str) -> None:
     if token is None:
         return
     target = join(url, LOCK_NAME)
-    with contextlib.suppress(RemoteError, ValueError):
-        if json.loads(read_bytes(target)).get("token") == token:
+    with contextlib.suppress(VlprepError):
+        if (_read_lock(target) or {}).get("token") == token:
             remove([target])

@@ -30,6 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from vlprep import VlprepError, objstore
+from vlprep.urls import redact
 from vlprep.dataset import (carried_features, decode_sample, finish_dataset, iter_aligned, open_derived, sidecar_name,
                             write_json_atomic, write_shard, writing_output)
 from vlprep.engine import Work, check_engine, map_shards
@@ -286,12 +287,12 @@ def ontology(cfg: OntologyConfig, progress=None) -> dict:
             plan.append(Work(shard, (ds.root, shard, nodes_of), fp, ds.sizes[shard]))
         stats, resumed = map_shards(out, plan, annotate_shard, label="annotate", total=ds.num_samples, **engine)
         finish_dataset(out, {s: stats[s]["written"] for s in ds.shards},
-                       {"stage": "ontology", "input": str(cfg.src), "options": options,
+                       {"stage": "ontology", "input": redact(str(cfg.src)), "options": options,
                         "counts": {"pairs": ds.num_samples, "triplets": len(triplets), "classes": len(nodes),
                                    "triplet_counts": counts}, **carried_features(cfg.src)})
         covered = len(sample_nodes)
         report = {
-            "stage": "ontology", "source": str(cfg.src), "pairs": ds.num_samples,
+            "stage": "ontology", "source": redact(str(cfg.src)), "pairs": ds.num_samples,
             "pairs_with_objects": table.attrs["pairs"], "nouns_seen": int(table["noun"].nunique()) if len(table) else 0,
             "candidate_pairs": int((table["count"] >= cfg.min_cooccur).sum()) if len(table) else 0,
             "min_instances": min_inst, "classes": len(nodes), "mapped_nouns": len(mapping), "triplets": len(triplets),

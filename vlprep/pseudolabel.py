@@ -44,6 +44,7 @@ import pyarrow.parquet as pq
 from vlprep import VlprepError
 from vlprep import knn
 from vlprep.bow import rmstop, top_tokens
+from vlprep.urls import redact
 from vlprep.dataset import (batches, check_out, check_shards, decode_sample, finish_dataset, iter_aligned, open_dataset,
                             read_sidecars, sidecar_name, write_json_atomic, write_shard, writing_output)
 from vlprep.embed import check_images, crop_views, decode, intact_captions
@@ -368,7 +369,8 @@ def pseudolabel(cfg: PseudolabelConfig, enc, progress=None) -> dict:
                       "gpu": knn.on_gpu(index), "reused": reused, "seconds": round(index_s, 3)}
         if kind == "ivf":
             index_info["nlist"] = _worker["nlist"]
-        finish_dataset(out, sizes, {"stage": "pseudolabel", "input": str(cfg.unaligned), "aligned": str(cfg.aligned),
+        finish_dataset(out, sizes, {"stage": "pseudolabel", "input": redact(str(cfg.unaligned)),
+                                    "aligned": redact(str(cfg.aligned)),
                                     "options": options, "index": index_info,
                                     "counts": {"in": n_in, "written": written, "dropped_no_words": dropped,
                                                "skipped": dict(skipped)}})
@@ -381,7 +383,7 @@ def pseudolabel(cfg: PseudolabelConfig, enc, progress=None) -> dict:
                 pseudo_words.update(ws)
                 lengths[len(ws)] += 1
         report = {
-            "stage": "pseudolabel", "aligned": str(cfg.aligned), "unaligned": str(cfg.unaligned),
+            "stage": "pseudolabel", "aligned": redact(str(cfg.aligned)), "unaligned": redact(str(cfg.unaligned)),
             "encoder": enc.name, "strategy": cfg.strategy, "k": cfg.k, "crops": cfg.crops,
             "words": cfg.words, "rmtop": cfg.rmtop if top else None, "seed": cfg.seed, "index": index_info,
             "aligned_captions": len(keys), "aligned_vocab": len(df), "samples_in": n_in, "written": written,

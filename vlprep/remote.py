@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import get_args, get_type_hints
 
-from vlprep import VlprepError, cut, objstore
+from vlprep import VlprepError, cut, objstore, urls
 
 # scheme:// with a scheme of 2+ characters: a Windows drive (C:/x, C:\x) is a local path
 URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+://")
@@ -27,24 +27,28 @@ LOCAL_ONLY = "only dataset folders may be URLs (s3://, gs://, http(s)://); give 
 def check_local(value: str, what: str = "") -> str:
     """`value` unchanged, or a VlprepError when it is a URL; `what` names the argument ("--out", "shards")."""
     if is_url(value):
-        raise VlprepError(f"{what + ' ' if what else ''}{cut(value)}: {LOCAL_ONLY}")
+        raise VlprepError(f"{what + ' ' if what else ''}{cut(urls.redact(value))}: {LOCAL_ONLY}")
     return value
 
 
 def check_dataset(value: str, what: str = "", out: bool = False) -> str | Path:
-    """A dataset folder argument: a local Path, or a URL of a scheme we read (`out`: write) kept as a str;
-    file:///path is that Path. One line for any other scheme."""
+    """A dataset folder argument: a local Path, or a URL of a scheme we read (`out`: write) as a str in its
+    canonical form (vlprep.urls: s3a:// is s3://); file:///path is that Path. One line for any other scheme, and
+    for credentials in an s3:// or gs:// URL (never echoed)."""
     if not is_url(value):
         return Path(value)
     kind = objstore.scheme(value)
     if kind == "file":
         return Path(objstore.file_url_path(value))
-    shown = f"{what + ' ' if what else ''}{cut(value)}"
+    shown = f"{what + ' ' if what else ''}{cut(urls.redact(value))}"
     if kind not in objstore.SCHEMES:
         raise VlprepError(f"{shown}: unsupported URL scheme {kind}://; use s3://, gs://, http(s):// or file://")
     if out and kind not in objstore.WRITABLE:
         raise VlprepError(f"{shown}: {kind}:// is read-only here; write to s3://, gs:// or a local folder")
-    return value
+    try:
+        return objstore.norm(value)
+    except VlprepError as e:
+        raise VlprepError(f"{what + ' ' if what else ''}{e}") from None
 
 
 def _one_line(check, value, what: str = "", **kw):
@@ -55,7 +59,8 @@ def _one_line(check, value, what: str = "", **kw):
     try:
         return check(value, what, **kw)
     except VlprepError as e:
-        Console(stderr=True, emoji=False).print(f"error: {e}", style="bold red", highlight=False, markup=False,
+        Console(stderr=True, emoji=False).print(f"error: {urls.redact_text(str(e))}", style="bold red", highlight=False,
+                                                markup=False,
                                                 soft_wrap=True)
         raise typer.Exit(2) from None
 

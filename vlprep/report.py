@@ -7,7 +7,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from vlprep import objstore
+from vlprep import objstore, urls
 from vlprep.dataset import iter_samples, open_dataset, read_sidecars, write_json_atomic
 from vlprep.text import words
 
@@ -50,7 +50,7 @@ def dataset_stats(path, out: Path | None = None, top: int = 20) -> dict:
         vocab.update(ws)
     sized = [(w, h) for w, h in zip(widths, heights) if w is not None and h is not None]
     report = {
-        "dataset": ds.url or str(ds.root),
+        "dataset": urls.redact(ds.url) if ds.url else str(ds.root),
         "samples": ds.num_samples,
         "shards": len(ds.shards),
         "caption_words": distribution(lengths),

@@ -30,6 +30,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file as load_safetensors
 
 from vlprep import versions
+from vlprep.urls import redact
 from vltrain.errors import TrainError
 from vltrain.config import Config, to_dict, upgrade
 from vltrain.distributed import barrier, gather_objects, world
@@ -375,7 +376,7 @@ def check_resumable(ckpt: dict, cfg: Config, data: str, path: Path) -> None:
                          f"{'; ...' if len(diffs) > 8 else ''}); use the same options, or a new --out")
     if ckpt.get("data") not in (None, data):  # None: a checkpoint from before the signature
         raise TrainError(f"--resume: the training data changed since {path} was written (other keys or captions in "
-                         f"{', '.join(cfg.shards)}); use --overwrite to start over, or a new --out")
+                         f"{', '.join(map(redact, cfg.shards))}); use --overwrite to start over, or a new --out")
 
 
 def restore(ckpt: dict, run: Run, rank: int, size: int) -> tuple[RunState, dict]:

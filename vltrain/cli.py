@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from vlprep import VlprepError
+from vlprep.urls import redact_text
 from vlprep.remote import refuse_urls, writing as remote_writing
 from vltrain.config import Config
 
@@ -37,12 +38,13 @@ def user_errors():
     try:
         yield
     except Interrupted as e:
-        report_error(str(e), lambda line: console.print(line, highlight=False, markup=False, soft_wrap=True))
+        report_error(redact_text(str(e)), lambda line: console.print(line, highlight=False, markup=False,
+                                                                      soft_wrap=True))
         raise typer.Exit(128 + e.signum) from None
     except (VlprepError, ConfigError, TrainError, ValueError, FileNotFoundError) as e:
         from vltrain.data import loader_error  # a DataLoader worker's error: its own line, not torch's traceback
 
-        report_error(str(loader_error(e)), lambda line: console.print(
+        report_error(redact_text(str(loader_error(e))), lambda line: console.print(
             "error: " + line, style="bold red", highlight=False, markup=False, soft_wrap=True),
             peer=isinstance(e, PeerFailed))
         raise typer.Exit(2) from None

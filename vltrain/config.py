@@ -16,6 +16,7 @@ import yaml
 from vlprep import VlprepError, objstore
 from vlprep.encoders import MAX_SIZE, MIN_SIZE
 from vlprep.remote import check_dataset, check_local
+from vlprep.urls import redact
 from vltrain.model import FUSION_FROM, POOLING, TEMP_MAX, TEMP_MIN, ModelConfig
 from vltrain.softmask import parse_source
 
@@ -541,8 +542,11 @@ def grit_sizes(cfg: Config, ratios: tuple[int, int] = GRIT_RATIOS) -> tuple[int,
 
 
 def to_dict(cfg: Config) -> dict:
-    """The config as plain builtins (what checkpoints and `vltrain config` hold)."""
-    return asdict(cfg)
+    """The config as plain builtins (what checkpoints and `vltrain config` hold), dataset URLs redacted: no
+    credentials in a file or on the terminal (vlprep.urls)."""
+    d = asdict(cfg)
+    d["shards"] = [redact(s) for s in d["shards"]]
+    return d
 
 
 def to_yaml(cfg: Config) -> str:

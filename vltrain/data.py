@@ -26,6 +26,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torchvision.transforms import v2
 
 from vlprep import VlprepError, objstore
+from vlprep.urls import redact, redact_text
 from vlprep.dataset import (PICKLE_EXTS, REMAKE_HINT, BadShardError, ShardFormatError, image_ext, iter_tar,
                             open_dataset, plain_shard_name, short_shard, to_rgb)
 
@@ -359,7 +360,8 @@ class ShardStream(IterableDataset):
             if not self.skip_bad_shards:
                 raise
             self.counts.skip_shard()
-            print(f"warning: left out the rest of shard {shard} (--skip-bad-shards, after {n} samples): {e}",
+            print(f"warning: left out the rest of shard {redact(str(shard))} (--skip-bad-shards, after {n} samples): "
+                  f"{redact_text(str(e))}",
                   file=sys.stderr, flush=True)
 
     def __iter__(self) -> Iterator[tuple]:

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from vlprep.urls import redact
 from vltrain.checkpoint import EXPORT_DROPS, EXPORT_FORMAT, EXPORT_VERSION, load, model_from, untie
 from vltrain.errors import TrainError
 from vltrain.model import tokenizer_for
@@ -138,7 +139,7 @@ def export_config(ckpt: dict, path: Path, net, tied: dict, dropped: list, onnx_i
     mc = net.cfg
     source = {"checkpoint": str(path.resolve()), "step": ckpt.get("step", result.get("step")),
               "data": ckpt.get("data") or result.get("data"), "preset": config.get("preset"),
-              "shards": config.get("shards")}
+              "shards": [redact(s) for s in config.get("shards") or []] or None}
     return {"format": EXPORT_FORMAT, "version": EXPORT_VERSION, "config": config,
             "preprocessing": preprocessing(net, config), "tokenizer": mc.text_model, "tokenizer_files": TOKENIZER,
             "feature_encoder": (mc.feature_encoder or None) if mc.image_model == "features" else None,
@@ -270,7 +271,7 @@ def readme(meta: dict, out: Path) -> str:
              "## Training", "",
              f"- preset `{source['preset']}`, {source['step'] if source['step'] is not None else 'unknown'} steps "
              f"(batch size {config.get('batch_size')})",
-             f"- data: {', '.join(source.get('shards') or []) or 'unknown'}",
+             f"- data: {', '.join(map(redact, source.get('shards') or [])) or 'unknown'}",
              f"- data signature: `{source['data']}`" if source.get("data") else "- data signature: unknown",
              f"- checkpoint: `{source['checkpoint']}`", ""]
     ev = meta.get("eval")

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
 
+from vlprep.urls import redact
 from vltrain.figures import plot_learning_curve
 
 console = Console(stderr=True, emoji=False, soft_wrap=True)
@@ -80,7 +81,8 @@ def summary(cfg, model, device, n_train: int, n_val: int, per_epoch: int, size: 
         f"{per_epoch:,} batches of {cfg.batch_size}"
         + (f" x {size} processes (DDP, global batch {cfg.batch_size * size})" if size > 1 else "")
         + f", seed {cfg.seed}",
-        f"  data     {', '.join(cfg.shards)}: train {n_train:,}, held out {n_val:,} (val_frac {d.val_frac:g}); "
+        f"  data     {', '.join(map(redact, cfg.shards))}: train {n_train:,}, held out {n_val:,} "
+        f"(val_frac {d.val_frac:g}); "
         f"sampler {cfg.sampler.kind}",
         f"  image    {image}",
         f"  text     {m.text_model}, max {d.max_len} tokens, {m.pooling} pooling; fusion layers {m.fusion_layers}"

@@ -14,6 +14,7 @@ import torch
 
 from vlprep import VlprepError
 from vlprep.dataset import lock_output
+from vlprep.urls import redact
 from vltrain.checkpoint import load
 from vltrain.errors import TrainError
 from vltrain.config import GRIT_RATIOS, GRIT_RATIOS_BEFORE, Config, grit_sizes
@@ -277,7 +278,7 @@ def index_data(cfg: Config, tf_train, tf_eval, grit_ratios: tuple[int, int] = GR
         try:
             onto = s.ontology or default_ontology(cfg.shards[0])
             if onto != cfg.shards[0] and not s.ontology:
-                notes.append(f"tonics: ontology from {onto}, the folder {cfg.shards[0]} was cached from")
+                notes.append(f"tonics: ontology from {onto}, the folder {redact(cfg.shards[0])} was cached from")
             splits = tonics_instances(onto, shards.keys, is_val, cfg.data.triplets)
         except ValueError as e:
             raise TrainError(str(e)) from None

@@ -57,12 +57,26 @@ class RangeHandler(http.server.SimpleHTTPRequestHandler):
     fsspec's HTTP files read in ranged blocks. Its `faults` cut or fail answers on purpose."""
 
     faults: Faults = Faults()
+    secret: str = ""  # when set, every request needs it: basic auth with it as the password, or ?token=SECRET
     _RANGE = re.compile(r"bytes=(\d+)-(\d*)$")
 
     def log_message(self, *args) -> None:  # quiet: pytest shows stderr of failing tests
         pass
 
+    def authorised(self) -> bool:
+        import base64
+        from urllib.parse import parse_qs, urlsplit
+
+        given = self.headers.get("Authorization", "")
+        if given.startswith("Basic "):
+            _, _, password = base64.b64decode(given[6:]).decode().partition(":")
+            return password == self.secret
+        return parse_qs(urlsplit(self.path).query).get("token") == [self.secret]
+
     def send_head(self):
+        if self.secret and not self.authorised():
+            self.send_error(401, "Unauthorized")
+            return None
         name = os.path.basename(self.path.split("?", 1)[0])
         if name in self.faults.fail:
             self.send_error(503, "Service Unavailable (on purpose)")
@@ -109,10 +123,11 @@ class RangeHandler(http.server.SimpleHTTPRequestHandler):
 
 
 @contextlib.contextmanager
-def http_server(root: Path):
-    """(base URL, Faults) of a threaded HTTP server on 127.0.0.1 serving `root`; shut down at the end."""
+def http_server(root: Path, secret: str = ""):
+    """(base URL, Faults) of a threaded HTTP server on 127.0.0.1 serving `root`; shut down at the end. With `secret`,
+    a request needs it (basic auth's password, or a ?token= query value), else 401."""
     faults = Faults()
-    handler = type("Handler", (RangeHandler,), {"faults": faults})
+    handler = type("Handler", (RangeHandler,), {"faults": faults, "secret": secret})
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(root)))
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)

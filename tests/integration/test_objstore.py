@@ -210,7 +210,8 @@ def test_shards_and_bow_to_s3_are_byte_identical_to_local_and_vltrain_trains_fro
         remote, local = s3_objects(name), local_files(tmp_path / name)
         assert digests(remote) == digests(local) and len(digests(local)) == 2 * 6 + 2, name
         assert ".vlprep.lock" not in remote and not any(n.endswith(".tmp") for n in remote)  # released, no leftovers
-        assert json.loads(remote["meta.json"])["input"] == (str(source) if name == "raw" else "s3://bkt/raw/")
+        # meta.json names the input in its canonical form (no trailing slash; vlprep.urls)
+        assert json.loads(remote["meta.json"])["input"] == (str(source) if name == "raw" else "s3://bkt/raw")
     # --distributor ray: the actors fetch their input shards and upload their own output shards (a local Ray, started
     # by the stage in its own process, with the AWS_* variables of its environment)
     if os.environ.get("CI") or __import__("importlib").util.find_spec("ray"):
@@ -293,3 +294,58 @@ def test_the_lock_object_refuses_a_second_writer_in_one_line_and_a_dead_holders_
     r = vlprep("shards", source, "s3://bkt/locked/", "-n", "4", "--workers", "1")
     assert r.returncode == 0, r.stderr
     assert "sizes.json" in s3_objects("locked") and ".vlprep.lock" not in s3_objects("locked")
+
+
+def test_an_alias_of_the_input_url_as_out_is_refused_and_the_input_is_kept(s3, source):
+    """s3a:// (and s3n://, a trailing slash, a `..` segment, a percent-escape) names the input's own folder: with
+    --overwrite it once deleted the input. Refused in one line; nothing under the input changes."""
+    assert vlprep("shards", source, "s3://bkt/raw2/", "-n", "4", "--workers", "1").returncode == 0
+    before = s3_objects("raw2")
+    for out, says in (("s3a://bkt/raw2", "is the input"), ("s3n://bkt/raw2/", "is the input"),
+                      ("s3://bkt/x/../raw%32", "is the input"), ("s3a://bkt/raw2/x", "lies inside the input"),
+                      ("s3a://bkt", "contains the input")):
+        r = vlprep("bow", "s3://bkt/raw2", out, "--overwrite", *BOW)
+        lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
+        assert r.returncode == 2 and len(lines) == 1 and says in lines[0], (out, lines)
+        assert s3_objects("raw2") == before, out
+    import s3fs
+
+    assert not s3fs.S3FileSystem().exists("bkt/raw2/x")
+
+
+def test_credentials_in_an_s3_url_are_one_line_at_once_and_never_echoed(s3, source):
+    for args in (("bow", "s3://AKIAXX:T0PS3CRET@bkt/raw2/", "s3://bkt/o"),
+                 ("bow", "s3://bkt/raw2", "s3a://k:T0PS3CRET@bkt/o")):
+        t = time.monotonic()
+        r = vlprep(*args, env={"VLPREP_REMOTE_BACKOFF": "2"})
+        lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
+        assert r.returncode == 2 and len(lines) == 1 and "AWS_ACCESS_KEY_ID" in lines[0], lines
+        assert "T0PS3CRET" not in r.stdout + r.stderr and "AKIAXX" not in r.stdout + r.stderr
+        assert time.monotonic() - t < 30  # no retries with backoff
+
+
+def test_missing_s3_credentials_are_one_line_without_retries(s3, tmp_path):
+    """No AWS_* credentials anywhere: a configuration error, said once, not retried as a transient fault."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update({"AWS_ENDPOINT_URL": s3["AWS_ENDPOINT_URL"], "AWS_DEFAULT_REGION": "us-east-1",
+                "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"), "AWS_CONFIG_FILE": str(tmp_path / "none"),
+                "AWS_EC2_METADATA_DISABLED": "true", "VLPREP_REMOTE_TRIES": "5", "VLPREP_REMOTE_BACKOFF": "4",
+                "PYTHONPATH": str(ROOT)})
+    t = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "vlprep.cli", "bow", "s3://bkt/raw2", str(tmp_path / "o"), *BOW],
+                       capture_output=True, text=True, timeout=300, env=env)
+    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "no credentials" in lines[0], lines
+    assert "AWS_ACCESS_KEY_ID" in lines[0] and time.monotonic() - t < 4 * 3  # five tries would wait 4+8+8+8 s
+
+
+@pytest.mark.parametrize("body", [b"[1, 2]", b'"taken"'])
+def test_a_lock_object_that_is_a_list_or_a_string_is_one_line_saying_how_to_remove_it(s3, source, body):
+    import s3fs
+
+    s3fs.S3FileSystem().pipe_file("bkt/oddlock/.vlprep.lock", body)
+    r = vlprep("shards", source, "s3://bkt/oddlock/", "-n", "4", "--workers", "1")
+    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, lines
+    assert "s3://bkt/oddlock/.vlprep.lock is not a vlprep lock" in lines[0] and "delete it" in lines[0], lines
+    assert sorted(s3_objects("oddlock")) == [".vlprep.lock"]

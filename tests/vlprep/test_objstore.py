@@ -70,7 +70,7 @@ def test_retried_tries_a_bounded_number_of_times_counts_each_retry_and_ends_in_o
 
 
 def test_dataset_arguments_take_urls_of_the_schemes_we_read_and_out_of_those_we_write():
-    assert check_dataset("s3://b/ds/") == "s3://b/ds/" and check_dataset("https://h/ds") == "https://h/ds"
+    assert check_dataset("s3://b/ds/") == "s3://b/ds" and check_dataset("https://h/ds") == "https://h/ds"  # canonical
     assert check_dataset("file:///data/ds") == Path("/data/ds") and check_dataset("data/ds") == Path("data/ds")
     assert check_dataset("C:/data/ds") == Path("C:/data/ds")  # a drive letter is no scheme
     with pytest.raises(VlprepError, match=r"^SRC ftp://h/ds: unsupported URL scheme ftp://; use s3://, gs://, "):

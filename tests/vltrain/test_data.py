@@ -94,3 +94,19 @@ def test_no_shards_is_an_error(tmp_path):
 
     with pytest.raises(VlprepError, match="dataset not found"):
         ShardStream([tmp_path / "none"], "train", 0.1, None)
+
+
+def test_skip_bad_shards_leaves_out_a_shard_that_is_an_html_page(tmp_path, capsys):
+    """A server's HTML error page (a 200 with a proxy's "502 Bad Gateway" body) where a tar should be is a bad shard:
+    one line without --skip-bad-shards, a counted skip with it."""
+    from vlprep import VlprepError
+
+    ds = make(tmp_path, "h", 8)
+    (ds / "h-000001.tar").write_bytes(b"<html><body><h1>502 Bad Gateway</h1></body></html>\n" * 40)
+    tf = eval_transform(16, MEAN, STD)
+    with pytest.raises(VlprepError, match=r"h-000001\.tar: not a readable tar file"):
+        list(ShardStream([ds], "train", 0.0, tf, shuffle=False))
+    stream = ShardStream([ds], "train", 0.0, tf, shuffle=False, skip_bad_shards=True)
+    assert len(list(stream)) == 4
+    assert stream.counts.io_totals()["shards_skipped"] == 1
+    assert "left out the rest of shard" in capsys.readouterr().err
