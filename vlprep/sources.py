@@ -10,6 +10,7 @@ where the shard is written.
 import csv
 import json
 import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,8 +19,9 @@ from typing import NamedTuple
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from vlprep import VlprepError
+from vlprep import VlprepError, cut
 from vlprep.dataset import TarRef, iter_tar
+from vlprep.userfile import KINDS, FileTooLarge, NotARegularFile, open_regular
 
 TABLE_SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".tsv": "tsv",
                   ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl"}
@@ -31,6 +33,22 @@ CAPTION_COLUMNS = ("caption", "text", "txt", "caption_text", "sentence", "title"
 UID_COLUMNS = ("uid", "key", "id", "image_id")
 WDS_IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 KARPATHY_SPLITS = ("train", "restval", "val", "test")  # the values of `split` in dataset_coco.json / _flickr30k.json
+
+
+class RootedPath(NamedTuple):
+    """A Karpathy entry's image: `parts` (filepath, filename) under `root`, read only if it stays there
+    (vlprep.userfile.under_root); str() is the joined path, as a plain path item would hold."""
+
+    root: str
+    parts: tuple[str, ...]
+    follow_symlinks: bool = False
+
+    @property
+    def path(self) -> str:
+        return str(Path(self.root, *self.parts))
+
+    def __str__(self) -> str:
+        return self.path
 
 
 class RowRef(NamedTuple):
@@ -50,7 +68,7 @@ class Item:
     """
 
     uid: str
-    image: str | bytes | TarRef | RowRef | None
+    image: str | bytes | TarRef | RowRef | RootedPath | None
     caption: str | bytes | None
     source: str
     url: str | None = None
@@ -104,8 +122,8 @@ def _table_columns(path: Path, kind: str) -> list[str]:
             return []
     except VlprepError:
         raise
-    except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
-        raise VlprepError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
+    except (OSError, ValueError, RecursionError) as e:  # pyarrow's ArrowInvalid is a ValueError
+        raise VlprepError(f"cannot read {path}: {json_error(e)}") from None
 
 
 def _cell_image(value, base: Path) -> str | bytes | None:
@@ -145,8 +163,9 @@ def _table_rows(path: Path, kind: str, cols: list[str]) -> Iterator[dict]:
                     continue
                 try:
                     row = json.loads(line)
-                except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                    raise VlprepError(f"{path.name}:{lineno}: malformed JSON ({e.__class__.__name__})") from None
+                except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+                    why = "nested too deeply" if isinstance(e, RecursionError) else e.__class__.__name__
+                    raise VlprepError(f"{path.name}:{lineno}: malformed JSON ({why})") from None
                 if not isinstance(row, dict):
                     raise VlprepError(f"{path.name}:{lineno}: expected one JSON object per line")
                 yield row
@@ -178,7 +197,7 @@ def _holds_bytes(t: pa.DataType) -> bool:
     return pa.types.is_binary(t) or pa.types.is_large_binary(t)
 
 
-def load_images(items: list[Item]) -> list[str | bytes | None]:
+def load_images(items: list[Item]) -> list[str | bytes | RootedPath | None]:
     """Each item's image as a path or bytes: TarRefs and RowRefs read here, Parquet row groups once per call."""
     out, rows = [], {}
     for it in items:
@@ -270,7 +289,7 @@ def webdataset_source(path: Path) -> Source:
         if sizes_file.exists():
             try:
                 tars = [path / name for name in json.loads(sizes_file.read_text())]
-            except (json.JSONDecodeError, TypeError):
+            except (ValueError, TypeError, RecursionError):
                 tars = None
         if tars is None or not all(t.exists() for t in tars):
             tars = sorted(path.glob("*.tar"))
@@ -288,7 +307,7 @@ def webdataset_source(path: Path) -> Source:
                 if "json" in s:
                     try:
                         meta = json.loads(s["json"])
-                    except (json.JSONDecodeError, UnicodeDecodeError):
+                    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
                         meta = {}
                 image = next((s[e] for e in WDS_IMAGE_EXTS if e in s), None)
                 yield Item(uid=s["__key__"], image=image, caption=s.get("txt"), source=tar.name,
@@ -315,35 +334,92 @@ def parse_splits(values: str | list[str] | tuple[str, ...] | None) -> list[str] 
 
 NOT_KARPATHY = ("a JSON object without an 'images' list of entries with 'sentences': not a Karpathy split file; "
                 "a table must be JSON Lines (one object per line)")
+# dataset_coco.json is about 150 MB; json.load holds several times a file's size in objects, so a cap bounds that.
+KARPATHY_BYTES = 1 << 30
+BOM = b"\xef\xbb\xbf"  # legal at the start of UTF-8 text; json.loads of bytes skips it, a startswith check does not
 
 
-def _single_object(path: Path) -> dict | None:
+def json_error(e: Exception) -> str:
+    """A JSON parse failure in words: the decoder's message, not UTF-8, or nesting past Python's recursion limit."""
+    if isinstance(e, RecursionError):
+        return "nested too deeply"
+    if isinstance(e, UnicodeDecodeError):
+        return f"not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start:,})"
+    return str(e).splitlines()[0]
+
+
+def _single_object(path: Path, karpathy: bool = False) -> dict | None:
     """The object a `.json` file holds when it is one JSON object rather than JSON Lines, else None.
 
     Cheap for JSON Lines: only the first line is parsed (and the next one looked at). A file whose one object spans
     several lines (pretty-printed) is parsed whole. A one-line file of one object is JSON Lines of one record, as it
     always was, unless that object has an 'images' key (a Karpathy file is one line; so is COCO's own annotation
-    file, which is refused by the caller). None also for anything malformed: the JSON Lines reader names the line.
+    file, which is refused by the caller). None also for anything malformed: the JSON Lines reader names the line;
+    but with `karpathy` (--split or --image-root given) an object that does not parse is that one-line error.
     """
     try:
-        with open(path, "rb") as f:
-            first = next((line for line in f if line.strip()), b"")
-            if not first.lstrip().startswith(b"{"):
+        with open_regular(path) as f:  # no cap here: a JSON Lines table may be any size; an object is capped below
+            first = b""
+            while not first.strip():
+                first = f.readline(KARPATHY_BYTES + 1)
+                if not first or len(first) > KARPATHY_BYTES:
+                    break
+            if not first.removeprefix(BOM).lstrip().startswith(b"{"):
                 return None
             try:
+                if len(first) > KARPATHY_BYTES:
+                    raise _TooLarge()
                 obj = json.loads(first)
-            except ValueError:  # an object over several lines, or a bad first line (JSONDecodeError, UnicodeError)
+            except (ValueError, RecursionError):  # several lines, or a bad first line (JSONDecodeError, UnicodeError)
+                size = os.fstat(f.fileno()).st_size
+                if size > KARPATHY_BYTES:
+                    if karpathy:
+                        raise VlprepError(f"{path.name}: {size:,} bytes; a Karpathy split file is read whole, and at "
+                                          f"most {KARPATHY_BYTES:,}") from None
+                    return None
                 f.seek(0)
                 try:
-                    obj = json.load(f)
-                except ValueError:
+                    obj = json.loads(f.read())
+                except (ValueError, RecursionError) as e:
+                    if karpathy:
+                        raise VlprepError(f"{path.name}: malformed JSON: {json_error(e)}") from None
                     return None
                 return obj if isinstance(obj, dict) else None
             if not isinstance(obj, dict) or "images" not in obj or any(line.strip() for line in f):
                 return None
             return obj
+    except (NotARegularFile, FileTooLarge) as e:
+        raise VlprepError(f"{path.name}: {e.strerror}") from None
     except OSError as e:
         raise VlprepError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+class _TooLarge(ValueError):
+    """A first line past KARPATHY_BYTES: handled as a line that does not parse alone."""
+
+
+def _json_type(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    names = {dict: "an object", list: "an array", str: "a string", int: "an integer", float: "a number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+def _check_entry(name: str, i: int, e) -> None:
+    """One line naming the entry and its field when an entry's structure is not a Karpathy entry's (docs/FORMAT.md):
+    filepath, filename and split are strings without NUL, cocoid and imgid integers; each may be absent or null."""
+    where = f"{name}: images[{i}]"
+    if not isinstance(e, dict):
+        raise VlprepError(f"{where}: expected an object, not {_json_type(e)}")
+    for key in ("filepath", "filename", "split", "cocoid", "imgid"):
+        v = e.get(key)
+        if v is None:
+            continue
+        want = "an integer" if key in ("cocoid", "imgid") else "a string"
+        if want == "an integer" and (type(v) is not int) or want == "a string" and not isinstance(v, str):
+            raise VlprepError(f"{where}.{key}: expected {want}, not {_json_type(v)} {cut(repr(v), 40)}")
+        if isinstance(v, str) and "\0" in v:
+            raise VlprepError(f"{where}.{key}: holds a NUL character")
 
 
 def _text(value) -> str | None:
@@ -351,29 +427,31 @@ def _text(value) -> str | None:
 
 
 def karpathy_source(path: Path, data: dict, image_root: str | os.PathLike | None = None,
-                    splits: list[str] | None = None) -> Source:
+                    splits: list[str] | None = None, follow_symlinks: bool = False) -> Source:
     """A Karpathy split file (dataset_coco.json, dataset_flickr30k.json): one multi-caption item per image entry.
 
     The image is image_root / filepath / filename (filepath only when present: COCO has it, Flickr30k does not);
-    image_root defaults to the file's folder. The captions are the entry's sentences' `raw` texts, in file order.
+    image_root defaults to the file's folder, and an image outside it (an absolute name, `..`, a symlink leaving it
+    unless follow_symlinks) is a counted skip. The captions are the entry's sentences' `raw` texts, in file order.
     uid is the cocoid, else the imgid, else the file name. `splits` keeps the entries of those splits (file order
-    kept); None keeps all. A bad entry becomes an item that `vlprep shards` skips and counts (missing image or
-    caption), never an error.
+    kept); None keeps all. An entry whose fields have the wrong JSON types is a one-line error before anything is
+    read; a missing image or caption is an item that `vlprep shards` skips and counts.
     """
     images = data.get("images")
     if not isinstance(images, list) or not any(isinstance(e, dict) and "sentences" in e for e in images):
         raise VlprepError(f"{path.name}: {NOT_KARPATHY}")
+    for i, e in enumerate(images):
+        _check_entry(path.name, i, e)
     root = Path(image_root) if image_root is not None else path.parent
     if image_root is not None and not root.is_dir():
         raise VlprepError(f"--image-root {root}: not a folder")
     chosen = None if splits is None else set(splits)
-    entries = [e for e in images if isinstance(e, dict) and (chosen is None or e.get("split") in chosen)]
+    entries = [e for e in images if chosen is None or e.get("split") in chosen]
 
     def items() -> Iterator[Item]:
         for i, e in enumerate(entries):
-            name = _text(e.get("filename"))
-            folder = _text(e.get("filepath"))
-            image = None if not name else str(root / folder / name) if folder else str(root / name)
+            name, folder = e.get("filename"), e.get("filepath")
+            image = None if not name else RootedPath(str(root), (folder, name) if folder else (name,), follow_symlinks)
             sentences = e.get("sentences")
             captions = [_text(s.get("raw")) if isinstance(s, dict) else None
                         for s in (sentences if isinstance(sentences, list) else [])]
@@ -386,17 +464,25 @@ def karpathy_source(path: Path, data: dict, image_root: str | os.PathLike | None
 
 
 def open_source(src: str | os.PathLike, image_col=None, caption_col=None, uid_col=None, image_root=None,
-                splits: list[str] | None = None) -> Source:
+                splits: list[str] | None = None, follow_symlinks: bool = False) -> Source:
     """Pick the source type from the path: a table file (or a Karpathy split .json), a .tar / folder of .tar shards,
-    or an image folder. `image_root` and `splits` apply to a Karpathy split file only."""
+    or an image folder. `image_root`, `splits` and `follow_symlinks` apply to a Karpathy split file only."""
     path = Path(src)
-    if not path.exists():
-        raise VlprepError(f"source not found: {path}")
-    data = _single_object(path) if path.is_file() and path.suffix.lower() == ".json" else None
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise VlprepError(f"source not found: {path}") from None
+    except (OSError, ValueError) as e:
+        raise VlprepError(f"cannot read source {path}: {getattr(e, 'strerror', None) or e}") from None
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):  # a FIFO would block the first read forever
+        raise VlprepError(f"source {path}: {KINDS.get(stat.S_IFMT(mode), 'a special file')}, not a file or folder")
+    karpathy = image_root is not None or splits is not None or follow_symlinks
+    data = _single_object(path, karpathy) if path.is_file() and path.suffix.lower() == ".json" else None
     if data is not None:  # one JSON object rather than JSON Lines: a Karpathy split file, or a one-line error
-        return karpathy_source(path, data, image_root, splits)
-    if image_root is not None or splits is not None:
-        given = [f for f, v in (("--image-root", image_root), ("--split", splits)) if v is not None]
+        return karpathy_source(path, data, image_root, splits, follow_symlinks)
+    if karpathy:
+        given = [f for f, v in (("--image-root", image_root), ("--split", splits),
+                                ("--follow-symlinks", follow_symlinks or None)) if v is not None]
         raise VlprepError(f"{' and '.join(given)} appl{'y' if len(given) > 1 else 'ies'} only to a Karpathy split "
                           f"file (one JSON object with an 'images' list), not to {path.name}")
     if path.is_file():
