@@ -90,8 +90,8 @@ def _within(path: str, root: str) -> bool:
 
 
 def under_root(root: str, parts: tuple[str, ...], follow_symlinks: bool = False) -> str:
-    """root/parts... as a path to open, or OutsideRoot: no absolute part, no `..` out of root, and (unless
-    follow_symlinks) no symlink whose target is outside root; the returned path is then the resolved one."""
+    """root/parts... as a path to open, or OutsideRoot: no absolute part, no `..` out of root (as the kernel resolves
+    it), and unless follow_symlinks no symlink whose target is outside root (the path returned is then resolved)."""
     if any(os.path.isabs(p) for p in parts):
         raise OutsideRoot()
     root = os.path.abspath(root)
@@ -99,6 +99,9 @@ def under_root(root: str, parts: tuple[str, ...], follow_symlinks: bool = False)
     if not _within(os.path.normpath(path), root):
         raise OutsideRoot()
     if follow_symlinks:
+        # `link/..` is the link target's parent for the kernel, not root: a `..` must land where normpath says
+        if ".." in path.split(os.sep) and os.path.realpath(path) != os.path.realpath(os.path.normpath(path)):
+            raise OutsideRoot()
         return path
     # realpath resolves `a/..` the way the kernel does (through a symlinked `a`), which normpath does not
     real = os.path.realpath(path)
