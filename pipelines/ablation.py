@@ -657,6 +657,10 @@ def rescore_file(path: Path) -> int:
             raise RecipeError(f"not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start:,})") from None
         except RecursionError:
             raise RecipeError("malformed JSON: nested too deeply") from None
+        except json.JSONDecodeError:
+            raise
+        except ValueError as e:  # an integer of more than 4,300 digits
+            raise RecipeError(f"malformed JSON: {str(e).split(';')[0]}") from None
         results = rescore(results)
         table, png = write_outputs(path, results)
     except (OSError, json.JSONDecodeError, KeyError, TypeError, RecipeError, VlprepError) as e:

@@ -135,8 +135,9 @@ def read_detections_file(path: Path, keys: set[str]) -> tuple[dict[str, list[dic
         where = f"{path.name}:{lineno}"
         try:
             row = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-            why = "nested too deeply" if isinstance(e, RecursionError) else e.__class__.__name__
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, a 5,000-digit integer
+            why = e.__class__.__name__ if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)) else (
+                "nested too deeply" if isinstance(e, RecursionError) else str(e).split(";")[0])
             raise VlprepError(f"{where}: malformed JSON ({why})") from None
         if not isinstance(row, dict) or "key" not in row or "objects" not in row:
             raise VlprepError(f"{where}: expected an object with fields 'key' and 'objects'")

@@ -303,7 +303,7 @@ def fingerprint(items: list[Item]) -> str:
             try:
                 st = os.stat(path)
                 parts.append(f"{image}|{st.st_size}|{st.st_mtime_ns}".encode("utf-8", "surrogatepass"))
-            except OSError:
+            except (OSError, ValueError):  # ValueError: a NUL or a lone surrogate in a name (read_image skips it)
                 parts.append(f"{image}|missing".encode("utf-8", "surrogatepass"))
     return hashlib.blake2b(b"".join(parts), digest_size=16).hexdigest()
 

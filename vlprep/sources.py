@@ -163,8 +163,9 @@ def _table_rows(path: Path, kind: str, cols: list[str]) -> Iterator[dict]:
                     continue
                 try:
                     row = json.loads(line)
-                except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-                    why = "nested too deeply" if isinstance(e, RecursionError) else e.__class__.__name__
+                except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, a 5,000-digit int
+                    why = e.__class__.__name__ if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)) else (
+                        json_error(e))
                     raise VlprepError(f"{path.name}:{lineno}: malformed JSON ({why})") from None
                 if not isinstance(row, dict):
                     raise VlprepError(f"{path.name}:{lineno}: expected one JSON object per line")
@@ -345,7 +346,7 @@ def json_error(e: Exception) -> str:
         return "nested too deeply"
     if isinstance(e, UnicodeDecodeError):
         return f"not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start:,})"
-    return str(e).splitlines()[0]
+    return str(e).splitlines()[0].split("; use sys.")[0]  # (a 5,000-digit integer's advice is for programmers)
 
 
 def _single_object(path: Path, karpathy: bool = False) -> dict | None:
@@ -420,6 +421,11 @@ def _check_entry(name: str, i: int, e) -> None:
             raise VlprepError(f"{where}.{key}: expected {want}, not {_json_type(v)} {cut(repr(v), 40)}")
         if isinstance(v, str) and "\0" in v:
             raise VlprepError(f"{where}.{key}: holds a NUL character")
+        if isinstance(v, str) and not v.isascii():
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:  # a JSON "\ud800" escape: no file can have that name
+                raise VlprepError(f"{where}.{key}: holds a lone surrogate, not text") from None
 
 
 def _text(value) -> str | None:

@@ -378,6 +378,8 @@ def test_rescore_refuses_rows_and_findings_of_the_wrong_types_in_one_line(tmp_pa
     (json.dumps(rescore_rows()).encode().replace(b'"c"', b'"caf\xe9"'), "not UTF-8 text (byte 0xe9 at offset "),
     (b"[" * 200_000 + b"]" * 200_000, "malformed JSON: nested too deeply"),
     (b'{"rows": ' + b"[" * 200_000 + b"]" * 200_000 + b"}", "malformed JSON: nested too deeply"),
+    (b'{"rows": [{"arm": "a", "seed": ' + b"9" * 5000 + b"}]}", "malformed JSON: Exceeds the limit (4300 digits) "
+     "for integer string conversion: value has 5000 digits)"),
 ])
 def test_rescore_of_non_utf8_or_deeply_nested_json_is_one_line(tmp_path, capsys, content, said):
     path = tmp_path / "r.json"

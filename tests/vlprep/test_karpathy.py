@@ -532,6 +532,7 @@ def test_special_files_are_refused_without_a_blocking_read(tmp_path):
                            {"filepath": "/dev", "filename": "zero"}])
     r = cli("shards", path, tmp_path / "out", "--workers", "1", "--follow-symlinks")
     assert r.returncode == 0 and "Traceback" not in r.stderr and "no sample was written" in r.stderr
+    assert "pass --follow-symlinks to read through symlinks you trust" in r.stdout + r.stderr  # the skip's hint
     rep = json.loads((tmp_path / "out" / "report.json").read_text())
     assert rep["skipped"] == {"unreadable_image": 3, "image_outside_root": 1}
 
@@ -560,6 +561,7 @@ def test_an_image_file_over_the_size_cap_is_a_counted_skip(tmp_path, monkeypatch
     ({"filename": "a.png", "imgid": "7"}, "images[1].imgid: expected an integer, not a string '7'"),
     ({"filename": "a.png", "imgid": True}, "images[1].imgid: expected an integer, not true True"),
     ({"filename": "a.png", "cocoid": 7.0}, "images[1].cocoid: expected an integer, not a number 7.0"),
+    ({"filename": "b\ud800.png"}, "images[1].filename: holds a lone surrogate, not text"),
 ])
 def test_a_malformed_entry_is_one_line_naming_it(tmp_path, entry, line):
     path = karpathy(tmp_path / "k", [{"filename": "a.png", "cocoid": 1}, entry])
@@ -619,3 +621,23 @@ def test_a_special_file_as_source_or_detections_file_is_one_line(tmp_path, coco_
     r = cli("detect", coco_ds, tmp_path / "det", "--from-file", "/dev/zero")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "error: detections file /dev/zero: a character device, not a regular file"]
+
+
+def test_json_past_pythons_integer_digit_limit_or_with_a_lone_surrogate_path_is_handled(tmp_path):
+    """A 5,000-digit integer is a ValueError from json (not a JSONDecodeError); a "\\ud800" path cannot be stat'ed."""
+    big = "9" * 5000
+    (tmp_path / "a.png").write_bytes(image_bytes())
+    (tmp_path / "t.jsonl").write_text('{"image": "a.png", "caption": "x"}\n{"image": "a.png", "uid": %s}\n' % big)
+    r = cli("shards", tmp_path / "t.jsonl", tmp_path / "out")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "error: t.jsonl:2: malformed JSON (Exceeds the limit (4300 digits) for integer string conversion: value has "
+        "5000 digits)"]
+    (tmp_path / "k.json").write_text('{"images": [{"filename": "a.png", "cocoid": %s, "sentences": []}]}' % big)
+    r = cli("shards", tmp_path / "k.json", tmp_path / "out", "--split", "test")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "error: k.json: malformed JSON: Exceeds the limit (4300 digits) for integer string conversion: value has 5000 "
+        "digits"]
+    (tmp_path / "s.jsonl").write_text('{"image": "a.png", "caption": "x"}\n{"image": "b\\ud800.png", "caption": "y"}\n'
+                                      '{"image": "b\\u0000.png", "caption": "z"}\n')
+    rep = build(tmp_path / "s.jsonl", tmp_path / "o2")
+    assert (rep["written"], rep["skipped"]) == (1, {"unreadable_image": 2})
