@@ -358,7 +358,7 @@ def table_md(results: dict) -> str:
 
 
 RESULTS_BYTES = 64 << 20  # a results file is a few KB: --rescore reads at most this much
-NUMBERS = COLUMNS + ["chance_r1", "zeroshot_chance"]  # a row's float fields (a number or null)
+NUMBERS = COLUMNS + ["chance_r1", "zeroshot_chance"]  # a row's percentages (or null): recalls, top-1, chance
 COUNTS = ["n_eval", "n_captions", "n_images", "zeroshot_n", "step"]  # a row's integer fields (or null)
 
 
@@ -372,7 +372,7 @@ def _kind(value) -> str:
 
 def check_results(results) -> None:
     """A RecipeError naming the field when a results file is not shaped as write_outputs writes it: rows of a string
-    arm, an integer seed and finite numbers; findings naming string arms, a known metric and a numeric effect."""
+    arm, an integer seed and percentages in [0, 100]; findings naming string arms, a known metric and a numeric effect."""
     def need(ok: bool, where: str, want: str, value) -> None:
         if not ok:
             raise RecipeError(f"{where}: expected {want}, not {_kind(value)}")
@@ -389,7 +389,8 @@ def check_results(results) -> None:
         need(type(seed) is int and 0 <= seed <= MAX_SEED, f"rows[{i}].seed", f"an integer in [0, {MAX_SEED}]", seed)
         for c in NUMBERS:
             v = r.get(c)
-            need(v is None or type(v) in (int, float) and math.isfinite(v), f"rows[{i}].{c}", "a finite number", v)
+            need(v is None or type(v) in (int, float) and 0 <= v <= 100, f"rows[{i}].{c}", "a percentage in [0, 100]",
+                 v)
         for c in COUNTS:
             v = r.get(c)
             need(v is None or type(v) is int and v >= 0, f"rows[{i}].{c}", "a count (an integer >= 0)", v)

@@ -350,7 +350,10 @@ def test_rescore_of_a_fifo_or_a_device_is_one_line(tmp_path):
     (lambda d: d["rows"][1].update(seed="1"), "rows[1].seed: expected an integer in [0, 4294967295], not a string '1'"),
     (lambda d: d["rows"][1].update(seed=True), "rows[1].seed: expected an integer in [0, 4294967295], not true"),
     (lambda d: d["rows"][0].update(arm=["a"]), "rows[0].arm: expected a string, not an array ['a']"),
-    (lambda d: d["rows"][2].update(i2t_r1="12.5"), "rows[2].i2t_r1: expected a finite number, not a string '12.5'"),
+    (lambda d: d["rows"][2].update(i2t_r1="12.5"), "rows[2].i2t_r1: expected a percentage in [0, 100], not a string "
+                                                   "'12.5'"),
+    (lambda d: d["rows"][2].update(t2i_r1=1e308), "rows[2].t2i_r1: expected a percentage in [0, 100], not a number "
+                                                  "1e+308"),
     (lambda d: d["rows"][2].update(n_eval="100"), "rows[2].n_eval: expected a count (an integer >= 0), not a string "
                                                   "'100'"),
     (lambda d: d["rows"].append(5), "rows[6]: expected an object, not an integer 5"),
