@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 
 from vlprep import VlprepError, cut
 from vlprep.dataset import TarRef, iter_tar
-from vlprep.userfile import KINDS, FileTooLarge, NotARegularFile, open_regular
+from vlprep.userfile import KINDS, FileTooLarge, NotARegularFile, open_regular, read_regular
 
 TABLE_SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".tsv": "tsv",
                   ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl"}
@@ -271,8 +271,7 @@ def folder_source(path: Path) -> Source:
             rel = "/".join(parts)
             stem = rel[: len(rel) - len(_suffix(name))]
             try:  # a missing caption is counted, not an error; opening it tells us as well as exists() would
-                with open(base + stem + ".txt", "rb") as f:
-                    caption = f.read()
+                caption = read_regular(base + stem + ".txt", CSV_FIELD_BYTES)  # never a FIFO: it would block
             except OSError:
                 caption = None
             yield Item(uid=stem, image=base + rel, caption=caption, source=path.name)

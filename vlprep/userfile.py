@@ -47,28 +47,42 @@ def _check(st: os.stat_result, max_bytes: int | None) -> None:
         raise FileTooLarge(st.st_size, max_bytes)
 
 
-def open_regular(path: str | os.PathLike, max_bytes: int | None = None, follow_symlinks: bool = True) -> BinaryIO:
-    """`path` opened for binary reading when it is a regular file of at most max_bytes (None: any size), else OSError."""
+def _open_fd(path: str | os.PathLike, max_bytes: int | None, follow_symlinks: bool) -> tuple[int, int]:
+    """(descriptor, size) of a regular file of at most max_bytes, opened without blocking; else OSError."""
     _check(os.stat(path, follow_symlinks=follow_symlinks), max_bytes)
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     if not follow_symlinks:
         flags |= getattr(os, "O_NOFOLLOW", 0)
     fd = os.open(path, flags)
     try:
-        _check(os.fstat(fd), max_bytes)  # what was opened, in case the path changed since the stat
-        return os.fdopen(fd, "rb")
+        st = os.fstat(fd)
+        _check(st, max_bytes)  # what was opened, in case the path changed since the stat
+        return fd, st.st_size
     except BaseException:
         os.close(fd)
         raise
 
 
+def open_regular(path: str | os.PathLike, max_bytes: int | None = None, follow_symlinks: bool = True) -> BinaryIO:
+    """`path` opened for binary reading when it is a regular file of at most max_bytes (None: any size), else OSError."""
+    return os.fdopen(_open_fd(path, max_bytes, follow_symlinks)[0], "rb")
+
+
 def read_regular(path: str | os.PathLike, max_bytes: int, follow_symlinks: bool = True) -> bytes:
     """The bytes of a regular file of at most max_bytes, else OSError (NotARegularFile, FileTooLarge, ...)."""
-    with open_regular(path, max_bytes, follow_symlinks) as f:
-        data = f.read(max_bytes + 1)
-    if len(data) > max_bytes:  # it grew after the stat
-        raise FileTooLarge(len(data), max_bytes)
-    return data
+    fd, size = _open_fd(path, max_bytes, follow_symlinks)
+    try:
+        # os.read for the size the stat gave, then to EOF: read(n) would allocate n up front, and a buffered file
+        # object costs more than the read itself on small images (vlprep shards reads every image this way)
+        parts, total = [], 0
+        while chunk := os.read(fd, min(max(size + 1 - total, 1 << 16), max_bytes + 1 - total)):
+            parts.append(chunk)
+            total += len(chunk)
+            if total > max_bytes:  # it grew after the stat
+                raise FileTooLarge(total, max_bytes)
+    finally:
+        os.close(fd)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def read_user_file(path: str | os.PathLike, max_bytes: int, what: str | None = None) -> bytes:

@@ -51,3 +51,48 @@ def test_under_root_keeps_paths_inside(tmp_path):
     assert under_root(root, ("up", "x.png"), follow_symlinks=True) == os.path.join(os.path.abspath(root), "up", "x.png")
     with pytest.raises(OutsideRoot):  # `up/..` is tmp_path's parent for the kernel
         under_root(root, ("up", "..", "r", "x.png"), follow_symlinks=True)
+
+
+def in_thread(fn, timeout: float = 60):
+    """fn()'s result or exception, from a daemon thread: a blocking read fails the test instead of hanging it."""
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except Exception as e:  # handed back to the test
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), "a read blocked"
+    return box
+
+
+def test_a_fifo_caption_beside_a_folder_image_is_a_counted_missing_caption(tmp_path):
+    from tests.conftest import image_bytes
+    from vlprep.shards import ShardsConfig, build_shards
+
+    (tmp_path / "imgs").mkdir()
+    for name in ("a", "b"):
+        (tmp_path / "imgs" / f"{name}.png").write_bytes(image_bytes())
+    (tmp_path / "imgs" / "a.txt").write_text("a caption")
+    os.mkfifo(tmp_path / "imgs" / "b.txt")
+    box = in_thread(lambda: build_shards(ShardsConfig(src=tmp_path / "imgs", out=tmp_path / "out", workers=1)))
+    assert (box["value"]["written"], box["value"]["skipped"]) == (1, {"missing_caption": 1})
+
+
+def test_ontology_overrides_file_is_read_by_the_same_rule(tmp_path):
+    from vlprep.ontology import load_overrides
+
+    os.mkfifo(tmp_path / "fifo.yaml")
+    (tmp_path / "deep.yaml").write_text("[" * 100_000 + "]" * 100_000)
+    (tmp_path / "latin1.yaml").write_bytes(b"caf\xe9: dog\n")
+    cases = {tmp_path / "fifo.yaml": f"overrides file {tmp_path / 'fifo.yaml'}: a FIFO, not a regular file",
+             "/dev/zero": "overrides file /dev/zero: a character device, not a regular file",
+             tmp_path / "deep.yaml": f"{tmp_path / 'deep.yaml'}: not valid YAML (nested too deeply)",
+             tmp_path / "latin1.yaml": f"{tmp_path / 'latin1.yaml'}: not UTF-8 text (byte 0xe9 at offset 3)"}
+    for path, said in cases.items():
+        box = in_thread(lambda: load_overrides(path, {"dog"}))
+        assert isinstance(box.get("error"), VlprepError) and str(box["error"]) == said, box
