@@ -372,7 +372,7 @@ def _kind(value) -> str:
 
 def check_results(results) -> None:
     """A RecipeError naming the field when a results file is not shaped as write_outputs writes it: rows of a string
-    arm, an integer seed and percentages in [0, 100]; findings naming string arms, a known metric and a numeric effect."""
+    arm, an integer seed and percentages in [0, 100]; findings of string arms, a known metric and a numeric effect."""
     def need(ok: bool, where: str, want: str, value) -> None:
         if not ok:
             raise RecipeError(f"{where}: expected {want}, not {_kind(value)}")

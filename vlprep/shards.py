@@ -37,7 +37,8 @@ from vlprep.dataset import (KEY_RE, check_out, finish_dataset, remove_extra_shar
                             write_json_atomic, write_shard, writing_output)
 from vlprep.engine import Work, check_engine, default_workers, map_shards, merged_skips
 from vlprep.imagecheck import looks_complete, png_chunks_ok, probe  # noqa: F401 (png_chunks_ok: API)
-from vlprep.sources import Item, RootedPath, load_images, open_source, parse_splits
+from vlprep.karpathy import parse_splits
+from vlprep.sources import Item, RootedPath, load_images, open_source
 from vlprep.userfile import FileTooLarge, OutsideRoot, read_regular, under_root
 
 FORMATS = {"jpg": "JPEG", "png": "PNG", "webp": "WEBP"}

@@ -2,8 +2,9 @@
 
 A FIFO would block the reader forever and /dev/zero never ends; both are refused from a stat before any read, and the
 file is opened with O_NONBLOCK and checked again on the opened descriptor (a rename in between cannot swap one in).
-`read_user_file` is the one-line-error form for the files a command line names (a Karpathy split file, --rescore,
---from-file); `read_regular` and `under_root` raise OSErrors that `vlprep shards` counts as skipped images.
+`read_user_file` is the one-line-error form for a file a command line names (--rescore, --from-file, --overrides);
+`open_regular` streams one of any size (a Karpathy split .json, which may be a JSON Lines table); `read_regular` and
+`under_root` raise OSErrors that `vlprep shards` counts as skipped images.
 """
 
 import errno
@@ -64,7 +65,7 @@ def _open_fd(path: str | os.PathLike, max_bytes: int | None, follow_symlinks: bo
 
 
 def open_regular(path: str | os.PathLike, max_bytes: int | None = None, follow_symlinks: bool = True) -> BinaryIO:
-    """`path` opened for binary reading when it is a regular file of at most max_bytes (None: any size), else OSError."""
+    """`path` opened for binary reading if it is a regular file of at most max_bytes (None: any size), else OSError."""
     return os.fdopen(_open_fd(path, max_bytes, follow_symlinks)[0], "rb")
 
 
@@ -87,7 +88,7 @@ def read_regular(path: str | os.PathLike, max_bytes: int, follow_symlinks: bool 
 
 def read_user_file(path: str | os.PathLike, max_bytes: int, what: str | None = None) -> bytes:
     """The bytes of a file a user named, or VlprepError in one line: missing, unreadable, not a regular file (a FIFO,
-    a device, a folder) or over max_bytes. `what` names it in the message (e.g. "--rescore x.json"; default: the path)."""
+    a device, a folder) or over max_bytes. `what` names it in the message ("--templates t.txt"; default: the path)."""
     what = what or str(path)
     try:
         return read_regular(path, max_bytes)

@@ -506,7 +506,8 @@ def test_image_paths_that_leave_the_root_are_counted_skips(tmp_path, outside):
     path = karpathy(root, [{"filename": "ok.png"}, {"filename": "../secret/x.png"},
                            {"filepath": "sub", "filename": "../../secret/x.png"}, {"filename": str(outside)},
                            {"filepath": str(outside.parent), "filename": "x.png"}, {"filename": "link.png"},
-                           {"filepath": "sub/dirlink", "filename": "x.png"}, {"filepath": "sub", "filename": "inside.png"},
+                           {"filepath": "sub/dirlink", "filename": "x.png"},
+                           {"filepath": "sub", "filename": "inside.png"},
                            {"filepath": "sub/dirlink/..", "filename": "ok.png"},  # `..` after a symlink: kernel's way
                            {"filepath": "sub/../", "filename": "ok.png"}])  # a `..` that stays inside
     rep = build(path, tmp_path / "out")
