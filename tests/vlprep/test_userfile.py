@@ -96,3 +96,15 @@ def test_ontology_overrides_file_is_read_by_the_same_rule(tmp_path):
     for path, said in cases.items():
         box = in_thread(lambda: load_overrides(path, {"dog"}))
         assert isinstance(box.get("error"), VlprepError) and str(box["error"]) == said, box
+
+
+def test_a_detections_file_with_an_unhashable_key_deep_nesting_or_a_huge_integer_is_one_line(tmp_path):
+    from vlprep.detect import read_detections_file
+
+    cases = {'{"key": ["k"], "objects": []}': r"d\.jsonl:1: unknown key \['k'\] \(not in the dataset\)",
+             "[" * 100_000 + "]" * 100_000: r"d\.jsonl:1: malformed JSON \(nested too deeply\)",
+             '{"key": "k", "objects": [], "n": %s}' % ("9" * 5000): r"d\.jsonl:1: malformed JSON \(Exceeds the limit "}
+    for text, said in cases.items():
+        (tmp_path / "d.jsonl").write_text(text + "\n")
+        with pytest.raises(VlprepError, match="^" + said):
+            read_detections_file(tmp_path / "d.jsonl", {"k"})
