@@ -45,6 +45,7 @@ from rich.table import Table
 
 from vlprep import VlprepError, cut
 from vlprep.remote import check_local
+from vlprep.userfile import read_user_file
 from vltrain.errors import TrainError
 from vltrain.config import ConfigError, load_config
 from vltrain.data import data_signature
@@ -356,8 +357,60 @@ def table_md(results: dict) -> str:
     return "\n".join(md) + "\n"
 
 
+RESULTS_BYTES = 64 << 20  # a results file is a few KB: --rescore reads at most this much
+NUMBERS = COLUMNS + ["chance_r1", "zeroshot_chance"]  # a row's percentages (or null): recalls, top-1, chance
+COUNTS = ["n_eval", "n_captions", "n_images", "zeroshot_n", "step"]  # a row's integer fields (or null)
+
+
+def _kind(value) -> str:
+    """A JSON value's type in words, for an error line."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    names = {dict: "an object", list: "an array", str: "a string", int: "an integer", float: "a number"}
+    return "null" if value is None else f"{names.get(type(value), type(value).__name__)} {cut(repr(value), 30)}"
+
+
+def check_results(results) -> None:
+    """A RecipeError naming the field when a results file is not shaped as write_outputs writes it: rows of a string
+    arm, an integer seed and percentages in [0, 100]; findings of string arms, a known metric and a numeric effect."""
+    def need(ok: bool, where: str, want: str, value) -> None:
+        if not ok:
+            raise RecipeError(f"{where}: expected {want}, not {_kind(value)}")
+
+    need(isinstance(results, dict), "the file", "a JSON object with rows and findings", results)
+    rows, findings = results.get("rows"), results.get("findings", [])
+    need(isinstance(rows, list), "rows", "an array", rows)
+    need(isinstance(findings, list), "findings", "an array", findings)
+    need(isinstance(results.get("meta", {}), dict), "meta", "an object", results.get("meta"))
+    for i, r in enumerate(rows):
+        need(isinstance(r, dict), f"rows[{i}]", "an object", r)
+        need(isinstance(r.get("arm"), str), f"rows[{i}].arm", "a string", r.get("arm"))
+        seed = r.get("seed")
+        need(type(seed) is int and 0 <= seed <= MAX_SEED, f"rows[{i}].seed", f"an integer in [0, {MAX_SEED}]", seed)
+        for c in NUMBERS:
+            v = r.get(c)
+            need(v is None or type(v) in (int, float) and 0 <= v <= 100, f"rows[{i}].{c}", "a percentage in [0, 100]",
+                 v)
+        for c in COUNTS:
+            v = r.get(c)
+            need(v is None or type(v) is int and v >= 0, f"rows[{i}].{c}", "a count (an integer >= 0)", v)
+    for j, f in enumerate(findings):
+        need(isinstance(f, dict), f"findings[{j}]", "an object", f)
+        for key in ("paper", "better", "than"):
+            need(isinstance(f.get(key), str), f"findings[{j}].{key}", "a string", f.get(key))
+        need(f.get("metric") in COLUMNS, f"findings[{j}].metric", f"one of {', '.join(COLUMNS)}", f.get("metric"))
+        v = f.get("paper_effect")
+        need(v is None or type(v) in (int, float) and math.isfinite(v), f"findings[{j}].paper_effect",
+             "a finite number or null", v)
+
+
 def rescore(results: dict) -> dict:
     """The summary, eval sizes and findings recomputed from `rows` and the findings' definitions alone."""
+    check_results(results)
+    try:  # two rows of one arm and seed would be paired once and averaged twice
+        verdicts.check_rows(results["rows"])
+    except ValueError as e:
+        raise RecipeError(str(e)) from None
     rows = [derive(dict(r)) for r in results["rows"]]
     if not rows:
         raise RecipeError("the results hold no rows to score")
@@ -498,6 +551,9 @@ def parse_seeds(text: str | None, default) -> list[int]:
         raise RecipeError(f"--seeds {shown}: seeds are at most {MAX_SEED} (2**32 - 1, numpy's largest seed)")
     if len(seeds) > MAX_SEEDS:
         raise RecipeError(f"--seeds {shown}: at most {MAX_SEEDS} seeds")
+    twice = next((seed for i, seed in enumerate(seeds) if seed in seeds[:i]), None)
+    if twice is not None:  # its rows would be one arm's seed twice: summarised twice, paired once
+        raise RecipeError(f"--seeds {shown}: seed {twice} is given twice")
     if not seeds:  # "0" is a count of none; one seed 0 is "1" (or "0," as a list)
         raise RecipeError(f"--seeds {shown}: give a count of at least 1 (3: seeds 0, 1, 2) or a comma-separated "
                           "list (0,1,2; seed 0 alone: 1)")
@@ -548,6 +604,8 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [n for n in names if n not in recipe["arms"]]
         if unknown:
             raise RecipeError(f"unknown arm(s) {', '.join(unknown)}; {name} has {', '.join(recipe['arms'])}")
+        if len(set(names)) < len(names):
+            raise RecipeError(f"--arms {args.arms}: an arm is named twice")
         seeds = parse_seeds(args.seeds, quick.get("seeds", recipe.get("seeds", 3)))
         steps = args.steps or quick.get("steps")
         demo = args.demo.resolve()
@@ -593,9 +651,20 @@ def main(argv: list[str] | None = None) -> int:
 def rescore_file(path: Path) -> int:
     """--rescore: the summary, findings, table and chart of a results.json again, from its rows alone."""
     try:
-        results = rescore(json.loads(path.read_text()))
+        data = read_user_file(path, RESULTS_BYTES, "the results file")  # never a FIFO or /dev/zero
+        try:
+            results = json.loads(data)
+        except UnicodeDecodeError as e:
+            raise RecipeError(f"not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start:,})") from None
+        except RecursionError:
+            raise RecipeError("malformed JSON: nested too deeply") from None
+        except json.JSONDecodeError:
+            raise
+        except ValueError as e:  # an integer of more than 4,300 digits
+            raise RecipeError(f"malformed JSON: {str(e).split(';')[0]}") from None
+        results = rescore(results)
         table, png = write_outputs(path, results)
-    except (OSError, json.JSONDecodeError, KeyError, TypeError, RecipeError) as e:
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, RecipeError, VlprepError) as e:
         what = f"missing key {e}" if isinstance(e, KeyError) else str(e)
         console.print(f"error: {path}: cannot rescore ({what})", highlight=False, markup=False, soft_wrap=True)
         return 2

@@ -35,6 +35,18 @@ MAX_SEEDS = 1000  # seeds_needed beyond this is reported as more than MAX_SEEDS
 VERDICTS = ("agrees", "disagrees", "rules out the paper's effect", "inconclusive")
 
 
+def check_rows(rows: list[dict]) -> None:
+    """ValueError naming the first (arm, seed) that two rows share: a finding pairs the arms seed by seed, so a
+    repeated seed would be paired once (and its other rows dropped) while an arm's summary counts every row."""
+    seen = set()
+    for i, r in enumerate(rows):
+        pair = (r["arm"], r["seed"])
+        if pair in seen:
+            raise ValueError(f"rows[{i}]: arm {r['arm']!r} seed {r['seed']} has a row already; one row per arm and "
+                             "seed")
+        seen.add(pair)
+
+
 def paired_differences(rows: list[dict], better: str, than: str, metric: str) -> tuple[list[float], list[int],
                                                                                          list[int]]:
     """(d_s in seed order, the seeds paired, the seeds of either arm left out because the other arm lacks them or a
@@ -111,6 +123,7 @@ def seeds_needed(sd: float, effect: float, alpha: float, power_goal: float = POW
 def judge(findings: list[dict], rows: list[dict], alpha: float = ALPHA) -> list[dict]:
     """Each finding (paper, better, than, metric, paper_effect) with diff, ci_low, ci_high, n_seeds, missing_seeds,
     p_zero and p_paper (Holm-adjusted over the recipe's tests), verdict and seeds_needed."""
+    check_rows(rows)
     out, tests = [], []  # tests: (finding index, "zero" | "paper", raw p)
     for i, f in enumerate(findings):
         diffs, seeds, missing = paired_differences(rows, f["better"], f["than"], f["metric"])

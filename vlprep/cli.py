@@ -144,6 +144,8 @@ def shards(
     split: Optional[List[str]] = typer.Option(None, "--split", metavar="<split>", help="Karpathy split file: keep "
                                               "the images of this split (train, restval, val, test); repeat or "
                                               "comma-separate for several \\[default: all]."),
+    follow_symlinks: bool = typer.Option(False, "--follow-symlinks", help="Karpathy split file: also read images "
+                                         "through symlinks that lead out of the image root (refused by default)."),
     decode_check: bool = typer.Option(False, help="Fully decode pass-through images to catch corrupt data "
                                       "(slower; the default checks headers and end markers)."),
     overwrite: bool = typer.Option(False, help="Replace the vlprep files in a non-empty OUT written otherwise."),
@@ -155,7 +157,7 @@ def shards(
     cfg = ShardsConfig(src=src, out=out, samples_per_shard=samples_per_shard, resize=resize, format=format,
                        quality=quality, prefix=prefix, image_col=image_col, caption_col=caption_col,
                        uid_col=uid_col, image_root=image_root, split=list(split) if split else None,
-                       decode_check=decode_check, overwrite=overwrite)
+                       follow_symlinks=follow_symlinks, decode_check=decode_check, overwrite=overwrite)
     run_stage(cfg, workers, distributor, build_shards, print_shards_report, out, "report.json has the skip counts",
               empty="no sample was written; the skip reasons above say why")
 

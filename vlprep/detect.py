@@ -25,12 +25,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
 
-from vlprep import VlprepError
-from vlprep.urls import redact
+from vlprep import VlprepError, cut
 from vlprep.dataset import (batches, carried_features, decode_sample, finish_dataset, image_ext, iter_aligned,
                             open_derived, sidecar_name, to_rgb, write_json_atomic, write_shard, writing_output)
 from vlprep.engine import Work, check_engine, map_shards
+from vlprep.urls import redact
+from vlprep.userfile import read_user_file
 
+DETECTIONS_BYTES = 4 << 30  # a detections file is read whole (its objects are held for the run): a cap on that
 OBJECT_TYPE = pa.list_(pa.struct([("label", pa.string()), ("score", pa.float32()), ("box", pa.list_(pa.float32()))]))
 
 
@@ -122,43 +124,45 @@ class TorchvisionDetector:
         return out
 
 
-def read_detections_file(path: Path, keys: set[str]) -> dict[str, list[dict]]:
-    """key -> objects from a JSONL file; a clear error naming the line for anything malformed."""
-    if not path.exists():
-        raise VlprepError(f"detections file not found: {path}")
+def read_detections_file(path: Path, keys: set[str]) -> tuple[dict[str, list[dict]], bytes]:
+    """(key -> objects, the file's blake2b digest) from a JSONL file; a clear error naming the line for anything
+    malformed, one line for a missing, special (a FIFO) or oversized file."""
+    data = read_user_file(path, DETECTIONS_BYTES, f"detections file {path}")
     out = {}
-    with open(path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path.name}:{lineno}"
-            try:
-                row = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise VlprepError(f"{where}: malformed JSON ({e.__class__.__name__})") from None
-            if not isinstance(row, dict) or "key" not in row or "objects" not in row:
-                raise VlprepError(f"{where}: expected an object with fields 'key' and 'objects'")
-            key, objs = row["key"], row["objects"]
-            if key not in keys:
-                raise VlprepError(f"{where}: unknown key {key!r} (not in the dataset)")
-            if key in out:
-                raise VlprepError(f"{where}: key {key!r} appears twice")
-            if not isinstance(objs, list):
-                raise VlprepError(f"{where}: 'objects' must be a list")
-            clean = []
-            for j, o in enumerate(objs):
-                if not isinstance(o, dict) or not {"label", "score", "box"} <= set(o):
-                    raise VlprepError(f"{where}: object {j} needs fields label, score and box")
-                box = o["box"]
-                if (not isinstance(box, list) or len(box) != 4 or not all(isinstance(v, (int, float)) for v in box)
-                        or not all(0 <= v <= 1 for v in box)):
-                    raise VlprepError(f"{where}: object {j}: box must be 4 numbers in [0, 1] (x0, y0, x1, y1)")
-                if not isinstance(o["score"], (int, float)) or not isinstance(o["label"], str):
-                    raise VlprepError(f"{where}: object {j}: label must be a string and score a number")
-                clean.append({"label": o["label"], "score": round(float(o["score"]), 4),
-                              "box": [round(float(v), 4) for v in box]})
-            out[key] = clean
-    return out
+    # the lines of the bytes read once, which the digest is also of
+    for lineno, line in enumerate(data.split(b"\n"), 1):
+        if not line.strip():
+            continue
+        where = f"{path.name}:{lineno}"
+        try:
+            row = json.loads(line)
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, a 5,000-digit integer
+            why = e.__class__.__name__ if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)) else (
+                "nested too deeply" if isinstance(e, RecursionError) else str(e).split(";")[0])
+            raise VlprepError(f"{where}: malformed JSON ({why})") from None
+        if not isinstance(row, dict) or "key" not in row or "objects" not in row:
+            raise VlprepError(f"{where}: expected an object with fields 'key' and 'objects'")
+        key, objs = row["key"], row["objects"]
+        if not isinstance(key, str) or key not in keys:  # (a list or an object is unhashable: no set lookup)
+            raise VlprepError(f"{where}: unknown key {cut(repr(key), 60)} (not in the dataset)")
+        if key in out:
+            raise VlprepError(f"{where}: key {key!r} appears twice")
+        if not isinstance(objs, list):
+            raise VlprepError(f"{where}: 'objects' must be a list")
+        clean = []
+        for j, o in enumerate(objs):
+            if not isinstance(o, dict) or not {"label", "score", "box"} <= set(o):
+                raise VlprepError(f"{where}: object {j} needs fields label, score and box")
+            box = o["box"]
+            if (not isinstance(box, list) or len(box) != 4 or not all(isinstance(v, (int, float)) for v in box)
+                    or not all(0 <= v <= 1 for v in box)):
+                raise VlprepError(f"{where}: object {j}: box must be 4 numbers in [0, 1] (x0, y0, x1, y1)")
+            if not isinstance(o["score"], (int, float)) or not isinstance(o["label"], str):
+                raise VlprepError(f"{where}: object {j}: label must be a string and score a number")
+            clean.append({"label": o["label"], "score": round(float(o["score"]), 4),
+                          "box": [round(float(v), 4) for v in box]})
+        out[key] = clean
+    return out, hashlib.blake2b(data, digest_size=16).digest()
 
 
 # --- the stage ---------------------------------------------------------------------------------
@@ -255,7 +259,7 @@ def detect(cfg: DetectConfig, progress=None) -> dict:
     keys = {s: pq.read_table(ds.sidecar(s), columns=["key"]).column(0).to_pylist() for s in ds.shards}
     imported = None
     if cfg.from_file is not None:
-        imported = read_detections_file(Path(cfg.from_file), {k for ks in keys.values() for k in ks})
+        imported, digest = read_detections_file(Path(cfg.from_file), {k for ks in keys.values() for k in ks})
         backend = f"file:{Path(cfg.from_file).name}"
     else:
         # Loaded here to check the backend and weights before OUT is touched; other workers load their own.
@@ -268,7 +272,7 @@ def detect(cfg: DetectConfig, progress=None) -> dict:
     with writing_output(out, "detect", options, cfg.overwrite):
         salt = json.dumps({"backend": backend, "min_score": cfg.min_score}).encode()
         if cfg.from_file is not None:
-            salt += hashlib.blake2b(Path(cfg.from_file).read_bytes(), digest_size=16).digest()
+            salt += digest
         plan = []
         for shard in ds.shards:
             fp = ds.fingerprint(shard, salt)

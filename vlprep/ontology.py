@@ -34,7 +34,9 @@ from vlprep.urls import redact
 from vlprep.dataset import (carried_features, decode_sample, finish_dataset, iter_aligned, open_derived, sidecar_name,
                             write_json_atomic, write_shard, writing_output)
 from vlprep.engine import Work, check_engine, map_shards
+from vlprep.userfile import read_user_file
 
+OVERRIDES_BYTES = 16 << 20  # --overrides is a hand-written YAML of noun: class lines
 PAPER_RATIO = 5000 / 5_800_000  # min instances per triplet in TOnICS (5,000 on 5.8M triplets)
 TRIPLET_RULES = ("all", "detected")
 NOUN_TYPE = pa.list_(pa.struct([("noun", pa.string()), ("start", pa.int32()), ("end", pa.int32())]))
@@ -97,9 +99,11 @@ def load_overrides(path: Path | None, labels: set[str]) -> dict:
     import yaml
 
     try:
-        data = yaml.safe_load(Path(path).read_text())
-    except FileNotFoundError:
-        raise VlprepError(f"overrides file not found: {path}") from None
+        data = yaml.safe_load(read_user_file(path, OVERRIDES_BYTES, f"overrides file {path}").decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise VlprepError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start:,})") from None
+    except RecursionError:
+        raise VlprepError(f"{path}: not valid YAML (nested too deeply)") from None
     except yaml.YAMLError as e:
         raise VlprepError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
     data = data or {}

@@ -125,6 +125,10 @@ def print_shards_report(report: dict, console: Console) -> None:
     for reason, n in report["skipped"].items():
         t.add_row(f"skipped: {reason}", f"{n:,}", ", ".join(report["skipped_examples"].get(reason, [])[:3]))
     console.print(t)
+    if "image_outside_root" in report["skipped"]:  # a symlinked val2014/ is common, and its fix is one flag
+        console.print("image_outside_root: an absolute image name, a `..` out of the image root, or a symlink leading "
+                      "out of it; pass --follow-symlinks to read through symlinks you trust", highlight=False,
+                      markup=False, soft_wrap=True)
     extra = f", {report['shards_resumed']} shard(s) resumed" if report["shards_resumed"] else ""
     console.print(f"{report['elapsed_s']:.1f}s ({report['samples_per_s']} samples/s){extra}")
 

@@ -37,7 +37,9 @@ from vlprep.dataset import (KEY_RE, check_out, finish_dataset, remove_extra_shar
                             write_json_atomic, write_shard, writing_output)
 from vlprep.engine import Work, check_engine, default_workers, map_shards, merged_skips
 from vlprep.imagecheck import looks_complete, png_chunks_ok, probe  # noqa: F401 (png_chunks_ok: API)
-from vlprep.sources import Item, load_images, open_source, parse_splits
+from vlprep.karpathy import parse_splits
+from vlprep.sources import Item, RootedPath, load_images, open_source
+from vlprep.userfile import FileTooLarge, OutsideRoot, read_regular, under_root
 
 FORMATS = {"jpg": "JPEG", "png": "PNG", "webp": "WEBP"}
 PIL_TO_EXT = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp", "MPO": "jpg"}
@@ -65,6 +67,7 @@ class ShardsConfig:
     uid_col: str | None = None
     image_root: Path | None = None    # Karpathy split file: the folder its filepath/filename are relative to
     split: list[str] | None = None    # Karpathy split file: the splits kept (None: all); normalised by validate()
+    follow_symlinks: bool = False     # Karpathy split file: read images through symlinks that leave the image root
     decode_check: bool = False
     overwrite: bool = False
 
@@ -131,17 +134,31 @@ def clean_captions(captions: list) -> list[str]:
     return kept
 
 
-def read_image(image: str | bytes | None) -> bytes:
+# An image file is read whole into memory: past this it is the counted skip image_too_large, as a decoded image past
+# Pillow's pixel limit is. 256 MiB holds an uncompressed RGB bitmap of Pillow's 89M-pixel warning size.
+MAX_IMAGE_BYTES = 256 << 20
+
+
+def read_image(image: str | bytes | RootedPath | None) -> bytes:
+    """An image's bytes, or Skip: only a regular file (a FIFO or a device is never read) of at most MAX_IMAGE_BYTES,
+    and a Karpathy entry's only from under its image root."""
     if image is None:
         raise Skip("missing_image")
     if isinstance(image, bytes):
         return image
+    follow = True
     try:
-        with open(image, "rb") as f:
-            return f.read()
+        if isinstance(image, RootedPath):
+            follow = image.follow_symlinks
+            image = under_root(image.root, image.parts, follow)
+        return read_regular(image, MAX_IMAGE_BYTES, follow_symlinks=follow)
+    except OutsideRoot:
+        raise Skip("image_outside_root") from None
+    except FileTooLarge:
+        raise Skip("image_too_large") from None
     except FileNotFoundError:
         raise Skip("missing_image") from None
-    except OSError:  # permission denied, a folder, an I/O error
+    except (OSError, ValueError):  # not a regular file, permission denied, an I/O error; a NUL in a table's path
         raise Skip("unreadable_image") from None
 
 
@@ -287,7 +304,7 @@ def fingerprint(items: list[Item]) -> str:
             try:
                 st = os.stat(path)
                 parts.append(f"{image}|{st.st_size}|{st.st_mtime_ns}".encode("utf-8", "surrogatepass"))
-            except OSError:
+            except (OSError, ValueError):  # ValueError: a NUL or a lone surrogate in a name (read_image skips it)
                 parts.append(f"{image}|missing".encode("utf-8", "surrogatepass"))
     return hashlib.blake2b(b"".join(parts), digest_size=16).hexdigest()
 
@@ -297,12 +314,13 @@ def build_shards(cfg: ShardsConfig, progress=None) -> dict:
     cfg.validate()
     t0 = time.perf_counter()
     out = check_out(cfg.out, cfg.src)
-    source = open_source(cfg.src, cfg.image_col, cfg.caption_col, cfg.uid_col, cfg.image_root, cfg.split)
+    source = open_source(cfg.src, cfg.image_col, cfg.caption_col, cfg.uid_col, cfg.image_root, cfg.split,
+                         cfg.follow_symlinks)
     options = {k: v for k, v in asdict(cfg).items() if k not in ("src", "out", "workers", "distributor", "overwrite")}
     options["src"] = str(Path(cfg.src).resolve())
     # Karpathy options are recorded only when given, so every other source's options stay what they were.
-    for name in ("image_root", "split"):
-        if options[name] is None:
+    for name in ("image_root", "split", "follow_symlinks"):
+        if options[name] in (None, False):
             del options[name]
     if cfg.image_root is not None:
         options["image_root"] = str(Path(cfg.image_root).resolve())

@@ -1,4 +1,5 @@
-"""Image-caption sources for `vlprep shards`: tables, image folders, existing WebDatasets, and Karpathy split files.
+"""Image-caption sources for `vlprep shards`: tables, image folders, existing WebDatasets, and Karpathy split files
+(read by vlprep/karpathy.py).
 
 Each source is a generator of `Item`s in a fixed order; the item's position in that order is its
 sample index, so keys depend only on the source, never on timing or the number of workers.
@@ -10,6 +11,7 @@ where the shard is written.
 import csv
 import json
 import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +22,7 @@ import pyarrow.parquet as pq
 
 from vlprep import VlprepError
 from vlprep.dataset import TarRef, iter_tar
+from vlprep.userfile import KINDS, read_regular
 
 TABLE_SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".tsv": "tsv",
                   ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl"}
@@ -30,7 +33,22 @@ IMAGE_COLUMNS = ("image", "image_path", "img", "img_path", "filepath", "file_nam
 CAPTION_COLUMNS = ("caption", "text", "txt", "caption_text", "sentence", "title", "alt", "description")
 UID_COLUMNS = ("uid", "key", "id", "image_id")
 WDS_IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
-KARPATHY_SPLITS = ("train", "restval", "val", "test")  # the values of `split` in dataset_coco.json / _flickr30k.json
+
+
+class RootedPath(NamedTuple):
+    """A Karpathy entry's image: `parts` (filepath, filename) under `root`, read only if it stays there
+    (vlprep.userfile.under_root); str() is the joined path, as a plain path item would hold."""
+
+    root: str
+    parts: tuple[str, ...]
+    follow_symlinks: bool = False
+
+    @property
+    def path(self) -> str:
+        return str(Path(self.root, *self.parts))
+
+    def __str__(self) -> str:
+        return self.path
 
 
 class RowRef(NamedTuple):
@@ -50,7 +68,7 @@ class Item:
     """
 
     uid: str
-    image: str | bytes | TarRef | RowRef | None
+    image: str | bytes | TarRef | RowRef | RootedPath | None
     caption: str | bytes | None
     source: str
     url: str | None = None
@@ -104,8 +122,8 @@ def _table_columns(path: Path, kind: str) -> list[str]:
             return []
     except VlprepError:
         raise
-    except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
-        raise VlprepError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
+    except (OSError, ValueError, RecursionError) as e:  # pyarrow's ArrowInvalid is a ValueError
+        raise VlprepError(f"cannot read {path}: {json_error(e)}") from None
 
 
 def _cell_image(value, base: Path) -> str | bytes | None:
@@ -145,8 +163,10 @@ def _table_rows(path: Path, kind: str, cols: list[str]) -> Iterator[dict]:
                     continue
                 try:
                     row = json.loads(line)
-                except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                    raise VlprepError(f"{path.name}:{lineno}: malformed JSON ({e.__class__.__name__})") from None
+                except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, a 5,000-digit int
+                    why = e.__class__.__name__ if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)) else (
+                        json_error(e))
+                    raise VlprepError(f"{path.name}:{lineno}: malformed JSON ({why})") from None
                 if not isinstance(row, dict):
                     raise VlprepError(f"{path.name}:{lineno}: expected one JSON object per line")
                 yield row
@@ -178,7 +198,7 @@ def _holds_bytes(t: pa.DataType) -> bool:
     return pa.types.is_binary(t) or pa.types.is_large_binary(t)
 
 
-def load_images(items: list[Item]) -> list[str | bytes | None]:
+def load_images(items: list[Item]) -> list[str | bytes | RootedPath | None]:
     """Each item's image as a path or bytes: TarRefs and RowRefs read here, Parquet row groups once per call."""
     out, rows = [], {}
     for it in items:
@@ -251,8 +271,7 @@ def folder_source(path: Path) -> Source:
             rel = "/".join(parts)
             stem = rel[: len(rel) - len(_suffix(name))]
             try:  # a missing caption is counted, not an error; opening it tells us as well as exists() would
-                with open(base + stem + ".txt", "rb") as f:
-                    caption = f.read()
+                caption = read_regular(base + stem + ".txt", CSV_FIELD_BYTES)  # never a FIFO: it would block
             except OSError:
                 caption = None
             yield Item(uid=stem, image=base + rel, caption=caption, source=path.name)
@@ -270,7 +289,7 @@ def webdataset_source(path: Path) -> Source:
         if sizes_file.exists():
             try:
                 tars = [path / name for name in json.loads(sizes_file.read_text())]
-            except (json.JSONDecodeError, TypeError):
+            except (ValueError, TypeError, RecursionError):
                 tars = None
         if tars is None or not all(t.exists() for t in tars):
             tars = sorted(path.glob("*.tar"))
@@ -288,7 +307,7 @@ def webdataset_source(path: Path) -> Source:
                 if "json" in s:
                     try:
                         meta = json.loads(s["json"])
-                    except (json.JSONDecodeError, UnicodeDecodeError):
+                    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
                         meta = {}
                 image = next((s[e] for e in WDS_IMAGE_EXTS if e in s), None)
                 yield Item(uid=s["__key__"], image=image, caption=s.get("txt"), source=tar.name,
@@ -297,106 +316,37 @@ def webdataset_source(path: Path) -> Source:
     return Source("webdataset", path, {}, total, items())
 
 
-def parse_splits(values: str | list[str] | tuple[str, ...] | None) -> list[str] | None:
-    """--split values (repeated and/or comma-separated) -> the chosen splits in KARPATHY_SPLITS order, or None (all).
-
-    One canonical list, so that `--split test,val` and `--split val --split test` record the same options.
-    """
-    if values is None:
-        return None
-    if isinstance(values, str):  # a library caller's split="test,val"
-        values = [values]
-    names = [v.strip() for value in values for v in str(value).split(",")]
-    bad = [n for n in names if n not in KARPATHY_SPLITS]
-    if bad or not names:
-        raise VlprepError(f"unknown --split {bad[0] if bad else ''!r}; splits are: {', '.join(KARPATHY_SPLITS)}")
-    return [s for s in KARPATHY_SPLITS if s in names]
-
-
-NOT_KARPATHY = ("a JSON object without an 'images' list of entries with 'sentences': not a Karpathy split file; "
-                "a table must be JSON Lines (one object per line)")
-
-
-def _single_object(path: Path) -> dict | None:
-    """The object a `.json` file holds when it is one JSON object rather than JSON Lines, else None.
-
-    Cheap for JSON Lines: only the first line is parsed (and the next one looked at). A file whose one object spans
-    several lines (pretty-printed) is parsed whole. A one-line file of one object is JSON Lines of one record, as it
-    always was, unless that object has an 'images' key (a Karpathy file is one line; so is COCO's own annotation
-    file, which is refused by the caller). None also for anything malformed: the JSON Lines reader names the line.
-    """
-    try:
-        with open(path, "rb") as f:
-            first = next((line for line in f if line.strip()), b"")
-            if not first.lstrip().startswith(b"{"):
-                return None
-            try:
-                obj = json.loads(first)
-            except ValueError:  # an object over several lines, or a bad first line (JSONDecodeError, UnicodeError)
-                f.seek(0)
-                try:
-                    obj = json.load(f)
-                except ValueError:
-                    return None
-                return obj if isinstance(obj, dict) else None
-            if not isinstance(obj, dict) or "images" not in obj or any(line.strip() for line in f):
-                return None
-            return obj
-    except OSError as e:
-        raise VlprepError(f"cannot read {path}: {e.strerror or e}") from None
-
-
-def _text(value) -> str | None:
-    return value if isinstance(value, str) else None
-
-
-def karpathy_source(path: Path, data: dict, image_root: str | os.PathLike | None = None,
-                    splits: list[str] | None = None) -> Source:
-    """A Karpathy split file (dataset_coco.json, dataset_flickr30k.json): one multi-caption item per image entry.
-
-    The image is image_root / filepath / filename (filepath only when present: COCO has it, Flickr30k does not);
-    image_root defaults to the file's folder. The captions are the entry's sentences' `raw` texts, in file order.
-    uid is the cocoid, else the imgid, else the file name. `splits` keeps the entries of those splits (file order
-    kept); None keeps all. A bad entry becomes an item that `vlprep shards` skips and counts (missing image or
-    caption), never an error.
-    """
-    images = data.get("images")
-    if not isinstance(images, list) or not any(isinstance(e, dict) and "sentences" in e for e in images):
-        raise VlprepError(f"{path.name}: {NOT_KARPATHY}")
-    root = Path(image_root) if image_root is not None else path.parent
-    if image_root is not None and not root.is_dir():
-        raise VlprepError(f"--image-root {root}: not a folder")
-    chosen = None if splits is None else set(splits)
-    entries = [e for e in images if isinstance(e, dict) and (chosen is None or e.get("split") in chosen)]
-
-    def items() -> Iterator[Item]:
-        for i, e in enumerate(entries):
-            name = _text(e.get("filename"))
-            folder = _text(e.get("filepath"))
-            image = None if not name else str(root / folder / name) if folder else str(root / name)
-            sentences = e.get("sentences")
-            captions = [_text(s.get("raw")) if isinstance(s, dict) else None
-                        for s in (sentences if isinstance(sentences, list) else [])]
-            meta = {k: e[k] for k in ("cocoid", "imgid", "split") if e.get(k) is not None}
-            uid = next((str(e[k]) for k in ("cocoid", "imgid") if e.get(k) is not None), name or str(i))
-            yield Item(uid=uid, image=image, caption=captions[0] if captions else None, source=path.name,
-                       captions=captions, meta=meta)
-
-    return Source("karpathy", path, {}, len(entries), items(), multi_caption=True)
+def json_error(e: Exception) -> str:
+    """A JSON parse failure in words: the decoder's message, not UTF-8, or nesting past Python's recursion limit."""
+    if isinstance(e, RecursionError):
+        return "nested too deeply"
+    if isinstance(e, UnicodeDecodeError):
+        return f"not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start:,})"
+    return str(e).splitlines()[0].split("; use sys.")[0]  # (a 5,000-digit integer's advice is for programmers)
 
 
 def open_source(src: str | os.PathLike, image_col=None, caption_col=None, uid_col=None, image_root=None,
-                splits: list[str] | None = None) -> Source:
+                splits: list[str] | None = None, follow_symlinks: bool = False) -> Source:
     """Pick the source type from the path: a table file (or a Karpathy split .json), a .tar / folder of .tar shards,
-    or an image folder. `image_root` and `splits` apply to a Karpathy split file only."""
+    or an image folder. `image_root`, `splits` and `follow_symlinks` apply to a Karpathy split file only."""
     path = Path(src)
-    if not path.exists():
-        raise VlprepError(f"source not found: {path}")
-    data = _single_object(path) if path.is_file() and path.suffix.lower() == ".json" else None
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise VlprepError(f"source not found: {path}") from None
+    except (OSError, ValueError) as e:
+        raise VlprepError(f"cannot read source {path}: {getattr(e, 'strerror', None) or e}") from None
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):  # a FIFO would block the first read forever
+        raise VlprepError(f"source {path}: {KINDS.get(stat.S_IFMT(mode), 'a special file')}, not a file or folder")
+    from vlprep.karpathy import karpathy_source, single_object  # (it imports this module's Item and Source)
+
+    karpathy = image_root is not None or splits is not None or follow_symlinks
+    data = single_object(path, karpathy) if path.is_file() and path.suffix.lower() == ".json" else None
     if data is not None:  # one JSON object rather than JSON Lines: a Karpathy split file, or a one-line error
-        return karpathy_source(path, data, image_root, splits)
-    if image_root is not None or splits is not None:
-        given = [f for f, v in (("--image-root", image_root), ("--split", splits)) if v is not None]
+        return karpathy_source(path, data, image_root, splits, follow_symlinks)
+    if karpathy:
+        given = [f for f, v in (("--image-root", image_root), ("--split", splits),
+                                ("--follow-symlinks", follow_symlinks or None)) if v is not None]
         raise VlprepError(f"{' and '.join(given)} appl{'y' if len(given) > 1 else 'ies'} only to a Karpathy split "
                           f"file (one JSON object with an 'images' list), not to {path.name}")
     if path.is_file():

@@ -2,7 +2,10 @@
 
 import importlib.util
 import json
+import os
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -317,3 +320,84 @@ def test_bad_seeds_and_steps_are_refused_in_one_line_before_anything_is_built(tm
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.yaml"]  # no demo folder, no results
     with pytest.raises(ablation.RecipeError, match="seeds are at least 0"):
         ablation.parse_seeds("-1", 1)
+
+
+def rescore_rows() -> dict:
+    """A small valid results file: arms a and b, seeds 0-2, one finding."""
+    rows = [{"arm": a, "seed": s, "i2t_r1": 10.0 + s + 2 * (a == "b"), "t2i_r1": 11.0, "mean_recall": 20.0,
+             "n_eval": 100, "chance_r1": 1.0, "step": 5} for a in "ab" for s in range(3)]
+    return {"recipe": "x", "meta": {"command": "c", "date": "d", "steps": "5 steps"}, "rows": rows,
+            "findings": [{"paper": "b beats a", "better": "b", "than": "a", "metric": "i2t_r1", "paper_effect": 1.0}]}
+
+
+def rescore_cli(path) -> subprocess.CompletedProcess:
+    """--rescore in a child process: a read that blocks fails the test on the timeout instead of hanging it."""
+    return subprocess.run([sys.executable, str(ROOT / "pipelines" / "ablation.py"), "--rescore", str(path)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "300"})
+
+
+def test_rescore_of_a_fifo_or_a_device_is_one_line(tmp_path):
+    os.mkfifo(tmp_path / "fifo.json")
+    for path, kind in ((tmp_path / "fifo.json", "a FIFO"), (Path("/dev/zero"), "a character device"),
+                       (tmp_path, "a folder")):
+        r = rescore_cli(path)
+        assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+            f"error: {path}: cannot rescore (the results file: {kind}, not a regular file)"], r.stderr
+
+
+@pytest.mark.parametrize("mutate, said", [
+    (lambda d: d["rows"][1].update(seed="1"), "rows[1].seed: expected an integer in [0, 4294967295], not a string '1'"),
+    (lambda d: d["rows"][1].update(seed=True), "rows[1].seed: expected an integer in [0, 4294967295], not true"),
+    (lambda d: d["rows"][0].update(arm=["a"]), "rows[0].arm: expected a string, not an array ['a']"),
+    (lambda d: d["rows"][2].update(i2t_r1="12.5"), "rows[2].i2t_r1: expected a percentage in [0, 100], not a string "
+                                                   "'12.5'"),
+    (lambda d: d["rows"][2].update(t2i_r1=1e308), "rows[2].t2i_r1: expected a percentage in [0, 100], not a number "
+                                                  "1e+308"),
+    (lambda d: d["rows"][2].update(n_eval="100"), "rows[2].n_eval: expected a count (an integer >= 0), not a string "
+                                                  "'100'"),
+    (lambda d: d["rows"].append(5), "rows[6]: expected an object, not an integer 5"),
+    (lambda d: d.update(rows={"a": 1}), "rows: expected an array, not an object {'a': 1}"),
+    (lambda d: d.update(findings="b beats a"), "findings: expected an array, not a string 'b beats a'"),
+    (lambda d: d["findings"][0].update(better=["b"]), "findings[0].better: expected a string, not an array ['b']"),
+    (lambda d: d["findings"][0].update(paper_effect="1.0"),
+     "findings[0].paper_effect: expected a finite number or null, not a string '1.0'"),
+    (lambda d: d.update(meta=["c"]), "meta: expected an object, not an array ['c']"),
+    # every row seed 0: n_seeds 1 for the finding while each arm's summary averaged three rows
+    (lambda d: [r.update(seed=0) for r in d["rows"]], "rows[1]: arm 'a' seed 0 has a row already; one row per arm "
+                                                      "and seed"),
+])
+def test_rescore_refuses_rows_and_findings_of_the_wrong_types_in_one_line(tmp_path, capsys, mutate, said):
+    data = rescore_rows()
+    mutate(data)
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(data))
+    assert ablation.main(["--rescore", str(path)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"error: {path}: cannot rescore ({said})"]
+    assert json.loads(path.read_text()) == data and not (tmp_path / "r.md").exists()
+
+
+@pytest.mark.parametrize("content, said", [
+    (json.dumps(rescore_rows()).encode().replace(b'"c"', b'"caf\xe9"'), "not UTF-8 text (byte 0xe9 at offset "),
+    (b"[" * 200_000 + b"]" * 200_000, "malformed JSON: nested too deeply"),
+    (b'{"rows": ' + b"[" * 200_000 + b"]" * 200_000 + b"}", "malformed JSON: nested too deeply"),
+    (b'{"rows": [{"arm": "a", "seed": ' + b"9" * 5000 + b"}]}", "malformed JSON: Exceeds the limit (4300 digits) "
+     "for integer string conversion: value has 5000 digits)"),
+])
+def test_rescore_of_non_utf8_or_deeply_nested_json_is_one_line(tmp_path, capsys, content, said):
+    path = tmp_path / "r.json"
+    path.write_bytes(content)
+    assert ablation.main(["--rescore", str(path)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {path}: cannot rescore ({said}")
+
+
+def test_rescore_of_a_valid_file_still_works_and_duplicate_seeds_or_arms_are_refused_up_front(tmp_path, capsys):
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(rescore_rows()))
+    assert ablation.main(["--rescore", str(path)]) == 0
+    assert json.loads(path.read_text())["findings"][0]["n_seeds"] == 3
+    with pytest.raises(ablation.RecipeError, match=r"^--seeds '1,1': seed 1 is given twice$"):
+        ablation.parse_seeds("1,1", 3)
+    assert ablation.main(["grit", "--arms", "grit,grit", "--demo", str(tmp_path / "nodemo")]) == 2
+    assert "an arm is named twice" in capsys.readouterr().err

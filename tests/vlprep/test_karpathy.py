@@ -467,3 +467,178 @@ def test_detect_features_and_ontology_copy_the_captions(coco_ds, tmp_path):
         assert read_sidecars(open_dataset(out)).column("captions").to_pylist() == want
     assert all("npy" in s for s in iter_samples(tmp_path / "feat"))
     assert all("nouns" in s["json"] for s in iter_samples(tmp_path / "onto"))
+
+
+# --- reads stay under the image root; malformed files are one line -------------------------------------------------
+
+
+def karpathy(root: Path, entries: list[dict], name: str = "k.json") -> Path:
+    """A Karpathy file of `entries` (each gets a caption and split test unless given) in `root`."""
+    root.mkdir(parents=True, exist_ok=True)
+    full = [{"split": "test", "imgid": i, "sentences": [{"raw": f"caption {i}"}], **e} for i, e in enumerate(entries)]
+    (root / name).write_text(json.dumps({"images": full}))
+    return root / name
+
+
+def cli(*args, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`vlprep ARGS` in a child process: a stage that blocks on a FIFO fails the test on the timeout, never hangs it."""
+    return subprocess.run([sys.executable, "-m", "vlprep.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "COLUMNS": "300",
+                                                "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+
+
+@pytest.fixture
+def outside(tmp_path) -> Path:
+    """tmp/secret/x.png: a readable image outside the image root tmp/root (which holds ok.png)."""
+    (tmp_path / "secret").mkdir()
+    (tmp_path / "secret" / "x.png").write_bytes(image_bytes(20, 20, seed=9))
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / "ok.png").write_bytes(image_bytes(20, 20, seed=1))
+    return tmp_path / "secret" / "x.png"
+
+
+def test_image_paths_that_leave_the_root_are_counted_skips(tmp_path, outside):
+    root = tmp_path / "root"
+    (root / "sub").mkdir()
+    os.symlink(outside, root / "link.png")  # a symlink inside the root to a file outside it
+    os.symlink(tmp_path / "secret", root / "sub" / "dirlink")  # ... and to a folder outside it
+    os.symlink(root / "ok.png", root / "sub" / "inside.png")  # a symlink that stays inside: read
+    path = karpathy(root, [{"filename": "ok.png"}, {"filename": "../secret/x.png"},
+                           {"filepath": "sub", "filename": "../../secret/x.png"}, {"filename": str(outside)},
+                           {"filepath": str(outside.parent), "filename": "x.png"}, {"filename": "link.png"},
+                           {"filepath": "sub/dirlink", "filename": "x.png"},
+                           {"filepath": "sub", "filename": "inside.png"},
+                           {"filepath": "sub/dirlink/..", "filename": "ok.png"},  # `..` after a symlink: kernel's way
+                           {"filepath": "sub/../", "filename": "ok.png"}])  # a `..` that stays inside
+    rep = build(path, tmp_path / "out")
+    assert (rep["written"], rep["skipped"]) == (3, {"image_outside_root": 7})
+    secret = outside.read_bytes()
+    assert all(secret not in p.read_bytes() for p in (tmp_path / "out").glob("*.tar"))
+    assert rep["skipped_examples"]["image_outside_root"] == ["1", "2", "3", "4", "5"]
+    # --follow-symlinks reads through symlinks (recorded), never through `..` or an absolute name
+    rep = build(path, tmp_path / "o2", follow_symlinks=True)
+    assert (rep["written"], rep["skipped"]) == (5, {"image_outside_root": 5})
+    assert json.loads((tmp_path / "o2" / "meta.json").read_text())["options"]["follow_symlinks"] is True
+    assert "follow_symlinks" not in json.loads((tmp_path / "out" / "meta.json").read_text())["options"]
+
+
+def test_special_files_are_refused_without_a_blocking_read(tmp_path):
+    """/dev/zero never ends and a FIFO blocks its reader: both (and a folder) are counted skips, not read."""
+    root = tmp_path / "root"
+    root.mkdir()
+    os.mkfifo(root / "fifo.png")
+    (root / "folder.png").mkdir()
+    os.symlink("/dev/zero", root / "zero.png")
+    path = karpathy(root, [{"filename": "fifo.png"}, {"filename": "folder.png"}, {"filename": "zero.png"},
+                           {"filepath": "/dev", "filename": "zero"}])
+    r = cli("shards", path, tmp_path / "out", "--workers", "1", "--follow-symlinks")
+    assert r.returncode == 0 and "Traceback" not in r.stderr and "no sample was written" in r.stderr
+    assert "pass --follow-symlinks to read through symlinks you trust" in r.stdout + r.stderr  # the skip's hint
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert rep["skipped"] == {"unreadable_image": 3, "image_outside_root": 1}
+
+
+def test_an_image_file_over_the_size_cap_is_a_counted_skip(tmp_path, monkeypatch):
+    import vlprep.shards
+
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "big.png").write_bytes(image_bytes(64, 64, seed=2))
+    (root / "small.png").write_bytes(image_bytes(4, 4, seed=3))
+    monkeypatch.setattr(vlprep.shards, "MAX_IMAGE_BYTES", (root / "small.png").stat().st_size)
+    rep = build(karpathy(root, [{"filename": "big.png"}, {"filename": "small.png"}]), tmp_path / "out")
+    assert (rep["written"], rep["skipped"]) == (1, {"image_too_large": 1})
+
+
+@pytest.mark.parametrize("entry, line", [
+    ({"filename": "a\0b.png"}, "images[1].filename: holds a NUL character"),
+    ({"filepath": "v\0", "filename": "a.png"}, "images[1].filepath: holds a NUL character"),
+    ({"filename": ["a.png"]}, "images[1].filename: expected a string, not an array ['a.png']"),
+    ({"filename": "a.png", "filepath": 3}, "images[1].filepath: expected a string, not an integer 3"),
+    ({"filename": "a.png", "split": ["test"]}, "images[1].split: expected a string, not an array ['test']"),
+    ({"filename": "a.png", "split": {"a": 1}}, "images[1].split: expected a string, not an object {'a': 1}"),
+    ({"filename": "a.png", "cocoid": {"nested": [1, 2]}},
+     "images[1].cocoid: expected an integer, not an object {'nested': [1, 2]}"),
+    ({"filename": "a.png", "imgid": "7"}, "images[1].imgid: expected an integer, not a string '7'"),
+    ({"filename": "a.png", "imgid": True}, "images[1].imgid: expected an integer, not true True"),
+    ({"filename": "a.png", "cocoid": 7.0}, "images[1].cocoid: expected an integer, not a number 7.0"),
+    ({"filename": "b\ud800.png"}, "images[1].filename: holds a lone surrogate, not text"),
+])
+def test_a_malformed_entry_is_one_line_naming_it(tmp_path, entry, line):
+    path = karpathy(tmp_path / "k", [{"filename": "a.png", "cocoid": 1}, entry])
+    for split in ([], ["--split", "test"]):
+        r = cli("shards", path, tmp_path / "out", *split)
+        assert r.returncode == 2 and r.stderr.strip().splitlines() == [f"error: k.json: {line}"], r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_entry_that_is_not_an_object_is_one_line(tmp_path):
+    path = karpathy(tmp_path / "k", [{"filename": "a.png"}])
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({"images": data["images"] + [["a.png"]]}))
+    with pytest.raises(VlprepError, match=r"^k\.json: images\[1\]: expected an object, not an array$"):
+        build(path, tmp_path / "out")
+
+
+@pytest.mark.parametrize("text", ['{"images": ' + "[" * 200_000 + "]" * 200_000 + "}",
+                                  "[" * 200_000 + "]" * 200_000,
+                                  '{"images": [{"filename": "a.png", "sentences": ' + "[" * 200_000 + "]" * 200_000
+                                  + "}]}"])
+def test_deeply_nested_json_is_one_line(tmp_path, text):
+    (tmp_path / "k.json").write_text(text)
+    for split in ([], ["--split", "test"]):
+        r = cli("shards", tmp_path / "k.json", tmp_path / "out", *split)
+        assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+        assert "nested too deeply" in r.stderr or "--split applies only" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_bom_prefixed_karpathy_file_is_read(coco, tmp_path):
+    coco.write_bytes(b"\xef\xbb\xbf" + coco.read_bytes())
+    assert build(coco, tmp_path / "out", split=["test"])["written"] == 2
+
+
+@pytest.mark.parametrize("content, said", [
+    (b'{"images": [{"filename": "a.png", "sentences": [{"raw": "x"}]}', "malformed JSON: Expecting ',' delimiter"),
+    (b'{"images": [{"filename": "a.png",\n "sentences": [{"raw": "caf\xe9"}]}]}', "malformed JSON: not UTF-8 text "
+     "(byte 0xe9 at offset 61)"),
+])
+def test_a_malformed_karpathy_file_with_split_names_its_json_error(tmp_path, content, said):
+    (tmp_path / "k.json").write_bytes(content)
+    r = cli("shards", tmp_path / "k.json", tmp_path / "out", "--split", "test")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[0].startswith(f"error: k.json: {said}"), r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_special_file_as_source_or_detections_file_is_one_line(tmp_path, coco_ds):
+    os.mkfifo(tmp_path / "fifo.json")
+    os.chmod(tmp_path / "fifo.json", 0o777)  # (executable: no "cannot read folder" on the way)
+    r = cli("shards", tmp_path / "fifo.json", tmp_path / "out")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"error: source {tmp_path / 'fifo.json'}: a FIFO, not a file or folder"]
+    r = cli("detect", coco_ds, tmp_path / "det", "--from-file", tmp_path / "fifo.json")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"error: detections file {tmp_path / 'fifo.json'}: a FIFO, not a regular file"]
+    r = cli("detect", coco_ds, tmp_path / "det", "--from-file", "/dev/zero")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "error: detections file /dev/zero: a character device, not a regular file"]
+
+
+def test_json_past_pythons_integer_digit_limit_or_with_a_lone_surrogate_path_is_handled(tmp_path):
+    """A 5,000-digit integer is a ValueError from json (not a JSONDecodeError); a "\\ud800" path cannot be stat'ed."""
+    big = "9" * 5000
+    (tmp_path / "a.png").write_bytes(image_bytes())
+    (tmp_path / "t.jsonl").write_text('{"image": "a.png", "caption": "x"}\n{"image": "a.png", "uid": %s}\n' % big)
+    r = cli("shards", tmp_path / "t.jsonl", tmp_path / "out")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "error: t.jsonl:2: malformed JSON (Exceeds the limit (4300 digits) for integer string conversion: value has "
+        "5000 digits)"]
+    (tmp_path / "k.json").write_text('{"images": [{"filename": "a.png", "cocoid": %s, "sentences": []}]}' % big)
+    r = cli("shards", tmp_path / "k.json", tmp_path / "out", "--split", "test")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "error: k.json: malformed JSON: Exceeds the limit (4300 digits) for integer string conversion: value has 5000 "
+        "digits"]
+    (tmp_path / "s.jsonl").write_text('{"image": "a.png", "caption": "x"}\n{"image": "b\\ud800.png", "caption": "y"}\n'
+                                      '{"image": "b\\u0000.png", "caption": "z"}\n')
+    rep = build(tmp_path / "s.jsonl", tmp_path / "o2")
+    assert (rep["written"], rep["skipped"]) == (1, {"unreadable_image": 2})
