@@ -23,10 +23,12 @@ CHILD_GRACE_S = 30.0
 # Helpers that the multiprocessing module starts once and keeps for the life of the process by design (its resource
 # tracker, its forkserver): the first test that needs one starts it, and no test is to stop it.
 PROCESS_SINGLETONS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
-# Set once per process by a library when it is first imported, which no test can undo (sklearn and joblib setdefault
-# the Intel OpenMP switches; `import ray` sets RAY_CLIENT_MODE=0, "not a Ray Client"); pytest's own variable names the
-# running test.
-NOT_STATE = {"KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK", "RAY_CLIENT_MODE", "PYTEST_CURRENT_TEST"}
+# Set once per process by a library, which no test can undo: sklearn and joblib setdefault the Intel OpenMP switches
+# when imported, `import ray` sets RAY_CLIENT_MODE=0 ("not a Ray Client"), and torch's inductor writes the cache folder
+# it settled on into TORCHINDUCTOR_CACHE_DIR the first time it looks (open_clip's training code does, on import).
+# pytest's own variable names the running test.
+NOT_STATE = {"KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK", "RAY_CLIENT_MODE", "TORCHINDUCTOR_CACHE_DIR",
+             "PYTEST_CURRENT_TEST"}
 # tests/conftest.py puts a value unique to the session under this name before the first test: every process a test
 # starts inherits it (through os.environ), so one that outlives the test is found even when its parent is gone (a
 # driver killed with kill -9 leaves its Ray behind, adopted by init).

@@ -126,7 +126,7 @@ def open_dataset(path: str | os.PathLike) -> Dataset:
 
     `path` may be a URL: s3://, gs://, http(s):// (see `open_remote`), or file:///path for a local folder."""
     if isinstance(path, str) and path.lower().startswith("file://"):
-        path = objstore.file_url_path(path)
+        path = urls.file_url_path(path)
     if objstore.is_remote(path):
         return open_remote(path)
     root = Path(path)
@@ -356,7 +356,7 @@ def check_out(out, *inputs) -> Path:
         why = "is read-only here" if kind in objstore.SCHEMES else "is not a supported URL scheme"
         raise VlprepError(f"OUT {urls.redact(out)}: {kind}:// {why}; write to s3://, gs:// or a local folder")
     if isinstance(out, str) and not remote and "://" in out:
-        out = objstore.file_url_path(out)
+        out = urls.file_url_path(out)
     for src in inputs:
         src = objstore.mirrored(src) or src  # a remote input's mirror folder stands for its URL
         shown, where = urls.redact(str(out)), urls.redact(str(src))
@@ -627,7 +627,7 @@ def carried_features(src: str | os.PathLike) -> dict:
 def local_root(folder) -> Path:
     """A dataset folder's local path: the folder itself, or a remote dataset's mirror (sizes, index and meta.json)."""
     if isinstance(folder, str) and folder.lower().startswith("file://"):
-        return Path(objstore.file_url_path(folder))
+        return Path(urls.file_url_path(folder))
     if objstore.is_remote(folder):
         url = objstore.norm(folder)
         return objstore.mirror(url) if url in objstore._mirrors else open_remote(url).root

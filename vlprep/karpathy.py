@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from vlprep import VlprepError, cut
-from vlprep.sources import Item, RootedPath, Source, json_error
+from vlprep.items import Item, RootedPath, Source, json_error
 from vlprep.userfile import FileTooLarge, NotARegularFile, open_regular
 
 KARPATHY_SPLITS = ("train", "restval", "val", "test")  # the values of `split` in dataset_coco.json / _flickr30k.json

@@ -68,17 +68,6 @@ def is_remote(value) -> bool:
     return isinstance(value, str) and scheme(value) in SCHEMES
 
 
-def file_url_path(url: str) -> str:
-    """file:///data/ds -> /data/ds (file://host/... is refused: it names another machine)."""
-    from urllib.parse import unquote, urlsplit
-
-    parts = urlsplit(url)
-    if parts.netloc not in ("", "localhost"):
-        raise VlprepError(f"{cut(urls.redact(url))}: a file:// URL names a local path (file:///path); use the path "
-                          "itself")
-    return unquote(parts.path)
-
-
 def norm(url: str) -> str:
     """A dataset folder's URL in its one canonical form (vlprep.urls.canonical: s3a://b/ds/ -> s3://b/ds)."""
     return urls.canonical(url)

@@ -39,7 +39,7 @@ def check_dataset(value: str, what: str = "", out: bool = False) -> str | Path:
         return Path(value)
     kind = objstore.scheme(value)
     if kind == "file":
-        return Path(objstore.file_url_path(value))
+        return Path(urls.file_url_path(value))
     shown = f"{what + ' ' if what else ''}{cut(urls.redact(value))}"
     if kind not in objstore.SCHEMES:
         raise VlprepError(f"{shown}: unsupported URL scheme {kind}://; use s3://, gs://, http(s):// or file://")

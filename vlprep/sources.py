@@ -13,15 +13,14 @@ import json
 import os
 import stat
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from vlprep import VlprepError
 from vlprep.dataset import TarRef, iter_tar
+from vlprep.items import Item, RootedPath, RowRef, Source, json_error
 from vlprep.userfile import KINDS, read_regular
 
 TABLE_SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".tsv": "tsv",
@@ -33,57 +32,6 @@ IMAGE_COLUMNS = ("image", "image_path", "img", "img_path", "filepath", "file_nam
 CAPTION_COLUMNS = ("caption", "text", "txt", "caption_text", "sentence", "title", "alt", "description")
 UID_COLUMNS = ("uid", "key", "id", "image_id")
 WDS_IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
-
-
-class RootedPath(NamedTuple):
-    """A Karpathy entry's image: `parts` (filepath, filename) under `root`, read only if it stays there
-    (vlprep.userfile.under_root); str() is the joined path, as a plain path item would hold."""
-
-    root: str
-    parts: tuple[str, ...]
-    follow_symlinks: bool = False
-
-    @property
-    def path(self) -> str:
-        return str(Path(self.root, *self.parts))
-
-    def __str__(self) -> str:
-        return self.path
-
-
-class RowRef(NamedTuple):
-    """An image cell of a Parquet file (bytes, or a Hugging Face {bytes, path} struct), read by the worker."""
-
-    path: str
-    column: str
-    row: int
-
-
-@dataclass
-class Item:
-    """One source record before any checks: the image as a path, bytes or a reference, the caption as read.
-
-    A multi-caption record (a Karpathy split file) also has `captions`, all of them in file order (`caption` is the
-    first), and `meta`, extra json fields kept with the sample (cocoid, imgid, split).
-    """
-
-    uid: str
-    image: str | bytes | TarRef | RowRef | RootedPath | None
-    caption: str | bytes | None
-    source: str
-    url: str | None = None
-    captions: list[str | None] | None = None
-    meta: dict | None = None
-
-
-@dataclass
-class Source:
-    kind: str                    # parquet | csv | tsv | jsonl | folder | webdataset | karpathy
-    path: Path
-    columns: dict[str, str | None]
-    total: int | None            # number of items when cheap to know (for the progress bar)
-    items: Iterator[Item]
-    multi_caption: bool = False  # items carry `captions`: samples get json.captions and the sidecar a captions column
 
 
 def _pick(columns: list[str], wanted: str | None, defaults: tuple[str, ...], what: str, path: Path,
@@ -314,15 +262,6 @@ def webdataset_source(path: Path) -> Source:
                            url=meta.get("url") if isinstance(meta, dict) else None)
 
     return Source("webdataset", path, {}, total, items())
-
-
-def json_error(e: Exception) -> str:
-    """A JSON parse failure in words: the decoder's message, not UTF-8, or nesting past Python's recursion limit."""
-    if isinstance(e, RecursionError):
-        return "nested too deeply"
-    if isinstance(e, UnicodeDecodeError):
-        return f"not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start:,})"
-    return str(e).splitlines()[0].split("; use sys.")[0]  # (a 5,000-digit integer's advice is for programmers)
 
 
 def open_source(src: str | os.PathLike, image_col=None, caption_col=None, uid_col=None, image_root=None,

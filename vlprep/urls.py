@@ -102,13 +102,20 @@ def join(url: str, name: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc, f"{parts.path.rstrip('/')}/{name}", parts.query, ""))
 
 
+def file_url_path(url: str) -> str:
+    """file:///data/ds -> /data/ds (file://host/... is refused: it names another machine)."""
+    parts = urlsplit(url)
+    if parts.netloc not in ("", "localhost"):
+        raise VlprepError(f"{cut(redact(url))}: a file:// URL names a local path (file:///path); use the path "
+                          "itself")
+    return unquote(parts.path)
+
+
 def place(where) -> str | Path:
     """A dataset location as compared: a URL's canonical form, or a local folder's resolved Path (file:// too)."""
     if isinstance(where, str) and "://" in where:
         if scheme(where) != "file":
             return canonical(where)
-        from vlprep.objstore import file_url_path
-
         where = file_url_path(where)
     return Path(where).expanduser().resolve()
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vlprep import VlprepError, objstore
+from vlprep import VlprepError, objstore, urls
 from vlprep.remote import check_dataset
 
 
@@ -78,7 +78,7 @@ def test_dataset_arguments_take_urls_of_the_schemes_we_read_and_out_of_those_we_
     with pytest.raises(VlprepError, match=r"^OUT https://h/ds: https:// is read-only here; write to s3://, gs:// or "):
         check_dataset("https://h/ds", "OUT", out=True)
     with pytest.raises(VlprepError, match="names a local path"):
-        objstore.file_url_path("file://otherhost/data")
+        urls.file_url_path("file://otherhost/data")
 
 
 def test_a_url_out_is_written_in_a_staging_folder_that_names_it(tmp_path):
