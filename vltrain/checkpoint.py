@@ -31,7 +31,7 @@ from safetensors.torch import load_file as load_safetensors
 
 from vlprep import versions
 from vltrain.errors import TrainError
-from vltrain.config import Config, to_dict, upgrade
+from vltrain.config import Config, ConfigError, check_ranges, cut, from_dict, to_dict, upgrade
 from vltrain.distributed import barrier, gather_objects, world
 from vltrain.model import ModelConfig, VLModel, build_model, text_layers
 
@@ -118,8 +118,12 @@ def load(path, what: str = "checkpoint") -> dict:
     bad = next((k for k, v in ckpt["model"].items() if not torch.is_tensor(v)), None)
     if bad is not None:
         raise CheckpointError(f"{path}: model entry {bad!r} is not a tensor")
-    if ckpt.get("format", FORMAT) > FORMAT:
-        raise CheckpointError(f"{path}: written by a newer vltrain (checkpoint format {ckpt['format']}, this "
+    fmt = ckpt.get("format", FORMAT)
+    if not isinstance(fmt, int) or isinstance(fmt, bool) or fmt < 1:
+        raise CheckpointError(f"{path}: checkpoint format {cut(repr(fmt))} is not a version this vltrain reads "
+                              f"(it reads {FORMAT})")
+    if fmt > FORMAT:
+        raise CheckpointError(f"{path}: written by a newer vltrain (checkpoint format {fmt}, this "
                               f"version reads {FORMAT})")
     return ckpt
 
@@ -172,7 +176,10 @@ def read_export(path, what: str = "export") -> dict:
                               f"\"format\": \"{EXPORT_FORMAT}\"); give a checkpoint file (last.pt, best.pt) or an "
                               "export")
     version = meta.get("version")
-    if not isinstance(version, int) or version > EXPORT_VERSION:
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise CheckpointError(f"{meta_path}: export version {cut(repr(version))} is not a version this vltrain reads "
+                              f"(it reads {EXPORT_VERSION})")
+    if version > EXPORT_VERSION:
         raise CheckpointError(f"{path}: written by a newer vltrain (export version {version!r}, this version reads "
                               f"{EXPORT_VERSION})")
     config, source, tied = meta.get("config"), meta.get("source") or {}, meta.get("tied") or {}
@@ -252,9 +259,37 @@ def config_diff(saved: dict, now: dict, prefix: str = "", defaults: dict | None 
 # --- a trained model ------------------------------------------------------------------------------------------
 
 
+def check_config(ckpt: dict, path) -> Config:
+    """The checkpoint's (or export's) config as a Config, checked before any model is built: the types and RANGES a
+    run's config has (vltrain.config), and a size budget: the parameters its sizes imply fit in the weights it holds
+    (a crafted model.embed_dim of 1e9 would otherwise allocate gigabytes). One-line CheckpointError naming the key."""
+    try:
+        cfg = from_dict(ckpt["config"])
+        check_ranges(cfg)
+    except ConfigError as e:
+        raise CheckpointError(f"{path}: its config does not hold: {e}") from None
+    m, weights = cfg.model, ckpt["model"]
+    held = sum(t.numel() for t in weights.values())
+
+    def width(name: str) -> int:  # a projection's input width as the weights hold it (nn.Linear: (out, in))
+        t = weights.get(name)
+        return int(t.shape[1]) if t is not None and t.dim() == 2 else 1
+
+    image_width = m.feature_dim if m.image_model == "features" else width("image_proj.weight")
+    implied = m.embed_dim * (width("text_proj.weight") + image_width)  # the two ITC projections alone
+    if m.queue_size and not ckpt.get("export"):
+        implied += 2 * m.queue_size * m.embed_dim
+    if implied > held:
+        raise CheckpointError(f"{path}: its config implies at least {implied:,} parameters (model.embed_dim "
+                              f"{m.embed_dim}, model.queue_size {m.queue_size}, model.feature_dim {m.feature_dim}) "
+                              f"and its weights hold {held:,}: the config does not describe these weights")
+    return cfg
+
+
 def model_from(ckpt: dict, path) -> VLModel:
     """The model a loaded checkpoint describes (on CPU, in train mode), its weights loaded and checked; an export's
-    without the EMA copy and queues it does not hold (EXPORT_MODEL)."""
+    without the EMA copy and queues it does not hold (EXPORT_MODEL). The config is checked first (check_config)."""
+    check_config(ckpt, path)
     cfg = model_config(ckpt["config"]["model"], path)
     # pretrained=False: a backbone's model.image_weights file is not read (the checkpoint's weights replace it)
     model = build_model(replace(cfg, **EXPORT_MODEL) if ckpt.get("export") else cfg, pretrained=False)

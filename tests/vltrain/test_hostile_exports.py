@@ -1,0 +1,89 @@
+"""A crafted export or checkpoint is refused in one line naming the key, before any model is built: the config's
+types and ranges are a run's (vltrain.config), and its sizes must fit the weights it holds."""
+
+import json
+import re
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import vltrain
+from tests.conftest import tiny_checkpoint
+from vltrain.checkpoint import CheckpointError
+from vltrain.cli import app
+from vltrain.export import export
+from tests.vltrain.test_zeroshot import benchmark
+
+
+@pytest.fixture(scope="module")
+def clean_export(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hostile")
+    out = tmp / "export"
+    export(tiny_checkpoint(tmp / "ckpt.pt"), out)
+    benchmark(tmp / "bench", per_class=1)
+    return out
+
+
+def crafted(src, tmp_path, change) -> "Path":  # noqa: F821
+    out = tmp_path / "crafted"
+    out.mkdir()
+    for name in ("model.safetensors",):
+        (out / name).write_bytes((src / name).read_bytes())
+    meta = json.loads((src / "config.json").read_text())
+    change(meta)
+    (out / "config.json").write_text(json.dumps(meta))
+    return out
+
+
+def setter(section, key, value):
+    def change(meta):
+        meta["config"][section][key] = value
+    return change
+
+
+CASES = [
+    (setter("model", "embed_dim", 1e9), r"model\.embed_dim: expected an integer"),
+    (setter("model", "embed_dim", 10 ** 9), r"implies at least .* parameters \(model\.embed_dim 1000000000"),
+    (setter("model", "embed_dim", -5), r"model\.embed_dim=-5 is outside its range"),
+    (setter("model", "embed_dim", "256"), r"model\.embed_dim: expected an integer, got '256'"),
+    (setter("model", "embed_dim", 256.0), r"model\.embed_dim: expected an integer, got 256\.0"),
+    (setter("model", "fusion_layers", "two"), r"model\.fusion_layers: expected an integer"),
+    (setter("model", "text_model", None), r"model\.text_model: expected a string, got None"),
+    (setter("model", "feature_encoder", [1, 2]), r"model\.feature_encoder: expected a mapping"),
+    (setter("model", "queue_size", 10 ** 9), None),  # an export is rebuilt without queues: harmless, loads
+    (lambda m: m["config"].update(data=[1, 2]), r"data is a section"),
+    (setter("data", "image_size", 1e6), r"data\.image_size: expected an integer"),
+    (setter("data", "image_size", 10 ** 6), r"data\.image_size=1000000 is outside its range"),
+    (setter("data", "image_size", -32), r"data\.image_size=-32 is outside its range"),
+    (setter("data", "max_len", -1), r"data\.max_len=-1 is outside its range"),
+    (lambda m: m.update(version="1"), r"export version '1' is not a version this vltrain reads"),
+]
+
+
+@pytest.mark.parametrize("change, message", CASES)
+def test_a_crafted_export_config_is_one_line_naming_the_key(clean_export, tmp_path, change, message):
+    out = crafted(clean_export, tmp_path, change)
+    if message is None:
+        assert vltrain.load(out, device="cpu").net.cfg.queue_size == 0
+        return
+    with pytest.raises(ValueError, match=message) as e:
+        vltrain.load(out, device="cpu")
+    assert "\n" not in str(e.value) and "newer" not in str(e.value)
+    r = CliRunner().invoke(app, ["eval", str(out), "--zeroshot-folder", str(clean_export.parent / "bench"), "--device", "cpu", "--out", str(tmp_path / "e.json")])
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.output + repr(r.exception)
+    assert re.search(message, lines[0]), lines[0]
+
+
+def test_a_crafted_checkpoint_config_is_refused_before_building(tmp_path):
+    ckpt = torch.load(tiny_checkpoint(tmp_path / "c.pt"), weights_only=True)
+    ckpt["config"]["model"]["queue_size"] = 10 ** 9  # a checkpoint holds its queues: 2 x 16 x 1e9 floats
+    torch.save(ckpt, tmp_path / "q.pt")
+    with pytest.raises(CheckpointError, match=r"implies at least .*model\.queue_size 1000000000"):
+        vltrain.load(tmp_path / "q.pt", device="cpu")
+    ckpt["config"]["model"]["queue_size"] = 0
+    ckpt["format"] = "1"
+    torch.save(ckpt, tmp_path / "f.pt")
+    with pytest.raises(CheckpointError, match=r"checkpoint format '1' is not a version this vltrain reads"):
+        vltrain.load(tmp_path / "f.pt", device="cpu")
