@@ -254,6 +254,11 @@ def eval_(
 
 
 def _print_zeroshot(zs: dict) -> None:
+    if zs.get("unreadable_folders"):  # a class folder that cannot be listed drops out, and chance changes with it
+        bad = zs["unreadable_folders"]
+        console.print(f"warning: {len(bad)} folder(s) of the zero-shot benchmark could not be read and were left out "
+                      f"(scored over the {zs['classes']} classes found): {'; '.join(bad[:3])}"
+                      f"{'; ...' if len(bad) > 3 else ''}", style="yellow", highlight=False, markup=False)
     if "top1" not in zs:
         console.print(f"zero-shot: no caption names one of the {zs['classes']} classes; nothing to score")
         return

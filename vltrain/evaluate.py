@@ -302,10 +302,10 @@ def evaluate_checkpoint(path, shards=(), zeroshot=None, itm_rerank_k: int = 0, d
         raise TrainError("nothing to evaluate: give shard folders (retrieval) and/or --zeroshot-folder ROOT")
     if itm_rerank_k < 0:
         raise TrainError("--itm-rerank-k must be 0 (off) or a positive number of candidates")
+    tmpl = list(templates) if isinstance(templates, (list, tuple)) else (
+        read_templates(templates) if templates is not None else None)  # before the model: a bad file is quick
     loaded = load(path, device)
     model, cfg, dev = loaded.net, loaded.config, loaded.device
-    tmpl = list(templates) if isinstance(templates, (list, tuple)) else (
-        read_templates(templates) if templates is not None else None)
     if cfg.data.triplets:
         return _evaluate_triplets(model, cfg, shards, dev, path, loaded.step,
                                   zeroshot is not None or zeroshot_folder is not None or itm_rerank_k > 0)
@@ -366,11 +366,11 @@ def _retrieval(model, cfg, shards: list[str], itm_rerank_k: int, workers: int, d
 
 def _zeroshot_by_caption(model, cfg, zpath: Path, emb: dict, templates: list[str], dev) -> dict:
     """Zero-shot on the images of the shards, each labelled by the class named in its first caption."""
-    from vltrain.zeroshot import chance, class_embeddings, zeroshot_metrics
+    from vltrain.zeroshot import chance, class_embeddings, read_text, zeroshot_metrics
 
-    if not zpath.is_file():
+    if not zpath.exists():
         raise TrainError(f"class file not found: {zpath}")
-    names = [line.strip() for line in zpath.read_text().splitlines() if line.strip()]
+    names = [line.strip() for line in read_text(zpath, "class names").splitlines() if line.strip()]
     if len(names) < 2:
         raise TrainError(f"{zpath}: zero-shot needs at least 2 class names (one per line)")
     patterns = [re.compile(r"\b" + re.escape(c.lower()) + r"\b") for c in names]

@@ -87,3 +87,22 @@ def test_a_crafted_checkpoint_config_is_refused_before_building(tmp_path):
     torch.save(ckpt, tmp_path / "f.pt")
     with pytest.raises(CheckpointError, match=r"checkpoint format '1' is not a version this vltrain reads"):
         vltrain.load(tmp_path / "f.pt", device="cpu")
+
+
+def test_gradcam_on_a_decompression_bomb_or_a_fifo_is_one_line(tmp_path):
+    import os
+
+    from PIL import Image
+
+    from tests.vltrain.test_api import fusion_checkpoint
+
+    ckpt = fusion_checkpoint(tmp_path / "f.pt")
+    Image.new("1", (20000, 20000)).save(tmp_path / "bomb.png")  # 400M pixels in a few KB
+    os.mkfifo(tmp_path / "fifo.png")  # reading it would wait forever
+    for image, message in (("bomb.png", r"bomb\.png: refused as a decompression bomb"),
+                           ("fifo.png", r"fifo\.png is not a regular file")):
+        r = CliRunner().invoke(app, ["gradcam", str(ckpt), str(tmp_path / image), "a cat", "--device", "cpu",
+                                     "--out", str(tmp_path / "g.png")])
+        lines = [ln for ln in r.output.splitlines() if ln.strip()]
+        assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.output + repr(r.exception)
+        assert re.search(message, lines[0]), lines[0]
