@@ -313,6 +313,8 @@ def export_(
 
     with user_errors(), writing(out):  # OUT below a file, read-only or on a full disk: one line
         info = export(checkpoint, out, onnx=onnx, overwrite=overwrite)
+    for warning in info.get("warnings", []):
+        console.print(f"warning: {warning}", style="yellow", highlight=False, markup=False)
     dropped = (f"; left out {len(info['dropped'])} training-only tensors (momentum copy, queues)"
                if info["dropped"] else "")
     console.print(f"wrote {out}/ ({', '.join(info['files'])}){dropped}", highlight=False)

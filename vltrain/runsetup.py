@@ -73,10 +73,21 @@ def init_source(init_from, out: Path, resume: bool, overwrite: bool) -> dict | N
                          "and step, --init-from starts a new run from other weights (a resumed run that began with "
                          "--init-from keeps them: its checkpoint has everything)")
     path = Path(init_from)
-    if overwrite and path.name in RUN_FILES and path.resolve().parent == out.resolve():
+    if overwrite and deleted_by_overwrite(path, out):
         raise TrainError(f"--init-from {path} is a checkpoint of the run in {out}, which --overwrite deletes; copy it "
                          "elsewhere first, or choose another --out")
     return load(path, "--init-from")
+
+
+def deleted_by_overwrite(path: Path, out: Path) -> bool:
+    """Whether `path` is, or lies in, a file that --overwrite deletes from OUT (RUN_FILES): resolved paths, so that a
+    link (or a second name for OUT) pointing into the run is caught as well as its own name."""
+    try:
+        where = path.resolve()
+        targets = [(out / name).resolve() for name in RUN_FILES]
+    except (OSError, RuntimeError):  # a link loop: load says the path is not a checkpoint
+        return False
+    return any(where == t or t in where.parents for t in targets)
 
 
 def train_device(name: str) -> torch.device:

@@ -106,3 +106,40 @@ def test_gradcam_on_a_decompression_bomb_or_a_fifo_is_one_line(tmp_path):
         lines = [ln for ln in r.output.splitlines() if ln.strip()]
         assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.output + repr(r.exception)
         assert re.search(message, lines[0]), lines[0]
+
+
+def test_an_export_that_vltrain_eval_scored_is_still_an_export(tmp_path):
+    ckpt = tiny_checkpoint(tmp_path / "ckpt.pt")
+    out = tmp_path / "export"
+    export(ckpt, out)
+    benchmark(tmp_path / "bench", per_class=1)
+    r = CliRunner().invoke(app, ["eval", str(out), "--zeroshot-folder", str(tmp_path / "bench"), "--device", "cpu"])
+    assert r.exit_code == 0 and (out / "eval.json").is_file(), r.output + repr(r.exception)
+    r = CliRunner().invoke(app, ["export", str(ckpt), str(out)])  # exported again: no --overwrite needed
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    assert not (out / "eval.json").exists()  # it scored the weights just replaced
+    assert vltrain.load(out, device="cpu").step is None
+    # an eval.json alone is the user's: no export to replace there
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    (lone / "eval.json").write_text("{}")
+    r = CliRunner().invoke(app, ["export", str(ckpt), str(lone)])
+    assert r.exit_code == 2 and "not a vltrain export" in r.output and (lone / "eval.json").exists()
+
+
+def test_onnx_of_a_model_whose_itc_towers_never_trained_says_so(tmp_path):
+    pytest.importorskip("onnxruntime")
+    ckpt = torch.load(tiny_checkpoint(tmp_path / "c.pt"), weights_only=True)
+    for name, itc in (("tonics", 0.0), ("clip", 1.0)):
+        ckpt["config"]["loss"]["itc"] = itc  # the tonics presets train the aligner with loss.itc 0
+        torch.save(ckpt, tmp_path / f"{name}.pt")
+        r = CliRunner().invoke(app, ["export", str(tmp_path / f"{name}.pt"), str(tmp_path / name), "--onnx"])
+        assert r.exit_code == 0, r.output + repr(r.exception)
+        warned = [ln for ln in r.output.splitlines() if ln.startswith("warning: ")]
+        readme = (tmp_path / name / "README.md").read_text()
+        meta = json.loads((tmp_path / name / "config.json").read_text())
+        if name == "tonics":
+            assert len(warned) == 1 and "loss.itc=0" in warned[0] and "untrained" in warned[0]
+            assert "loss.itc=0" in readme and meta["onnx"]["itc_trained"] is False
+        else:
+            assert not warned and "untrained" not in readme and "itc_trained" not in meta["onnx"]
