@@ -16,6 +16,7 @@ rebuilt without the training-only tensors the export leaves out (EXPORT_DROPS).
 """
 
 import json
+import math
 import os
 import pickle
 import random
@@ -30,6 +31,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file as load_safetensors
 
 from vlprep import versions
+from vlprep.encoders import MAX_SIZE, MIN_SIZE
 from vltrain.errors import TrainError
 from vltrain.config import Config, ConfigError, check_ranges, cut, from_dict, to_dict, upgrade
 from vltrain.distributed import barrier, gather_objects, world
@@ -131,6 +133,7 @@ def load(path, what: str = "checkpoint") -> dict:
 # --- an export (`vltrain export`, vltrain.export writes it) ------------------------------------------------------
 
 EXPORT_FORMAT, EXPORT_VERSION = "vltrain-export", 1  # config.json's "format" and "version"
+CONFIG_JSON_BYTES = 16 << 20  # an export's config.json is a few KB
 # What an export leaves out of the state dict: training state that inference never reads, the EMA copy (every key
 # under `momentum.`) and the MoCo queues with their pointer. A model rebuilt from an export is built with
 # EXPORT_MODEL's values, so it has none of these tensors (rather than random ones) and loading stays strict.
@@ -168,8 +171,11 @@ def read_export(path, what: str = "export") -> dict:
         raise CheckpointError(f"{what} {path}: not a complete vltrain export (no config.json; an export writes it "
                               "last, so this one did not finish: export again)")
     try:
+        if meta_path.stat().st_size > CONFIG_JSON_BYTES:
+            raise CheckpointError(f"{meta_path}: {meta_path.stat().st_size:,} bytes; an export's config.json is a "
+                                  f"few KB (at most {CONFIG_JSON_BYTES:,})")
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise CheckpointError(f"{meta_path}: not readable JSON (truncated or corrupt: {type(e).__name__})") from None
     if not isinstance(meta, dict) or meta.get("format") != EXPORT_FORMAT:
         raise CheckpointError(f"{what} {path} is a folder, and its config.json is not a vltrain export's (no "
@@ -185,6 +191,9 @@ def read_export(path, what: str = "export") -> dict:
     config, source, tied = meta.get("config"), meta.get("source") or {}, meta.get("tied") or {}
     if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
         raise CheckpointError(f"{meta_path}: no \"config\" with a \"model\" section")
+    for key, value in (("source", source), ("tied", tied)):
+        if not isinstance(value, dict):
+            raise CheckpointError(f"{meta_path}: \"{key}\" is a {type(value).__name__}, not a mapping")
     if not weights_path.is_file():
         raise CheckpointError(f"{path}: the export has no model.safetensors")
     try:
@@ -266,6 +275,8 @@ def check_config(ckpt: dict, path) -> Config:
     try:
         cfg = from_dict(ckpt["config"])
         check_ranges(cfg)
+        if cfg.model.image_model == "features" and cfg.model.feature_encoder:
+            check_feature_encoder(cfg.model.feature_encoder)
     except ConfigError as e:
         raise CheckpointError(f"{path}: its config does not hold: {e}") from None
     m, weights = cfg.model, ckpt["model"]
@@ -284,6 +295,22 @@ def check_config(ckpt: dict, path) -> Config:
                               f"{m.embed_dim}, model.queue_size {m.queue_size}, model.feature_dim {m.feature_dim}) "
                               f"and its weights hold {held:,}: the config does not describe these weights")
     return cfg
+
+
+def check_feature_encoder(spec: dict) -> None:
+    """model.feature_encoder, the `vlprep features` record a features model reads pixels through: its size in the
+    encoders' range (a size of 1e6 would make each image a 3 TB tensor) and three mean and std numbers."""
+    size = spec.get("size")
+    if isinstance(size, bool) or not isinstance(size, int) or not MIN_SIZE <= size <= MAX_SIZE:
+        raise ConfigError(f"model.feature_encoder.size={cut(repr(size))} is outside its range [{MIN_SIZE}, "
+                          f"{MAX_SIZE}] (pixels)")
+    for key in ("mean", "std"):
+        value = spec.get(key)
+        if not (isinstance(value, list) and len(value) == 3 and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value)):
+            raise ConfigError(f"model.feature_encoder.{key}: expected three numbers, got {cut(repr(value))}")
+    if min(spec["std"]) <= 0:
+        raise ConfigError(f"model.feature_encoder.std: expected three positive numbers, got {spec['std']}")
 
 
 def model_from(ckpt: dict, path) -> VLModel:

@@ -58,6 +58,16 @@ CASES = [
     (setter("data", "image_size", -32), r"data\.image_size=-32 is outside its range"),
     (setter("data", "max_len", -1), r"data\.max_len=-1 is outside its range"),
     (lambda m: m.update(version="1"), r"export version '1' is not a version this vltrain reads"),
+    (lambda m: m.update(tied=["x"]), r"\"tied\" is a list, not a mapping"),
+    (lambda m: m.update(source=[1]), r"\"source\" is a list, not a mapping"),
+    (lambda m: m["config"]["model"].update(image_model="features", feature_dim=10 ** 9),
+     r"implies at least .* parameters .*model\.feature_dim 1000000000"),
+    (lambda m: m["config"]["model"].update(image_model="features", feature_dim=16, feature_encoder={
+        "encoder": "efficientnet-lite0", "size": 10 ** 6, "mean": [0.5] * 3, "std": [0.5] * 3}),
+     r"model\.feature_encoder\.size=1000000 is outside its range"),
+    (lambda m: m["config"]["model"].update(image_model="features", feature_dim=16, feature_encoder={
+        "encoder": "efficientnet-lite0", "size": 224, "mean": "abc", "std": [0.5] * 3}),
+     r"model\.feature_encoder\.mean: expected three numbers"),
 ]
 
 
@@ -74,6 +84,17 @@ def test_a_crafted_export_config_is_one_line_naming_the_key(clean_export, tmp_pa
     lines = [ln for ln in r.output.splitlines() if ln.strip()]
     assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.output + repr(r.exception)
     assert re.search(message, lines[0]), lines[0]
+
+
+def test_a_deeply_nested_or_huge_config_json_is_one_line(clean_export, tmp_path):
+    out = crafted(clean_export, tmp_path, lambda m: None)
+    (out / "config.json").write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(CheckpointError, match=r"config.json: not readable JSON \(truncated or corrupt: RecursionError"):
+        vltrain.load(out, device="cpu")
+    with open(out / "config.json", "wb") as f:
+        f.truncate(17 << 20)  # sparse: 17 MiB of NULs
+    with pytest.raises(CheckpointError, match=r"config.json: 17,825,792 bytes; an export's config.json is a few KB"):
+        vltrain.load(out, device="cpu")
 
 
 def test_a_crafted_checkpoint_config_is_refused_before_building(tmp_path):
