@@ -12,6 +12,7 @@ Every caller that needs a trained model (`vltrain eval`, `vltrain gradcam`, the 
 
 import contextlib
 import os
+import re
 from pathlib import Path
 
 import stat
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from vlprep import VlprepError
+from vlprep import VlprepError, cut
 from vltrain.checkpoint import load as load_file
 from vltrain.checkpoint import model_from
 from vltrain.config import Config, from_dict
@@ -60,7 +61,9 @@ def read_image(path) -> Image.Image:
             return to_rgb(data)
     except Image.DecompressionBombError as e:
         raise ValueError(f"image {path}: refused as a decompression bomb ({e})") from None
-    except (OSError, SyntaxError, Image.UnidentifiedImageError) as e:
+    except Image.UnidentifiedImageError:
+        raise ValueError(f"cannot read image {path}: not an image format Pillow decodes") from None
+    except (OSError, SyntaxError) as e:
         raise ValueError(f"cannot read image {path}: {e.strerror or e if isinstance(e, OSError) else e}") from None
 
 
@@ -206,11 +209,13 @@ def load(path, device: str = "auto") -> Model:
     """A trained model from a `vltrain run` checkpoint (last.pt, best.pt: read with weights_only=True) or a
     `vltrain export` folder; device "auto" takes CUDA when present. One-line CheckpointError (a ValueError) for a
     file that is not one."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"path must be a checkpoint file or an export folder, not {type(path).__name__}")
     path = Path(path)
     try:  # first: a machine without the device says so before any file is read
         name = str(device) if isinstance(device, torch.device) else device
-        if not isinstance(name, str):
-            raise VlprepError(f"--device must be auto, cpu or cuda[:N], got a {type(device).__name__}")
+        if not isinstance(name, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", name):
+            raise VlprepError(f"--device must be auto, cpu or cuda[:N], got {cut(repr(name))}")
         dev = resolve_device(name)
     except VlprepError as e:  # the shared resolver words it as the CLI flag; this is the API's ValueError
         raise ValueError(str(e).replace("--device", "device", 1)) from None

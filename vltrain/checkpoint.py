@@ -95,7 +95,8 @@ def load(path, what: str = "checkpoint") -> dict:
     if path.is_dir():
         raise CheckpointError(f"{what} {path} is a folder, not a checkpoint file (last.pt or best.pt)")
     if not path.is_file():
-        raise CheckpointError(f"{what} not found: {path}")
+        raise CheckpointError(f"{what} {path} is not a regular file (a FIFO or device)" if path.exists() else
+                              f"{what} not found: {path}")
     if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; anything else is not ours
         raise CheckpointError(f"{path}: not a vltrain checkpoint (not a torch.save file, or truncated)")
     try:

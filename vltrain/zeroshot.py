@@ -220,10 +220,10 @@ class _Images(Dataset):
         return len(self.files)
 
     def __getitem__(self, i: int):
-        from vlprep.dataset import to_rgb
+        from vltrain.api import read_image  # regular files of bounded size; a bomb is refused
 
         try:
-            return self.transform(to_rgb(Path(self.files[i]).read_bytes())), i
+            return self.transform(read_image(self.files[i])), i
         except Exception:  # any decoder error is the file's, not ours
             return None
 

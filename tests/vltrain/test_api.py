@@ -148,9 +148,13 @@ def test_match_needs_a_fusion_encoder_and_load_names_a_bad_file(tmp_path):
     (lambda m, p: m.encode_images(5), "expected one item or a list of images, not int"),
     (lambda m, p: m.encode_images([p.parent / "missing.png"]), "cannot read image"),
     (lambda m, p: m.encode_images([p.parent]), "is not a regular file"),
+    (lambda m, p: m.encode_images([p.with_suffix(".txt")]), "not an image format Pillow decodes"),
+    (lambda m, p: m.zero_shot([p], ["a", "b"], templates=(t for t in ["a {}"])), "not a generator"),
+    (lambda m, p: m.zero_shot([p], ["\udc80", "b"]), "text 0 is not valid Unicode"),
 ])
 def test_every_input_error_is_the_documented_one_line_value_error(tmp_path, call, message):
     model = vltrain.load(tiny_checkpoint(tmp_path / "ckpt.pt"), device="cpu")
+    (tmp_path / "x.txt").write_text("not an image")
     with pytest.raises(ValueError, match=re.escape(message)) as e:
         call(model, picture(tmp_path / "x.png", (1, 2, 3)))
     assert "\n" not in str(e.value)
@@ -173,4 +177,21 @@ def test_cuda_without_cuda_is_a_value_error_not_a_cli_flag(tmp_path, monkeypatch
         assert not isinstance(e.value, VlprepError) and "--device" not in str(e.value)
     with pytest.raises(ValueError, match=r"^device must be auto, cpu or cuda\[:N\], got 'tpu'"):
         vltrain.load(tmp_path / "ckpt.pt", device="tpu")
+    with pytest.raises(ValueError, match=r"^device must be auto, cpu or cuda\[:N\], got 'cuda:x'"):
+        vltrain.load(tmp_path / "ckpt.pt", device="cuda:x")
     assert vltrain.load(tmp_path / "ckpt.pt", device=torch.device("cpu")).device.type == "cpu"
+
+
+def test_load_refuses_what_is_not_a_path_or_not_a_regular_file(tmp_path):
+    import os
+
+    with pytest.raises(ValueError, match="path must be a checkpoint file or an export folder, not NoneType"):
+        vltrain.load(None)
+    os.mkfifo(tmp_path / "fifo.pt")
+    with pytest.raises(ValueError, match="fifo.pt is not a regular file"):
+        vltrain.load(tmp_path / "fifo.pt", device="cpu")
+    with open(tmp_path / "big.png", "wb") as f:
+        f.truncate(300 << 20)  # sparse
+    model = vltrain.load(tiny_checkpoint(tmp_path / "ckpt.pt"), device="cpu")
+    with pytest.raises(ValueError, match=r"big.png: 314,572,800 bytes, more than 268,435,456"):
+        model.encode_images([tmp_path / "big.png"])
