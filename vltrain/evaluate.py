@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from rich.console import Console
 from torch.utils.data import DataLoader
 
+from vlprep import cut
 from vltrain.api import load, pixel_transform
 from vltrain.data import (ALL, SAME_ENCODER, Collate, IndexedShards, InstanceView, ShardStream, data_signature,
                           feature_input, to_device)
@@ -373,6 +374,9 @@ def _zeroshot_by_caption(model, cfg, zpath: Path, emb: dict, templates: list[str
     names = [line.strip() for line in read_text(zpath, "class names").splitlines() if line.strip()]
     if len(names) < 2:
         raise TrainError(f"{zpath}: zero-shot needs at least 2 class names (one per line)")
+    twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    if twice is not None:  # two classes of one name tie and always lose
+        raise TrainError(f"{zpath}: class name {cut(repr(twice))} is listed twice; list each class once")
     patterns = [re.compile(r"\b" + re.escape(c.lower()) + r"\b") for c in names]
     first = np.unique(emb["txt2img"].numpy(), return_index=True)[1]  # each image's first caption
     labels = [_class_label(emb["captions"][i].lower(), patterns) for i in first]

@@ -170,3 +170,17 @@ def test_templates_and_classnames_are_read_only_from_small_regular_files(tmp_pat
     lines = [ln for ln in r.output.splitlines() if ln.strip()]
     assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.output + repr(r.exception)
     assert ("not a regular file" if kind != "huge" else "more than 1,048,576 bytes") in lines[0], lines[0]
+
+
+def test_a_bom_is_read_and_caption_mode_refuses_a_class_listed_twice(tmp_path):
+    from tests.conftest import colour_pairs
+
+    root = benchmark(tmp_path / "zs")
+    (root / "classnames.txt").write_bytes("\ufeffcat\tkitten\n".encode())  # a BOM is legal UTF-8
+    assert image_folder(root)["names"] == ["kitten", "dog", "red car"]
+    shards = colour_pairs(tmp_path, 8)
+    (tmp_path / "classes.txt").write_text("red\nblue\nred\n")
+    r = CliRunner().invoke(app, ["eval", str(tiny_checkpoint(tmp_path / "ckpt.pt")), str(shards), "--zeroshot",
+                                 str(tmp_path / "classes.txt"), "--device", "cpu", "--out", str(tmp_path / "e.json")])
+    lines = [ln for ln in r.output.splitlines() if ln.startswith("error: ")]
+    assert r.exit_code == 2 and len(lines) == 1 and "class name 'red' is listed twice" in lines[0], r.output
