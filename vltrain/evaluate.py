@@ -5,6 +5,7 @@ Metrics are pure functions of score matrices; `embed_split`, `view_scores` and `
 over shards to get them (the training loop's periodic checks use the first two).
 """
 
+import os
 import re
 import time
 from collections.abc import Callable
@@ -310,7 +311,8 @@ def evaluate_checkpoint(path, shards=(), zeroshot=None, itm_rerank_k: int = 0, d
     if cfg.data.triplets:
         return _evaluate_triplets(model, cfg, shards, dev, path, loaded.step,
                                   zeroshot is not None or zeroshot_folder is not None or itm_rerank_k > 0)
-    workers = max(cfg.data.workers, 0)
+    # the recorded data.workers, at most one per CPU: a crafted config.json's 100000 would fork 100000 processes
+    workers = min(max(cfg.data.workers, 0), os.cpu_count() or 1)
     result = {"checkpoint": str(path), "step": loaded.step}
     if shards:
         scores, emb = _retrieval(model, cfg, shards, itm_rerank_k, workers, dev, skip_bad_shards)

@@ -164,3 +164,19 @@ def test_onnx_of_a_model_whose_itc_towers_never_trained_says_so(tmp_path):
             assert "loss.itc=0" in readme and meta["onnx"]["itc_trained"] is False
         else:
             assert not warned and "untrained" not in readme and "itc_trained" not in meta["onnx"]
+
+
+def test_a_crafted_worker_count_is_capped_at_the_cpus(clean_export, tmp_path, monkeypatch):
+    import os
+
+    import vltrain.zeroshot as zeroshot
+
+    out = crafted(clean_export, tmp_path, setter("data", "workers", 100_000))
+    seen = []
+    real = zeroshot.DataLoader
+    monkeypatch.setattr(zeroshot, "DataLoader", lambda *a, **k: seen.append(k["num_workers"]) or real(
+        *a, **{**k, "num_workers": 0}))
+    r = CliRunner().invoke(app, ["eval", str(out), "--zeroshot-folder", str(clean_export.parent / "bench"),
+                                 "--device", "cpu", "--out", str(tmp_path / "e.json")])
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    assert seen == [min(100_000, os.cpu_count() or 1)]
