@@ -14,7 +14,7 @@ import torch
 
 from vlprep import VlprepError
 from vlprep.dataset import lock_output
-from vltrain.checkpoint import load
+from vltrain.checkpoint import check_config, load
 from vltrain.errors import TrainError
 from vltrain.config import GRIT_RATIOS, GRIT_RATIOS_BEFORE, Config, grit_sizes
 from vltrain.data import (Collate, IndexedShards, InstanceView, ShardStream, TokenLengths, count_split,
@@ -76,7 +76,9 @@ def init_source(init_from, out: Path, resume: bool, overwrite: bool) -> dict | N
     if overwrite and deleted_by_overwrite(path, out):
         raise TrainError(f"--init-from {path} is a checkpoint of the run in {out}, which --overwrite deletes; copy it "
                          "elsewhere first, or choose another --out")
-    return load(path, "--init-from")
+    source = load(path, "--init-from")
+    check_config(source, f"--init-from {path}")  # its config is read for notes: checked as every reader checks it
+    return source
 
 
 def deleted_by_overwrite(path: Path, out: Path) -> bool:

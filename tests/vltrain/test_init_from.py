@@ -187,3 +187,11 @@ def test_features_and_pixel_models_fit_when_the_tokens_are_the_pixel_encoders_el
     msg = str(e.value)
     assert "image_proj.weight: checkpoint (16, 64), model (16, 32)" in msg and "\n" not in msg
     assert "image input 64-d tokens cached by tiny vs tiny pixels" in msg
+
+
+def test_a_crafted_source_config_is_one_line(shards, source, tmp_path):  # noqa: F811
+    ckpt = torch.load(source, weights_only=True)
+    ckpt["config"]["model"]["feature_encoder"] = [1, 2]
+    torch.save(ckpt, tmp_path / "crafted.pt")
+    one_line_error(run(shards, tmp_path / "run", "--preset", "clip", "--steps", "1", "--init-from",
+                       str(tmp_path / "crafted.pt")), "model.feature_encoder: expected a mapping")
