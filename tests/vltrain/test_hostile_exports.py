@@ -80,7 +80,8 @@ def test_a_crafted_export_config_is_one_line_naming_the_key(clean_export, tmp_pa
     with pytest.raises(ValueError, match=message) as e:
         vltrain.load(out, device="cpu")
     assert "\n" not in str(e.value) and "newer" not in str(e.value)
-    r = CliRunner().invoke(app, ["eval", str(out), "--zeroshot-folder", str(clean_export.parent / "bench"), "--device", "cpu", "--out", str(tmp_path / "e.json")])
+    r = CliRunner().invoke(app, ["eval", str(out), "--zeroshot-folder", str(clean_export.parent / "bench"),
+                                 "--device", "cpu", "--out", str(tmp_path / "e.json")])
     lines = [ln for ln in r.output.splitlines() if ln.strip()]
     assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.output + repr(r.exception)
     assert re.search(message, lines[0]), lines[0]
