@@ -12,22 +12,28 @@ Every caller that needs a trained model (`vltrain eval`, `vltrain gradcam`, the 
 
 import contextlib
 import os
+import re
 from pathlib import Path
+
+import stat
+import warnings
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from vlprep import VlprepError, cut
 from vltrain.checkpoint import load as load_file
 from vltrain.checkpoint import model_from
 from vltrain.config import Config, from_dict
 from vltrain.data import eval_transform
 from vltrain.losses import upcast
 from vltrain.model import autocast, resolve_device, tokenizer_for
-from vltrain.zeroshot import DEFAULT_TEMPLATES, class_embeddings
+from vltrain.zeroshot import DEFAULT_TEMPLATES, check_templates, class_embeddings
 
 IMAGE_BATCH, TEXT_BATCH = 32, 256
+IMAGE_BYTES = 1 << 28  # 256 MiB: far above any photo; a FIFO or /dev/zero must not be read without bound
 
 
 def pixel_transform(net, image_size: int):
@@ -37,18 +43,44 @@ def pixel_transform(net, image_size: int):
     return eval_transform(size, net.image_mean, net.image_std)
 
 
+def read_image(path) -> Image.Image:
+    """An image file as RGB; a missing, non-regular (FIFO, device), oversized or undecodable file, or a decompression
+    bomb, is a one-line ValueError."""
+    from vlprep.dataset import to_rgb
+
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"image {path} is not a regular file")
+        if st.st_size > IMAGE_BYTES:
+            raise ValueError(f"image {path}: {st.st_size:,} bytes, more than {IMAGE_BYTES:,}")
+        with open(path, "rb") as f:
+            data = f.read(IMAGE_BYTES + 1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            return to_rgb(data)
+    except Image.DecompressionBombError as e:
+        raise ValueError(f"image {path}: refused as a decompression bomb ({e})") from None
+    except Image.UnidentifiedImageError:
+        raise ValueError(f"cannot read image {path}: not an image format Pillow decodes") from None
+    except (OSError, SyntaxError) as e:
+        raise ValueError(f"cannot read image {path}: {e.strerror or e if isinstance(e, OSError) else e}") from None
+
+
 def to_pil(image) -> Image.Image:
     """A path, PIL image or array (H, W[, C] uint8) as RGB; transparency is composited on white, as in training."""
-    from vlprep.dataset import rgb, to_rgb
+    from vlprep.dataset import rgb
 
     if isinstance(image, (str, os.PathLike)):
-        return to_rgb(Path(image).read_bytes())
+        return read_image(image)
     if isinstance(image, np.ndarray):
         if image.dtype != np.uint8 or image.ndim not in (2, 3) or (image.ndim == 3 and image.shape[2] not in (1, 3, 4)):
             raise ValueError(f"an image array must be uint8 (H, W), (H, W, 3) or (H, W, 4), not {image.dtype} "
                              f"{tuple(image.shape)}")
         image = Image.fromarray(image[..., 0] if image.ndim == 3 and image.shape[2] == 1 else image)
     if isinstance(image, Image.Image):
+        if 0 in image.size:
+            raise ValueError(f"an image must have pixels, not size {image.size[0]} x {image.size[1]}")
         return rgb(image)
     raise ValueError(f"an image must be a path, a PIL image or a uint8 array, not {type(image).__name__}")
 
@@ -92,6 +124,7 @@ class Model:
     def encode_images(self, images, batch_size: int = IMAGE_BATCH) -> torch.Tensor:
         """(B, E) float32 L2-normalised ITC embeddings of paths, PIL images or uint8 arrays (on the CPU)."""
         images, out = _as_list(images), []
+        _check_batch(batch_size)
         with self._context():
             for a in range(0, len(images), batch_size):
                 _, emb = self.net.encode_image(self.pixels(images[a:a + batch_size]).to(self.device))
@@ -101,6 +134,7 @@ class Model:
     def encode_texts(self, texts, batch_size: int = TEXT_BATCH) -> torch.Tensor:
         """(B, E) float32 L2-normalised ITC embeddings of texts (on the CPU)."""
         texts, out = _as_list(texts, str), []
+        _check_batch(batch_size)
         with self._context():
             for a in range(0, len(texts), batch_size):
                 tok = self.tokens(texts[a:a + batch_size])
@@ -111,9 +145,13 @@ class Model:
     def classifier(self, classnames, templates=None) -> torch.Tensor:
         """(C, E) zero-shot class embeddings: per class, the re-normalised mean of its normalised prompt embeddings
         over `templates` (each with `{}` for the name; default CLIP's 7 ImageNet templates)."""
+        names = _as_list(classnames, str)
+        if not names:
+            raise ValueError("classnames is empty: give at least one class name")
+        templates = DEFAULT_TEMPLATES if templates is None else templates
+        check_templates(templates, "templates")
         with self._context():
-            return class_embeddings(self.net, list(_as_list(classnames, str)), list(templates or DEFAULT_TEMPLATES),
-                                    self.max_len, self.device).float()
+            return class_embeddings(self.net, names, list(templates), self.max_len, self.device).float()
 
     def zero_shot(self, images, classnames, templates=None) -> torch.Tensor:
         """(B, C) class probabilities: softmax over classes of cosine similarity / the model's ITC temperature."""
@@ -123,6 +161,7 @@ class Model:
     def match(self, images, texts, batch_size: int = IMAGE_BATCH) -> torch.Tensor:
         """(B,) ITM p(match) of each (image, text) pair, images[i] with texts[i]; needs a fusion encoder."""
         images, texts = _as_list(images), _as_list(texts, str)
+        _check_batch(batch_size)
         if len(images) != len(texts):
             raise ValueError(f"match pairs images[i] with texts[i]: {len(images)} images, {len(texts)} texts")
         if self.net.fusion is None:
@@ -139,19 +178,47 @@ class Model:
 
 
 def _as_list(items, kind=None) -> list:
-    """One item or a sequence of them as a list (a single string or image is a batch of one)."""
-    if isinstance(items, (str, os.PathLike, Image.Image)) or (isinstance(items, np.ndarray) and kind is None
-                                                                and items.ndim in (2, 3) and items.dtype == np.uint8):
+    """One item or a sequence of them as a list (a single string or image is a batch of one); with kind=str every
+    item must be a string of valid Unicode (tokenizers fail on a lone surrogate). A one-line ValueError otherwise."""
+    if kind is str and isinstance(items, str):
+        items = [items]
+    elif kind is None and (isinstance(items, (str, os.PathLike, Image.Image)) or (
+            isinstance(items, np.ndarray) and items.ndim in (2, 3) and items.dtype == np.uint8)):
         return [items]
-    return list(items)
+    if isinstance(items, (dict, bytes, np.ndarray) if kind is str else (dict, bytes)) or not hasattr(items, "__iter__"):
+        what = "strings" if kind is str else "images"
+        raise ValueError(f"expected one item or a list of {what}, not {type(items).__name__}")
+    items = list(items)
+    for i, item in enumerate(items if kind is str else ()):
+        if not isinstance(item, str):
+            raise ValueError(f"text {i} is a {type(item).__name__}, not a string")
+        try:
+            item.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"text {i} is not valid Unicode (it holds a lone surrogate)") from None
+    return items
+
+
+def _check_batch(batch_size) -> None:
+    """A batch size is a positive integer; a one-line ValueError otherwise (range() would silently yield nothing)."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}"[:120])
 
 
 def load(path, device: str = "auto") -> Model:
     """A trained model from a `vltrain run` checkpoint (last.pt, best.pt: read with weights_only=True) or a
     `vltrain export` folder; device "auto" takes CUDA when present. One-line CheckpointError (a ValueError) for a
     file that is not one."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"path must be a checkpoint file or an export folder, not {type(path).__name__}")
     path = Path(path)
-    dev = resolve_device(device)  # first: a machine without the device says so before any file is read
+    try:  # first: a machine without the device says so before any file is read
+        name = str(device) if isinstance(device, torch.device) else device
+        if not isinstance(name, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", name):
+            raise VlprepError(f"--device must be auto, cpu or cuda[:N], got {cut(repr(name))}")
+        dev = resolve_device(name)
+    except VlprepError as e:  # the shared resolver words it as the CLI flag; this is the API's ValueError
+        raise ValueError(str(e).replace("--device", "device", 1)) from None
     ckpt = load_file(path)
     net = model_from(ckpt, path).to(dev).eval()
     return Model(net, from_dict(ckpt["config"]), path, dev, ckpt.get("step"))

@@ -16,6 +16,7 @@ rebuilt without the training-only tensors the export leaves out (EXPORT_DROPS).
 """
 
 import json
+import math
 import os
 import pickle
 import random
@@ -30,9 +31,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file as load_safetensors
 
 from vlprep import versions
+from vlprep.encoders import MAX_SIZE, MIN_SIZE
 from vlprep.urls import redact
 from vltrain.errors import TrainError
-from vltrain.config import Config, to_dict, upgrade
+from vltrain.config import Config, ConfigError, check_ranges, cut, from_dict, to_dict, upgrade
 from vltrain.distributed import barrier, gather_objects, world
 from vltrain.model import ModelConfig, VLModel, build_model, text_layers
 
@@ -94,7 +96,8 @@ def load(path, what: str = "checkpoint") -> dict:
     if path.is_dir():
         raise CheckpointError(f"{what} {path} is a folder, not a checkpoint file (last.pt or best.pt)")
     if not path.is_file():
-        raise CheckpointError(f"{what} not found: {path}")
+        raise CheckpointError(f"{what} {path} is not a regular file (a FIFO or device)" if path.exists() else
+                              f"{what} not found: {path}")
     if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; anything else is not ours
         raise CheckpointError(f"{path}: not a vltrain checkpoint (not a torch.save file, or truncated)")
     try:
@@ -119,8 +122,12 @@ def load(path, what: str = "checkpoint") -> dict:
     bad = next((k for k, v in ckpt["model"].items() if not torch.is_tensor(v)), None)
     if bad is not None:
         raise CheckpointError(f"{path}: model entry {bad!r} is not a tensor")
-    if ckpt.get("format", FORMAT) > FORMAT:
-        raise CheckpointError(f"{path}: written by a newer vltrain (checkpoint format {ckpt['format']}, this "
+    fmt = ckpt.get("format", FORMAT)
+    if not isinstance(fmt, int) or isinstance(fmt, bool) or fmt < 1:
+        raise CheckpointError(f"{path}: checkpoint format {cut(repr(fmt))} is not a version this vltrain reads "
+                              f"(it reads {FORMAT})")
+    if fmt > FORMAT:
+        raise CheckpointError(f"{path}: written by a newer vltrain (checkpoint format {fmt}, this "
                               f"version reads {FORMAT})")
     return ckpt
 
@@ -128,6 +135,7 @@ def load(path, what: str = "checkpoint") -> dict:
 # --- an export (`vltrain export`, vltrain.export writes it) ------------------------------------------------------
 
 EXPORT_FORMAT, EXPORT_VERSION = "vltrain-export", 1  # config.json's "format" and "version"
+CONFIG_JSON_BYTES = 16 << 20  # an export's config.json is a few KB
 # What an export leaves out of the state dict: training state that inference never reads, the EMA copy (every key
 # under `momentum.`) and the MoCo queues with their pointer. A model rebuilt from an export is built with
 # EXPORT_MODEL's values, so it has none of these tensors (rather than random ones) and loading stays strict.
@@ -165,20 +173,29 @@ def read_export(path, what: str = "export") -> dict:
         raise CheckpointError(f"{what} {path}: not a complete vltrain export (no config.json; an export writes it "
                               "last, so this one did not finish: export again)")
     try:
+        if meta_path.stat().st_size > CONFIG_JSON_BYTES:
+            raise CheckpointError(f"{meta_path}: {meta_path.stat().st_size:,} bytes; an export's config.json is a "
+                                  f"few KB (at most {CONFIG_JSON_BYTES:,})")
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise CheckpointError(f"{meta_path}: not readable JSON (truncated or corrupt: {type(e).__name__})") from None
     if not isinstance(meta, dict) or meta.get("format") != EXPORT_FORMAT:
         raise CheckpointError(f"{what} {path} is a folder, and its config.json is not a vltrain export's (no "
                               f"\"format\": \"{EXPORT_FORMAT}\"); give a checkpoint file (last.pt, best.pt) or an "
                               "export")
     version = meta.get("version")
-    if not isinstance(version, int) or version > EXPORT_VERSION:
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise CheckpointError(f"{meta_path}: export version {cut(repr(version))} is not a version this vltrain reads "
+                              f"(it reads {EXPORT_VERSION})")
+    if version > EXPORT_VERSION:
         raise CheckpointError(f"{path}: written by a newer vltrain (export version {version!r}, this version reads "
                               f"{EXPORT_VERSION})")
     config, source, tied = meta.get("config"), meta.get("source") or {}, meta.get("tied") or {}
     if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
         raise CheckpointError(f"{meta_path}: no \"config\" with a \"model\" section")
+    for key, value in (("source", source), ("tied", tied)):
+        if not isinstance(value, dict):
+            raise CheckpointError(f"{meta_path}: \"{key}\" is a {type(value).__name__}, not a mapping")
     if not weights_path.is_file():
         raise CheckpointError(f"{path}: the export has no model.safetensors")
     try:
@@ -253,9 +270,55 @@ def config_diff(saved: dict, now: dict, prefix: str = "", defaults: dict | None 
 # --- a trained model ------------------------------------------------------------------------------------------
 
 
+def check_config(ckpt: dict, path) -> Config:
+    """The checkpoint's (or export's) config as a Config, checked before any model is built: the types and RANGES a
+    run's config has (vltrain.config), and a size budget: the parameters its sizes imply fit in the weights it holds
+    (a crafted model.embed_dim of 1e9 would otherwise allocate gigabytes). One-line CheckpointError naming the key."""
+    try:
+        cfg = from_dict(ckpt["config"])
+        check_ranges(cfg)
+        if cfg.model.image_model == "features" and cfg.model.feature_encoder:
+            check_feature_encoder(cfg.model.feature_encoder)
+    except ConfigError as e:
+        raise CheckpointError(f"{path}: its config does not hold: {e}") from None
+    m, weights = cfg.model, ckpt["model"]
+    held = sum(t.numel() for t in weights.values())
+
+    def width(name: str) -> int:  # a projection's input width as the weights hold it (nn.Linear: (out, in))
+        t = weights.get(name)
+        return int(t.shape[1]) if t is not None and t.dim() == 2 else 1
+
+    image_width = m.feature_dim if m.image_model == "features" else width("image_proj.weight")
+    implied = m.embed_dim * (width("text_proj.weight") + image_width)  # the two ITC projections alone
+    if m.queue_size and not ckpt.get("export"):
+        implied += 2 * m.queue_size * m.embed_dim
+    if implied > held:
+        raise CheckpointError(f"{path}: its config implies at least {implied:,} parameters (model.embed_dim "
+                              f"{m.embed_dim}, model.queue_size {m.queue_size}, model.feature_dim {m.feature_dim}) "
+                              f"and its weights hold {held:,}: the config does not describe these weights")
+    return cfg
+
+
+def check_feature_encoder(spec: dict) -> None:
+    """model.feature_encoder, the `vlprep features` record a features model reads pixels through: its size in the
+    encoders' range (a size of 1e6 would make each image a 3 TB tensor) and three mean and std numbers."""
+    size = spec.get("size")
+    if isinstance(size, bool) or not isinstance(size, int) or not MIN_SIZE <= size <= MAX_SIZE:
+        raise ConfigError(f"model.feature_encoder.size={cut(repr(size))} is outside its range [{MIN_SIZE}, "
+                          f"{MAX_SIZE}] (pixels)")
+    for key in ("mean", "std"):
+        value = spec.get(key)
+        if not (isinstance(value, list) and len(value) == 3 and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value)):
+            raise ConfigError(f"model.feature_encoder.{key}: expected three numbers, got {cut(repr(value))}")
+    if min(spec["std"]) <= 0:
+        raise ConfigError(f"model.feature_encoder.std: expected three positive numbers, got {spec['std']}")
+
+
 def model_from(ckpt: dict, path) -> VLModel:
     """The model a loaded checkpoint describes (on CPU, in train mode), its weights loaded and checked; an export's
-    without the EMA copy and queues it does not hold (EXPORT_MODEL)."""
+    without the EMA copy and queues it does not hold (EXPORT_MODEL). The config is checked first (check_config)."""
+    check_config(ckpt, path)
     cfg = model_config(ckpt["config"]["model"], path)
     # pretrained=False: a backbone's model.image_weights file is not read (the checkpoint's weights replace it)
     model = build_model(replace(cfg, **EXPORT_MODEL) if ckpt.get("export") else cfg, pretrained=False)

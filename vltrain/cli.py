@@ -256,6 +256,11 @@ def eval_(
 
 
 def _print_zeroshot(zs: dict) -> None:
+    if zs.get("unreadable_folders"):  # a class folder that cannot be listed drops out, and chance changes with it
+        bad = zs["unreadable_folders"]
+        console.print(f"warning: {len(bad)} folder(s) of the zero-shot benchmark could not be read and were left out "
+                      f"(scored over the {zs['classes']} classes found): {'; '.join(bad[:3])}"
+                      f"{'; ...' if len(bad) > 3 else ''}", style="yellow", highlight=False, markup=False)
     if "top1" not in zs:
         console.print(f"zero-shot: no caption names one of the {zs['classes']} classes; nothing to score")
         return
@@ -310,6 +315,8 @@ def export_(
 
     with user_errors(), writing(out):  # OUT below a file, read-only or on a full disk: one line
         info = export(checkpoint, out, onnx=onnx, overwrite=overwrite)
+    for warning in info.get("warnings", []):
+        console.print(f"warning: {warning}", style="yellow", highlight=False, markup=False)
     dropped = (f"; left out {len(info['dropped'])} training-only tensors (momentum copy, queues)"
                if info["dropped"] else "")
     console.print(f"wrote {out}/ ({', '.join(info['files'])}){dropped}", highlight=False)

@@ -5,6 +5,7 @@ Metrics are pure functions of score matrices; `embed_split`, `view_scores` and `
 over shards to get them (the training loop's periodic checks use the first two).
 """
 
+import os
 import re
 import time
 from collections.abc import Callable
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from rich.console import Console
 from torch.utils.data import DataLoader
 
+from vlprep import cut
 from vltrain.api import load, pixel_transform
 from vltrain.data import (ALL, SAME_ENCODER, Collate, IndexedShards, InstanceView, ShardStream, data_signature,
                           feature_input, to_device)
@@ -302,14 +304,15 @@ def evaluate_checkpoint(path, shards=(), zeroshot=None, itm_rerank_k: int = 0, d
         raise TrainError("nothing to evaluate: give shard folders (retrieval) and/or --zeroshot-folder ROOT")
     if itm_rerank_k < 0:
         raise TrainError("--itm-rerank-k must be 0 (off) or a positive number of candidates")
+    tmpl = list(templates) if isinstance(templates, (list, tuple)) else (
+        read_templates(templates) if templates is not None else None)  # before the model: a bad file is quick
     loaded = load(path, device)
     model, cfg, dev = loaded.net, loaded.config, loaded.device
-    tmpl = list(templates) if isinstance(templates, (list, tuple)) else (
-        read_templates(templates) if templates is not None else None)
     if cfg.data.triplets:
         return _evaluate_triplets(model, cfg, shards, dev, path, loaded.step,
                                   zeroshot is not None or zeroshot_folder is not None or itm_rerank_k > 0)
-    workers = max(cfg.data.workers, 0)
+    # the recorded data.workers, at most one per CPU: a crafted config.json's 100000 would fork 100000 processes
+    workers = min(max(cfg.data.workers, 0), os.cpu_count() or 1)
     result = {"checkpoint": str(path), "step": loaded.step}
     if shards:
         scores, emb = _retrieval(model, cfg, shards, itm_rerank_k, workers, dev, skip_bad_shards)
@@ -366,13 +369,16 @@ def _retrieval(model, cfg, shards: list[str], itm_rerank_k: int, workers: int, d
 
 def _zeroshot_by_caption(model, cfg, zpath: Path, emb: dict, templates: list[str], dev) -> dict:
     """Zero-shot on the images of the shards, each labelled by the class named in its first caption."""
-    from vltrain.zeroshot import chance, class_embeddings, zeroshot_metrics
+    from vltrain.zeroshot import chance, class_embeddings, read_text, zeroshot_metrics
 
-    if not zpath.is_file():
+    if not zpath.exists():
         raise TrainError(f"class file not found: {zpath}")
-    names = [line.strip() for line in zpath.read_text().splitlines() if line.strip()]
+    names = [line.strip() for line in read_text(zpath, "class names").splitlines() if line.strip()]
     if len(names) < 2:
         raise TrainError(f"{zpath}: zero-shot needs at least 2 class names (one per line)")
+    twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    if twice is not None:  # two classes of one name tie and always lose
+        raise TrainError(f"{zpath}: class name {cut(repr(twice))} is listed twice; list each class once")
     patterns = [re.compile(r"\b" + re.escape(c.lower()) + r"\b") for c in names]
     first = np.unique(emb["txt2img"].numpy(), return_index=True)[1]  # each image's first caption
     labels = [_class_label(emb["captions"][i].lower(), patterns) for i in first]

@@ -27,6 +27,9 @@ CONFIG, WEIGHTS, TOKENIZER, README = "config.json", "model.safetensors", "tokeni
 IMAGE_ONNX, TEXT_ONNX = "image_encoder.onnx", "text_encoder.onnx"
 # Every name an export writes (config.json's temporary file included): all that exporting again replaces.
 EXPORT_FILES = (CONFIG, CONFIG + ".tmp", WEIGHTS, TOKENIZER, README, IMAGE_ONNX, TEXT_ONNX)
+# What `vltrain eval EXPORT` writes into an export by default: still an export, and its scores go with its weights,
+# so exporting again over a previous export removes it (it scored the weights replaced).
+EVAL = "eval.json"
 RESIZE = "shorter side then centre crop"
 ONNX_OPSET = 17  # LayerNormalization is one ONNX op from opset 17
 ONNX_TOLERANCE = 1e-4  # max abs difference of the ONNX embeddings from torch's that the export accepts
@@ -51,15 +54,30 @@ def export(checkpoint, out, onnx: bool = False, overwrite: bool = False) -> dict
     save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt"})
     os.chmod(out / WEIGHTS, 0o644)  # safetensors writes 0600; an export is meant to be shared like its other files
     tokenizer.save_pretrained(str(out / TOKENIZER))
+    warnings_ = []
     if onnx:
         onnx_info = write_onnx(net, ckpt["config"], tokenizer, out)
+        if not itc_trained(ckpt["config"]):
+            onnx_info["itc_trained"] = False
+            warnings_.append(UNTRAINED_ITC)
     meta = export_config(ckpt, checkpoint, net, tied, dropped, onnx_info)
     (out / README).write_text(readme(meta, out), encoding="utf-8")
     tmp = out / (CONFIG + ".tmp")  # last, and atomically: from now on the folder is a complete export
     tmp.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, out / CONFIG)
     files = [WEIGHTS, CONFIG, TOKENIZER + "/", README] + ([IMAGE_ONNX, TEXT_ONNX] if onnx else [])
-    return {"out": str(out), "files": files, "dropped": dropped, "onnx": onnx_info}
+    return {"out": str(out), "files": files, "dropped": dropped, "onnx": onnx_info, "warnings": warnings_}
+
+
+UNTRAINED_ITC = ("the ONNX graphs hold the ITC towers (image_proj, text_proj), and this model was trained with "
+                 "loss.itc=0 (the TOnICS presets train the aligner instead), so their embeddings are untrained")
+
+
+def itc_trained(config: dict) -> bool:
+    """Whether the run trained the ITC projections the ONNX graphs end in: loss.itc > 0 (focal ITC scales with it)
+    or GRIT's ITC consistency loss.consistency > 0."""
+    loss = config.get("loss") or {}
+    return float(loss.get("itc", 1.0)) > 0 or float(loss.get("consistency", 0.0)) > 0
 
 
 # --- the folder -------------------------------------------------------------------------------------------------
@@ -67,12 +85,13 @@ def export(checkpoint, out, onnx: bool = False, overwrite: bool = False) -> dict
 
 def previous_export(out: Path) -> bool:
     """Whether `out` holds nothing but an export's files (finished, or unfinished: no config.json yet), so that
-    exporting again may replace them without --overwrite."""
+    exporting again may replace them without --overwrite; a finished one may also hold the eval.json of `vltrain
+    eval EXPORT`."""
     names = {p.name for p in out.iterdir()}
-    if not names <= set(EXPORT_FILES):
+    if not names <= set(EXPORT_FILES) | {EVAL}:
         return False
     if CONFIG not in names:
-        return True
+        return EVAL not in names  # an eval.json without an export's config.json is not ours to remove
     try:
         return json.loads((out / CONFIG).read_text(encoding="utf-8")).get("format") == EXPORT_FORMAT
     except (OSError, UnicodeDecodeError, ValueError, AttributeError):
@@ -84,11 +103,12 @@ def prepare_out(out: Path, overwrite: bool) -> None:
     config.json first (the folder is an unfinished export from then on), and create the folder."""
     if out.exists() and not out.is_dir():
         raise TrainError(f"{out} is a file; the export is a folder: give a new or empty folder")
-    if out.is_dir() and any(out.iterdir()) and not previous_export(out) and not overwrite:
+    previous = out.is_dir() and any(out.iterdir()) and previous_export(out)
+    if out.is_dir() and any(out.iterdir()) and not previous and not overwrite:
         raise TrainError(f"{out} is not empty and is not a vltrain export; choose another OUT, or add --overwrite "
                          f"(which replaces only the export's files: "
                          f"{', '.join(n for n in EXPORT_FILES if not n.endswith('.tmp'))})")
-    for name in EXPORT_FILES:  # only the files an export writes: anything else in the folder is the user's
+    for name in EXPORT_FILES + ((EVAL,) if previous else ()):  # anything else in the folder is the user's
         target = out / name
         if target.is_dir() and not target.is_symlink():
             shutil.rmtree(target)
@@ -305,6 +325,8 @@ def readme(meta: dict, out: Path) -> str:
               "- `config.json`: format, the run's config, preprocessing, provenance, eval numbers",
               "- `tokenizer/`: the Hugging Face tokenizer (`AutoTokenizer.from_pretrained`), "
               f"captions truncated to {pre['max_len']} tokens"]
+    if meta.get("onnx") and meta["onnx"].get("itc_trained") is False:
+        lines += [f"- note: {UNTRAINED_ITC}; use `vltrain.load` and the aligner, not the ONNX graphs"]
     if meta.get("onnx"):
         image = meta["onnx"]["image"]["input"]
         lines += [f"- `{IMAGE_ONNX}`: `{image['name']}` float32 ({', '.join(map(str, image['shape']))}) -> "

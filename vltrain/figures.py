@@ -5,10 +5,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
 
-from vlprep.dataset import to_rgb
-from vltrain.api import load
+from vltrain.api import load, read_image
 from vltrain.softmask import caption_gradcam, soft_mask
 
 
@@ -131,10 +129,7 @@ def gradcam_figure(checkpoint, image, caption: str, words: list[str] | None, out
     model, tok = loaded.net, loaded.tokenizer
     if model.fusion is None:
         raise ValueError(f"{checkpoint} has no fusion encoder (fusion_layers=0): Grad-CAM reads its cross-attention")
-    try:
-        rgb = to_rgb(open(image, "rb").read())
-    except (OSError, Image.UnidentifiedImageError) as e:
-        raise ValueError(f"cannot read image {image}: {e}") from None
+    rgb = read_image(image)  # a missing file, a FIFO, a decompression bomb: one line
     dev = loaded.device
     pixels = loaded.pixels([rgb]).to(dev)
     enc = tok([caption], truncation=True, max_length=loaded.max_len, return_tensors="pt")

@@ -15,7 +15,7 @@ import torch
 from vlprep import VlprepError
 from vlprep.dataset import lock_output
 from vlprep.urls import redact
-from vltrain.checkpoint import load
+from vltrain.checkpoint import check_config, load
 from vltrain.errors import TrainError
 from vltrain.config import GRIT_RATIOS, GRIT_RATIOS_BEFORE, Config, grit_sizes
 from vltrain.data import (Collate, IndexedShards, InstanceView, ShardStream, TokenLengths, count_split,
@@ -74,10 +74,23 @@ def init_source(init_from, out: Path, resume: bool, overwrite: bool) -> dict | N
                          "and step, --init-from starts a new run from other weights (a resumed run that began with "
                          "--init-from keeps them: its checkpoint has everything)")
     path = Path(init_from)
-    if overwrite and path.name in RUN_FILES and path.resolve().parent == out.resolve():
+    if overwrite and deleted_by_overwrite(path, out):
         raise TrainError(f"--init-from {path} is a checkpoint of the run in {out}, which --overwrite deletes; copy it "
                          "elsewhere first, or choose another --out")
-    return load(path, "--init-from")
+    source = load(path, "--init-from")
+    check_config(source, f"--init-from {path}")  # its config is read for notes: checked as every reader checks it
+    return source
+
+
+def deleted_by_overwrite(path: Path, out: Path) -> bool:
+    """Whether `path` is, or lies in, a file that --overwrite deletes from OUT (RUN_FILES): resolved paths, so that a
+    link (or a second name for OUT) pointing into the run is caught as well as its own name."""
+    try:
+        where = path.resolve()
+        targets = [(out / name).resolve() for name in RUN_FILES]
+    except (OSError, RuntimeError):  # a link loop: load says the path is not a checkpoint
+        return False
+    return any(where == t or t in where.parents for t in targets)
 
 
 def train_device(name: str) -> torch.device:

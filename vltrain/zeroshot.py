@@ -6,6 +6,8 @@ assigned the class of highest cosine similarity. The benchmark layout is torchvi
 one folder per class, with two optional files: ROOT/classnames.txt (readable names) and ROOT/templates.txt.
 """
 
+import os
+import stat
 from pathlib import Path
 
 import torch
@@ -13,6 +15,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from vlprep.sources import IMAGE_SUFFIXES
+from vlprep import cut
 from vltrain.errors import TrainError
 from vltrain.losses import upcast
 from vltrain.model import autocast, tokenizer_for
@@ -23,21 +26,57 @@ from vltrain.model import autocast, tokenizer_for
 DEFAULT_TEMPLATES = ("itap of a {}.", "a bad photo of the {}.", "a origami {}.", "a photo of the large {}.",
                      "a {} in a video game.", "art of the {}.", "a photo of the small {}.")
 TOP_CONFUSIONS = 5
+TEXT_BYTES = 1 << 20  # templates.txt and classnames.txt: ImageNet-21k's 21,841 names take about 400 KB
+
+
+def read_text(path, what: str) -> str:
+    """A small text file the user names (templates, class names): a regular file of at most TEXT_BYTES of UTF-8 (a
+    BOM is allowed). A FIFO would block the read and /dev/zero never end it: each is a one-line TrainError."""
+    path = Path(path)
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise TrainError(f"{what} {path} is not a regular file (a folder, FIFO or device); give a text file")
+        with open(path, "rb") as f:
+            data = f.read(TEXT_BYTES + 1)
+    except OSError as e:
+        raise TrainError(f"cannot read {what} {path}: {e.strerror or type(e).__name__}") from None
+    if len(data) > TEXT_BYTES:
+        raise TrainError(f"{what} {path}: more than {TEXT_BYTES:,} bytes; a {what} file is a short text file")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        raise TrainError(f"{what} {path}: not UTF-8 text") from None
+
+
+def check_templates(templates, where: str) -> None:
+    """A list of templates, each a string with `{}` where the class name goes, as `--templates` requires; a single
+    string (which would be read character by character), an empty list or a template without `{}` is a one-line
+    ValueError starting with `where`."""
+    if not isinstance(templates, (list, tuple)):
+        raise ValueError(f"{where}: expected a list of templates, each with {{}} for the class name, not a "
+                         f"{type(templates).__name__}")
+    if not templates:
+        raise ValueError(f"{where}: no templates (one per line, each with {{}} where the class name goes)")
+    for t in templates:
+        if not isinstance(t, str):
+            raise ValueError(f"{where}: a template is a {type(t).__name__}, not a string")
+        if "{}" not in t:
+            raise ValueError(f"{where}: template {cut(repr(t))} has no {{}} for the class name")
+        try:
+            t.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{where}: template {cut(ascii(t))} is not valid Unicode") from None
 
 
 def read_templates(path) -> list[str]:
     """One template per line, each holding `{}` where the class name goes; blank lines are ignored."""
     path = Path(path)
+    templates = [t for t in (line.strip() for line in read_text(path, "templates").splitlines()) if t]
     try:
-        lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
-    except (OSError, UnicodeDecodeError) as e:
-        raise TrainError(f"cannot read templates {path}: {e}") from None
-    templates = [t for t in lines if t]
-    if not templates:
-        raise TrainError(f"{path}: no templates (one per line, each with {{}} where the class name goes)")
-    bad = [t for t in templates if "{}" not in t]
-    if bad:
-        raise TrainError(f"{path}: template {bad[0]!r} has no {{}} for the class name")
+        check_templates(templates, str(path))
+    except ValueError as e:
+        raise TrainError(str(e)) from None
     return templates
 
 
@@ -104,20 +143,32 @@ def chance(n_classes: int) -> dict:
 def _classnames(path: Path, folders: list[str]) -> list[str]:
     """Readable names from classnames.txt: `FOLDER<TAB>name` lines (a folder left out keeps its name, "_" read as a
     space), or one name per line in sorted folder order."""
-    try:
-        lines = [line.rstrip("\r") for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    except (OSError, UnicodeDecodeError) as e:
-        raise TrainError(f"cannot read {path}: {e}") from None
-    if lines and all("\t" in line for line in lines):
-        names = dict(line.split("\t", 1) for line in lines)
+    lines = [line.rstrip("\r") for line in read_text(path, "class names").splitlines() if line.strip()]
+    tabbed = sum("\t" in line for line in lines)
+    if 0 < tabbed < len(lines):
+        plain = next(line for line in lines if "\t" not in line)
+        raise TrainError(f"{path} mixes FOLDER<TAB>name lines with plain name lines (e.g. {cut(repr(plain))}); use "
+                         "one form for the whole file")
+    if lines and tabbed:
+        pairs = [line.split("\t", 1) for line in lines]
+        names = dict(pairs)
+        if len(names) < len(pairs):
+            again = next(f for i, (f, _) in enumerate(pairs) if f in dict(pairs[:i]))
+            raise TrainError(f"{path}: folder {cut(repr(again))} is named twice")
         unknown = [f for f in names if f not in folders]
         if unknown:
-            raise TrainError(f"{path}: {unknown[0]!r} is not a class folder of {path.parent}")
-        return [names[f].strip() if names.get(f, "").strip() else f.replace("_", " ") for f in folders]
-    if len(lines) != len(folders):
+            raise TrainError(f"{path}: {cut(repr(unknown[0]))} is not a class folder of {path.parent}")
+        found = [names[f].strip() if names.get(f, "").strip() else f.replace("_", " ") for f in folders]
+    elif len(lines) != len(folders):
         raise TrainError(f"{path}: {len(lines)} names for {len(folders)} class folders; give one name per folder, in "
                          "sorted folder order, or FOLDER<TAB>name lines")
-    return [line.strip() for line in lines]
+    else:
+        found = [line.strip() for line in lines]
+    twice = next((n for i, n in enumerate(found) if n in found[:i]), None)
+    if twice is not None:
+        raise TrainError(f"{path}: class name {cut(repr(twice))} is given to two folders; two classes of one name tie "
+                         "and always lose: give each folder its own name")
+    return found
 
 
 def image_folder(root) -> dict:
@@ -128,21 +179,35 @@ def image_folder(root) -> dict:
     root = Path(root)
     if not root.is_dir():
         raise TrainError(f"zero-shot folder not found: {root}")
-    files, labels, folders = [], [], []
+    files, labels, folders, unreadable = [], [], [], []
     for folder in sorted(p for p in root.iterdir() if p.is_dir()):
-        images = sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+        images = sorted(p for p in _walk(folder, root, unreadable)
+                        if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
         if images:
             files.extend(images)
             labels.extend([len(folders)] * len(images))
             folders.append(folder.name)
     if len(folders) < 2:
         raise TrainError(f"{root}: a zero-shot benchmark needs at least 2 class folders holding images "
-                         f"(ROOT/CLASS/*.jpg), found {len(folders)}")
+                         f"(ROOT/CLASS/*.jpg), found {len(folders)}"
+                         + (f"; {len(unreadable)} folder(s) could not be read: {unreadable[0]}" if unreadable else ""))
     names_file, templates_file = root / "classnames.txt", root / "templates.txt"
-    names = _classnames(names_file, folders) if names_file.is_file() else [f.replace("_", " ") for f in folders]
-    templates = read_templates(templates_file) if templates_file.is_file() else None
+    # present in any form (a FIFO, a link to a device) they are read, and read_text refuses what is not a small file
+    given = [p.exists() or p.is_symlink() for p in (names_file, templates_file)]
+    names = _classnames(names_file, folders) if given[0] else [f.replace("_", " ") for f in folders]
+    templates = read_templates(templates_file) if given[1] else None
     return {"files": files, "labels": torch.tensor(labels), "folders": folders, "names": names,
-            "templates": templates}
+            "templates": templates, "unreadable": unreadable}
+
+
+def _walk(folder: Path, root: Path, unreadable: list) -> list[Path]:
+    """Every file below `folder`, at any depth (symlinked folders are not entered, as Path.rglob does); a folder that
+    cannot be listed is appended to `unreadable` as 'PATH (reason)', relative to `root`, instead of vanishing."""
+    def failed(e: OSError) -> None:
+        where = Path(e.filename).relative_to(root) if e.filename else folder.name
+        unreadable.append(f"{where} ({e.strerror or type(e).__name__})")
+
+    return [Path(top, name) for top, _, names in os.walk(folder, onerror=failed) for name in names]
 
 
 class _Images(Dataset):
@@ -155,10 +220,10 @@ class _Images(Dataset):
         return len(self.files)
 
     def __getitem__(self, i: int):
-        from vlprep.dataset import to_rgb
+        from vltrain.api import read_image  # regular files of bounded size; a bomb is refused
 
         try:
-            return self.transform(to_rgb(Path(self.files[i]).read_bytes())), i
+            return self.transform(read_image(self.files[i])), i
         except Exception:  # any decoder error is the file's, not ours
             return None
 
@@ -199,5 +264,6 @@ def score_folder(model, root, transform, templates, max_len: int, batch_size: in
         raise TrainError(f"{root}: none of the {len(bench['files'])} images could be decoded")
     classes = class_embeddings(model, bench["names"], templates, max_len, device)
     return {"benchmark": str(root), "classes": len(bench["names"]), "images": len(kept), "skipped": skipped,
+            "unreadable_folders": bench["unreadable"],
             **zeroshot_metrics(emb, classes, bench["labels"][kept], bench["names"]),
             "chance": chance(len(bench["names"])), "names": bench["names"], "templates": templates}

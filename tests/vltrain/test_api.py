@@ -127,3 +127,71 @@ def test_match_needs_a_fusion_encoder_and_load_names_a_bad_file(tmp_path):
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="not a vltrain checkpoint"):
         vltrain.load(tmp_path / "junk.pt")
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda m, p: m.zero_shot([p], ["dog", "cat"], templates=["no brace"]), "template 'no brace' has no {}"),
+    (lambda m, p: m.zero_shot([p], ["dog", "cat"], templates="a photo of a {}."), "expected a list of templates"),
+    (lambda m, p: m.classifier(["dog"], templates=[]), "no templates"),
+    (lambda m, p: m.classifier(["dog"], templates=[5]), "a template is a int"),
+    (lambda m, p: m.classifier([], templates=["a {}"]), "classnames is empty"),
+    (lambda m, p: m.encode_texts(["a"], batch_size=-1), "batch_size must be a positive integer, got -1"),
+    (lambda m, p: m.encode_texts(["a"], batch_size=0), "batch_size must be a positive integer, got 0"),
+    (lambda m, p: m.encode_images([p], batch_size=0), "batch_size must be a positive integer"),
+    (lambda m, p: m.encode_images([p], batch_size=1.5), "batch_size must be a positive integer"),
+    (lambda m, p: m.encode_images([np.zeros((0, 40, 3), np.uint8)]), "an image must have pixels, not size 40 x 0"),
+    (lambda m, p: m.encode_images([Image.new("RGB", (0, 5))]), "an image must have pixels"),
+    (lambda m, p: m.encode_texts(["\ud800"]), "text 0 is not valid Unicode"),
+    (lambda m, p: m.encode_texts(5), "expected one item or a list of strings, not int"),
+    (lambda m, p: m.encode_texts(["a", None]), "text 1 is a NoneType, not a string"),
+    (lambda m, p: m.encode_texts({"a": 1}), "not dict"),
+    (lambda m, p: m.encode_images(5), "expected one item or a list of images, not int"),
+    (lambda m, p: m.encode_images([p.parent / "missing.png"]), "cannot read image"),
+    (lambda m, p: m.encode_images([p.parent]), "is not a regular file"),
+    (lambda m, p: m.encode_images([p.with_suffix(".txt")]), "not an image format Pillow decodes"),
+    (lambda m, p: m.zero_shot([p], ["a", "b"], templates=(t for t in ["a {}"])), "not a generator"),
+    (lambda m, p: m.zero_shot([p], ["\udc80", "b"]), "text 0 is not valid Unicode"),
+])
+def test_every_input_error_is_the_documented_one_line_value_error(tmp_path, call, message):
+    model = vltrain.load(tiny_checkpoint(tmp_path / "ckpt.pt"), device="cpu")
+    (tmp_path / "x.txt").write_text("not an image")
+    with pytest.raises(ValueError, match=re.escape(message)) as e:
+        call(model, picture(tmp_path / "x.png", (1, 2, 3)))
+    assert "\n" not in str(e.value)
+
+
+def test_a_decompression_bomb_is_a_value_error(tmp_path):
+    model = vltrain.load(tiny_checkpoint(tmp_path / "ckpt.pt"), device="cpu")
+    Image.new("1", (20000, 20000)).save(tmp_path / "bomb.png")  # 400M pixels, a few KB on disk
+    with pytest.raises(ValueError, match="decompression bomb"):
+        model.encode_images([tmp_path / "bomb.png"])
+
+
+def test_cuda_without_cuda_is_a_value_error_not_a_cli_flag(tmp_path, monkeypatch):
+    from vlprep import VlprepError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for device in ("cuda", "cuda:1"):
+        with pytest.raises(ValueError, match=r"^device cuda(:1)?: CUDA is not available") as e:
+            vltrain.load(tiny_checkpoint(tmp_path / "ckpt.pt"), device=device)
+        assert not isinstance(e.value, VlprepError) and "--device" not in str(e.value)
+    with pytest.raises(ValueError, match=r"^device must be auto, cpu or cuda\[:N\], got 'tpu'"):
+        vltrain.load(tmp_path / "ckpt.pt", device="tpu")
+    with pytest.raises(ValueError, match=r"^device must be auto, cpu or cuda\[:N\], got 'cuda:x'"):
+        vltrain.load(tmp_path / "ckpt.pt", device="cuda:x")
+    assert vltrain.load(tmp_path / "ckpt.pt", device=torch.device("cpu")).device.type == "cpu"
+
+
+def test_load_refuses_what_is_not_a_path_or_not_a_regular_file(tmp_path):
+    import os
+
+    with pytest.raises(ValueError, match="path must be a checkpoint file or an export folder, not NoneType"):
+        vltrain.load(None)
+    os.mkfifo(tmp_path / "fifo.pt")
+    with pytest.raises(ValueError, match="fifo.pt is not a regular file"):
+        vltrain.load(tmp_path / "fifo.pt", device="cpu")
+    with open(tmp_path / "big.png", "wb") as f:
+        f.truncate(300 << 20)  # sparse
+    model = vltrain.load(tiny_checkpoint(tmp_path / "ckpt.pt"), device="cpu")
+    with pytest.raises(ValueError, match=r"big.png: 314,572,800 bytes, more than 268,435,456"):
+        model.encode_images([tmp_path / "big.png"])

@@ -124,6 +124,20 @@ def test_refusals_are_one_line(shards, source, tmp_path):  # noqa: F811
     assert (out / "last.pt").exists()
 
 
+def test_a_link_into_out_is_refused_with_overwrite_by_resolved_path(shards, source, tmp_path):  # noqa: F811
+    out = tmp_path / "run"
+    ok(run(shards, out, "--preset", "clip", "--steps", "1"))
+    before = (out / "last.pt").read_bytes()
+    (tmp_path / "link.pt").symlink_to(out / "last.pt")
+    (tmp_path / "alias").symlink_to(out)  # a second name for OUT itself
+    for given in (tmp_path / "link.pt", tmp_path / "alias" / "last.pt", out / ".." / "run" / "last.pt"):
+        one_line_error(run(shards, out, "--preset", "clip", "--steps", "1", "--init-from", str(given),
+                           "--overwrite"), "which --overwrite deletes")
+        one_line_error(run(shards, tmp_path / "alias", "--preset", "clip", "--steps", "1", "--init-from",
+                           str(given), "--overwrite"), "which --overwrite deletes")
+    assert (out / "last.pt").read_bytes() == before
+
+
 def test_a_resumed_run_reloads_nothing_and_keeps_where_it_began(shards, source, tmp_path):  # noqa: F811
     start = tmp_path / "start.pt"
     shutil.copy(source, start)
@@ -173,3 +187,11 @@ def test_features_and_pixel_models_fit_when_the_tokens_are_the_pixel_encoders_el
     msg = str(e.value)
     assert "image_proj.weight: checkpoint (16, 64), model (16, 32)" in msg and "\n" not in msg
     assert "image input 64-d tokens cached by tiny vs tiny pixels" in msg
+
+
+def test_a_crafted_source_config_is_one_line(shards, source, tmp_path):  # noqa: F811
+    ckpt = torch.load(source, weights_only=True)
+    ckpt["config"]["model"]["feature_encoder"] = [1, 2]
+    torch.save(ckpt, tmp_path / "crafted.pt")
+    one_line_error(run(shards, tmp_path / "run", "--preset", "clip", "--steps", "1", "--init-from",
+                       str(tmp_path / "crafted.pt")), "model.feature_encoder: expected a mapping")

@@ -107,3 +107,80 @@ def test_read_templates_keeps_other_braces(tmp_path):
     path = tmp_path / "t.txt"
     path.write_text("{a} {} {b}\n")
     assert read_templates(path) == ["{a} {} {b}"]
+
+
+@pytest.mark.parametrize("names, message", [
+    ("kitten\nkitten\ncar\n", "class name 'kitten' is given to two folders"),
+    ("cat\tpet\ndog\tpet\n", "class name 'pet' is given to two folders"),
+    ("cat\tred car\n", "class name 'red car' is given to two folders"),  # the red_car folder's own name
+    ("cat\tkitten\ncat\tpuppy\n", "folder 'cat' is named twice"),
+    ("cat\tkitten\npuppy\ncar\n", "mixes FOLDER<TAB>name lines with plain name lines"),
+])
+def test_duplicate_and_mixed_class_names_are_refused(tmp_path, names, message):
+    root = benchmark(tmp_path / "zs")
+    (root / "classnames.txt").write_text(names)
+    with pytest.raises(TrainError, match=message) as e:
+        image_folder(root)
+    assert "\n" not in str(e.value)
+
+
+def test_an_unreadable_class_folder_is_counted_and_warned(tmp_path, monkeypatch):
+    import os
+
+    root = benchmark(tmp_path / "zs")
+    real = os.scandir
+
+    def scandir(path="."):  # what a folder without read permission does (chmod is no bar to root, so simulated)
+        if str(path) == str(root / "dog"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    b = image_folder(root)
+    assert b["folders"] == ["cat", "red_car"] and b["unreadable"] == ["dog (Permission denied)"]
+    ckpt = tiny_checkpoint(tmp_path / "ckpt.pt")
+    r = CliRunner().invoke(app, ["eval", str(ckpt), "--zeroshot-folder", str(root), "--device", "cpu",
+                                 "--out", str(tmp_path / "zs.json")])
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    assert "warning: 1 folder(s) of the zero-shot benchmark could not be read" in r.output
+    assert "dog (Permission denied)" in r.output
+    zs = json.loads((tmp_path / "zs.json").read_text())["zeroshot"]
+    assert zs["classes"] == 2 and zs["unreadable_folders"] == ["dog (Permission denied)"]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "folder", "huge"])
+@pytest.mark.parametrize("which", ["--templates", "templates.txt", "classnames.txt"])
+def test_templates_and_classnames_are_read_only_from_small_regular_files(tmp_path, monkeypatch, kind, which):
+    import os
+
+    monkeypatch.chdir(tmp_path)
+    root = benchmark(tmp_path / "zs")
+    target = tmp_path / "given.txt" if which == "--templates" else root / which
+    if kind == "fifo":
+        os.mkfifo(target)  # reading it would wait forever
+    elif kind == "dev-zero":
+        target.symlink_to("/dev/zero")  # reading it would never end
+    elif kind == "folder":
+        target.mkdir()
+    else:
+        target.write_text("a {}\n" * 300_000)
+    extra = ["--templates", str(target)] if which == "--templates" else []
+    ckpt = tiny_checkpoint(tmp_path / "ckpt.pt")
+    r = CliRunner().invoke(app, ["eval", str(ckpt), "--zeroshot-folder", str(root), *extra, "--device", "cpu"])
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.output + repr(r.exception)
+    assert ("not a regular file" if kind != "huge" else "more than 1,048,576 bytes") in lines[0], lines[0]
+
+
+def test_a_bom_is_read_and_caption_mode_refuses_a_class_listed_twice(tmp_path):
+    from tests.conftest import colour_pairs
+
+    root = benchmark(tmp_path / "zs")
+    (root / "classnames.txt").write_bytes("\ufeffcat\tkitten\n".encode())  # a BOM is legal UTF-8
+    assert image_folder(root)["names"] == ["kitten", "dog", "red car"]
+    shards = colour_pairs(tmp_path, 8)
+    (tmp_path / "classes.txt").write_text("red\nblue\nred\n")
+    r = CliRunner().invoke(app, ["eval", str(tiny_checkpoint(tmp_path / "ckpt.pt")), str(shards), "--zeroshot",
+                                 str(tmp_path / "classes.txt"), "--device", "cpu", "--out", str(tmp_path / "e.json")])
+    lines = [ln for ln in r.output.splitlines() if ln.startswith("error: ")]
+    assert r.exit_code == 2 and len(lines) == 1 and "class name 'red' is listed twice" in lines[0], r.output
