@@ -15,9 +15,6 @@ import os
 import re
 from pathlib import Path
 
-import stat
-import warnings
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -30,10 +27,9 @@ from vltrain.config import Config, from_dict
 from vltrain.data import eval_transform
 from vltrain.losses import upcast
 from vltrain.model import autocast, resolve_device, tokenizer_for
-from vltrain.zeroshot import DEFAULT_TEMPLATES, check_templates, class_embeddings
+from vltrain.zeroshot import DEFAULT_TEMPLATES, check_templates, class_embeddings, read_image
 
 IMAGE_BATCH, TEXT_BATCH = 32, 256
-IMAGE_BYTES = 1 << 28  # 256 MiB: far above any photo; a FIFO or /dev/zero must not be read without bound
 
 
 def pixel_transform(net, image_size: int):
@@ -41,30 +37,6 @@ def pixel_transform(net, image_size: int):
     the encoder's statistics); a model trained on cached tokens uses its frozen encoder's size."""
     size = net.image_size if net.cfg.image_model == "features" else image_size
     return eval_transform(size, net.image_mean, net.image_std)
-
-
-def read_image(path) -> Image.Image:
-    """An image file as RGB; a missing, non-regular (FIFO, device), oversized or undecodable file, or a decompression
-    bomb, is a one-line ValueError."""
-    from vlprep.dataset import to_rgb
-
-    try:
-        st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"image {path} is not a regular file")
-        if st.st_size > IMAGE_BYTES:
-            raise ValueError(f"image {path}: {st.st_size:,} bytes, more than {IMAGE_BYTES:,}")
-        with open(path, "rb") as f:
-            data = f.read(IMAGE_BYTES + 1)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            return to_rgb(data)
-    except Image.DecompressionBombError as e:
-        raise ValueError(f"image {path}: refused as a decompression bomb ({e})") from None
-    except Image.UnidentifiedImageError:
-        raise ValueError(f"cannot read image {path}: not an image format Pillow decodes") from None
-    except (OSError, SyntaxError) as e:
-        raise ValueError(f"cannot read image {path}: {e.strerror or e if isinstance(e, OSError) else e}") from None
 
 
 def to_pil(image) -> Image.Image:

@@ -7,15 +7,17 @@ one folder per class, with two optional files: ROOT/classnames.txt (readable nam
 """
 
 import os
-import stat
+import warnings
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from vlprep.sources import IMAGE_SUFFIXES
 from vlprep import cut
+from vlprep.sources import IMAGE_SUFFIXES
+from vlprep.userfile import FileTooLarge, NotARegularFile, read_regular
 from vltrain.errors import TrainError
 from vltrain.losses import upcast
 from vltrain.model import autocast, tokenizer_for
@@ -26,6 +28,7 @@ from vltrain.model import autocast, tokenizer_for
 DEFAULT_TEMPLATES = ("itap of a {}.", "a bad photo of the {}.", "a origami {}.", "a photo of the large {}.",
                      "a {} in a video game.", "art of the {}.", "a photo of the small {}.")
 TOP_CONFUSIONS = 5
+IMAGE_BYTES = 1 << 28  # 256 MiB: far above any photo; a FIFO or /dev/zero must not be read without bound
 TEXT_BYTES = 1 << 20  # templates.txt and classnames.txt: ImageNet-21k's 21,841 names take about 400 KB
 
 
@@ -34,19 +37,40 @@ def read_text(path, what: str) -> str:
     BOM is allowed). A FIFO would block the read and /dev/zero never end it: each is a one-line TrainError."""
     path = Path(path)
     try:
-        st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode):
-            raise TrainError(f"{what} {path} is not a regular file (a folder, FIFO or device); give a text file")
-        with open(path, "rb") as f:
-            data = f.read(TEXT_BYTES + 1)
+        data = read_regular(path, TEXT_BYTES)
+    except NotARegularFile:
+        raise TrainError(f"{what} {path} is not a regular file (a folder, FIFO or device); give a text file") from None
+    except FileTooLarge:
+        raise TrainError(f"{what} {path}: more than {TEXT_BYTES:,} bytes; a {what} file is a short text file") from None
     except OSError as e:
         raise TrainError(f"cannot read {what} {path}: {e.strerror or type(e).__name__}") from None
-    if len(data) > TEXT_BYTES:
-        raise TrainError(f"{what} {path}: more than {TEXT_BYTES:,} bytes; a {what} file is a short text file")
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError:
         raise TrainError(f"{what} {path}: not UTF-8 text") from None
+
+
+def read_image(path) -> Image.Image:
+    """An image file as RGB; a missing, non-regular (FIFO, device), oversized or undecodable file, or a decompression
+    bomb, is a one-line ValueError."""
+    from vlprep.dataset import to_rgb
+
+    try:
+        try:
+            data = read_regular(path, IMAGE_BYTES)
+        except NotARegularFile:
+            raise ValueError(f"image {path} is not a regular file") from None
+        except FileTooLarge as e:
+            raise ValueError(f"image {path}: {e.size:,} bytes, more than {IMAGE_BYTES:,}") from None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            return to_rgb(data)
+    except Image.DecompressionBombError as e:
+        raise ValueError(f"image {path}: refused as a decompression bomb ({e})") from None
+    except Image.UnidentifiedImageError:
+        raise ValueError(f"cannot read image {path}: not an image format Pillow decodes") from None
+    except (OSError, SyntaxError) as e:
+        raise ValueError(f"cannot read image {path}: {e.strerror or e if isinstance(e, OSError) else e}") from None
 
 
 def check_templates(templates, where: str) -> None:
@@ -220,8 +244,6 @@ class _Images(Dataset):
         return len(self.files)
 
     def __getitem__(self, i: int):
-        from vltrain.api import read_image  # regular files of bounded size; a bomb is refused
-
         try:
             return self.transform(read_image(self.files[i])), i
         except Exception:  # any decoder error is the file's, not ours
