@@ -23,9 +23,10 @@ BUCKETS = ("s3", "gs")  # netloc is a bucket: no userinfo, no port, no query (cr
 PORTS = {"http": 80, "https": 443}
 UNRESERVED = re.compile(r"%(2[dDeE]|3[0-9]|[46][1-9a-fA-F]|[57][0-9aA]|5[fF]|7[eE])")
 ESCAPE = re.compile(r"%[0-9a-fA-F]{2}")
-SECRET_NAME = re.compile(r"token|sig|key|secret|pass|pwd|auth|credential|session|^x-amz-|^x-goog-", re.IGNORECASE)
+SECRET_NAME = re.compile(r"token|sig|key|secret|pass|pwd|^pw$|auth|bearer|jwt|credential|session|^code$|^x-amz-|"
+                         r"^x-goog-", re.IGNORECASE)
 USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/?#]*@")
-QUERY_PAIR = re.compile(r"([?&;])([^=&#;?\s]+)=([^&#;\s]*)")
+QUERY_PAIR = re.compile(r"([?&;#])([^=&#;?\s]+)=([^&#;\s]*)")
 IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
 HIDDEN = "***"
 ENV_HINT = {"s3": "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or ~/.aws, AWS_PROFILE)",

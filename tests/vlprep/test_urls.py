@@ -73,6 +73,8 @@ def test_a_local_out_that_aliases_its_input_is_refused(tmp_path):
     ("https://h/a?sig=S&se=2030&sp=r", "https://h/a?sig=***&se=2030&sp=r"),
     ("https://h/a?api_key=K&password=P&access_token=A", "https://h/a?api_key=***&password=***&access_token=***"),
     ("s3://k:T@bkt/raw", "s3://bkt/raw"), ("/local/path", "/local/path"),
+    ("https://h/a?jwt=J&pw=P&code=C&Bearer=B&page=2", "https://h/a?jwt=***&pw=***&code=***&Bearer=***&page=2"),
+    ("https://h/a#access_token=F&state=s", "https://h/a#access_token=***&state=s"),  # an OAuth implicit-grant URL
 ])
 def test_a_url_is_shown_without_its_credentials(url, shown):
     assert urls.redact(url) == shown
