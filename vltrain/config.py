@@ -17,6 +17,7 @@ from vlprep import VlprepError, objstore
 from vlprep.encoders import MAX_SIZE, MIN_SIZE
 from vlprep.remote import check_dataset, check_local
 from vlprep.urls import redact
+from vlprep.userfile import FileTooLarge, NotARegularFile, read_regular
 from vltrain.model import FUSION_FROM, POOLING, TEMP_MAX, TEMP_MIN, ModelConfig
 from vltrain.softmask import parse_source
 
@@ -352,16 +353,18 @@ CONFIG_BYTES = 1 << 20  # a config file is a few KB
 
 
 def read_config_file(path: Path) -> str:
-    """The text of a --config file; a missing file, a folder, an unreadable or oversized file is a ConfigError."""
+    """The text of a --config file; a missing file, a folder, a FIFO or device (never opened for a blocking read), an
+    unreadable or oversized file is a ConfigError."""
     try:
-        if path.is_dir():
-            raise ConfigError(f"--config {path} is a folder; give a YAML file")
-        if path.stat().st_size > CONFIG_BYTES:
-            raise ConfigError(f"--config {path}: {path.stat().st_size:,} bytes; a config file is at most "
-                              f"{CONFIG_BYTES:,}")
-        return path.read_text(encoding="utf-8")
+        return read_regular(path, CONFIG_BYTES).decode("utf-8")
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
+    except NotARegularFile as e:
+        if e.kind == "a folder":
+            raise ConfigError(f"--config {path} is a folder; give a YAML file") from None
+        raise ConfigError(f"--config {path} is not a regular file ({e.kind}); give a YAML file") from None
+    except FileTooLarge as e:
+        raise ConfigError(f"--config {path}: {e.size:,} bytes; a config file is at most {CONFIG_BYTES:,}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"--config {path}: not UTF-8 text") from None
     except OSError as e:

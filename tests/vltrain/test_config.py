@@ -1,4 +1,5 @@
 import functools
+import os
 import re
 from pathlib import Path
 
@@ -301,6 +302,13 @@ def test_a_config_folder_or_unreadable_file_is_one_line(tmp_path):
     (tmp_path / "bin.yaml").write_bytes(b"steps: \xff\xfe\n")
     with pytest.raises(ConfigError, match=r"bin.yaml: not UTF-8 text$"):
         load_config("albef", tmp_path / "bin.yaml")
+    # the library call too (the CLI checked before it): a FIFO is never opened for a blocking read (which waited
+    # forever for a writer), nor is /dev/zero read without end
+    os.mkfifo(tmp_path / "fifo.yaml")
+    with pytest.raises(ConfigError, match=r"fifo.yaml is not a regular file \(a FIFO\); give a YAML file$"):
+        load_config("albef", tmp_path / "fifo.yaml")
+    with pytest.raises(ConfigError, match=r"^--config /dev/zero is not a regular file \(a character device\)"):
+        load_config("albef", Path("/dev/zero"))
 
 
 @pytest.mark.parametrize("key", ["out", "model.text_model", "model.image_weights", "sampler.ontology"])
