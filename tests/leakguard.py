@@ -27,8 +27,9 @@ PROCESS_SINGLETONS = ("multiprocessing.resource_tracker", "multiprocessing.forks
 # when imported, `import ray` sets RAY_CLIENT_MODE=0 ("not a Ray Client"), and torch's inductor writes the cache folder
 # it settled on into TORCHINDUCTOR_CACHE_DIR the first time it looks (open_clip's training code does, on import).
 # pytest's own variable names the running test.
+# torch.compile's first code cache load sets _TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR for its compiled kernels.
 NOT_STATE = {"KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK", "RAY_CLIENT_MODE", "TORCHINDUCTOR_CACHE_DIR",
-             "PYTEST_CURRENT_TEST"}
+             "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "PYTEST_CURRENT_TEST"}
 # tests/conftest.py puts a value unique to the session under this name before the first test: every process a test
 # starts inherits it (through os.environ), so one that outlives the test is found even when its parent is gone (a
 # driver killed with kill -9 leaves its Ray behind, adopted by init).
@@ -37,6 +38,15 @@ MARK = "VLPREP_TEST_SESSION"
 # one before it) the first time a loader starts workers, and never sets it again, so undoing it would leave later
 # loaders unwatched.
 LIBRARY_HANDLERS = {"_set_SIGCHLD_handler.<locals>.handler"}
+
+
+def cv2_amended(key: str, before: str | None, after: str | None) -> bool:
+    """Whether `after` is `before` with cv2's binaries folder put first: `import cv2` prepends it (a `lib64` folder
+    beside site-packages) to LD_LIBRARY_PATH, "for sub-processes only", once per process."""
+    if key != "LD_LIBRARY_PATH" or after is None:
+        return False
+    head, _, tail = after.partition(":")
+    return head.endswith("lib64") and tail == (before or "")
 
 
 def started_here() -> set[int]:
@@ -91,7 +101,7 @@ def changes(before: Snapshot, after: Snapshot, grace_s: float = CHILD_GRACE_S) -
     """What differs between two snapshots, one phrase each; new children get `grace_s` to exit first."""
     found = []
     for key in sorted((before.env.keys() | after.env.keys()) - NOT_STATE):
-        if before.env.get(key) != after.env.get(key):
+        if before.env.get(key) != after.env.get(key) and not cv2_amended(key, before.env.get(key), after.env.get(key)):
             # the name only: a value may be a secret (a test's fake credentials included)
             verb = "set" if key not in before.env else "removed" if key not in after.env else "changed"
             found.append(f"environment variable {key} {verb}")
