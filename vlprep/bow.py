@@ -196,7 +196,7 @@ def keyed_shuffle(x: list, prefix: bytes) -> None:
     """SampleRng(seed, key).shuffle(x) with prefix = f"{seed}:{key}:".encode(): the same permutation, in one pass.
 
     The stage shuffles every caption once, so the stream needs no state between calls: the blocks it needs are
-    hashed at once and the swap draws unpacked together (SampleRng.shuffle spent ~3 us per caption in its loop).
+    hashed at once and the swap draws unpacked together (SampleRng.shuffle's per-swap loop was a hot spot).
     """
     n = len(x)
     if n < 2:
@@ -218,7 +218,7 @@ class SampleRng:
     """Per-sample generator for `shuffle`, seeded from (seed, key).
 
     Hand-written rather than random.Random(f"{seed}:{key}") because seeding a Mersenne Twister per
-    caption costs ~6 us, more than the whole rest of the cascade. A blake2b stream of (seed, key,
+    caption costs more than the whole rest of the cascade. A blake2b stream of (seed, key,
     block) drives a Fisher-Yates shuffle, two bytes per swap (bias below 1e-4 for captions under
     ten thousand tokens); the result is stable across processes and Python versions.
     """
@@ -256,8 +256,8 @@ class Deformer:
     keep is last), so each run of filters is applied as one. A run that holds basevocab keeps exactly the base
     vocabulary words that pass its other filters, a set computed once here; one without it applies the ops in turn.
     The tokens each step dropped (`take_removed`) are counted from the tokens entering each run, tallied per
-    shard: which step drops a token depends on the token alone. tests/vlprep/test_bow.py checks output and counts
-    against deform() on many cascades.
+    shard: which step drops a token depends on the token alone. Output and counts are tested against deform() on
+    many cascades.
     """
 
     def __init__(self, cascade: list[Step], context: BowContext, seed: int):

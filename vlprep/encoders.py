@@ -48,8 +48,8 @@ class TokenEncoder(nn.Module):
 
     def __init__(self, trunk: nn.Module, spec: dict):
         super().__init__()
-        # NHWC convolutions: ~1.4x faster for EfficientNet-Lite0 on CPU (oneDNN), and at S = 224 a sample's
-        # tokens are bit-identical whatever the batch it is in (tests/vlprep/test_features.py); see forward().
+        # NHWC convolutions: faster for EfficientNet-Lite0 on CPU (oneDNN), and at S = 224 a sample's tokens are
+        # bit-identical whatever the batch it is in (tested); see forward().
         self.trunk = trunk.to(memory_format=torch.channels_last)
         self.requires_grad_(False)
         self.train(False)

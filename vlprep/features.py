@@ -53,10 +53,10 @@ class FeaturesConfig:
     size: int | None = None                   # None: the encoder's (224)
     dtype: str = "float16"
     # Images per encoder call, a fixed shape (see the module docstring); None: 4 on a CPU (fastest with one
-    # intra-op thread per call on 2 cores, benchmarks/features.py), 64 on CUDA.
+    # intra-op thread per call on a small machine), 64 on CUDA.
     batch_size: int | None = None
     # Decode threads per worker: PIL decoding and torch's resize release the GIL, so two threads keep the encoder
-    # fed on 2 cores while it runs (benchmarks/features.py); 0 decodes in the worker's main thread.
+    # fed on 2 cores while it runs; 0 decodes in the worker's main thread.
     decode_threads: int = field(default_factory=lambda: min(2, os.cpu_count() or 1))
     workers: int = 1                          # processes (or Ray actors), each with its own encoder
     distributor: str = "local"                # local | ray (docs/SCALE.md)
@@ -126,7 +126,7 @@ def _encode(enc, device, batch: list, batch_size: int, dtype: np.dtype) -> np.nd
     """[(index, raw, uint8 view)] -> their tokens (len, N, D) in `dtype`, from one call of the fixed shape."""
     spec = enc.spec
     # The views are crops of HWC buffers (ToImage keeps PIL's layout): stacked as (B, S, S, 3) they copy row by row
-    # (~3x faster than stacking the CHW views) into the channels_last (B, 3, S, S) layout the encoder's convolutions
+    # (much faster than stacking the CHW views) into the channels_last (B, 3, S, S) layout the encoder's convolutions
     # want, so it needs no second copy. Elementwise ops: same numbers either way.
     hwc = torch.stack([v.permute(1, 2, 0) for _, _, v in batch])
     if len(batch) < batch_size:  # the fixed shape: black images fill the shard's last call

@@ -1,19 +1,18 @@
 """Image checks without decoding, for `vlprep shards`' pass-through: the end-of-image checks, and `probe`, which reads
 a PNG's or JPEG's format and size from its header the way Pillow's `Image.open` does, at a fraction of the cost.
 
-Why not just `Image.open`: on a pass-through run it was the largest single cost (~27 us of ~45 us of vlprep's own
-work per 13 KB PNG, benchmarks/shards.py), because Pillow parses every chunk or marker before the image data in
-Python, through a file object, building info dicts nobody reads here. `probe` walks the same bytes directly.
+Why not just `Image.open`: on a pass-through run it was the largest single cost of vlprep's own work per image,
+because Pillow parses every chunk or marker before the image data in Python, through a file object, building info dicts nobody reads here. `probe` walks the same bytes directly.
 
 The rule that keeps it safe: `probe` answers only when it is sure `Image.open` would have succeeded with the same
 (format, width, height) and the end check passes; anything unusual (a chunk or marker whose Pillow handler can
 reject the file, a second header, a size Pillow would warn about, a CRC mismatch, a WebP) returns None, and the
-caller takes the Pillow path, so every skip reason and every accepted image stay exactly what they were.
-tests/vlprep/test_shards.py compares the two paths on valid, damaged and unusual files.
+caller takes the Pillow path, so every skip reason and every accepted image stay exactly what they were (the two
+paths are tested against each other on valid, damaged and unusual files).
 
 The PNG end check is structural by default: every chunk length is walked to IEND and every chunk's CRC is checked
-except IDAT's, whose payload is skipped. IDAT is nearly all of a PNG's bytes, and its CRC was 11.6 of vlprep's 102
-ms on benchmarks/shards.py part A; a file cut short still fails (a length runs past the end, or IEND is missing),
+except IDAT's, whose payload is skipped. IDAT is nearly all of a PNG's bytes, and its CRC was a tenth of vlprep's
+own time on a pass-through run; a file cut short still fails (a length runs past the end, or IEND is missing),
 and so does a damaged header chunk (Pillow reads those at open). A flipped byte inside IDAT data is left to the
 decoder: `--decode-check` (`idat_crc=True`) checks every CRC and decodes, and training skips and counts a sample
 that does not decode. docs/FORMAT.md, "What the readers refuse", has the contract.

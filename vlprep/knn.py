@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 
 INDEX_KINDS = ("auto", "flat", "ivf")
-# Below this many captions an exact flat search costs a few percent of the image encoder's forward per crop
-# (benchmarks/pseudolabel.py: 15 ms a query at 1M x 384), so exactness is free; above it IVF's speed-up pays.
+# Below this many captions an exact flat search costs a few percent of the image encoder's forward per crop, so
+# exactness is free; above it IVF's speed-up pays.
 FLAT_MAX = 100_000
 DEFAULT_NPROBE = 32
 KMEANS_SEED = 1234

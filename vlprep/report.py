@@ -140,7 +140,7 @@ def plot_bow(out: Path, words_before: Counter, words_after: Counter, len_before:
     from matplotlib.figure import Figure
 
     # A bare Figure (no pyplot state to set up and tear down), one figure, no tight_layout: drawing it is this
-    # stage's largest fixed cost on small datasets (benchmarks/bow.py, part B).
+    # stage's largest fixed cost on small datasets.
     fig = Figure(figsize=(11, 4.5))
     ax, bx = fig.subplots(1, 2)
     fig.subplots_adjust(left=0.09, right=0.98, bottom=0.12, top=0.92, wspace=0.25)

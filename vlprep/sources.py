@@ -182,8 +182,8 @@ def _list_images(root: str) -> list[tuple[tuple[str, ...], str]]:
     """(relative path parts, image file name) of every image under root, in sorted(Path.rglob) order.
 
     os.scandir rather than Path.rglob("*") + is_file(): DirEntry.is_file() answers from the
-    directory listing (no stat per file) and no Path object is built per entry; rglob was ~18% of
-    a pass-through `vlprep shards` run (benchmarks/shards.py). Same walk as rglob: symlinked
+    directory listing (no stat per file) and no Path object is built per entry; rglob was a large
+    share of a pass-through `vlprep shards` run. Same walk as rglob: symlinked
     folders are not entered, symlinked files are followed, unreadable folders are skipped.
     """
     found = []

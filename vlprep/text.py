@@ -9,9 +9,9 @@ _WORD = re.compile(r"\w+")
 
 
 # The definitions are the two regexes above. tokenize and words take a shortcut that gives the same lists
-# (tests/vlprep/test_text.py checks every code point): str.split() splits on exactly the characters `\s` matches, and a piece
-# with no space in it is one `\w+` run when str.isalnum() holds (`\w` is isalnum() or "_"). Only the pieces that
-# fail the test go through the regex. The regex alone was most of `vlprep bow`'s per-caption cost (benchmarks/bow.py).
+# for every code point: str.split() splits on exactly the characters `\s` matches, and a piece with no space in it
+# is one `\w+` run when str.isalnum() holds (`\w` is isalnum() or "_"). Only the pieces that fail the test go
+# through the regex, which alone was most of `vlprep bow`'s per-caption cost.
 
 
 def tokenize(caption: str) -> list[str]:

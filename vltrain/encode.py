@@ -45,7 +45,7 @@ class CheckpointEncoder:
             self.image_size = int(feat_size or data.image_size or self.model.image_size or 224)
         self.min_crop_scale = float(data.min_crop_scale)
         if self.image_size is not None:
-            # NHWC convolutions: ~1.4x faster for EfficientNet-Lite0 on CPU (oneDNN), same outputs to ~1e-7.
+            # NHWC convolutions: faster for EfficientNet-Lite0 on CPU (oneDNN), same outputs to ~1e-7.
             self.model.image_encoder.to(memory_format=torch.channels_last)
         self.tokenizer = loaded.tokenizer
 

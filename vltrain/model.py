@@ -271,7 +271,7 @@ def length_groups(mask: torch.Tensor, groups: int, row_cost: int = 64,
     """The rows of a (B, L) attention mask in at most `groups` groups of similar length, each with the length it
     needs (its rows' last attended position + 1): [(row indices, length), ...], or None when they would not save
     `min_saving` of the batch's positions as it comes (below that, the extra calls cost more than they save:
-    `clip` at batch 128 with 3% padding ran 5-10% slower in groups, benchmarks/mfu.py). Rows are independent
+    `clip` at batch 128 with 3% padding ran slower in groups). Rows are independent
     sequences in the text encoder and the fusion layers, so running each group cut to its own length computes the
     same attended positions with less padding.
 

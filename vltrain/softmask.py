@@ -63,7 +63,7 @@ def fill_to(w: torch.Tensor, total: float) -> torch.Tensor:
     R_k = 0); then every positive entry is 1 and every zero stays 0, so the row sums to p (< total unless p = total).
     Float32 throughout (no float64, which not every device has): R_j is a suffix sum of at most N terms in [0, 1],
     summed smallest first, so s carries a relative error of at most about (N + 1) * 2^-24 and the row's total about
-    (N + 1) * 2^-24 * total (7e-5 for N = 49; tests/vltrain/test_softmask.py checks it).
+    (N + 1) * 2^-24 * total (7e-5 for N = 49; tested).
     """
     desc = w.sort(dim=-1, descending=True).values
     zero = torch.zeros_like(desc[..., :1])
