@@ -1,29 +1,10 @@
 """`vlprep bow`: the bag-of-words caption deformations of A Fistful of Words (section 2.2).
 
-The contract (also in docs/BOW.md):
-- Tokens are `re.findall(r"\\w+|[^\\w\\s]", caption.lower())`: each punctuation mark is a token of its
-  own. The deformed caption is the remaining tokens joined by single spaces.
-- Base set: a sample is in it when blake2b("base:{seed}:{key}") / 2**64 < base_frac, a function of
-  (seed, key) only. Base captions stay intact unless --deform-base; all others are deformed.
-- Ops, one pure function each in OPS, applied in the order given except `keep`, which is always last:
-  shuffle      random permutation; the generator is SampleRng(seed, key), a blake2b stream per sample
-  rmstop       RmStopNalpha: drop NLTK English stop words and tokens that are not str.isalpha()
-  basevocab    LimitToBaseVocab: drop tokens that occur in no base caption
-  rmtop:t      RmTopFreq(t): drop the t tokens found in the most base captions, counted after the ops that
-               precede rmtop in the cascade (ties: token string); after rmstop these are content words
-  keep:n       Keep(n): keep the first n tokens
-- A sample whose deformed caption is empty is dropped and counted.
-- A multi-caption sample (json.captions, docs/FORMAT.md) has every caption deformed, so that training never sees
-  an intact extra caption: the first (`txt`) exactly as a single caption, under its key; the j-th extra one
-  (j >= 1) under the key "{key}#{j}" (its own shuffle). An extra caption that comes out empty is left out of the
-  list (counted, `captions_dropped_empty`); an empty first caption drops the sample, as above. json.captions_raw
-  keeps the original list (from an earlier bow, as caption_raw), and the sidecar's `captions` column follows
-  json.captions. The base set's captions are all of its samples' captions (each one a document for rmtop).
-- The same ranking (top_tokens) gives `vlprep pseudolabel` its top(t) over S_a, after rmstop's filter.
-- Base statistics come from a first pass over the Parquet sidecars; the second pass rewrites the
-  shards (same names, same keys), copying image bytes untouched and setting json.caption_raw (the
-  original caption, kept from an earlier bow) and json.bow (was this caption deformed).
-- Same input, ops and seed give byte-identical shards for any --workers.
+docs/BOW.md is the contract: the tokens, the base set, each op and its order, multi-caption samples, what is dropped
+and counted, and the outputs. Here: `OPS` (one pure function per op) and `deform` define the ops, `Deformer` applies
+a whole cascade at once with the same result, `SampleRng` / `keyed_shuffle` draw the per-sample shuffle,
+`top_tokens` ranks words (pseudolabel's top(t) too), and `bow` runs the two passes (base statistics from the
+sidecars, then the shards rewritten under the same names and keys).
 """
 
 import hashlib

@@ -1,22 +1,9 @@
 """`vlprep embed` and the image views of `vlprep pseudolabel`: L2-normalised ITC embeddings from an encoder object.
 
-The contract (also in docs/PSEUDOLABEL.md):
-- An encoder is any object with `dim` (E), `texts(captions) -> (B, E)` and `images(uint8 (B, S, S, 3)) -> (B, E)`
-  (both L2-normalised float32), `image_size` (S; None when it cannot embed pixels), `min_crop_scale` (the scale range
-  it was trained with), `name` (recorded in the options), `fingerprint` (changes with the weights), `device` and
-  `info` (a dict for meta.json). With more than one worker it is pickled to each: its pickle should carry paths,
-  not weights. vlprep never imports vltrain: `vltrain.encode.CheckpointEncoder` is the one the CLI passes.
-- Text: the intact caption, i.e. the sidecar's `caption_raw` when the dataset went through `vlprep bow` and its
-  `caption` otherwise (`deformed=True` embeds `caption` as it is).
-- Images: `center_view` (resize the shorter side to S, centre crop; vltrain's eval transform) for `vlprep embed`; for
-  pseudolabel, c torchvision v2 RandomResizedCrops of the PIL image (`crop_views`), with the encoder's scale range,
-  drawn from the default torch generator seeded with blake2b("crop:{seed}:{key}") inside fork_rng: v2 transforms
-  take no generator argument, and this keeps the crops a function of (seed, key) alone, whatever the batch, shard
-  order or global RNG state.
-- Output of `vlprep embed DATASET OUT`: OUT/embeddings.npy, float32 (N, E), row i for the key in row i of
-  OUT/keys.parquet (`key`, and `caption` for text), plus meta.json and report.json. Each input shard is embedded
-  on its own (map_shards, so a stopped run resumes) into OUT/_parts/, and the parts are joined in shard order.
-  Images that fail to decode are skipped and counted.
+docs/PSEUDOLABEL.md is the contract: what an encoder object provides (vlprep never imports vltrain; the CLI hands
+in vltrain's checkpoint encoder), which caption is embedded, the eval view (`center_view`) and the seeded crops
+(`crop_views`, a function of (seed, key) alone), and the output files (embeddings.npy + keys.parquet, joined from
+per-shard parts so that a stopped run resumes).
 """
 
 import hashlib

@@ -1,20 +1,8 @@
 """`vlprep ontology`: the TOnICS noun-object PMI ontology (section 3, appendix A.1).
 
-The contract (also in docs/ONTOLOGY.md):
-- Nouns: tokens spaCy (en_core_web_sm) tags NOUN, lemmatised, lowercased, with their character span.
-- Objects: the labels of json.objects with score >= min_score.
-- PMI(n, o) = log(p(n, o) / (p(n) p(o))) over the pairs with at least one object; p(n), p(o),
-  p(n, o) are the fractions of those pairs whose caption has n / whose image has o / both.
-- Mapping: among pairs co-occurring >= min_cooccur times, each noun maps to its highest-PMI class;
-  ties go to the larger co-occurrence count, then to the smaller label. Overrides force
-  (`noun: class`) or exclude (`noun: null`).
-- Triplets (--triplets): per pair, one per distinct mapped noun of its caption (span of its first
-  occurrence); `all` (default, appendix A.1) whether or not the detector found its class in this
-  image, `detected` only when it did. X(o) = the triplets of class o; classes with fewer than
-  min_instances triplets are dropped (default: max(5, ceil(T * 5000 / 5.8M)), the paper's
-  5,000-in-5.8M ratio applied to this data's T triplets under the chosen rule). Both rules' counts
-  are reported.
-- Outputs: ontology.json, triplets.parquet, annotated shards (json.nouns, json.nodes), report.
+docs/ONTOLOGY.md is the contract: which nouns and objects count, PMI, the noun -> class mapping with its ties and
+overrides, the triplet rules and the class-size threshold, and the outputs (ontology.json, triplets.parquet,
+annotated shards, report).
 """
 
 import json

@@ -1,32 +1,8 @@
 """`vlprep pseudolabel`: pseudo bag-of-words captions for unaligned images (A Fistful of Words, sec. 2.3, Table 7).
 
-The contract (also in docs/PSEUDOLABEL.md):
-- S_a: ALIGNED's intact captions, i.e. the sidecar's `caption_raw` when ALIGNED went through `vlprep bow`, else
-  `caption`. They are embedded by the checkpoint's text encoder (L2-normalised) into a FAISS inner-product index
-  (vlprep.knn: `flat` below 100,000 captions, a trained `ivf` from there on; `--index` overrides `auto`).
-- NN_i: each UNALIGNED image gets c = --crops random-resized crops drawn from a generator seeded by (seed, key)
-  (vlprep.embed.crop_views); each crop's image embedding retrieves its top k = --k captions; NN_i is the k*c
-  retrieved captions, duplicates included.
-- Words of a caption (`caption_words`): the tokens of `vlprep bow`'s tokeniser (vlprep.text.tokenize, lowercased)
-  that are str.isalpha() and not among NLTK's 179 English stop words, as a set.
-- count(w, NN_i): how many of the k*c captions of NN_i contain w. aligned_df[w] = count(w, S_a): how many ALIGNED
-  captions contain w. top(t): the t words with the highest aligned_df (ties: the word), t = --rmtop: bow's
-  RmTopFreq ranking (vlprep.bow.top_tokens) over S_a after bow's rmstop, so both commands remove content words.
-- Strategies (`rank_words`); every tie is broken by the word, ascending:
-    maxcount       by count(w, NN_i), highest first                                  (MaxCount)
-    rmtopmaxcount  maxcount over the words not in top(t)                             (RmTopMaxCount)
-    rmtoprand      the rmtopmaxcount candidates sorted, then shuffled by random.Random("{seed}:{key}")  (RmTopRand)
-    weighted       by count(w, NN_i) / count(w, S_a), highest first                  (WeightedCount)
-- The pseudo-caption is the first p = --words words joined by single spaces; an image left with no word is
-  dropped and counted (`dropped_no_words`); an image that is missing or does not decode is skipped and counted.
-- Output: UNALIGNED's shards under the same names, image bytes (and any other member) copied untouched; `txt` is
-  the pseudo-caption; `json` is the input json without caption_raw/bow/captions/captions_raw (they described the
-  caption(s) that are gone) plus `pseudo: true`, `strategy`, and `neighbours`: the keys of the k ALIGNED captions
-  retrieved most often across the crops (then highest similarity, then key). The sidecars keep the input columns
-  (caption replaced, caption_raw/bow/captions dropped) and gain `pseudo`, `strategy`, `neighbours`.
-- The index is saved for reuse as OUT/knn.faiss (CPU form) + OUT/knn_captions.parquet (row id -> key, caption);
-  a re-run with the same ALIGNED sidecars, checkpoint (path, size, mtime) and index kind loads it instead of
-  re-embedding S_a. Shards resume as in every stage.
+docs/PSEUDOLABEL.md is the contract: S_a and its FAISS index (vlprep.knn), the crops behind NN_i
+(vlprep.embed.crop_views), the words of a caption, the four strategies and their ties (`rank_words`), what is dropped
+and counted, the output shards and sidecars, and when the saved index is reused.
 """
 
 import hashlib
