@@ -48,7 +48,7 @@ from vlprep.remote import check_local
 from vlprep.userfile import read_user_file
 from vltrain.errors import TrainError
 from vltrain.config import ConfigError, load_config
-from vltrain.data import data_signature
+from vltrain.data.shards import data_signature
 from vltrain.checkpoint import Interrupted
 from vltrain.train import train
 

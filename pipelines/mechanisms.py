@@ -274,7 +274,7 @@ def embed_train_split(model, cfg) -> tuple[torch.Tensor, torch.Tensor]:
     """L2-normalised ITC features (image (n, E), text (n, E)) of the run's training split in shard order, each
     image with its first caption: what the trainer's forward pass hands GRIT's sampler (`queue_feats`), read as
     `embed_split` reads the split (ShardStream, unshuffled)."""
-    from vltrain.data import ShardStream
+    from vltrain.data.stream import ShardStream
     from vltrain.evaluate import reads_features
 
     use_features = reads_features(model.net, cfg.shards)
@@ -416,7 +416,7 @@ def pointing_items(demo: Path, cfg) -> tuple[list[dict], dict]:
     """The pointing game's items: every triplet of DEMO/onto whose class the detector found in its image, with the
     boxes of that label (DEMO/det), the image's sample index in the run's data, its size and held-out membership."""
     import pyarrow.parquet as pq
-    from vltrain.data import in_val
+    from vltrain.data.shards import in_val
 
     onto, det = demo / "onto", demo / "det"
     for need in (onto / "triplets.parquet", det / "sizes.json"):
@@ -465,7 +465,9 @@ def word_maps(net, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def check_softmask(demo: Path, seed: int) -> tuple[list[dict], dict]:
-    from vltrain.data import Collate, IndexedShards, InstanceView, feature_input
+    from vltrain.data.collate import Collate
+    from vltrain.data.indexed import IndexedShards, InstanceView
+    from vltrain.data.shards import feature_input
 
     model, cfg, _ = load_run(run_path(demo, "softmask", "softmask", seed))
     net = model.net

@@ -1,7 +1,7 @@
 """`train`: set-up -> data -> model -> optimiser -> resume -> loop -> end, and the signal handler.
 
 The pieces live in their own modules: the set-up and the training data in vltrain.runsetup, the batches in
-vltrain.batches, one step's losses in vltrain.step (the objectives in vltrain.objectives), the optimiser in
+vltrain.data.feed, one step's losses in vltrain.step (the objectives in vltrain.objectives), the optimiser in
 vltrain.optim, checkpoints in vltrain.checkpoint, the periodic checks in vltrain.checks, and what the run tells the
 user in vltrain.report.
 """
@@ -20,10 +20,11 @@ import torch
 from vlprep.dataset import release_output
 from vltrain.errors import PeerFailed, TrainError
 from vltrain import checkpoint as ckpt_io
-from vltrain.batches import Feed, StopFetch
+from vltrain.data.feed import Feed, StopFetch
 from vltrain.checkpoint import Run, RunState, interrupted, save_checkpoint
 from vltrain.checks import curriculum_check, evaluate_heldout
-from vltrain.data import data_signature, to_device
+from vltrain.data.collate import to_device
+from vltrain.data.shards import data_signature
 from vltrain.distributed import RankSlice, any_flags, broadcast, gather, init_from_env, world
 from vltrain.model import autocast, build_model
 from vltrain.optim import build_optimizer, lr_at, optimizer_step, set_lr

@@ -120,7 +120,7 @@ def test_tokens_equal_a_direct_derivation(raw, packaged):
 
 
 def test_eval_pixels_is_vltrain_eval_transform_and_the_fast_path_is_identical():
-    from vltrain.data import eval_transform
+    from vlprep.encoders import eval_transform
 
     mean, std = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
     images = [to_rgb(image_bytes(w, h, fmt, seed=w, mode=mode))
