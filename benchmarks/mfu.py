@@ -98,7 +98,7 @@ class Setup:
     def __init__(self, data: Path, preset: str, batch: int, precision: str, device: torch.device, n_batches: int,
                  out: Path):
         from vltrain.data.feed import Feed
-        from vltrain.checkpoint import RunState
+        from vltrain.resume import RunState
         from vltrain.config import TrainConfig, load_config
         from vltrain.data.collate import to_device
         from vltrain.model import build_model

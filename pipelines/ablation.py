@@ -49,7 +49,7 @@ from vlprep.userfile import read_user_file
 from vltrain.errors import TrainError
 from vltrain.config import ConfigError, load_config
 from vltrain.data.shards import data_signature
-from vltrain.checkpoint import Interrupted
+from vltrain.resume import Interrupted
 from vltrain.train import train
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module pipelines/verdicts.py

@@ -247,12 +247,13 @@ def load_run(run: Path):
     """(vltrain.api.Model on the CPU in eval mode, its Config, the raw checkpoint) of a run's last.pt, rebuilt without
     its EMA copy and queues (as from an export: `checkpoint.EXPORT_DROPS`), which no check reads."""
     from vltrain import checkpoint as ckpt_io
+    from vltrain.exportfmt import EXPORT_DROPS
     from vltrain.api import Model
     from vltrain.config import from_dict
 
     path = run / "last.pt"
     ckpt = ckpt_io.load(path)
-    lean = {k: v for k, v in ckpt["model"].items() if not k.startswith(ckpt_io.EXPORT_DROPS)}
+    lean = {k: v for k, v in ckpt["model"].items() if not k.startswith(EXPORT_DROPS)}
     net = ckpt_io.model_from({**ckpt, "model": lean, "export": True}, path).eval()
     cfg = from_dict(ckpt["config"])
     cfg.device = "cpu"

@@ -30,7 +30,7 @@ def user_errors():
     An interrupted run says where its checkpoint is and exits 128 + the signal (Ctrl-C 130, SIGTERM 143)."""
     from vltrain.errors import TrainError
     from vltrain.config import ConfigError
-    from vltrain.checkpoint import Interrupted
+    from vltrain.resume import Interrupted
 
     from vltrain.distributed import report_error  # under torchrun: once per job, not once per process
     from vltrain.errors import PeerFailed
