@@ -17,7 +17,7 @@ first with the stage that makes it (the demo itself when that is missing).
 
 Every arm trains once per seed into OUT/ARM/sSEED with the seed setting its initial weights, data order and held-out
 draw, the same across arms; a finished run (result.json at its step count, trained on data with the same keys and
-captions: `vltrain.data.data_signature`) is reused, one whose inputs were rebuilt since trains again, and an
+captions: `vltrain.data.shards.data_signature`) is reused, one whose inputs were rebuilt since trains again, and an
 interrupted one resumes, so the same command continues a cut run. OUT gets results.json (`rows`, one per arm and
 seed with every metric; `arms`, each arm's mean and sd; `eval`, the eval sizes and their sampling sd; `findings`),
 table.md and chart.png. Each finding gets `diff` (the mean over seeds of better minus other on the same seed),

@@ -245,7 +245,7 @@ def finished(run: Path) -> bool:
 
 def load_run(run: Path):
     """(vltrain.api.Model on the CPU in eval mode, its Config, the raw checkpoint) of a run's last.pt, rebuilt without
-    its EMA copy and queues (as from an export: `checkpoint.EXPORT_DROPS`), which no check reads."""
+    its EMA copy and queues (as from an export: `exportfmt.EXPORT_DROPS`), which no check reads."""
     from vltrain import checkpoint as ckpt_io
     from vltrain.exportfmt import EXPORT_DROPS
     from vltrain.api import Model

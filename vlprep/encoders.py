@@ -353,7 +353,7 @@ def features_spec(folder: str | os.PathLike) -> dict | None:
 
 
 def eval_transform(size: int, mean, std):
-    """The evaluation view of an RGB PIL image, (3, S, S) float32: shorter side resized to S, centre crop, normalised."""
+    """RGB PIL image -> (3, S, S) float32: shorter side resized to S, centre crop, normalised."""
     from torchvision.transforms import v2
 
     return v2.Compose([v2.ToImage(), v2.Resize(size, antialias=True), v2.CenterCrop(size),
@@ -366,7 +366,7 @@ def _eval_transform(size: int, mean: tuple, std: tuple):
 
 
 def eval_pixels(image, size: int, mean, std) -> torch.Tensor:
-    """RGB PIL image -> (3, S, S) float32 through `eval_transform` (vltrain evaluates through the same one)."""
+    """RGB PIL image -> (3, S, S) float32 by `eval_transform` (vltrain evaluates with it too)."""
     return _eval_transform(int(size), tuple(mean), tuple(std))(image).as_subclass(torch.Tensor)
 
 

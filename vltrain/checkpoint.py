@@ -1,4 +1,4 @@
-"""The checkpoint file: save and load (tensors and plain data only, no unpickler), config checks, `model_from`."""
+"""The checkpoint file: save and load without the unpickler, config checks, `model_from`."""
 
 import math
 import os
@@ -16,12 +16,13 @@ from vltrain.errors import CheckpointError
 from vltrain.exportfmt import EXPORT_MODEL, is_export, read_export
 from vltrain.model import ModelConfig, VLModel, build_model
 
-# Checkpoints hold only tensors and plain data, are written atomically and are read without the unpickler.
-# `torch.load(weights_only=True)` accepts tensors, dicts, lists, tuples, strings, numbers, booleans and None and refuses
-# every other pickle opcode, so a crafted file cannot run code. Everything we save is therefore converted to those
-# types first (`plain`): numpy arrays become tensors, the numpy RNG state a list of ints, the config a dict of
-# builtins. Every failure to read or fit a checkpoint is one line (`CheckpointError`). `load` also reads a `vltrain
-# export` folder (vltrain.exportfmt.read_export), whose model is rebuilt without the tensors it leaves out.
+# Checkpoints hold only tensors and plain data, are written atomically and are read without the
+# unpickler. `torch.load(weights_only=True)` accepts tensors, dicts, lists, tuples, strings, numbers,
+# booleans and None and refuses every other pickle opcode, so a crafted file cannot run code. Everything
+# we save is therefore converted to those types first (`plain`): numpy arrays become tensors, the numpy
+# RNG state a list of ints, the config a dict of builtins. Every failure to read or fit a checkpoint is
+# one line (`CheckpointError`). `load` also reads a `vltrain export` folder (exportfmt.read_export),
+# whose model is rebuilt without the tensors an export leaves out.
 FORMAT = 1  # bumped when the layout below changes incompatibly
 REQUIRED = {"model": dict, "config": dict}
 

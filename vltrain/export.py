@@ -1,4 +1,4 @@
-"""`vltrain export CKPT OUT`: a trained model as a folder to ship (vltrain.exportfmt), its ONNX graphs, its README."""
+"""`vltrain export CKPT OUT`: a model as a folder to ship (vltrain.exportfmt), ONNX, README."""
 
 import warnings
 from pathlib import Path

@@ -1,4 +1,4 @@
-"""The `vltrain export` folder format: its files, config.json, the weights without pickle; written and read here."""
+"""The `vltrain export` folder's format: its files, config.json and weights, written and read."""
 
 import json
 import os
@@ -13,11 +13,11 @@ from vlprep.urls import redact
 from vltrain.config import cut
 from vltrain.errors import CheckpointError, TrainError
 
-# OUT holds model.safetensors (the weights inference reads: no optimiser state, RNG states, EMA copy or queues),
-# config.json (format, the run's config, preprocessing, tokenizer, provenance, eval numbers), tokenizer/ (the Hugging
-# Face tokenizer files), README.md and, with --onnx, image_encoder.onnx and text_encoder.onnx. config.json is written
-# last: a folder without it is an unfinished export, which read_export refuses, so a failure never leaves a half
-# export that claims to be complete.
+# An export holds model.safetensors (the weights inference reads: no optimiser state, RNG states, EMA copy
+# or queues), config.json (format, the run's config, preprocessing, tokenizer, provenance, eval numbers),
+# tokenizer/ (the Hugging Face tokenizer files), README.md and, with --onnx, image_encoder.onnx and
+# text_encoder.onnx. config.json is written last: a folder without it is an unfinished export, which
+# read_export refuses, so a failure never leaves a half export that claims to be complete.
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 TOKENIZER = "tokenizer"
@@ -203,10 +203,10 @@ def export_config(ckpt: dict, path: Path, net, tied: dict, dropped: list, onnx_i
 
 
 def write_weights(net, out: Path) -> dict:
-    """model.safetensors of `net` (every tensor once); returns `tied`, the further names of shared tensors."""
+    """model.safetensors of `net`, every tensor once; returns `tied`: the further names of shared tensors."""
     tensors, tied = untie(net.state_dict())
     save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt"})
-    os.chmod(out / WEIGHTS, 0o644)  # safetensors writes 0600; an export is meant to be shared like its other files
+    os.chmod(out / WEIGHTS, 0o644)  # safetensors writes 0600; an export is shared like its other files
     return tied
 
 

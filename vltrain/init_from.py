@@ -1,4 +1,4 @@
-"""`--init-from`: a new run's freshly built model takes a checkpoint's (or an export's) weights by name."""
+"""`--init-from`: a new run's model takes a checkpoint's (or an export's) weights by name."""
 
 import copy
 from collections import Counter
@@ -64,25 +64,26 @@ def init_weights(model: VLModel, source: dict, path) -> dict:
 
 
 def _fusion_from_text(model: VLModel, theirs: dict, values: dict) -> list[str]:
-    """A fusion encoder the checkpoint lacks is built as VLModel builds one, from the text layers the model names
-    (VLModel.fusion_donor_prefixes), here the checkpoint's (its trained text encoder, e.g. a clip run's, in place of
-    the packaged one); cross-attention stays new. Returns the note saying so, or none."""
+    """A fusion encoder the checkpoint lacks is built as VLModel builds one, from the text layers the model
+    names (VLModel.fusion_donor_prefixes), here the checkpoint's (its trained text encoder, e.g. a clip
+    run's, in place of the packaged one); cross-attention stays new. Returns the note saying so, or none."""
     if model.fusion is None or any(k.startswith("fusion.") for k in values):
         return []
-    template = text_layers(model.text_encoder)[1][-1]  # a text layer of this model: the donors' module and shapes
+    template = text_layers(model.text_encoder)[1][-1]  # a text layer: the donors' module and shapes
     want = {k: tuple(v.shape) for k, v in template.state_dict().items()}
     donors = []
     for prefix in model.fusion_donor_prefixes():
         weights = {k[len(prefix):]: v for k, v in theirs.items() if k.startswith(prefix)}
         if {k: tuple(v.shape) for k, v in weights.items()} != want:
-            return []  # the checkpoint's text encoder is not this one's depth or width: the fusion stays as built
+            return []  # the checkpoint's text encoder has another depth or width: the fusion stays as built
         donors.append(weights)
     for fusion_layer, weights in zip(model.fusion, donors):
         donor = copy.deepcopy(template)
         donor.load_state_dict(weights)
         fusion_layer.load_bert_layer(donor)
-    return [f"fusion: self-attention and FFN of its {len(donors)} layer(s) from the checkpoint's text layers "
-            f"{', '.join(map(str, model.fusion_donors))} (as VLModel builds them from the text encoder's last layers); "
+    layers = ", ".join(map(str, model.fusion_donors))
+    return [f"fusion: self-attention and FFN of its {len(donors)} layer(s) from the checkpoint's text "
+            f"layers {layers} (as VLModel builds them from the text encoder's last layers); "
             "cross-attention new"]
 
 

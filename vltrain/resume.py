@@ -1,4 +1,4 @@
-"""A run's checkpoints: `Run`, `RunState`, `save_checkpoint`, the resume checks, `restore`, and the RNG states."""
+"""A run's checkpoints: Run, RunState, save_checkpoint, the resume checks, restore, RNG states."""
 
 import random
 from dataclasses import dataclass, field

@@ -1,4 +1,4 @@
-"""A run's training batches (`Feed`): the loader, the epoch turnover, bad-sample counts, loader errors."""
+"""A run's training batches (`Feed`): the loader, epoch turnover, bad-sample stop, loader errors."""
 
 import signal
 
@@ -43,9 +43,10 @@ def _ignore_sigint(worker_id: int) -> None:
 def make_loader(seed: int, dataset, sampler, collate, batch_size: int, workers: int,
                 device: torch.device) -> DataLoader:
     """The run's one DataLoader, its workers forked once and kept across epochs (persistent_workers)."""
-    # A fork per epoch made every epoch's first step pay copy-on-write faults on the weights and AdamW state. The
-    # workers learn the epoch through shared memory and reseed at its start (vltrain.data.samples.reseed_worker), so
-    # an epoch's samples and augmentations are a function of (seed, epoch) only, as with workers started afresh.
+    # A fork per epoch made every epoch's first step pay copy-on-write faults on the weights and AdamW
+    # state. The workers learn the epoch through shared memory and reseed at its start
+    # (samples.reseed_worker), so an epoch's samples and augmentations are a function of (seed, epoch)
+    # only, as with workers started afresh.
     common = dict(collate_fn=collate, num_workers=workers, pin_memory=device.type == "cuda",
                   generator=torch.Generator().manual_seed(seed * 100_003), worker_init_fn=_ignore_sigint,
                   persistent_workers=workers > 0)

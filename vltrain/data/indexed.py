@@ -1,4 +1,4 @@
-"""Samples by global index through wids, for the index samplers: `IndexedShards` and `InstanceView`."""
+"""Samples by global index through wids for the index samplers: IndexedShards, InstanceView."""
 
 import contextlib
 import functools
@@ -95,7 +95,7 @@ class IndexedShards:
             if ext.startswith(".") and ext.rsplit(".", 1)[-1].lower() in PICKLE_EXTS:
                 raise ShardFormatError(f"{self.roots[f] / url}: refusing pickled member "
                                        f"{sample['__key__']}{ext}")
-        # wids hands over member bytes (transformations=[]): only the caption, image and npy are decoded, by us
+        # wids hands over member bytes (transformations=[]): we decode the caption, image and npy only
         raw = {k[1:]: v.getvalue() for k, v in sample.items() if k.startswith(".")}
         raw["__key__"] = sample["__key__"]
         if raw["__key__"] != self.keys[index]:

@@ -70,7 +70,7 @@ class ShardStream(IterableDataset):
         """The raw samples of one shard; a tar that ends before its sizes.json count is a BadShardError."""
         n = 0
         try:
-            # vlprep's reader: the safety rules of docs/FORMAT.md hold (no pickles, no odd member names)
+            # vlprep's reader: docs/FORMAT.md's safety rules hold (no pickles, no odd names)
             for raw in iter_tar(shard, on_retry=self.counts.retry):
                 n += 1
                 yield raw
