@@ -97,10 +97,10 @@ class Setup:
 
     def __init__(self, data: Path, preset: str, batch: int, precision: str, device: torch.device, n_batches: int,
                  out: Path):
-        from vltrain.batches import Feed
-        from vltrain.checkpoint import RunState
+        from vltrain.data.feed import Feed
+        from vltrain.resume import RunState
         from vltrain.config import TrainConfig, load_config
-        from vltrain.data import to_device
+        from vltrain.data.collate import to_device
         from vltrain.model import build_model
         from vltrain.optim import build_optimizer
         from vltrain.runsetup import resolve_input, resolve_workers, training_data

@@ -51,7 +51,7 @@ def loader_epoch(data: str, workers: int, batch: int) -> tuple[int, float]:
     """(samples, seconds) of one epoch of the run's training loader over `data` (a folder or a URL)."""
     import torch
 
-    from vltrain.batches import make_loader
+    from vltrain.data.feed import make_loader
     from vltrain.config import load_config
     from vltrain.runsetup import resolve_input, training_data
 

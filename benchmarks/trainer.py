@@ -39,10 +39,14 @@ import torch  # noqa: E402
 import webdataset as wds  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-import vltrain.batches  # noqa: E402
+import vltrain.data.feed  # noqa: E402
 import vltrain.train as vt  # noqa: E402
 from vltrain.config import load_config  # noqa: E402
-from vltrain.data import Collate, ShardStream, count_split, to_rgb, train_transform  # noqa: E402
+from vlprep.dataset import to_rgb  # noqa: E402
+from vltrain.data.collate import Collate  # noqa: E402
+from vltrain.data.samples import train_transform  # noqa: E402
+from vltrain.data.shards import count_split  # noqa: E402
+from vltrain.data.stream import ShardStream  # noqa: E402
 from vltrain.model import IMAGE_STATS, ModelConfig, build_model, build_tokenizer, tokenizer_for  # noqa: E402
 from vltrain.optim import build_optimizer, optimizer_step  # noqa: E402
 from vltrain.runsetup import keep_freed_memory, seed_everything, speed_options  # noqa: E402
@@ -115,7 +119,7 @@ def step_figures(stamps: list[tuple[float, float]]) -> dict:
 
 
 class FakeLoader:
-    """Stands in for torch's DataLoader inside vltrain.batches: yields the pre-loaded batches, stamping each fetch."""
+    """Stands in for torch's DataLoader inside vltrain.data.feed: yields the preloaded batches, stamping each fetch."""
 
     batches: list[dict] = []
     stamps: list[tuple[float, float]] = []
@@ -165,7 +169,7 @@ def loop_sides(shards: Path, tmp: Path, steps: int) -> tuple[dict, object]:
     # train() clamps the queue to the training split; the bare side must train the same model
     cfg.model.queue_size = min(cfg.model.queue_size, count_split(cfg.shards, cfg.data.val_frac)["train"])
     FakeLoader.batches = preload(cfg)
-    vltrain.batches.DataLoader = FakeLoader
+    vltrain.data.feed.DataLoader = FakeLoader
     return {"bare": lambda out: run_bare(cfg, FakeLoader.batches), "vltrain": lambda out: run_vltrain(cfg)}, cfg
 
 

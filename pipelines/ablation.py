@@ -17,7 +17,7 @@ first with the stage that makes it (the demo itself when that is missing).
 
 Every arm trains once per seed into OUT/ARM/sSEED with the seed setting its initial weights, data order and held-out
 draw, the same across arms; a finished run (result.json at its step count, trained on data with the same keys and
-captions: `vltrain.data.data_signature`) is reused, one whose inputs were rebuilt since trains again, and an
+captions: `vltrain.data.shards.data_signature`) is reused, one whose inputs were rebuilt since trains again, and an
 interrupted one resumes, so the same command continues a cut run. OUT gets results.json (`rows`, one per arm and
 seed with every metric; `arms`, each arm's mean and sd; `eval`, the eval sizes and their sampling sd; `findings`),
 table.md and chart.png. Each finding gets `diff` (the mean over seeds of better minus other on the same seed),
@@ -48,8 +48,8 @@ from vlprep.remote import check_local
 from vlprep.userfile import read_user_file
 from vltrain.errors import TrainError
 from vltrain.config import ConfigError, load_config
-from vltrain.data import data_signature
-from vltrain.checkpoint import Interrupted
+from vltrain.data.shards import data_signature
+from vltrain.resume import Interrupted
 from vltrain.train import train
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module pipelines/verdicts.py

@@ -245,14 +245,15 @@ def finished(run: Path) -> bool:
 
 def load_run(run: Path):
     """(vltrain.api.Model on the CPU in eval mode, its Config, the raw checkpoint) of a run's last.pt, rebuilt without
-    its EMA copy and queues (as from an export: `checkpoint.EXPORT_DROPS`), which no check reads."""
+    its EMA copy and queues (as from an export: `exportfmt.EXPORT_DROPS`), which no check reads."""
     from vltrain import checkpoint as ckpt_io
+    from vltrain.exportfmt import EXPORT_DROPS
     from vltrain.api import Model
     from vltrain.config import from_dict
 
     path = run / "last.pt"
     ckpt = ckpt_io.load(path)
-    lean = {k: v for k, v in ckpt["model"].items() if not k.startswith(ckpt_io.EXPORT_DROPS)}
+    lean = {k: v for k, v in ckpt["model"].items() if not k.startswith(EXPORT_DROPS)}
     net = ckpt_io.model_from({**ckpt, "model": lean, "export": True}, path).eval()
     cfg = from_dict(ckpt["config"])
     cfg.device = "cpu"
@@ -274,7 +275,7 @@ def embed_train_split(model, cfg) -> tuple[torch.Tensor, torch.Tensor]:
     """L2-normalised ITC features (image (n, E), text (n, E)) of the run's training split in shard order, each
     image with its first caption: what the trainer's forward pass hands GRIT's sampler (`queue_feats`), read as
     `embed_split` reads the split (ShardStream, unshuffled)."""
-    from vltrain.data import ShardStream
+    from vltrain.data.stream import ShardStream
     from vltrain.evaluate import reads_features
 
     use_features = reads_features(model.net, cfg.shards)
@@ -416,7 +417,7 @@ def pointing_items(demo: Path, cfg) -> tuple[list[dict], dict]:
     """The pointing game's items: every triplet of DEMO/onto whose class the detector found in its image, with the
     boxes of that label (DEMO/det), the image's sample index in the run's data, its size and held-out membership."""
     import pyarrow.parquet as pq
-    from vltrain.data import in_val
+    from vltrain.data.shards import in_val
 
     onto, det = demo / "onto", demo / "det"
     for need in (onto / "triplets.parquet", det / "sizes.json"):
@@ -465,7 +466,9 @@ def word_maps(net, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def check_softmask(demo: Path, seed: int) -> tuple[list[dict], dict]:
-    from vltrain.data import Collate, IndexedShards, InstanceView, feature_input
+    from vltrain.data.collate import Collate
+    from vltrain.data.indexed import IndexedShards, InstanceView
+    from vltrain.data.shards import feature_input
 
     model, cfg, _ = load_run(run_path(demo, "softmask", "softmask", seed))
     net = model.net

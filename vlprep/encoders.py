@@ -352,16 +352,21 @@ def features_spec(folder: str | os.PathLike) -> dict | None:
 # --- pixels ------------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=8)
-def _eval_transform(size: int, mean: tuple, std: tuple):
+def eval_transform(size: int, mean, std):
+    """RGB PIL image -> (3, S, S) float32: shorter side resized to S, centre crop, normalised."""
     from torchvision.transforms import v2
 
     return v2.Compose([v2.ToImage(), v2.Resize(size, antialias=True), v2.CenterCrop(size),
                        v2.ToDtype(torch.float32, scale=True), v2.Normalize(list(mean), list(std))])
 
 
+@functools.lru_cache(maxsize=8)
+def _eval_transform(size: int, mean: tuple, std: tuple):
+    return eval_transform(size, mean, std)
+
+
 def eval_pixels(image, size: int, mean, std) -> torch.Tensor:
-    """RGB PIL image -> (3, S, S) float32: vltrain/data.py `eval_transform` (resize shorter side, centre crop)."""
+    """RGB PIL image -> (3, S, S) float32 by `eval_transform` (vltrain evaluates with it too)."""
     return _eval_transform(int(size), tuple(mean), tuple(std))(image).as_subclass(torch.Tensor)
 
 

@@ -2,7 +2,7 @@
 
 import json
 
-from vltrain.checkpoint import Run, RunState, save_checkpoint
+from vltrain.resume import Run, RunState, save_checkpoint
 from vltrain.distributed import broadcast
 from vltrain.evaluate import drop_images, embed_split, heldout_r1, heldout_recall, val_triplet_sim
 from vltrain.figures import plot_curriculum

@@ -30,7 +30,7 @@ def user_errors():
     An interrupted run says where its checkpoint is and exits 128 + the signal (Ctrl-C 130, SIGTERM 143)."""
     from vltrain.errors import TrainError
     from vltrain.config import ConfigError
-    from vltrain.checkpoint import Interrupted
+    from vltrain.resume import Interrupted
 
     from vltrain.distributed import report_error  # under torchrun: once per job, not once per process
     from vltrain.errors import PeerFailed
@@ -42,7 +42,7 @@ def user_errors():
                                                                       soft_wrap=True))
         raise typer.Exit(128 + e.signum) from None
     except (VlprepError, ConfigError, TrainError, ValueError, FileNotFoundError) as e:
-        from vltrain.data import loader_error  # a DataLoader worker's error: its own line, not torch's traceback
+        from vltrain.data.samples import loader_error  # a loader worker's error: its own line, not a traceback
 
         report_error(redact_text(str(loader_error(e))), lambda line: console.print(
             "error: " + line, style="bold red", highlight=False, markup=False, soft_wrap=True),

@@ -19,8 +19,11 @@ from torch.utils.data import DataLoader
 
 from vlprep import cut
 from vltrain.api import load, pixel_transform
-from vltrain.data import (ALL, SAME_ENCODER, Collate, IndexedShards, InstanceView, ShardStream, data_signature,
-                          feature_input, to_device)
+from vltrain.data.collate import Collate, to_device
+from vltrain.data.indexed import IndexedShards, InstanceView
+from vltrain.data.samples import ALL
+from vltrain.data.shards import SAME_ENCODER, data_signature, feature_input
+from vltrain.data.stream import ShardStream
 from vltrain.errors import TrainError
 from vltrain.layers import noun_states
 from vltrain.losses import upcast

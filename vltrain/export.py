@@ -1,36 +1,21 @@
-"""`vltrain export CKPT OUT`: a trained model as a folder to ship, read back without pickle and without training state.
+"""`vltrain export CKPT OUT`: a model as a folder to ship (vltrain.exportfmt), ONNX, README."""
 
-OUT holds model.safetensors (the weights inference reads: no optimiser state, RNG states, EMA copy or queues),
-config.json (format, the run's config, preprocessing, tokenizer, provenance, eval numbers), tokenizer/ (the Hugging
-Face tokenizer files), README.md and, with --onnx, image_encoder.onnx and text_encoder.onnx. config.json is written
-last: a folder without it is an unfinished export, which vltrain.checkpoint.read_export refuses, so a failure never
-leaves a half export that claims to be complete. `vltrain.load(OUT)` and every command that takes a checkpoint read
-the folder (vltrain.checkpoint.load). docs/TRAINING.md, "Export".
-"""
-
-import json
-import os
-import shutil
 import warnings
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from vlprep.urls import redact
-from vltrain.checkpoint import EXPORT_DROPS, EXPORT_FORMAT, EXPORT_VERSION, load, model_from, untie
+from vltrain.checkpoint import load, model_from
 from vltrain.errors import TrainError
+from vltrain.exportfmt import (CONFIG, EXPORT_DROPS, IMAGE_ONNX, README, TEXT_ONNX, TOKENIZER, WEIGHTS, export_config,
+                               prepare_out, write_config, write_weights)
 from vltrain.model import tokenizer_for
 
-CONFIG, WEIGHTS, TOKENIZER, README = "config.json", "model.safetensors", "tokenizer", "README.md"
-IMAGE_ONNX, TEXT_ONNX = "image_encoder.onnx", "text_encoder.onnx"
-# Every name an export writes (config.json's temporary file included): all that exporting again replaces.
-EXPORT_FILES = (CONFIG, CONFIG + ".tmp", WEIGHTS, TOKENIZER, README, IMAGE_ONNX, TEXT_ONNX)
-# What `vltrain eval EXPORT` writes into an export by default: still an export, and its scores go with its weights,
-# so exporting again over a previous export removes it (it scored the weights replaced).
-EVAL = "eval.json"
-RESIZE = "shorter side then centre crop"
+# `vltrain.load(OUT)` and every command that takes a checkpoint read the folder (vltrain.checkpoint.load).
+# docs/TRAINING.md, "Export".
+
 ONNX_OPSET = 17  # LayerNormalization is one ONNX op from opset 17
 ONNX_TOLERANCE = 1e-4  # max abs difference of the ONNX embeddings from torch's that the export accepts
 
@@ -50,9 +35,7 @@ def export(checkpoint, out, onnx: bool = False, overwrite: bool = False) -> dict
     onnx_info = None
 
     prepare_out(out, overwrite)
-    tensors, tied = untie(net.state_dict())
-    save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt"})
-    os.chmod(out / WEIGHTS, 0o644)  # safetensors writes 0600; an export is meant to be shared like its other files
+    tied = write_weights(net, out)
     tokenizer.save_pretrained(str(out / TOKENIZER))
     warnings_ = []
     if onnx:
@@ -62,9 +45,7 @@ def export(checkpoint, out, onnx: bool = False, overwrite: bool = False) -> dict
             warnings_.append(UNTRAINED_ITC)
     meta = export_config(ckpt, checkpoint, net, tied, dropped, onnx_info)
     (out / README).write_text(readme(meta, out), encoding="utf-8")
-    tmp = out / (CONFIG + ".tmp")  # last, and atomically: from now on the folder is a complete export
-    tmp.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, out / CONFIG)
+    write_config(meta, out)  # last: from now on the folder is a complete export
     files = [WEIGHTS, CONFIG, TOKENIZER + "/", README] + ([IMAGE_ONNX, TEXT_ONNX] if onnx else [])
     return {"out": str(out), "files": files, "dropped": dropped, "onnx": onnx_info, "warnings": warnings_}
 
@@ -78,95 +59,6 @@ def itc_trained(config: dict) -> bool:
     or GRIT's ITC consistency loss.consistency > 0."""
     loss = config.get("loss") or {}
     return float(loss.get("itc", 1.0)) > 0 or float(loss.get("consistency", 0.0)) > 0
-
-
-# --- the folder -------------------------------------------------------------------------------------------------
-
-
-def previous_export(out: Path) -> bool:
-    """Whether `out` holds nothing but an export's files (finished, or unfinished: no config.json yet), so that
-    exporting again may replace them without --overwrite; a finished one may also hold the eval.json of `vltrain
-    eval EXPORT`."""
-    names = {p.name for p in out.iterdir()}
-    if not names <= set(EXPORT_FILES) | {EVAL}:
-        return False
-    if CONFIG not in names:
-        return EVAL not in names  # an eval.json without an export's config.json is not ours to remove
-    try:
-        return json.loads((out / CONFIG).read_text(encoding="utf-8")).get("format") == EXPORT_FORMAT
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
-        return False
-
-
-def prepare_out(out: Path, overwrite: bool) -> None:
-    """Refuse an `out` that holds something other than an export unless `overwrite`; remove a previous export's files,
-    config.json first (the folder is an unfinished export from then on), and create the folder."""
-    if out.exists() and not out.is_dir():
-        raise TrainError(f"{out} is a file; the export is a folder: give a new or empty folder")
-    previous = out.is_dir() and any(out.iterdir()) and previous_export(out)
-    if out.is_dir() and any(out.iterdir()) and not previous and not overwrite:
-        raise TrainError(f"{out} is not empty and is not a vltrain export; choose another OUT, or add --overwrite "
-                         f"(which replaces only the export's files: "
-                         f"{', '.join(n for n in EXPORT_FILES if not n.endswith('.tmp'))})")
-    for name in EXPORT_FILES + ((EVAL,) if previous else ()):  # anything else in the folder is the user's
-        target = out / name
-        if target.is_dir() and not target.is_symlink():
-            shutil.rmtree(target)
-        elif target.exists() or target.is_symlink():
-            target.unlink()
-    out.mkdir(parents=True, exist_ok=True)
-
-
-def sidecar(path: Path) -> dict:
-    """A run's JSON beside the checkpoint (result.json, eval.json) as a dict; {} when absent or unreadable: they only
-    add provenance and numbers to the export."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def eval_numbers(ev: dict) -> dict | None:
-    """eval.json's scores: the numbers of its retrieval, ITM re-rank and zero-shot parts (no lists or tables)."""
-    numbers = {}
-    for part in ("retrieval", "itm_rerank", "zeroshot"):
-        if isinstance(ev.get(part), dict):
-            numbers[part] = {k: v for k, v in ev[part].items()
-                             if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    if numbers and ev.get("task"):
-        numbers["task"] = ev["task"]
-    return numbers or None
-
-
-def preprocessing(net, config: dict) -> dict:
-    """What the image and text inputs must be: the eval transform's size and statistics (api.pixel_transform) and the
-    text length the model was trained with; a features model without an encoder record reads tokens only."""
-    mc = net.cfg
-    features = mc.image_model == "features"
-    pixels = net.image_mean is not None
-    return {"image_input": "pixels" if pixels else "tokens",
-            "image_size": (net.image_size if features else config["data"]["image_size"]) if pixels else None,
-            "mean": list(net.image_mean) if pixels else None, "std": list(net.image_std) if pixels else None,
-            "resize": RESIZE if pixels else None, "max_len": config["data"]["max_len"]}
-
-
-def export_config(ckpt: dict, path: Path, net, tied: dict, dropped: list, onnx_info: dict | None) -> dict:
-    """config.json: format, the checkpoint's whole config, preprocessing, tokenizer, provenance, eval numbers."""
-    config = ckpt["config"]
-    folder = path if path.is_dir() else path.parent
-    result, ev = sidecar(folder / "result.json"), sidecar(folder / "eval.json")
-    mc = net.cfg
-    source = {"checkpoint": str(path.resolve()), "step": ckpt.get("step", result.get("step")),
-              "data": ckpt.get("data") or result.get("data"), "preset": config.get("preset"),
-              "shards": [redact(s) for s in config.get("shards") or []] or None}
-    return {"format": EXPORT_FORMAT, "version": EXPORT_VERSION, "config": config,
-            "preprocessing": preprocessing(net, config), "tokenizer": mc.text_model, "tokenizer_files": TOKENIZER,
-            "feature_encoder": (mc.feature_encoder or None) if mc.image_model == "features" else None,
-            "source": source, "eval": eval_numbers(ev),
-            "dropped": {"prefixes": list(EXPORT_DROPS), "tensors": len(dropped),
-                        "rebuilt_with": {"model.momentum": False, "model.queue_size": 0}},
-            "tied": tied, "onnx": onnx_info}
 
 
 # --- ONNX -------------------------------------------------------------------------------------------------------

@@ -345,6 +345,7 @@ class VLModel(nn.Module):
             raise ValueError(f"pooling must be one of {', '.join(POOLING)}, got {cfg.pooling!r}")
 
         self.fusion = self.image_to_text = self.itm_head = self.mlm_transform = self.mlm_decoder = None
+        self.fusion_donors = []  # the text layer each fusion layer's self-attention + FFN come from
         if cfg.fusion_from not in FUSION_FROM:
             raise ValueError(f"fusion_from must be one of {', '.join(FUSION_FROM)}, got {cfg.fusion_from!r}")
         split = cfg.fusion_from == "split"
@@ -370,10 +371,12 @@ class VLModel(nn.Module):
                 for _ in range(cfg.fusion_layers))
             std = tc.initializer_range
             bert_init(self.image_to_text, std)
-            # Fresh cross-attention; self-attention + FFN from the text encoder's last N layers.
-            for ours, theirs in zip(self.fusion, layers[n_text - cfg.fusion_layers:]):
+            # Fresh cross-attention; self-attention + FFN from the text encoder's last N layers (of
+            # all L, before "split" cuts them); --init-from builds them from a checkpoint's by it.
+            self.fusion_donors = list(range(n_text - cfg.fusion_layers, n_text))
+            for ours, j in zip(self.fusion, self.fusion_donors):
                 bert_init(ours, std)
-                ours.load_bert_layer(theirs)
+                ours.load_bert_layer(layers[j])
             if split:
                 # ALBEF (and GRIT-VLP's ALBEFBase): one BERT cut in two, text = layers 1..6 and fusion = 7..12 of
                 # BERT-base, so no layer is used twice. "copy" instead keeps all L text layers and duplicates the
@@ -483,6 +486,11 @@ class VLModel(nn.Module):
         return self.temp.clamp(TEMP_MIN, TEMP_MAX)
 
     # --- multimodal ---
+
+    def fusion_donor_prefixes(self) -> list[str]:
+        """Each fusion layer's text layer as a state-dict prefix ('text_encoder.encoder.layer.4.')."""
+        holder = text_layers(self.text_encoder)[0] if self.fusion_donors else None
+        return [f"text_encoder.{holder}.layer.{j}." for j in self.fusion_donors]
 
     def _need_fusion(self) -> None:
         if self.fusion is None:

@@ -14,12 +14,16 @@ import torch
 
 from vlprep import VlprepError
 from vlprep.dataset import lock_output
+from vlprep.encoders import eval_transform
 from vlprep.urls import redact
 from vltrain.checkpoint import check_config, load
 from vltrain.errors import TrainError
 from vltrain.config import GRIT_RATIOS, GRIT_RATIOS_BEFORE, Config, grit_sizes
-from vltrain.data import (Collate, IndexedShards, InstanceView, ShardStream, TokenLengths, count_split,
-                          eval_transform, feature_input, in_val, train_transform)
+from vltrain.data.collate import Collate, TokenLengths
+from vltrain.data.indexed import IndexedShards, InstanceView
+from vltrain.data.samples import train_transform
+from vltrain.data.shards import count_split, feature_input, in_val
+from vltrain.data.stream import ShardStream
 from vltrain.distributed import broadcast
 from vltrain.evaluate import distinct_positions
 from vltrain.model import autocast, bf16_supported, image_stats, resolve_device, tokenizer_for

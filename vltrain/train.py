@@ -1,8 +1,8 @@
 """`train`: set-up -> data -> model -> optimiser -> resume -> loop -> end, and the signal handler.
 
 The pieces live in their own modules: the set-up and the training data in vltrain.runsetup, the batches in
-vltrain.batches, one step's losses in vltrain.step (the objectives in vltrain.objectives), the optimiser in
-vltrain.optim, checkpoints in vltrain.checkpoint, the periodic checks in vltrain.checks, and what the run tells the
+vltrain.data.feed, one step's losses in vltrain.step (the objectives in vltrain.objectives), the optimiser in
+vltrain.optim, checkpoints in vltrain.resume, the periodic checks in vltrain.checks, and what the run tells the
 user in vltrain.report.
 """
 
@@ -20,14 +20,17 @@ import torch
 from vlprep.dataset import release_output
 from vltrain.errors import PeerFailed, TrainError
 from vltrain import checkpoint as ckpt_io
-from vltrain.batches import Feed, StopFetch
-from vltrain.checkpoint import Run, RunState, interrupted, save_checkpoint
+from vltrain.data.feed import Feed, StopFetch
 from vltrain.checks import curriculum_check, evaluate_heldout
-from vltrain.data import data_signature, to_device
+from vltrain.data.collate import to_device
+from vltrain.data.shards import data_signature
 from vltrain.distributed import RankSlice, any_flags, broadcast, gather, init_from_env, world
+from vltrain.init_from import init_weights
 from vltrain.model import autocast, build_model
 from vltrain.optim import build_optimizer, lr_at, optimizer_step, set_lr
 from vltrain.report import Report, console, earlier_rows, summary
+from vltrain.resume import (Run, RunState, check_ranks, check_resumable, interrupted, restore, save_checkpoint,
+                            set_rng_states)
 from vltrain.runsetup import (clamp_queue, heldout_positions, init_source, keep_freed_memory, open_output,
                               resolve_input, resolve_precision, resolve_workers, seed_everything, speed_options,
                               train_device, training_data)
@@ -40,8 +43,8 @@ def train(cfg, resume: bool = False, overwrite: bool = False, init_from=None) ->
 
     Refuses an OUT holding another run unless `resume` (continue from OUT/last.pt) or `overwrite` (start over).
     `init_from` (a checkpoint or an export folder) starts a new run from its weights only: fresh optimiser, schedule
-    and step 0, the architecture from cfg (vltrain.checkpoint.init_weights); a resume of it re-loads nothing.
-    Ctrl-C / SIGTERM finish the current step, write last.pt and raise `vltrain.checkpoint.Interrupted`.
+    and step 0, the architecture from cfg (vltrain.init_from.init_weights); a resume of it re-loads nothing.
+    Ctrl-C / SIGTERM finish the current step, write last.pt and raise `vltrain.resume.Interrupted`.
     """
     # --- set-up (every rank builds the same model from the run seed; its own draws use a per-rank seed)
     cfg, out = copy.deepcopy(cfg), Path(cfg.out)
@@ -56,7 +59,7 @@ def train(cfg, resume: bool = False, overwrite: bool = False, init_from=None) ->
     open_output(out, resume, overwrite, rank)
     ckpt = ckpt_io.load(out / "last.pt", "--resume checkpoint") if resume else None
     if ckpt is not None:
-        ckpt_io.check_ranks(ckpt, out / "last.pt", size)
+        check_ranks(ckpt, out / "last.pt", size)
     rank_seed = cfg.seed + 1_000_003 * rank
     seed_everything(cfg.seed, device)
     resolve_input(cfg)
@@ -66,7 +69,7 @@ def train(cfg, resume: bool = False, overwrite: bool = False, init_from=None) ->
     data = training_data(cfg, ckpt, rank, size)
     data_sig, clamped = data_signature(cfg.shards), clamp_queue(cfg, data.n_train)
     if ckpt is not None:
-        ckpt_io.check_resumable(ckpt, cfg, data_sig, out / "last.pt")
+        check_resumable(ckpt, cfg, data_sig, out / "last.pt")
     if clamped:
         console.print(clamped, highlight=False)
     heldout_positions(cfg, data)
@@ -75,7 +78,7 @@ def train(cfg, resume: bool = False, overwrite: bool = False, init_from=None) ->
     model = build_model(cfg.model) if ckpt is None else ckpt_io.model_from(ckpt, out / "last.pt")
     init = (ckpt or {}).get("init_from")  # a resumed run keeps its record; its weights are in last.pt
     if source is not None:
-        init, source = ckpt_io.init_weights(model, source, init_from), None
+        init, source = init_weights(model, source, init_from), None
         console.print(_init_line(init), highlight=False, markup=False)
         for note in init["notes"]:
             console.print(note, highlight=False, markup=False)
@@ -94,12 +97,12 @@ def train(cfg, resume: bool = False, overwrite: bool = False, init_from=None) ->
     run = Run(cfg, model, optimizer, data.sampler, generator, data_sig, out, init_from=init, precision=precision)
 
     # --- resume (the data position is replayed: this epoch's batches already trained on are drawn again)
-    state, rng = ckpt_io.restore(ckpt, run, rank, size) if ckpt is not None else (RunState(), None)
+    state, rng = restore(ckpt, run, rank, size) if ckpt is not None else (RunState(), None)
     rows = earlier_rows(out / "metrics.jsonl", state.step) if ckpt is not None else []
     feed = Feed(data, batch_sampler, rank_seed, cfg.batch_size, cfg.data.workers, device)  # closed by _running
     feed.start(state)
     if ckpt is not None:
-        ckpt_io.set_rng_states(rng, generator)
+        set_rng_states(rng, generator)
         began = f"; the run began from --init-from {init['path']}" if init else ""
         console.print(f"resumed from step {state.step} of {cfg.steps} ({run.last_path}){began}", highlight=False)
     console.print(summary(cfg, model, device, data.n_train, data.n_val, data.per_epoch, size, (precision, why)),

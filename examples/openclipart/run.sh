@@ -75,7 +75,7 @@ again() {
     shift
     again=(--overwrite)
     if [ -f "$run/last.pt" ] && { [ ! -f "$run/result.json" ] || "$PY" -c 'import json, sys
-from vltrain.data import data_signature
+from vltrain.data.shards import data_signature
 sys.exit(json.load(open(sys.argv[1])).get("data") != data_signature(sys.argv[2:]))' "$run/result.json" "$@"; }; then
         again=(--resume)
     fi

@@ -40,7 +40,7 @@ def test_embed_text_and_image(world, tmp_path):
     rep = embed(EmbedConfig(src=world["unaligned"], out=tmp_path / "i", modality="image", batch_size=4), encoder)
     keys, x = load_embeddings(tmp_path / "i")
     assert len(keys) == 14 and x.shape == (14, 16) and rep["skipped"] == {}
-    from vltrain.data import eval_transform
+    from vlprep.encoders import eval_transform
     from vlprep.dataset import to_rgb
 
     first = next(iter_samples(world["unaligned"], decode=False))

@@ -17,8 +17,8 @@ from tests.conftest import image_bytes
 from tests.vlprep.test_dataset import lock_is_free
 from vlprep import VlprepError
 from vlprep.dataset import finish_dataset, iter_samples, iter_tar, open_dataset, to_rgb, write_shard
-from vlprep.encoders import (encoder_from_spec, eval_pixels, eval_view, features_spec, load_token_encoder,
-                             normalise)
+from vlprep.encoders import (encoder_from_spec, eval_pixels, eval_transform, eval_view, features_spec,
+                             load_token_encoder, normalise)
 from vlprep.features import FeaturesConfig, features
 from vlprep.shards import ShardsConfig, build_shards
 
@@ -119,9 +119,7 @@ def test_tokens_equal_a_direct_derivation(raw, packaged):
         np.testing.assert_allclose(got[key].astype(np.float32), want, rtol=2e-3, atol=2e-3)
 
 
-def test_eval_pixels_is_vltrain_eval_transform_and_the_fast_path_is_identical():
-    from vltrain.data import eval_transform
-
+def test_eval_pixels_is_the_eval_transform_and_the_fast_path_is_identical():
     mean, std = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
     images = [to_rgb(image_bytes(w, h, fmt, seed=w, mode=mode))
               for w, h, fmt, mode in [(40, 30, "PNG", "RGB"), (300, 97, "JPEG", "RGB"), (64, 64, "PNG", "RGBA"),

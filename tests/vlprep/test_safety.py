@@ -24,7 +24,8 @@ from vlprep.bow import BowConfig, bow
 from vlprep.dataset import BadShardError, check_shards, open_dataset, prepare_output
 from vlprep.shards import ShardsConfig, build_shards, png_chunks_ok
 from vltrain.cli import app
-from vltrain.data import IndexedShards, ShardStream
+from vltrain.data.indexed import IndexedShards
+from vltrain.data.stream import ShardStream
 
 TINY = ["model.text_model=tiny", "model.image_model=tiny", "model.embed_dim=16", "data.image_size=32",
         "data.max_len=12", "log_every=1", "optim.warmup_steps=2", "optim.lr=0.01", "data.val_frac=0",

@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 
 from tests.conftest import features_pairs, npy_bytes, replace_member
 from vltrain.cli import app
-from vltrain.data import ShardStream, in_val
+from vltrain.data.shards import in_val
+from vltrain.data.stream import ShardStream
 
 TINY = ["model.text_model=tiny", "model.embed_dim=16", "data.max_len=12", "log_every=1", "optim.warmup_steps=2",
         "optim.lr=0.01", "data.workers=0"]

@@ -133,7 +133,8 @@ def older(cfg_dict: dict) -> dict:
 
 
 def test_keys_absent_from_an_older_checkpoint_count_as_their_defaults():
-    from vltrain.checkpoint import config_diff, model_config
+    from vltrain.checkpoint import model_config
+    from vltrain.resume import config_diff
 
     defaults = to_dict(Config())
     clip = to_dict(load_config("clip"))
@@ -166,7 +167,7 @@ def test_every_preset_is_named_in_the_help_the_readme_and_training_md():
 def test_masked_text_all_is_a_loss_key_and_the_old_data_key_still_works(tmp_path, capsys):
     from dataclasses import fields
 
-    from vltrain.checkpoint import check_resumable
+    from vltrain.resume import check_resumable
     from vltrain.config import DataConfig, LossConfig, to_dict, upgrade
 
     assert "masked_text_all" in {f.name for f in fields(LossConfig)}

@@ -8,7 +8,12 @@ from torch.utils.data import DataLoader
 
 from tests.conftest import image_bytes
 from vlprep.shards import ShardsConfig, build_shards
-from vltrain.data import Collate, ShardStream, count_split, eval_transform, in_val, shard_paths, to_rgb, train_transform
+from vlprep.dataset import to_rgb
+from vlprep.encoders import eval_transform
+from vltrain.data.collate import Collate
+from vltrain.data.samples import train_transform
+from vltrain.data.shards import count_split, in_val, shard_paths
+from vltrain.data.stream import ShardStream
 
 MEAN, STD = [0.5, 0.5, 0.5], [0.25, 0.25, 0.25]
 

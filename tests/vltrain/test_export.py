@@ -14,7 +14,9 @@ from typer.testing import CliRunner
 
 import vltrain
 from tests.conftest import colour_pairs, tiny_checkpoint
-from vltrain.checkpoint import EXPORT_DROPS, EXPORT_MODEL, CheckpointError, load, model_config, model_from
+from vltrain.checkpoint import load, model_config, model_from
+from vltrain.errors import CheckpointError
+from vltrain.exportfmt import EXPORT_DROPS, EXPORT_MODEL
 from vltrain.cli import app
 from vltrain.model import build_model, tokenizer_for
 

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 import vltrain
 from tests.conftest import tiny_checkpoint
-from vltrain.checkpoint import CheckpointError
+from vltrain.errors import CheckpointError
 from vltrain.cli import app
 from vltrain.export import export
 from tests.vltrain.test_zeroshot import benchmark

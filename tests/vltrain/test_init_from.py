@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from tests.vltrain.test_train import run, shards  # noqa: F401  (the tiny shards fixture and the CLI helper)
-from vltrain.checkpoint import CheckpointError, init_weights, load, model_config, model_from
+from vltrain.checkpoint import load, model_config, model_from
+from vltrain.errors import CheckpointError
+from vltrain.init_from import init_weights
 from vltrain.model import ModelConfig, build_model
 
 ALBEF = ["--preset", "albef", "--set", "model.fusion_layers=1", "--set", "model.queue_size=16",

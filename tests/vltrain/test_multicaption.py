@@ -12,8 +12,11 @@ from typer.testing import CliRunner
 
 from tests.conftest import tiny_checkpoint
 from vlprep.shards import ShardsConfig, build_shards
+from vlprep.encoders import eval_transform
 from vltrain.cli import app
-from vltrain.data import ALL, IndexedShards, InstanceView, ShardStream, drawn_caption, eval_transform
+from vltrain.data.indexed import IndexedShards, InstanceView
+from vltrain.data.samples import ALL, drawn_caption
+from vltrain.data.stream import ShardStream
 from vltrain.evaluate import embed_split, recall_at_k
 from vltrain.model import build_model
 
@@ -131,7 +134,7 @@ def test_held_out_checks_score_every_caption_of_the_held_out_images(karpathy, tm
     ev = json.loads((out / "result.json").read_text())["eval"]
     assert ev is not None and ev["n_captions"] > ev["n_val"] >= 2  # several captions per held-out image
     assert "captions)" in r.output
-    from vltrain.data import in_val
+    from vltrain.data.shards import in_val
 
     held = [i for i in range(12) if in_val(f"shard_{i:09d}", 0.5)]
     assert ev["n_val"] == len(held) and ev["n_captions"] == sum(len(karpathy["captions"][i]) for i in held)

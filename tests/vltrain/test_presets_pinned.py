@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from tests.conftest import ontology_dataset
-from vltrain import data as data_mod
+from vltrain.data import collate as collate_mod
 from vltrain.config import load_config
 from vltrain.train import train
 
@@ -65,7 +65,7 @@ def float64(monkeypatch):
     rounds differently from the scalar one), so the batch's images are swapped for a function of the keys alone;
     everything else (captions, tokens, sampling, the loop) is the trainer's own.
     """
-    collate = data_mod.Collate.__call__
+    collate = collate_mod.Collate.__call__
 
     def to64(self, batch):
         out = collate(self, batch)
@@ -74,7 +74,7 @@ def float64(monkeypatch):
             out["images"] = torch.stack([pixels_of(k, shape) for k in out["keys"]])
         return out
 
-    monkeypatch.setattr(data_mod.Collate, "__call__", to64)
+    monkeypatch.setattr(collate_mod.Collate, "__call__", to64)
     before = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     yield

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from tests.conftest import colour_pairs
 from vltrain.cli import app
-from vltrain.data import IndexedShards
+from vltrain.data.indexed import IndexedShards
 
 TINY = ["model.text_model=tiny", "model.image_model=tiny", "model.embed_dim=16", "data.image_size=32",
         "data.max_len=12", "log_every=1", "optim.warmup_steps=2", "optim.lr=0.01", "data.val_frac=0",

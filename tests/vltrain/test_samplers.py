@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 from tests.conftest import ANIMALS, ontology_dataset
 from vltrain import checkpoint as ckpt_io
 from vltrain.cli import app
-from vltrain.data import Collate, in_val, span_mask
+from vltrain.data.collate import Collate, span_mask
+from vltrain.data.shards import in_val
 from vltrain.layers import NounAligner, noun_states
 from vltrain.model import ModelConfig, build_model, build_tokenizer
 from vltrain.samplers import GritSampler, TonicsBatchSampler, TonicsCurriculum, grit_order, tonics_instances

@@ -461,7 +461,7 @@ def test_masked_text_all_encodes_the_masked_caption_once(monkeypatch):
 def test_augment_recipes():
     from torchvision.transforms import v2
 
-    from vltrain.data import train_transform
+    from vltrain.data.samples import train_transform
 
     names = {a: [type(t).__name__ for t in train_transform(64, [0.5] * 3, [0.5] * 3, 0.5, a).transforms]
              for a in ("none", "albef", "softmask")}

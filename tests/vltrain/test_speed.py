@@ -12,7 +12,9 @@ import torch
 from typer.testing import CliRunner
 
 from vltrain.cli import app
-from vltrain.data import ShardStream, TokenLengths, caption_of
+from vltrain.data.collate import TokenLengths
+from vltrain.data.samples import caption_of
+from vltrain.data.stream import ShardStream
 from vltrain.config import load_config
 from vltrain.model import build_model, length_groups, tokenizer_for
 
@@ -77,7 +79,7 @@ def test_bucketing_pads_less_and_depends_only_on_seed_and_epoch(varied):
 
 def test_caption_of_is_the_caption_a_sample_trains_on():
     """Bucketing sorts by the caption load_sample will pick: the epoch's drawn one of a multi-caption sample."""
-    from vltrain.data import drawn_caption, sample_captions
+    from vltrain.data.samples import drawn_caption, sample_captions
 
     caps = ["one", "two words", "three more words"]
     raw = {"__key__": "k", "txt": b"one", "json": json.dumps({"captions": caps}).encode()}

@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 
 from vlprep.shards import ShardsConfig, build_shards
 from vltrain import checkpoint as ckpt_io
+from vltrain import resume
 from vltrain.cli import app
 from vltrain.config import Config, load_config, to_dict
 
@@ -173,10 +174,10 @@ def test_rng_states_round_trip_through_a_checkpoint(tmp_path):
     import random
 
     random.seed(3)
-    ckpt_io.save({"model": {}, "config": {"model": {}}, "rng": ckpt_io.rng_states(g)}, tmp_path / "c.pt")
+    ckpt_io.save({"model": {}, "config": {"model": {}}, "rng": resume.rng_states(g)}, tmp_path / "c.pt")
     expected = (random.random(), float(np.random.rand()), float(torch.rand(1)), float(torch.rand(1, generator=g)))
     g2 = torch.Generator()
-    ckpt_io.set_rng_states(ckpt_io.load(tmp_path / "c.pt")["rng"], g2)
+    resume.set_rng_states(ckpt_io.load(tmp_path / "c.pt")["rng"], g2)
     assert (random.random(), float(np.random.rand()), float(torch.rand(1)), float(torch.rand(1, generator=g2))) \
         == expected
 
@@ -319,8 +320,8 @@ def test_checkpoints_also_follow_the_wall_clock(shards, tmp_path, monkeypatch):
     from vltrain import train as train_mod
 
     saved = []
-    real = ckpt_io.save
-    monkeypatch.setattr(ckpt_io, "save", lambda obj, path: (saved.append((obj["step"], path.name)),
+    real = resume.save
+    monkeypatch.setattr(resume, "save", lambda obj, path: (saved.append((obj["step"], path.name)),
                                                                        real(obj, path)))
     cfg = load_config("clip", sets=[*TINY, "ckpt_every=1000", "eval_every=1000"], shards=[str(shards)],
                       out=str(tmp_path / "a"), steps=3, batch_size=4, device="cpu")

@@ -1,5 +1,4 @@
-"""The training batches of a run, epoch after epoch: one `Feed.next` call per step, with the epoch turnover,
-undecodable samples counted (a run stops past 1% of them) and loader workers' errors turned into one line."""
+"""A run's training batches (`Feed`): the loader, epoch turnover, bad-sample stop, loader errors."""
 
 import signal
 
@@ -7,7 +6,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from vltrain.errors import TrainError
-from vltrain.data import loader_error
+from vltrain.data.samples import loader_error
 from vltrain.distributed import world
 
 # Undecodable samples are skipped and counted; past this share of the samples read the data is called broken.
@@ -43,10 +42,11 @@ def _ignore_sigint(worker_id: int) -> None:
 
 def make_loader(seed: int, dataset, sampler, collate, batch_size: int, workers: int,
                 device: torch.device) -> DataLoader:
-    """The run's one DataLoader. Its workers are forked once and kept across epochs (persistent_workers): a fork per
-    epoch cost every first step after it ~39 ms of copy-on-write faults on the weights and AdamW state. They learn
-    the epoch through shared memory and reseed at its start (vltrain.data.reseed_worker), so an epoch's samples and
-    augmentations are a function of (seed, epoch) only, as with workers started afresh each epoch."""
+    """The run's one DataLoader, its workers forked once and kept across epochs (persistent_workers)."""
+    # A fork per epoch made every epoch's first step pay copy-on-write faults on the weights and AdamW
+    # state. The workers learn the epoch through shared memory and reseed at its start
+    # (samples.reseed_worker), so an epoch's samples and augmentations are a function of (seed, epoch)
+    # only, as with workers started afresh.
     common = dict(collate_fn=collate, num_workers=workers, pin_memory=device.type == "cuda",
                   generator=torch.Generator().manual_seed(seed * 100_003), worker_init_fn=_ignore_sigint,
                   persistent_workers=workers > 0)

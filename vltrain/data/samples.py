@@ -1,0 +1,233 @@
+"""One sample decoded: captions, `npy` tokens, image transforms, bad-sample counts, worker seeds."""
+
+import hashlib
+import io
+import json
+import random
+
+import numpy as np
+import torch
+from torch.utils.data import get_worker_info
+from torchvision.transforms import v2
+
+from vlprep.dataset import image_ext, to_rgb
+
+
+def train_transform(size: int, mean, std, min_scale: float = 0.5, augment: str = "none") -> v2.Compose:
+    """Training view of an image: augment none (crop at scale min_scale..1 + flip), albef or softmask (MMDA).
+
+    albef is ALBEF's pre-training recipe: crop at scale 0.2..1, flip, RandAugment with 2 ops at magnitude 7
+    (torchvision's op set, not ALBEF's hand-written one). softmask adds TCL's colour recipe, which SoftMask++'s MMDA
+    takes: ColorJitter(0.4, 0.4, 0.4, 0.1) at p 0.8, grayscale at p 0.2, Gaussian blur (sigma 0.1..2) at p 0.5.
+    """
+    if augment == "none":
+        return v2.Compose([v2.ToImage(), v2.RandomResizedCrop(size, scale=(min_scale, 1.0), antialias=True),
+                           v2.RandomHorizontalFlip(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
+    steps = [v2.ToImage(), v2.RandomResizedCrop(size, scale=(0.2, 1.0), antialias=True,
+                                                interpolation=v2.InterpolationMode.BICUBIC),
+             v2.RandomHorizontalFlip(), v2.RandAugment(num_ops=2, magnitude=7)]
+    if augment == "softmask":
+        kernel = 2 * max(1, round(0.05 * size)) + 1  # SimCLR's blur kernel: about a tenth of the image side, odd
+        steps += [v2.RandomApply([v2.ColorJitter(0.4, 0.4, 0.4, 0.1)], p=0.8), v2.RandomGrayscale(p=0.2),
+                  v2.RandomApply([v2.GaussianBlur(kernel, sigma=(0.1, 2.0))], p=0.5)]
+    return v2.Compose(steps + [v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
+
+
+class BadSample(ValueError):
+    """A sample that cannot be used, with the reason it is counted under (one of LoadCounts.REASONS)."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+class LoadCounts:
+    """Samples read and samples skipped as bad (by reason), summed over the main process and DataLoader workers.
+
+    The counts live in a shared-memory tensor with one row per worker (no locks needed): workers are new
+    processes every epoch, and only shared memory carries their counts back to the training loop.
+    """
+
+    SLOTS = 65
+    # Why a sample was skipped: an image, caption or other member that does not decode, and the `npy` checks of
+    # `load_tokens`. Column 0 of the counts is the samples read, column 1 + i the samples skipped for REASONS[i].
+    REASONS = ("undecodable", "npy_missing", "npy_unreadable", "npy_dtype", "npy_shape", "npy_nonfinite")
+    # Reading shards, apart from samples: retried remote reads (vlprep.objstore) and shards left out as unreadable.
+    IO = ("read_retries", "shards_skipped")
+
+    def __init__(self):
+        self.counts = torch.zeros((self.SLOTS, 1 + len(self.REASONS)), dtype=torch.int64).share_memory_()
+        self.io = torch.zeros((self.SLOTS, len(self.IO)), dtype=torch.int64).share_memory_()
+
+    @staticmethod
+    def _slot() -> int:
+        info = get_worker_info()
+        return 0 if info is None else 1 + info.id % (LoadCounts.SLOTS - 1)
+
+    def add(self, read: int, bad: int, reason: str = "undecodable") -> None:
+        slot = self._slot()
+        self.counts[slot, 0] += read
+        self.counts[slot, 1 + self.REASONS.index(reason)] += bad
+
+    def retry(self) -> None:
+        """A remote read that failed transiently and is tried again."""
+        self.io[self._slot(), 0] += 1
+
+    def skip_shard(self) -> None:
+        self.io[self._slot(), 1] += 1
+
+    def io_totals(self) -> dict[str, int]:
+        """{'read_retries': n, 'shards_skipped': m} over the main process and the loader workers."""
+        return {k: int(v) for k, v in zip(self.IO, self.io.sum(dim=0).tolist())}
+
+    def totals(self) -> tuple[int, int]:
+        """(samples read, of which skipped as bad)."""
+        total = self.counts.sum(dim=0)
+        return int(total[0]), int(total[1:].sum())
+
+    def reasons(self) -> dict[str, int]:
+        """The skipped samples by reason, the reasons that occurred only."""
+        total = self.counts.sum(dim=0)[1:].tolist()
+        return {r: int(n) for r, n in zip(self.REASONS, total) if n}
+
+    def skipped(self) -> dict:
+        """{'count': skipped samples, 'reasons': {reason: count}}, as eval.json and the held-out results carry it."""
+        return {"count": self.totals()[1], "reasons": self.reasons()}
+
+
+def skip_reason(e: Exception) -> str:
+    return e.reason if isinstance(e, BadSample) else "undecodable"
+
+
+def loader_error(e: Exception) -> Exception:
+    """The one line a DataLoader worker's exception had there (torch prefixes its text with the worker traceback)."""
+    text = str(e)
+    if "Original Traceback" not in text:
+        return e
+    last = text.strip().splitlines()[-1]  # "vlprep.BadShardError: the message"
+    _, sep, msg = last.partition(": ")
+    try:
+        return type(e)(msg) if sep else e
+    except TypeError:
+        return e
+
+
+def sample_captions(raw: dict) -> list[str]:
+    """Every caption of a raw sample: `json.captions` of a multi-caption sample (docs/FORMAT.md), else [txt]."""
+    text = raw["txt"].decode("utf-8")
+    meta = raw.get("json")
+    if not meta or b'"captions"' not in meta:  # most samples have one caption: no json parse for them
+        return [text]
+    captions = json.loads(meta).get("captions")
+    if captions is None:  # the bytes only mentioned "captions" somewhere else
+        return [text]
+    if not isinstance(captions, list) or not captions or not all(isinstance(c, str) and c for c in captions):
+        raise ValueError(f"sample {raw.get('__key__')}: json.captions is not a list of captions")
+    return captions
+
+
+def drawn_caption(captions: list[str], seed: int, epoch: int, key: str) -> str:
+    """The caption a multi-caption sample trains on in an epoch: a function of (seed, epoch, key) only, so every
+    worker, rank and resumed run draws the same one, and each epoch may draw another (ALBEF trains on them all)."""
+    if len(captions) == 1:
+        return captions[0]
+    h = hashlib.blake2b(f"caption:{seed}:{epoch}:{key}".encode(), digest_size=8).digest()
+    return captions[int.from_bytes(h, "big") % len(captions)]
+
+
+# Which caption(s) load_sample returns: "first" (txt), "all" (a tuple, for evaluation) or (seed, epoch) to draw one.
+FIRST = "first"
+ALL = "all"
+
+
+def token_shape(folders) -> tuple[int, int] | None:
+    """(N, D): the shape every `npy` member of these folders has, from their `features` records (None when none has
+    a record: nothing to check a member's shape against); ValueError when the records disagree."""
+    from vlprep.encoders import features_spec
+
+    shapes = {}
+    for folder in folders:
+        spec = features_spec(folder)
+        if spec and "tokens" in spec and "dim" in spec:
+            shapes.setdefault((int(spec["tokens"]), int(spec["dim"])), str(folder))
+    if len(shapes) > 1:
+        raise ValueError("the features records of " + " and ".join(f"{f} ({n}x{d} tokens)" for (n, d), f in
+                                                                   shapes.items()) + " disagree")
+    return next(iter(shapes), None)
+
+
+def load_tokens(data: bytes, shape: tuple[int, int] | None) -> torch.Tensor:
+    """An `npy` member -> float32 tokens (N, D), checked against the dataset's `features` record (docs/FORMAT.md):
+    float16, float32 and float64 are read as float32, in C order and native byte order; BadSample when the member
+    does not load, has another dtype kind or shape (`shape`; any 2-D shape when None) or a value that is not finite."""
+    try:
+        arr = np.load(io.BytesIO(data), allow_pickle=False)
+    except Exception as e:  # not an npy file, a pickled (object) array, cut short: numpy's error names it
+        raise BadSample("npy_unreadable", f"not a readable npy array ({type(e).__name__}: {e})") from None
+    if arr.dtype.kind != "f" or arr.dtype.itemsize not in (2, 4, 8):
+        raise BadSample("npy_dtype", f"npy dtype {arr.dtype}, not float16, float32 or float64")
+    if arr.shape != (shape or arr.shape) or arr.ndim != 2:
+        want = f"{shape[0]}x{shape[1]}" if shape else "2-D"
+        raise BadSample("npy_shape", f"npy shape {arr.shape}, the features record says {want}")
+    # One copy: float32 (float64 values beyond float32's range become inf, caught below), C order, native bytes.
+    with np.errstate(over="ignore"):
+        x = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+    if not bool(torch.isfinite(x).all()):
+        raise BadSample("npy_nonfinite", "npy tokens hold NaN or infinite values")
+    return x
+
+
+def load_sample(raw: dict, transform, use_features: bool, captions=FIRST, shape=None) -> tuple:
+    """Raw sample (member bytes by extension) -> (image tensor or feature tokens, caption(s), key).
+
+    With `use_features` the `npy` member is read by `load_tokens` against `shape` (N, D); a bad one is a BadSample.
+    """
+    if captions == FIRST:
+        caption = raw["txt"].decode("utf-8")  # only the caption: the json member is not needed here
+    elif captions == ALL:
+        caption = tuple(sample_captions(raw))
+    else:
+        caption = drawn_caption(sample_captions(raw), *captions, raw["__key__"])
+    if use_features:
+        if "npy" not in raw:
+            raise BadSample("npy_missing", f"{raw.get('__url__', '')}: sample {raw['__key__']} has no npy features")
+        x = load_tokens(raw["npy"], shape)
+    else:
+        x = transform(to_rgb(raw[image_ext(raw)]))
+    return x, caption, raw["__key__"]
+
+
+def caption_of(raw: dict, captions) -> str:
+    """The caption `load_sample` would train on for `raw` ('' when it cannot be read: the load counts that)."""
+    try:
+        if captions == FIRST:
+            return raw["txt"].decode("utf-8")
+        return drawn_caption(sample_captions(raw), *captions, raw["__key__"])
+    except (KeyError, UnicodeDecodeError, ValueError):
+        return ""
+
+
+class EpochCounter:
+    """The data's epoch in shared memory: DataLoader workers that live across epochs (persistent_workers) read the
+    epoch the main process set, not the one they were forked with."""
+
+    def __init__(self):
+        self._value = torch.zeros((), dtype=torch.int64).share_memory_()
+
+    @property
+    def value(self) -> int:
+        return int(self._value)
+
+    @value.setter
+    def value(self, epoch: int) -> None:
+        self._value.fill_(epoch)
+
+
+def reseed_worker(seed: int, epoch: int, worker: int) -> None:
+    """A DataLoader worker's torch, numpy and random generators, as a function of (run seed, epoch, worker id)
+    only: a worker kept across epochs then draws the augmentations a freshly started one would, so a run resumed
+    mid-training replays them bit for bit."""
+    s = (seed * 1_000_003 + epoch * 10_007 + worker * 101 + 17) % 2 ** 32
+    torch.manual_seed(s)
+    np.random.seed(s)
+    random.seed(s)

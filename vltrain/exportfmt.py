@@ -1,0 +1,217 @@
+"""The `vltrain export` folder's format: its files, config.json and weights, written and read."""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from safetensors import SafetensorError
+from safetensors.torch import load_file as load_safetensors
+from safetensors.torch import save_file
+
+from vlprep.urls import redact
+from vltrain.config import cut
+from vltrain.errors import CheckpointError, TrainError
+
+# An export holds model.safetensors (the weights inference reads: no optimiser state, RNG states, EMA copy
+# or queues), config.json (format, the run's config, preprocessing, tokenizer, provenance, eval numbers),
+# tokenizer/ (the Hugging Face tokenizer files), README.md and, with --onnx, image_encoder.onnx and
+# text_encoder.onnx. config.json is written last: a folder without it is an unfinished export, which
+# read_export refuses, so a failure never leaves a half export that claims to be complete.
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+TOKENIZER = "tokenizer"
+README = "README.md"
+IMAGE_ONNX = "image_encoder.onnx"
+TEXT_ONNX = "text_encoder.onnx"
+
+# Every name an export writes (config.json's temporary file included): all that exporting again replaces.
+EXPORT_FILES = (CONFIG, CONFIG + ".tmp", WEIGHTS, TOKENIZER, README, IMAGE_ONNX, TEXT_ONNX)
+# What `vltrain eval EXPORT` writes into an export by default: still an export, and its scores go with its weights,
+# so exporting again over a previous export removes it (it scored the weights replaced).
+EVAL = "eval.json"
+RESIZE = "shorter side then centre crop"
+
+EXPORT_FORMAT = "vltrain-export"  # config.json's "format"
+EXPORT_VERSION = 1  # config.json's "version"
+CONFIG_JSON_BYTES = 16 << 20  # an export's config.json is a few KB
+# What an export leaves out of the state dict: training state that inference never reads, the EMA copy (every key
+# under `momentum.`) and the MoCo queues with their pointer. A model rebuilt from an export is built with
+# EXPORT_MODEL's values, so it has none of these tensors (rather than random ones) and loading stays strict.
+EXPORT_DROPS = ("momentum.", "image_queue", "text_queue", "queue_ptr")
+EXPORT_MODEL = {"momentum": False, "queue_size": 0}
+
+
+def is_export(path: Path) -> bool:
+    """Whether a folder is, or claims to be, a `vltrain export` (perhaps unfinished or damaged, which read_export
+    says): it holds model.safetensors or config.json. Other folders keep load's "a folder, not a checkpoint"."""
+    return (path / CONFIG).is_file() or (path / WEIGHTS).is_file()
+
+
+def untie(state: dict) -> tuple[dict, dict]:
+    """(tensors, tied): every tensor once, as safetensors requires, contiguous; `tied` maps each further name of a
+    shared tensor (the MLM decoder's weight is the word embeddings) to the name kept, for read_export to restore."""
+    seen, tensors, tied = {}, {}, {}
+    for name, t in state.items():  # the state dict's order: the first name of a shared tensor is the one kept
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if t.numel() and key in seen:
+            tied[name] = seen[key]
+        else:
+            seen[key] = name
+            tensors[name] = t.detach().contiguous()
+    return tensors, tied
+
+
+def read_export(path, what: str = "export") -> dict:
+    """A `vltrain export` folder as a checkpoint-shaped dict {"model", "config", "step", "data", "export": True},
+    read with json and safetensors only: no unpickler, so nothing in the folder can run code. model_from rebuilds
+    it (without EXPORT_DROPS). A missing, truncated or foreign config.json or model.safetensors is one line."""
+    path = Path(path)
+    meta_path = path / CONFIG
+    weights_path = path / WEIGHTS
+    if not meta_path.is_file():
+        raise CheckpointError(f"{what} {path}: not a complete vltrain export (no config.json; an export writes it "
+                              "last, so this one did not finish: export again)")
+    try:
+        if meta_path.stat().st_size > CONFIG_JSON_BYTES:
+            raise CheckpointError(f"{meta_path}: {meta_path.stat().st_size:,} bytes; an export's config.json is a "
+                                  f"few KB (at most {CONFIG_JSON_BYTES:,})")
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{meta_path}: not readable JSON (truncated or corrupt: {type(e).__name__})") from None
+    if not isinstance(meta, dict) or meta.get("format") != EXPORT_FORMAT:
+        raise CheckpointError(f"{what} {path} is a folder, and its config.json is not a vltrain export's (no "
+                              f"\"format\": \"{EXPORT_FORMAT}\"); give a checkpoint file (last.pt, best.pt) or an "
+                              "export")
+    version = meta.get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise CheckpointError(f"{meta_path}: export version {cut(repr(version))} is not a version this vltrain reads "
+                              f"(it reads {EXPORT_VERSION})")
+    if version > EXPORT_VERSION:
+        raise CheckpointError(f"{path}: written by a newer vltrain (export version {version!r}, this version reads "
+                              f"{EXPORT_VERSION})")
+    config, source, tied = meta.get("config"), meta.get("source") or {}, meta.get("tied") or {}
+    if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
+        raise CheckpointError(f"{meta_path}: no \"config\" with a \"model\" section")
+    for key, value in (("source", source), ("tied", tied)):
+        if not isinstance(value, dict):
+            raise CheckpointError(f"{meta_path}: \"{key}\" is a {type(value).__name__}, not a mapping")
+    if not weights_path.is_file():
+        raise CheckpointError(f"{path}: the export has no model.safetensors")
+    try:
+        weights = load_safetensors(weights_path, device="cpu")
+    except (SafetensorError, OSError) as e:
+        why = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        raise CheckpointError(f"{weights_path}: not a readable safetensors file (truncated or corrupt: "
+                              f"{why})") from None
+    # safetensors stores a tensor once: a tied weight (the MLM decoder shares the word embeddings) is listed by name
+    for alias, name in tied.items():
+        if name not in weights:
+            raise CheckpointError(f"{meta_path}: tied weight {alias!r} names {name!r}, which model.safetensors lacks")
+        weights[alias] = weights[name]
+    return {"model": weights, "config": config, "step": source.get("step"), "data": source.get("data"),
+            "export": True}
+
+
+# --- writing ---------------------------------------------------------------------------------------------------
+
+
+def previous_export(out: Path) -> bool:
+    """Whether `out` holds nothing but an export's files (finished, or unfinished: no config.json yet), so that
+    exporting again may replace them without --overwrite; a finished one may also hold the eval.json of `vltrain
+    eval EXPORT`."""
+    names = {p.name for p in out.iterdir()}
+    if not names <= set(EXPORT_FILES) | {EVAL}:
+        return False
+    if CONFIG not in names:
+        return EVAL not in names  # an eval.json without an export's config.json is not ours to remove
+    try:
+        return json.loads((out / CONFIG).read_text(encoding="utf-8")).get("format") == EXPORT_FORMAT
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return False
+
+
+def prepare_out(out: Path, overwrite: bool) -> None:
+    """Refuse an `out` that holds something other than an export unless `overwrite`; remove a previous export's files,
+    config.json first (the folder is an unfinished export from then on), and create the folder."""
+    if out.exists() and not out.is_dir():
+        raise TrainError(f"{out} is a file; the export is a folder: give a new or empty folder")
+    previous = out.is_dir() and any(out.iterdir()) and previous_export(out)
+    if out.is_dir() and any(out.iterdir()) and not previous and not overwrite:
+        raise TrainError(f"{out} is not empty and is not a vltrain export; choose another OUT, or add --overwrite "
+                         f"(which replaces only the export's files: "
+                         f"{', '.join(n for n in EXPORT_FILES if not n.endswith('.tmp'))})")
+    for name in EXPORT_FILES + ((EVAL,) if previous else ()):  # anything else in the folder is the user's
+        target = out / name
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        elif target.exists() or target.is_symlink():
+            target.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def sidecar(path: Path) -> dict:
+    """A run's JSON beside the checkpoint (result.json, eval.json) as a dict; {} when absent or unreadable: they only
+    add provenance and numbers to the export."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def eval_numbers(ev: dict) -> dict | None:
+    """eval.json's scores: the numbers of its retrieval, ITM re-rank and zero-shot parts (no lists or tables)."""
+    numbers = {}
+    for part in ("retrieval", "itm_rerank", "zeroshot"):
+        if isinstance(ev.get(part), dict):
+            numbers[part] = {k: v for k, v in ev[part].items()
+                             if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    if numbers and ev.get("task"):
+        numbers["task"] = ev["task"]
+    return numbers or None
+
+
+def preprocessing(net, config: dict) -> dict:
+    """What the image and text inputs must be: the eval transform's size and statistics (api.pixel_transform) and the
+    text length the model was trained with; a features model without an encoder record reads tokens only."""
+    mc = net.cfg
+    features = mc.image_model == "features"
+    pixels = net.image_mean is not None
+    return {"image_input": "pixels" if pixels else "tokens",
+            "image_size": (net.image_size if features else config["data"]["image_size"]) if pixels else None,
+            "mean": list(net.image_mean) if pixels else None, "std": list(net.image_std) if pixels else None,
+            "resize": RESIZE if pixels else None, "max_len": config["data"]["max_len"]}
+
+
+def export_config(ckpt: dict, path: Path, net, tied: dict, dropped: list, onnx_info: dict | None) -> dict:
+    """config.json: format, the checkpoint's whole config, preprocessing, tokenizer, provenance, eval numbers."""
+    config = ckpt["config"]
+    folder = path if path.is_dir() else path.parent
+    result, ev = sidecar(folder / "result.json"), sidecar(folder / "eval.json")
+    mc = net.cfg
+    source = {"checkpoint": str(path.resolve()), "step": ckpt.get("step", result.get("step")),
+              "data": ckpt.get("data") or result.get("data"), "preset": config.get("preset"),
+              "shards": [redact(s) for s in config.get("shards") or []] or None}
+    return {"format": EXPORT_FORMAT, "version": EXPORT_VERSION, "config": config,
+            "preprocessing": preprocessing(net, config), "tokenizer": mc.text_model, "tokenizer_files": TOKENIZER,
+            "feature_encoder": (mc.feature_encoder or None) if mc.image_model == "features" else None,
+            "source": source, "eval": eval_numbers(ev),
+            "dropped": {"prefixes": list(EXPORT_DROPS), "tensors": len(dropped),
+                        "rebuilt_with": {f"model.{k}": v for k, v in EXPORT_MODEL.items()}},
+            "tied": tied, "onnx": onnx_info}
+
+
+def write_weights(net, out: Path) -> dict:
+    """model.safetensors of `net`, every tensor once; returns `tied`: the further names of shared tensors."""
+    tensors, tied = untie(net.state_dict())
+    save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt"})
+    os.chmod(out / WEIGHTS, 0o644)  # safetensors writes 0600; an export is shared like its other files
+    return tied
+
+
+def write_config(meta: dict, out: Path) -> None:
+    """config.json, last and atomically: from then on the folder is a complete export."""
+    tmp = out / (CONFIG + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, out / CONFIG)
