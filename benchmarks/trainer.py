@@ -41,9 +41,9 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 import vltrain.batches  # noqa: E402
 import vltrain.train as vt  # noqa: E402
-from vltrain.config import load_config  # noqa: E402
+from vltrain.config import ModelConfig, load_config  # noqa: E402
 from vltrain.data import Collate, ShardStream, count_split, to_rgb, train_transform  # noqa: E402
-from vltrain.model import IMAGE_STATS, ModelConfig, build_model, build_tokenizer, tokenizer_for  # noqa: E402
+from vltrain.model import IMAGE_STATS, build_model, build_tokenizer, tokenizer_for  # noqa: E402
 from vltrain.optim import build_optimizer, optimizer_step  # noqa: E402
 from vltrain.runsetup import keep_freed_memory, seed_everything, speed_options  # noqa: E402
 from vltrain.step import train_step  # noqa: E402

@@ -30,13 +30,13 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file as load_safetensors
 
-from vlprep import versions
-from vlprep.encoders import MAX_SIZE, MIN_SIZE
+from vlprep import MAX_SIZE, MIN_SIZE, versions
 from vlprep.urls import redact
 from vltrain.errors import TrainError
-from vltrain.config import Config, ConfigError, check_ranges, cut, from_dict, to_dict, upgrade
+from vlprep import cut
+from vltrain.config import Config, ConfigError, ModelConfig, check_ranges, from_dict, to_dict, upgrade
 from vltrain.distributed import barrier, gather_objects, world
-from vltrain.model import ModelConfig, VLModel, build_model, text_layers
+from vltrain.model import VLModel, build_model, text_layers
 
 FORMAT = 1  # bumped when the layout below changes incompatibly
 REQUIRED = {"model": dict, "config": dict}

@@ -11,7 +11,8 @@ import torch
 
 from tests.vltrain.test_train import run, shards  # noqa: F401  (the tiny shards fixture and the CLI helper)
 from vltrain.checkpoint import CheckpointError, init_weights, load, model_config, model_from
-from vltrain.model import ModelConfig, build_model
+from vltrain.config import ModelConfig
+from vltrain.model import build_model
 
 ALBEF = ["--preset", "albef", "--set", "model.fusion_layers=1", "--set", "model.queue_size=16",
          "--set", "model.momentum_m=0.9"]  # the tiny BERT has 2 layers: split 1 + 1

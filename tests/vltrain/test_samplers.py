@@ -12,7 +12,8 @@ from vltrain import checkpoint as ckpt_io
 from vltrain.cli import app
 from vltrain.data import Collate, in_val, span_mask
 from vltrain.layers import NounAligner, noun_states
-from vltrain.model import ModelConfig, build_model, build_tokenizer
+from vltrain.config import ModelConfig
+from vltrain.model import build_model, build_tokenizer
 from vltrain.samplers import GritSampler, TonicsBatchSampler, TonicsCurriculum, grit_order, tonics_instances
 
 # --- TOnICS curriculum ------------------------------------------------------------------------------------------
