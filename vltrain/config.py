@@ -7,7 +7,7 @@ import copy
 import functools
 import re
 import sys
-from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from dataclasses import FrozenInstanceError, asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
@@ -27,8 +27,28 @@ TEMP_MIN, TEMP_MAX = 0.001, 0.5  # ALBEF's clamp on the learnable ITC temperatur
 FUSION_FROM = ("copy", "split")
 POOLING = ("cls", "mean")
 
+class Section:
+    """A config (section) that can be set while it is built and is read-only once `freeze` has run on it."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if self.__dict__.get("_frozen"):
+            raise FrozenInstanceError(f"cannot set {name}: a resolved config is read-only (dataclasses.replace "
+                                      "makes a changed copy)")
+        object.__setattr__(self, name, value)
+
+
+def freeze(cfg: Section) -> Section:
+    """`cfg` and its sections made read-only, in place; returns cfg."""
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, Section):
+            freeze(value)
+    cfg.__dict__["_frozen"] = True
+    return cfg
+
+
 @dataclass
-class ModelConfig:
+class ModelConfig(Section):
     """Model architecture; the names map onto `--set model.KEY=VALUE`."""
 
     text_model: str = "minilm"  # "minilm" (packaged all-MiniLM-L6-v2), "tiny" (random 2x32 BERT) or a local HF dir
@@ -56,7 +76,7 @@ class ModelConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Section):
     image_size: int = 224
     max_len: int = 32
     val_frac: float = 0.05          # held out by key hash, never trained on
@@ -71,7 +91,7 @@ class DataConfig:
 
 
 @dataclass
-class LossConfig:
+class LossConfig(Section):
     itc: float = 1.0
     itm: float = 1.0
     mlm: float = 1.0
@@ -113,7 +133,7 @@ def parse_source(source: str) -> tuple[str, float]:
 
 
 @dataclass
-class SamplerConfig:
+class SamplerConfig(Section):
     kind: str = "random"            # random (streamed shuffle), tonics (ontology curriculum) or grit (grouping)
     ontology: str = ""              # folder with ontology.json + triplets.parquet [default: the first shard folder,
                                     # or the folder `vlprep features` made it from]
@@ -128,7 +148,7 @@ class SamplerConfig:
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(Section):
     lr: float = 1e-4
     weight_decay: float = 0.02
     warmup_steps: int = 100
@@ -142,7 +162,7 @@ PRECISIONS = ("auto", "fp32", "bf16")
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Section):
     """GPU speed options; "auto" turns each on with CUDA and leaves a CPU run as it was."""
     tf32: str | bool = "auto"           # TF32 matmuls and convolutions (CUDA only; auto = on there)
     channels_last: str | bool = "auto"  # NHWC memory format for the CNN image tower and its pixels (auto = on
@@ -155,7 +175,7 @@ class TrainConfig:
 
 
 @dataclass
-class Config:
+class Config(Section):
     shards: list[str] = field(default_factory=list)
     out: str = "runs/run"
     preset: str = "albef"
