@@ -2,10 +2,11 @@
 
 The packaged encoders (EfficientNet-Lite0 on 224 px pixels, MiniLM), the trainer's own step (`TrainStep`: forward
 and named losses), backward, clipping, fused AdamW, momentum update and enqueue, as `vltrain.session.setup` builds
-them with the trainer's GPU options (bf16 autocast, TF32, channels_last). Random pixels and captions time the same as real ones. MFU = the measured
-model FLOP/s (3x the forward FLOPs counted by torch's FlopCounterMode) over the device's dense bf16 peak (a table
-of common GPUs, or --peak-tflops). This is the script to compare against open_clip's published throughput.
-On a machine without CUDA it prints "no CUDA device" and exits 0. Load averages are printed at start and end.
+them with the trainer's GPU options (bf16 autocast, TF32, channels_last). Random pixels and captions time the
+same as real ones. MFU = the measured model FLOP/s (3x the forward FLOPs counted by torch's FlopCounterMode) over
+the device's dense bf16 peak (a table of common GPUs, or --peak-tflops). This is the script to compare against
+open_clip's published throughput. On a machine without CUDA it prints "no CUDA device" and exits 0. Load
+averages are printed at start and end.
 
     .venv/bin/python benchmarks/gpu.py [--steps 20] [--batches 128,256] [--presets clip,albef,grit]
 """

@@ -112,8 +112,8 @@ def seed_everything(seed: int, device: torch.device) -> None:
         torch.backends.cudnn.benchmark = False
     # warn_only: an op without a deterministic kernel warns instead of stopping the run.
     torch.use_deterministic_algorithms(True, warn_only=True)
-    # ...without filling every new tensor first (~5 ms of a 0.2 s CPU step): that guards reads of uninitialised
-    # memory, which no op here does; results do not depend on it.
+    # ...without filling every new tensor first (a cost on every step): that guards reads of uninitialised memory,
+    # which no op here does; results do not depend on it.
     torch.utils.deterministic.fill_uninitialized_memory = False
 
 
@@ -123,14 +123,13 @@ def speed_options(cfg: Config, model, device: torch.device, use_features: bool) 
     if cuda:  # TF32: ~10-bit mantissa matmuls on Ampere and later, the usual trade for training speed
         on = cfg.train.tf32 != "off"
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = on
-    # auto: on CUDA, and for a frozen image tower on a CPU, whose no-grad forward is 1.74x faster in NHWC here
-    # (benchmarks/mfu.py --extras channels_last: the packaged EfficientNet-Lite0, batch 32 at 224 px)
+    # auto: on CUDA, and for a frozen image tower on a CPU, whose no-grad forward is faster in NHWC
     channels_last = not use_features and (cfg.train.channels_last == "on"
                                           or (cfg.train.channels_last == "auto" and (cuda or cfg.model.freeze_image)))
     if channels_last:  # NHWC convolutions are the fast path of tensor cores; only 4-D weights change layout
         model.image_encoder.to(memory_format=torch.channels_last)
     # Up to 4 groups: GRIT's and TOnICS' batches (never length-bucketed) and every ITM / MLM pass stop paying for
-    # padding; a bucketed batch is one group (benchmarks/mfu.py)
+    # padding; a bucketed batch is one group
     model.set_unpad(4 if cfg.train.unpad else 0)
     if cfg.train.compile:  # in place (nn.Module.compile), so state_dict keys and checkpoints stay the same
         model.image_encoder.compile()
@@ -169,9 +168,8 @@ def resolve_precision(cfg: Config, model, device: torch.device, ckpt: dict | Non
 def keep_freed_memory() -> bool:
     """glibc only: serve large allocations from the heap and keep freed memory in the process. By default glibc
     maps every block over 32 MB (MiniLM's word-embedding gradient is 47 MB, made anew each step) with mmap and
-    returns it on free, so each step zero-fills fresh pages through page faults: about a third of a `clip` step at
-    batch 32 on cached tokens (111-159 ms against 88 ms with this, benchmarks/mfu.py's step). The cost: memory freed
-    late in a run stays with the process. Returns whether it took effect (False off glibc)."""
+    returns it on free, so each step zero-fills fresh pages through page faults, a large share of a `clip` step on
+    cached tokens. The cost: memory freed late in a run stays with the process. Returns whether it took effect (False off glibc)."""
     import ctypes
     import ctypes.util
 

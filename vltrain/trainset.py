@@ -168,8 +168,8 @@ def heldout_positions(cfg: Config, d: TrainData) -> None:
     """TOnICS' refresh-check positions and the scored held-out positions, from the validation view, never sharing an
     image: the check takes the first sampler.heldout images of a seeded order (at most half of the split's distinct
     images) and the score the images after them, so a curriculum decision never sees a triplet it is scored on.
-    Triplet mode sets the check's share aside whatever the sampler, so a random-batch arm scores the same triplets as its TOnICS twin (same seed and
-    sampler.heldout); with pairs the check's images leave the held-out evaluation (`heldout_keys`)."""
+    Triplet mode sets the check's share aside whatever the sampler, so a random-batch arm scores the same triplets
+    as its TOnICS twin (same seed and sampler.heldout); with pairs the check's images leave the held-out evaluation (`heldout_keys`)."""
     tonics = isinstance(d.sampler, TonicsBatchSampler) and cfg.sampler.kind == "tonics"
     if not (tonics or cfg.data.triplets):
         return
