@@ -89,7 +89,7 @@ class Feed:
     def _open(self, epoch: int) -> None:
         if self.loader is None and self.preloaded is not None:
             self.loader = self.preloaded
-        if self.loader is None:
+        elif self.loader is None:
             self.loader = make_loader(self.seed, self.data.train, self.batch_sampler, self.data.collate,
                                       self.batch_size, self.workers, self.device)
         self.batches, self.rng = epoch_batches(self.loader, epoch, self.seed, self.data.train, self.batch_sampler)

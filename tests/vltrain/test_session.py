@@ -74,3 +74,23 @@ def test_resolve_fills_the_derived_values_and_says_what_it_changed():
                      "warning: model.queue_size 100 is longer than the training split (40): every sample would sit "
                      "in the queue as its own negative more than once; clamped to 40"]
     assert cfg.data.input == "auto" and cfg.data.workers == 4 and cfg.model.queue_size == 100  # a new config
+
+
+def test_a_quiet_setup_prints_nothing_and_feeds_the_batches_it_is_given(onto, tmp_path, capsys, monkeypatch):
+    from vltrain import report
+
+    monkeypatch.setattr(report.console, "quiet", False)  # set back after the test: setup's quiet stays set
+    cfg = load_config("clip", None, TINY, shards=[str(onto)], out=str(tmp_path / "run"), steps=2, batch_size=4,
+                      device="cpu")
+    s = setup(cfg, quiet=True)
+    batch, fault = s.feed.next(s.state)
+    s.close()
+    assert fault is None and batch is not None
+    assert capsys.readouterr().err == ""
+    s = setup(cfg, overwrite=True, quiet=True, batches=[batch])
+    fed = []
+    for _ in range(3):  # one pass an epoch: the list again at each turnover
+        fed.append(s.feed.next(s.state)[0])
+        s.state.consumed += 1  # as the loop counts a step's batch
+    s.close()
+    assert all(b is batch for b in fed) and s.state.epoch == 2
