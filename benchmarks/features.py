@@ -298,9 +298,10 @@ def bare_setup(feat: Path, cfg, batch_size: int):
     from vlprep.dataset import iter_tar, open_dataset
     from vltrain.losses import itc_loss
     from vltrain.model import build_model, tokenizer_for
-    from vltrain.runsetup import keep_freed_memory, resolve_input
+    from vltrain.session import keep_freed_memory
+    from vltrain.trainset import prepare
 
-    resolve_input(cfg)  # as train() does: the features record -> image_model "features", feature_dim
+    cfg = prepare(cfg, torch.device("cpu"))[0]  # as train() resolves it: image_model "features", feature_dim
     tok = tokenizer_for(cfg.model.text_model)
     ds, xs, caps = open_dataset(feat), [], []
     for shard in ds.shards:

@@ -1,18 +1,21 @@
 """Training throughput on one GPU: samples/s and an MFU estimate for presets clip, albef and grit.
 
 The packaged encoders (EfficientNet-Lite0 on 224 px pixels, MiniLM), the trainer's own step (`TrainStep`: forward
-and named losses), backward, clipping, fused AdamW, momentum update and enqueue, with the trainer's GPU options on
-(bf16 autocast, TF32, channels_last). Random pixels and captions time the same as real ones. MFU = the measured
-model FLOP/s (3x the forward FLOPs counted by torch's FlopCounterMode) over the device's dense bf16 peak (a table
-of common GPUs, or --peak-tflops). This is the script to compare against open_clip's published throughput.
-On a machine without CUDA it prints "no CUDA device" and exits 0. Load averages are printed at start and end.
+and named losses), backward, clipping, fused AdamW, momentum update and enqueue, as `vltrain.session.setup` builds
+them with the trainer's GPU options (bf16 autocast, TF32, channels_last). Random pixels and captions time the
+same as real ones. MFU = the measured model FLOP/s (3x the forward FLOPs counted by torch's FlopCounterMode) over
+the device's dense bf16 peak (a table of common GPUs, or --peak-tflops). This is the script to compare against
+open_clip's published throughput. On a machine without CUDA it prints "no CUDA device" and exits 0. Load
+averages are printed at start and end.
 
     .venv/bin/python benchmarks/gpu.py [--steps 20] [--batches 128,256] [--presets clip,albef,grit]
 """
 
 import argparse
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,27 +29,43 @@ PEAK_BF16_TFLOPS = {"H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A
 WORDS = "red green blue cat dog bird tree car boat house sun moon star arrow icon shape".split()
 
 
-def setup(preset: str, batch: int, device: torch.device):
-    from vltrain.config import load_config
-    from vltrain.model import build_model, tokenizer_for
-    from vltrain.optim import build_optimizer
-    from vltrain.runsetup import speed_options
-    from vltrain.step import TrainStep
+def tiny_shards(tmp: Path, n: int) -> Path:
+    """n small captioned images as shards: setup reads the data's size from them (the queue is clamped to it); the
+    timed batches are made by `setup_preset`."""
+    from PIL import Image
 
-    cfg = load_config(preset, sets=["loss.distill_warmup_steps=0", "model.queue_size=4096"] if preset == "albef"
-                      else [])
-    torch.manual_seed(0)
-    model = build_model(cfg.model).to(device).train()
-    speed_options(cfg, model, device, use_features=False)
-    opt, params = build_optimizer(model, cfg.optim, device)  # the trainer's: two weight-decay groups, fused AdamW
-    tok = tokenizer_for(cfg.model.text_model)
+    from vlprep.shards import ShardsConfig, build_shards
+
+    src = tmp / "src"
+    src.mkdir(parents=True)
+    for i in range(n):
+        Image.new("RGB", (32, 32), (i % 256, 0, 0)).save(src / f"{i:05d}.png")
+        (src / f"{i:05d}.txt").write_text(f"a {WORDS[i % len(WORDS)]} picture number {i}")
+    build_shards(ShardsConfig(src=src, out=tmp / "ds", samples_per_shard=1000, workers=1), progress=None)
+    return tmp / "ds"
+
+
+def setup_preset(preset: str, batch: int, device: torch.device, shards: Path, out: Path):
+    """The pieces `vltrain.session.setup` builds for the preset (the trainer's speed options, precision, step
+    function and optimiser), and one batch of random pixels and captions on the device."""
+    from vltrain.config import load_config
+    from vltrain.session import setup
+
+    sets = ["data.val_frac=0", "data.workers=0"]
+    sets += ["loss.distill_warmup_steps=0", "model.queue_size=4096"] if preset == "albef" else []
+    cfg = load_config(preset, sets=sets, shards=[str(shards)], out=str(out), batch_size=batch, device=str(device))
+    s = setup(cfg, overwrite=True, quiet=True)
+    s.close()  # the pieces alone: the batches are made here
+    tok = s.data.tokenizer
     g = torch.Generator().manual_seed(0)
     caps = [" ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (12,), generator=g)) for _ in range(batch)]
-    enc = tok(caps, padding="max_length", truncation=True, max_length=cfg.data.max_len, return_tensors="pt")
-    images = torch.randn(batch, 3, 224, 224, generator=g).contiguous(memory_format=torch.channels_last)
+    enc = tok(caps, padding="max_length", truncation=True, max_length=s.cfg.data.max_len, return_tensors="pt")
+    images = torch.randn(batch, 3, 224, 224, generator=g)
+    if s.channels_last:
+        images = images.contiguous(memory_format=torch.channels_last)
     b = {"images": images, "input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "captions": caps}
     b = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in b.items()}
-    return cfg, model, TrainStep(model), params, opt, tok, b
+    return s.cfg, s.model, s.step_fn, s.params, s.optimizer, tok, b
 
 
 def step(cfg, model, step_fn, params, opt, tok, batch, gen) -> dict:
@@ -85,9 +104,12 @@ def main() -> int:
     peak = args.peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), 0.0)
     print(f"{name}, torch {torch.__version__}, bf16 autocast, TF32, channels_last, fused AdamW; "
           f"peak {peak or '?'} TFLOP/s bf16")
+    tmp = Path(tempfile.mkdtemp(prefix="bench-gpu-"))
+    # enough samples that albef's 4096-entry queue is not clamped to the training split
+    shards = tiny_shards(tmp, max(4096, max(map(int, args.batches.split(",")))))
     for preset in args.presets.split(","):
         for batch in map(int, args.batches.split(",")):
-            built = setup(preset, batch, device)
+            built = setup_preset(preset, batch, device, shards, tmp / "out")
             gen = torch.Generator(device=device).manual_seed(0)
             try:
                 times = []
@@ -109,6 +131,7 @@ def main() -> int:
                   f"{flops / sec / 1e12:6.1f} TFLOP/s, MFU {mfu}")
             del built
             torch.cuda.empty_cache()
+    shutil.rmtree(tmp, ignore_errors=True)
     print(load_line("end"))
     return 0
 

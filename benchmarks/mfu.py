@@ -4,9 +4,9 @@ Peak: the median FLOP/s of --peak-reps square matmuls of --peak-size (2 n^3 FLOP
    where the device runs it natively (CUDA; a CPU that reports AVX512_BF16 or AMX). The peak is what this machine's
    BLAS reaches on one large matmul with every thread, so no step of smaller matmuls can reach 100% of it.
 Step: for each preset of --presets and batch of --batches, the trainer's own step on batches drawn the way `vltrain
-   run` draws them from the `vlprep features` dataset --data (its sampler, bucketing and collate: `training_data` and
-   `Feed`, data.val_frac 0.05), the packaged MiniLM text model, the process's allocator set as train() sets it
-   (vltrain.runsetup.keep_freed_memory on a CPU): the batch moved to the device, the loss step
+   run` draws them from the `vlprep features` dataset --data (its sampler, bucketing and collate: the pieces
+   `vltrain.session.setup` builds, data.val_frac 0.05), the packaged MiniLM text model, the process's allocator set
+   as train() sets it (keep_freed_memory on a CPU): the batch moved to the device, the loss step
    (`TrainStep` under the run's precision, vltrain.model.autocast), then `optimizer_step` (backward, gradient
    clipping, fused AdamW, momentum update and enqueue). Nothing else of the loop (logging, checks, the GRIT
    collect) is timed. One untimed step, then --steps timed steps over the drawn batches; medians.
@@ -92,61 +92,38 @@ def make_data(tmp: Path, n: int) -> tuple[Path, str]:
 
 
 class Setup:
-    """One (preset, batch, precision): the config resolved as train() resolves it, the model, optimiser and the
-    drawn batches (on the device)."""
+    """One (preset, batch, precision): the pieces `vltrain.session.setup` builds for the run (the resolved config,
+    model with train()'s speed options, step function, optimiser) and the batches its feed draws (on the device)."""
 
     def __init__(self, data: Path, preset: str, batch: int, precision: str, device: torch.device, n_batches: int,
-                 out: Path):
-        from vltrain.data.feed import Feed
-        from vltrain.resume import RunState
-        from vltrain.config import TrainConfig, load_config
+                 out: Path, compile: bool = False):
+        from vltrain.config import load_config
         from vltrain.data.collate import to_device
-        from vltrain.model import build_model
-        from vltrain.optim import build_optimizer
-        from vltrain.runsetup import resolve_input, resolve_workers, training_data
-        from vltrain.step import TrainStep
+        from vltrain.session import setup
 
-        try:  # what train() does on a CPU (the trainer before it had no such call)
-            from vltrain.runsetup import keep_freed_memory
-        except ImportError:
-            def keep_freed_memory():
-                return False
-        if device.type == "cpu":
-            keep_freed_memory()
-        sets = ["model.text_model=minilm", "data.workers=0"]
-        if precision != "fp32" or hasattr(TrainConfig(), "precision"):  # (the trainer before train.precision: fp32)
-            sets.append(f"train.precision={precision}")
-        self.cfg = cfg = load_config(preset=preset, sets=sets, shards=[str(data)], out=str(out), steps=1000,
-                                     batch_size=batch, device=device.type)
-        resolve_input(cfg)
-        resolve_workers(cfg, device)
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            d = training_data(cfg, None, 0, 1)
-        torch.manual_seed(0)
-        self.model = build_model(cfg.model).to(device).train()
-        try:  # the speed options as train() applies them (train.unpad; the trainer before it: padded batches)
-            from vltrain.runsetup import speed_options
-            speed_options(cfg, self.model, device, use_features=True)
-        except ImportError:
-            pass
-        self.step_fn, self.tokenizer, self.device = TrainStep(self.model), d.tokenizer, device
-        self.optimizer, self.params = build_optimizer(self.model, cfg.optim, device)
-        self.generator = torch.Generator(device=device).manual_seed(0)
-        feed, state = Feed(d, d.sampler, cfg.seed, batch, 0, device), RunState()
-        feed.start(state)
+        sets = ["model.text_model=minilm", "data.workers=0", f"train.precision={precision}",
+                f"train.compile={str(compile).lower()}"]
+        cfg = load_config(preset=preset, sets=sets, shards=[str(data)], out=str(out), steps=1000, batch_size=batch,
+                          device=device.type)
+        s = setup(cfg, overwrite=True, quiet=True)
+        self.cfg, self.model, self.step_fn, self.device = s.cfg, s.model, s.step_fn, s.device
+        self.tokenizer, self.generator, self.precision = s.data.tokenizer, s.generator, s.precision
+        self.optimizer, self.params = s.optimizer, s.params
         self.batches = []
-        while len(self.batches) < n_batches:
-            b, fault = feed.next(state)
-            if fault is not None:
-                raise fault
-            state.consumed += 1
-            self.batches.append(to_device(b, device))
+        try:
+            while len(self.batches) < n_batches:
+                b, fault = s.feed.next(s.state)
+                if fault is not None:
+                    raise fault
+                s.state.consumed += 1
+                self.batches.append(to_device(b, device))
+        finally:
+            s.close()
 
     def forward(self, batch: dict) -> dict:
         from vltrain.model import autocast
 
-        precision = getattr(self.cfg.train, "precision", None)
-        with autocast(self.device, precision) if precision else autocast(self.device):
+        with autocast(self.device, self.precision):
             return self.step_fn(batch, self.cfg.loss, self.generator, self.tokenizer, self.cfg.loss.distill_alpha)
 
     def step(self, batch: dict) -> None:
@@ -279,11 +256,7 @@ def main() -> None:
                     "(channels_last), and clip's step part by part in each precision (phases); '' for none")
     args = ap.parse_args()
 
-    try:
-        from vltrain.model import bf16_supported
-    except ImportError:  # the trainer before train.precision ran fp32 on a CPU
-        def bf16_supported(device):
-            return False
+    from vltrain.model import bf16_supported
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
@@ -342,9 +315,7 @@ def main() -> None:
                                             / by["clip", batch, "fp32"]["samples_s"], 1.6, "ratio"))
         extras = [e for e in args.extras.split(",") if e]
         if "compile" in extras and ("clip", 32, "fp32") in by:
-            s = Setup(data, "clip", 32, "fp32", device, args.draw, tmp / "out")
-            s.model.image_encoder.compile()  # as train.compile does: in place
-            s.model.text_encoder.compile()
+            s = Setup(data, "clip", 32, "fp32", device, args.draw, tmp / "out", compile=True)
             t0 = time.perf_counter()
             s.step(s.batches[0])
             first = time.perf_counter() - t0

@@ -91,7 +91,8 @@ def end_to_end_sides(args, scratch: Path) -> dict:
     from vltrain.encode import CheckpointEncoder
     from vlprep.pseudolabel import PseudolabelConfig, pseudolabel
     from vltrain.config import Config, to_dict
-    from vltrain.model import ModelConfig, build_model
+    from vltrain.config import ModelConfig
+    from vltrain.model import build_model
 
     aligned, unaligned, ckpt = scratch / "aligned", scratch / "unaligned", scratch / "ckpt.pt"
     if not ckpt.exists():

@@ -53,13 +53,12 @@ def loader_epoch(data: str, workers: int, batch: int) -> tuple[int, float]:
 
     from vltrain.data.feed import make_loader
     from vltrain.config import load_config
-    from vltrain.runsetup import resolve_input, training_data
+    from vltrain.trainset import prepare
 
     cfg = load_config("clip", sets=["model.text_model=tiny", "model.image_model=tiny", "data.image_size=96",
                                     f"data.workers={workers}", "data.val_frac=0"],
                       shards=[data], batch_size=batch, device="cpu")
-    resolve_input(cfg)
-    d = training_data(cfg, None, 0, 1)
+    cfg, d, _ = prepare(cfg, torch.device("cpu"))
     loader = make_loader(cfg.seed, d.train, None, d.collate, cfg.batch_size, workers, torch.device("cpu"))
     d.train.set_epoch(0)
     t0, n = time.perf_counter(), 0

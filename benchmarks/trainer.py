@@ -1,15 +1,14 @@
 """Benchmark vltrain's loop and data pipeline against bare baselines measured in the same run.
 
-A: loop overhead. `vltrain.train.train` itself runs (tiny model, preset albef, batch 16, image size 32) with its
-   DataLoader monkeypatched to yield 20 batches pre-loaded in memory, so each step is exactly the loop's body
+A: loop overhead. `vltrain.train.train` itself runs (tiny model, preset albef, batch 16, image size 32) fed 20
+   batches pre-loaded in memory (train's `batches` argument), so each step is exactly the loop's body
    (data-RNG fork, lr update, train_step, loss floats, backward, grad clip, AdamW, momentum update, enqueue,
    metric rows every log_every steps, progress). A step's time is the gap between two consecutive batch fetches.
-   Baseline ("bare"): the same work the step must do and nothing else, on the same model, batches and global
-   torch modes (`seed_everything`): `train_step`, then `optimizer_step` (zero_grad, backward, clip_grad_norm_ at
-   the preset's grad_clip, fused AdamW over `build_optimizer`'s two parameter groups, momentum_update and
-   dequeue_and_enqueue; albef has both): the trainer's own functions, so both sides time the same code, with
-   the speed options train() applies (`speed_options`: length groups, `train.unpad`) and freed memory kept as
-   train() keeps it on a CPU (`keep_freed_memory`).
+   Baseline ("bare"): the same work the step must do and nothing else, on the pieces `vltrain.session.setup`
+   builds for the same config and batches (model, speed options, step function, optimiser, the global torch
+   modes and freed memory kept as on a CPU): a plain loop of the step function under the run's precision, then
+   `optimizer_step` (zero_grad, backward, clip_grad_norm_ at the preset's grad_clip, fused AdamW over the two
+   parameter groups, momentum_update and dequeue_and_enqueue; albef has both).
    Reported per side: the median step and the mean over every step after the first SKIP (logging steps
    included; the median alone hides them), with its CPU time. The final step (evaluation, checkpoint) is not
    a timed gap. Target: mean and median <= 1.10x the bare step.
@@ -39,18 +38,17 @@ import torch  # noqa: E402
 import webdataset as wds  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-import vltrain.data.feed  # noqa: E402
 import vltrain.train as vt  # noqa: E402
-from vltrain.config import load_config  # noqa: E402
+from vltrain.config import ModelConfig, load_config  # noqa: E402
 from vlprep.dataset import to_rgb  # noqa: E402
 from vltrain.data.collate import Collate  # noqa: E402
 from vltrain.data.samples import train_transform  # noqa: E402
-from vltrain.data.shards import count_split  # noqa: E402
 from vltrain.data.stream import ShardStream  # noqa: E402
-from vltrain.model import IMAGE_STATS, ModelConfig, build_model, build_tokenizer, tokenizer_for  # noqa: E402
-from vltrain.optim import build_optimizer, optimizer_step  # noqa: E402
-from vltrain.runsetup import keep_freed_memory, seed_everything, speed_options  # noqa: E402
-from vltrain.step import train_step  # noqa: E402
+from vltrain.model import IMAGE_STATS, autocast, build_tokenizer  # noqa: E402
+from vltrain.optim import optimizer_step  # noqa: E402
+from vltrain.session import setup  # noqa: E402
+from vltrain.step import distill_alpha_at  # noqa: E402
+from vltrain.trainset import prepare  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (add_options, cpu_now, load_line, print_table_ms, ratio_row, run_child_figures,  # noqa: E402
@@ -118,64 +116,54 @@ def step_figures(stamps: list[tuple[float, float]]) -> dict:
             "cpu_mean_s": (kept[-1][1] - kept[0][1]) / n, "max_s": max(gaps)}
 
 
-class FakeLoader:
-    """Stands in for torch's DataLoader inside vltrain.data.feed: yields the preloaded batches, stamping each fetch."""
+class Stamped:
+    """The pre-loaded batches, cycled without end (one endless epoch), each fetch stamped (wall, CPU)."""
 
-    batches: list[dict] = []
-    stamps: list[tuple[float, float]] = []
-
-    def __init__(self, dataset, drop_last: bool = False, **kwargs):
-        self.training = drop_last  # the training loader drops the last batch
+    def __init__(self, batches: list[dict]):
+        self.batches = batches
+        self.stamps: list[tuple[float, float]] = []
 
     def __iter__(self):
-        if not self.training:
-            return
-        for batch in itertools.cycle(FakeLoader.batches):
-            FakeLoader.stamps.append((time.perf_counter(), cpu_now()))
+        for batch in itertools.cycle(self.batches):
+            self.stamps.append((time.perf_counter(), cpu_now()))
             yield batch
 
 
-def run_vltrain(cfg) -> dict:
+def run_vltrain(cfg, batches: list[dict]) -> dict:
     """Per-step figures of one `train()` run fed from memory."""
-    FakeLoader.stamps = []
+    fed = Stamped(batches)
     shutil.rmtree(cfg.out, ignore_errors=True)
-    vt.train(cfg)
-    return step_figures(FakeLoader.stamps)
+    vt.train(cfg, batches=fed)
+    return step_figures(fed.stamps)
 
 
 def run_bare(cfg, batches: list[dict]) -> dict:
-    """Per-step figures of the step's own work and nothing else, on the same model, batches and settings."""
-    device = torch.device(cfg.device)
-    seed_everything(cfg.seed, device)  # the global modes train() sets (deterministic kernels) hold here too
-    keep_freed_memory()  # as train() does on a CPU, process-wide: whichever side runs first
-    model = build_model(cfg.model).to(device).train()
-    speed_options(cfg, model, device, use_features=False)  # train()'s speed options: the same step contents
-    generator = torch.Generator(device=device).manual_seed(cfg.seed)
-    tok = tokenizer_for(cfg.model.text_model)
-    opt, params = build_optimizer(model, cfg.optim, device)  # the trainer's groups and fused AdamW
+    """Per-step figures of the step's own work and nothing else, on setup's pieces for the same config and batches."""
+    s = setup(cfg, overwrite=True, quiet=True, batches=batches)
+    s.close()  # only the pieces are used: no loader, and OUT is left to the next run
     stamps = []
-    for batch in itertools.islice(itertools.cycle(batches), cfg.steps):
+    for step, batch in enumerate(itertools.islice(itertools.cycle(batches), s.cfg.steps), 1):
         stamps.append((time.perf_counter(), cpu_now()))
-        losses = train_step(model, batch, cfg.loss, generator, tok, cfg.loss.distill_alpha)
+        with autocast(s.device, s.precision):
+            losses = s.step_fn(batch, s.cfg.loss, s.generator, s.data.tokenizer, distill_alpha_at(step, s.cfg))
         queue_feats = losses.pop("queue_feats")
-        optimizer_step(model, opt, params, losses["total"], cfg.optim.grad_clip, queue_feats)
+        optimizer_step(s.model, s.optimizer, s.params, losses["total"], s.cfg.optim.grad_clip, queue_feats)
     stamps.append((time.perf_counter(), cpu_now()))
     return step_figures(stamps)
 
 
-def loop_sides(shards: Path, tmp: Path, steps: int) -> tuple[dict, object]:
+def loop_sides(shards: Path, tmp: Path, steps: int) -> tuple[dict, object, list[dict]]:
     cfg = small_config(shards, tmp / "run", steps)
     cfg.eval_every = cfg.ckpt_every = 10**9  # still runs once at the last step, after the last timed gap
-    # train() clamps the queue to the training split; the bare side must train the same model
-    cfg.model.queue_size = min(cfg.model.queue_size, count_split(cfg.shards, cfg.data.val_frac)["train"])
-    FakeLoader.batches = preload(cfg)
-    vltrain.data.feed.DataLoader = FakeLoader
-    return {"bare": lambda out: run_bare(cfg, FakeLoader.batches), "vltrain": lambda out: run_vltrain(cfg)}, cfg
+    batches = preload(cfg)
+    resolved = prepare(cfg, torch.device(cfg.device))[0]  # what both sides train: the queue clamped to the data
+    sides = {"bare": lambda out: run_bare(cfg, batches), "vltrain": lambda out: run_vltrain(cfg, batches)}
+    return sides, resolved, batches
 
 
-def bench_loop(sides: dict, cfg, steps: int, repeats: int, isolate: bool, scratch: Path) -> dict:
+def bench_loop(sides: dict, cfg, n_batches: int, steps: int, repeats: int, isolate: bool, scratch: Path) -> dict:
     m = cfg.model
-    print(f"A: {len(FakeLoader.batches)} pre-loaded batches of {cfg.batch_size}, image {cfg.data.image_size}, "
+    print(f"A: {n_batches} pre-loaded batches of {cfg.batch_size}, image {cfg.data.image_size}, "
           f"tiny model, preset albef (queue {m.queue_size if m.queue_size else 'none'}, "
           f"momentum {'on' if m.momentum else 'off'}, grad_clip {cfg.optim.grad_clip}), {steps} steps per run, "
           f"first {SKIP} steps not counted, log_every {cfg.log_every}, torch threads {torch.get_num_threads()}"
@@ -268,9 +256,9 @@ def main() -> None:
                   f"webdataset {wds.__version__}, {os.cpu_count()} CPUs\n", flush=True)
         rows = []
         if "a" in parts and args.side in (None, "bare", "vltrain"):
-            sides, cfg = loop_sides(shards, scratch, args.steps)
+            sides, cfg, batches = loop_sides(shards, scratch, args.steps)
             run_child_figures(args, sides)
-            t = bench_loop(sides, cfg, args.steps, args.repeats, args.isolate, scratch)
+            t = bench_loop(sides, cfg, len(batches), args.steps, args.repeats, args.isolate, scratch)
             mean = {k: {"wall": v["mean_s"], "cpu": v["cpu_mean_s"]} for k, v in t.items()}
             med = {k: {"wall": v["median_s"], "cpu": v["cpu_mean_s"]} for k, v in t.items()}
             rows.append(ratio_row("A loop, mean step", mean["bare"], mean["vltrain"], 1.10,
@@ -290,8 +278,8 @@ def main() -> None:
     print_table_ms(rows, "vltrain")
     if "a" in parts:
         print("A: baseline = train_step + zero_grad + backward + clip_grad_norm_ + fused AdamW (the trainer's "
-              "groups) + momentum\n   update + enqueue; candidate = vltrain.train() itself, its DataLoader "
-              "monkeypatched to yield pre-loaded\n   batches; a step is timed from one batch fetch to the next.")
+              "groups) + momentum\n   update + enqueue; candidate = vltrain.train() itself, fed "
+              "pre-loaded batches (train's batches\n   argument); a step is timed from one batch fetch to the next.")
     if "b" in parts:
         print("B: baseline = wds.WebDataset + shuffle(1000) + map(to_rgb, transform) + batched(Collate) in a "
               "WebLoader; candidate\n   = ShardStream (val_frac 0, shuffle buffer 1000) + Collate in a DataLoader; "

@@ -48,7 +48,6 @@ results.json (rows, findings, each check's definition, item counts and runtime) 
 """
 
 import argparse
-import contextlib
 import copy
 import json
 import math
@@ -303,18 +302,6 @@ def sidecar_rows(folder, columns: list[str]) -> list[dict]:
     return rows
 
 
-@contextlib.contextmanager
-def quiet_vltrain():
-    """vltrain's run set-up prints notes (ontology, dropped classes) for a training run; not for these checks."""
-    from vltrain.report import console as vconsole
-
-    was, vconsole.quiet = vconsole.quiet, True
-    try:
-        yield
-    finally:
-        vconsole.quiet = was
-
-
 # --- the checks, one seed each ---------------------------------------------------------------------------------
 
 
@@ -336,15 +323,15 @@ def check_grit(demo: Path, seed: int) -> tuple[list[dict], dict]:
 
 
 def tonics_data(cfg):
-    """The run's training data as the trainer built it (`training_data` + `heldout_positions`), with the ontology
-    classes of every train and validation position and of every image (sample index -> set)."""
+    """The run's training data as the trainer's set-up built it (`prepare` + `heldout_positions`; the notes a run
+    prints are not printed), with the ontology classes of every train and validation position and of every image
+    (sample index -> set)."""
     import pyarrow.parquet as pq
-    from vltrain.runsetup import heldout_positions, training_data
     from vltrain.samplers import default_ontology
+    from vltrain.trainset import heldout_positions, prepare
 
-    with quiet_vltrain():
-        data = training_data(cfg, None, 0, 1)
-        heldout_positions(cfg, data)
+    cfg, data, _ = prepare(cfg, torch.device("cpu"))
+    heldout_positions(cfg, data)
     onto = Path(cfg.sampler.ontology or default_ontology(cfg.shards[0]))
     t = pq.read_table(onto / "triplets.parquet", columns=["index", "class"]).to_pydict()
     idx, cls = np.asarray(t["index"], dtype=np.int64), np.asarray(t["class"], dtype=object)

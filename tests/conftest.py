@@ -65,7 +65,8 @@ def image_folder(tmp_path: Path) -> Path:
 def tiny_checkpoint(path: Path, embed_dim: int = 16, image_model: str = "tiny", seed: int = 0) -> Path:
     """A random tiny model saved in vltrain's checkpoint format (model state dict + the asdict'ed Config)."""
     from vltrain.config import Config, DataConfig, to_dict
-    from vltrain.model import ModelConfig, build_model
+    from vltrain.config import ModelConfig
+    from vltrain.model import build_model
 
     torch.manual_seed(seed)
     mc = ModelConfig(text_model="tiny", image_model=image_model, embed_dim=embed_dim, fusion_layers=0, feature_dim=8)

@@ -4,6 +4,9 @@ import functools
 
 __version__ = "0.1.0"
 
+MIN_SIZE = 32  # every trunk here downsamples by 32: smaller images give no token grid
+MAX_SIZE = 1024  # 32 x 32 = 1,024 tokens an image; --size 100000 would allocate 120 GB for one probe image
+
 
 def versions() -> dict[str, str | None]:
     """What made an output: this project's version and the installed torch and transformers (None: not installed).

@@ -30,14 +30,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vlprep import VlprepError, cut
+from vlprep import MAX_SIZE, MIN_SIZE, VlprepError, cut
 
 ENCODERS = ("efficientnet-lite0", "torchvision:ARCH", "timm:NAME")
 EFFNET_STATS = {"mean": [127 / 255] * 3, "std": [128 / 255] * 3}
 IMAGENET_STATS = {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
 DEFAULT_SIZE = 224
-MIN_SIZE = 32  # every trunk here downsamples by 32: smaller images give no token grid
-MAX_SIZE = 1024  # 32 x 32 = 1,024 tokens an image; --size 100000 would allocate 120 GB for one probe image
 SPEC_KEYS = ("encoder", "weights", "weights_sha256", "size", "mean", "std", "tokens", "dim", "dtype")
 # torchvision models whose `.features` is not a (B, C, h, w) conv map (swin's is (B, h, w, C)): not supported.
 _NOT_CONV = ("swin", "maxvit")

@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vlprep.encoders import MAX_SIZE, MIN_SIZE
-from vltrain.config import Config, ConfigError, check_ranges, cut, from_dict
+from vlprep import MAX_SIZE, MIN_SIZE, cut
+from vltrain.config import Config, ConfigError, ModelConfig, check_ranges, from_dict
 from vltrain.errors import CheckpointError
 from vltrain.exportfmt import EXPORT_MODEL, is_export, read_export
-from vltrain.model import ModelConfig, VLModel, build_model
+from vltrain.model import VLModel, build_model
 
 # Checkpoints hold only tensors and plain data, are written atomically and are read without the
 # unpickler. `torch.load(weights_only=True)` accepts tensors, dicts, lists, tuples, strings, numbers,

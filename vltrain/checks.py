@@ -52,9 +52,7 @@ def evaluate_heldout(run: Run, state: RunState, data, report: Report, device) ->
                    "reasons": {r: n - before["reasons"].get(r, 0) for r, n in after["reasons"].items()
                                if n > before["reasons"].get(r, 0)}}
     else:  # every caption of a multi-caption image is scored (the protocol of `vltrain eval`)
-        emb = embed_split(model, cfg.shards, "val", cfg.data.val_frac, cfg.data.max_len, cfg.batch_size,
-                          cfg.data.image_size, cfg.data.workers, device, data.use_features,
-                          skip_bad_shards=cfg.data.skip_bad_shards)
+        emb = embed_split(model, cfg.shards, "val", cfg.data, cfg.batch_size, device, data.use_features)
         skipped = emb["skipped"]
         if data.heldout_keys and emb["n"]:  # the TOnICS refresh check's images are not scored
             emb = drop_images(emb, data.heldout_keys)

@@ -7,27 +7,76 @@ import copy
 import functools
 import re
 import sys
-from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from dataclasses import FrozenInstanceError, asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
 import yaml
 
-from vlprep import VlprepError, objstore
-from vlprep.encoders import MAX_SIZE, MIN_SIZE
+from vlprep import MAX_SIZE, MIN_SIZE, VlprepError, cut, objstore
 from vlprep.remote import check_dataset, check_local
 from vlprep.urls import redact
 from vlprep.userfile import FileTooLarge, NotARegularFile, read_regular
-from vltrain.model import FUSION_FROM, POOLING, TEMP_MAX, TEMP_MIN, ModelConfig
-from vltrain.softmask import parse_source
 
 
 class ConfigError(ValueError):
     """A bad preset, file or override; the message is one line and lists the valid choices."""
 
 
+TEMP_MIN, TEMP_MAX = 0.001, 0.5  # ALBEF's clamp on the learnable ITC temperature
+FUSION_FROM = ("copy", "split")
+POOLING = ("cls", "mean")
+
+class Section:
+    """A config (section) that can be set while it is built and is read-only once `freeze` has run on it."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if self.__dict__.get("_frozen"):
+            raise FrozenInstanceError(f"cannot set {name}: a resolved config is read-only (dataclasses.replace "
+                                      "makes a changed copy)")
+        object.__setattr__(self, name, value)
+
+
+def freeze(cfg: Section) -> Section:
+    """`cfg` and its sections made read-only, in place; returns cfg."""
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, Section):
+            freeze(value)
+    cfg.__dict__["_frozen"] = True
+    return cfg
+
+
 @dataclass
-class DataConfig:
+class ModelConfig(Section):
+    """Model architecture; the names map onto `--set model.KEY=VALUE`."""
+
+    text_model: str = "minilm"  # "minilm" (packaged all-MiniLM-L6-v2), "tiny" (random 2x32 BERT) or a local HF dir
+    # "efficientnet-lite0" (packaged), "tiny" (random CNN), "features" (cached tokens), or a backbone by name:
+    # "torchvision:ARCH" / "timm:NAME" (CNNs and ViTs), weights from `image_weights` (a local state dict)
+    image_model: str = "efficientnet-lite0"
+    image_weights: str = ""  # torchvision:/timm: backbones: torch.save(model.state_dict(), PATH); "" = random init
+    feature_dim: int = 2048  # D_in of precomputed tokens when image_model == "features"
+    # image_model == "features": the `vlprep features` record of the frozen encoder that made the tokens (meta.json
+    # "features"); with it, raw-pixel images are run through that encoder first. {} = tokens only.
+    feature_encoder: dict = field(default_factory=dict)
+    embed_dim: int = 256  # ITC projection size
+    fusion_layers: int = 2  # N; 0 = no fusion encoder and no ITM/MLM heads (CLIP-style dual encoder)
+    # Where the N fusion layers come from: "copy" = self-attention + FFN copied from the text encoder's last N
+    # layers, which it keeps (all L); "split" = ALBEF's layout: text encoder = first L - N layers, fusion = last N.
+    fusion_from: str = "copy"
+    freeze_image: bool = False
+    temp: float = 0.07  # initial ITC temperature
+    temp_learnable: bool = True  # false: tau stays at `temp` (A Fistful of Words: fixed 0.02)
+    pooling: str = "cls"  # text ITC embedding from the [CLS] state (ALBEF) or the masked mean of all states (Fistful)
+    momentum: bool = False  # keep an EMA copy (ALBEF momentum distillation)
+    momentum_m: float = 0.995
+    queue_size: int = 0  # MoCo queue length Q; 0 = in-batch negatives only
+    aligner: bool = False  # TOnICS noun-query aligner head (triplet mode)
+
+
+@dataclass
+class DataConfig(Section):
     image_size: int = 224
     max_len: int = 32
     val_frac: float = 0.05          # held out by key hash, never trained on
@@ -42,7 +91,7 @@ class DataConfig:
 
 
 @dataclass
-class LossConfig:
+class LossConfig(Section):
     itc: float = 1.0
     itm: float = 1.0
     mlm: float = 1.0
@@ -67,8 +116,24 @@ class LossConfig:
         return parse_source(self.softmask_source)
 
 
+def parse_source(source: str) -> tuple[str, float]:
+    """'gradcam' | 'attention' | 'random:R' -> (kind, R); ValueError naming the valid forms."""
+    kind, _, arg = source.partition(":")
+    if kind in ("gradcam", "attention") and not arg:
+        return kind, 0.0
+    if kind == "random":
+        try:
+            ratio = float(arg)
+        except ValueError:
+            ratio = -1.0
+        if 0 < ratio < 1:
+            return kind, ratio
+    raise ValueError(f"unknown loss.softmask_source {source!r}; use gradcam, attention or random:R with R in (0, 1)")
+
+
+
 @dataclass
-class SamplerConfig:
+class SamplerConfig(Section):
     kind: str = "random"            # random (streamed shuffle), tonics (ontology curriculum) or grit (grouping)
     ontology: str = ""              # folder with ontology.json + triplets.parquet [default: the first shard folder,
                                     # or the folder `vlprep features` made it from]
@@ -83,7 +148,7 @@ class SamplerConfig:
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(Section):
     lr: float = 1e-4
     weight_decay: float = 0.02
     warmup_steps: int = 100
@@ -97,7 +162,7 @@ PRECISIONS = ("auto", "fp32", "bf16")
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Section):
     """GPU speed options; "auto" turns each on with CUDA and leaves a CPU run as it was."""
     tf32: str | bool = "auto"           # TF32 matmuls and convolutions (CUDA only; auto = on there)
     channels_last: str | bool = "auto"  # NHWC memory format for the CNN image tower and its pixels (auto = on
@@ -110,7 +175,7 @@ class TrainConfig:
 
 
 @dataclass
-class Config:
+class Config(Section):
     shards: list[str] = field(default_factory=list)
     out: str = "runs/run"
     preset: str = "albef"
@@ -174,11 +239,6 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 def _valid_keys(obj) -> list[str]:
     return [f.name for f in fields(obj)]
-
-
-def cut(text: str, limit: int = 80) -> str:
-    """`text` cut to `limit` characters: an error message never quotes a whole (possibly huge) value."""
-    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 def shown(value) -> str:

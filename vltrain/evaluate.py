@@ -5,6 +5,7 @@ Metrics are pure functions of score matrices; `embed_split`, `view_scores` and `
 over shards to get them (the training loop's periodic checks use the first two).
 """
 
+import dataclasses
 import os
 import re
 import time
@@ -19,6 +20,7 @@ from torch.utils.data import DataLoader
 
 from vlprep import cut
 from vltrain.api import load, pixel_transform
+from vltrain.config import DataConfig
 from vltrain.data.collate import Collate, to_device
 from vltrain.data.indexed import IndexedShards, InstanceView
 from vltrain.data.samples import ALL
@@ -139,10 +141,10 @@ def reads_features(model, folders) -> bool:
 
 
 @torch.no_grad()
-def embed_split(model, folders, split: str, val_frac: float, max_len: int, batch_size: int, image_size: int,
-                workers: int, device: torch.device, use_features: bool, keep_fusion: bool = False,
-                skip_bad_shards: bool = False) -> dict:
-    """ITC embeddings of a split in shard order, every caption of every image (multi-caption samples included).
+def embed_split(model, folders, split: str, data: DataConfig, batch_size: int, device: torch.device,
+                use_features: bool, keep_fusion: bool = False) -> dict:
+    """ITC embeddings of a split in shard order, every caption of every image (multi-caption samples included); the
+    split, captions, pixels and loader as `data` says (val_frac, max_len, image_size, workers, skip_bad_shards).
 
     Returns {'n': images, 'img' (N, E), 'txt' (T, E), 'txt2img' (T,) the image of each caption, 'keys' (N images),
     'captions' (T), 'ids'/'mask' (T, max_len), 'read': samples read, 'skipped': {'count', 'reasons'} the bad samples
@@ -150,12 +152,13 @@ def embed_split(model, folders, split: str, val_frac: float, max_len: int, batch
     tokens 'tokens' (N, n, D) and the text encoder's states 'hidden' (T, max_len, D).
     """
     tok = tokenizer_for(model.cfg.text_model)
-    tf = None if use_features else pixel_transform(model, image_size)
-    stream = ShardStream(folders, split, val_frac, tf, shuffle=False, use_features=use_features, captions=ALL,
-                         skip_bad_shards=skip_bad_shards)
+    max_len = data.max_len
+    tf = None if use_features else pixel_transform(model, data.image_size)
+    stream = ShardStream(folders, split, data.val_frac, tf, shuffle=False, use_features=use_features, captions=ALL,
+                         skip_bad_shards=data.skip_bad_shards)
     # Its own generator: evaluation must not draw from the global RNG, or a resumed run would diverge.
     loader = DataLoader(stream, batch_size=batch_size, collate_fn=Collate(tok, max_len, use_features),
-                        num_workers=workers, generator=torch.Generator().manual_seed(0))
+                        num_workers=data.workers, generator=torch.Generator().manual_seed(0))
     was_training = model.training
     model.eval()
     out = {k: [] for k in ("img", "txt", "txt2img", "ids", "mask", "tokens", "hidden")}
@@ -334,8 +337,8 @@ def _retrieval(model, cfg, shards: list[str], itm_rerank_k: int, workers: int, d
     """The retrieval part of `vltrain eval`, and the embeddings (embed_split's) for caption-labelled zero-shot."""
     # val_frac 0 puts every sample in the "train" split: `vltrain eval` scores all samples of SHARDS.
     use_features = reads_features(model, shards)
-    emb = embed_split(model, shards, "train", 0.0, cfg.data.max_len, cfg.batch_size, cfg.data.image_size, workers,
-                      dev, use_features, keep_fusion=itm_rerank_k > 0, skip_bad_shards=skip_bad_shards)
+    data = dataclasses.replace(cfg.data, val_frac=0.0, workers=workers, skip_bad_shards=skip_bad_shards)
+    emb = embed_split(model, shards, "train", data, cfg.batch_size, dev, use_features, keep_fusion=itm_rerank_k > 0)
     n = emb["n"]
     if emb["skipped"]["count"]:
         console.print(f"warning: {skipped_note(emb['skipped'], emb['read'])}: not scored", highlight=False)

@@ -9,8 +9,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file as load_safetensors
 from safetensors.torch import save_file
 
+from vlprep import cut
 from vlprep.urls import redact
-from vltrain.config import cut
 from vltrain.errors import CheckpointError, TrainError
 
 # An export holds model.safetensors (the weights inference reads: no optimiser state, RNG states, EMA copy

@@ -7,7 +7,8 @@ import torch
 
 from vltrain.errors import CheckpointError
 from vltrain.exportfmt import untie
-from vltrain.model import ModelConfig, VLModel, text_layers
+from vltrain.config import ModelConfig
+from vltrain.model import VLModel, text_layers
 
 QUEUES = ("image_queue", "text_queue", "queue_ptr")  # MoCo queues: features of past batches, not weights
 MOMENTUM = "momentum."  # the EMA copy's prefix (VLModel.momentum)

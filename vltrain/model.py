@@ -6,7 +6,6 @@ import copy
 import functools
 import itertools
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -15,11 +14,8 @@ from torch import nn
 
 from vlprep import cut
 from vlprep.encoders import resolve_device  # noqa: F401  (one device resolver for vlprep and vltrain)
+from vltrain.config import FUSION_FROM, POOLING, TEMP_MAX, TEMP_MIN, ModelConfig
 from vltrain.layers import FusionLayer, NounAligner, bert_init
-
-TEMP_MIN, TEMP_MAX = 0.001, 0.5  # ALBEF's clamp on the learnable ITC temperature
-FUSION_FROM = ("copy", "split")
-POOLING = ("cls", "mean")
 
 # Pixel statistics (on [0, 1] inputs) and input size per image encoder, for the data pipeline to match.
 # The EfficientNet-Lite weights are converted from TensorFlow, which normalises Lite models with mean 127 and
@@ -30,34 +26,6 @@ IMAGE_STATS = {
     "tiny": {"mean": (0.5,) * 3, "std": (0.5,) * 3, "size": 32},
     "features": {"mean": None, "std": None, "size": None},  # precomputed tokens: no pixels
 }
-
-
-@dataclass
-class ModelConfig:
-    """Model architecture; the names map onto `--set model.KEY=VALUE`."""
-
-    text_model: str = "minilm"  # "minilm" (packaged all-MiniLM-L6-v2), "tiny" (random 2x32 BERT) or a local HF dir
-    # "efficientnet-lite0" (packaged), "tiny" (random CNN), "features" (cached tokens), or a backbone by name:
-    # "torchvision:ARCH" / "timm:NAME" (CNNs and ViTs), weights from `image_weights` (a local state dict)
-    image_model: str = "efficientnet-lite0"
-    image_weights: str = ""  # torchvision:/timm: backbones: torch.save(model.state_dict(), PATH); "" = random init
-    feature_dim: int = 2048  # D_in of precomputed tokens when image_model == "features"
-    # image_model == "features": the `vlprep features` record of the frozen encoder that made the tokens (meta.json
-    # "features"); with it, raw-pixel images are run through that encoder first. {} = tokens only.
-    feature_encoder: dict = field(default_factory=dict)
-    embed_dim: int = 256  # ITC projection size
-    fusion_layers: int = 2  # N; 0 = no fusion encoder and no ITM/MLM heads (CLIP-style dual encoder)
-    # Where the N fusion layers come from: "copy" = self-attention + FFN copied from the text encoder's last N
-    # layers, which it keeps (all L); "split" = ALBEF's layout: text encoder = first L - N layers, fusion = last N.
-    fusion_from: str = "copy"
-    freeze_image: bool = False
-    temp: float = 0.07  # initial ITC temperature
-    temp_learnable: bool = True  # false: tau stays at `temp` (A Fistful of Words: fixed 0.02)
-    pooling: str = "cls"  # text ITC embedding from the [CLS] state (ALBEF) or the masked mean of all states (Fistful)
-    momentum: bool = False  # keep an EMA copy (ALBEF momentum distillation)
-    momentum_m: float = 0.995
-    queue_size: int = 0  # MoCo queue length Q; 0 = in-batch negatives only
-    aligner: bool = False  # TOnICS noun-query aligner head (triplet mode)
 
 
 # --- encoders ---------------------------------------------------------------------------------------------------

@@ -46,6 +46,20 @@ def end_time(left: float) -> str:
         return "ending beyond any date this clock can print"
 
 
+def init_line(init: dict) -> str:
+    """init_weights' record as one line: counts per top-level module (the six largest), then the EMA copy and queues."""
+    def counts(n: int, modules: dict, unit: str = "") -> str:
+        shown = [f"{name} {c}" for name, c in list(modules.items())[:6]] + (["..."] if len(modules) > 6 else [])
+        return f"{n}{unit} ({', '.join(shown)})" if shown else f"{n}{unit}"
+
+    m, src = init["modules"], f" (step {init['step']}, preset {init['preset']})" if init.get("step") is not None else ""
+    line = (f"init-from {init['path']}{src}: loaded {counts(init['loaded'], m['loaded'], ' tensors')}; new "
+            f"{counts(init['new'], m['new'])}; dropped {counts(init['dropped'], m['dropped'])}")
+    if init["momentum_copied"]:
+        line += f"; momentum copy: {init['momentum_copied']} from the online weights"
+    return line + ("; queues start fresh" if init["queues_fresh"] else "")
+
+
 def summary(cfg, model, device, n_train: int, n_val: int, per_epoch: int, size: int = 1,
             precision: tuple[str, str] = ("fp32", "")) -> str:
     """The start-of-run block: what will train, on what, for how long, where it goes."""

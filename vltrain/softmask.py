@@ -12,24 +12,10 @@ The extracted paper text lost its equation bodies; these rules follow its prose 
 
 import torch
 
+from vltrain.config import parse_source
 from vltrain.losses import softmask_itm_loss, upcast
 
 SOURCES = ("gradcam", "attention", "random")
-
-
-def parse_source(source: str) -> tuple[str, float]:
-    """'gradcam' | 'attention' | 'random:R' -> (kind, R); ValueError naming the valid forms."""
-    kind, _, arg = source.partition(":")
-    if kind in ("gradcam", "attention") and not arg:
-        return kind, 0.0
-    if kind == "random":
-        try:
-            ratio = float(arg)
-        except ValueError:
-            ratio = -1.0
-        if 0 < ratio < 1:
-            return kind, ratio
-    raise ValueError(f"unknown loss.softmask_source {source!r}; use gradcam, attention or random:R with R in (0, 1)")
 
 
 def gradcam(attns: list[torch.Tensor], grads: list[torch.Tensor]) -> torch.Tensor:

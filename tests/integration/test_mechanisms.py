@@ -161,7 +161,7 @@ def _save_run(run: Path, cfg, model, sampler=None) -> None:
 def test_grit_tonics_and_fistful_checks_run_on_tiny_runs_and_write_their_table(onto, tmp_path, capsys, monkeypatch):
     from vltrain.config import load_config
     from vltrain.model import build_model
-    from vltrain.runsetup import training_data
+    from vltrain.trainset import prepare
 
     demo = tmp_path / "demo"
     pairs = colour_pairs(tmp_path / "pairs", 40, per_shard=10)
@@ -177,7 +177,7 @@ def test_grit_tonics_and_fistful_checks_run_on_tiny_runs_and_write_their_table(o
             torch.manual_seed(seed + 10 * (arm == "bow"))
             sampler = None
             if recipe == "tonics":
-                sampler = training_data(cfg, None, 0, 1).sampler
+                sampler = prepare(cfg, torch.device("cpu"))[1].sampler
                 for _ in range(10 + seed):
                     sampler.curriculum.refresh()  # as if the held-out check had passed: P(entity) 0.35, 0.31
                 sampler = sampler.state_dict()

@@ -176,7 +176,8 @@ def reference_pseudo_captions(w, strategy: str, k: int, crops: int, p: int, seed
     from torchvision.transforms import v2
 
     from vlprep.dataset import to_rgb
-    from vltrain.model import ModelConfig, build_model, build_tokenizer
+    from vltrain.config import ModelConfig
+    from vltrain.model import build_model, build_tokenizer
 
     ckpt = torch.load(w["ckpt"], weights_only=True)
     model = build_model(ModelConfig(**ckpt["config"]["model"]))
@@ -400,7 +401,8 @@ def test_vltrain_checkpoint_pseudolabel_then_train_on_both(world, tmp_path):
 @pytest.mark.slow
 def test_packaged_encoders_pseudolabel_a_few_images(tmp_path):
     from vltrain.config import Config, to_dict
-    from vltrain.model import ModelConfig, build_model
+    from vltrain.config import ModelConfig
+    from vltrain.model import build_model
 
     mc = ModelConfig(fusion_layers=0)
     torch.save({"model": build_model(mc).state_dict(), "config": to_dict(Config(model=mc))}, tmp_path / "c.pt")

@@ -20,7 +20,8 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 def fusion_checkpoint(path: Path) -> Path:
     """A random tiny model with a 1-layer fusion encoder (ITM head), in vltrain's checkpoint format."""
     from vltrain.config import Config, DataConfig, to_dict
-    from vltrain.model import ModelConfig, build_model
+    from vltrain.config import ModelConfig
+    from vltrain.model import build_model
 
     torch.manual_seed(1)
     mc = ModelConfig(text_model="tiny", image_model="tiny", embed_dim=16, fusion_layers=1)

@@ -13,6 +13,7 @@ from vlprep.features import FeaturesConfig, features
 from vlprep.shards import ShardsConfig, build_shards
 from vltrain.checkpoint import load_checkpoint
 from vltrain.cli import app
+from vltrain.config import DataConfig
 from vltrain.evaluate import embed_split, reads_features
 
 TINY_TEXT = ["model.text_model=tiny", "model.embed_dim=16", "data.workers=0", "data.max_len=12", "log_every=1",
@@ -55,7 +56,7 @@ def test_feature_trained_checkpoint_reads_pixels_through_the_same_encoder(world)
     assert reads_features(model, [str(world["f64"])]) and not reads_features(model, [str(world["pix"])])
     assert not reads_features(model, [str(world["f96"])])  # another encoder's tokens: its pixels are used
     dev = torch.device("cpu")
-    args = ("train", 0.0, 12, 8, 224, 0, dev)
+    args = ("train", DataConfig(val_frac=0.0, max_len=12, image_size=224, workers=0), 8, dev)
     a = embed_split(model, [str(world["f64"])], *args, use_features=True)
     b = embed_split(model, [str(world["pix"])], *args, use_features=False)
     assert a["captions"] == b["captions"]

@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 import vltrain
 from tests.conftest import make_dataset
 from vltrain.cli import app
-from vltrain.model import ModelConfig, build_model
+from vltrain.config import ModelConfig
+from vltrain.model import build_model
 
 
 def tiny_vit(arch, weights=None):

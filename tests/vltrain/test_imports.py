@@ -10,6 +10,9 @@ runs its package's __init__ too, but that is no edge to the __init__ unless the 
 """
 
 import ast
+import os
+import subprocess
+import sys
 from collections import deque
 from pathlib import Path
 
@@ -212,3 +215,11 @@ def test_submodule_imports_are_no_edge_to_the_package_init_unless_it_is_named(tm
     write_package(tmp_path, {"pkg.helpers": "import pkg.sub\n"})
     graph = import_graph(tmp_path, ["pkg"])
     assert graph["pkg.helpers"] == {"pkg.sub": 1} and find_cycles(graph) == []
+
+
+def test_importing_the_config_does_not_import_torch():
+    """vltrain.config (the CLI's options, `vltrain config`) stays light: torch loads only where a model is built."""
+    code = "import sys, vltrain.config; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)
+    assert done.stdout.strip() == "False"

@@ -13,7 +13,8 @@ from tests.vltrain.test_train import run, shards  # noqa: F401  (the tiny shards
 from vltrain.checkpoint import load, model_config, model_from
 from vltrain.errors import CheckpointError
 from vltrain.init_from import init_weights
-from vltrain.model import ModelConfig, build_model
+from vltrain.config import ModelConfig
+from vltrain.model import build_model
 
 ALBEF = ["--preset", "albef", "--set", "model.fusion_layers=1", "--set", "model.queue_size=16",
          "--set", "model.momentum_m=0.9"]  # the tiny BERT has 2 layers: split 1 + 1

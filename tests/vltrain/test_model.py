@@ -4,7 +4,8 @@ import copy
 import pytest
 import torch
 
-from vltrain.model import IMAGE_STATS, ModelConfig, build_model, build_tokenizer
+from vltrain.config import ModelConfig
+from vltrain.model import IMAGE_STATS, build_model, build_tokenizer
 
 B, L, V = 3, 7, 30522
 

@@ -1,6 +1,7 @@
 """Multi-caption samples in vltrain: one caption drawn per sample per epoch in training, every caption scored in
 `vltrain eval` and in the held-out checks."""
 
+import dataclasses
 import json
 from collections import Counter
 
@@ -102,8 +103,8 @@ def test_eval_scores_every_caption_of_every_image(karpathy, tmp_path):
     cfg = from_dict(ck["config"])
     model = build_model(cfg.model)
     model.load_state_dict(ck["model"])
-    emb = embed_split(model.eval(), [str(karpathy["test"])], "train", 0.0, cfg.data.max_len, 3, cfg.data.image_size,
-                      0, torch.device("cpu"), False)
+    data = dataclasses.replace(cfg.data, val_frac=0.0, workers=0)
+    emb = embed_split(model.eval(), [str(karpathy["test"])], "train", data, 3, torch.device("cpu"), False)
     assert emb["captions"] == [c for cs in caps for c in cs]  # file order, image by image
     assert emb["txt2img"].tolist() == [i for i, cs in enumerate(caps) for _ in cs]
     want = recall_at_k(emb["img"] @ emb["txt"].t(), emb["txt2img"])

@@ -181,7 +181,8 @@ def test_an_unknown_image_model_on_pixels_names_the_valid_choices(shards, tmp_pa
                     "or timm:NAME, got 'foo'")
     line = error_line(run(shards, tmp_path / "r", "--set", "model.image_model=" + "f" * 5000))
     assert len(line) < 250 and line.endswith("…"), line
-    from vltrain.model import ModelConfig, image_stats
+    from vltrain.config import ModelConfig
+    from vltrain.model import image_stats
 
     assert image_stats(ModelConfig(image_model="tiny"))[2] == 32
     assert image_stats(ModelConfig(image_model="features")) == (None, None, None)
@@ -211,7 +212,8 @@ def fusion_checkpoint(path: Path) -> Path:
     import torch
 
     from vltrain.config import Config, DataConfig, to_dict
-    from vltrain.model import ModelConfig, build_model
+    from vltrain.config import ModelConfig
+    from vltrain.model import build_model
 
     torch.manual_seed(0)
     mc = ModelConfig(text_model="tiny", image_model="tiny", embed_dim=16, fusion_layers=1)

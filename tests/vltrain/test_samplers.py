@@ -13,7 +13,8 @@ from vltrain.cli import app
 from vltrain.data.collate import Collate, span_mask
 from vltrain.data.shards import in_val
 from vltrain.layers import NounAligner, noun_states
-from vltrain.model import ModelConfig, build_model, build_tokenizer
+from vltrain.config import ModelConfig
+from vltrain.model import build_model, build_tokenizer
 from vltrain.samplers import GritSampler, TonicsBatchSampler, TonicsCurriculum, grit_order, tonics_instances
 
 # --- TOnICS curriculum ------------------------------------------------------------------------------------------
@@ -442,12 +443,12 @@ def test_tonics_refresh_check_never_reads_a_scored_image(onto, sampler):
     """The curriculum's refresh check and the held-out score draw disjoint images of the validation split, and a
     random-batch twin (same seed, same sampler.heldout) scores exactly the TOnICS arm's triplets."""
     from vltrain.config import load_config
-    from vltrain.runsetup import heldout_positions, training_data
+    from vltrain.trainset import heldout_positions, prepare
 
     def positions(kind):
         cfg = load_config("tonics", None, TINY + ["sampler.heldout=4"], shards=[str(onto)], steps=4, batch_size=4,
                           **{"sampler.kind": kind})
-        data = training_data(cfg, None, 0, 1)
+        cfg, data, _ = prepare(cfg, torch.device("cpu"))
         heldout_positions(cfg, data)
         return data
 

@@ -17,7 +17,8 @@ from vltrain import step as step_mod
 from vltrain.config import ConfigError, load_config
 from vltrain.layers import Attention, FusionLayer
 from vltrain.losses import softmask_itm_loss
-from vltrain.softmask import attention_map, gradcam, masks_for, parse_source, random_mask, sample_words, soft_mask
+from vltrain.config import parse_source
+from vltrain.softmask import attention_map, gradcam, masks_for, random_mask, sample_words, soft_mask
 
 from tests.vltrain.test_fidelity import CAPTIONS, cfg_for, make_batch, model_for
 from tests.vltrain.test_train import losses, run, shards  # noqa: F401  (the module-scoped shard fixture)

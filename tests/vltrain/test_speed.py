@@ -143,7 +143,7 @@ def test_under_bf16_autocast_the_losses_parameters_and_adamw_state_stay_float32(
 
 
 def test_precision_is_chosen_said_recorded_and_kept_on_resume(varied, tmp_path, monkeypatch):
-    from vltrain import runsetup
+    from vltrain import session
 
     common = ["--preset", "clip", "--set", "data.val_frac=0", "--set", "data.image_size=32"]
     # auto on the tiny (32-wide) text tower: fp32 without any timing, whatever the CPU
@@ -151,10 +151,10 @@ def test_precision_is_chosen_said_recorded_and_kept_on_resume(varied, tmp_path, 
     assert r.exit_code == 0 and "float32, auto: a 32-wide text tower is too small to gain from bf16" in r.output
     assert torch.load(tmp_path / "auto" / "last.pt", weights_only=True)["precision"] == "fp32"
     # bf16 where the CPU has no bf16 arithmetic: one line, nothing trained
-    monkeypatch.setattr(runsetup, "bf16_supported", lambda device: False)
+    monkeypatch.setattr(session, "bf16_supported", lambda device: False)
     r = run(varied, tmp_path / "nobf16", *common, "--steps", "1", "--set", "train.precision=bf16")
     assert r.exit_code == 2 and "train.precision=bf16: this CPU has no bf16 arithmetic" in r.output
-    monkeypatch.setattr(runsetup, "bf16_supported", lambda device: True)
+    monkeypatch.setattr(session, "bf16_supported", lambda device: True)
     r = run(varied, tmp_path / "bf16", *common, "--steps", "2", "--set", "train.precision=bf16")
     assert r.exit_code == 0 and "bf16 autocast, train.precision=bf16" in r.output, r.output
     assert torch.load(tmp_path / "bf16" / "last.pt", weights_only=True)["precision"] == "bf16"
@@ -189,7 +189,7 @@ def test_a_checkpoint_from_before_bucketing_and_precision_names_the_keys_to_resu
 FAULTS = """
 import resource, sys, torch
 if sys.argv[1] == "keep":
-    from vltrain.runsetup import keep_freed_memory
+    from vltrain.session import keep_freed_memory
     assert keep_freed_memory()
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -8,7 +8,8 @@ from typer.testing import CliRunner
 import vltrain
 from tests.conftest import make_dataset
 from vltrain.cli import app
-from vltrain.model import ModelConfig, build_model, text_layers
+from vltrain.config import ModelConfig
+from vltrain.model import build_model, text_layers
 
 SMALL = dict(vocab_size=30522, max_position_embeddings=64)
 

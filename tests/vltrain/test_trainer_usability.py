@@ -386,7 +386,8 @@ def test_eval_table_labels_both_directions(shards, trained):
 
 
 def test_loading_the_packaged_text_model_is_quiet(capfd):
-    from vltrain.model import ModelConfig, build_model
+    from vltrain.config import ModelConfig
+    from vltrain.model import build_model
 
     build_model(ModelConfig(image_model="tiny", fusion_layers=0))
     out, err = capfd.readouterr()

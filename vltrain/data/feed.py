@@ -77,15 +77,19 @@ class Feed:
     """A run's batches: `start(state)` opens the state's epoch and replays the batches it already consumed,
     `next(state)` returns (batch, None) or (None, the fault), advancing state.epoch / state.consumed."""
 
-    def __init__(self, data, batch_sampler, seed: int, batch_size: int, workers: int, device: torch.device):
+    def __init__(self, data, batch_sampler, seed: int, batch_size: int, workers: int, device: torch.device,
+                 preloaded=None):
         self.data, self.batch_sampler, self.seed = data, batch_sampler, seed
+        self.preloaded = preloaded  # an iterable of collated batches standing in for the loader, one pass an epoch
         self.batch_size, self.workers, self.device = batch_size, workers, device
         self.bad = 0  # bad (skipped) samples so far
         self.reading = False  # inside `next`: a signal handler may raise StopFetch to give up the read
         self.loader = None  # made on the first epoch, kept for the run
 
     def _open(self, epoch: int) -> None:
-        if self.loader is None:
+        if self.loader is None and self.preloaded is not None:
+            self.loader = self.preloaded
+        elif self.loader is None:
             self.loader = make_loader(self.seed, self.data.train, self.batch_sampler, self.data.collate,
                                       self.batch_size, self.workers, self.device)
         self.batches, self.rng = epoch_batches(self.loader, epoch, self.seed, self.data.train, self.batch_sampler)

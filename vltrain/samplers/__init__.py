@@ -5,7 +5,7 @@ triplets in TOnICS' triplet mode); `vltrain.data.indexed.InstanceView` turns a p
 A sampler's order depends only on (seed, epoch, its state), and its state goes into checkpoints.
 
 The samplers, one module per paper: vltrain.samplers.tonics and vltrain.samplers.grit. The trainer builds them from
-its config in vltrain.runsetup (`index_data`).
+its config in vltrain.trainset (`index_data`).
 """
 
 from vltrain.samplers.grit import GritSampler, grit_order, grit_orders

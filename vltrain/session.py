@@ -1,0 +1,319 @@
+"""`setup`: a run's pieces before its first step (output folder, seeds, device, the resolved config and training
+data, model, speed options, precision, step function, optimiser, resume and feed), as a `Session` that `train`,
+the benchmarks and the pipelines share."""
+
+import random
+import shutil
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from vlprep import VlprepError
+from vlprep.dataset import lock_output, release_output
+from vltrain.checkpoint import check_config, load, model_from
+from vltrain.config import Config
+from vltrain.data.feed import Feed
+from vltrain.data.shards import data_signature
+from vltrain.distributed import RankSlice, broadcast, init_from_env, world
+from vltrain.errors import TrainError
+from vltrain.init_from import init_weights
+from vltrain.model import autocast, bf16_supported, build_model, resolve_device
+from vltrain.optim import build_optimizer
+from vltrain.resume import Run, RunState, check_ranks, check_resumable, restore, set_rng_states
+from vltrain.report import Report, console, earlier_rows, init_line, summary
+from vltrain.step import TrainStep, wrap_ddp
+from vltrain.trainset import TrainData, heldout_positions, prepare
+
+RUN_FILES = ("last.pt", "best.pt", "metrics.jsonl", "result.json", "curriculum.json", "curriculum.png",
+             "learning_curve.png", "tb")
+
+
+# --- the output folder, seeds, device ------------------------------------------------------------------------
+
+
+def prepare_out(out: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse to train into a folder that holds another run unless told to resume it or to overwrite it."""
+    if resume:
+        if not (out / "last.pt").exists():
+            raise TrainError(f"--resume: no checkpoint at {out / 'last.pt'}")
+        return
+    found = [name for name in RUN_FILES if (out / name).exists()]
+    if found and not overwrite:
+        raise TrainError(f"{out} already holds a run ({', '.join(found)}); add --resume to continue it or "
+                         "--overwrite to start over (or choose another --out)")
+    for name in found:  # only the files a run writes: anything else in the folder is the user's
+        target = out / name
+        shutil.rmtree(target) if target.is_dir() else target.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def open_output(out: Path, resume: bool, overwrite: bool, rank: int) -> None:
+    """Rank 0 locks OUT and prepares it; under torchrun every rank stops on rank 0's error instead of waiting."""
+    error = None
+    if rank == 0:
+        try:  # one run per OUT: a second `--resume` on the same folder would interleave two runs' checkpoints
+            lock_output(out, "vltrain")
+            prepare_out(out, resume, overwrite)
+        except (VlprepError, TrainError) as e:
+            error = str(e)
+    error = broadcast(error)
+    if error is not None:
+        raise TrainError(error)
+
+
+def init_source(init_from, out: Path, resume: bool, overwrite: bool) -> dict | None:
+    """--init-from's checkpoint or export, read (CheckpointError: one line), or None without it; refused with --resume,
+    whose run goes on from its own weights, and when it is OUT's own checkpoint, which --overwrite would delete."""
+    if init_from is None:
+        return None
+    if resume:
+        raise TrainError("give --resume or --init-from, not both: --resume continues OUT/last.pt with its optimiser "
+                         "and step, --init-from starts a new run from other weights (a resumed run that began with "
+                         "--init-from keeps them: its checkpoint has everything)")
+    path = Path(init_from)
+    if overwrite and deleted_by_overwrite(path, out):
+        raise TrainError(f"--init-from {path} is a checkpoint of the run in {out}, which --overwrite deletes; copy it "
+                         "elsewhere first, or choose another --out")
+    source = load(path, "--init-from")
+    check_config(source, f"--init-from {path}")  # its config is read for notes: checked as every reader checks it
+    return source
+
+
+def deleted_by_overwrite(path: Path, out: Path) -> bool:
+    """Whether `path` is, or lies in, a file that --overwrite deletes from OUT (RUN_FILES): resolved paths, so that a
+    link (or a second name for OUT) pointing into the run is caught as well as its own name."""
+    try:
+        where = path.resolve()
+        targets = [(out / name).resolve() for name in RUN_FILES]
+    except (OSError, RuntimeError):  # a link loop: load says the path is not a checkpoint
+        return False
+    return any(where == t or t in where.parents for t in targets)
+
+
+def train_device(name: str) -> torch.device:
+    try:
+        return resolve_device(name)
+    except VlprepError as e:  # the shared resolver's one-line error
+        raise TrainError(str(e)) from None
+
+
+def seed_everything(seed: int, device: torch.device) -> None:
+    """A fresh run is a function of its seed: every RNG seeded, deterministic kernels where torch has them."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if device.type == "cuda":
+        import os
+
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's condition for determinism
+        torch.backends.cudnn.benchmark = False
+    # warn_only: an op without a deterministic kernel warns instead of stopping the run.
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    # ...without filling every new tensor first (a cost on every step): that guards reads of uninitialised memory,
+    # which no op here does; results do not depend on it.
+    torch.utils.deterministic.fill_uninitialized_memory = False
+
+
+def speed_options(cfg: Config, model, device: torch.device, use_features: bool) -> bool:
+    """Apply train.tf32 / channels_last / unpad / compile; returns whether pixels go channels-last."""
+    cuda = device.type == "cuda"
+    if cuda:  # TF32: ~10-bit mantissa matmuls on Ampere and later, the usual trade for training speed
+        on = cfg.train.tf32 != "off"
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = on
+    # auto: on CUDA, and for a frozen image tower on a CPU, whose no-grad forward is faster in NHWC
+    channels_last = not use_features and (cfg.train.channels_last == "on"
+                                          or (cfg.train.channels_last == "auto" and (cuda or cfg.model.freeze_image)))
+    if channels_last:  # NHWC convolutions are the fast path of tensor cores; only 4-D weights change layout
+        model.image_encoder.to(memory_format=torch.channels_last)
+    # Up to 4 groups: GRIT's and TOnICS' batches (never length-bucketed) and every ITM / MLM pass stop paying for
+    # padding; a bucketed batch is one group
+    model.set_unpad(4 if cfg.train.unpad else 0)
+    if cfg.train.compile:  # in place (nn.Module.compile), so state_dict keys and checkpoints stay the same
+        model.image_encoder.compile()
+        model.text_encoder.compile()
+    return channels_last
+
+
+def resolve_precision(cfg: Config, model, device: torch.device, ckpt: dict | None, rank: int) -> tuple[str, str]:
+    """(fp32 or bf16: what train.precision means for this run, the reason in a few words). A resumed run keeps its
+    checkpoint's (fp32 before the key existed). `auto`: bf16 on CUDA; on a CPU with bf16 arithmetic (AVX512_BF16,
+    AMX) bf16 when a quick check of the model's text tower finds it at least BF16_GAIN times faster, else fp32.
+    Under torchrun rank 0 decides for every rank."""
+    if ckpt is not None:
+        p = ckpt.get("precision", "fp32")
+        return p, "as the resumed run"
+    asked, supported = cfg.train.precision, bf16_supported(device)
+    if asked == "fp32":
+        return "fp32", "train.precision=fp32"
+    if asked == "bf16":
+        if not supported:
+            raise TrainError(f"train.precision=bf16: this {'CPU' if device.type == 'cpu' else 'device'} has no bf16 "
+                             "arithmetic (AVX512_BF16 or AMX), so torch would emulate it, slower than fp32; use fp32 "
+                             "or auto")
+        return "bf16", "train.precision=bf16"
+    if not supported:
+        return "fp32", "auto: no bf16 arithmetic here"
+    if device.type == "cuda":
+        return "bf16", "auto on CUDA"
+    width = model.text_encoder.config.hidden_size
+    if width < BF16_MIN_WIDTH:  # decided without timing: such matmuls gain nothing, and the result stays reproducible
+        return "fp32", f"auto: a {width}-wide text tower is too small to gain from bf16"
+    gain = broadcast(bf16_gain(model, cfg.batch_size, min(16, cfg.data.max_len)) if rank == 0 else None)
+    return ("bf16" if gain >= BF16_GAIN else "fp32"), f"auto: bf16 ran {gain:.1f}x fp32 in a quick check"
+
+
+def keep_freed_memory() -> bool:
+    """glibc only: serve large allocations from the heap and keep freed memory in the process. By default glibc
+    maps every block over 32 MB (MiniLM's word-embedding gradient is 47 MB, made anew each step) with mmap and
+    returns it on free, so each step zero-fills fresh pages through page faults, a large share of a `clip` step on
+    cached tokens. The cost: memory freed late in a run stays with the process. Returns whether it took effect (False off glibc)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to do
+        return False
+    m_trim_threshold, m_mmap_max = -1, -4  # glibc's malloc.h
+    return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, 2 ** 31 - 1))
+
+
+BF16_GAIN = 1.1  # auto takes bf16 on a CPU only when it is at least this much faster
+BF16_MIN_WIDTH = 256  # auto keeps fp32 on a CPU for narrower text towers (the tests' tiny model is 32 wide)
+
+
+def bf16_gain(model, batch: int, length: int, reps: int = 3) -> float:
+    """fp32 time / bf16 time of the text tower's forward on a (batch, length) caption batch, medians of `reps`
+    alternating calls after one of each (no gradient; the backward's matmuls gain alike)."""
+    ids = torch.full((batch, length), 1000, dtype=torch.long)
+    mask = torch.ones_like(ids)
+    times, training = {"fp32": [], "bf16": []}, model.training
+    model.eval()  # no dropout draws: the run's random numbers are the same whether or not the check ran
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        for i in range(reps + 1):
+            for p in ("fp32", "bf16"):
+                t0 = time.perf_counter()
+                with autocast(torch.device("cpu"), p):
+                    model.encode_text(ids, mask)
+                if i:
+                    times[p].append(time.perf_counter() - t0)
+    model.train(training)
+    return statistics.median(times["fp32"]) / statistics.median(times["bf16"])
+
+
+
+
+# --- the session ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Session:
+    """A run's pieces, ready for its first step; `cfg` is the resolved, read-only config."""
+
+    cfg: Config
+    out: Path
+    device: torch.device
+    rank: int
+    size: int
+    created_group: bool     # setup joined the torchrun process group: the run leaves it at its end
+    data: TrainData
+    data_sig: str           # the training data's signature (vltrain.data.data_signature)
+    model: torch.nn.Module
+    step_fn: object         # TrainStep, or its DDP wrapper under torchrun
+    optimizer: torch.optim.Optimizer
+    params: list
+    generator: torch.Generator  # MLM masks and hard-negative draws
+    run: Run
+    state: RunState
+    feed: Feed
+    precision: str          # fp32 or bf16
+    channels_last: bool     # pixels go channels-last
+    resumed: bool
+    init: dict | None = None    # --init-from's record, kept by resumes
+    rows: list = field(default_factory=list)  # metrics.jsonl's rows before the resumed step
+
+    def open_report(self) -> Report:
+        """The loop's Report (metrics.jsonl, TensorBoard, progress), opened now."""
+        return Report(self.cfg, self.out, self.rank, self.rows, self.state.step, self.device,
+                      self.data.use_features)
+
+    def close(self) -> None:
+        """The feed's loader stopped and OUT released, for a caller that uses the pieces without `train`'s loop."""
+        self.feed.close()
+        if self.rank == 0:
+            release_output(self.out)
+
+
+def setup(cfg: Config, resume: bool = False, overwrite: bool = False, init_from=None, quiet: bool = False,
+          batches=None) -> Session:
+    """Everything before a run's first step, as `train` does it. `quiet`: print nothing (rank 0 alone prints under
+    torchrun anyway); `batches`: an iterable of collated batches that stands in for the loader (one pass an epoch)."""
+    # every rank builds the same model from the run seed; its own draws use a per-rank seed
+    out = Path(cfg.out)
+    created_group, device_name = init_from_env(cfg.device)  # torchrun: join the process group
+    rank, size = world()
+    console.quiet = quiet or (size > 1 and rank > 0)
+    device = train_device(device_name)
+    if device.type == "cpu":
+        keep_freed_memory()
+    # --init-from is read before OUT is touched: an unreadable source leaves OUT as it was
+    source = init_source(init_from, out, resume, overwrite)
+    open_output(out, resume, overwrite, rank)
+    ckpt = load(out / "last.pt", "--resume checkpoint") if resume else None
+    if ckpt is not None:
+        check_ranks(ckpt, out / "last.pt", size)
+    rank_seed = cfg.seed + 1_000_003 * rank
+    seed_everything(cfg.seed, device)
+
+    # --- data, then the config resolved against it (read-only from here on)
+    cfg, data, notes = prepare(cfg, device, ckpt, rank, size)
+    data_sig = data_signature(cfg.shards)
+    if ckpt is not None:
+        check_resumable(ckpt, cfg, data_sig, out / "last.pt")
+    for note in notes:  # after the resume checks, whose refusal would make them moot
+        console.print(note, highlight=False)
+    heldout_positions(cfg, data)
+
+    # --- model
+    model = build_model(cfg.model) if ckpt is None else model_from(ckpt, out / "last.pt")
+    init = (ckpt or {}).get("init_from")  # a resumed run keeps its record; its weights are in last.pt
+    if source is not None:
+        init = init_weights(model, source, init_from)
+        source = None
+        console.print(init_line(init), highlight=False, markup=False)
+        for note in init["notes"]:
+            console.print(note, highlight=False, markup=False)
+    model.to(device).train()
+    channels_last = speed_options(cfg, model, device, data.use_features)
+    precision, why = resolve_precision(cfg, model, device, ckpt, rank)
+    generator = torch.Generator(device=device).manual_seed(rank_seed)
+    step_fn = TrainStep(model) if size == 1 else wrap_ddp(model, cfg.loss, device)
+    if size > 1:
+        seed_everything(rank_seed, device)
+    # every rank draws the same global batches and reads its slice of each
+    batch_sampler = RankSlice(data.sampler, rank, size) if size > 1 and data.sampler is not None else data.sampler
+
+    # --- optimiser
+    optimizer, params = build_optimizer(model, cfg.optim, device)
+    run = Run(cfg, model, optimizer, data.sampler, generator, data_sig, out, init_from=init, precision=precision)
+
+    # --- resume (the data position is replayed: this epoch's batches already trained on are drawn again)
+    state, rng = restore(ckpt, run, rank, size) if ckpt is not None else (RunState(), None)
+    rows = earlier_rows(out / "metrics.jsonl", state.step) if ckpt is not None else []
+    feed = Feed(data, batch_sampler, rank_seed, cfg.batch_size, cfg.data.workers, device, batches)
+    feed.start(state)
+    if ckpt is not None:
+        set_rng_states(rng, generator)
+        began = f"; the run began from --init-from {init['path']}" if init else ""
+        console.print(f"resumed from step {state.step} of {cfg.steps} ({run.last_path}){began}", highlight=False)
+    console.print(summary(cfg, model, device, data.n_train, data.n_val, data.per_epoch, size, (precision, why)),
+                  highlight=False, markup=False)
+    return Session(cfg=cfg, out=out, device=device, rank=rank, size=size, created_group=created_group, data=data,
+                   data_sig=data_sig, model=model, step_fn=step_fn, optimizer=optimizer, params=params,
+                   generator=generator, run=run, state=state, feed=feed, precision=precision,
+                   channels_last=channels_last, resumed=ckpt is not None, init=init, rows=rows)
