@@ -120,3 +120,23 @@ def test_writing_output_holds_the_lock_and_releases_it_when_the_stage_raises(tmp
     with writing_output(Out(out), "test", {"a": 1}):  # the same options resume in the same process
         pass
     assert lock_is_free(out)
+
+
+def test_the_output_side_keeps_no_registry_between_stages(image_folder, tmp_path):
+    """Where a stage writes, the lock it holds and a remote input's mirror folder live in objects the stage is given
+    (Out, Dataset): two stages run in one process leave every module-level container of vlprep's dataset, output,
+    objstore and engine modules as it was."""
+    from vlprep import dataset, engine, objstore, output
+    from vlprep.bow import BowConfig, bow
+
+    def containers() -> dict:
+        return {(m.__name__, name): repr(value) for m in (dataset, output, objstore, engine)
+                for name, value in vars(m).items() if isinstance(value, (dict, set, list))}
+
+    before = containers()
+    # the only module-level containers are constant tables (a URL scheme -> the package it needs, its alias)
+    assert {name for _, name in before if not name.startswith("__")} == {"SCHEMES", "ALIASES"}
+    build_shards(ShardsConfig(src=image_folder, out=tmp_path / "ds", samples_per_shard=5, workers=1))
+    bow(BowConfig(src=tmp_path / "ds", out=tmp_path / "bow", ops="shuffle", workers=1))
+    assert containers() == before
+    assert lock_is_free(tmp_path / "ds") and lock_is_free(tmp_path / "bow")
