@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from vlprep import VlprepError
-from vlprep.output import lock_output
+from vlprep.outlock import lock_output
 from vlprep.urls import redact
 from vltrain.checkpoint import check_config, load
 from vltrain.errors import TrainError

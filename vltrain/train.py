@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from vlprep.output import release_output
+from vlprep.outlock import release_output
 from vltrain.errors import PeerFailed, TrainError
 from vltrain import checkpoint as ckpt_io
 from vltrain.batches import Feed, StopFetch

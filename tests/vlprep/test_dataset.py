@@ -125,12 +125,12 @@ def test_writing_output_holds_the_lock_and_releases_it_when_the_stage_raises(tmp
 def test_the_output_side_keeps_no_registry_between_stages(image_folder, tmp_path):
     """Where a stage writes, the lock it holds and a remote input's mirror folder live in objects the stage is given
     (Out, Dataset): two stages run in one process leave every module-level container of vlprep's dataset, output,
-    objstore and engine modules as it was."""
-    from vlprep import dataset, engine, objstore, output
+    outlock, objstore and engine modules as it was."""
+    from vlprep import dataset, engine, objstore, outlock, output
     from vlprep.bow import BowConfig, bow
 
     def containers() -> dict:
-        return {(m.__name__, name): repr(value) for m in (dataset, output, objstore, engine)
+        return {(m.__name__, name): repr(value) for m in (dataset, output, outlock, objstore, engine)
                 for name, value in vars(m).items() if isinstance(value, (dict, set, list))}
 
     before = containers()

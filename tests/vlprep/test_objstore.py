@@ -100,7 +100,7 @@ def test_a_url_out_is_written_in_a_staging_folder_that_names_it(tmp_path):
 
 
 def test_a_lock_is_stale_only_when_its_holder_ran_here_and_is_gone():
-    from vlprep.output import _stale, lock_record
+    from vlprep.outlock import _stale, lock_record
 
     me = lock_record()
     assert not _stale(me)  # this process

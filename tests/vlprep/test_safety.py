@@ -239,7 +239,7 @@ def test_overwrite_never_clears_a_folder_vlprep_did_not_write(tmp_path):
 def lock_held_elsewhere(out: Path, tool: str = "vlprep"):
     """Another process holding OUT's lock (as a running stage or training run does) until the block ends."""
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
-                               "from vlprep.output import lock_output; "
+                               "from vlprep.outlock import lock_output; "
                                "lock_output(Path(sys.argv[1]), sys.argv[2]); print('locked', flush=True); "
                                "time.sleep(60)", str(out), tool], stdout=subprocess.PIPE, text=True)
     try:

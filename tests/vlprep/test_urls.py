@@ -8,7 +8,8 @@ import pytest
 from tests.conftest import make_dataset
 from vlprep import VlprepError, objstore, urls
 from vlprep.dataset import Dataset
-from vlprep.output import check_out, lock_url
+from vlprep.outlock import lock_url
+from vlprep.output import check_out
 from vlprep.remote import check_dataset
 
 
