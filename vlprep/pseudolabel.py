@@ -197,7 +197,8 @@ def caption_index(ds, keys: list[str], captions: list[str], enc, out: Out, kind:
     """(reused, fingerprint) of OUT/knn.faiss over ALIGNED's intact captions, built unless it is current."""
     kind = knn.choose_kind(kind, len(keys))
     fp = _index_fingerprint(ds, enc, kind)
-    index_file, table_file = out.root / "knn.faiss", out.root / "knn_captions.parquet"
+    index_file = out.root / "knn.faiss"
+    table_file = out.root / "knn_captions.parquet"
     if index_file.exists() and table_file.exists():
         meta = pq.read_schema(table_file).metadata or {}
         if meta.get(b"fingerprint") == fp.encode():
