@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from vlprep import VlprepError, __version__, objstore, urls, versions
-from vlprep.dataset import Dataset, check_shards, open_dataset, sidecar_name
+from vlprep.dataset import Dataset, check_shards, local_or_url, open_dataset, sidecar_name
 from vlprep.outlock import LOCK_FILE, OutLock, lock_output, lock_url
 from vlprep.tario import ShardTarWriter
 
@@ -75,8 +75,8 @@ def check_out(out, *inputs) -> Out:
         kind = objstore.scheme(out)
         why = "is read-only here" if kind in objstore.SCHEMES else "is not a supported URL scheme"
         raise VlprepError(f"OUT {urls.redact(out)}: {kind}:// {why}; write to s3://, gs:// or a local folder")
-    if isinstance(out, str) and not remote and "://" in out:
-        out = urls.file_url_path(out)
+    if not remote:
+        out = local_or_url(out)  # file:///x is the folder /x
     for src in inputs:
         if isinstance(src, Dataset):
             src = src.url or src.root
@@ -92,7 +92,7 @@ def check_out(out, *inputs) -> Out:
     if remote:
         url = objstore.norm(out)
         return Out(staging(url), url)
-    return Out(Path(out))
+    return Out(out)
 
 
 def open_derived(src, out, skip_bad_shards: bool = False) -> tuple[Dataset, Out]:
