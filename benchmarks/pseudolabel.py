@@ -86,7 +86,7 @@ def bare_run(enc, captions: list[str], crops: list[torch.Tensor], k: int, batch:
 def end_to_end_sides(args, scratch: Path) -> dict:
     """The data, checkpoint and crops (untimed; an isolated child reuses its parent's data in `scratch`), then
     {"bare": fn(out), "stage": fn(out)}."""
-    from vlprep.dataset import iter_samples, open_dataset, read_sidecars
+    from vlprep.dataset import iter_samples, read_sidecars, open_dataset
     from vlprep.embed import crop_views, decode
     from vltrain.encode import CheckpointEncoder
     from vlprep.pseudolabel import PseudolabelConfig, pseudolabel
