@@ -20,7 +20,7 @@ B: end to end on image shards, `bow(BowConfig(src, out, workers=1))` against pla
      extras. (Until 2026-11-25 the baseline was `fast writer`, below, which writes bow's output bytes computed
      before the clock, so it skipped the deforming and the statistics that any honest run of the same work does.)
    - `fast writer` (informational; the baseline until 2026-11-25): for each input tar (sorted),
-     `vlprep.tarread.TarReader(path)` and, for every member, `read(offset, size)`: the reads bow's reader
+     `vlprep.tario.TarReader(path)` and, for every member, `read(offset, size)`: the reads bow's reader
      (`iter_tar`) does, through the same header parser; the members of the samples bow keeps go through a
      `ShardTarWriter` (1 MiB buffer), with the txt and json payloads bow writes for them (taken from one untimed
      bow run before the clock, so the same bytes go to disk and the samples bow drops are not written). No
@@ -72,8 +72,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from vlprep.bow import (DEFAULT_OPS, BowConfig, BowContext, Deformer, SampleRng, base_test, bow, deform,  # noqa: E402
                         keyed_shuffle, parse_ops, ranking_prefix, top_tokens)
-from vlprep.dataset import ShardTarWriter, sidecar_name  # noqa: E402
-from vlprep.tarread import TarReader  # noqa: E402
+from vlprep.dataset import sidecar_name  # noqa: E402
+from vlprep.tario import ShardTarWriter, TarReader  # noqa: E402
 from vlprep.text import stop_words, tokenize  # noqa: E402
 
 DEFAULT_SRC = Path("/usr/share/openclipart/png")
@@ -524,7 +524,7 @@ def _init_mem_writer() -> None:
 
 def _write_mem_shard(root: str, index: int, first: int, count: int) -> int:
     """One shard of the memory dataset, laid out as `vlprep shards` would write it."""
-    from vlprep.dataset import shard_name, write_shard
+    from vlprep.output import Out, shard_name, write_shard
     from vlprep.shards import SIDECAR_SCHEMA
 
     png = tiny_png()
@@ -538,20 +538,21 @@ def _write_mem_shard(root: str, index: int, first: int, count: int) -> int:
         rows.append({"key": key, "uid": uid, "caption": caption, "source": "synthetic", "image_ext": "png",
                      "width": 8, "height": 8, "image_bytes": len(png)})
     shard = shard_name("shard", index)
-    write_shard(Path(root), shard, samples, rows, schema=SIDECAR_SCHEMA, stats={"in": count, "written": count})
+    stats = {"in": count, "written": count}
+    write_shard(Out(Path(root)), shard, samples, rows, schema=SIDECAR_SCHEMA, stats=stats)
     return count
 
 
 def build_mem_dataset(root: Path, n: int, per_shard: int, workers: int) -> None:
     """Child process: n samples in shards of per_shard, through write_shard + finish_dataset."""
-    from vlprep.dataset import finish_dataset, shard_name
+    from vlprep.output import Out, finish_dataset, shard_name
 
     root.mkdir(parents=True, exist_ok=True)
     jobs = [(str(root), i, lo, min(per_shard, n - lo)) for i, lo in enumerate(range(0, n, per_shard))]
     with ProcessPoolExecutor(workers, initializer=_init_mem_writer) as pool:
         list(pool.map(_write_mem_shard, *zip(*jobs), chunksize=8))
     sizes = {shard_name("shard", i): c for _, i, _, c in jobs}
-    finish_dataset(root, sizes, {"stage": "shards", "input": "synthetic", "counts": {"in": n, "written": n}})
+    finish_dataset(Out(root), sizes, {"stage": "shards", "input": "synthetic", "counts": {"in": n, "written": n}})
 
 
 # Peak RSS is the child's VmHWM (the high-water mark of its own address space). ru_maxrss is printed

@@ -39,8 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from vlprep.bow import (DEFAULT_OPS, _init_worker, base_statistics, bow_shard, parse_ops,  # noqa: E402
                         shard_fingerprints)
-from vlprep.dataset import finish_dataset, open_dataset, shard_name, write_shard  # noqa: E402
+from vlprep.dataset import open_dataset  # noqa: E402
 from vlprep.engine import PoolExecutor, RayExecutor, Work, map_shards, ray_connect  # noqa: E402
+from vlprep.output import Out, finish_dataset, shard_name, write_shard  # noqa: E402
 
 TARGET = 1.2
 WORDS = ("a the of in and with on dog cat man woman car tree house red blue green small big old young runs sits "
@@ -60,8 +61,8 @@ def make_dataset(root: Path, shards: int, per_shard: int) -> None:
             caption = " ".join(rng.choice(WORDS, size=int(rng.integers(6, 16))))
             samples.append({"__key__": key, "png": payload, "txt": caption, "json": {"uid": key}})
             rows.append({"key": key, "caption": caption})
-        sizes[name] = write_shard(root, name, samples, rows)
-    finish_dataset(root, sizes, {"stage": "benchmark"})
+        sizes[name] = write_shard(Out(root), name, samples, rows)
+    finish_dataset(Out(root), sizes, {"stage": "benchmark"})
 
 
 def _nothing(seconds: float) -> int:
@@ -70,13 +71,13 @@ def _nothing(seconds: float) -> int:
 
 
 def baseline(pool, ds, out: Path, fps: dict) -> None:
-    list(pool.map(bow_shard, [out] * len(ds.shards), [ds.root] * len(ds.shards), ds.shards,
+    list(pool.map(bow_shard, [Out(out)] * len(ds.shards), [ds.root] * len(ds.shards), ds.shards,
                   [fps[s] for s in ds.shards]))
 
 
 def engine(ex, ds, out: Path, fps: dict) -> None:
     plan = [Work(s, (ds.root, s), fps[s], ds.sizes[s]) for s in ds.shards]
-    stats, resumed = map_shards(out, plan, bow_shard, workers=2, executor=ex)
+    stats, resumed = map_shards(Out(out), plan, bow_shard, workers=2, executor=ex)
     assert not resumed and len(stats) == len(ds.shards)
 
 

@@ -24,11 +24,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from vlprep import VlprepError
-from vlprep.urls import redact
-from vlprep.dataset import (carried_features, finish_dataset, iter_aligned, open_derived, sidecar_name,
-                            write_json_atomic, write_shard, writing_output)
+from vlprep.dataset import carried_features, iter_aligned, sidecar_name
 from vlprep.engine import Work, check_engine, default_workers, map_shards
+from vlprep.output import Out, finish_dataset, open_derived, write_json_atomic, write_shard, writing_output
 from vlprep.text import stop_words, tokenize, words
+from vlprep.urls import redact
 
 DEFAULT_OPS = "shuffle,rmstop,basevocab,rmtop:1000,keep:4"
 GRAMMAR = "OP[:N](,OP[:N])*  with OP one of: shuffle, rmstop, basevocab, rmtop:T (T >= 0), keep:N (N >= 1)"
@@ -433,7 +433,7 @@ def shard_fingerprints(ds, ctx: BowContext) -> dict[str, str]:
     return fps
 
 
-def bow_shard(out: Path, src: Path, shard: str, fp: str = "") -> dict:
+def bow_shard(out: Out, src: Path, shard: str, fp: str = "") -> dict:
     """Second pass over one shard: deform captions, copy everything else; returns the shard's counts."""
     w = _worker
     deformer, in_base = w["deformer"], w["in_base"]
@@ -520,13 +520,13 @@ def bow(cfg: BowConfig, progress=None, warn: Callable[[str], None] = lambda line
                           "raise --base-frac")
     options = {k: v for k, v in asdict(cfg).items() if k not in ("src", "out", "workers", "distributor", "overwrite", "skip_bad_shards")}
     options["src"] = ds.location
-    with writing_output(out, "bow", options, cfg.overwrite):
+    with writing_output(out, "bow", options, cfg.overwrite) as out:
         for line in emptying_warnings(cascade, ctx):  # before the long pass, so the user can stop it
             warn(line)
 
         spec = ",".join(s.label for s in cascade)
         fps = shard_fingerprints(ds, ctx)
-        plan = [Work(shard, (ds.root, shard), fps[shard], ds.sizes[shard]) for shard in ds.shards]
+        plan = [Work(shard, (ds.source, shard), fps[shard], ds.sizes[shard]) for shard in ds.shards]
         stats, resumed = map_shards(out, plan, bow_shard, init=_init_worker,
                                     initargs=(spec, ctx, cfg.seed, cfg.base_frac, cfg.deform_base), workers=cfg.workers,
                                     distributor=cfg.distributor, progress=progress, label="bow", total=ds.num_samples)
@@ -540,12 +540,12 @@ def bow(cfg: BowConfig, progress=None, warn: Callable[[str], None] = lambda line
         finish_dataset(out, sizes, {
             "stage": "bow", "input": redact(str(cfg.src)), "options": options,
             "counts": {"in": n_in, "written": written, "deformed": deformed, "dropped_empty": dropped},
-            **carried_features(cfg.src),
+            **carried_features(ds),
         })
         after_words, after_lengths = Counter(), Counter()
         for shard in ds.shards:  # the 'after' statistics: of each shard's kept captions (bow_shard), in shard order
             shard_words, shard_lengths = stats[shard].pop("after", None) or _word_stats(
-                pq.ParquetFile(out / sidecar_name(shard)).read(columns=["caption"]).column(0).to_pylist())
+                pq.ParquetFile(out.root / sidecar_name(shard)).read(columns=["caption"]).column(0).to_pylist())
             after_words.update(shard_words)
             after_lengths.update(shard_lengths)
         report = {
@@ -570,7 +570,7 @@ def bow(cfg: BowConfig, progress=None, warn: Callable[[str], None] = lambda line
         from vlprep.report import plot_bow
 
         report["plots"] = plot_bow(out, before["words"], after_words, before["lengths"], after_lengths)
-        write_json_atomic(out / "report.json", report)
+        write_json_atomic(out.root / "report.json", report)
     return report
 
 

@@ -26,9 +26,9 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from vlprep import VlprepError, cut
-from vlprep.dataset import (batches, carried_features, decode_sample, finish_dataset, image_ext, iter_aligned,
-                            open_derived, sidecar_name, to_rgb, write_json_atomic, write_shard, writing_output)
+from vlprep.dataset import batches, carried_features, decode_sample, image_ext, iter_aligned, sidecar_name, to_rgb
 from vlprep.engine import Work, check_engine, map_shards
+from vlprep.output import Out, finish_dataset, open_derived, write_json_atomic, write_shard, writing_output
 from vlprep.urls import redact
 from vlprep.userfile import read_user_file
 
@@ -213,7 +213,7 @@ def _init_worker(backend: str | None, weights: Path | None, device: str) -> None
         _worker.update(key=key, detector=make_detector(backend, weights, device) if backend else None)
 
 
-def detect_shard(out: Path, src: Path, shard: str, imported: dict | None, min_score: float, batch_size: int,
+def detect_shard(out: Out, src: Path, shard: str, imported: dict | None, min_score: float, batch_size: int,
                  fp: str) -> dict:
     """Detect (or look up) the objects of one shard's images and write it with json.objects; returns its counts."""
     side = pq.read_table(src / sidecar_name(shard))
@@ -269,7 +269,7 @@ def detect(cfg: DetectConfig, progress=None) -> dict:
                if k not in ("src", "out", "overwrite", "batch_size", "device", "workers", "distributor",
                             "skip_bad_shards")}
     options["src"] = ds.location
-    with writing_output(out, "detect", options, cfg.overwrite):
+    with writing_output(out, "detect", options, cfg.overwrite) as out:
         salt = json.dumps({"backend": backend, "min_score": cfg.min_score}).encode()
         if cfg.from_file is not None:
             salt += digest
@@ -278,7 +278,7 @@ def detect(cfg: DetectConfig, progress=None) -> dict:
             fp = ds.fingerprint(shard, salt)
             # Imported detections travel per shard (metadata, never image bytes); a detector sees only paths.
             mine = None if imported is None else {k: imported[k] for k in keys[shard] if k in imported}
-            plan.append(Work(shard, (ds.root, shard, mine, cfg.min_score, cfg.batch_size), fp, ds.sizes[shard]))
+            plan.append(Work(shard, (ds.source, shard, mine, cfg.min_score, cfg.batch_size), fp, ds.sizes[shard]))
         t_work = time.perf_counter()
         stats, resumed = map_shards(out, plan, detect_shard, init=_init_worker,
                                     initargs=(None if imported is not None else cfg.backend, cfg.weights, cfg.device),
@@ -291,12 +291,12 @@ def detect(cfg: DetectConfig, progress=None) -> dict:
         sizes = {s: stats[s]["written"] for s in ds.shards}
         labels = Counter()
         for shard in ds.shards:
-            for objs in pq.read_table(out / sidecar_name(shard), columns=["objects"]).column(0).to_pylist():
+            for objs in pq.read_table(out.root / sidecar_name(shard), columns=["objects"]).column(0).to_pylist():
                 labels.update({o["label"] for o in objs})
         finish_dataset(out, sizes, {"stage": "detect", "input": redact(str(cfg.src)), "backend": backend,
                                     "options": options,
                                     "counts": {"in": total["in"], "written": total["written"]},
-                                    **carried_features(cfg.src)})
+                                    **carried_features(ds)})
         elapsed = time.perf_counter() - t0
         report = {
             "stage": "detect", "source": redact(str(cfg.src)), "backend": backend, "min_score": cfg.min_score,
@@ -306,5 +306,5 @@ def detect(cfg: DetectConfig, progress=None) -> dict:
             "elapsed_s": round(elapsed, 3),
             "images_per_s": round(processed / (time.perf_counter() - t_work), 2) if processed else None,
         }
-        write_json_atomic(out / "report.json", report)
+        write_json_atomic(out.root / "report.json", report)
     return report

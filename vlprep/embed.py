@@ -19,11 +19,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from vlprep import VlprepError, objstore
-from vlprep.urls import redact
-from vlprep.dataset import (batches, image_ext, iter_aligned, open_derived, sidecar_name, to_rgb,
-                            write_json_atomic, writing_output)
+from vlprep import VlprepError
+from vlprep.dataset import batches, image_ext, iter_aligned, sidecar_name, to_rgb
 from vlprep.engine import Work, check_engine, map_shards, merged_skips
+from vlprep.output import Out, open_derived, publish, pull, write_json_atomic, writing_output
+from vlprep.urls import redact
 
 MODALITIES = ("image", "text")
 
@@ -106,11 +106,11 @@ def _init_worker(enc) -> None:
     _worker["enc"] = enc  # unpickled in a worker process: the encoder loads its weights there, once
 
 
-def _part(out: Path, shard: str) -> Path:
-    return out / "_parts" / sidecar_name(shard)
+def _part(out: Out, shard: str) -> Path:
+    return out.root / "_parts" / sidecar_name(shard)
 
 
-def embed_shard(out: Path, src: Path, shard: str, modality: str, deformed: bool, batch_size: int, fp: str) -> dict:
+def embed_shard(out: Out, src: Path, shard: str, modality: str, deformed: bool, batch_size: int, fp: str) -> dict:
     """One input shard's embeddings -> OUT/_parts/SHARD.npy + SHARD.parquet (its keys, the fingerprint)."""
     enc = _worker["enc"]
     side = pq.read_table(src / sidecar_name(shard))
@@ -145,13 +145,13 @@ def embed_shard(out: Path, src: Path, shard: str, modality: str, deformed: bool,
     pq.write_table(table.replace_schema_metadata(meta), part.with_name(part.name + ".tmp"))
     os.replace(part.with_name(part.name + ".tmp"), part)  # last: a part is complete when its parquet is there
     names = [f"_parts/{part.stem}.npy", f"_parts/{part.name}"]
-    objstore.publish(out, names, keep=names)  # a URL OUT: uploaded in the same order (vlprep.objstore)
+    publish(out, names, keep=names)  # a URL OUT: uploaded in the same order (vlprep.output)
     return stats
 
 
-def _part_done(out: Path, work: Work) -> dict | None:
+def _part_done(out: Out, work: Work) -> dict | None:
     part = _part(out, work.shard)
-    if not (objstore.pull(out, f"_parts/{part.name}") and objstore.pull(out, f"_parts/{part.stem}.npy")):
+    if not (pull(out, f"_parts/{part.name}") and pull(out, f"_parts/{part.stem}.npy")):
         return None
     meta = pq.read_schema(part).metadata or {}
     if meta.get(b"fingerprint") != work.fingerprint.encode():
@@ -171,12 +171,12 @@ def embed(cfg: EmbedConfig, enc, progress=None) -> dict:
     t0 = time.perf_counter()
     ds, out = open_derived(cfg.src, cfg.out, cfg.skip_bad_shards)
     options = {"src": ds.location, "encoder": enc.name, "modality": cfg.modality, "deformed": cfg.deformed}
-    with writing_output(out, "embed", options, cfg.overwrite):
+    with writing_output(out, "embed", options, cfg.overwrite) as out:
         for name in ("embeddings.npy", "keys.parquet"):  # a stale pair must not outlive a failed run
-            (out / name).unlink(missing_ok=True)
-        (out / "_parts").mkdir(exist_ok=True)
+            (out.root / name).unlink(missing_ok=True)
+        (out.root / "_parts").mkdir(exist_ok=True)
         salt = f"{enc.fingerprint}:{cfg.modality}:{cfg.deformed}:{cfg.batch_size}".encode()
-        plan = [Work(s, (ds.root, s, cfg.modality, cfg.deformed, cfg.batch_size),
+        plan = [Work(s, (ds.source, s, cfg.modality, cfg.deformed, cfg.batch_size),
                      ds.fingerprint(s, salt), ds.sizes[s])
                 for s in ds.shards]
         stats, resumed = map_shards(out, plan, embed_shard, init=_init_worker, initargs=(enc,), workers=cfg.workers,
@@ -185,12 +185,12 @@ def embed(cfg: EmbedConfig, enc, progress=None) -> dict:
 
         # --- join the parts in shard order (a memmap: memory stays at one part whatever N is)
         n = sum(st["written"] for st in stats.values())
-        tmp = out / "embeddings.npy.tmp"
+        tmp = out.root / "embeddings.npy.tmp"
         arr = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(n, enc.dim))
         tables, row = [], 0
         for shard in ds.shards:
-            objstore.pull(out, f"_parts/{_part(out, shard).stem}.npy")  # made on another machine (a URL OUT)
-            objstore.pull(out, f"_parts/{_part(out, shard).name}")
+            pull(out, f"_parts/{_part(out, shard).stem}.npy")  # made on another machine (a URL OUT)
+            pull(out, f"_parts/{_part(out, shard).name}")
             x = np.load(_part(out, shard).with_suffix(".npy"))
             arr[row:row + len(x)] = x
             row += len(x)
@@ -198,9 +198,9 @@ def embed(cfg: EmbedConfig, enc, progress=None) -> dict:
         arr.flush()
         del arr  # closes the memmap
         table = pa.concat_tables(tables) if tables else pa.table({"key": pa.array([], pa.string())})
-        pq.write_table(table, out / "keys.parquet.tmp")
-        os.replace(out / "keys.parquet.tmp", out / "keys.parquet")
-        os.replace(tmp, out / "embeddings.npy")
+        pq.write_table(table, out.root / "keys.parquet.tmp")
+        os.replace(out.root / "keys.parquet.tmp", out.root / "keys.parquet")
+        os.replace(tmp, out.root / "embeddings.npy")
         skipped, _ = merged_skips(stats.values())
         elapsed = time.perf_counter() - t0
         report = {"stage": "embed", "source": redact(str(cfg.src)), "encoder": enc.name, "modality": cfg.modality,
@@ -208,10 +208,10 @@ def embed(cfg: EmbedConfig, enc, progress=None) -> dict:
                   "device": str(enc.device), "shards": len(ds.shards), "shards_resumed": len(resumed),
                   "bad_shards": ds.bad, "elapsed_s": round(elapsed, 3),
                   "per_s": round(n / elapsed, 2) if elapsed > 0 else None,
-                  "outputs": [str(out / "embeddings.npy"), str(out / "keys.parquet")]}
-        write_json_atomic(out / "meta.json", {"stage": "embed", "options": options, "dim": enc.dim, "count": n,
+                  "outputs": [str(out.root / "embeddings.npy"), str(out.root / "keys.parquet")]}
+        write_json_atomic(out.root / "meta.json", {"stage": "embed", "options": options, "dim": enc.dim, "count": n,
                                               "encoder": enc.info})
-        write_json_atomic(out / "report.json", report)
+        write_json_atomic(out.root / "report.json", report)
     return report
 
 

@@ -28,12 +28,12 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from multiprocessing import get_context
-from pathlib import Path
 from typing import NamedTuple
 
 from vlprep import VlprepError, cut, objstore
-from vlprep.dataset import shard_done, sidecar_name
+from vlprep.dataset import sidecar_name
 from vlprep.lifeline import Driver, guard, reset_signals_in_worker, stop_on_signals, this_driver
+from vlprep.output import Out, pull, shard_done
 
 DISTRIBUTORS = ("local", "ray")
 RAY_EXTRA = "pip install -e '.[ray]'"
@@ -42,8 +42,9 @@ RAY_EXTRA = "pip install -e '.[ray]'"
 class Work(NamedTuple):
     """One planned output shard: its name, the per-shard function's arguments, its fingerprint, its input samples.
 
-    A derived stage's arguments start with (input folder, input shard name): for a remote input dataset (its mirror
-    folder) the worker fetches that shard and its sidecar into a local folder of its own first (`run_shard`)."""
+    A derived stage's arguments start with (input folder, input shard name), the folder as `Dataset.source` gives it:
+    for a remote input dataset (objstore.RemoteSrc) the worker fetches that shard and its sidecar into a local folder
+    of its own first (`run_shard`)."""
 
     shard: str
     args: tuple
@@ -69,7 +70,7 @@ def check_engine(distributor: str, workers: int) -> None:
             _probe_ray_address(address)
 
 
-def shard_fingerprint_done(out: Path, work: Work) -> dict | None:
+def shard_fingerprint_done(out: Out, work: Work) -> dict | None:
     """The stored counts of `work.shard` in OUT when it is complete and was built from the same fingerprint."""
     done = shard_done(out, work.shard)
     return done if done is not None and done.get("fingerprint") == work.fingerprint else None
@@ -304,28 +305,21 @@ def make_executor(distributor: str, workers: int, init: Callable | None = None, 
 # --- the engine ------------------------------------------------------------------------------------------------
 
 
-def run_shard(fn: Callable[..., dict], out_url: str | None, out: Path, args: tuple, fp: str) -> dict:
-    """fn(out, *args, fp) in a worker. Object storage: a URL OUT's staging folder is made and known here (write_shard
-    uploads to it), and a remote input shard (objstore.RemoteSrc) is read from a local copy, removed afterwards."""
-    if out_url is not None:
-        objstore.register(out, out_url)
-        Path(out).mkdir(parents=True, exist_ok=True)
+def run_shard(fn: Callable[..., dict], out: Out, args: tuple, fp: str) -> dict:
+    """fn(out, *args, fp) in a worker. Object storage: a URL OUT's staging folder is made here (write_shard uploads
+    from it), and a remote input shard (objstore.RemoteSrc) is read from a local copy, removed afterwards."""
+    if out.url is not None:
+        out.root.mkdir(parents=True, exist_ok=True)
     if args and isinstance(args[0], objstore.RemoteSrc):
         with objstore.fetched(args[0], (sidecar_name(args[1]), args[1])) as local:
             return fn(out, local, *args[1:], fp)
     return fn(out, *args, fp)
 
 
-def _remote_args(args: tuple) -> tuple:
-    """A Work's arguments with a remote input dataset's mirror folder replaced by its URL (objstore.RemoteSrc)."""
-    url = objstore.mirrored(args[0]) if args and isinstance(args[0], Path) else None
-    return (objstore.RemoteSrc(url),) + tuple(args[1:]) if url else args
-
-
-def map_shards(out: Path, plan: Iterable[Work], fn: Callable[..., dict], *, init: Callable | None = None,
+def map_shards(out: Out, plan: Iterable[Work], fn: Callable[..., dict], *, init: Callable | None = None,
                initargs: tuple = (), workers: int = 1, distributor: str = "local", progress=None,
                label: str = "", total: int | None = None, start: str = "fork", gpu: bool = False,
-               done: Callable[[Path, Work], dict | None] = shard_fingerprint_done,
+               done: Callable[[Out, Work], dict | None] = shard_fingerprint_done,
                executor=None) -> tuple[dict[str, dict], set[str]]:
     """fn(out, *work.args, work.fingerprint) -> counts, for each planned shard not done; ({shard: counts}, resumed).
 
@@ -341,15 +335,16 @@ def map_shards(out: Path, plan: Iterable[Work], fn: Callable[..., dict], *, init
     pending: dict[Future, Work] = {}
     resumed: set[str] = set()
     task = progress.add_task(label, total=total) if progress is not None else None
-    ex, own = executor, executor is None
-    out_url = objstore.remote_of(out)
+    ex = executor
+    own = executor is None
+    portable = out.portable()  # what travels to the workers: the folder and the URL, not the lock
 
     def collect(futures) -> None:
         for fut in futures:
             work = pending.pop(fut)
             stats[work.shard] = fut.result()
-            if out_url is not None and done is shard_fingerprint_done:
-                objstore.pull(out, sidecar_name(work.shard))  # a worker on another machine kept it there
+            if out.url is not None and done is shard_fingerprint_done:
+                pull(out, sidecar_name(work.shard))  # a worker on another machine kept it there
             if progress is not None:
                 progress.advance(task, work.size)
 
@@ -369,7 +364,7 @@ def map_shards(out: Path, plan: Iterable[Work], fn: Callable[..., dict], *, init
                 stats[work.shard] = None  # keeps the plan's order in the result
                 if ex is None:
                     ex = make_executor(distributor, workers, init, initargs, start, gpu)
-                pending[ex.submit(run_shard, fn, out_url, out, _remote_args(work.args), work.fingerprint)] = work
+                pending[ex.submit(run_shard, fn, portable, work.args, work.fingerprint)] = work
                 if len(pending) >= 2 * workers:
                     collect(wait(pending, return_when=FIRST_COMPLETED).done)
             while pending:

@@ -33,12 +33,12 @@ import pyarrow.parquet as pq
 import torch
 
 from vlprep import VlprepError
-from vlprep.urls import redact
-from vlprep.dataset import (batches, finish_dataset, iter_aligned, open_derived, sidecar_name, write_json_atomic,
-                            write_shard, writing_output)
+from vlprep.dataset import batches, iter_aligned, sidecar_name
 from vlprep.embed import decode
 from vlprep.encoders import eval_view, load_token_encoder, normalise, resolve_device
 from vlprep.engine import Work, check_engine, map_shards, merged_skips
+from vlprep.output import Out, finish_dataset, open_derived, write_json_atomic, write_shard, writing_output
+from vlprep.urls import redact
 
 DTYPES = ("float16", "float32")
 MAX_EXAMPLES = 5
@@ -137,7 +137,7 @@ def _encode(enc, device, batch: list, batch_size: int, dtype: np.dtype) -> np.nd
         return enc(x)[:len(batch)].cpu().numpy().astype(dtype, copy=False)  # (B, N, D)
 
 
-def features_shard(out: Path, src: Path, shard: str, dtype: str, batch_size: int, fp: str) -> dict:
+def features_shard(out: Out, src: Path, shard: str, dtype: str, batch_size: int, fp: str) -> dict:
     """Encode one shard's images and write the shard with npy members; returns its stats."""
     enc, device, pool, encode_pool = _worker["enc"], _worker["device"], _worker["pool"], _worker["encode_pool"]
     side = pq.read_table(src / sidecar_name(shard))
@@ -202,11 +202,11 @@ def _features(cfg: FeaturesConfig, progress) -> dict:
     spec = {**enc.spec, "dtype": cfg.dtype}
     options = {"image_model": cfg.image_model, "weights": spec["weights"], "size": spec["size"],
                "dtype": cfg.dtype, "batch_size": batch_size, "src": ds.location}
-    with writing_output(out, "features", options, cfg.overwrite):
+    with writing_output(out, "features", options, cfg.overwrite) as out:
         # A shard is redone when its input sidecar or anything that changes the tokens (weights bytes and the call
         # shape included) differs.
         salt = json.dumps({**spec, "batch_size": batch_size}, sort_keys=True).encode()
-        plan = [Work(s, (ds.root, s, cfg.dtype, batch_size),
+        plan = [Work(s, (ds.source, s, cfg.dtype, batch_size),
                      ds.fingerprint(s, salt), ds.sizes[s])
                 for s in ds.shards]
         t_work = time.perf_counter()
@@ -231,5 +231,5 @@ def _features(cfg: FeaturesConfig, progress) -> dict:
             "elapsed_s": round(elapsed, 3),
             "images_per_s": round(processed / work_s, 2) if processed else None,
         }
-        write_json_atomic(out / "report.json", report)
+        write_json_atomic(out.root / "report.json", report)
     return report

@@ -15,7 +15,7 @@ worker calls `guard` at start:
   raise before they act. Every file a stage completes enters OUT by a rename (shards, embed's parts, the
   ontology's cache), so a worker asks for proof that the driver is alive right before each one and ends instead
   of renaming. The hook covers every stage without each remembering to check. An upload to a URL OUT raises
-  the event "vlprep.upload" (vlprep.objstore.publish) right before it, judged the same way.
+  the event "vlprep.upload" (vlprep.output.publish) right before it, judged the same way.
 A Ray actor that cannot see the driver's process (another host, another pid namespace) cannot watch it: there
 Ray's fate sharing applies (an actor that is not detached dies with the driver that created it).
 """
@@ -104,7 +104,7 @@ def guard(driver: Driver, child: bool) -> bool:
 
     def rename_guard(event: str, args: tuple) -> None:
         # a process the worker forks inherits the hook (not the thread), and its parent is the worker: not judged
-        # (vlprep.upload: vlprep.objstore.publish, about to put a file under its final key in a URL OUT)
+        # (vlprep.upload: vlprep.output.publish, about to put a file under its final key in a URL OUT)
         if event in ("os.rename", "vlprep.upload") and os.getpid() == me and not alive():
             os._exit(1)
 

@@ -1,17 +1,12 @@
-"""Datasets in object storage: a dataset folder given as an fsspec URL (s3://, gs://, http(s)://) is read with
-bounded retries, and a stage's OUT URL is written through a local staging folder under an advisory lock object.
+"""Remote I/O for datasets in object storage: a dataset folder given as an fsspec URL (s3://, gs://, http(s)://) is
+read with bounded retries, listed, and written file by file (a URL OUT's staging, uploads and lock: vlprep.output).
 
 - Reading. `open_read(url)` is a seekable file whose reads resume at their offset after a transient error
   (connection reset, 5xx, timeout): `VLPREP_REMOTE_TRIES` tries in all (default 5), waiting
   `VLPREP_REMOTE_BACKOFF` seconds (default 0.5) doubled after each, at most 8 s. A read that still fails, or a
   permanent error (404, 403), is one `RemoteError` line naming the URL.
-- Writing. A URL OUT has a local staging folder (`staging`): the stage writes there as it writes a local OUT, and
-  each completed file is uploaded under its final key (`publish`), the shard's tar after its sidecar; a PUT
-  becomes visible only once complete, so a stopped stage leaves no final-named partial object. The summary files
-  go last, `sizes.json` the very last (`vlprep.dataset.writing_output`).
-- Locking. `flock` does not exist on an object store: `lock` creates `OUT/.vlprep.lock` (host, pid, start time)
-  with a create-only write where the store has one (S3's If-None-Match, which s3fs's mode="create" sends).
-  It is advisory: a writer that ignores it is not stopped.
+- Writing. `put_file` uploads a whole file: a PUT (or a multipart upload) is visible under its key only once it is
+  complete.
 
 Credentials and endpoints come from the standard places of each library (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID /
 AWS_SECRET_ACCESS_KEY, ~/.aws, GOOGLE_APPLICATION_CREDENTIALS, fsspec's own config), never from an option of ours.
@@ -19,16 +14,11 @@ AWS_SECRET_ACCESS_KEY, ~/.aws, GOOGLE_APPLICATION_CREDENTIALS, fsspec's own conf
 
 import atexit
 import contextlib
-import hashlib
 import io
-import json
 import os
 import shutil
-import socket
-import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import NamedTuple
@@ -41,7 +31,6 @@ SCHEMES = {"s3": "s3fs", "s3a": "s3fs", "s3n": "s3fs", "gs": "gcsfs", "gcs": "gc
 ALIASES = {"s3a": "s3", "s3n": "s3", "gcs": "gs"}
 WRITABLE = ("s3", "s3a", "s3n", "gs", "gcs")
 CLOUD_EXTRA = "pip install -e '.[cloud]'"
-LOCK_NAME = ".vlprep.lock"
 BLOCK = 8 << 20  # bytes per ranged read: one request per 8 MiB of a shard
 
 
@@ -320,23 +309,12 @@ def remove(urls: Iterable[str]) -> None:
 
 # --- input datasets: a local mirror of the small files --------------------------------------------------------------
 
-_mirrors: dict[str, Path] = {}  # dataset URL -> local folder holding its sizes/index/meta.json and fetched sidecars
-
-
-def mirror(url: str) -> Path:
-    """This process's local folder for a remote dataset's small files (removed when the process that made it ends;
-    DataLoader workers forked from it share it)."""
-    url = norm(url)
-    if url not in _mirrors:
-        path = Path(tempfile.mkdtemp(prefix="vlprep-in-"))
-        atexit.register(_remove, str(path), os.getpid())
-        _mirrors[url] = path
-    return _mirrors[url]
-
-
-def mirrored(path) -> str | None:
-    """The URL whose mirror `path` is, if any."""
-    return next((url for url, p in _mirrors.items() if p == path), None)
+def mirror() -> Path:
+    """A new local folder for an opened remote dataset's small files (its `Dataset.root`), removed when the process
+    that made it ends (DataLoader workers forked from it share it)."""
+    path = Path(tempfile.mkdtemp(prefix="vlprep-in-"))
+    atexit.register(_remove, str(path), os.getpid())
+    return path
 
 
 def _remove(path: str, pid: int) -> None:
@@ -356,145 +334,3 @@ def fetched(src: RemoteSrc, names: Iterable[str]):
         yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-
-
-# --- OUT URLs: the staging folder, uploads, the lock object -----------------------------------------------------------
-
-_staged: dict[str, str] = {}  # local staging folder -> OUT URL (in the driver and in each worker)
-
-
-def staging(url: str) -> Path:
-    """The local folder a stage writes for OUT `url` (the same path in the driver and every worker, so a Ray actor
-    on another machine makes its own)."""
-    url = norm(url)
-    digest = hashlib.blake2b(url.encode(), digest_size=8).hexdigest()
-    path = Path(tempfile.gettempdir()) / f"vlprep-out-{os.getuid() if hasattr(os, 'getuid') else 0}" / digest
-    register(path, url)
-    return path
-
-
-def register(path, url: str) -> None:
-    _staged[str(path)] = norm(url)
-
-
-def remote_of(path) -> str | None:
-    """OUT's URL when `path` is its staging folder, else None (a local OUT)."""
-    return _staged.get(str(path))
-
-
-def publish(root: Path, names: Iterable[str], keep: Iterable[str] = ()) -> None:
-    """Upload the completed files `names` of staging folder `root`, in order (the one that marks completion last),
-    then remove the local copies of those not in `keep`."""
-    url = remote_of(root)
-    if url is None:
-        return
-    names = list(names)
-    for name in names:
-        sys.audit("vlprep.upload", name)  # vlprep.lifeline: a worker whose driver is gone exits instead
-        put_file(root / name, join(url, name))
-    for name in names:
-        if name not in set(keep):
-            (root / name).unlink(missing_ok=True)
-
-
-def pull(root: Path, name: str) -> bool:
-    """Whether `root / name` exists locally, downloading it first when `root` stages a URL that has it."""
-    local = root / name
-    if local.exists():
-        return True
-    url = remote_of(root)
-    if url is None:
-        return False
-    try:
-        local.parent.mkdir(parents=True, exist_ok=True)
-        get_file(join(url, name), local)
-    except RemoteNotFound:
-        return False
-    return True
-
-
-def lock_record() -> dict:
-    from vlprep.lifeline import _start_time
-
-    return {"host": socket.gethostname(), "pid": os.getpid(), "start": _start_time(os.getpid()) or "",
-            "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "token": uuid.uuid4().hex}
-
-
-_held: dict[str, str] = {}  # OUT URL -> the token of the lock object this process wrote
-
-
-def _stale(holder: dict) -> bool:
-    """A lock whose holder ran on this machine and is gone (its pid is dead or is another process now)."""
-    from vlprep.lifeline import _start_time
-
-    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
-        return False
-    return _start_time(holder["pid"]) != holder.get("start")
-
-
-def _read_lock(target: str) -> dict | None:
-    """The lock object's record; None when it cannot be read or is not JSON, one line when it is JSON but not a
-    record (a list, a string): someone else's object, which we neither trust nor delete."""
-    try:
-        holder = json.loads(read_bytes(target))
-    except (RemoteError, ValueError):
-        return None
-    if not isinstance(holder, dict):
-        raise VlprepError(f"{urls.redact(target)} is not a vlprep lock (a JSON {type(holder).__name__}, not an object "
-                          f"naming host and pid); if no process writes OUT, delete it (aws s3 rm / gcloud storage rm "
-                          f"{urls.redact(target)}) and run again")
-    return holder
-
-
-def lock(url: str, tool: str = "vlprep") -> None:
-    """Create OUT's lock object, or a one-line refusal naming its holder. A lock left by a process of this machine
-    that is gone (kill -9) is replaced; one from another machine is cleared by hand (docs/SCALE.md)."""
-    url = norm(url)
-    if url in _held:
-        return
-    fs, path = filesystem(url)
-    target = join(url, LOCK_NAME)
-    lpath = f"{path.rstrip('/')}/{LOCK_NAME}"
-    record = lock_record()
-    body = json.dumps(record).encode()
-    for _ in range(2):
-        try:
-            try:
-                retried(target, lambda: fs.pipe_file(lpath, body, mode="create"), doing="write")
-            except RemoteNotFound:
-                raise VlprepError(f"OUT {url}: cannot create {target}: not found (does the bucket exist?)") from None
-            except RemoteError:  # a store whose refused create-only write is not FileExistsError (a 412)
-                if exists(target):
-                    raise FileExistsError(target) from None
-                raise
-            except TypeError:  # a filesystem without create-only writes: check, write, read back (a narrow race)
-                if exists(target):
-                    raise FileExistsError(target) from None
-                retried(target, lambda: fs.pipe_file(lpath, body), doing="write")
-                if (_read_lock(target) or {}).get("token") != record["token"]:
-                    raise FileExistsError(target) from None
-            _held[url] = record["token"]
-            return
-        except FileExistsError:
-            pass
-        holder = _read_lock(target) or {}
-        if holder and _stale(holder):
-            remove([target])
-            continue
-        who = (f"pid {holder.get('pid', 'unknown')} on {holder.get('host', 'an unknown host')}, since "
-               f"{holder.get('since', '?')}") if holder else "unknown"
-        raise VlprepError(f"OUT {url} is being written by another {tool} process ({who}); wait for it to finish or "
-                          f"choose another folder (the lock is advisory: if that process is gone, delete {target})")
-    raise VlprepError(f"OUT {url}: cannot take the lock {target}; delete it if no process writes OUT, and run again")
-
-
-def unlock(url: str) -> None:
-    """Delete OUT's lock object if this process holds it."""
-    url = norm(url)
-    token = _held.pop(url, None)
-    if token is None:
-        return
-    target = join(url, LOCK_NAME)
-    with contextlib.suppress(VlprepError):
-        if (_read_lock(target) or {}).get("token") == token:
-            remove([target])

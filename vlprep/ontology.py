@@ -17,11 +17,12 @@ from typing import NamedTuple
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from vlprep import VlprepError, objstore
-from vlprep.urls import redact
-from vlprep.dataset import (carried_features, decode_sample, finish_dataset, iter_aligned, open_derived, sidecar_name,
-                            write_json_atomic, write_shard, writing_output)
+from vlprep import VlprepError
+from vlprep.dataset import carried_features, decode_sample, iter_aligned, sidecar_name
 from vlprep.engine import Work, check_engine, map_shards
+from vlprep.output import (Out, finish_dataset, open_derived, publish, pull, write_json_atomic, write_shard,
+                           writing_output)
+from vlprep.urls import redact
 from vlprep.userfile import read_user_file
 
 OVERRIDES_BYTES = 16 << 20  # --overrides is a hand-written YAML of noun: class lines
@@ -158,11 +159,11 @@ def _init_nlp() -> None:
     _worker["nlp"] = load_nlp()  # once per worker: loading spaCy takes about a second
 
 
-def nouns_file(out: Path, shard: str) -> Path:
-    return out / "_nouns" / sidecar_name(shard)
+def nouns_file(out: Out, shard: str) -> Path:
+    return out.root / "_nouns" / sidecar_name(shard)
 
 
-def nouns_shard(out: Path, src: Path, shard: str, fp: str) -> dict:
+def nouns_shard(out: Out, src: Path, shard: str, fp: str) -> dict:
     """spaCy nouns of one shard's captions, cached as OUT/_nouns/SHARD.parquet with the input's fingerprint."""
     captions = pq.read_table(src / sidecar_name(shard), columns=["caption"]).column(0).to_pylist()
     nouns = list(caption_nouns(_worker["nlp"], captions))
@@ -171,19 +172,19 @@ def nouns_shard(out: Path, src: Path, shard: str, fp: str) -> dict:
     path = nouns_file(out, shard)
     pq.write_table(table.replace_schema_metadata({b"fingerprint": fp.encode()}), path.with_name(path.name + ".tmp"))
     path.with_name(path.name + ".tmp").replace(path)
-    objstore.publish(out, [f"_nouns/{path.name}"], keep=[f"_nouns/{path.name}"])  # a URL OUT (vlprep.objstore)
+    publish(out, [f"_nouns/{path.name}"], keep=[f"_nouns/{path.name}"])  # a URL OUT (vlprep.output)
     return {"in": len(captions)}
 
 
-def _nouns_done(out: Path, work: Work) -> dict | None:
+def _nouns_done(out: Out, work: Work) -> dict | None:
     path = nouns_file(out, work.shard)
-    if objstore.pull(out, f"_nouns/{path.name}") and (pq.read_schema(path).metadata or {}).get(b"fingerprint") == work.fingerprint.encode():
+    if pull(out, f"_nouns/{path.name}") and (pq.read_schema(path).metadata or {}).get(b"fingerprint") == work.fingerprint.encode():
         return {"in": pq.read_metadata(path).num_rows}
     return None
 
 
-def read_nouns(out: Path, shard: str) -> list[list[tuple[str, int, int]]]:
-    objstore.pull(out, f"_nouns/{nouns_file(out, shard).name}")  # made on another machine (a URL OUT)
+def read_nouns(out: Out, shard: str) -> list[list[tuple[str, int, int]]]:
+    pull(out, f"_nouns/{nouns_file(out, shard).name}")  # made on another machine (a URL OUT)
     return [[tuple(d.values()) for d in row] for row in pq.read_table(nouns_file(out, shard)).column(0).to_pylist()]
 
 
@@ -218,10 +219,10 @@ def ontology(cfg: OntologyConfig, progress=None) -> dict:
     options = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()
                if k not in ("src", "out", "overwrite", "skip_bad_shards", "workers", "distributor")}
     options["src"] = ds.location
-    with writing_output(out, "ontology", options, cfg.overwrite):
-        (out / "_nouns").mkdir(exist_ok=True)
+    with writing_output(out, "ontology", options, cfg.overwrite) as out:
+        (out.root / "_nouns").mkdir(exist_ok=True)
         engine = {"workers": cfg.workers, "distributor": cfg.distributor, "progress": progress}
-        plan = [Work(s, (ds.root, s), ds.fingerprint(s), ds.sizes[s]) for s in ds.shards]
+        plan = [Work(s, (ds.source, s), ds.fingerprint(s), ds.sizes[s]) for s in ds.shards]
         map_shards(out, plan, nouns_shard, init=_init_nlp, label="nouns", total=ds.num_samples, done=_nouns_done,
                    **engine)
         nouns = {shard: read_nouns(out, shard) for shard in ds.shards}
@@ -259,14 +260,14 @@ def ontology(cfg: OntologyConfig, progress=None) -> dict:
                 "params": {"min_instances": min_inst, "min_cooccur": cfg.min_cooccur, "min_score": cfg.min_score,
                            "pairs_with_objects": table.attrs["pairs"], "triplets": len(triplets),
                            "triplet_rule": cfg.triplets}}
-        write_json_atomic(out / "ontology.json", onto)
+        write_json_atomic(out.root / "ontology.json", onto)
         cols = list(zip(*triplets)) if triplets else [[]] * 7
         trip = pa.table({"key": pa.array(cols[0], pa.string()), "index": pa.array(cols[1], pa.int64()),
                          "noun": pa.array(cols[2], pa.string()), "start": pa.array(cols[3], pa.int32()),
                          "end": pa.array(cols[4], pa.int32()), "class": pa.array(cols[5], pa.string()),
                          "detected": pa.array(cols[6], pa.bool_())})
-        pq.write_table(trip, out / "triplets.parquet.tmp")
-        (out / "triplets.parquet.tmp").replace(out / "triplets.parquet")
+        pq.write_table(trip, out.root / "triplets.parquet.tmp")
+        (out.root / "triplets.parquet.tmp").replace(out.root / "triplets.parquet")
 
         sample_nodes: dict[str, set] = {}
         for t in triplets:
@@ -276,12 +277,12 @@ def ontology(cfg: OntologyConfig, progress=None) -> dict:
         for shard in ds.shards:
             fp = ds.fingerprint(shard, salt)
             nodes_of = {k: sorted(sample_nodes[k]) for k in keys[shard] if k in sample_nodes}
-            plan.append(Work(shard, (ds.root, shard, nodes_of), fp, ds.sizes[shard]))
+            plan.append(Work(shard, (ds.source, shard, nodes_of), fp, ds.sizes[shard]))
         stats, resumed = map_shards(out, plan, annotate_shard, label="annotate", total=ds.num_samples, **engine)
         finish_dataset(out, {s: stats[s]["written"] for s in ds.shards},
                        {"stage": "ontology", "input": redact(str(cfg.src)), "options": options,
                         "counts": {"pairs": ds.num_samples, "triplets": len(triplets), "classes": len(nodes),
-                                   "triplet_counts": counts}, **carried_features(cfg.src)})
+                                   "triplet_counts": counts}, **carried_features(ds)})
         covered = len(sample_nodes)
         report = {
             "stage": "ontology", "source": redact(str(cfg.src)), "pairs": ds.num_samples,
@@ -296,12 +297,12 @@ def ontology(cfg: OntologyConfig, progress=None) -> dict:
         }
         from vlprep.report import plot_pmi
 
-        report["plots"] = plot_pmi(out / "pmi_heatmap.png", table, mapping, nodes)
-        write_json_atomic(out / "report.json", report)
+        report["plots"] = plot_pmi(out.root / "pmi_heatmap.png", table, mapping, nodes)
+        write_json_atomic(out.root / "report.json", report)
     return report
 
 
-def annotate_shard(out: Path, src: Path, shard: str, nodes_of: dict[str, list[str]], fp: str) -> dict:
+def annotate_shard(out: Out, src: Path, shard: str, nodes_of: dict[str, list[str]], fp: str) -> dict:
     """Copy one shard, adding json.nouns ([noun, start, end] per NOUN token) and json.nodes (its classes)."""
     side = pq.read_table(src / sidecar_name(shard))
     rows_in = side.replace_schema_metadata(None).to_pylist()

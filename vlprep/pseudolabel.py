@@ -20,12 +20,12 @@ import pyarrow.parquet as pq
 from vlprep import VlprepError
 from vlprep import knn
 from vlprep.bow import rmstop, top_tokens
-from vlprep.urls import redact
-from vlprep.dataset import (batches, check_out, check_shards, decode_sample, finish_dataset, iter_aligned, open_dataset,
-                            read_sidecars, sidecar_name, write_json_atomic, write_shard, writing_output)
+from vlprep.dataset import batches, check_shards, decode_sample, iter_aligned, open_dataset, read_sidecars, sidecar_name
 from vlprep.embed import check_images, crop_views, decode, intact_captions
 from vlprep.engine import Work, check_engine, map_shards, merged_skips
+from vlprep.output import Out, check_out, finish_dataset, write_json_atomic, write_shard, writing_output
 from vlprep.text import tokenize
+from vlprep.urls import redact
 
 STRATEGIES = ("maxcount", "rmtopmaxcount", "rmtoprand", "weighted")
 # json keys and sidecar columns about the input's caption(s), which the pseudo-caption replaces: bow's provenance, and
@@ -169,11 +169,12 @@ def _index_fingerprint(ds, enc, kind: str) -> str:
     return h.hexdigest()
 
 
-def caption_index(ds, keys: list[str], captions: list[str], enc, out: Path, kind: str, progress=None):
+def caption_index(ds, keys: list[str], captions: list[str], enc, out: Out, kind: str, progress=None):
     """(reused, fingerprint) of OUT/knn.faiss over ALIGNED's intact captions, built unless it is current."""
     kind = knn.choose_kind(kind, len(keys))
     fp = _index_fingerprint(ds, enc, kind)
-    index_file, table_file = out / "knn.faiss", out / "knn_captions.parquet"
+    index_file = out.root / "knn.faiss"
+    table_file = out.root / "knn_captions.parquet"
     if index_file.exists() and table_file.exists():
         meta = pq.read_schema(table_file).metadata or {}
         if meta.get(b"fingerprint") == fp.encode():
@@ -188,16 +189,16 @@ def caption_index(ds, keys: list[str], captions: list[str], enc, out: Path, kind
             progress.advance(task, len(captions[i:i + 256]))
     index = knn.build_index(vectors, kind)
     table = pa.table({"key": keys, "caption": captions}).replace_schema_metadata({"fingerprint": fp})
-    pq.write_table(table, out / "knn_captions.parquet.tmp")
+    pq.write_table(table, out.root / "knn_captions.parquet.tmp")
     knn.save_index(index, index_file)
-    (out / "knn_captions.parquet.tmp").replace(table_file)
+    (out.root / "knn_captions.parquet.tmp").replace(table_file)
     return False, fp
 
 
 _worker: dict = {}
 
 
-def _init_worker(enc, out: Path, index_fp: str, params: dict) -> None:
+def _init_worker(enc, out: Out, index_fp: str, params: dict) -> None:
     """Per worker, once: the encoder (unpickled here, so it loads here), the saved index, ALIGNED's word statistics.
 
     Everything comes from OUT/knn.faiss and OUT/knn_captions.parquet (paths travel, not the index); in the driver
@@ -205,13 +206,13 @@ def _init_worker(enc, out: Path, index_fp: str, params: dict) -> None:
     """
     if _worker.get("index_fp") == index_fp and _worker.get("params") == params and _worker.get("enc") is enc:
         return
-    index = knn.load_index(out / "knn.faiss")
+    index = knn.load_index(out.root / "knn.faiss")
     kind = knn.kind_of(index)  # asked of the CPU index: nothing reads it back from a GPU
     n_lists = knn.nlist(index) if kind == "ivf" else None
     nprobe = knn.set_nprobe(index, params["nprobe"])
     if knn.use_gpu(params["device"]):
         index = knn.to_gpu(index, nprobe)
-    table = pq.read_table(out / "knn_captions.parquet")
+    table = pq.read_table(out.root / "knn_captions.parquet")
     keys, captions = table.column("key").to_pylist(), table.column("caption").to_pylist()
     words = [caption_words(c) for c in captions]
     df = Counter()
@@ -232,7 +233,7 @@ def rmtop_warnings(removed: int, vocab: int, dropped: int, n_in: int) -> list[st
             "vocabulary (for instance the bow stage's rmtop:T)"]
 
 
-def pseudolabel_shard(out: Path, src: Path, shard: str, fp: str) -> dict:
+def pseudolabel_shard(out: Out, src: Path, shard: str, fp: str) -> dict:
     """Pseudo-caption one UNALIGNED shard and write it; returns its counts."""
     w = _worker
     p, enc = w["params"], w["enc"]
@@ -304,7 +305,7 @@ def pseudolabel(cfg: PseudolabelConfig, enc, progress=None) -> dict:
         ds = open_dataset(cfg.unaligned)
     except VlprepError as e:
         raise VlprepError(f"UNALIGNED: {e}") from None
-    out = check_out(cfg.out, aligned.root, ds.root)
+    out = check_out(cfg.out, aligned, ds)
     if cfg.skip_bad_shards:  # ALIGNED is read through its sidecars only, so only UNALIGNED's tars matter
         ds = check_shards(ds)
     _need_sidecars(aligned, "ALIGNED")
@@ -314,7 +315,7 @@ def pseudolabel(cfg: PseudolabelConfig, enc, progress=None) -> dict:
                                                                   "device", "workers", "distributor", "overwrite",
                                                                   "skip_bad_shards")}
     options.update(aligned=aligned.location, unaligned=ds.location, encoder=enc.name)
-    with writing_output(out, "pseudolabel", options, cfg.overwrite):
+    with writing_output(out, "pseudolabel", options, cfg.overwrite) as out:
 
         # --- plan: the caption index (saved in OUT for the workers) and one Work per UNALIGNED shard
         t_index = time.perf_counter()
@@ -325,11 +326,11 @@ def pseudolabel(cfg: PseudolabelConfig, enc, progress=None) -> dict:
         _init_worker(enc, out, index_fp, params)  # the driver's copy: the report's statistics, and one worker's state
         index_s = time.perf_counter() - t_index
         salt = (index_fp + repr(sorted(options.items()))).encode()
-        plan = [Work(s, (ds.root, s), ds.fingerprint(s, salt + str(ds.tar_size(s)).encode()),
+        plan = [Work(s, (ds.source, s), ds.fingerprint(s, salt + str(ds.tar_size(s)).encode()),
                      ds.sizes[s]) for s in ds.shards]
         t_images = time.perf_counter()
         stats, resumed = map_shards(out, plan, pseudolabel_shard, init=_init_worker,
-                                    initargs=(enc, out, index_fp, params),
+                                    initargs=(enc, out.portable(), index_fp, params),
                                     workers=cfg.workers, distributor=cfg.distributor, progress=progress,
                                     label="pseudolabel", total=ds.num_samples, start="spawn", gpu=cfg.device == "cuda")
         images_s = time.perf_counter() - t_images
@@ -354,7 +355,7 @@ def pseudolabel(cfg: PseudolabelConfig, enc, progress=None) -> dict:
 
         pseudo_words, lengths = Counter(), Counter()
         for shard in ds.shards:
-            for caption in pq.read_table(out / sidecar_name(shard), columns=["caption"]).column(0).to_pylist():
+            for caption in pq.read_table(out.root / sidecar_name(shard), columns=["caption"]).column(0).to_pylist():
                 ws = caption.split(" ")
                 pseudo_words.update(ws)
                 lengths[len(ws)] += 1
@@ -373,5 +374,5 @@ def pseudolabel(cfg: PseudolabelConfig, enc, progress=None) -> dict:
         }
         report["plots"] = pseudolabel_figures(out, ds, report)
         report["elapsed_s"] = round(time.perf_counter() - t0, 3)
-        write_json_atomic(out / "report.json", report)
+        write_json_atomic(out.root / "report.json", report)
     return report

@@ -7,8 +7,9 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from vlprep import objstore, urls
-from vlprep.dataset import iter_samples, open_dataset, read_sidecars, write_json_atomic
+from vlprep import urls
+from vlprep.dataset import iter_samples, open_dataset, read_sidecars
+from vlprep.output import Out, pull, write_json_atomic
 from vlprep.text import words
 
 QUANTILES = (0.0, 0.05, 0.25, 0.5, 0.75, 0.95, 1.0)
@@ -133,7 +134,7 @@ def print_shards_report(report: dict, console: Console) -> None:
     console.print(f"{report['elapsed_s']:.1f}s ({report['samples_per_s']} samples/s){extra}")
 
 
-def plot_bow(out: Path, words_before: Counter, words_after: Counter, len_before: Counter,
+def plot_bow(out: Out, words_before: Counter, words_after: Counter, len_before: Counter,
              len_after: Counter) -> list[str]:
     """One PNG: rank-frequency (log-log) and caption-length histograms, before vs after."""
     import matplotlib.ticker
@@ -177,7 +178,7 @@ def plot_bow(out: Path, words_before: Counter, words_after: Counter, len_before:
         lo, hi = sorted(axis.get_view_interval())
         locs = [v for v in axis.get_major_locator()() if lo <= v <= hi]
         axis.set_major_locator(matplotlib.ticker.FixedLocator(locs))
-    path = out / "bow_report.png"
+    path = out.root / "bow_report.png"
     fig.savefig(path, dpi=72)
     return [str(path)]
 
@@ -265,7 +266,7 @@ def print_detect_report(r: dict, console: Console) -> None:
                   f"{r['undecodable']} undecodable; {r['elapsed_s']:.1f}s{rate}", highlight=False)
 
 
-def pseudolabel_figures(out: Path, ds, report: dict, n: int = 24) -> list[str]:
+def pseudolabel_figures(out: Out, ds, report: dict, n: int = 24) -> list[str]:
     """OUT/pseudo_words.png (top pseudo words, words per caption) and OUT/pseudo_grid.png (images + pseudo-captions)."""
     import textwrap
 
@@ -289,14 +290,14 @@ def pseudolabel_figures(out: Path, ds, report: dict, n: int = 24) -> list[str]:
     bx.bar([int(k) for k in hist], list(hist.values()), color="tab:blue")
     bx.set_xticks([int(k) for k in hist])
     bx.set(title="words per pseudo-caption", xlabel="words", ylabel="images")
-    words_png = out / "pseudo_words.png"
+    words_png = out.root / "pseudo_words.png"
     fig.savefig(words_png, dpi=72)
     plt.close(fig)
 
     # Figure 6 of the paper: evenly spaced images with their pseudo-caption (and the caption UNALIGNED had, if any).
     rows = []
     for shard in ds.shards:
-        side = out / sidecar_name(shard)
+        side = out.root / sidecar_name(shard)
         t = pq.read_table(side, columns=["key", "caption"]) if side.exists() else None
         if t is not None:
             rows += [(shard, k, c) for k, c in zip(t.column(0).to_pylist(), t.column(1).to_pylist())]
@@ -308,8 +309,8 @@ def pseudolabel_figures(out: Path, ds, report: dict, n: int = 24) -> list[str]:
         if "caption" in side.column_names:
             given.update((k, c) for k, c in zip(side.column("key").to_pylist(), side.column("caption").to_pylist())
                          if k in wanted)
-        objstore.pull(out, shard)  # a URL OUT keeps its uploaded tars only there (vlprep.objstore)
-        for raw in iter_tar(out / shard):
+        pull(out, shard)  # a URL OUT keeps its uploaded tars only there (vlprep.output)
+        for raw in iter_tar(out.root / shard):
             if raw["__key__"] in wanted and image_ext(raw):
                 im = to_rgb(raw[image_ext(raw)])
                 im.thumbnail((160, 160))
@@ -332,7 +333,7 @@ def pseudolabel_figures(out: Path, ds, report: dict, n: int = 24) -> list[str]:
                     fontsize=6.5, color="0.45")
     fig.suptitle(f"pseudo-captions ({report['strategy']}, k={report['k']}, crops={report['crops']}); "
                  "grey: the caption UNALIGNED had (not used)", fontsize=9)
-    grid_png = out / "pseudo_grid.png"
+    grid_png = out.root / "pseudo_grid.png"
     fig.savefig(grid_png, dpi=72)
     plt.close(fig)
     return [str(words_png), str(grid_png)]

@@ -33,11 +33,12 @@ import pyarrow.parquet as pq
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from vlprep import VlprepError
-from vlprep.dataset import (KEY_RE, check_out, finish_dataset, remove_extra_shards, shard_name, sidecar_name,
-                            write_json_atomic, write_shard, writing_output)
+from vlprep.dataset import KEY_RE, sidecar_name
 from vlprep.engine import Work, check_engine, default_workers, map_shards, merged_skips
 from vlprep.imagecheck import looks_complete, png_chunks_ok, probe  # noqa: F401 (png_chunks_ok: API)
 from vlprep.karpathy import parse_splits
+from vlprep.output import (Out, check_out, finish_dataset, remove_extra_shards, shard_name, write_json_atomic,
+                           write_shard, writing_output)
 from vlprep.sources import Item, RootedPath, load_images, open_source
 from vlprep.userfile import FileTooLarge, OutsideRoot, read_regular, under_root
 
@@ -235,7 +236,7 @@ def prepare_image(data: bytes, resize: int | None = None, fmt: str | None = None
 # --- per-shard work (runs in a worker process) ---------------------------------------------------
 
 
-def build_shard(out: Path, first_index: int, items: list[Item], cfg: dict, fp: str = "") -> dict:
+def build_shard(out: Out, first_index: int, items: list[Item], cfg: dict, fp: str = "") -> dict:
     """Write one planned shard; returns its stats {in, written, skipped, examples, fingerprint}."""
     skipped, examples, samples = Counter(), {}, []
     multi = cfg.get("multi_caption", False)  # every shard of a multi-caption source has the captions column
@@ -324,7 +325,7 @@ def build_shards(cfg: ShardsConfig, progress=None) -> dict:
             del options[name]
     if cfg.image_root is not None:
         options["image_root"] = str(Path(cfg.image_root).resolve())
-    with writing_output(out, "shards", options, cfg.overwrite):
+    with writing_output(out, "shards", options, cfg.overwrite) as out:
         job = {k: options[k] for k in ("prefix", "samples_per_shard", "resize", "format", "quality", "decode_check")}
         if source.multi_caption:
             job["multi_caption"] = True
@@ -360,7 +361,7 @@ def build_shards(cfg: ShardsConfig, progress=None) -> dict:
             "shards": len(planned), "shards_resumed": len(resumed), "elapsed_s": round(elapsed, 3),
             "samples_per_s": round(n_in / elapsed, 1) if elapsed > 0 else None,
         }
-        write_json_atomic(out / "report.json", report)
+        write_json_atomic(out.root / "report.json", report)
     return report
 
 
@@ -369,7 +370,7 @@ def _chunks(items: Iterator[Item], n: int) -> Iterator[list[Item]]:
         yield chunk
 
 
-def duplicate_uids(out: Path, shards: list[str], known: dict[str, list[str] | None] | None = None) -> dict:
+def duplicate_uids(out: Out, shards: list[str], known: dict[str, list[str] | None] | None = None) -> dict:
     """Written rows whose uid an earlier row already has ({'rows', 'examples'}); they are kept: the data is the user's.
 
     `known`: a shard's written uids when this run wrote it; the others' are read from their sidecars."""
@@ -378,7 +379,7 @@ def duplicate_uids(out: Path, shards: list[str], known: dict[str, list[str] | No
         uids = (known or {}).get(shard)
         if uids is None:
             # ParquetFile.read, not pq.read_table: the same column without the dataset machinery (~3x less CPU)
-            uids = pq.ParquetFile(out / sidecar_name(shard)).read(columns=["uid"]).column(0).to_pylist()
+            uids = pq.ParquetFile(out.root / sidecar_name(shard)).read(columns=["uid"]).column(0).to_pylist()
         for uid in uids:
             if uid in seen:
                 dup += 1

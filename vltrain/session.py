@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from vlprep import VlprepError
-from vlprep.dataset import lock_output, release_output
+from vlprep.outlock import OutLock, lock_output
 from vltrain.checkpoint import check_config, load, model_from
 from vltrain.config import Config
 from vltrain.data.feed import Feed
@@ -51,18 +51,23 @@ def prepare_out(out: Path, resume: bool, overwrite: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
-def open_output(out: Path, resume: bool, overwrite: bool, rank: int) -> None:
-    """Rank 0 locks OUT and prepares it; under torchrun every rank stops on rank 0's error instead of waiting."""
+def open_output(out: Path, resume: bool, overwrite: bool, rank: int) -> OutLock | None:
+    """Rank 0 locks OUT and prepares it, returning the lock (None on other ranks); under torchrun every rank stops on
+    rank 0's error instead of waiting."""
     error = None
+    lock = None
     if rank == 0:
         try:  # one run per OUT: a second `--resume` on the same folder would interleave two runs' checkpoints
-            lock_output(out, "vltrain")
+            lock = lock_output(out, "vltrain")
             prepare_out(out, resume, overwrite)
         except (VlprepError, TrainError) as e:
             error = str(e)
     error = broadcast(error)
     if error is not None:
+        if lock is not None:
+            lock.release()
         raise TrainError(error)
+    return lock
 
 
 def init_source(init_from, out: Path, resume: bool, overwrite: bool) -> dict | None:
@@ -236,6 +241,7 @@ class Session:
     resumed: bool
     init: dict | None = None    # --init-from's record, kept by resumes
     rows: list = field(default_factory=list)  # metrics.jsonl's rows before the resumed step
+    lock: OutLock | None = None  # OUT's lock, held by rank 0 until `release`
 
     def open_report(self) -> Report:
         """The loop's Report (metrics.jsonl, TensorBoard, progress), opened now."""
@@ -245,8 +251,12 @@ class Session:
     def close(self) -> None:
         """The feed's loader stopped and OUT released, for a caller that uses the pieces without `train`'s loop."""
         self.feed.close()
-        if self.rank == 0:
-            release_output(self.out)
+        self.release()
+
+    def release(self) -> None:
+        """Let other runs write OUT again (once; a second call does nothing)."""
+        if self.lock is not None:
+            self.lock.release()
 
 
 def setup(cfg: Config, resume: bool = False, overwrite: bool = False, init_from=None, quiet: bool = False,
@@ -263,7 +273,7 @@ def setup(cfg: Config, resume: bool = False, overwrite: bool = False, init_from=
         keep_freed_memory()
     # --init-from is read before OUT is touched: an unreadable source leaves OUT as it was
     source = init_source(init_from, out, resume, overwrite)
-    open_output(out, resume, overwrite, rank)
+    lock = open_output(out, resume, overwrite, rank)
     ckpt = load(out / "last.pt", "--resume checkpoint") if resume else None
     if ckpt is not None:
         check_ranks(ckpt, out / "last.pt", size)
@@ -316,4 +326,4 @@ def setup(cfg: Config, resume: bool = False, overwrite: bool = False, init_from=
     return Session(cfg=cfg, out=out, device=device, rank=rank, size=size, created_group=created_group, data=data,
                    data_sig=data_sig, model=model, step_fn=step_fn, optimizer=optimizer, params=params,
                    generator=generator, run=run, state=state, feed=feed, precision=precision,
-                   channels_last=channels_last, resumed=ckpt is not None, init=init, rows=rows)
+                   channels_last=channels_last, resumed=ckpt is not None, init=init, rows=rows, lock=lock)

@@ -15,7 +15,6 @@ import time
 
 import torch
 
-from vlprep.dataset import release_output
 from vltrain.data.feed import Feed, StopFetch
 from vltrain.resume import Run, RunState, interrupted, save_checkpoint
 from vltrain.checks import curriculum_check, evaluate_heldout
@@ -97,8 +96,7 @@ def end(s: Session, report: Report) -> dict:
     run, state, init = s.run, s.state, s.init
     if not broadcast(run.last_path.exists()):  # resumed at or past the final step: still leave a checkpoint behind
         save_checkpoint(run.last_path, run, state)
-    if s.rank == 0:
-        release_output(s.out)
+    s.release()
     if s.created_group:
         torch.distributed.destroy_process_group()
     return {"step": state.step, "losses": report.losses, "eval": report.last_eval, "out": str(s.out),

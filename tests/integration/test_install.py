@@ -129,9 +129,9 @@ def test_meta_json_records_the_versions(tmp_path):
     import json
     from importlib.metadata import version
 
-    from vlprep.dataset import finish_dataset
+    from vlprep.output import Out, finish_dataset
 
-    finish_dataset(tmp_path, {}, {"stage": "test"})
+    finish_dataset(Out(tmp_path), {}, {"stage": "test"})
     meta = json.loads((tmp_path / "meta.json").read_text())
     assert meta["versions"] == {"vlprep-vltrain": meta["vlprep_version"], "torch": version("torch"),
                                 "transformers": version("transformers")}

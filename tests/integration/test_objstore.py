@@ -349,3 +349,63 @@ def test_a_lock_object_that_is_a_list_or_a_string_is_one_line_saying_how_to_remo
     assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, lines
     assert "s3://bkt/oddlock/.vlprep.lock is not a vlprep lock" in lines[0] and "delete it" in lines[0], lines
     assert sorted(s3_objects("oddlock")) == [".vlprep.lock"]
+
+
+class Meet:
+    """A progress bar that, at its stage's first written shard, waits until the other stage has written one too:
+    from then on both OUTs are open and locked at once in this process."""
+
+    def __init__(self, barrier: threading.Barrier):
+        self.barrier = barrier
+        self.met = False
+
+    def add_task(self, *args, **kw) -> int:
+        return 0
+
+    def advance(self, task, n) -> None:
+        if not self.met:
+            self.met = True
+            self.barrier.wait(timeout=120)
+
+
+def test_two_stages_in_one_process_write_a_local_and_an_s3_out_at_once_as_each_alone(s3, source, tmp_path):
+    """`vlprep shards` to s3:// and `vlprep bow` to a local folder, in two threads of one process, both mid-run at
+    once (each waits after its first shard for the other): each OUT ends byte-identical to its stage run alone."""
+    import s3fs
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vlprep.bow import BowConfig, bow
+    from vlprep.shards import ShardsConfig, build_shards
+
+    build_shards(ShardsConfig(src=source, out=tmp_path / "raw", samples_per_shard=2, workers=1))
+    bow_options = {"ops": "shuffle,rmstop,keep:3", "base_frac": 0.5, "workers": 1}
+    build_shards(ShardsConfig(src=source, out="s3://bkt/alone-s3/", samples_per_shard=2, workers=1))
+    bow(BowConfig(src=tmp_path / "raw", out=tmp_path / "alone-bow", **bow_options))
+
+    held = []
+
+    def both_open() -> None:  # run by the barrier once both stages wait there: both locks are held
+        import fcntl
+
+        fd = os.open(tmp_path / "two-bow" / ".vlprep.lock", os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            local_held = False
+        except OSError:
+            local_held = True
+        finally:
+            os.close(fd)
+        held.append((s3fs.S3FileSystem().exists("bkt/two-s3/.vlprep.lock"), local_held))
+
+    barrier = threading.Barrier(2, action=both_open)
+    with ThreadPoolExecutor(2) as pool:
+        remote = pool.submit(build_shards, ShardsConfig(src=source, out="s3://bkt/two-s3/", samples_per_shard=2,
+                                                        workers=1), progress=Meet(barrier))
+        local = pool.submit(bow, BowConfig(src=tmp_path / "raw", out=tmp_path / "two-bow", **bow_options),
+                            progress=Meet(barrier))
+        remote.result()
+        local.result()
+    assert held == [(True, True)]
+    assert digests(s3_objects("two-s3")) == digests(s3_objects("alone-s3")) and len(digests(s3_objects("two-s3"))) == 14
+    assert digests(local_files(tmp_path / "two-bow")) == digests(local_files(tmp_path / "alone-bow"))
+    assert ".vlprep.lock" not in s3_objects("two-s3")

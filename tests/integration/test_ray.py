@@ -18,6 +18,7 @@ from vlprep import VlprepError
 from vlprep.bow import BowConfig, bow
 from vlprep.detect import DetectConfig, detect
 from vlprep.engine import Work, map_shards
+from vlprep.output import Out
 from vlprep.shards import ShardsConfig, build_shards
 
 pytestmark = pytest.mark.slow
@@ -118,9 +119,9 @@ def _fail(out: Path, n: int, fp: str) -> dict:
 
 def test_each_actor_runs_the_initializer_once_and_errors_stay_one_line(local_ray, tmp_path):
     plan = [Work(f"s-{n:06d}.tar", (n,), "", n) for n in range(8)]
-    stats, _ = map_shards(tmp_path, plan, _count, init=_init, initargs=("t",), workers=2, distributor="ray")
+    stats, _ = map_shards(Out(tmp_path), plan, _count, init=_init, initargs=("t",), workers=2, distributor="ray")
     assert {s["tag"] for s in stats.values()} == {"t"} and all(s["inits"] == 1 for s in stats.values())
     assert len({s["pid"] for s in stats.values()}) == 2 and os.getpid() not in {s["pid"] for s in stats.values()}
     with pytest.raises(VlprepError) as e:
-        map_shards(tmp_path, plan[:2], _fail, workers=2, distributor="ray")
+        map_shards(Out(tmp_path), plan[:2], _fail, workers=2, distributor="ray")
     assert str(e.value) in ("shard 0 is bad", "shard 1 is bad")  # the worker's own error, not Ray's traceback

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from vlprep.dataset import write_shard
+from vlprep.output import Out, write_shard
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).parents[2]
@@ -49,10 +49,10 @@ def test_an_unreachable_ray_address_fails_in_one_line_within_the_timeout(tmp_pat
     assert not (tmp_path / "o").exists()
 
 
-def _slow_shard(out: Path, n: int, fp: str) -> dict:
+def _slow_shard(out: Out, n: int, fp: str) -> dict:
     """Shard n after a pause: short on even shards (actor 0's), long on odd ones (actor 1's); the actor's pid goes
     to OUT/../pids first."""
-    (out.parent / "pids" / str(os.getpid())).touch()
+    (out.root.parent / "pids" / str(os.getpid())).touch()
     time.sleep(0.3 if n % 2 == 0 else 3)
     write_shard(out, f"s-{n:06d}.tar", [{"__key__": f"k{n}", "txt": "x"}], [{"key": f"k{n}"}],
                 stats={"fingerprint": fp})
@@ -81,10 +81,11 @@ def test_actors_of_a_killed_driver_exit_and_rename_nothing(tmp_path):
         from pathlib import Path
         from tests.integration.test_ray_faults import _slow_shard
         from vlprep.engine import Work, map_shards
+        from vlprep.output import Out
 
         if __name__ == "__main__":
             plan = [Work(f"s-{n:06d}.tar", (n,), "f", 1) for n in range(8)]
-            map_shards(Path(sys.argv[1]), plan, _slow_shard, workers=2, distributor="ray")
+            map_shards(Out(Path(sys.argv[1])), plan, _slow_shard, workers=2, distributor="ray")
     """)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update({MARK: marker, "PYTHONPATH": str(ROOT)})

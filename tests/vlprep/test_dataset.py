@@ -10,7 +10,7 @@ import pytest
 import webdataset as wds
 
 from vlprep import VlprepError
-from vlprep.dataset import ShardFormatError, ShardTarWriter, encode_sample, iter_samples, iter_tar, open_dataset
+from vlprep.dataset import ShardFormatError, iter_samples, iter_tar, open_dataset
 from vlprep.shards import ShardsConfig, build_shards
 
 
@@ -27,59 +27,6 @@ def make_tar(path: Path, members: dict[str, bytes]) -> Path:
 def dataset(image_folder, tmp_path) -> Path:
     build_shards(ShardsConfig(src=image_folder, out=tmp_path / "ds", samples_per_shard=5, workers=1))
     return tmp_path / "ds"
-
-
-def tarwriter_bytes(samples: list[dict]) -> bytes:
-    """What webdataset's TarWriter writes with the settings ShardTarWriter promises to match."""
-    buf = io.BytesIO()
-    with wds.TarWriter(buf, encoder=False, mtime=0, user="", group="", mode=0o644) as tw:
-        tw.tarstream.format = tarfile.USTAR_FORMAT
-        for s in samples:
-            tw.write(encode_sample(s))
-        tw.tarstream.close()
-        return buf.getvalue()
-
-
-def ours_bytes(samples: list[dict]) -> bytes:
-    buf = io.BytesIO()
-    with ShardTarWriter(buf) as tw:
-        for s in samples:
-            tw.write(encode_sample(s))
-    return buf.getvalue()
-
-
-def test_shard_tar_writer_matches_webdataset_tarwriter():
-    samples = [{"__key__": "k" * n, "txt": "x" * size, "png": bytes(range(256)) * (size // 256 + 1)}
-               for n, size in [(1, 0), (5, 1), (90, 511), (95, 512), (96, 513), (3, 10240 - 3 * 512), (7, 20000)]]
-    samples += [{"__key__": "d/" * 45 + "k" * 20, "txt": "a"},       # 112-byte names: ustar's prefix field
-                {"__key__": "café_ü", "txt": "é", "json": {"a": 1, "é": [1, 2]}, "jpg": b"\xff\xd8\xff\xd9"},
-                {"__key__": "é" * 48, "txt": "y"},                   # 100 bytes in UTF-8 (96 + ".txt")
-                {"__key__": "k", "Z": b"upper", "a_b": b"1", "txt": b"bytes"}]
-    for cut in range(len(samples) + 1):  # every length, so every record padding is met
-        assert ours_bytes(samples[:cut]) == tarwriter_bytes(samples[:cut])
-    assert len(ours_bytes([])) == 10240
-    with pytest.raises(ValueError, match="too long"):  # 101 bytes, no '/' to split at: tarfile refuses
-        ours_bytes([{"__key__": "k" * 97, "txt": "x"}])
-    with pytest.raises(ValueError, match="doesn't map to a bytes"):
-        ours_bytes([{"__key__": "k", "cls": 3}])
-    one_pass = io.BytesIO()
-    with ShardTarWriter(one_pass) as tw:  # write_sample (write_shard's path) writes what write(encode_sample) does
-        for s in samples + [{"__key__": "k", "__url__": "u", "_x": b"dropped", "txt": "t"}]:
-            tw.write_sample(s)
-    assert one_pass.getvalue() == ours_bytes(samples + [{"__key__": "k", "__url__": "u", "_x": b"dropped", "txt": "t"}])
-    with pytest.raises(ValueError, match="doesn't map to a bytes"):
-        ShardTarWriter(io.BytesIO()).write_sample({"__key__": "k", "cls": 3})
-    tw = ShardTarWriter(io.BytesIO())
-    for size in (8**11 - 1, 8**11):  # the largest size ustar's 11 octal digits hold, and one over
-        info = tarfile.TarInfo("k.txt")
-        info.size, info.mtime, info.mode, info.uname, info.gname = size, 0, 0o644, "", ""
-        try:
-            want = info.tobuf(tarfile.USTAR_FORMAT, tarfile.ENCODING, "surrogateescape")
-        except ValueError as e:
-            with pytest.raises(ValueError, match=str(e)):
-                tw.header("k.txt", size)
-        else:
-            assert tw.header("k.txt", size) == want
 
 
 @pytest.mark.parametrize("bad", ["x.pyd", "x.pickle", "x.cls.pkl", "../x.txt", "a/../../x.txt", "/etc/x.txt"])
@@ -162,14 +109,34 @@ def lock_is_free(out) -> bool:
 
 
 def test_writing_output_holds_the_lock_and_releases_it_when_the_stage_raises(tmp_path):
-    from vlprep.dataset import writing_output
+    from vlprep.output import Out, writing_output
 
     out = tmp_path / "out"
     with pytest.raises(RuntimeError, match="boom"):
-        with writing_output(out, "test", {"a": 1}):
+        with writing_output(Out(out), "test", {"a": 1}):
             assert not lock_is_free(out)  # a second writer is refused while the stage runs
             raise RuntimeError("boom")
     assert lock_is_free(out)  # and may write once the stage has failed, while this process goes on
-    with writing_output(out, "test", {"a": 1}):  # the same options resume in the same process
+    with writing_output(Out(out), "test", {"a": 1}):  # the same options resume in the same process
         pass
     assert lock_is_free(out)
+
+
+def test_the_output_side_keeps_no_registry_between_stages(image_folder, tmp_path):
+    """Where a stage writes, the lock it holds and a remote input's mirror folder live in objects the stage is given
+    (Out, Dataset): two stages run in one process leave every module-level container of vlprep's dataset, output,
+    outlock, objstore and engine modules as it was."""
+    from vlprep import dataset, engine, objstore, outlock, output
+    from vlprep.bow import BowConfig, bow
+
+    def containers() -> dict:
+        return {(m.__name__, name): repr(value) for m in (dataset, output, outlock, objstore, engine)
+                for name, value in vars(m).items() if isinstance(value, (dict, set, list))}
+
+    before = containers()
+    # the only module-level containers are constant tables (a URL scheme -> the package it needs, its alias)
+    assert {name for _, name in before if not name.startswith("__")} == {"SCHEMES", "ALIASES"}
+    build_shards(ShardsConfig(src=image_folder, out=tmp_path / "ds", samples_per_shard=5, workers=1))
+    bow(BowConfig(src=tmp_path / "ds", out=tmp_path / "bow", ops="shuffle", workers=1))
+    assert containers() == before
+    assert lock_is_free(tmp_path / "ds") and lock_is_free(tmp_path / "bow")

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from vlprep import VlprepError
-from vlprep.dataset import shard_done, write_shard
 from vlprep.engine import Work, check_engine, make_executor, map_shards
+from vlprep.output import Out, shard_done, write_shard
 
 _state: dict = {}
 
@@ -19,7 +19,7 @@ def _init(tag: str) -> None:
     _state["inits"] = _state.get("inits", 0) + 1
 
 
-def _write(out: Path, n: int, fp: str) -> dict:
+def _write(out: Out, n: int, fp: str) -> dict:
     """A shard of n samples whose caption names the worker's initializer tag and process."""
     shard = f"s-{n:06d}.tar"
     samples = [{"__key__": f"k{n}_{i}", "txt": f"{_state['tag']} {i}"} for i in range(n)]
@@ -29,11 +29,11 @@ def _write(out: Path, n: int, fp: str) -> dict:
     return {**stats, "pid": os.getpid(), "inits": _state["inits"]}  # who ran it: returned, not stored
 
 
-def _fail(out: Path, n: int, fp: str) -> dict:
+def _fail(out: Out, n: int, fp: str) -> dict:
     raise VlprepError(f"shard {n} is bad")
 
 
-def _lifeline(out: Path, n: int, fp: str) -> dict:
+def _lifeline(out: Out, n: int, fp: str) -> dict:
     """What a pool worker set up to die with its driver (vlprep.lifeline)."""
     import ctypes
     import signal
@@ -55,22 +55,22 @@ def files(out: Path) -> dict[str, bytes]:
 
 
 def test_runs_every_shard_in_plan_order_and_resumes_by_fingerprint(tmp_path):
-    stats, resumed = map_shards(tmp_path, plan([3, 1, 2]), _write, init=_init, initargs=("x",))
+    stats, resumed = map_shards(Out(tmp_path), plan([3, 1, 2]), _write, init=_init, initargs=("x",))
     assert list(stats) == ["s-000003.tar", "s-000001.tar", "s-000002.tar"] and resumed == set()
     assert all(s["inits"] == 1 and s["pid"] == os.getpid() for s in stats.values())  # inline: init ran once, here
     (tmp_path / "s-000001.tar").unlink()  # a shard that never finished
-    stats2, resumed = map_shards(tmp_path, plan([3, 1, 2]), _write, init=_init, initargs=("x",))
+    stats2, resumed = map_shards(Out(tmp_path), plan([3, 1, 2]), _write, init=_init, initargs=("x",))
     assert resumed == {"s-000003.tar", "s-000002.tar"} and list(stats2) == list(stats)
     assert stats2["s-000003.tar"] == {"in": 3, "written": 3, "fingerprint": "a3"}  # the stored counts come back
-    stats3, resumed = map_shards(tmp_path, plan([3, 1, 2], salt="b"), _write, init=_init, initargs=("x",))
+    stats3, resumed = map_shards(Out(tmp_path), plan([3, 1, 2], salt="b"), _write, init=_init, initargs=("x",))
     assert resumed == set()  # another fingerprint: every shard is rebuilt
-    assert shard_done(tmp_path, "s-000002.tar")["fingerprint"] == "b2"
+    assert shard_done(Out(tmp_path), "s-000002.tar")["fingerprint"] == "b2"
 
 
 def test_nothing_to_do_starts_no_worker(tmp_path):
-    map_shards(tmp_path, plan([2]), _write, init=_init, initargs=("x",))
+    map_shards(Out(tmp_path), plan([2]), _write, init=_init, initargs=("x",))
     _state.clear()
-    stats, resumed = map_shards(tmp_path, plan([2]), _write, init=_init, initargs=("x",), workers=2)
+    stats, resumed = map_shards(Out(tmp_path), plan([2]), _write, init=_init, initargs=("x",), workers=2)
     assert resumed == {"s-000002.tar"} and "inits" not in _state
 
 
@@ -78,9 +78,9 @@ def test_a_pool_gives_the_same_bytes_and_runs_the_initializer_once_per_worker(tm
     sizes = [5, 1, 4, 2, 3, 6]
     (tmp_path / "one").mkdir()
     (tmp_path / "two").mkdir()
-    map_shards(tmp_path / "one", plan(sizes), _write, init=_init, initargs=("x",))
+    map_shards(Out(tmp_path / "one"), plan(sizes), _write, init=_init, initargs=("x",))
     _state.clear()  # forked workers start from this process's state
-    stats, _ = map_shards(tmp_path / "two", plan(sizes), _write, init=_init, initargs=("x",), workers=2)
+    stats, _ = map_shards(Out(tmp_path / "two"), plan(sizes), _write, init=_init, initargs=("x",), workers=2)
     assert files(tmp_path / "one") == files(tmp_path / "two")
     pids = {s["pid"] for s in stats.values()}
     assert os.getpid() not in pids and 1 <= len(pids) <= 2
@@ -94,7 +94,7 @@ def test_pool_workers_die_with_their_driver_and_leave_ctrl_c_to_it(tmp_path, sta
     (a forked worker does not keep the driver's handler) and Ctrl-C is the driver's to handle."""
     import signal
 
-    stats, _ = map_shards(tmp_path, plan([1, 2]), _lifeline, workers=2, start=start)
+    stats, _ = map_shards(Out(tmp_path), plan([1, 2]), _lifeline, workers=2, start=start)
     assert list(stats.values()) == [{"pdeathsig": signal.SIGKILL, "sigint_ignored": True, "sigterm_default": True,
                                      "watchdog": True}] * 2
 
@@ -112,23 +112,23 @@ def test_progress_advances_by_each_shards_samples(tmp_path):
             self.done += n
 
     bar = Bar()
-    map_shards(tmp_path, plan([3, 4]), _write, init=_init, initargs=("x",), progress=bar, total=7)
+    map_shards(Out(tmp_path), plan([3, 4]), _write, init=_init, initargs=("x",), progress=bar, total=7)
     assert (bar.done, bar.total) == (7, 7)
     bar = Bar()
-    map_shards(tmp_path, plan([3, 4]), _write, init=_init, initargs=("x",), progress=bar, total=7)
+    map_shards(Out(tmp_path), plan([3, 4]), _write, init=_init, initargs=("x",), progress=bar, total=7)
     assert bar.done == 7  # resumed shards count too
 
 
 def test_a_worker_error_reaches_the_caller_as_itself(tmp_path):
     with pytest.raises(VlprepError, match="shard 2 is bad"):
-        map_shards(tmp_path, plan([2]), _fail)
+        map_shards(Out(tmp_path), plan([2]), _fail)
     with pytest.raises(VlprepError, match="shard [23] is bad"):
-        map_shards(tmp_path, plan([2, 3]), _fail, workers=2)
+        map_shards(Out(tmp_path), plan([2, 3]), _fail, workers=2)
 
 
 def test_a_shard_planned_twice_is_refused(tmp_path):
     with pytest.raises(VlprepError, match="planned twice"):
-        map_shards(tmp_path, plan([2, 2]), _write, init=_init, initargs=("x",))
+        map_shards(Out(tmp_path), plan([2, 2]), _write, init=_init, initargs=("x",))
 
 
 def test_bad_engine_options_are_one_line():

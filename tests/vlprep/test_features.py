@@ -16,10 +16,11 @@ import torch
 from tests.conftest import image_bytes
 from tests.vlprep.test_dataset import lock_is_free
 from vlprep import VlprepError
-from vlprep.dataset import finish_dataset, iter_samples, iter_tar, open_dataset, to_rgb, write_shard
+from vlprep.dataset import iter_samples, iter_tar, open_dataset, to_rgb
 from vlprep.encoders import (encoder_from_spec, eval_pixels, eval_transform, eval_view, features_spec,
                              load_token_encoder, normalise)
 from vlprep.features import FeaturesConfig, features
+from vlprep.output import Out, finish_dataset, write_shard
 from vlprep.shards import ShardsConfig, build_shards
 
 SPEC_KEYS = ["encoder", "weights", "weights_sha256", "size", "mean", "std", "tokens", "dim", "dtype"]
@@ -228,9 +229,9 @@ def test_undecodable_and_missing_images_are_counted_and_dropped(raw, tmp_path):
         if shard == ds.shards[0]:
             samples[1]["png"] = samples[1]["png"][:60]  # a PNG cut short: header fine, pixels gone
             del samples[3][next(e for e in ("png", "jpg") if e in samples[3])]
-        write_shard(bad, shard, samples, pq.read_table(ds.sidecar(shard)).replace_schema_metadata(None))
+        write_shard(Out(bad), shard, samples, pq.read_table(ds.sidecar(shard)).replace_schema_metadata(None))
         sizes[shard] = len(samples)
-    finish_dataset(bad, sizes, {"stage": "test"})
+    finish_dataset(Out(bad), sizes, {"stage": "test"})
     keys = [s["__key__"] for s in iter_tar(raw / ds.shards[0])]
     out = tmp_path / "out"
     report = run(bad, out)

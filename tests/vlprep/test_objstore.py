@@ -1,5 +1,5 @@
-"""vlprep.objstore's rules that need no server: which faults are retried, how often and how long, URL arguments, the
-staging folder, a stale lock. The servers are in tests/integration/test_objstore.py."""
+"""vlprep.objstore's rules that need no server: which faults are retried, how often and how long, URL arguments; and
+vlprep.output's for a URL OUT: the staging folder, a stale lock. The servers are in tests/integration/test_objstore.py."""
 
 import os
 import socket
@@ -82,26 +82,29 @@ def test_dataset_arguments_take_urls_of_the_schemes_we_read_and_out_of_those_we_
 
 
 def test_a_url_out_is_written_in_a_staging_folder_that_names_it(tmp_path):
-    from vlprep.dataset import check_out
+    from vlprep.dataset import Dataset
+    from vlprep.output import Out, check_out, staging
 
-    stage = check_out("s3://bucket/bow/", tmp_path)
-    assert objstore.remote_of(stage) == "s3://bucket/bow" and stage == objstore.staging("s3://bucket/bow")
-    assert check_out("gs://bucket/x", tmp_path) != stage
+    out = check_out("s3://bucket/bow/", tmp_path)
+    assert out == Out(staging("s3://bucket/bow"), "s3://bucket/bow")
+    assert check_out("gs://bucket/x", tmp_path).root != out.root
     with pytest.raises(VlprepError, match=r"^OUT https://h/x: https:// is read-only here"):
         check_out("https://h/x")
-    # a remote input is compared by URL (a dataset's mirror folder stands for its URL)
-    mirror = objstore.mirror("s3://bucket/raw")
+    # a remote input is compared by URL (an opened remote Dataset stands for its URL, not its mirror folder)
+    mirror = Dataset(root=objstore.mirror(), shards=[], sizes={}, url="s3://bucket/raw")
     for out, says in (("s3://bucket/raw", "is the input"), ("s3://bucket", "contains the input"),
                       ("s3://bucket/raw/sub", "lies inside the input")):
         with pytest.raises(VlprepError, match=says):
             check_out(out, mirror)
-    assert objstore.remote_of(check_out("s3://bucket/raw2", mirror)) == "s3://bucket/raw2"
+    assert check_out("s3://bucket/raw2", mirror).url == "s3://bucket/raw2"
 
 
 def test_a_lock_is_stale_only_when_its_holder_ran_here_and_is_gone():
-    me = objstore.lock_record()
-    assert not objstore._stale(me)  # this process
-    assert objstore._stale({**me, "pid": 2 ** 22 + 1})  # no such process
-    assert objstore._stale({**me, "start": "1"})  # the pid is another process now
-    assert not objstore._stale({**me, "host": socket.gethostname() + "-other", "pid": 2 ** 22 + 1})  # can't tell
+    from vlprep.outlock import _stale, lock_record
+
+    me = lock_record()
+    assert not _stale(me)  # this process
+    assert _stale({**me, "pid": 2 ** 22 + 1})  # no such process
+    assert _stale({**me, "start": "1"})  # the pid is another process now
+    assert not _stale({**me, "host": socket.gethostname() + "-other", "pid": 2 ** 22 + 1})  # can't tell
     assert me["pid"] == os.getpid() and len(me["token"]) == 32

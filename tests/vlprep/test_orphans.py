@@ -122,6 +122,7 @@ def test_forked_pool_workers_die_with_a_killed_driver(tmp_path):
         import os, sys, time
         from pathlib import Path
         from vlprep.engine import Work, map_shards
+        from vlprep.output import Out
 
         def slow(out, n, fp):
             os.write(1, f"{os.getpid()}\\n".encode())  # one write under PIPE_BUF: the two workers' lines never mix
@@ -129,7 +130,7 @@ def test_forked_pool_workers_die_with_a_killed_driver(tmp_path):
             return {}
 
         if __name__ == "__main__":
-            map_shards(Path(sys.argv[1]), [Work(f"s{n}", (n,), "", 1) for n in range(4)], slow, workers=2)
+            map_shards(Out(Path(sys.argv[1])), [Work(f"s{n}", (n,), "", 1) for n in range(4)], slow, workers=2)
     """)
     env = {**os.environ, MARK: marker, "PYTHONPATH": str(ROOT)}
     driver = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=env, stdout=subprocess.PIPE,

@@ -15,7 +15,8 @@ import torch
 
 from tests.conftest import COLOURS, THINGS, image_bytes, make_dataset, tiny_checkpoint
 from vlprep import VlprepError, knn
-from vlprep.dataset import finish_dataset, iter_samples, open_dataset, read_sidecars, write_shard
+from vlprep.dataset import iter_samples, open_dataset, read_sidecars
+from vlprep.output import Out, finish_dataset, write_shard
 from vlprep.pseudolabel import (PseudolabelConfig, STRATEGIES, caption_words, neighbour_keys, pseudolabel,
                                 rank_words, top_words)
 from vltrain.encode import CheckpointEncoder
@@ -287,8 +288,8 @@ def test_undecodable_and_imageless_samples_are_counted_skips(world, tmp_path):
     root.mkdir()
     samples = [{"__key__": "x_0", "png": b"not a png"}, {"__key__": "x_1", "txt": "no image"},
                *({k: v for k, v in s.items() if not k.startswith("__") or k == "__key__"} for s in good)]
-    write_shard(root, "x-000000.tar", samples, [{"key": s["__key__"], "caption": ""} for s in samples])
-    finish_dataset(root, {"x-000000.tar": 5}, {"stage": "test"})
+    write_shard(Out(root), "x-000000.tar", samples, [{"key": s["__key__"], "caption": ""} for s in samples])
+    finish_dataset(Out(root), {"x-000000.tar": 5}, {"stage": "test"})
     rep = run({**world, "unaligned": root}, tmp_path / "o")
     assert rep["skipped"] == {"undecodable": 1, "no_image": 1} and rep["written"] == 3
     assert rep["skipped_examples"] == {"undecodable": ["x_0"], "no_image": ["x_1"]}
@@ -324,7 +325,7 @@ def test_bad_inputs_are_one_line_errors(world, tmp_path):
 
     empty = tmp_path / "empty"
     empty.mkdir()
-    finish_dataset(empty, {}, {"stage": "test"})
+    finish_dataset(Out(empty), {}, {"stage": "test"})
     with pytest.raises(VlprepError, match="ALIGNED .* has no samples"):
         run({**w, "aligned": empty}, tmp_path / "o")
     plain = tmp_path / "plain"

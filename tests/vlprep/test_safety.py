@@ -21,7 +21,8 @@ from typer.testing import CliRunner
 from tests.leakguard import started_here
 from vlprep import VlprepError
 from vlprep.bow import BowConfig, bow
-from vlprep.dataset import BadShardError, check_shards, open_dataset, prepare_output
+from vlprep.dataset import BadShardError, check_shards, open_dataset
+from vlprep.output import Out, prepare_output
 from vlprep.shards import ShardsConfig, build_shards, png_chunks_ok
 from vltrain.cli import app
 from vltrain.data.indexed import IndexedShards
@@ -239,7 +240,7 @@ def test_overwrite_never_clears_a_folder_vlprep_did_not_write(tmp_path):
 def lock_held_elsewhere(out: Path, tool: str = "vlprep"):
     """Another process holding OUT's lock (as a running stage or training run does) until the block ends."""
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
-                               "from vlprep.dataset import lock_output; "
+                               "from vlprep.outlock import lock_output; "
                                "lock_output(Path(sys.argv[1]), sys.argv[2]); print('locked', flush=True); "
                                "time.sleep(60)", str(out), tool], stdout=subprocess.PIPE, text=True)
     try:
@@ -267,8 +268,8 @@ def test_second_writer_is_refused_and_leaves_the_first_ones_files(tmp_path):
 
 def test_lock_is_reentrant_within_a_process(tmp_path):
     out = tmp_path / "o"
-    prepare_output(out, "x", {"a": 1})
-    prepare_output(out, "x", {"a": 1})  # a library user running a stage twice in one process
+    prepare_output(Out(out), "x", {"a": 1})
+    prepare_output(Out(out), "x", {"a": 1})  # a library user running a stage twice in one process
 
 
 # --- 6. training-time faults ------------------------------------------------------------------------------------------

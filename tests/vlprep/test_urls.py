@@ -7,7 +7,9 @@ import pytest
 
 from tests.conftest import make_dataset
 from vlprep import VlprepError, objstore, urls
-from vlprep.dataset import check_out
+from vlprep.dataset import Dataset
+from vlprep.outlock import lock_url
+from vlprep.output import check_out
 from vlprep.remote import check_dataset
 
 
@@ -39,8 +41,8 @@ def test_a_local_folder_is_compared_by_its_resolved_path(tmp_path):
     ("gcs://bkt/ds/sub", "gs://bkt/ds/", "lies inside the input"), ("s3a://bkt", "s3://bkt/raw", "contains the input"),
 ])
 def test_a_url_out_that_aliases_a_remote_input_is_refused(out, src, says):
-    """The input stands as vlprep's stages give it: its mirror folder, which stands for its URL."""
-    mirror = objstore.mirror(src)
+    """The input stands as vlprep's stages give it: an opened Dataset, which stands for its URL."""
+    mirror = Dataset(root=objstore.mirror(), shards=[], sizes={}, url=objstore.norm(src))
     with pytest.raises(VlprepError, match=says):
         check_out(out, mirror)
     with pytest.raises(VlprepError, match=says):
@@ -48,9 +50,9 @@ def test_a_url_out_that_aliases_a_remote_input_is_refused(out, src, says):
 
 
 def test_a_url_out_beside_its_input_is_taken():
-    mirror = objstore.mirror("s3://bkt/raw")
-    assert objstore.remote_of(check_out("s3a://bkt/raw2", mirror)) == "s3://bkt/raw2"
-    assert objstore.remote_of(check_out("s3://other/raw", mirror)) == "s3://other/raw"
+    mirror = Dataset(root=objstore.mirror(), shards=[], sizes={}, url="s3://bkt/raw")
+    assert check_out("s3a://bkt/raw2", mirror).url == "s3://bkt/raw2"
+    assert check_out("s3://other/raw", mirror).url == "s3://other/raw"
 
 
 def test_a_local_out_that_aliases_its_input_is_refused(tmp_path):
@@ -117,4 +119,4 @@ def test_a_lock_object_that_is_not_a_record_is_one_line_saying_how_to_remove_it(
     fs = fsspec.filesystem("memory")
     fs.pipe_file(f"/locks{body[:2].hex()}/out/.vlprep.lock", body)
     with pytest.raises(VlprepError, match=r"\.vlprep\.lock is not a vlprep lock .*delete it"):
-        objstore.lock(f"memory://locks{body[:2].hex()}/out")
+        lock_url(f"memory://locks{body[:2].hex()}/out")

@@ -1,6 +1,8 @@
-"""vlprep/tarread.py reads what tarfile reads: the same members, offsets, sizes and bytes, the same samples from
-iter_tar and the same counts from count_tar_samples, on every kind of tar the test suite writes, and the same error
-or the same shortened member list on damaged tars (the callers' short-shard checks catch the latter)."""
+"""vlprep/tario.py's two codecs against the libraries they stand in for. ShardTarWriter writes what webdataset's
+TarWriter writes, byte for byte. TarReader reads what tarfile reads: the same members, offsets, sizes and bytes, the
+same samples from iter_tar and the same counts from count_tar_samples, on every kind of tar the test suite writes,
+and the same error or the same shortened member list on damaged tars (the callers' short-shard checks catch the
+latter)."""
 
 import io
 import os
@@ -12,8 +14,9 @@ import pytest
 import webdataset as wds
 
 from vlprep import dataset
-from vlprep.dataset import ShardTarWriter, VlprepError, count_tar_samples, encode_sample, iter_tar
-from vlprep.tarread import TarReader
+from vlprep.dataset import VlprepError, count_tar_samples, iter_tar
+from vlprep.output import Out, write_shard
+from vlprep.tario import ShardTarWriter, TarReader, encode_sample
 
 SAMPLES = [{"__key__": "k" * n, "txt": "x" * size, "png": bytes(range(256)) * (size // 256 + 1)}
            for n, size in [(1, 0), (5, 1), (90, 511), (95, 512), (96, 513), (3, 10240 - 3 * 512), (7, 20000)]]
@@ -23,6 +26,65 @@ SAMPLES += [{"__key__": "d/" * 45 + "k" * 20, "txt": "a"},       # 112-byte name
             {"__key__": "k", "Z": b"upper", "a_b": b"1", "txt": b"bytes"},
             {"__key__": "__meta__", "txt": "skipped by iter_tar"},
             {"__key__": "sub/dir/x", "txt": "a key with a folder", "npy": b"\x93NUMPY"}]
+
+
+# --- the writer -------------------------------------------------------------------------------------------------------
+
+
+def tarwriter_bytes(samples: list[dict]) -> bytes:
+    """What webdataset's TarWriter writes with the settings ShardTarWriter promises to match."""
+    buf = io.BytesIO()
+    with wds.TarWriter(buf, encoder=False, mtime=0, user="", group="", mode=0o644) as tw:
+        tw.tarstream.format = tarfile.USTAR_FORMAT
+        for s in samples:
+            tw.write(encode_sample(s))
+        tw.tarstream.close()
+        return buf.getvalue()
+
+
+def ours_bytes(samples: list[dict]) -> bytes:
+    buf = io.BytesIO()
+    with ShardTarWriter(buf) as tw:
+        for s in samples:
+            tw.write(encode_sample(s))
+    return buf.getvalue()
+
+
+def test_shard_tar_writer_matches_webdataset_tarwriter():
+    samples = [{"__key__": "k" * n, "txt": "x" * size, "png": bytes(range(256)) * (size // 256 + 1)}
+               for n, size in [(1, 0), (5, 1), (90, 511), (95, 512), (96, 513), (3, 10240 - 3 * 512), (7, 20000)]]
+    samples += [{"__key__": "d/" * 45 + "k" * 20, "txt": "a"},       # 112-byte names: ustar's prefix field
+                {"__key__": "café_ü", "txt": "é", "json": {"a": 1, "é": [1, 2]}, "jpg": b"\xff\xd8\xff\xd9"},
+                {"__key__": "é" * 48, "txt": "y"},                   # 100 bytes in UTF-8 (96 + ".txt")
+                {"__key__": "k", "Z": b"upper", "a_b": b"1", "txt": b"bytes"}]
+    for cut in range(len(samples) + 1):  # every length, so every record padding is met
+        assert ours_bytes(samples[:cut]) == tarwriter_bytes(samples[:cut])
+    assert len(ours_bytes([])) == 10240
+    with pytest.raises(ValueError, match="too long"):  # 101 bytes, no '/' to split at: tarfile refuses
+        ours_bytes([{"__key__": "k" * 97, "txt": "x"}])
+    with pytest.raises(ValueError, match="doesn't map to a bytes"):
+        ours_bytes([{"__key__": "k", "cls": 3}])
+    one_pass = io.BytesIO()
+    with ShardTarWriter(one_pass) as tw:  # write_sample (write_shard's path) writes what write(encode_sample) does
+        for s in samples + [{"__key__": "k", "__url__": "u", "_x": b"dropped", "txt": "t"}]:
+            tw.write_sample(s)
+    assert one_pass.getvalue() == ours_bytes(samples + [{"__key__": "k", "__url__": "u", "_x": b"dropped", "txt": "t"}])
+    with pytest.raises(ValueError, match="doesn't map to a bytes"):
+        ShardTarWriter(io.BytesIO()).write_sample({"__key__": "k", "cls": 3})
+    tw = ShardTarWriter(io.BytesIO())
+    for size in (8**11 - 1, 8**11):  # the largest size ustar's 11 octal digits hold, and one over
+        info = tarfile.TarInfo("k.txt")
+        info.size, info.mtime, info.mode, info.uname, info.gname = size, 0, 0o644, "", ""
+        try:
+            want = info.tobuf(tarfile.USTAR_FORMAT, tarfile.ENCODING, "surrogateescape")
+        except ValueError as e:
+            with pytest.raises(ValueError, match=str(e)):
+                tw.header("k.txt", size)
+        else:
+            assert tw.header("k.txt", size) == want
+
+
+# --- the reader -------------------------------------------------------------------------------------------------------
 
 
 class TarfileOnly(TarReader):
@@ -127,7 +189,7 @@ def other_types() -> list:
 def test_the_same_members_on_every_tar_the_tests_write(tmp_path, monkeypatch):
     long = "l" * 120 + "/" + "m" * 120 + ".txt"
     (tmp_path / "ws").mkdir()
-    dataset.write_shard(tmp_path / "ws", "s.tar", [dict(s) for s in SAMPLES[:6]], [{"i": i} for i in range(6)])
+    write_shard(Out(tmp_path / "ws"), "s.tar", [dict(s) for s in SAMPLES[:6]], [{"i": i} for i in range(6)])
     v7dir = tarfile.TarInfo("old-style-dir/")
     v7dir.type = tarfile.AREGTYPE
     tars = {  # name: (path, read by the fast path from end to end)
