@@ -88,7 +88,7 @@ def end_to_end_sides(args, scratch: Path) -> dict:
     {"bare": fn(out), "stage": fn(out)}."""
     from vlprep.dataset import iter_samples, read_sidecars, open_dataset
     from vlprep.embed import crop_views, decode
-    from vltrain.encode import CheckpointEncoder
+    from vltrain.checkpoint_encoder import CheckpointEncoder
     from vlprep.pseudolabel import PseudolabelConfig, pseudolabel
     from vltrain.config import Config, to_dict
     from vltrain.config import ModelConfig

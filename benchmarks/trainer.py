@@ -13,7 +13,7 @@ A: loop overhead. `vltrain.train.train` itself runs (tiny model, preset albef, b
    included; the median alone hides them), with its CPU time. The final step (evaluation, checkpoint) is not
    a timed gap. Target: mean and median <= 1.10x the bare step.
 B: loader throughput. vltrain's ShardStream + Collate (MiniLM tokenizer, train_transform 224, DataLoader with
-   2 workers, batch 32) vs a plain `webdataset` pipeline with the same decode (`to_rgb`), transform and collate,
+   2 workers, batch 32) vs a plain `webdataset` pipeline with the same decode (`decode_rgb`), transform and collate,
    on the same shards; samples/s from creating the loader iterator to exhausting it. Target >= 0.95x.
 Rounds alternate the order of the sides (benchmarks/common.py) after one untimed warm-up round; medians over
 rounds decide. `--isolate` runs every timed call in a fresh process. Load averages are printed at start and end.
@@ -40,7 +40,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 import vltrain.train as vt  # noqa: E402
 from vltrain.config import ModelConfig, load_config  # noqa: E402
-from vlprep.dataset import to_rgb  # noqa: E402
+from vlprep.dataset import decode_rgb  # noqa: E402
 from vltrain.data.collate import Collate  # noqa: E402
 from vltrain.data.samples import train_transform  # noqa: E402
 from vltrain.data.stream import ShardStream  # noqa: E402
@@ -189,7 +189,7 @@ def vltrain_loader(shards: Path, tf, collate, workers: int, batch: int) -> DataL
 def wds_loader(urls: list[str], tf, collate, workers: int, batch: int):
     ds = (wds.WebDataset(urls, shardshuffle=len(urls), seed=0, empty_check=False)
           .shuffle(1000)
-          .map(lambda s: (tf(to_rgb(s["png"])), s["txt"].decode("utf-8"), s["__key__"]))
+          .map(lambda s: (tf(decode_rgb(s["png"])), s["txt"].decode("utf-8"), s["__key__"]))
           .batched(batch, collation_fn=collate, partial=False))
     return wds.WebLoader(ds, batch_size=None, num_workers=workers)
 
@@ -281,7 +281,7 @@ def main() -> None:
               "groups) + momentum\n   update + enqueue; candidate = vltrain.train() itself, fed "
               "pre-loaded batches (train's batches\n   argument); a step is timed from one batch fetch to the next.")
     if "b" in parts:
-        print("B: baseline = wds.WebDataset + shuffle(1000) + map(to_rgb, transform) + batched(Collate) in a "
+        print("B: baseline = wds.WebDataset + shuffle(1000) + map(decode_rgb, transform) + batched(Collate) in a "
               "WebLoader; candidate\n   = ShardStream (val_frac 0, shuffle buffer 1000) + Collate in a DataLoader; "
               "same workers.")
 

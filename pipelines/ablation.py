@@ -44,7 +44,7 @@ from rich.console import Console
 from rich.table import Table
 
 from vlprep import VlprepError, cut
-from vlprep.remote import check_local
+from vlprep.cliargs import check_local
 from vlprep.userfile import read_user_file
 from vltrain.errors import TrainError
 from vltrain.config import ConfigError, load_config

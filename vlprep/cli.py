@@ -13,9 +13,9 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColu
                            TextColumn, TimeElapsedColumn, TimeRemainingColumn)
 from rich.text import Text
 
-from vlprep import VlprepError, version_line
+from vlprep import VlprepError
 from vlprep.urls import redact, redact_text
-from vlprep.remote import refuse_urls, writing
+from vlprep.cliargs import refuse_urls, version_option, writing
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Prepare image-caption WebDataset shards for vision-language alignment.")
@@ -93,7 +93,7 @@ def run_stage(cfg, workers: int | None, distributor: str, stage, printer, out: P
 
 def checkpoint_encoder(checkpoint: Path, device: str):
     """The one place vlprep brings in vltrain: a checkpoint's encoders as the object embed and pseudolabel take."""
-    from vltrain.encode import CheckpointEncoder
+    from vltrain.checkpoint_encoder import CheckpointEncoder
 
     return CheckpointEncoder(checkpoint, device)
 
@@ -108,15 +108,8 @@ def warn_report(report: dict) -> None:
                       "counts them", style="yellow", highlight=False, markup=False)
 
 
-def _version(value: bool) -> None:
-    if value:
-        print(version_line("vlprep"))
-        raise typer.Exit()
-
-
 @app.callback()
-def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                       help="Print the version (and torch's and transformers') and exit.")) -> None:
+def _main(version: bool = version_option("vlprep")) -> None:
     pass
 
 

@@ -353,13 +353,13 @@ def batches(it: Iterable, n: int) -> Iterator[list]:
         yield batch
 
 
-def to_rgb(data: bytes) -> Image.Image:
+def decode_rgb(data: bytes) -> Image.Image:
     """Decode image bytes to RGB for a model; transparency is composited on white (clip art is mostly transparent)."""
-    return rgb(Image.open(io.BytesIO(data)))
+    return as_rgb(Image.open(io.BytesIO(data)))
 
 
-def rgb(im: Image.Image) -> Image.Image:
-    """A PIL image as RGB for a model, transparency composited on white (to_rgb's rule, for an image in memory)."""
+def as_rgb(im: Image.Image) -> Image.Image:
+    """A PIL image as RGB for a model, transparency composited on white (decode_rgb's rule, for an image in memory)."""
     if im.mode in ("RGBA", "LA", "PA") or (im.mode == "P" and "transparency" in im.info):
         rgba = im.convert("RGBA")
         return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")

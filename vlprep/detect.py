@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from vlprep import VlprepError, cut
-from vlprep.dataset import batches, carried_features, decode_sample, image_ext, iter_aligned, sidecar_name, to_rgb
+from vlprep.dataset import batches, carried_features, decode_rgb, decode_sample, image_ext, iter_aligned, sidecar_name
 from vlprep.engine import Work, check_engine, map_shards
 from vlprep.output import Out, finish_dataset, open_derived, write_json_atomic, write_shard, writing_output
 from vlprep.urls import redact
@@ -196,7 +196,7 @@ def _decode(data: bytes) -> np.ndarray | None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # shards already capped the size
-            return np.array(to_rgb(data))  # np.array: the writable copy torch wants
+            return np.array(decode_rgb(data))  # np.array: the writable copy torch wants
     except Exception:  # any decoder failure is a counted skip, never fatal
         return None
 

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import torch
 
 from vlprep import VlprepError
-from vlprep.dataset import batches, image_ext, iter_aligned, sidecar_name, to_rgb
+from vlprep.dataset import batches, decode_rgb, image_ext, iter_aligned, sidecar_name
 from vlprep.engine import Work, check_engine, map_shards, merged_skips
 from vlprep.output import Out, open_derived, publish, pull, write_json_atomic, writing_output
 from vlprep.urls import redact
@@ -75,7 +75,7 @@ def decode(raw: dict):
     if ext is None:
         return None, "no_image"
     try:
-        image = to_rgb(raw[ext])
+        image = decode_rgb(raw[ext])
         image.load()
         return image, None
     except Exception:  # any decoder failure is a counted skip, never fatal

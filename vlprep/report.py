@@ -276,7 +276,7 @@ def pseudolabel_figures(out: Out, ds, report: dict, n: int = 24) -> list[str]:
     import matplotlib.pyplot as plt
     import pyarrow.parquet as pq
 
-    from vlprep.dataset import image_ext, iter_tar, sidecar_name, to_rgb
+    from vlprep.dataset import decode_rgb, image_ext, iter_tar, sidecar_name
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 6), gridspec_kw={"width_ratios": [2, 1]})
     fig.subplots_adjust(left=0.14, right=0.98, bottom=0.09, top=0.93, wspace=0.3)
@@ -312,7 +312,7 @@ def pseudolabel_figures(out: Out, ds, report: dict, n: int = 24) -> list[str]:
         pull(out, shard)  # a URL OUT keeps its uploaded tars only there (vlprep.output)
         for raw in iter_tar(out.root / shard):
             if raw["__key__"] in wanted and image_ext(raw):
-                im = to_rgb(raw[image_ext(raw)])
+                im = decode_rgb(raw[image_ext(raw)])
                 im.thumbnail((160, 160))
                 images[raw["__key__"]] = im
     cols = 6

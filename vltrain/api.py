@@ -41,7 +41,7 @@ def pixel_transform(net, image_size: int):
 
 def to_pil(image) -> Image.Image:
     """A path, PIL image or array (H, W[, C] uint8) as RGB; transparency is composited on white, as in training."""
-    from vlprep.dataset import rgb
+    from vlprep.dataset import as_rgb
 
     if isinstance(image, (str, os.PathLike)):
         return read_image(image)
@@ -53,7 +53,7 @@ def to_pil(image) -> Image.Image:
     if isinstance(image, Image.Image):
         if 0 in image.size:
             raise ValueError(f"an image must have pixels, not size {image.size[0]} x {image.size[1]}")
-        return rgb(image)
+        return as_rgb(image)
     raise ValueError(f"an image must be a path, a PIL image or a uint8 array, not {type(image).__name__}")
 
 

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from vlprep import VlprepError
 from vlprep.urls import redact_text
-from vlprep.remote import refuse_urls, writing as remote_writing
+from vlprep.cliargs import refuse_urls, version_option, writing as remote_writing
 from vltrain.config import Config
 
 
@@ -51,7 +51,7 @@ def user_errors():
 
 
 def writing(out: Path):
-    """An OSError on OUT or a folder above it is one line (vlprep.remote.writing, as a TrainError)."""
+    """An OSError on OUT or a folder above it is one line (vlprep.cliargs.writing, as a TrainError)."""
     from vltrain.errors import TrainError
 
     return remote_writing(out, TrainError)
@@ -104,17 +104,8 @@ def _recall_table(title: str, rows: dict[str, dict]) -> Table:
     return table
 
 
-def _version(value: bool) -> None:
-    if value:
-        from vlprep import version_line
-
-        print(version_line("vltrain"))
-        raise typer.Exit()
-
-
 @app.callback()
-def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                       help="Print the version (and torch's and transformers') and exit.")) -> None:
+def _main(version: bool = version_option("vltrain")) -> None:
     pass
 
 

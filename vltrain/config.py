@@ -14,7 +14,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 import yaml
 
 from vlprep import MAX_SIZE, MIN_SIZE, VlprepError, cut, objstore
-from vlprep.remote import check_dataset, check_local
+from vlprep.cliargs import check_dataset, check_local
 from vlprep.urls import redact
 from vlprep.userfile import FileTooLarge, NotARegularFile, read_regular
 
@@ -504,7 +504,7 @@ def check_ranges(cfg: Config) -> None:
             raise ConfigError(f"{key}={shown(value)} is outside its range {interval} ({meaning})")
 
 
-# Keys that name local files or folders (a URL is refused in one line, vlprep.remote); `shards` may be URLs.
+# Keys that name local files or folders (a URL is refused in one line, vlprep.cliargs); `shards` may be URLs.
 PATH_KEYS = ("shards", "out", "model.text_model", "model.image_weights", "sampler.ontology")
 
 

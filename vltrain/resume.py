@@ -93,7 +93,7 @@ class Run:
     optimizer: torch.optim.Optimizer
     sampler: object  # GritSampler / TonicsBatchSampler, or None for the streamed random sampler
     generator: torch.Generator  # MLM masks, hard-negative draws, soft masks
-    data: str  # the training data's signature (vltrain.data.shards.data_signature)
+    data_sig: str  # the training data's signature (vltrain.data.shards.data_signature)
     out: Path
     stop_signal: int | None = None  # set by the signal handler: save after this step and stop
     init_from: dict | None = None  # --init-from: where the weights came from (init_weights' record), kept by resumes
@@ -114,7 +114,7 @@ def checkpoint_state(run: Run, state: RunState) -> dict:
     weights (init_weights' record, so that a resumed run still says where it began)."""
     return {"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(), "step": state.step,
             "epoch": state.epoch, "consumed": state.consumed, "best": state.best, "config": to_dict(run.cfg),
-            "data": run.data, "sampler": run.sampler.state_dict() if run.sampler is not None else None,
+            "data": run.data_sig, "sampler": run.sampler.state_dict() if run.sampler is not None else None,
             "curriculum_log": state.curriculum_log, "rng": rng_states(run.generator), "versions": versions(),
             "precision": run.precision,
             **({"init_from": run.init_from} if run.init_from else {})}

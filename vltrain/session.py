@@ -24,7 +24,7 @@ from vltrain.init_from import init_weights
 from vltrain.model import autocast, bf16_supported, build_model, resolve_device
 from vltrain.optim import build_optimizer
 from vltrain.resume import Run, RunState, check_ranks, check_resumable, restore, set_rng_states
-from vltrain.report import Report, console, earlier_rows, init_line, summary
+from vltrain.runlog import RunLog, console, earlier_rows, init_line, summary
 from vltrain.step import TrainStep, wrap_ddp
 from vltrain.trainset import TrainData, heldout_positions, prepare
 
@@ -243,9 +243,9 @@ class Session:
     rows: list = field(default_factory=list)  # metrics.jsonl's rows before the resumed step
     lock: OutLock | None = None  # OUT's lock, held by rank 0 until `release`
 
-    def open_report(self) -> Report:
-        """The loop's Report (metrics.jsonl, TensorBoard, progress), opened now."""
-        return Report(self.cfg, self.out, self.rank, self.rows, self.state.step, self.device,
+    def open_report(self) -> RunLog:
+        """The loop's RunLog (metrics.jsonl, TensorBoard, progress), opened now."""
+        return RunLog(self.cfg, self.out, self.rank, self.rows, self.state.step, self.device,
                       self.data.use_features)
 
     def close(self) -> None:

@@ -3,7 +3,7 @@
 The pieces live in their own modules: the set-up in vltrain.session (the training data in vltrain.trainset, the
 resolved config in vltrain.resolve), the batches in vltrain.batches, one step's losses in vltrain.step (the
 objectives in vltrain.objectives), the optimiser in vltrain.optim, checkpoints in vltrain.checkpoint, the periodic
-checks in vltrain.checks, and what the run tells the user in vltrain.report.
+checks in vltrain.heldout, and what the run tells the user in vltrain.runlog.
 """
 
 import contextlib
@@ -17,13 +17,13 @@ import torch
 
 from vltrain.data.feed import Feed, StopFetch
 from vltrain.resume import Run, RunState, interrupted, save_checkpoint
-from vltrain.checks import curriculum_check, evaluate_heldout
+from vltrain.heldout import curriculum_check, evaluate_heldout
 from vltrain.data.collate import to_device
 from vltrain.distributed import any_flags, broadcast, gather
 from vltrain.errors import PeerFailed, TrainError
 from vltrain.model import autocast
 from vltrain.optim import lr_at, optimizer_step, set_lr
-from vltrain.report import Report, console
+from vltrain.runlog import RunLog, console
 from vltrain.samplers import GritSampler
 from vltrain.session import Session, setup
 from vltrain.step import distill_alpha_at
@@ -45,7 +45,7 @@ def train(cfg, resume: bool = False, overwrite: bool = False, init_from=None, qu
     return end(s, report)
 
 
-def loop(s: Session, report: Report) -> None:
+def loop(s: Session, report: RunLog) -> None:
     """Steps until s.cfg.steps, with checkpoints, evaluations and TOnICS checks on their schedules."""
     cfg, run, state, data = s.cfg, s.run, s.state, s.data
     last_save = time.monotonic()
@@ -91,7 +91,7 @@ def loop(s: Session, report: Report) -> None:
         _evaluate(run, state, data, report, s.device, s.rank, True)
 
 
-def end(s: Session, report: Report) -> dict:
+def end(s: Session, report: RunLog) -> dict:
     """The last checkpoint, OUT released, the process group left; the final metrics."""
     run, state, init = s.run, s.state, s.init
     if not broadcast(run.last_path.exists()):  # resumed at or past the final step: still leave a checkpoint behind
@@ -104,7 +104,7 @@ def end(s: Session, report: Report) -> dict:
             "init_from": {k: v for k, v in init.items() if k != "notes"} if init else None}
 
 
-def _evaluate(run: Run, state: RunState, data, report: Report, device, rank: int, saved: bool) -> None:
+def _evaluate(run: Run, state: RunState, data, report: RunLog, device, rank: int, saved: bool) -> None:
     """The held-out evaluation on rank 0; when it improves best and last.pt was just saved, last.pt again, so that a
     resumed run knows the best mean recall that best.pt holds (every rank saves: the RNG states are gathered)."""
     best = state.best

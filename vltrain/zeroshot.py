@@ -53,7 +53,7 @@ def read_text(path, what: str) -> str:
 def read_image(path) -> Image.Image:
     """An image file as RGB; a missing, non-regular (FIFO, device), oversized or undecodable file, or a decompression
     bomb, is a one-line ValueError."""
-    from vlprep.dataset import to_rgb
+    from vlprep.dataset import decode_rgb
 
     try:
         try:
@@ -64,7 +64,7 @@ def read_image(path) -> Image.Image:
             raise ValueError(f"image {path}: {e.size:,} bytes, more than {IMAGE_BYTES:,}") from None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            return to_rgb(data)
+            return decode_rgb(data)
     except Image.DecompressionBombError as e:
         raise ValueError(f"image {path}: refused as a decompression bomb ({e})") from None
     except Image.UnidentifiedImageError:

@@ -9,9 +9,9 @@ import torch
 from PIL import Image
 
 import vltrain
-from vlprep.dataset import image_ext, iter_samples, to_rgb
+from vlprep.dataset import decode_rgb, image_ext, iter_samples
 from vlprep.embed import EmbedConfig, embed, load_embeddings
-from vltrain.encode import CheckpointEncoder
+from vltrain.checkpoint_encoder import CheckpointEncoder
 from vltrain.zeroshot import image_folder
 
 DEMO = Path(__file__).resolve().parents[2] / "demo-out" / "openclipart"
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(not (CKPT.is_file() and (EVAL / "sizes.json").is
 def demo():
     samples = []
     for s in iter_samples(EVAL, decode=False):
-        samples.append((s["__key__"], to_rgb(s[image_ext(s)]), s["txt"].decode("utf-8")))
+        samples.append((s["__key__"], decode_rgb(s[image_ext(s)]), s["txt"].decode("utf-8")))
         if len(samples) == 16:
             break
     return {"model": vltrain.load(CKPT, device="cpu"), "samples": samples}

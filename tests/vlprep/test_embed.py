@@ -1,4 +1,4 @@
-"""vlprep embed and the views of pseudolabel, with an encoder object (vltrain.encode.CheckpointEncoder)."""
+"""vlprep embed and the views of pseudolabel, with an encoder object (vltrain.checkpoint_encoder.CheckpointEncoder)."""
 
 import hashlib
 import subprocess
@@ -12,7 +12,7 @@ import torch
 from vlprep import VlprepError
 from vlprep.dataset import iter_samples
 from vlprep.embed import EmbedConfig, crop_seed, crop_views, embed, intact_captions
-from vltrain.encode import CheckpointEncoder
+from vltrain.checkpoint_encoder import CheckpointEncoder
 
 
 def cli(*args) -> subprocess.CompletedProcess:
@@ -41,11 +41,11 @@ def test_embed_text_and_image(world, tmp_path):
     keys, x = load_embeddings(tmp_path / "i")
     assert len(keys) == 14 and x.shape == (14, 16) and rep["skipped"] == {}
     from vlprep.encoders import eval_transform
-    from vlprep.dataset import to_rgb
+    from vlprep.dataset import decode_rgb
 
     first = next(iter_samples(world["unaligned"], decode=False))
     with torch.no_grad():
-        ref = model.encode_image(eval_transform(32, model.image_mean, model.image_std)(to_rgb(first["png"]))[None])[1]
+        ref = model.encode_image(eval_transform(32, model.image_mean, model.image_std)(decode_rgb(first["png"]))[None])[1]
     np.testing.assert_allclose(x[0], ref[0].numpy(), atol=1e-5)
     with pytest.raises(VlprepError, match="--modality must be image or text"):
         embed(EmbedConfig(src=world["aligned"], out=tmp_path / "z", modality="audio"), encoder)

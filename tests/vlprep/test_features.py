@@ -16,7 +16,7 @@ import torch
 from tests.conftest import image_bytes
 from tests.vlprep.test_dataset import lock_is_free
 from vlprep import VlprepError
-from vlprep.dataset import iter_samples, iter_tar, open_dataset, to_rgb
+from vlprep.dataset import decode_rgb, iter_samples, iter_tar, open_dataset
 from vlprep.encoders import (encoder_from_spec, eval_pixels, eval_transform, eval_view, features_spec,
                              load_token_encoder, normalise)
 from vlprep.features import FeaturesConfig, features
@@ -115,14 +115,14 @@ def test_tokens_equal_a_direct_derivation(raw, packaged):
     assert set(got) == set(images)
     for key, data in images.items():
         with torch.inference_mode():
-            fmap = net.extract_features(tf(to_rgb(data))[None])  # (1, 1280, 2, 2), plain NCHW, batch of one
+            fmap = net.extract_features(tf(decode_rgb(data))[None])  # (1, 1280, 2, 2), plain NCHW, batch of one
         want = fmap[0].reshape(1280, 4).T.numpy()  # (h*w, C): token t is grid cell (t // w, t % w)
         np.testing.assert_allclose(got[key].astype(np.float32), want, rtol=2e-3, atol=2e-3)
 
 
 def test_eval_pixels_is_the_eval_transform_and_the_fast_path_is_identical():
     mean, std = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
-    images = [to_rgb(image_bytes(w, h, fmt, seed=w, mode=mode))
+    images = [decode_rgb(image_bytes(w, h, fmt, seed=w, mode=mode))
               for w, h, fmt, mode in [(40, 30, "PNG", "RGB"), (300, 97, "JPEG", "RGB"), (64, 64, "PNG", "RGBA"),
                                       (17, 250, "PNG", "L"), (224, 224, "PNG", "RGB"), (500, 333, "JPEG", "RGB")]]
     for size in (64, 224):
@@ -284,7 +284,7 @@ def test_torchvision_resnet18_from_a_local_state_dict(raw, resnet18_weights, tmp
     model.eval()
     trunk = torch.nn.Sequential(*list(model.children())[:-2])
     for s in iter_samples(tmp_path / "out", decode=False):
-        x = eval_pixels(to_rgb(s.get("png", s.get("jpg"))), 96, spec["mean"], spec["std"])
+        x = eval_pixels(decode_rgb(s.get("png", s.get("jpg"))), 96, spec["mean"], spec["std"])
         with torch.inference_mode():
             want = trunk(x[None])[0].flatten(1).T.numpy()  # (9, 512)
         got = load_npy(s["npy"])
@@ -304,7 +304,7 @@ def test_a_timm_vit_gives_every_token_of_its_last_layer(raw, tmp_path):
     spec = report["features"]
     assert (spec["tokens"], spec["dim"]) == (197, 192) and spec["mean"] == [0.5, 0.5, 0.5]
     s = next(iter_samples(tmp_path / "out", decode=False))
-    x = eval_pixels(to_rgb(s.get("png", s.get("jpg"))), 224, spec["mean"], spec["std"])
+    x = eval_pixels(decode_rgb(s.get("png", s.get("jpg"))), 224, spec["mean"], spec["std"])
     with torch.inference_mode():
         want = vit.forward_features(x[None])[0].numpy()
     np.testing.assert_allclose(load_npy(s["npy"]), want, rtol=1e-4, atol=1e-4)
@@ -366,7 +366,7 @@ def test_encoder_from_spec_reproduces_the_stage(raw, packaged):
             samples = list(iter_tar(raw / shard))
             for i in range(0, len(samples), 4):
                 call = samples[i:i + 4]
-                x = torch.stack([eval_pixels(to_rgb(s.get("png", s.get("jpg"))), spec["size"], spec["mean"],
+                x = torch.stack([eval_pixels(decode_rgb(s.get("png", s.get("jpg"))), spec["size"], spec["mean"],
                                              spec["std"]) for s in call] + [black] * (4 - len(call)))
                 with torch.inference_mode():
                     tokens = enc(x)

@@ -431,7 +431,7 @@ def test_bow_base_vocabulary_holds_every_caption_of_the_base_samples(tmp_path):
 
 def test_pseudolabel_drops_the_input_captions(world, tmp_path, coco_ds):
     from vlprep.pseudolabel import PseudolabelConfig, pseudolabel
-    from vltrain.encode import CheckpointEncoder
+    from vltrain.checkpoint_encoder import CheckpointEncoder
 
     enc = CheckpointEncoder(world["ckpt"], "cpu")
     rep = pseudolabel(PseudolabelConfig(aligned=world["aligned"], unaligned=coco_ds, out=tmp_path / "pl", k=3,

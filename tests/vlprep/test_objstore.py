@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from vlprep import VlprepError, objstore, urls
-from vlprep.remote import check_dataset
+from vlprep.cliargs import check_dataset
 
 
 class Status(Exception):

@@ -19,7 +19,7 @@ from vlprep.dataset import iter_samples, open_dataset, read_sidecars
 from vlprep.output import Out, finish_dataset, write_shard
 from vlprep.pseudolabel import (PseudolabelConfig, STRATEGIES, caption_words, neighbour_keys, pseudolabel,
                                 rank_words, top_words)
-from vltrain.encode import CheckpointEncoder
+from vltrain.checkpoint_encoder import CheckpointEncoder
 
 STOP = set((Path(__file__).parents[2] / "vlprep/data/stopwords/english").read_text().split())
 
@@ -176,7 +176,7 @@ def reference_pseudo_captions(w, strategy: str, k: int, crops: int, p: int, seed
     """The whole method re-derived with the model, numpy brute force and reference_rank: key -> (words, nbrs)."""
     from torchvision.transforms import v2
 
-    from vlprep.dataset import to_rgb
+    from vlprep.dataset import decode_rgb
     from vltrain.config import ModelConfig
     from vltrain.model import build_model, build_tokenizer
 
@@ -192,7 +192,7 @@ def reference_pseudo_captions(w, strategy: str, k: int, crops: int, p: int, seed
     df = Counter(x for c in caps for x in words_of(c))
     out = {}
     for s in iter_samples(w["unaligned"], decode=False):
-        img = to_rgb(s["png"])
+        img = decode_rgb(s["png"])
         gen_seed = int.from_bytes(hashlib.blake2b(f"crop:{seed}:{s['__key__']}".encode(), digest_size=8).digest(),
                                   "big") >> 1
         torch.manual_seed(gen_seed)  # the documented rule: the default generator seeded per key

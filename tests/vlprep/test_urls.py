@@ -10,7 +10,7 @@ from vlprep import VlprepError, objstore, urls
 from vlprep.dataset import Dataset
 from vlprep.outlock import lock_url
 from vlprep.output import check_out
-from vlprep.remote import check_dataset
+from vlprep.cliargs import check_dataset
 
 
 @pytest.mark.parametrize("given, canonical", [

@@ -11,7 +11,7 @@ from PIL import Image
 
 import vltrain
 from tests.conftest import tiny_checkpoint
-from vlprep.dataset import to_rgb
+from vlprep.dataset import decode_rgb
 from vltrain.zeroshot import class_embeddings
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -69,7 +69,7 @@ def test_a_path_a_pil_image_and_an_array_of_the_same_picture_embed_alike(tmp_pat
 def test_transparency_is_composited_on_white_as_in_training(tmp_path):
     model = vltrain.load(tiny_checkpoint(tmp_path / "ckpt.pt"), device="cpu")
     path = picture(tmp_path / "t.png", (200, 10, 10, 90), mode="RGBA")
-    trained_on = model.transform(to_rgb(path.read_bytes()))  # what training and eval decode
+    trained_on = model.transform(decode_rgb(path.read_bytes()))  # what training and eval decode
     assert torch.equal(model.pixels([Image.open(path)])[0], trained_on)
     assert torch.equal(model.pixels([np.asarray(Image.open(path))])[0], trained_on)
 

@@ -8,7 +8,7 @@ from torch.utils.data import DataLoader
 
 from tests.conftest import image_bytes
 from vlprep.shards import ShardsConfig, build_shards
-from vlprep.dataset import to_rgb
+from vlprep.dataset import decode_rgb
 from vlprep.encoders import eval_transform
 from vltrain.data.collate import Collate
 from vltrain.data.samples import train_transform
@@ -76,7 +76,7 @@ def test_transforms_and_collate(tmp_path):
 def test_transparent_images_become_white_and_features_load(tmp_path):
     buf = io.BytesIO()
     Image.new("RGBA", (4, 4), (0, 0, 0, 0)).save(buf, format="PNG")
-    assert to_rgb(buf.getvalue()).getpixel((0, 0)) == (255, 255, 255)
+    assert decode_rgb(buf.getvalue()).getpixel((0, 0)) == (255, 255, 255)
     import tarfile
 
     root = tmp_path / "feat"

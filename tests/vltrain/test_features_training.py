@@ -74,7 +74,7 @@ def test_feature_trained_checkpoint_reads_pixels_through_the_same_encoder(world)
     assert results["f64"]["retrieval"] == results["pix"]["retrieval"]
     # vlprep embed on the pixel shards takes the same route.
     from vlprep.embed import EmbedConfig, embed, load_embeddings
-    from vltrain.encode import CheckpointEncoder
+    from vltrain.checkpoint_encoder import CheckpointEncoder
 
     embed(EmbedConfig(src=world["pix"], out=world["tmp"] / "emb", modality="image"),
           CheckpointEncoder(world["run"] / "last.pt", "cpu"))

@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("vlprep", "vltrain")
 # The one vlprep module that may import vltrain: the CLI hands `vlprep embed` / `vlprep pseudolabel` a
-# vltrain.encode.CheckpointEncoder (lazily, inside the command). The stages themselves take any encoder object.
+# vltrain.checkpoint_encoder.CheckpointEncoder (lazily, inside the command). The stages themselves take any encoder object.
 VLPREP_MAY_IMPORT_VLTRAIN = {"vlprep.cli"}
 
 Graph = dict[str, dict[str, int]]  # module -> {project module it imports: line of the first such import}

@@ -139,12 +139,12 @@ def test_config_that_is_a_fifo_is_refused_not_read(command, shards, tmp_path):
 def test_eta_note_of_a_run_ending_beyond_any_date_does_not_crash(capsys):
     """Before: datetime.now() + timedelta(seconds=1e22) was `OverflowError: Python int too large to convert to C int`
     after the first 10 steps of `vltrain run --steps 99999999999999999999999`."""
-    from vltrain import report
+    from vltrain import runlog as report
 
     for steps in (99999999999999999999999, 10 ** 400):  # past year 9999; past a float
         fake = SimpleNamespace(cfg=SimpleNamespace(steps=steps, batch_size=4), device=SimpleNamespace(type="cpu"),
                                use_features=True)
-        report.Report._eta_note(fake, 10, 1.0, 10)
+        report.RunLog._eta_note(fake, 10, 1.0, 10)
     assert report.end_time(60).startswith("until about ")
     assert report.fmt_duration(float("inf")) == "forever" and report.fmt_duration(3.8e22) == "1.2e+15 years"
     assert report.fmt_duration(6000) == "1.7 h"

@@ -77,7 +77,7 @@ def test_resolve_fills_the_derived_values_and_says_what_it_changed():
 
 
 def test_a_quiet_setup_prints_nothing_and_feeds_the_batches_it_is_given(onto, tmp_path, capsys, monkeypatch):
-    from vltrain import report
+    from vltrain import runlog as report
 
     monkeypatch.setattr(report.console, "quiet", False)  # set back after the test: setup's quiet stays set
     cfg = load_config("clip", None, TINY, shards=[str(onto)], out=str(tmp_path / "run"), steps=2, batch_size=4,

@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import get_worker_info
 from torchvision.transforms import v2
 
-from vlprep.dataset import image_ext, to_rgb
+from vlprep.dataset import decode_rgb, image_ext
 
 
 def train_transform(size: int, mean, std, min_scale: float = 0.5, augment: str = "none") -> v2.Compose:
@@ -193,7 +193,7 @@ def load_sample(raw: dict, transform, use_features: bool, captions=FIRST, shape=
             raise BadSample("npy_missing", f"{raw.get('__url__', '')}: sample {raw['__key__']} has no npy features")
         x = load_tokens(raw["npy"], shape)
     else:
-        x = transform(to_rgb(raw[image_ext(raw)]))
+        x = transform(decode_rgb(raw[image_ext(raw)]))
     return x, caption, raw["__key__"]
 
 

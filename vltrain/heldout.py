@@ -6,7 +6,7 @@ from vltrain.resume import Run, RunState, save_checkpoint
 from vltrain.distributed import broadcast
 from vltrain.evaluate import drop_images, embed_split, heldout_r1, heldout_recall, val_triplet_sim
 from vltrain.figures import plot_curriculum
-from vltrain.report import Report, console
+from vltrain.runlog import RunLog, console
 
 
 def curriculum_check(run: Run, state: RunState, data, rank: int, device) -> dict:
@@ -36,7 +36,7 @@ def curriculum_check(run: Run, state: RunState, data, rank: int, device) -> dict
     return row
 
 
-def evaluate_heldout(run: Run, state: RunState, data, report: Report, device) -> None:
+def evaluate_heldout(run: Run, state: RunState, data, report: RunLog, device) -> None:
     """Rank 0: held-out retrieval (triplets: the aligner's noun-image task), logged; best.pt when it improves.
 
     Bad held-out samples (LoadCounts' reasons) are left out of both sides, and the result says how many."""

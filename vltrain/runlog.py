@@ -1,5 +1,5 @@
 """What a run tells the user: the start summary, the speed and ETA, the progress bar (or a line every 10% without a
-terminal), metrics.jsonl and TensorBoard, all behind `Report`. Only rank 0 writes files."""
+terminal), metrics.jsonl and TensorBoard, all behind `RunLog`. Only rank 0 writes files."""
 
 import datetime
 import json
@@ -130,7 +130,7 @@ class _NoBoard:
         pass
 
 
-class Report:
+class RunLog:
     """One run's reporting, a context manager: metrics.jsonl (kept in `rows` for the learning curve), TensorBoard
     under tb/, the progress bar and the speed lines. `rows` are the earlier rows of a resumed run."""
 

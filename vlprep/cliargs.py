@@ -1,4 +1,4 @@
-"""The paths the CLIs take and write. A dataset folder argument may be a URL (s3://, gs://, http(s)://, and
+"""The arguments both CLIs share: the paths they take and write, and `--version`. A dataset folder argument may be a URL (s3://, gs://, http(s)://, and
 file:// for a local path; vlprep.objstore reads and writes them); every other path (a config, a checkpoint, weights,
 a run folder) stays local, and a URL there is one line. An OSError on an output folder is one line (`writing`).
 
@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import get_args, get_type_hints
 
-from vlprep import VlprepError, cut, objstore, urls
+from vlprep import VlprepError, cut, objstore, urls, version_line
 
 # scheme:// with a scheme of 2+ characters: a Windows drive (C:/x, C:\x) is a local path
 URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+://")
@@ -112,3 +112,16 @@ def writing(out: Path, error: type[Exception] = VlprepError):
         if e.filename is None or not _touches(e.filename, out):
             raise
         raise error(f"cannot write {out}: {(e.strerror or type(e).__name__).lower()}") from None
+
+
+def version_option(tool: str):
+    """The eager `--version` option of a typer app's callback: prints `tool`'s version line and exits."""
+    import typer
+
+    def show(value: bool) -> None:
+        if value:
+            print(version_line(tool))
+            raise typer.Exit()
+
+    return typer.Option(False, "--version", callback=show, is_eager=True,
+                        help="Print the version (and torch's and transformers') and exit.")
