@@ -37,7 +37,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from vlprep.bow import (DEFAULT_OPS, _init_worker, base_statistics, bow_shard, parse_ops,  # noqa: E402
+from vlprep.bow import (DEFAULT_OPS, init_worker, base_statistics, bow_shard, parse_ops,  # noqa: E402
                         shard_fingerprints)
 from vlprep.dataset import open_dataset  # noqa: E402
 from vlprep.engine import PoolExecutor, RayExecutor, Work, map_shards, ray_connect  # noqa: E402
@@ -90,14 +90,14 @@ def make_sides(root: Path, names: tuple[str, ...]) -> tuple[dict[str, common.Sid
     sides, executors, startup = {}, [], {}
     if "baseline" in names:
         t = time.perf_counter()
-        plain = ProcessPoolExecutor(2, mp_context=get_context("fork"), initializer=_init_worker, initargs=initargs)
+        plain = ProcessPoolExecutor(2, mp_context=get_context("fork"), initializer=init_worker, initargs=initargs)
         assert len(set(plain.map(_nothing, [0.3, 0.3]))) == 2
         startup["plain pool"] = time.perf_counter() - t - 0.3
         sides["baseline"] = lambda out: baseline(plain, ds, out, fps)
         executors.append(plain)
     if "local" in names:
         t = time.perf_counter()
-        local = PoolExecutor(2, _init_worker, initargs)
+        local = PoolExecutor(2, init_worker, initargs)
         assert len({f.result() for f in [local.submit(_nothing, 0.3) for _ in range(2)]}) == 2
         startup["map_shards local pool"] = time.perf_counter() - t - 0.3
         sides["local"] = lambda out: engine(local, ds, out, fps)
@@ -106,7 +106,7 @@ def make_sides(root: Path, names: tuple[str, ...]) -> tuple[dict[str, common.Sid
         t = time.perf_counter()
         ray_connect()  # as the stages do: RAY_ADDRESS, else a local Ray with this machine's CPUs
         t_init = time.perf_counter() - t
-        on_ray = RayExecutor(2, _init_worker, initargs)
+        on_ray = RayExecutor(2, init_worker, initargs)
         on_ray.ready()
         startup["ray"] = time.perf_counter() - t
         startup["of which ray.init"] = t_init

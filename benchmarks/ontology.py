@@ -158,7 +158,7 @@ def detect_sides(n: int) -> tuple[dict[str, common.Side], dict]:
     import cv2
     from PIL import Image
 
-    from vlprep.detect import SSDDetector, _decode
+    from vlprep.detect import SSDDetector, decode_image
 
     encoded, names, what = load_images(n)
     with warnings.catch_warnings(record=True) as caught:
@@ -167,7 +167,7 @@ def detect_sides(n: int) -> tuple[dict[str, common.Side], dict]:
         arrays, dec_ms = [], []
         for b in encoded:
             t = time.perf_counter()
-            arrays.append(_decode(b))
+            arrays.append(decode_image(b))
             dec_ms.append(1e3 * (time.perf_counter() - t))
     keep = [i for i, a in enumerate(arrays) if a is not None]
     info = {"encoded": encoded, "names": names, "what": what, "dec_ms": dec_ms, "bad": len(arrays) - len(keep),
@@ -188,7 +188,7 @@ def detect_sides(n: int) -> tuple[dict[str, common.Side], dict]:
         for i in range(0, len(ok), bs):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-                out.extend(det([_decode(b) for b in ok[i:i + bs]], MIN_SCORE))
+                out.extend(det([decode_image(b) for b in ok[i:i + bs]], MIN_SCORE))
         return out
 
     det(arrays[:8], MIN_SCORE)  # warm-up: first forward allocates
@@ -205,7 +205,7 @@ def bench_detect(n: int, repeats: int, tmp: Path, isolate: bool) -> list[dict]:
           f"{int(statistics.median(s[1] for s in shapes))}x{int(statistics.median(s[0] for s in shapes))}, largest "
           f"{names[keep[big]]} {shapes[big][1]}x{shapes[big][0]}; "
           f"{sum(map(len, info['encoded'])) / len(info['encoded']) / 1e3:.1f} KB encoded on average")
-    print(f"  decode (vlprep.detect._decode) per image, ms: median {statistics.median(dec_ms):.1f}, "
+    print(f"  decode (vlprep.detect.decode_image) per image, ms: median {statistics.median(dec_ms):.1f}, "
           f"p90 {np.percentile(dec_ms, 90):.1f}, max {max(dec_ms):.0f} ({names[int(np.argmax(dec_ms))]}), "
           f"total {sum(dec_ms) / 1e3:.2f} s; {info['bombs']} DecompressionBombWarning(s)")
     print(f"  SSDDetector loaded in {info['load_s']:.1f} s (not timed); cv2 {info['cv2']}, {info['threads']} OpenCV "

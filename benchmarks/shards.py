@@ -66,7 +66,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from vlprep.dataset import ShardTarWriter  # noqa: E402
+from vlprep.tario import ShardTarWriter  # noqa: E402
 from vlprep.imagecheck import PNG_MAGIC  # noqa: E402
 from vlprep.shards import ShardsConfig, build_shards  # noqa: E402
 

@@ -78,6 +78,24 @@ def covered(name: str, public: set[str]) -> bool:
     return name in public or listed_prefix or any(p.startswith(name + ".") for p in public)
 
 
+def resolves(name: str) -> bool:
+    """The name exists: its longest importable module prefix has the rest as attributes."""
+    import importlib
+
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
 def test_scripts_use_only_the_documented_api():
     public = public_names((ROOT / "docs" / "API.md").read_text())
     problems = []
@@ -87,6 +105,8 @@ def test_scripts_use_only_the_documented_api():
         for name in sorted(names):
             if not covered(name, public):
                 problems.append(f"{path.relative_to(ROOT)}: {name} is not in docs/API.md's public API")
+            elif not resolves(name):
+                problems.append(f"{path.relative_to(ROOT)}: {name} does not exist")
     assert not problems, f"{len(problems)} private uses:\n" + "\n".join(problems)
 
 
@@ -100,5 +120,11 @@ def test_the_reader_finds_from_imports_module_attributes_and_private_names():
     assert covered("vltrain.api.Model.encode_texts", public)
     assert not covered("vlprep.dataset._secret", public | {"vlprep.dataset._secret"})
     assert not covered("vltrain.train.train", public)
+    assert resolves("vltrain.config.load_config") and not resolves("vltrain.config.no_such_name")
     assert script_names("python -c 'from vltrain.data import data_signature, x'") == {
         "vltrain.data.data_signature", "vltrain.data.x"}
+
+
+def test_every_name_the_api_page_lists_exists():
+    missing = sorted(n for n in public_names((ROOT / "docs" / "API.md").read_text()) if not resolves(n))
+    assert not missing, f"docs/API.md lists names that do not exist: {missing}"

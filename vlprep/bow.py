@@ -408,7 +408,8 @@ def emptying_warnings(cascade: list[Step], ctx: BowContext, deformed: int | None
 _worker: dict = {}
 
 
-def _init_worker(cascade_spec: str, context: BowContext, seed: int, base_frac: float, deform_base: bool) -> None:
+def init_worker(cascade_spec: str, context: BowContext, seed: int, base_frac: float, deform_base: bool) -> None:
+    """Set up a worker of the bow stage (the cascade, the base test, the deformer), once per worker process."""
     # The context (base vocabulary, top set) is sent once per worker, not once per shard.
     cascade = parse_ops(cascade_spec)
     _worker.update(cascade=cascade, context=context, seed=seed, base_frac=base_frac, deform_base=deform_base,
@@ -527,7 +528,7 @@ def bow(cfg: BowConfig, progress=None, warn: Callable[[str], None] = lambda line
         spec = ",".join(s.label for s in cascade)
         fps = shard_fingerprints(ds, ctx)
         plan = [Work(shard, (ds.source, shard), fps[shard], ds.sizes[shard]) for shard in ds.shards]
-        stats, resumed = map_shards(out, plan, bow_shard, init=_init_worker,
+        stats, resumed = map_shards(out, plan, bow_shard, init=init_worker,
                                     initargs=(spec, ctx, cfg.seed, cfg.base_frac, cfg.deform_base), workers=cfg.workers,
                                     distributor=cfg.distributor, progress=progress, label="bow", total=ds.num_samples)
 

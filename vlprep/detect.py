@@ -192,7 +192,8 @@ def make_detector(backend: str, weights: Path | None = None, device: str = "auto
     raise VlprepError(f"unknown --backend {backend!r}: use ssd or torchvision:ARCH")
 
 
-def _decode(data: bytes) -> np.ndarray | None:
+def decode_image(data: bytes) -> np.ndarray | None:
+    """Image bytes -> an RGB uint8 array (H, W, 3) for a detector, or None when they do not decode (a counted skip)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # shards already capped the size
@@ -224,7 +225,7 @@ def detect_shard(out: Out, src: Path, shard: str, imported: dict | None, min_sco
         if imported is not None:
             results = [[o for o in imported.get(r["__key__"], []) if o["score"] >= min_score] for r in batch]
         else:
-            arrays = [_decode(r[image_ext(r)]) if image_ext(r) else None for r in batch]
+            arrays = [decode_image(r[image_ext(r)]) if image_ext(r) else None for r in batch]
             ok = [i for i, a in enumerate(arrays) if a is not None]
             found = _worker["detector"]([arrays[i] for i in ok], min_score) if ok else []
             results = [[] for _ in batch]
