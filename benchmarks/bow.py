@@ -97,9 +97,11 @@ def make_vocab(size: int = VOCAB, seed: int = 0) -> list[str]:
     rng = np.random.default_rng(seed)
     special = set(stop_words()) | set(PUNCT)
     numbers = sorted({str(n) for n in rng.integers(0, 2030, 120)} | {str(n) for n in range(13)})
-    cons, vows = "bcdfghjklmnprstvwz", "aeiou"
+    cons = "bcdfghjklmnprstvwz"
+    vows = "aeiou"
     syll = [c + v for c in cons for v in vows] + [c + v + "n" for c in cons for v in vows]
-    content, seen = [], special | set(numbers)
+    content = []
+    seen = special | set(numbers)
     n_content = size - len(seen)
     while len(content) < n_content:
         w = "".join(syll[i] for i in rng.integers(0, len(syll), int(rng.integers(1, 4))))
@@ -132,7 +134,8 @@ class CaptionMaker:
         lengths = rng.integers(8, 16, n)
         ranks = np.searchsorted(self.cdf, rng.random(int(lengths.sum())), side="right")
         toks = self.shown[ranks]
-        out, at = [], 0
+        out = []
+        at = 0
         for k in lengths.tolist():
             c = " ".join(toks[at: at + k]).replace(" \0", "").lstrip("\0")
             out.append(c[:1].upper() + c[1:])
@@ -147,7 +150,8 @@ def key_of(i: int) -> str:
 def synthetic_context(vocab: list[str], seed: int = 0) -> BowContext:
     """Base vocabulary of 60% of the tokens (the 2,000 most frequent plus a random share of the rest), top-1000."""
     rng = np.random.default_rng(seed + 1)
-    head, tail = vocab[:2000], vocab[2000:]
+    head = vocab[:2000]
+    tail = vocab[2000:]
     want = int(0.6 * len(vocab)) - len(head)
     picked = rng.choice(len(tail), size=max(0, want), replace=False)
     return BowContext(base_vocab=frozenset(head + [tail[i] for i in picked]), top=frozenset(vocab[:1000]))
@@ -212,7 +216,9 @@ def bench_deform(n: int, chunk: int) -> list[dict]:
     # Chunks in turn, each side on the same chunk: the median over chunks decides (CPU time, so another
     # process on the core slows the figure only through shared caches).
     run = stage(cascade)
-    t_def, t_ref, t_tok = [], [], []
+    t_def = []
+    t_ref = []
+    t_tok = []
     for lo in range(0, n, chunk):
         part = pairs[lo: lo + chunk]
         t_def.append(cpu_per_item(run, part, 1))
@@ -224,11 +230,13 @@ def bench_deform(n: int, chunk: int) -> list[dict]:
     empty = sum(not d(c, k) for c, k in sample)
     print(f"  e.g. {sample[0][0]!r} -> {d(*sample[0])!r}; {100 * empty / len(sample):.1f}% come out empty")
     idx = list(range(len(token_lists)))
-    sh, sh_ref = cpu_per_item(shuffle_only, idx), cpu_per_item(shuffle_ref, idx)
+    sh = cpu_per_item(shuffle_only, idx)
+    sh_ref = cpu_per_item(shuffle_ref, idx)
     print(f"  shuffle alone, per caption: keyed_shuffle {1e6 * sh:.2f} us, SampleRng.shuffle {1e6 * sh_ref:.2f} us")
 
     # Where the time goes: the stage's deform with the cascade cut after each step (informational).
-    prefix, last = [], statistics.median(t_tok)
+    prefix = []
+    last = statistics.median(t_tok)
     parts = [f"tokenize {1e6 * last:.2f}"]
     for step in cascade:
         prefix.append(step)
@@ -318,8 +326,11 @@ def kept_payloads(ref: Path) -> dict[str, dict[str, dict[str, bytes]]]:
 def plain_bow(src: Path, out: Path, seed: int = 0, base_frac: float = 0.1) -> None:
     """Baseline: the statistics the cascade needs, then per tar bow's reads, deformed captions and kept members."""
     cascade = parse_ops(DEFAULT_OPS)
-    prefix, no_ctx = ranking_prefix(cascade), BowContext()
-    vocab, df, in_base = set(), Counter(), base_test(seed, base_frac)
+    prefix = ranking_prefix(cascade)
+    no_ctx = BowContext()
+    vocab = set()
+    df = Counter()
+    in_base = base_test(seed, base_frac)
     for side in sorted(src.glob("*.parquet")):
         t = pq.ParquetFile(side).read(columns=["key", "caption"])
         for key, caption in zip(t.column(0).to_pylist(), t.column(1).to_pylist()):
@@ -349,13 +360,15 @@ def plain_bow(src: Path, out: Path, seed: int = 0, base_frac: float = 0.1) -> No
     for shard in sorted(src.glob("*.tar")):
         with (TarReader(shard) as tin, open(out / shard.name, "wb", buffering=1 << 20) as f,
               ShardTarWriter(f) as tw):
-            key, members = None, {}
+            key = None
+            members = {}
             for name, offset, size in tin:
                 k, _, ext = name.partition(".")
                 if k != key:
                     if members:
                         write(tw, key, members)
-                    key, members = k, {}
+                    key = k
+                    members = {}
                 members[ext] = tin.read(offset, size)
             if members:
                 write(tw, key, members)
@@ -417,7 +430,9 @@ def limit_plan(src: Path, ref: Path) -> list[tuple[Path, str, list[bytes], list[
         with tarfile.open(shard, "r:") as tf:
             for m in tf:
                 where[m.name] = (m.offset_data, m.offset_data + m.size)
-        raw, parts, offs = (ref / shard.name).read_bytes(), [], []
+        raw = (ref / shard.name).read_bytes()
+        parts = []
+        offs = []
         end = 0
         with tarfile.open(ref / shard.name, "r:") as tf:
             members = list(tf)
@@ -454,9 +469,11 @@ def run_bow(src: Path, out: Path, workers: int, n: int) -> dict:
 
 def make_sides(root: Path) -> dict[str, common.Side]:
     """B's sides over root/ds (the input) and root/ref (one untimed bow run: the bytes to write); only reads them."""
-    ds, ref = root / "ds", root / "ref"
+    ds = root / "ds"
+    ref = root / "ref"
     n = sum(json.loads((ds / "sizes.json").read_text()).values())
-    kept, plan = kept_payloads(ref), limit_plan(ds, ref)
+    kept = kept_payloads(ref)
+    plan = limit_plan(ds, ref)
     return {"plain bow": lambda out: plain_bow(ds, out),
             "bow w=1": lambda out: run_bow(ds, out / "bow", 1, n),
             "fast writer": lambda out: fast_writer(ds, kept, out),
@@ -470,7 +487,8 @@ def make_sides(root: Path) -> dict[str, common.Side]:
 def bench_end_to_end(tmp: Path, shards: int, per_shard: int, repeats: int, src: Path | None,
                      isolate: bool) -> list[dict]:
     n = shards * per_shard
-    folder, ds = tmp / "images", tmp / "ds"
+    folder = tmp / "images"
+    ds = tmp / "ds"
     t0 = time.perf_counter()
     what = make_image_dataset(folder, ds, n, per_shard, src)
     shutil.rmtree(folder)
@@ -497,7 +515,8 @@ def bench_end_to_end(tmp: Path, shards: int, per_shard: int, repeats: int, src: 
             common.ratio_row("B bow w=1 vs limit", t["limit"], t["bow w=1"], None, note="no per-sample Python"),
             common.ratio_row("B fast writer vs limit", t["limit"], t["fast writer"], None,
                              note="the baseline's own gap")]
-    rate, ceiling = n / common.median(t["bow w=1"]["wall"]), n / common.median(t["disk read"]["wall"])
+    rate = n / common.median(t["bow w=1"]["wall"])
+    ceiling = n / common.median(t["disk read"]["wall"])
     print(f"  bow w=1: {rate:,.0f} samples/s; a plain read of the same tars and sidecars: {ceiling:,.0f} samples/s "
           f"(bow at {100 * rate / ceiling:.1f}% of it)", flush=True)
     rows.append(common.value_row("B bow w=1 samples/s", rate, None, "samples/s",
@@ -529,7 +548,8 @@ def _write_mem_shard(root: str, index: int, first: int, count: int) -> int:
 
     png = tiny_png()
     captions = _maker(count, np.random.default_rng(1000 + index))
-    samples, rows = [], []
+    samples = []
+    rows = []
     for i, caption in enumerate(captions):
         key = key_of(first + i)
         uid = f"img/{first + i:09d}"
@@ -638,7 +658,8 @@ def bench_memory(tmp_parent: Path | None, n: int, workers: int, build_workers: i
                   f"at the end {mib(r['end_kb'])} (ru_maxrss {mib(r['ru_maxrss_kb'])}); written {r['written']:,}, "
                   f"dropped {r['dropped']:,}, vocabulary {r['vocab_before']:,}", flush=True)
             shutil.rmtree(out)
-    big, tenth = runs[n], runs[small]
+    big = runs[n]
+    tenth = runs[small]
     peak = max(big["hwm_kb"], big["children_kb"] if workers > 1 else 0)
     ok = peak * 1024 <= TARGET_RSS
     print(f"  peak RSS at {n:,} samples: {mib(peak)} (import alone {mib(base['hwm_kb'])}; {small:,} samples "

@@ -162,7 +162,8 @@ def _timed_figures(fn: Measured, scratch: Path, figures: bool = True) -> dict:
     plain Side's return value is ignored)."""
     out = Path(tempfile.mkdtemp(prefix="out-", dir=scratch))
     try:
-        c0, t0 = cpu_now(), time.perf_counter()
+        c0 = cpu_now()
+        t0 = time.perf_counter()
         result = fn(out)
         return {"wall": time.perf_counter() - t0, "cpu": cpu_now() - c0, **(result if figures else {})}
     finally:

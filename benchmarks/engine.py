@@ -55,7 +55,8 @@ def make_dataset(root: Path, shards: int, per_shard: int) -> None:
     sizes = {}
     for s in range(shards):
         name = shard_name("bench", s)
-        samples, rows = [], []
+        samples = []
+        rows = []
         for i in range(per_shard):
             key = f"bench_{s * per_shard + i:09d}"
             caption = " ".join(rng.choice(WORDS, size=int(rng.integers(6, 16))))
@@ -87,7 +88,9 @@ def make_sides(root: Path, names: tuple[str, ...]) -> tuple[dict[str, common.Sid
     ctx, _ = base_statistics(ds, parse_ops(DEFAULT_OPS), 0.1, 0)
     fps = shard_fingerprints(ds, ctx)
     initargs = (DEFAULT_OPS, ctx, 0, 0.1, False)
-    sides, executors, startup = {}, [], {}
+    sides = {}
+    executors = []
+    startup = {}
     if "baseline" in names:
         t = time.perf_counter()
         plain = ProcessPoolExecutor(2, mp_context=get_context("fork"), initializer=init_worker, initargs=initargs)

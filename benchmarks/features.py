@@ -113,7 +113,8 @@ def make_shards(tmp: Path, n: int) -> tuple[Path, str]:
         for i in range(n):
             a = photos[i % len(photos)]
             h, w = a.shape[:2]
-            y, x = int(rng.integers(0, h // 3)), int(rng.integers(0, w // 3))
+            y = int(rng.integers(0, h // 3))
+            x = int(rng.integers(0, w // 3))
             size = (int(rng.integers(200, 640)), int(rng.integers(200, 640)))
             Image.fromarray(a[y:, x:]).resize(size, Image.BILINEAR).save(src / f"{i:06d}.png")
             (src / f"{i:06d}.txt").write_text(f"synthetic picture {i}")
@@ -130,7 +131,8 @@ def stage_batches(ds_path: Path, size: int, mean, std, batch_size: int, pad: boo
     from vlprep.encoders import eval_pixels, normalise
 
     black = normalise(torch.zeros(3, size, size, dtype=torch.uint8), mean, std)
-    out, ds = [], open_dataset(ds_path)
+    out = []
+    ds = open_dataset(ds_path)
     for shard in ds.shards:
         pixels = [eval_pixels(decode(raw)[0], size, mean, std) for raw in iter_tar(ds.root / shard)]
         for i in range(0, len(pixels), batch_size):
@@ -192,7 +194,8 @@ def bench_stage(args) -> list[dict]:
         sides = ({"bare": None, "bare-1-call": None, "stage": None} if args.isolate  # a child per call
                  else stage_sides(tmp, args.features_batch))
         t = common.time_sides(sides, args.repeats, tmp, args.isolate)
-        b, s = common.median(t["bare"]["wall"]), common.median(t["stage"]["wall"])
+        b = common.median(t["bare"]["wall"])
+        s = common.median(t["stage"]["wall"])
         print(f"  median: bare {b:.2f} s ({args.images / b:.1f} images/s), stage {s:.2f} s "
               f"({args.images / s:.1f} images/s)", flush=True)
         return [common.ratio_row(f"stage vs bare, {args.images} img", t["bare"], t["stage"], TARGET_RATIO),
@@ -208,7 +211,8 @@ def tree_cpu_seconds() -> float:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rpartition(")")[2].split()  # after the command name, which may hold spaces
 
-    me, total = os.getpid(), 0
+    me = os.getpid()
+    total = 0
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -232,7 +236,8 @@ def wait_quiet(limit: float, window: float = 3.0, cores: float = 0.15) -> float:
     """Wait (at most `limit` s) for `window` s in which other processes use under `cores` cores; the seconds waited."""
     t0 = time.perf_counter()
     while True:
-        b0, c0 = machine_busy_seconds(), tree_cpu_seconds()
+        b0 = machine_busy_seconds()
+        c0 = tree_cpu_seconds()
         time.sleep(window)
         quiet = (machine_busy_seconds() - b0 - (tree_cpu_seconds() - c0)) / window < cores
         if quiet or time.perf_counter() - t0 >= limit:
@@ -254,7 +259,9 @@ class RowClock(threading.Thread):
             except FileNotFoundError:
                 continue
             if len(lines) > seen and lines[-1].endswith("}"):
-                now, cpu, busy = time.perf_counter(), tree_cpu_seconds(), machine_busy_seconds()
+                now = time.perf_counter()
+                cpu = tree_cpu_seconds()
+                busy = machine_busy_seconds()
                 for line in lines[seen:]:
                     row = json.loads(line)
                     if "samples_per_s" in row:
@@ -303,7 +310,9 @@ def bare_setup(feat: Path, cfg, batch_size: int):
 
     cfg = prepare(cfg, torch.device("cpu"))[0]  # as train() resolves it: image_model "features", feature_dim
     tok = tokenizer_for(cfg.model.text_model)
-    ds, xs, caps = open_dataset(feat), [], []
+    ds = open_dataset(feat)
+    xs = []
+    caps = []
     for shard in ds.shards:
         for raw in iter_tar(ds.root / shard):
             xs.append(torch.from_numpy(np.load(io.BytesIO(raw["npy"]), allow_pickle=False)).float())
@@ -312,7 +321,9 @@ def bare_setup(feat: Path, cfg, batch_size: int):
     # caption token count (stable) and cut into batches, the batch order shuffled (length bucketing; without it a
     # caption would pad to the longest of 32 random ones, and the text tower's cost follows the length).
     rng = np.random.default_rng(0)
-    order, batches, size = rng.permutation(len(xs)).tolist(), [], batch_size * max(cfg.data.bucket, 1)
+    order = rng.permutation(len(xs)).tolist()
+    batches = []
+    size = batch_size * max(cfg.data.bucket, 1)
     lengths = [len(ids) for ids in tok(caps, truncation=True, max_length=cfg.data.max_len)["input_ids"]]
     picks = []
     for w in range(0, len(order), size):
@@ -346,15 +357,20 @@ def bare_train_run(step, batches: list, steps: int) -> tuple[float, float, float
     """Two untimed steps, then `steps` timed ones cycling over the batches -> (samples/s, samples per CPU-second,
     cores others used)."""
     # train() leaves deterministic algorithms on in the process; the bare loop runs with torch's default (off).
-    det, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    det = torch.are_deterministic_algorithms_enabled()
+    warn = torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(False)
     try:
         for x, ids, mask in batches[:2]:
             step(x, ids, mask)
-        c0, b0, t0 = tree_cpu_seconds(), machine_busy_seconds(), time.perf_counter()
+        c0 = tree_cpu_seconds()
+        b0 = machine_busy_seconds()
+        t0 = time.perf_counter()
         for i in range(steps):
             step(*batches[(i + 2) % len(batches)])
-        t, c, b = time.perf_counter() - t0, tree_cpu_seconds() - c0, machine_busy_seconds() - b0
+        t = time.perf_counter() - t0
+        c = tree_cpu_seconds() - c0
+        b = machine_busy_seconds() - b0
     finally:
         torch.use_deterministic_algorithms(det, warn_only=warn)
     n = steps * batches[0][0].shape[0]
@@ -389,7 +405,8 @@ def bench_train(args) -> list[dict]:
                 "pixels": lambda r: train_run(train_cfg(pixels, tmp / f"pix{r}", args.pixel_steps, args.batch_size,
                                                         pix_sets))}
         names = list(runs)
-        sides, busy = {k: [] for k in names}, []
+        sides = {k: [] for k in names}
+        busy = []
         for r in range(args.repeats):
             for k in names[r % 3:] + names[:r % 3]:  # the order rotates, so no side always follows the same one
                 wait_quiet(args.wait)
@@ -411,7 +428,8 @@ def bench_train(args) -> list[dict]:
             print(f"  {k:<10} {a:>10.1f} {c:>14.1f}")
         out = []
         for base, target in (("pixels", TARGET_PIXELS), ("bare", TARGET_BARE)):
-            ratio, cpu_ratio = med["features"][0] / med[base][0], med["features"][1] / med[base][1]
+            ratio = med["features"][0] / med[base][0]
+            cpu_ratio = med["features"][1] / med[base][1]
             ok = ratio >= target
             print(f"  features / {base}: {ratio:.2f}x (per cpu-s {cpu_ratio:.2f}x), target >= {target}: "
                   f"{'PASS' if ok else 'FAIL'}", flush=True)

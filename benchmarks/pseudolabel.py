@@ -94,7 +94,9 @@ def end_to_end_sides(args, scratch: Path) -> dict:
     from vltrain.config import ModelConfig
     from vltrain.model import build_model
 
-    aligned, unaligned, ckpt = scratch / "aligned", scratch / "unaligned", scratch / "ckpt.pt"
+    aligned = scratch / "aligned"
+    unaligned = scratch / "unaligned"
+    ckpt = scratch / "ckpt.pt"
     if not ckpt.exists():
         make_data(scratch, args.images, args.captions)
         mc = ModelConfig(momentum=False, queue_size=0)
@@ -121,7 +123,8 @@ def bench_end_to_end(args, sides: dict, rates: list, scratch: Path) -> dict:
     t = time_sides(sides, args.repeats, scratch, args.isolate, label="A ")
     row = ratio_row(f"A end to end, {args.images} images", t["bare"], t["stage"], TARGET_RATIO,
                     note=f"x {args.crops} crops, {args.captions:,} captions")
-    b, s = median(t["bare"]["wall"]), median(t["stage"]["wall"])
+    b = median(t["bare"]["wall"])
+    s = median(t["stage"]["wall"])
     loop = f", {median(rates):.2f} in the shard loop" if rates else ""
     print(f"  median: bare {b:.1f} s ({args.images / b:.2f} images/s), stage {s:.1f} s "
           f"({args.images / s:.2f} images/s end to end{loop}); CPU time bare {median(t['bare']['cpu']):.1f} s, "
@@ -212,7 +215,8 @@ def main() -> None:
         sides, _ = end_to_end_sides(args, args.side_dir)
         run_child(args, sides)
     print(load_line("start"), flush=True)
-    rows, index_row = [], None
+    rows = []
+    index_row = None
     if "a" not in skip:
         print("A: end to end vs bare encoder forward + faiss search", flush=True)
         scratch = Path(tempfile.mkdtemp(prefix="bench-pseudo-"))

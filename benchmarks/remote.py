@@ -61,7 +61,8 @@ def loader_epoch(data: str, workers: int, batch: int) -> tuple[int, float]:
     cfg, d, _ = prepare(cfg, torch.device("cpu"))
     loader = make_loader(cfg.seed, d.train, None, d.collate, cfg.batch_size, workers, torch.device("cpu"))
     d.train.set_epoch(0)
-    t0, n = time.perf_counter(), 0
+    t0 = time.perf_counter()
+    n = 0
     for b in loader:
         n += len(b["keys"]) if b is not None else 0
     return n, time.perf_counter() - t0

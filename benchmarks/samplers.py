@@ -84,7 +84,9 @@ class FormerGrit(GritSampler):
     def _group_queue(self):
         n = self.q_len
         perm = self.rng.permutation(n)
-        idx, img, txt = self.q_idx[:n].numpy()[perm], self.q_img[:n].numpy()[perm], self.q_txt[:n].numpy()[perm]
+        idx = self.q_idx[:n].numpy()[perm]
+        img = self.q_img[:n].numpy()[perm]
+        txt = self.q_txt[:n].numpy()[perm]
         for a in range(0, n, self.m):
             b = min(a + self.m, n)
             start = int(self.rng.integers(b - a))
@@ -124,7 +126,8 @@ def grit_sides(n: int, m: int, l_size: int, dim: int, seed: int = 0) -> dict:
         sampler = (FormerGrit if side == "grit-former" else GritSampler)(size, n, m, l_size, seed)
         if side == "grit-cuda":
             torch.cuda.synchronize()
-        c0, t0 = cpu_now(), time.perf_counter()
+        c0 = cpu_now()
+        t0 = time.perf_counter()
         for pos, a, b in feeds[side]:
             sampler.collect(pos, a, b)
         sampler.set_epoch(1)  # the order comes back to the host: nothing is left queued on the device
@@ -139,7 +142,9 @@ def grit_sides(n: int, m: int, l_size: int, dim: int, seed: int = 0) -> dict:
 def tonics_cost(batch: int, refreshes: int, draws: int) -> float:
     """Median seconds per TOnICS batch at 5.8M triplets / 2.84M images / 244 nodes."""
     rng = np.random.default_rng(0)
-    n_trip, n_img, n_nodes = 5_800_000, 2_840_000, 244
+    n_trip = 5_800_000
+    n_img = 2_840_000
+    n_nodes = 244
     image_of = np.sort(rng.integers(0, n_img, n_trip))
     cls = rng.zipf(1.3, n_trip) % n_nodes  # skewed node sizes, as in real data
     order = np.argsort(cls, kind="stable")
@@ -197,7 +202,8 @@ def main() -> None:
                              "ratio": med[side]["per_step_s"] / BUDGET_S,
                              "cpu_ratio": med[side]["cpu_per_step_s"] / BUDGET_S,
                              "note": "baseline = the budget, 2% of a 1 s step"})
-        former, now = med["grit-former"], med["grit"]
+        former = med["grit-former"]
+        now = med["grit"]
         rows.append({"name": "A grit vs grit-former, CPU", "base": former["per_step_s"], "cand": now["per_step_s"],
                      "target": None, "ratio": now["per_step_s"] / former["per_step_s"],
                      "cpu_ratio": now["cpu_per_step_s"] / former["cpu_per_step_s"],

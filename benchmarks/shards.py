@@ -74,7 +74,8 @@ DEFAULT_SRC = Path("/usr/share/openclipart/png")
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
 PER_SHARD = 1000
 RESIZE = 256
-TARGET_A, TARGET_B = 1.5, 1.3
+TARGET_A = 1.5
+TARGET_B = 1.3
 
 
 # --- the input folder ---------------------------------------------------------------------------
@@ -82,7 +83,8 @@ TARGET_A, TARGET_B = 1.5, 1.3
 
 def pick_images(src: Path, n: int) -> tuple[list[Path], int]:
     """First n images of src in sorted path order that PIL opens below its bomb limit -> (paths, excluded)."""
-    picked, excluded = [], 0
+    picked = []
+    excluded = 0
     for p in sorted(q for q in src.rglob("*") if q.suffix.lower() in IMAGE_SUFFIXES and q.is_file()):
         try:
             with Image.open(p) as im:
@@ -158,7 +160,11 @@ def checked_size(data: bytes) -> tuple[str, int, int] | None:
     A PNG by a plain walk of its chunks: each length inside the file, each CRC but IDAT's, up to IEND; its size
     from IHDR. Other formats: Pillow's header read, then the end-of-image check (JPEG EOI, WebP RIFF length)."""
     if data.startswith(PNG_MAGIC):
-        n, pos, view, crc32, unpack = len(data), 8, memoryview(data), zlib.crc32, _CHUNK.unpack_from
+        n = len(data)
+        pos = 8
+        view = memoryview(data)
+        crc32 = zlib.crc32
+        unpack = _CHUNK.unpack_from
         while pos + 12 <= n:
             length, cid = unpack(data, pos)
             end = pos + 12 + length
@@ -182,14 +188,16 @@ def checked_size(data: bytes) -> tuple[str, int, int] | None:
 
 def plain(folder: Path, out: Path) -> None:
     """A baseline: vlprep's tars from a plain loop (list, sort, read, check, clean, encode, write 3 members)."""
-    base, source = str(folder) + "/", folder.name
+    base = str(folder) + "/"
+    source = folder.name
     names = sorted(n for n in os.listdir(folder) if not n.endswith(".txt"))
     encode = json.JSONEncoder(ensure_ascii=False, sort_keys=True).encode
     for s in range(0, len(names), PER_SHARD):
         with open(out / f"shard-{s // PER_SHARD:06d}.tar", "wb", buffering=1 << 20) as f, ShardTarWriter(f) as tw:
             for i, name in enumerate(names[s: s + PER_SHARD], s):
                 stem = name.rsplit(".", 1)[0]
-                image, txt = _read(base + name), _read(base + stem + ".txt")
+                image = _read(base + name)
+                txt = _read(base + stem + ".txt")
                 head = checked_size(image)
                 caption = " ".join(txt.decode("utf-8").split())
                 if head is None or not caption:
@@ -203,7 +211,8 @@ def plain(folder: Path, out: Path) -> None:
 
 def check_plain(folder: Path, tmp: Path, workers: int) -> None:
     """Before the clock: the baseline's tars are vlprep's, byte for byte (else it would not do the same work)."""
-    a, b = tmp / "check-plain", tmp / "check-vlprep"
+    a = tmp / "check-plain"
+    b = tmp / "check-vlprep"
     a.mkdir()
     plain(folder, a)
     build_shards(ShardsConfig(src=folder, out=b, samples_per_shard=PER_SHARD, workers=workers))
@@ -217,13 +226,15 @@ def check_plain(folder: Path, tmp: Path, workers: int) -> None:
 def fast_writer(folder: Path, out: Path, resize: bool = False) -> None:
     """A, informational (the baseline until 2026-11-25), and B with resize: list, sort, then per image read image +
     caption and write 3 members."""
-    base, source = str(folder) + "/", folder.name
+    base = str(folder) + "/"
+    source = folder.name
     names = sorted(n for n in os.listdir(folder) if not n.endswith(".txt"))
     for s in range(0, len(names), PER_SHARD):
         with open(out / f"plain-{s // PER_SHARD:06d}.tar", "wb", buffering=1 << 20) as f, ShardTarWriter(f) as tw:
             for name in names[s: s + PER_SHARD]:
                 stem = name.rsplit(".", 1)[0]
-                image, txt = _read(base + name), _read(base + stem + ".txt")
+                image = _read(base + name)
+                txt = _read(base + stem + ".txt")
                 if resize:
                     image = shrink(image)
                 tw.add(stem + ".json", json.dumps({"uid": stem, "source": source}).encode())
@@ -233,13 +244,15 @@ def fast_writer(folder: Path, out: Path, resize: bool = False) -> None:
 
 def tar_addfile(folder: Path, out: Path) -> None:
     """A, informational: the same loop through tarfile.addfile (tarfile's defaults)."""
-    base, source = str(folder) + "/", folder.name
+    base = str(folder) + "/"
+    source = folder.name
     names = sorted(n for n in os.listdir(folder) if not n.endswith(".txt"))
     for s in range(0, len(names), PER_SHARD):
         with tarfile.open(out / f"plain-{s // PER_SHARD:06d}.tar", "w") as tf:
             for name in names[s: s + PER_SHARD]:
                 stem = name.rsplit(".", 1)[0]
-                image, txt = _read(base + name), _read(base + stem + ".txt")
+                image = _read(base + name)
+                txt = _read(base + stem + ".txt")
                 meta = json.dumps({"uid": stem, "source": source}).encode()
                 for member, data in ((stem + ".json", meta), (name, image), (stem + ".txt", txt)):
                     info = tarfile.TarInfo(member)
@@ -249,12 +262,15 @@ def tar_addfile(folder: Path, out: Path) -> None:
 
 def limit_plan(folder: Path) -> list[tuple[str, list[str], list[str], list[bytes]]]:
     """Before the clock: per shard (name, image paths, caption paths, the member list with the files' slots empty)."""
-    base, source = str(folder) + "/", folder.name
+    base = str(folder) + "/"
+    source = folder.name
     names = sorted(n for n in os.listdir(folder) if not n.endswith(".txt"))
     tw = ShardTarWriter(None)
     plan = []
     for s in range(0, len(names), PER_SHARD):
-        chunk, parts, offset = names[s: s + PER_SHARD], [], 0
+        chunk = names[s: s + PER_SHARD]
+        parts = []
+        offset = 0
         for name in chunk:
             stem = name.rsplit(".", 1)[0]
             meta = json.dumps({"uid": stem, "source": source}).encode()
@@ -304,7 +320,8 @@ def vlprep(folder: Path, out: Path, resize: int | None, workers: int, expected: 
 def make_sides(folder: Path, workers: int) -> dict[str, dict[str, common.Side]]:
     """Both parts' sides over the input folder (only reads it; set-up work here is not timed)."""
     images = sorted(str(p) for p in folder.iterdir() if p.suffix != ".txt")
-    n, plan = len(images), limit_plan(folder)
+    n = len(images)
+    plan = limit_plan(folder)
     return {
         "a": {"plain": lambda out: plain(folder, out),
               "vlprep": lambda out: vlprep(folder, out / "ds", None, workers, n),

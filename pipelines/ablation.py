@@ -155,7 +155,8 @@ def ensure(name: str, inputs: dict, demo: Path, logs: Path, done: set | None = N
         return path
     for need in spec.get("needs", []):
         ensure(need, inputs, demo, logs, done)
-    stamp, digest = logs / f"{name}.reads", _reads_digest(spec, demo, path)
+    stamp = logs / f"{name}.reads"
+    digest = _reads_digest(spec, demo, path)
     stale = digest is not None and stamp.is_file() and stamp.read_text().strip() != digest
     if _present(path) and not stale:
         if digest is not None and not stamp.is_file():  # built before stamps existed: its reads as they are now
@@ -188,7 +189,8 @@ def ensure(name: str, inputs: dict, demo: Path, logs: Path, done: set | None = N
 
 
 def arm_config(recipe: dict, name: str, seed: int, folders: list[str], out: Path, steps: int | None, demo: Path):
-    common, arm = recipe.get("common", {}), recipe["arms"][name] or {}
+    common = recipe.get("common", {})
+    arm = recipe["arms"][name] or {}
     merged = {**common, **{k: v for k, v in arm.items() if k not in ("set", "data")}}
     sets = {**common.get("set", {}), **arm.get("set", {}), "seed": seed}
     sets = {k: fill(v, demo) if isinstance(v, str) else v for k, v in sets.items()}
@@ -378,7 +380,8 @@ def check_results(results) -> None:
             raise RecipeError(f"{where}: expected {want}, not {_kind(value)}")
 
     need(isinstance(results, dict), "the file", "a JSON object with rows and findings", results)
-    rows, findings = results.get("rows"), results.get("findings", [])
+    rows = results.get("rows")
+    findings = results.get("findings", [])
     need(isinstance(rows, list), "rows", "an array", rows)
     need(isinstance(findings, list), "findings", "an array", findings)
     need(isinstance(results.get("meta", {}), dict), "meta", "an object", results.get("meta"))
@@ -454,9 +457,11 @@ def write_outputs(results_path: Path, results: dict) -> tuple[Path, Path]:
     NAME.png for any other NAME.json (pipelines/results/RECIPE.json)."""
     results_path.write_text(json.dumps(results, indent=2) + "\n")
     if results_path.name == "results.json":
-        table, png = results_path.parent / "table.md", results_path.parent / "chart.png"
+        table = results_path.parent / "table.md"
+        png = results_path.parent / "chart.png"
     else:
-        table, png = results_path.with_suffix(".md"), results_path.with_suffix(".png")
+        table = results_path.with_suffix(".md")
+        png = results_path.with_suffix(".png")
     table.write_text(table_md(results))
     chart(png, results)
     return table, png
@@ -470,7 +475,9 @@ def chart(path: Path, results: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    summary, findings, sizes = results["arms"], results["findings"], results["eval"]
+    summary = results["arms"]
+    findings = results["findings"]
+    sizes = results["eval"]
     metrics = [c for c in ("i2t_r1", "t2i_r1", "zeroshot") if any(c in s for s in summary.values())]
     arms = list(summary)
     fig, (ax, fx) = plt.subplots(1, 2, figsize=(15, max(4.5, 0.55 * len(findings) + 2)),
@@ -511,7 +518,8 @@ def chart(path: Path, results: dict) -> None:
 
 
 def print_table(results: dict) -> None:
-    summary, findings = results["arms"], results["findings"]
+    summary = results["arms"]
+    findings = results["findings"]
     cols = [c for c in COLUMNS if any(c in s for s in summary.values())]
     table = Table(title=f"{results['recipe']}: mean ± sd over seeds",
                   caption="TR: text retrieval (image→text); IR: image retrieval (text→image)")
@@ -610,7 +618,8 @@ def main(argv: list[str] | None = None) -> int:
         steps = args.steps or quick.get("steps")
         demo = args.demo.resolve()
         out = args.out or demo / "ablation" / (name + ("-quick" if args.quick else ""))
-        inputs, logs = load_inputs(), demo / "recipes" / "logs"
+        inputs = load_inputs()
+        logs = demo / "recipes" / "logs"
         ev = recipe["eval"]
         retrieval = None if ev.get("retrieval", "heldout") == "heldout" else ensure(ev["retrieval"], inputs, demo,
                                                                                     logs)

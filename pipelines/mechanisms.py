@@ -110,7 +110,8 @@ class CheckError(Exception):
 def hardest_negative_cos(img: torch.Tensor, txt: torch.Tensor, batches) -> float:
     """Mean over the examples of `batches` (lists of row indices) of the cosine of each one's hardest in-batch
     negative, image -> text and text -> image averaged; the rows are L2-normalised (N, E) features. x 100."""
-    i2t, t2i = [], []
+    i2t = []
+    t2i = []
     for b in batches:
         b = torch.as_tensor(np.asarray(b), dtype=torch.long)
         sim = img[b].double() @ txt[b].double().t()
@@ -176,10 +177,13 @@ def cell_centres(width: int, height: int, grid: int, size: int) -> np.ndarray:
     tokens computed on the eval view: shorter side resized to `size` (torchvision's int(size * long / short)), then a
     size x size centre crop (its offset rounded as torchvision's CenterCrop does), cut into a grid x grid grid."""
     if width <= height:
-        new_w, new_h = size, int(size * height / width)
+        new_w = size
+        new_h = int(size * height / width)
     else:
-        new_w, new_h = int(size * width / height), size
-    left, top = int(round((new_w - size) / 2.0)), int(round((new_h - size) / 2.0))
+        new_w = int(size * width / height)
+        new_h = size
+    left = int(round((new_w - size) / 2.0))
+    top = int(round((new_h - size) / 2.0))
     step = size / grid
     c = (np.arange(grid) + 0.5) * step
     ys, xs = np.meshgrid(c, c, indexing="ij")
@@ -226,7 +230,8 @@ def shuffle_cosine(encode, captions: list[str], seed: int) -> tuple[float, int]:
     pairs = [(c, s) for c in captions if (s := shuffled(c, rng)) is not None]
     if not pairs:
         return math.nan, 0
-    a, b = encode([c for c, _ in pairs]), encode([s for _, s in pairs])
+    a = encode([c for c, _ in pairs])
+    b = encode([s for _, s in pairs])
     return 100 * float((a.double() * b.double()).sum(dim=1).mean()), len(pairs)
 
 
@@ -281,7 +286,8 @@ def embed_train_split(model, cfg) -> tuple[torch.Tensor, torch.Tensor]:
     tf = None if use_features else model.transform
     stream = ShardStream(cfg.shards, "train", cfg.data.val_frac, tf, shuffle=False, use_features=use_features,
                          captions="first")
-    xs, captions = [], []
+    xs = []
+    captions = []
     for x, caption, _ in stream:
         xs.append(x)
         captions.append(caption)
@@ -334,10 +340,12 @@ def tonics_data(cfg):
     heldout_positions(cfg, data)
     onto = Path(cfg.sampler.ontology or default_ontology(cfg.shards[0]))
     t = pq.read_table(onto / "triplets.parquet", columns=["index", "class"]).to_pydict()
-    idx, cls = np.asarray(t["index"], dtype=np.int64), np.asarray(t["class"], dtype=object)
+    idx = np.asarray(t["index"], dtype=np.int64)
+    cls = np.asarray(t["class"], dtype=object)
     is_val = np.zeros(len(data.train.shards), dtype=bool)
     is_val[data.val.samples] = True
-    train_cls, val_cls = cls[~is_val[idx]], cls[is_val[idx]]
+    train_cls = cls[~is_val[idx]]
+    val_cls = cls[is_val[idx]]
     if len(train_cls) != len(data.train) or not np.array_equal(idx[is_val[idx]], data.val.samples):
         raise CheckError(f"tonics: {onto / 'triplets.parquet'} does not give the run's triplets")
     image_classes = defaultdict(set)
@@ -350,7 +358,8 @@ def tonics_data(cfg):
 
 def sampler_batches(sampler, n: int) -> list[list[int]]:
     """The first n batches the sampler draws, period after period, at its current curriculum."""
-    out, epoch = [], 0
+    out = []
+    epoch = 0
     while len(out) < n:
         sampler.set_epoch(epoch)
         out += [sampler.batch(b)[1] for b in range(min(sampler.period, n - len(out)))]
@@ -385,7 +394,8 @@ def check_tonics(demo: Path, seed: int) -> tuple[list[dict], dict]:
     positions = data.val_triplets
     own = [val_cls[int(p)] for p in positions]
     imgs = [image_classes[int(data.val.samples[int(p)])] for p in positions]
-    rows, n_items = [], 0
+    rows = []
+    n_items = 0
     for arm, model in (("tonics", tonics), ("random", rand_model)):
         scores = view_scores(model.net, data.val, positions, data.collate, EMBED_BATCH, True, torch.device("cpu"))
         acc, n_items = expected_grounding(scores, own, imgs, K_DISTRACTORS)
@@ -406,7 +416,8 @@ def pointing_items(demo: Path, cfg) -> tuple[list[dict], dict]:
     import pyarrow.parquet as pq
     from vltrain.data.shards import in_val
 
-    onto, det = demo / "onto", demo / "det"
+    onto = demo / "onto"
+    det = demo / "det"
     for need in (onto / "triplets.parquet", det / "sizes.json"):
         if not need.is_file():
             raise CheckError(f"softmask: {need} is missing (`make demo` makes it)")
@@ -417,7 +428,8 @@ def pointing_items(demo: Path, cfg) -> tuple[list[dict], dict]:
     objects = {r["key"]: r["objects"] or [] for r in sidecar_rows(det, ["key", "objects"])}
     onto_caption = {r["key"]: r["caption"] for r in sidecar_rows(onto, ["key", "caption"])}
     t = pq.read_table(onto / "triplets.parquet", columns=["key", "start", "end", "class", "detected"]).to_pylist()
-    items, skipped = [], 0
+    items = []
+    skipped = 0
     for r in t:
         if not r["detected"]:
             continue
@@ -438,7 +450,9 @@ def word_maps(net, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     pieces in batch['noun_mask']: the mean of those rows of `gradcam` / `attention_map` (vltrain.softmask)."""
     from vltrain.softmask import attention_map, gradcam
 
-    ids, mask, words = batch["input_ids"], batch["attention_mask"], batch["noun_mask"].float()
+    ids = batch["input_ids"]
+    mask = batch["attention_mask"]
+    words = batch["noun_mask"].float()
     with torch.no_grad():
         tokens, _ = net.encode_image(batch["features"])
     with torch.enable_grad():
@@ -448,7 +462,8 @@ def word_maps(net, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         grads = torch.autograd.grad(p_match.sum(), maps)  # each pair's p(match) depends on its own maps only
     maps = [a.detach() for a in maps]
     weights = words / words.sum(dim=1, keepdim=True)
-    cam, att = gradcam(maps, list(grads)), attention_map(maps)
+    cam = gradcam(maps, list(grads))
+    att = attention_map(maps)
     return torch.einsum("bl,bln->bn", weights, cam), torch.einsum("bl,bln->bn", weights, att)
 
 
@@ -511,7 +526,8 @@ def eval_captions(demo: Path) -> list[str]:
 
 def check_fistful(demo: Path, seed: int) -> tuple[list[dict], dict]:
     captions = eval_captions(demo)
-    rows, n = [], 0
+    rows = []
+    n = 0
     for arm in RUNS["fistful"]:
         model, _, _ = load_run(run_path(demo, "fistful", arm, seed))
         cos, n = shuffle_cosine(lambda texts: encode_texts(model, texts), captions, seed)
@@ -658,7 +674,8 @@ def main(argv: list[str] | None = None) -> int:
         if unknown or not names:
             raise CheckError(f"unknown check(s) {', '.join(unknown) or '(none)'}; the checks are {', '.join(CHECKS)}")
         seeds = parse_seeds(args.seeds)
-        rows, checks = [], {}
+        rows = []
+        checks = {}
         torch.manual_seed(0)
         for name in names:
             recipe = name
@@ -674,7 +691,9 @@ def main(argv: list[str] | None = None) -> int:
             if not ready:
                 checks[name] = {"skipped": f"no finished runs (make ablation RECIPE={recipe})"}
                 continue
-            t0, c0, infos = time.monotonic(), time.process_time(), {}
+            t0 = time.monotonic()
+            c0 = time.process_time()
+            infos = {}
             for seed in ready:
                 t1 = time.monotonic()
                 got, infos[seed] = RUNNERS[name](demo, seed)

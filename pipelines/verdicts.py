@@ -54,7 +54,8 @@ def paired_differences(rows: list[dict], better: str, than: str, metric: str) ->
     def by_seed(arm):
         return {r["seed"]: r.get(metric) for r in rows if r["arm"] == arm}
 
-    b, t = by_seed(better), by_seed(than)
+    b = by_seed(better)
+    t = by_seed(than)
     seeds = sorted(s for s in set(b) & set(t) if b[s] is not None and t[s] is not None)
     missing = sorted((set(b) | set(t)) - set(seeds))
     return [b[s] - t[s] for s in seeds], seeds, missing
@@ -78,7 +79,8 @@ def t_pvalue(diffs: list[float], null: float = 0.0) -> float:
     n = len(diffs)
     if n < 2:
         return 1.0
-    mean, sd = float(np.mean(diffs)), float(np.std(diffs, ddof=1))
+    mean = float(np.mean(diffs))
+    sd = float(np.std(diffs, ddof=1))
     if sd == 0:
         return 0.0 if mean != null else 1.0
     t = (mean - null) / (sd / math.sqrt(n))
@@ -88,7 +90,8 @@ def t_pvalue(diffs: list[float], null: float = 0.0) -> float:
 def holm(pvalues: list[float]) -> list[float]:
     """Holm's step-down adjusted p-values: the i-th smallest times (m - i + 1), made monotone, capped at 1."""
     m = len(pvalues)
-    adjusted, running = [0.0] * m, 0.0
+    adjusted = [0.0] * m
+    running = 0.0
     for rank, i in enumerate(sorted(range(m), key=lambda j: pvalues[j])):
         running = max(running, min(1.0, (m - rank) * pvalues[i]))
         adjusted[i] = running
@@ -105,7 +108,8 @@ def seeds_needed(sd: float, effect: float, alpha: float, power_goal: float = POW
         return 2
 
     def power(n: int) -> float:
-        df, ncp = n - 1, abs(effect) * math.sqrt(n) / sd
+        df = n - 1
+        ncp = abs(effect) * math.sqrt(n) / sd
         crit = stats.t.ppf(1 - alpha / 2, df)
         p = float(stats.nct.sf(crit, df, ncp) + stats.nct.cdf(-crit, df, ncp))
         # scipy's noncentral t returns NaN far in its tail (large ncp); there the normal approximation is exact enough
@@ -113,7 +117,8 @@ def seeds_needed(sd: float, effect: float, alpha: float, power_goal: float = POW
 
     if power(MAX_SEEDS) < power_goal:
         return MAX_SEEDS + 1
-    lo, hi = 1, MAX_SEEDS  # power(hi) >= goal; power rises with n, so bisect for the smallest such n
+    lo = 1  # power(hi) >= goal; power rises with n, so bisect for the smallest such n
+    hi = MAX_SEEDS
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if power(mid) >= power_goal else (mid, hi)
@@ -124,7 +129,8 @@ def judge(findings: list[dict], rows: list[dict], alpha: float = ALPHA) -> list[
     """Each finding (paper, better, than, metric, paper_effect) with diff, ci_low, ci_high, n_seeds, missing_seeds,
     p_zero and p_paper (Holm-adjusted over the recipe's tests), verdict and seeds_needed."""
     check_rows(rows)
-    out, tests = [], []  # tests: (finding index, "zero" | "paper", raw p)
+    out = []  # tests: (finding index, "zero" | "paper", raw p)
+    tests = []
     for i, f in enumerate(findings):
         diffs, seeds, missing = paired_differences(rows, f["better"], f["than"], f["metric"])
         mean, lo, hi = t_interval(diffs)

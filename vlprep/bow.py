@@ -105,7 +105,8 @@ def parse_ops(spec: str) -> list[Step]:
     def bad(why: str) -> ValueError:
         return ValueError(f"bad --ops {spec!r}: {why}; grammar: {GRAMMAR}")
 
-    steps, seen = [], set()
+    steps = []
+    seen = set()
     parts = [p.strip() for p in spec.split(",")] if spec and spec.strip() else []
     if not parts:
         raise bad("no ops given")
@@ -165,7 +166,10 @@ def is_base(seed: int, key: str, frac: float) -> bool:
 
 def base_test(seed: int, frac: float) -> Callable[[str], bool]:
     """is_base(seed, ., frac) with its prefix and threshold made once: the stage asks it twice per sample."""
-    prefix, limit, blake2b, from_bytes = f"base:{seed}:".encode(), frac * 2**64, hashlib.blake2b, int.from_bytes
+    prefix = f"base:{seed}:".encode()
+    limit = frac * 2**64
+    blake2b = hashlib.blake2b
+    from_bytes = int.from_bytes
     return lambda key: from_bytes(blake2b(prefix + key.encode(), digest_size=8).digest(), "big") < limit
 
 
@@ -339,11 +343,15 @@ class BowConfig:
 
 def base_statistics(ds, cascade: list[Step], base_frac: float, seed: int) -> tuple[BowContext, dict]:
     """First pass, over the sidecars: base vocabulary, top-t set, and the 'before' statistics."""
-    df, vocab, before, lengths = Counter(), set(), Counter(), Counter()
+    df = Counter()
+    vocab = set()
+    before = Counter()
+    lengths = Counter()
     # Fistful's Figure 2 removes "cars, table, men, rocks": the most frequent words that survive the earlier ops,
     # so the document frequencies are counted on base captions after the ops that precede rmtop, not on raw tokens
     # (which would spend most of the t slots on stop words and punctuation that rmstop already removed).
-    prefix, no_ctx = ranking_prefix(cascade), BowContext()
+    prefix = ranking_prefix(cascade)
+    no_ctx = BowContext()
     n = n_base = 0
     in_base = base_test(seed, base_frac)
     for shard in ds.shards:
@@ -353,7 +361,8 @@ def base_statistics(ds, cascade: list[Step], base_frac: float, seed: int) -> tup
         pf = pq.ParquetFile(side)
         multi = "captions" in pf.schema_arrow.names  # a multi-caption dataset: base samples' extras count too
         t = pf.read(columns=["key", "caption"] + (["captions"] if multi else []))
-        keys, captions = t.column("key").to_pylist(), t.column("caption").to_pylist()
+        keys = t.column("key").to_pylist()
+        captions = t.column("caption").to_pylist()
         extras = t.column("captions").to_pylist() if multi else None
         n += len(keys)
         # Counted a shard at a time (one C-level update each), not caption by caption.
@@ -437,11 +446,19 @@ def shard_fingerprints(ds, ctx: BowContext) -> dict[str, str]:
 def bow_shard(out: Out, src: Path, shard: str, fp: str = "") -> dict:
     """Second pass over one shard: deform captions, copy everything else; returns the shard's counts."""
     w = _worker
-    deformer, in_base = w["deformer"], w["in_base"]
+    deformer = w["deformer"]
+    in_base = w["in_base"]
     deformer.take_removed()  # a fresh tally (a failed shard before this one may have left counts)
     side = pq.ParquetFile(src / sidecar_name(shard)).read().replace_schema_metadata(None)
-    samples, kept, captions, raw_captions, flags, all_captions = [], [], [], [], [], []
-    dropped, dropped_extra, deform_base = 0, 0, w["deform_base"]
+    samples = []
+    kept = []
+    captions = []
+    raw_captions = []
+    flags = []
+    all_captions = []
+    dropped = 0
+    dropped_extra = 0
+    deform_base = w["deform_base"]
     for i, raw in iter_aligned(src / shard, side.column("key").to_pylist()):
         key = raw["__key__"]
         text = raw["txt"].decode("utf-8")
@@ -533,7 +550,8 @@ def bow(cfg: BowConfig, progress=None, warn: Callable[[str], None] = lambda line
                                     distributor=cfg.distributor, progress=progress, label="bow", total=ds.num_samples)
 
         sizes = {s: stats[s]["written"] for s in ds.shards}
-        n_in, written = ds.num_samples, sum(sizes.values())
+        n_in = ds.num_samples
+        written = sum(sizes.values())
         removed = [sum(stats[s]["removed"][i] for s in ds.shards) for i in range(len(cascade))]
         deformed = sum(stats[s]["deformed"] for s in ds.shards)
         dropped = sum(stats[s]["dropped_empty"] for s in ds.shards)
@@ -543,7 +561,8 @@ def bow(cfg: BowConfig, progress=None, warn: Callable[[str], None] = lambda line
             "counts": {"in": n_in, "written": written, "deformed": deformed, "dropped_empty": dropped},
             **carried_features(ds),
         })
-        after_words, after_lengths = Counter(), Counter()
+        after_words = Counter()
+        after_lengths = Counter()
         for shard in ds.shards:  # the 'after' statistics: of each shard's kept captions (bow_shard), in shard order
             shard_words, shard_lengths = stats[shard].pop("after", None) or _word_stats(
                 pq.ParquetFile(out.root / sidecar_name(shard)).read(columns=["caption"]).column(0).to_pylist())

@@ -98,7 +98,8 @@ def refuse_urls(app, datasets: dict[str, tuple[str, ...]] | None = None) -> None
 def _touches(filename, out: Path) -> bool:
     if is_url(str(out)):
         return False
-    a, b = Path(filename).resolve(), Path(out).resolve()
+    a = Path(filename).resolve()
+    b = Path(out).resolve()
     return a.is_relative_to(b) or b.is_relative_to(a)
 
 

@@ -145,7 +145,8 @@ def open_dataset(path: str | os.PathLike) -> Dataset:
             )
         raise VlprepError(f"not a shard dataset (no sizes.json and no .tar shards): {root}")
     sizes = read_sizes(sizes_file, sizes_file)
-    missing, odd = [], []
+    missing = []
+    odd = []
     for s in sizes:
         try:
             (odd if not stat.S_ISREG(os.stat(root / s).st_mode) else []).append(s)
@@ -304,7 +305,8 @@ def iter_aligned(tar_path: Path, keys: list[str]) -> Iterator[tuple[int, dict]]:
 
 def count_tar_samples(path: Path | str) -> int:
     """Samples in a tar by its member headers alone (no payload reads), grouped as `iter_tar` groups them."""
-    n, last = 0, None
+    n = 0
+    last = None
     try:
         with TarReader(path) as tar:
             for name, _, _ in tar:
@@ -314,7 +316,8 @@ def count_tar_samples(path: Path | str) -> int:
                     continue
                 key = f"{dirname}/{stem}"
                 if key != last:
-                    n, last = n + 1, key
+                    n = n + 1
+                    last = key
     except tarfile.ReadError:
         return -1
     return n

@@ -142,7 +142,8 @@ def read_detections_file(path: Path, keys: set[str]) -> tuple[dict[str, list[dic
             raise VlprepError(f"{where}: malformed JSON ({why})") from None
         if not isinstance(row, dict) or "key" not in row or "objects" not in row:
             raise VlprepError(f"{where}: expected an object with fields 'key' and 'objects'")
-        key, objs = row["key"], row["objects"]
+        key = row["key"]
+        objs = row["objects"]
         if not isinstance(key, str) or key not in keys:  # (a list or an object is unhashable: no set lookup)
             raise VlprepError(f"{where}: unknown key {cut(repr(key), 60)} (not in the dataset)")
         if key in out:
@@ -219,7 +220,9 @@ def detect_shard(out: Out, src: Path, shard: str, imported: dict | None, min_sco
     """Detect (or look up) the objects of one shard's images and write it with json.objects; returns its counts."""
     side = pq.read_table(src / sidecar_name(shard))
     rows_in = side.replace_schema_metadata(None).to_pylist()
-    samples, rows, counts = [], [], Counter()
+    samples = []
+    rows = []
+    counts = Counter()
     for batch in batches(iter_aligned(src / shard, [r["key"] for r in rows_in]), batch_size):
         batch, batch_rows = [raw for _, raw in batch], [rows_in[i] for i, _ in batch]
         if imported is not None:

@@ -114,13 +114,15 @@ def embed_shard(out: Out, src: Path, shard: str, modality: str, deformed: bool, 
     """One input shard's embeddings -> OUT/_parts/SHARD.npy + SHARD.parquet (its keys, the fingerprint)."""
     enc = _worker["enc"]
     side = pq.read_table(src / sidecar_name(shard))
-    keys, skipped = side.column("key").to_pylist(), Counter()
+    keys = side.column("key").to_pylist()
+    skipped = Counter()
     if modality == "text":
         captions = intact_captions(side, deformed)
         vectors = [enc.texts(captions[i:i + batch_size]) for i in range(0, len(captions), batch_size)]
         kept = list(range(len(keys)))
     else:
-        vectors, kept = [], []
+        vectors = []
+        kept = []
         for batch in batches(iter_aligned(src / shard, keys), batch_size):
             views = []
             for i, raw in batch:
@@ -187,7 +189,8 @@ def embed(cfg: EmbedConfig, enc, progress=None) -> dict:
         n = sum(st["written"] for st in stats.values())
         tmp = out.root / "embeddings.npy.tmp"
         arr = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(n, enc.dim))
-        tables, row = [], 0
+        tables = []
+        row = 0
         for shard in ds.shards:
             pull(out, f"_parts/{_part(out, shard).stem}.npy")  # made on another machine (a URL OUT)
             pull(out, f"_parts/{_part(out, shard).name}")

@@ -286,7 +286,10 @@ def load_token_encoder(name: str = "efficientnet-lite0", weights: str | os.PathL
         if weights:
             raise VlprepError("efficientnet-lite0 uses its packaged weights; --weights is for torchvision:ARCH and "
                               "timm:NAME")
-        trunk, stats, path, shown = EffNetTrunk(), EFFNET_STATS, packaged_weights_path(), ""
+        trunk = EffNetTrunk()
+        stats = EFFNET_STATS
+        path = packaged_weights_path()
+        shown = ""
     elif name.startswith(("torchvision:", "timm:")):
         if not weights:
             raise VlprepError(f"{cut(name)} needs --weights FILE (a local state dict); nothing is downloaded here")
@@ -294,7 +297,8 @@ def load_token_encoder(name: str = "efficientnet-lite0", weights: str | os.PathL
         if not path.is_file():
             raise VlprepError(f"weights file not found: {weights}")
         stats = timm_stats(name.split(":", 1)[1]) if name.startswith("timm:") else IMAGENET_STATS
-        trunk, shown = token_trunk(name, path), str(path)
+        trunk = token_trunk(name, path)
+        shown = str(path)
     else:
         raise VlprepError(f"unknown image model {cut(repr(name))}; one of: {', '.join(ENCODERS)}")
     spec = {"encoder": name, "weights": shown, "weights_sha256": file_sha256(path), "size": size,

@@ -381,7 +381,8 @@ def map_shards(out: Out, plan: Iterable[Work], fn: Callable[..., dict], *, init:
 def merged_skips(stats: Iterable[dict], examples_key: str = "skipped_examples", limit: int = 5) -> tuple[Counter, dict]:
     """Per-shard stats -> the skip counts by reason summed over the shards, and up to `limit` example keys per
     reason, in shard order."""
-    skipped, examples = Counter(), {}
+    skipped = Counter()
+    examples = {}
     for st in stats:
         skipped.update(st["skipped"])
         for why, keys in st.get(examples_key, {}).items():

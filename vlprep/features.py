@@ -139,11 +139,18 @@ def _encode(enc, device, batch: list, batch_size: int, dtype: np.dtype) -> np.nd
 
 def features_shard(out: Out, src: Path, shard: str, dtype: str, batch_size: int, fp: str) -> dict:
     """Encode one shard's images and write the shard with npy members; returns its stats."""
-    enc, device, pool, encode_pool = _worker["enc"], _worker["device"], _worker["pool"], _worker["encode_pool"]
+    enc = _worker["enc"]
+    device = _worker["device"]
+    pool = _worker["pool"]
+    encode_pool = _worker["encode_pool"]
     side = pq.read_table(src / sidecar_name(shard))
     rows_in = side.replace_schema_metadata(None).to_pylist()
-    size, dtype = enc.spec["size"], np.dtype(dtype)
-    samples, rows, skipped, examples = [], [], Counter(), {}
+    size = enc.spec["size"]
+    dtype = np.dtype(dtype)
+    samples = []
+    rows = []
+    skipped = Counter()
+    examples = {}
     ahead = batch_size * (_worker["encode_threads"] + 1)
     views = _prefetch(pool, lambda item: (*item, *_view(item[1], size)),
                       iter_aligned(src / shard, [r["key"] for r in rows_in]), ahead=ahead)
@@ -197,7 +204,8 @@ def _features(cfg: FeaturesConfig, progress) -> dict:
     encode_threads = max(1, (os.cpu_count() or 1) // cfg.workers)
     initargs = (cfg.image_model, cfg.weights, cfg.size, cfg.device, cfg.decode_threads, encode_threads)
     _init_worker(*initargs)  # checks the encoder and weights before OUT is touched; one worker reuses it
-    enc, device = _worker["enc"], _worker["device"]
+    enc = _worker["enc"]
+    device = _worker["device"]
     batch_size = cfg.batch_size or default_batch_size(device)
     spec = {**enc.spec, "dtype": cfg.dtype}
     options = {"image_model": cfg.image_model, "weights": spec["weights"], "size": spec["size"],
@@ -217,7 +225,8 @@ def _features(cfg: FeaturesConfig, progress) -> dict:
         processed = sum(ds.sizes[s] for s in ds.shards if s not in resumed)
         work_s = time.perf_counter() - t_work
         skipped, examples = merged_skips(stats.values(), limit=MAX_EXAMPLES)
-        n_in, written = sum(st["in"] for st in stats.values()), sum(st["written"] for st in stats.values())
+        n_in = sum(st["in"] for st in stats.values())
+        written = sum(st["written"] for st in stats.values())
         sizes = {s: stats[s]["written"] for s in ds.shards}
         finish_dataset(out, sizes, {"stage": "features", "input": redact(str(cfg.src)), "options": options,
                                     "counts": {"in": n_in, "written": written}, "features": spec})

@@ -26,7 +26,8 @@ from PIL import Image, PngImagePlugin
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 _CID = re.compile(rb"\w\w\w\w")  # Pillow's is_cid: a chunk type it will read at all
-_CHUNK, _CRC = struct.Struct(">I4s"), struct.Struct(">I")  # a chunk's length and type; its CRC
+_CHUNK = struct.Struct(">I4s")  # a chunk's length and type; its CRC
+_CRC = struct.Struct(">I")
 # Pillow's PNG chunk handlers that never reject a file, and those that check a minimum length (in bytes; tRNS
 # depends on the mode and is checked apart). Any other chunk with a handler (iCCP, zTXt, iTXt, acTL, fcTL, fdAT)
 # sends the image down Pillow's path; chunks without a handler are skipped by Pillow, and here.
@@ -50,8 +51,16 @@ def _png_walk(data: bytes, idat_crc: bool = False) -> tuple[int, int, bool] | No
     """(width, height, Pillow would open it as we read it) of a PNG whose chunks all check out, else None.
 
     IDAT's CRC is checked only with `idat_crc` (the module docstring says why)."""
-    view, n, crc32, unpack, stored = memoryview(data), len(data), zlib.crc32, _CHUNK.unpack_from, _CRC.unpack_from
-    pos, size, simple, mode, text = 8, None, True, "", 0
+    view = memoryview(data)
+    n = len(data)
+    crc32 = zlib.crc32
+    unpack = _CHUNK.unpack_from
+    stored = _CRC.unpack_from
+    pos = 8
+    size = None
+    simple = True
+    mode = ""
+    text = 0
     # The chunks Pillow reads at open (up to the first IDAT): checked as its handlers check them.
     while pos + 12 <= n:
         length, cid = unpack(data, pos)
@@ -102,7 +111,9 @@ def _png_walk(data: bytes, idat_crc: bool = False) -> tuple[int, int, bool] | No
 
 def _jpeg_head(data: bytes) -> tuple[int, int] | None:
     """(width, height) from the markers before the first scan, when each is one Pillow handles without a doubt."""
-    pos, n, size = 2, len(data), None
+    pos = 2
+    n = len(data)
+    size = None
     while pos + 4 <= n:
         if data[pos] != 0xFF:
             return None  # Pillow skips junk between markers; we do not vouch for it

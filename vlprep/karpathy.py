@@ -143,7 +143,8 @@ def karpathy_source(path: Path, data: dict, image_root: str | os.PathLike | None
 
     def items() -> Iterator[Item]:
         for i, e in enumerate(entries):
-            name, folder = e.get("filename"), e.get("filepath")
+            name = e.get("filename")
+            folder = e.get("filepath")
             image = None if not name else RootedPath(str(root), (folder, name) if folder else (name,), follow_symlinks)
             sentences = e.get("sentences")
             captions = [_text(s.get("raw")) if isinstance(s, dict) else None

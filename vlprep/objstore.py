@@ -151,7 +151,8 @@ def missing_credentials(e: BaseException) -> bool:
 def retried(url: str, call: Callable, on_retry: Callable[[], None] | None = None, doing: str = "read"):
     """call() with up to `tries()` attempts while it fails transiently; a RemoteError line naming `url` (redacted)
     after. Missing credentials are one line at once."""
-    n, shown = tries(), urls.redact(url)
+    n = tries()
+    shown = urls.redact(url)
     for attempt in range(n):
         try:
             return call()

@@ -51,7 +51,10 @@ def pmi_table(pairs: Iterable[tuple[Iterable[str], Iterable[str]]]):
     """(nouns, labels) per pair -> DataFrame noun, label, count, pmi over the pairs with >= 1 label."""
     import pandas as pd
 
-    n_pairs, cn, co, cno = 0, Counter(), Counter(), Counter()
+    n_pairs = 0
+    cn = Counter()
+    co = Counter()
+    cno = Counter()
     for nouns, labels in pairs:
         labels = set(labels)
         if not labels:
@@ -121,7 +124,8 @@ class Triplet(NamedTuple):
 def make_triplets(nouns: list[tuple[str, int, int]], mapping: dict[str, str],
                   labels: set[str] | None = None) -> list[tuple]:
     """(noun, start, end, class) per distinct mapped noun; with `labels`, only those whose class is among them."""
-    out, seen = [], set()
+    out = []
+    seen = set()
     for noun, start, end in nouns:
         cls = mapping.get(noun)
         if cls is not None and (labels is None or cls in labels) and noun not in seen:
@@ -190,7 +194,8 @@ def read_nouns(out: Out, shard: str) -> list[list[tuple[str, int, int]]]:
 
 def _keys_and_labels(ds, min_score: float) -> tuple[dict[str, list[str]], dict[str, list[set[str]]]]:
     """Per shard, from one sidecar read: the sample keys and each image's labels with score >= min_score."""
-    keys, labels = {}, {}
+    keys = {}
+    labels = {}
     for shard in ds.shards:
         schema = pq.read_schema(ds.sidecar(shard))
         if "objects" not in schema.names:
@@ -234,7 +239,8 @@ def ontology(cfg: OntologyConfig, progress=None) -> dict:
         # Every set noun of a caption gives a triplet (appendix A.1: "one triplet for each noun in our set ... that the
         # text contains"); `detected` keeps only those whose class the detector found in the image. Each triplet
         # carries that flag, so both rules' counts come from one pass.
-        every, index = [], 0
+        every = []
+        index = 0
         for shard in ds.shards:
             for key, ns, ls in zip(keys[shard], nouns[shard], labels[shard]):
                 every.extend(Triplet(key, index, *t, t[3] in ls) for t in make_triplets(ns, mapping))
@@ -307,7 +313,8 @@ def annotate_shard(out: Out, src: Path, shard: str, nodes_of: dict[str, list[str
     side = pq.read_table(src / sidecar_name(shard))
     rows_in = side.replace_schema_metadata(None).to_pylist()
     nouns = read_nouns(out, shard)
-    samples, rows = [], []
+    samples = []
+    rows = []
     for i, raw in iter_aligned(src / shard, [r["key"] for r in rows_in]):
         s = decode_sample(raw)
         nodes = nodes_of.get(raw["__key__"], [])

@@ -96,7 +96,8 @@ def rank_words(neighbour_captions: Iterable[str], strategy: str, aligned_df: Map
 
 def neighbour_keys(ids: np.ndarray, scores: np.ndarray, keys: list[str], k: int) -> list[str]:
     """The k ALIGNED keys retrieved most often over a sample's crops (ids, scores (c, k)); then best score, key."""
-    hits, best = Counter(), {}
+    hits = Counter()
+    best = {}
     for j, s in zip(ids.ravel().tolist(), scores.ravel().tolist()):
         if j >= 0:
             hits[j] += 1
@@ -213,7 +214,8 @@ def _init_worker(enc, out: Out, index_fp: str, params: dict) -> None:
     if knn.use_gpu(params["device"]):
         index = knn.to_gpu(index, nprobe)
     table = pq.read_table(out.root / "knn_captions.parquet")
-    keys, captions = table.column("key").to_pylist(), table.column("caption").to_pylist()
+    keys = table.column("key").to_pylist()
+    captions = table.column("caption").to_pylist()
     words = [caption_words(c) for c in captions]
     df = Counter()
     for ws in words:
@@ -236,13 +238,20 @@ def rmtop_warnings(removed: int, vocab: int, dropped: int, n_in: int) -> list[st
 def pseudolabel_shard(out: Out, src: Path, shard: str, fp: str) -> dict:
     """Pseudo-caption one UNALIGNED shard and write it; returns its counts."""
     w = _worker
-    p, enc = w["params"], w["enc"]
+    p = w["params"]
+    enc = w["enc"]
     c = p["crops"]
     side = pq.read_table(src / sidecar_name(shard)).replace_schema_metadata(None)
-    skipped, examples, dropped = Counter(), {}, 0
-    samples, kept, captions, neighbours = [], [], [], []
+    skipped = Counter()
+    examples = {}
+    dropped = 0
+    samples = []
+    kept = []
+    captions = []
+    neighbours = []
     for batch in batches(iter_aligned(src / shard, side.column("key").to_pylist()), p["batch_size"]):
-        ok, views = [], []
+        ok = []
+        views = []
         for i, raw in batch:
             image, why = decode(raw)
             if image is None:
@@ -337,10 +346,14 @@ def pseudolabel(cfg: PseudolabelConfig, enc, progress=None) -> dict:
         processed = sum(ds.sizes[s] for s in ds.shards if s not in resumed)
 
         # --- summarise
-        index, kind, df, top = _worker["index"], _worker["kind"], _worker["df"], _worker["top"]
+        index = _worker["index"]
+        kind = _worker["kind"]
+        df = _worker["df"]
+        top = _worker["top"]
         sizes = {s: stats[s]["written"] for s in ds.shards}
         skipped, examples = merged_skips(stats.values())
-        n_in, written = ds.num_samples, sum(sizes.values())
+        n_in = ds.num_samples
+        written = sum(sizes.values())
         dropped = sum(st["dropped_no_words"] for st in stats.values())
         index_info = {"kind": kind, "vectors": len(keys), "dim": enc.dim, "nprobe": _worker["nprobe"] or None,
                       "gpu": knn.on_gpu(index), "reused": reused, "seconds": round(index_s, 3)}
@@ -353,7 +366,8 @@ def pseudolabel(cfg: PseudolabelConfig, enc, progress=None) -> dict:
                                                "skipped": dict(skipped)}})
         from vlprep.report import pseudolabel_figures
 
-        pseudo_words, lengths = Counter(), Counter()
+        pseudo_words = Counter()
+        lengths = Counter()
         for shard in ds.shards:
             for caption in pq.read_table(out.root / sidecar_name(shard), columns=["caption"]).column(0).to_pylist():
                 ws = caption.split(" ")

@@ -37,7 +37,10 @@ def dataset_stats(path, out: Path | None = None, top: int = 20) -> dict:
         heights = table.column("height").to_pylist()
         exts = table.column("image_ext").to_pylist() if "image_ext" in cols else []
     else:  # sidecars from another tool: read the tars instead
-        captions, widths, heights, exts = [], [], [], []
+        captions = []
+        widths = []
+        heights = []
+        exts = []
         for s in iter_samples(ds):
             captions.append(s.get("txt", ""))
             meta = s.get("json") or {}
@@ -219,7 +222,8 @@ def plot_pmi(path: Path, table, mapping: dict[str, str], nodes: list[dict], top:
     freq = sub.groupby("noun")["count"].max().sort_values(ascending=False) if len(sub) else []
     nouns = list(freq.index[:top]) if len(sub) else []
     grid = np.full((len(nouns), len(classes)), np.nan)
-    pos_n, pos_c = {n: i for i, n in enumerate(nouns)}, {c: j for j, c in enumerate(classes)}
+    pos_n = {n: i for i, n in enumerate(nouns)}
+    pos_c = {c: j for j, c in enumerate(classes)}
     for n, c, p in zip(sub["noun"], sub["label"], sub["pmi"]) if len(sub) else []:
         if n in pos_n:
             grid[pos_n[n], pos_c[c]] = p
@@ -303,7 +307,8 @@ def pseudolabel_figures(out: Out, ds, report: dict, n: int = 24) -> list[str]:
             rows += [(shard, k, c) for k, c in zip(t.column(0).to_pylist(), t.column(1).to_pylist())]
     picks = [rows[i * len(rows) // n] for i in range(min(n, len(rows)))]
     wanted = {k for _, k, _ in picks}
-    given, images = {}, {}
+    given = {}
+    images = {}
     for shard in dict.fromkeys(s for s, _, _ in picks):
         side = pq.read_table(ds.sidecar(shard))
         if "caption" in side.column_names:

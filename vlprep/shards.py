@@ -123,7 +123,8 @@ def clean_captions(captions: list) -> list[str]:
 
     Skip (the first caption's reason, e.g. empty_caption) when none is left, `missing_caption` for an empty list.
     """
-    kept, reason = [], "missing_caption"
+    kept = []
+    reason = "missing_caption"
     for i, caption in enumerate(captions):
         try:
             kept.append(clean_caption(caption))
@@ -186,7 +187,8 @@ def prepare_image(data: bytes, resize: int | None = None, fmt: str | None = None
     head = None if decode_check else probe(data)
     if head is not None:  # a plain PNG or JPEG, complete: what Pillow would say, without Pillow (imagecheck.py)
         src_ext = PIL_TO_EXT[head[0]]
-        w, h = head[1], head[2]
+        w = head[1]
+        h = head[2]
         if (resize is None or min(w, h) <= resize) and (fmt or src_ext) == src_ext:
             return data, src_ext, w, h
     try:
@@ -238,12 +240,16 @@ def prepare_image(data: bytes, resize: int | None = None, fmt: str | None = None
 
 def build_shard(out: Out, first_index: int, items: list[Item], cfg: dict, fp: str = "") -> dict:
     """Write one planned shard; returns its stats {in, written, skipped, examples, fingerprint}."""
-    skipped, examples, samples = Counter(), {}, []
+    skipped = Counter()
+    examples = {}
+    samples = []
     multi = cfg.get("multi_caption", False)  # every shard of a multi-caption source has the captions column
     schema = MULTI_SIDECAR_SCHEMA if multi else SIDECAR_SCHEMA
-    rows, all_lists = [], []  # the sidecar: a tuple per row (transposed into columns below), and the captions column
+    rows = []  # the sidecar: a tuple per row (transposed into columns below), and the captions column
+    all_lists = []
     shard = shard_name(cfg["prefix"], first_index // cfg["samples_per_shard"])
-    prefix, opts = cfg["prefix"], (cfg["resize"], cfg["format"], cfg["quality"], cfg["decode_check"])
+    prefix = cfg["prefix"]
+    opts = (cfg["resize"], cfg["format"], cfg["quality"], cfg["decode_check"])
     for i, (item, image) in enumerate(zip(items, load_images(items))):
         key = f"{prefix}_{first_index + i:09d}"
         try:
@@ -259,7 +265,8 @@ def build_shard(out: Out, first_index: int, items: list[Item], cfg: dict, fp: st
             if len(ex) < MAX_EXAMPLES:
                 ex.append(item.uid)
             continue
-        uid, source = item.uid, item.source
+        uid = item.uid
+        source = item.source
         meta = {"uid": uid, "source": source, "width": w, "height": h}
         if item.meta:  # (json members are written with sorted keys: the order here does not show)
             meta = {**item.meta, **meta}
@@ -374,7 +381,9 @@ def duplicate_uids(out: Out, shards: list[str], known: dict[str, list[str] | Non
     """Written rows whose uid an earlier row already has ({'rows', 'examples'}); they are kept: the data is the user's.
 
     `known`: a shard's written uids when this run wrote it; the others' are read from their sidecars."""
-    seen, dup, examples = set(), 0, []
+    seen = set()
+    dup = 0
+    examples = []
     for shard in shards:
         uids = (known or {}).get(shard)
         if uids is None:

@@ -148,7 +148,8 @@ def _holds_bytes(t: pa.DataType) -> bool:
 
 def load_images(items: list[Item]) -> list[str | bytes | RootedPath | None]:
     """Each item's image as a path or bytes: TarRefs and RowRefs read here, Parquet row groups once per call."""
-    out, rows = [], {}
+    out = []
+    rows = {}
     for it in items:
         if isinstance(it.image, RowRef):
             rows.setdefault((it.image.path, it.image.column), set()).add(it.image.row)
@@ -229,7 +230,8 @@ def folder_source(path: Path) -> Source:
 
 def webdataset_source(path: Path) -> Source:
     if path.is_file():
-        tars, root = [path], path.parent
+        tars = [path]
+        root = path.parent
     else:
         root = path
         sizes_file = path / "sizes.json"

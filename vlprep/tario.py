@@ -230,7 +230,8 @@ class TarReader:
         return data
 
     def __iter__(self) -> Iterator[tuple[str, int, int]]:
-        f, enc = self.f, tarfile.ENCODING
+        f = self.f
+        enc = tarfile.ENCODING
         file_size = os.fstat(f.fileno()).st_size if self.size is None else self.size
         checked = set()  # the other numbers' bytes of headers already found readable (one value in our shards)
         pos = 0

@@ -78,7 +78,9 @@ def canonical(url: str) -> str:
     query string on s3:// or gs://, which take theirs from the environment."""
     kind = scheme(url)
     parts = urlsplit(url, allow_fragments=kind not in BUCKETS)
-    netloc, path, query = parts.netloc, _path(parts.path), parts.query
+    netloc = parts.netloc
+    path = _path(parts.path)
+    query = parts.query
     if kind in BUCKETS:
         if "@" in netloc:
             raise VlprepError(f"{cut(redact(url))}: credentials in the URL are not read ({kind}:// takes them from "
@@ -130,7 +132,8 @@ def _key(url: str) -> tuple:
 
 def overlap(a, b) -> str | None:
     """'same', 'inside' (a lies inside b), 'contains' (a holds b) or None, for two dataset locations."""
-    a, b = place(a), place(b)
+    a = place(a)
+    b = place(b)
     if isinstance(a, Path) != isinstance(b, Path):
         return None
     ka, kb = (a.parts, b.parts) if isinstance(a, Path) else (_key(a), _key(b))

@@ -75,7 +75,8 @@ def read_regular(path: str | os.PathLike, max_bytes: int, follow_symlinks: bool 
     try:
         # os.read for the size the stat gave, then to EOF: read(n) would allocate n up front, and a buffered file
         # object costs more than the read itself on small images (vlprep shards reads every image this way)
-        parts, total = [], 0
+        parts = []
+        total = 0
         while chunk := os.read(fd, min(max(size + 1 - total, 1 << 16), max_bytes + 1 - total)):
             parts.append(chunk)
             total += len(chunk)

@@ -29,7 +29,8 @@ from vltrain.losses import upcast
 from vltrain.model import autocast, resolve_device, tokenizer_for
 from vltrain.zeroshot import DEFAULT_TEMPLATES, check_templates, class_embeddings, read_image
 
-IMAGE_BATCH, TEXT_BATCH = 32, 256
+IMAGE_BATCH = 32
+TEXT_BATCH = 256
 
 
 def pixel_transform(net, image_size: int):
@@ -95,7 +96,8 @@ class Model:
 
     def encode_images(self, images, batch_size: int = IMAGE_BATCH) -> torch.Tensor:
         """(B, E) float32 L2-normalised ITC embeddings of paths, PIL images or uint8 arrays (on the CPU)."""
-        images, out = _as_list(images), []
+        images = _as_list(images)
+        out = []
         _check_batch(batch_size)
         with self._context():
             for a in range(0, len(images), batch_size):
@@ -105,7 +107,8 @@ class Model:
 
     def encode_texts(self, texts, batch_size: int = TEXT_BATCH) -> torch.Tensor:
         """(B, E) float32 L2-normalised ITC embeddings of texts (on the CPU)."""
-        texts, out = _as_list(texts, str), []
+        texts = _as_list(texts, str)
+        out = []
         _check_batch(batch_size)
         with self._context():
             for a in range(0, len(texts), batch_size):
@@ -132,7 +135,8 @@ class Model:
 
     def match(self, images, texts, batch_size: int = IMAGE_BATCH) -> torch.Tensor:
         """(B,) ITM p(match) of each (image, text) pair, images[i] with texts[i]; needs a fusion encoder."""
-        images, texts = _as_list(images), _as_list(texts, str)
+        images = _as_list(images)
+        texts = _as_list(texts, str)
         _check_batch(batch_size)
         if len(images) != len(texts):
             raise ValueError(f"match pairs images[i] with texts[i]: {len(images)} images, {len(texts)} texts")

@@ -104,7 +104,8 @@ def model_config(saved: dict, path):
 def load_weights(model, weights: dict, path) -> None:
     """model.load_state_dict(weights) after checking names and shapes, each mismatch said in one line."""
     ours = model.state_dict()
-    missing, extra = sorted(set(ours) - set(weights)), sorted(set(weights) - set(ours))
+    missing = sorted(set(ours) - set(weights))
+    extra = sorted(set(weights) - set(ours))
     if missing or extra:
         what = f"missing {missing[0]}" if missing else f"unexpected {extra[0]}"
         raise CheckpointError(f"{path}: weights do not match the model its config builds ({len(missing)} missing, "
@@ -131,7 +132,8 @@ def check_config(ckpt: dict, path) -> Config:
             check_feature_encoder(cfg.model.feature_encoder)
     except ConfigError as e:
         raise CheckpointError(f"{path}: its config does not hold: {e}") from None
-    m, weights = cfg.model, ckpt["model"]
+    m = cfg.model
+    weights = ckpt["model"]
     held = sum(t.numel() for t in weights.values())
 
     def width(name: str) -> int:  # a projection's input width as the weights hold it (nn.Linear: (out, in))

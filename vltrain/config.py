@@ -23,7 +23,8 @@ class ConfigError(ValueError):
     """A bad preset, file or override; the message is one line and lists the valid choices."""
 
 
-TEMP_MIN, TEMP_MAX = 0.001, 0.5  # ALBEF's clamp on the learnable ITC temperature
+TEMP_MIN = 0.001  # ALBEF's clamp on the learnable ITC temperature
+TEMP_MAX = 0.5
 FUSION_FROM = ("copy", "split")
 POOLING = ("cls", "mean")
 

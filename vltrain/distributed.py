@@ -157,13 +157,15 @@ def report_error(message: str, echo: Callable[[str], None], peer: bool = False) 
     if store is None:
         echo(message)
         return
-    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
+    size = int(os.environ["WORLD_SIZE"])
     try:
         store.set(f"error/{rank}", ("peer:" if peer else "own:") + message)
         if rank > 0:
             store.wait(["error/echoed"], datetime.timedelta(seconds=2 * ERROR_WAIT))
             return
-        keys, deadline = [f"error/{r}" for r in range(size)], time.monotonic() + ERROR_WAIT
+        keys = [f"error/{r}" for r in range(size)]
+        deadline = time.monotonic() + ERROR_WAIT
         while not store.check(keys) and time.monotonic() < deadline:
             time.sleep(0.05)
         posted = [(r, store.get(k).decode()) for r, k in enumerate(keys) if store.check([k])]

@@ -118,7 +118,8 @@ def itm_rerank(sim: torch.Tensor, k: int, itm_score: Callable[[torch.Tensor, tor
 
 def rerank_recall(sim_i2t: torch.Tensor, sim_t2i: torch.Tensor, txt2img, ks=KS) -> dict[str, float]:
     """R@K when the two directions are ranked by different score matrices (after itm_rerank)."""
-    a, b = recall_at_k(sim_i2t, txt2img, ks), recall_at_k(sim_t2i, txt2img, ks)
+    a = recall_at_k(sim_i2t, txt2img, ks)
+    b = recall_at_k(sim_t2i, txt2img, ks)
     out = {**{k: v for k, v in a.items() if k.startswith("i2t")}, **{k: v for k, v in b.items() if k.startswith("t2i")}}
     out["mean_recall"] = round(sum(out.values()) / len(out), 2)
     return out
@@ -162,7 +163,9 @@ def embed_split(model, folders, split: str, data: DataConfig, batch_size: int, d
     was_training = model.training
     model.eval()
     out = {k: [] for k in ("img", "txt", "txt2img", "ids", "mask", "tokens", "hidden")}
-    keys, captions, n = [], [], 0
+    keys = []
+    captions = []
+    n = 0
     for batch in loader:
         if batch is None:  # every sample undecodable (skipped and counted by the reader)
             continue
@@ -222,7 +225,10 @@ def view_scores(model, view: InstanceView, positions, collate: Collate, batch_si
     """Scores (n, n) of query text i against image j: the aligner's s(i, j) in triplet mode, ITC similarity otherwise."""
     was_training = model.training
     model.eval()
-    nouns, tokens, txt, img = [], [], [], []
+    nouns = []
+    tokens = []
+    txt = []
+    img = []
     bs = batch_size
     for a in range(0, len(positions), bs):
         batch = collate([view[int(p)] for p in positions[a:a + bs]])
@@ -239,7 +245,8 @@ def view_scores(model, view: InstanceView, positions, collate: Collate, batch_si
             txt.append(upcast(t_feat))
             img.append(upcast(i_feat))
     if triplets:
-        nouns, tokens = torch.cat(nouns), torch.cat(tokens)
+        nouns = torch.cat(nouns)
+        tokens = torch.cat(tokens)
         scores = torch.cat([model.align_scores(nouns[a:a + bs], tokens) for a in range(0, len(nouns), bs)])
     else:
         scores = torch.cat(txt) @ torch.cat(img).t()
@@ -313,7 +320,9 @@ def evaluate_checkpoint(path, shards=(), zeroshot=None, itm_rerank_k: int = 0, d
     tmpl = list(templates) if isinstance(templates, (list, tuple)) else (
         read_templates(templates) if templates is not None else None)  # before the model: a bad file is quick
     loaded = load(path, device)
-    model, cfg, dev = loaded.net, loaded.config, loaded.device
+    model = loaded.net
+    cfg = loaded.config
+    dev = loaded.device
     if cfg.data.triplets:
         return _evaluate_triplets(model, cfg, shards, dev, path, loaded.step,
                                   zeroshot is not None or zeroshot_folder is not None or itm_rerank_k > 0)
@@ -359,7 +368,9 @@ def _retrieval(model, cfg, shards: list[str], itm_rerank_k: int, workers: int, d
     if itm_rerank_k > 0:
         if model.fusion is None:
             raise TrainError("--itm-rerank-k needs a model with a fusion encoder (this one has fusion_layers=0)")
-        t0, scorer, pairs = time.perf_counter(), _itm_scorer(model, emb, dev), []
+        t0 = time.perf_counter()
+        scorer = _itm_scorer(model, emb, dev)
+        pairs = []
 
         def counted(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
             pairs.append(len(i))
@@ -417,7 +428,8 @@ def _evaluate_triplets(model, cfg, shards: list[str], dev, path: Path, step, ext
         raise TrainError(f"evaluation needs at least 2 triplets of distinct images, found {n}")
     collate = Collate(tokenizer_for(cfg.model.text_model), cfg.data.max_len, use_features)
     sim = view_scores(model, view, positions, collate, cfg.batch_size, True, dev).t()  # (image, noun)
-    skipped, n = data.counts.skipped(), len(sim)  # bad samples drop out of both sides
+    skipped = data.counts.skipped()  # bad samples drop out of both sides
+    n = len(sim)
     if skipped["count"]:
         console.print(f"warning: {skipped_note(skipped, data.counts.totals()[0])}: not scored", highlight=False)
     return {"checkpoint": str(path), "step": step, "n_samples": n, "task": "noun-image retrieval, one triplet per image",

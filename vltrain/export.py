@@ -25,7 +25,8 @@ def export(checkpoint, out, onnx: bool = False, overwrite: bool = False) -> dict
 
     Refuses a non-empty `out` that holds anything but a previous export unless `overwrite` (which replaces only an
     export's files, EXPORT_FILES). Returns {"out", "files", "dropped": the state-dict names left out, "onnx"}."""
-    checkpoint, out = Path(checkpoint), Path(out)
+    checkpoint = Path(checkpoint)
+    out = Path(out)
     ckpt = load(checkpoint)
     kept = {k: v for k, v in ckpt["model"].items() if not k.startswith(EXPORT_DROPS)}
     dropped = sorted(set(ckpt["model"]) - set(kept))
@@ -122,7 +123,8 @@ def write_onnx(net, config: dict, tokenizer, out: Path) -> dict:
     images, text = example_inputs(net, config, tokenizer, 2)
     # torch.onnx.export restores each wrapper's training mode afterwards, and that recursively sets the model's: the
     # wrappers must be in eval mode, or dropout would be on after the export.
-    image_tower, text_tower = ImageTower(net).eval(), TextTower(net).eval()
+    image_tower = ImageTower(net).eval()
+    text_tower = TextTower(net).eval()
     with warnings.catch_warnings():
         # The TorchScript exporter's deprecation notice, and tracer notes on Python bools in transformers' mask code
         # (no padding beyond the mask, not causal), which hold for every batch and length: the check below runs both.
@@ -137,7 +139,8 @@ def write_onnx(net, config: dict, tokenizer, out: Path) -> dict:
                           opset_version=ONNX_OPSET, dynamo=False)
     images, text = example_inputs(net, config, tokenizer, 3)
     with torch.no_grad():
-        want_image, want_text = image_tower(images), text_tower(text["input_ids"], text["attention_mask"])
+        want_image = image_tower(images)
+        want_text = text_tower(text["input_ids"], text["attention_mask"])
     opts = onnxruntime.SessionOptions()
     opts.log_severity_level = 3
     got_image = onnxruntime.InferenceSession(str(out / IMAGE_ONNX), opts, providers=["CPUExecutionProvider"]).run(
@@ -168,7 +171,10 @@ def write_onnx(net, config: dict, tokenizer, out: Path) -> dict:
 
 def readme(meta: dict, out: Path) -> str:
     """README.md of the export: what the model is, what it was trained on, its eval numbers, how to load it."""
-    config, source, pre, mc = meta["config"], meta["source"], meta["preprocessing"], meta["config"]["model"]
+    config = meta["config"]
+    source = meta["source"]
+    pre = meta["preprocessing"]
+    mc = meta["config"]["model"]
     fusion = mc["fusion_layers"]
     towers = (f"image tower `{mc['image_model']}`"
               + (f" (reads `vlprep features` tokens of `{meta['feature_encoder']['encoder']}`)"

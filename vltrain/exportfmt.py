@@ -51,7 +51,9 @@ def is_export(path: Path) -> bool:
 def untie(state: dict) -> tuple[dict, dict]:
     """(tensors, tied): every tensor once, as safetensors requires, contiguous; `tied` maps each further name of a
     shared tensor (the MLM decoder's weight is the word embeddings) to the name kept, for read_export to restore."""
-    seen, tensors, tied = {}, {}, {}
+    seen = {}
+    tensors = {}
+    tied = {}
     for name, t in state.items():  # the state dict's order: the first name of a shared tensor is the one kept
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
         if t.numel() and key in seen:
@@ -90,7 +92,9 @@ def read_export(path, what: str = "export") -> dict:
     if version > EXPORT_VERSION:
         raise CheckpointError(f"{path}: written by a newer vltrain (export version {version!r}, this version reads "
                               f"{EXPORT_VERSION})")
-    config, source, tied = meta.get("config"), meta.get("source") or {}, meta.get("tied") or {}
+    config = meta.get("config")
+    source = meta.get("source") or {}
+    tied = meta.get("tied") or {}
     if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
         raise CheckpointError(f"{meta_path}: no \"config\" with a \"model\" section")
     for key, value in (("source", source), ("tied", tied)):
@@ -188,7 +192,8 @@ def export_config(ckpt: dict, path: Path, net, tied: dict, dropped: list, onnx_i
     """config.json: format, the checkpoint's whole config, preprocessing, tokenizer, provenance, eval numbers."""
     config = ckpt["config"]
     folder = path if path.is_dir() else path.parent
-    result, ev = sidecar(folder / "result.json"), sidecar(folder / "eval.json")
+    result = sidecar(folder / "result.json")
+    ev = sidecar(folder / "eval.json")
     mc = net.cfg
     source = {"checkpoint": str(path.resolve()), "step": ckpt.get("step", result.get("step")),
               "data": ckpt.get("data") or result.get("data"), "preset": config.get("preset"),

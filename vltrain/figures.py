@@ -126,14 +126,16 @@ def gradcam_figure(checkpoint, image, caption: str, words: list[str] | None, out
 
 
     loaded = load(checkpoint, device)
-    model, tok = loaded.net, loaded.tokenizer
+    model = loaded.net
+    tok = loaded.tokenizer
     if model.fusion is None:
         raise ValueError(f"{checkpoint} has no fusion encoder (fusion_layers=0): Grad-CAM reads its cross-attention")
     rgb = read_image(image)  # a missing file, a FIFO, a decompression bomb: one line
     dev = loaded.device
     pixels = loaded.pixels([rgb]).to(dev)
     enc = tok([caption], truncation=True, max_length=loaded.max_len, return_tensors="pt")
-    ids, mask = enc["input_ids"].to(dev), enc["attention_mask"].to(dev)
+    ids = enc["input_ids"].to(dev)
+    mask = enc["attention_mask"].to(dev)
     if not words:
         words = caption_words(tok, ids)[:3]
     pos = word_positions(tok, ids, words, caption)

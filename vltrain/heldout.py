@@ -13,7 +13,8 @@ def curriculum_check(run: Run, state: RunState, data, rank: int, device) -> dict
     """TOnICS: held-out image retrieval R@1, and a curriculum refresh when it reaches the threshold.
 
     Rank 0 checks and decides; the others follow its decision, so every rank's curriculum stays the same."""
-    cfg, sampler = run.cfg, run.sampler
+    cfg = run.cfg
+    sampler = run.sampler
     row = None
     if rank == 0:
         acc = heldout_r1(run.model, data.val, data.heldout, data.collate, cfg.batch_size, cfg.data.triplets, device)
@@ -40,7 +41,8 @@ def evaluate_heldout(run: Run, state: RunState, data, report: RunLog, device) ->
     """Rank 0: held-out retrieval (triplets: the aligner's noun-image task), logged; best.pt when it improves.
 
     Bad held-out samples (LoadCounts' reasons) are left out of both sides, and the result says how many."""
-    cfg, model = run.cfg, run.model
+    cfg = run.cfg
+    model = run.model
     txt2img = None
     if cfg.data.triplets:
         counts = data.val.shards.counts  # shared with the training view: this evaluation's share is the difference

@@ -115,7 +115,8 @@ def _architecture_diff(saved: dict, cfg: ModelConfig) -> str:
 def _input_notes(saved: dict, cfg: ModelConfig, path, dropped: list, new: list) -> list[str]:
     """What --init-from between a features model and a pixel model means, when the layers above the image encoder
     fit: the cached tokens are that encoder's output, so only the encoder itself is dropped or starts as built."""
-    from_features, to_features = saved.get("image_model") == "features", cfg.image_model == "features"
+    from_features = saved.get("image_model") == "features"
+    to_features = cfg.image_model == "features"
     if from_features == to_features:
         return []
     spec = saved.get("feature_encoder") if from_features else cfg.feature_encoder

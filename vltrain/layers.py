@@ -40,7 +40,9 @@ class Attention(nn.Module):
         # BertLayer takes cross-attention only as a decoder, whose self-attention is causal: a fusion [CLS] built
         # that way never sees the caption, and ITM learns nothing from the text.)
         mask = None if key_mask is None else key_mask[:, None, None, :]
-        q, k, v = split(self.q(x)), split(self.k(ctx)), split(self.v(ctx))
+        q = split(self.q(x))
+        k = split(self.k(ctx))
+        v = split(self.v(ctx))
         probs = None
         if return_attn:
             # The explicit softmax(QK^T / sqrt(d)) V: the fused kernel never materialises the probabilities, and
@@ -119,7 +121,8 @@ class NounAligner(nn.Module):
         hd = d // self.heads
         img = self.image_proj(image_tokens)
         q = self.q(nouns).view(bt, self.heads, hd)
-        k, v = self.k(img).view(bi, n, self.heads, hd), self.v(img).view(bi, n, self.heads, hd)
+        k = self.k(img).view(bi, n, self.heads, hd)
+        v = self.v(img).view(bi, n, self.heads, hd)
         att = self.attn_drop((torch.einsum("ahd,bnhd->abhn", q, k) / hd ** 0.5).softmax(dim=-1))
         a = torch.einsum("abhn,bnhd->abhd", att, v).reshape(bt, bi, d)
         x = self.ln(nouns[:, None, :] + self.drop(self.o(a)))

@@ -48,8 +48,10 @@ def itc_logits(image_feat: torch.Tensor, text_feat: torch.Tensor, image_keys: to
     if detach_keys:
         # GRIT-VLP's released code: sim_i2t = image_feat @ sg(text_feat).T, sim_t2i = text_feat @ sg(image_feat).T,
         # so each direction's gradient reaches its query side only.
-        image_keys, text_keys = image_keys.detach(), text_keys.detach()
-    text_all, image_all = _with_queue(text_keys, text_queue), _with_queue(image_keys, image_queue)
+        image_keys = image_keys.detach()
+        text_keys = text_keys.detach()
+    text_all = _with_queue(text_keys, text_queue)
+    image_all = _with_queue(image_keys, image_queue)
     return image_feat @ text_all / temp, text_feat @ image_all / temp
 
 
@@ -119,7 +121,8 @@ def itc_consistency_loss(logits_i2t: torch.Tensor, logits_t2i: torch.Tensor, in_
     b = logits_i2t.shape[0] if in_batch is None else in_batch
     logp_i2t = upcast(logits_i2t[:, :b]).log_softmax(dim=-1)
     logp_t2i = upcast(logits_t2i[:, :b]).log_softmax(dim=-1)
-    tgt_i2t, tgt_t2i = logp_i2t.detach(), logp_t2i.detach()
+    tgt_i2t = logp_i2t.detach()
+    tgt_t2i = logp_t2i.detach()
     kl_i2t_to_t2i = (tgt_i2t.exp() * (tgt_i2t - logp_t2i)).sum(dim=-1)
     kl_t2i_to_i2t = (tgt_t2i.exp() * (tgt_t2i - logp_i2t)).sum(dim=-1)
     return ((kl_i2t_to_t2i + kl_t2i_to_i2t) / 2).mean()

@@ -63,7 +63,8 @@ def _quiet_transformers():
     """Silence transformers' "Loading weights" bar and its load report (the unused pooler) while loading."""
     from transformers.utils import logging as hf_logging
 
-    level, bar = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    level = hf_logging.get_verbosity()
+    bar = hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
@@ -269,11 +270,13 @@ def length_groups(mask: torch.Tensor, groups: int, row_cost: int = 64,
     g = min(range(1, groups + 1), key=lambda n: best[n][k])
     if best[g][k] - g * row_cost > (1 - min_saving) * B * L:
         return None
-    bounds, j = [], k
+    bounds = []
+    j = k
     while g:
         i = cut[g][j]
         bounds.append((values[i - 1] if i else 0, values[j - 1]))
-        j, g = i, g - 1
+        j = i
+        g = g - 1
     lengths = torch.tensor(ends)
     out = []
     for low, high in reversed(bounds):
@@ -305,7 +308,8 @@ class VLModel(nn.Module):
             self.image_encoder.requires_grad_(False)
         self.text_encoder = _build_text_encoder(cfg.text_model)
         tc = self.text_encoder.config
-        d_txt, n_text = tc.hidden_size, tc.num_hidden_layers
+        d_txt = tc.hidden_size
+        n_text = tc.num_hidden_layers
         self.image_proj, self.text_proj = nn.Linear(d_img, cfg.embed_dim), nn.Linear(d_txt, cfg.embed_dim)
         # A fixed temperature stays a (frozen) parameter so that checkpoints hold it under the same name either way.
         self.temp = nn.Parameter(torch.tensor(float(cfg.temp)), requires_grad=cfg.temp_learnable)
@@ -481,12 +485,15 @@ class VLModel(nn.Module):
         if groups is not None:  # every row is its own sequence: each group runs cut to its longest caption
             parts = []
             for rows, n in groups:
-                x, k, im = text_hidden[rows, :n], keep[rows, :n], image[rows]
+                x = text_hidden[rows, :n]
+                k = keep[rows, :n]
+                im = image[rows]
                 for layer in self.fusion:
                     x = layer(x, k, im)
                 parts.append(x)
             return regroup(parts, groups, keep.shape[1])
-        x, maps = text_hidden, []
+        x = text_hidden
+        maps = []
         for layer in self.fusion:
             if return_attn:
                 x, probs = layer(x, keep, image, return_attn=True)
@@ -557,8 +564,10 @@ class VLModel(nn.Module):
         # (ALBEF asserts Q % B == 0; a last short batch or an odd world size would break that), and a batch
         # larger than the queue keeps only its last Q rows so that no column is written twice.
         q = self.image_queue.shape[1]
-        image_feat, text_feat = image_feat.detach()[-q:], text_feat.detach()[-q:]
-        b, ptr = image_feat.shape[0], int(self.queue_ptr)
+        image_feat = image_feat.detach()[-q:]
+        text_feat = text_feat.detach()[-q:]
+        b = image_feat.shape[0]
+        ptr = int(self.queue_ptr)
         idx = (ptr + torch.arange(b, device=self.image_queue.device)) % q
         self.image_queue[:, idx] = image_feat.T.to(self.image_queue.dtype)
         self.text_queue[:, idx] = text_feat.T.to(self.text_queue.dtype)

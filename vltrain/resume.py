@@ -49,11 +49,13 @@ def config_diff(saved: dict, now: dict, prefix: str = "", defaults: dict | None 
 
     A key absent from `saved` (a checkpoint older than the key) counts as its value in `defaults`, the dataclass
     defaults, which keep the behaviour from before the key existed."""
-    diffs, defaults = [], defaults or {}
+    diffs = []
+    defaults = defaults or {}
     # The preset first: when it differs, it explains most of the other differences.
     for key in sorted(set(saved) | set(now), key=lambda k: (k != "preset", k)):
         dotted = prefix + key
-        a, b = saved.get(key, defaults.get(key)), now.get(key)
+        a = saved.get(key, defaults.get(key))
+        b = now.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
             sub = defaults.get(key)
             diffs += config_diff(a, b, dotted + ".", sub if isinstance(sub, dict) else None)

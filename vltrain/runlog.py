@@ -52,7 +52,8 @@ def init_line(init: dict) -> str:
         shown = [f"{name} {c}" for name, c in list(modules.items())[:6]] + (["..."] if len(modules) > 6 else [])
         return f"{n}{unit} ({', '.join(shown)})" if shown else f"{n}{unit}"
 
-    m, src = init["modules"], f" (step {init['step']}, preset {init['preset']})" if init.get("step") is not None else ""
+    m = init["modules"]
+    src = f" (step {init['step']}, preset {init['preset']})" if init.get("step") is not None else ""
     line = (f"init-from {init['path']}{src}: loaded {counts(init['loaded'], m['loaded'], ' tensors')}; new "
             f"{counts(init['new'], m['new'])}; dropped {counts(init['dropped'], m['dropped'])}")
     if init["momentum_copied"]:
@@ -63,8 +64,12 @@ def init_line(init: dict) -> str:
 def summary(cfg, model, device, n_train: int, n_val: int, per_epoch: int, size: int = 1,
             precision: tuple[str, str] = ("fp32", "")) -> str:
     """The start-of-run block: what will train, on what, for how long, where it goes."""
-    m, w, d = cfg.model, cfg.loss, cfg.data
-    trained, frozen, n_params = [], [], 0
+    m = cfg.model
+    w = cfg.loss
+    d = cfg.data
+    trained = []
+    frozen = []
+    n_params = 0
     for name, child in model.named_children():
         if name == "momentum":
             continue
@@ -171,7 +176,8 @@ class RunLog:
         (remote data: read_retries, shards_skipped) joins the row."""
         cfg = self.cfg
         self.losses, self.seen = losses, self.seen + samples
-        done, elapsed = step - self.start_step, time.perf_counter() - self.t_start
+        done = step - self.start_step
+        elapsed = time.perf_counter() - self.t_start
         sec_per_step = elapsed / done
         if done == 10 and cfg.steps - step > 0:
             self._eta_note(done, elapsed, step)

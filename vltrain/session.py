@@ -151,7 +151,8 @@ def resolve_precision(cfg: Config, model, device: torch.device, ckpt: dict | Non
     if ckpt is not None:
         p = ckpt.get("precision", "fp32")
         return p, "as the resumed run"
-    asked, supported = cfg.train.precision, bf16_supported(device)
+    asked = cfg.train.precision
+    supported = bf16_supported(device)
     if asked == "fp32":
         return "fp32", "train.precision=fp32"
     if asked == "bf16":
@@ -184,7 +185,8 @@ def keep_freed_memory() -> bool:
         mallopt = libc.mallopt
     except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to do
         return False
-    m_trim_threshold, m_mmap_max = -1, -4  # glibc's malloc.h
+    m_trim_threshold = -1  # glibc's malloc.h
+    m_mmap_max = -4
     return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, 2 ** 31 - 1))
 
 
@@ -197,7 +199,8 @@ def bf16_gain(model, batch: int, length: int, reps: int = 3) -> float:
     alternating calls after one of each (no gradient; the backward's matmuls gain alike)."""
     ids = torch.full((batch, length), 1000, dtype=torch.long)
     mask = torch.ones_like(ids)
-    times, training = {"fp32": [], "bf16": []}, model.training
+    times = {"fp32": [], "bf16": []}
+    training = model.training
     model.eval()  # no dropout draws: the run's random numbers are the same whether or not the check ran
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         for i in range(reps + 1):

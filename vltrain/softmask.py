@@ -21,7 +21,8 @@ SOURCES = ("gradcam", "attention", "random")
 def gradcam(attns: list[torch.Tensor], grads: list[torch.Tensor]) -> torch.Tensor:
     """Cross-attention probabilities and their gradients, (B, H, L, N) per layer -> map (B, L, N): the mean over
     layers and heads of A * ReLU(g) ("we aggregate the Grad-CAM maps from all cross-attention layers")."""
-    a, g = torch.stack(attns), torch.stack(grads)  # (layers, B, H, L, N)
+    a = torch.stack(attns)  # (layers, B, H, L, N)
+    g = torch.stack(grads)
     return (a * g.clamp(min=0)).mean(dim=(0, 2))
 
 
@@ -80,7 +81,8 @@ def soft_mask(cam: torch.Tensor) -> torch.Tensor:
     """
     cam = cam.detach().float()
     n = cam.shape[-1]
-    lo, hi = cam.min(dim=-1, keepdim=True).values, cam.max(dim=-1, keepdim=True).values
+    lo = cam.min(dim=-1, keepdim=True).values
+    hi = cam.max(dim=-1, keepdim=True).values
     span = hi - lo
     w = torch.where(span > 0, (cam - lo) / span.clamp(min=torch.finfo(cam.dtype).tiny), torch.full_like(cam, 0.5))
     w = torch.where(span > 0, fill_to(w, n / 2), w)  # the constant row stays exactly 0.5

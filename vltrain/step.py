@@ -27,7 +27,8 @@ def encode(model, batch: dict, w, generator: torch.Generator, tokenizer=None) ->
     """Both towers (and the momentum model's, without gradient) on the batch; with loss.masked_text_all the text
     tower reads the MLM-masked caption (SoftMask++ MMDA, 3.4), so it runs once for every loss."""
     images = batch["features"] if "features" in batch else batch["images"]
-    ids, mask = batch["input_ids"], batch["attention_mask"]
+    ids = batch["input_ids"]
+    mask = batch["attention_mask"]
     mlm_masked = None
     if w.masked_text_all and w.mlm > 0:
         tok = tokenizer or tokenizer_for(model.cfg.text_model)

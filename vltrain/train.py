@@ -47,7 +47,10 @@ def train(cfg, resume: bool = False, overwrite: bool = False, init_from=None, qu
 
 def loop(s: Session, report: RunLog) -> None:
     """Steps until s.cfg.steps, with checkpoints, evaluations and TOnICS checks on their schedules."""
-    cfg, run, state, data = s.cfg, s.run, s.state, s.data
+    cfg = s.cfg
+    run = s.run
+    state = s.state
+    data = s.data
     last_save = time.monotonic()
     start = state.step
     while state.step < cfg.steps:
@@ -93,7 +96,9 @@ def loop(s: Session, report: RunLog) -> None:
 
 def end(s: Session, report: RunLog) -> dict:
     """The last checkpoint, OUT released, the process group left; the final metrics."""
-    run, state, init = s.run, s.state, s.init
+    run = s.run
+    state = s.state
+    init = s.init
     if not broadcast(run.last_path.exists()):  # resumed at or past the final step: still leave a checkpoint behind
         save_checkpoint(run.last_path, run, state)
     s.release()

@@ -55,7 +55,8 @@ def index_data(cfg: Config, use_features: bool, tf_train, tf_eval, grit_ratios: 
     is_val = np.array([in_val(k, cfg.data.val_frac) for k in shards.keys], dtype=bool)
     s = cfg.sampler
     n = cfg.batch_size * world
-    names, notes = None, []
+    names = None
+    notes = []
     if s.kind == "grit":
         splits = {"train": {"samples": np.flatnonzero(~is_val), "spans": None},
                   "val": {"samples": np.flatnonzero(is_val), "spans": None}}
@@ -82,11 +83,13 @@ def index_data(cfg: Config, use_features: bool, tf_train, tf_eval, grit_ratios: 
 
 def _tonics_sampler(cfg: Config, train: dict, n: int, notes: list) -> tuple:
     """TOnICS' batch sampler over the classes that can fill a batch of n distinct images, and the node names."""
-    s, image_of = cfg.sampler, train["samples"]
+    s = cfg.sampler
+    image_of = train["samples"]
     if len(np.unique(image_of)) < n:
         raise TrainError(f"the training split has {len(np.unique(image_of))} distinct images with "
                          f"{'triplets' if cfg.data.triplets else 'samples'}, fewer than one batch of {n}")
-    keep, dropped = [], []
+    keep = []
+    dropped = []
     for c, pos in train["nodes"] if s.kind == "tonics" else []:
         (keep if len(np.unique(image_of[pos])) >= n else dropped).append((c, pos))
     if s.kind == "tonics" and not keep:

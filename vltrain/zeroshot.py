@@ -203,7 +203,10 @@ def image_folder(root) -> dict:
     root = Path(root)
     if not root.is_dir():
         raise TrainError(f"zero-shot folder not found: {root}")
-    files, labels, folders, unreadable = [], [], [], []
+    files = []
+    labels = []
+    folders = []
+    unreadable = []
     for folder in sorted(p for p in root.iterdir() if p.is_dir()):
         images = sorted(p for p in _walk(folder, root, unreadable)
                         if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
@@ -215,7 +218,8 @@ def image_folder(root) -> dict:
         raise TrainError(f"{root}: a zero-shot benchmark needs at least 2 class folders holding images "
                          f"(ROOT/CLASS/*.jpg), found {len(folders)}"
                          + (f"; {len(unreadable)} folder(s) could not be read: {unreadable[0]}" if unreadable else ""))
-    names_file, templates_file = root / "classnames.txt", root / "templates.txt"
+    names_file = root / "classnames.txt"
+    templates_file = root / "templates.txt"
     # present in any form (a FIFO, a link to a device) they are read, and read_text refuses what is not a small file
     given = [p.exists() or p.is_symlink() for p in (names_file, templates_file)]
     names = _classnames(names_file, folders) if given[0] else [f.replace("_", " ") for f in folders]
@@ -261,7 +265,8 @@ def embed_images(model, files, transform, batch_size: int, workers: int, device)
     loader = DataLoader(_Images(files, transform), batch_size=batch_size, num_workers=workers, collate_fn=_stack)
     was_training = model.training
     model.eval()
-    embs, kept = [], []
+    embs = []
+    kept = []
     for batch in loader:
         if batch is None:
             continue

@@ -8,7 +8,8 @@ def span_mask(offsets: torch.Tensor, spans: torch.Tensor) -> torch.Tensor:
 
     Special and padding tokens have empty offsets and never match.
     """
-    start, end = spans[:, None, 0], spans[:, None, 1]
+    start = spans[:, None, 0]
+    end = spans[:, None, 1]
     return (offsets[..., 0] < end) & (offsets[..., 1] > start) & (offsets[..., 1] > offsets[..., 0])
 
 

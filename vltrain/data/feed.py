@@ -135,7 +135,8 @@ class Feed:
                     if state.consumed == 0:  # never loop forever on an epoch that yields nothing
                         rank, size = world()
                         if size > 1 and self.batch_sampler is None:  # the random stream: each rank reads its shards
-                            n, shards = self.data.n_train, len(self.data.train.shards)
+                            n = self.data.n_train
+                            shards = len(self.data.train.shards)
                             raise TrainError(
                                 f"epoch {state.epoch} gave this process (rank {rank}) no batch of "
                                 f"{self.batch_size}: each of the {size} reads its own shards of the {shards} (holding "

@@ -79,7 +79,8 @@ class IndexedShards:
         if self._wids is None:
             self._wids = self._open()
         f = int(np.searchsorted(self.offsets, index, side="right")) - 1
-        w, local = self._wids[f], int(index - self.offsets[f])
+        w = self._wids[f]
+        local = int(index - self.offsets[f])
         url = Path(w.shards[int(np.searchsorted(w.cum_lengths, local, side="right"))]["url"]).name
         try:
             shard, inner, desc = w.get_shard(local)
@@ -111,7 +112,8 @@ def _remove_links(path: str, pid: int) -> None:
 
 def open_error(e: OSError, shard: Path, links: str) -> VlprepError:
     """The one line for a shard wids could not open: its lock file or link (in our temp folder) or the shard itself."""
-    why, name = e.strerror or str(e), str(e.filename or "")
+    why = e.strerror or str(e)
+    name = str(e.filename or "")
     if name.startswith(links) and (name.endswith(".lock") or not os.path.islink(name)):
         what = "wids' lock file" if name.endswith(".lock") else "the link wids opens"
         return VlprepError(f"{shard}: cannot create {what} {name} ({why}); the dataset is fine: make "
@@ -164,7 +166,8 @@ class InstanceView(torch.utils.data.Dataset):
 
     def __getitem__(self, p: int) -> tuple | None:
         """The sample at position p, or None (counted in shards.counts) when it cannot be decoded."""
-        epoch, info = self.epoch, get_worker_info()
+        epoch = self.epoch
+        info = get_worker_info()
         if info is not None and self._seeded != epoch:  # a worker kept across epochs: reseed at each one's start
             reseed_worker(self.seed, epoch, info.id)
             self._seeded = epoch

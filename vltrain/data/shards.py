@@ -76,7 +76,8 @@ def data_signature(folders: list[str | Path]) -> str:
         if ds.url:
             for shard in ds.sizes:
                 side = Path(shard).with_suffix(".parquet").name
-                tar, meta = ds.stat(shard), (ds.listed or {}).get(side) or objstore.info(objstore.join(ds.url, side))
+                tar = ds.stat(shard)
+                meta = (ds.listed or {}).get(side) or objstore.info(objstore.join(ds.url, side))
                 h.update(json.dumps([shard, tar["etag"] or tar["size"], meta["etag"] or meta["size"]]).encode())
             continue
         for shard in ds.sizes:

@@ -30,7 +30,8 @@ def contrastive_logits(model, f, w, captions: list[str]) -> None:
     if w.dedupe == "caption":
         keys = captions
         if world()[1] > 1:
-            ranks, rank = gather_objects(list(captions)), world()[0]
+            ranks = gather_objects(list(captions))
+            rank = world()[0]
             keys = ranks[rank] + [c for r, part in enumerate(ranks) if r != rank for c in part]
         f.same = torch.tensor([[a == c for c in keys] for a in captions], dtype=torch.bool, device=f.ids.device)
         f.hard = dedupe_targets(f.same, f.logits_i2t.shape[1])  # (B, B+Q), symmetric

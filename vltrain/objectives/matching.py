@@ -18,7 +18,8 @@ def hard_negatives(f, w, width: int, generator: torch.Generator) -> tuple:
     b = f.ids.shape[0]
     w_i2t, w_t2i = hard_negative_weights(f.logits_i2t, f.logits_t2i, None if f.same is None else f.same[:, :width],
                                          width)
-    has_t, has_i = w_i2t.sum(dim=1) > 0, w_t2i.sum(dim=1) > 0
+    has_t = w_i2t.sum(dim=1) > 0
+    has_i = w_t2i.sum(dim=1) > 0
     anywhere = 1.0 - torch.eye(b, width, device=w_i2t.device, dtype=w_i2t.dtype)
     w_i2t = torch.where(has_t[:, None], w_i2t, anywhere)
     w_t2i = torch.where(has_i[:, None], w_t2i, anywhere)
@@ -30,11 +31,16 @@ def hard_negatives(f, w, width: int, generator: torch.Generator) -> tuple:
 
 def matching_losses(model, f, w, generator: torch.Generator) -> dict:
     """itm_loss over B positives and their hard negatives, and softmask_itm_loss where weighted; sets f.fused."""
-    b, mask = f.ids.shape[0], f.mask
+    b = f.ids.shape[0]
+    mask = f.mask
     # The pool the negatives come from: this rank's batch (ALBEF), or with loss.itm_global_negatives under
     # torchrun every rank's (BLIP), whose token sequences are gathered with gradient, padded to the longest
     # caption of any rank (padding is masked out of the fusion's attention).
-    pool_text, pool_mask, pool_image, text_p, mask_p = f.text_hidden, mask, f.image_tokens, f.text_hidden, mask
+    pool_text = f.text_hidden
+    pool_mask = mask
+    pool_image = f.image_tokens
+    text_p = f.text_hidden
+    mask_p = mask
     if w.itm_global_negatives and world()[1] > 1:
         length = max_over_ranks(mask.shape[1])
         text_p = F.pad(f.text_hidden, (0, 0, 0, length - mask.shape[1]))

@@ -52,7 +52,8 @@ def grit_orders(image_feats: torch.Tensor, text_feats: torch.Tensor, m: int, sta
     if len(starts) != len(sizes) or not all(0 <= st < size for st, size in zip(starts, sizes)):
         raise ValueError(f"need one start in [0, size) for each of the {len(sizes)} sub-queues, got {list(starts)}")
     device = image_feats.device
-    img, txt = upcast(image_feats), upcast(text_feats)
+    img = upcast(image_feats)
+    txt = upcast(text_feats)
     out = torch.empty(n, dtype=torch.long, device=device)
     full = n // m
     chunk = max(1, GROUP_BYTES // (2 * 4 * m * m))
@@ -70,7 +71,8 @@ def grit_orders(image_feats: torch.Tensor, text_feats: torch.Tensor, m: int, sta
             # pair of buffers for every full chunk: fresh pages of 128 MB per chunk cost as much as the chains.
             if size != m or buffers is None:
                 buffers = torch.empty(2, end - first, size, size, device=device, dtype=img.dtype)
-            sim, sim_t = buffers[0, :end - first], buffers[1, :end - first]
+            sim = buffers[0, :end - first]
+            sim_t = buffers[1, :end - first]
             for s in range(first, end):  # one product per sub-queue, as grit_order on that sub-queue would take
                 a = s * m
                 torch.mm(img[a:a + size], txt[a:a + size].t(), out=sim[s - first])
@@ -158,7 +160,8 @@ class GritSampler:
 
     def collect(self, positions, image_feats: torch.Tensor, text_feats: torch.Tensor) -> None:
         """Phase 1: enqueue one step's features; when L are held, shuffle, split and group them (phases 2-3)."""
-        img, txt = upcast(image_feats.detach()), upcast(text_feats.detach())
+        img = upcast(image_feats.detach())
+        txt = upcast(text_feats.detach())
         pos = torch.as_tensor(positions).reshape(-1).to(img.device, torch.long)
         if not len(pos) == len(img) == len(txt):
             raise ValueError(f"collect: {len(pos)} positions, {len(img)} image and {len(txt)} text features")
@@ -249,7 +252,8 @@ class GritSampler:
         # (n, dim) as saved; reshape(0, -1) cannot infer dim, so an empty queue (a checkpoint right after a grouping)
         # reads its width from the shape.
         q_img = np.asarray(state["q_img"])
-        n, dim = len(state["q_idx"]), (q_img.shape[1] if q_img.ndim == 2 else 0)
+        n = len(state["q_idx"])
+        dim = q_img.shape[1] if q_img.ndim == 2 else 0
         self._reset_queue(dim)
         for q, key in ((self.q_idx, "q_idx"), (self.q_img, "q_img"), (self.q_txt, "q_txt")):
             q[:n] = torch.as_tensor(np.asarray(state[key]))

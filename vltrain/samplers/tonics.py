@@ -90,7 +90,9 @@ class TonicsBatchSampler:
 
     def draw(self, node: int, rng: np.random.Generator) -> list[int]:
         """N_B positions of `node`, uniform among its instances, no image twice."""
-        members, chosen, images = self.members[node], [], set()
+        members = self.members[node]
+        chosen = []
+        images = set()
         while len(chosen) < self.batch_size:
             for p in members[rng.integers(0, len(members), size=2 * self.batch_size)]:
                 img = self.image_of[p]
@@ -138,7 +140,8 @@ def tonics_instances(ontology_dir, keys: Sequence[str], is_val: np.ndarray, trip
     import pyarrow.parquet as pq
 
     root = Path(ontology_dir)
-    onto_path, trip_path = root / "ontology.json", root / "triplets.parquet"
+    onto_path = root / "ontology.json"
+    trip_path = root / "triplets.parquet"
     if not onto_path.is_file() or not trip_path.is_file():
         raise ValueError(f"{root}: no ontology.json / triplets.parquet (run `vlprep ontology` to make them)")
     classes = [n["class"] for n in json.loads(onto_path.read_text())["nodes"]]
