@@ -6,10 +6,12 @@ from vltrain.resume import Run, RunState, save_checkpoint
 from vltrain.distributed import broadcast
 from vltrain.evaluate import drop_images, embed_split, heldout_r1, heldout_recall, val_triplet_sim
 from vltrain.figures import plot_curriculum
-from vltrain.runlog import RunLog, console
+from rich.console import Console
+
+from vltrain.runlog import RunLog
 
 
-def curriculum_check(run: Run, state: RunState, data, rank: int, device) -> dict:
+def curriculum_check(run: Run, state: RunState, data, rank: int, device, console: Console) -> dict:
     """TOnICS: held-out image retrieval R@1, and a curriculum refresh when it reaches the threshold.
 
     Rank 0 checks and decides; the others follow its decision, so every rank's curriculum stays the same."""

@@ -15,7 +15,11 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, 
 from vlprep.urls import redact
 from vltrain.figures import plot_learning_curve
 
-console = Console(stderr=True, emoji=False, soft_wrap=True)
+
+
+def make_console(quiet: bool = False) -> Console:
+    """The terminal a run reports to (stderr); a quiet one prints nothing (torchrun's other ranks, a library caller)."""
+    return Console(stderr=True, emoji=False, soft_wrap=True, quiet=quiet)
 
 
 def fmt_duration(seconds: float) -> str:
@@ -139,7 +143,9 @@ class RunLog:
     """One run's reporting, a context manager: metrics.jsonl (kept in `rows` for the learning curve), TensorBoard
     under tb/, the progress bar and the speed lines. `rows` are the earlier rows of a resumed run."""
 
-    def __init__(self, cfg, out: Path, rank: int, rows: list[dict], step: int, device, use_features: bool):
+    def __init__(self, cfg, out: Path, rank: int, rows: list[dict], step: int, device, use_features: bool,
+                 console: Console):
+        self.console = console
         self.cfg, self.out, self.rows, self.device, self.use_features = cfg, out, rows, device, use_features
         self.metrics = (out / "metrics.jsonl").open("w") if rank == 0 else open(os.devnull, "w")
         self.metrics.writelines(json.dumps(r) + "\n" for r in rows)
@@ -195,7 +201,7 @@ class RunLog:
                              + " ".join(f"{k.removesuffix('_loss')} {v:.3f}" for k, v in losses.items())
                              + f" lr {lr:.2e}")
         if self.progress.disable and step % self.report_every == 0:
-            console.print(f"step {step}/{cfg.steps} loss {losses['total']:.3f}, {sec_per_step:.2f} s/step, "
+            self.console.print(f"step {step}/{cfg.steps} loss {losses['total']:.3f}, {sec_per_step:.2f} s/step, "
                           f"eta {fmt_duration(time_left(sec_per_step, cfg.steps - step))}", highlight=False)
 
     def curriculum(self, step: int, row: dict) -> None:
@@ -216,9 +222,9 @@ class RunLog:
         cfg = self.cfg
         sec_per_step = elapsed / done
         left = time_left(sec_per_step, cfg.steps - step)
-        console.print(f"{done} steps in {elapsed:.1f} s ({sec_per_step:.2f} s/step, "
+        self.console.print(f"{done} steps in {elapsed:.1f} s ({sec_per_step:.2f} s/step, "
                       f"{cfg.batch_size / sec_per_step:.1f} samples/s): the remaining {cfg.steps - step:,}"
                       f" steps take about {fmt_duration(left)} ({end_time(left)})", highlight=False)
         if left > 3600 and self.device.type == "cpu" and not self.use_features:
-            console.print("hint: on a CPU, cache the image tower once with `vlprep features IN OUT` and "
+            self.console.print("hint: on a CPU, cache the image tower once with `vlprep features IN OUT` and "
                           "train on OUT: several times faster (docs/FEATURES.md)", highlight=False)

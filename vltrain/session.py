@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from rich.console import Console
 
 from vlprep import VlprepError
 from vlprep.outlock import OutLock, lock_output
@@ -24,7 +25,7 @@ from vltrain.init_from import init_weights
 from vltrain.model import autocast, bf16_supported, build_model, resolve_device
 from vltrain.optim import build_optimizer
 from vltrain.resume import Run, RunState, check_ranks, check_resumable, restore, set_rng_states
-from vltrain.runlog import RunLog, console, earlier_rows, init_line, summary
+from vltrain.runlog import RunLog, earlier_rows, init_line, make_console, summary
 from vltrain.step import TrainStep, wrap_ddp
 from vltrain.trainset import TrainData, heldout_positions, prepare
 
@@ -245,11 +246,12 @@ class Session:
     init: dict | None = None    # --init-from's record, kept by resumes
     rows: list = field(default_factory=list)  # metrics.jsonl's rows before the resumed step
     lock: OutLock | None = None  # OUT's lock, held by rank 0 until `release`
+    console: Console | None = None  # where the run reports (quiet on torchrun's other ranks or when asked)
 
     def open_report(self) -> RunLog:
         """The loop's RunLog (metrics.jsonl, TensorBoard, progress), opened now."""
         return RunLog(self.cfg, self.out, self.rank, self.rows, self.state.step, self.device,
-                      self.data.use_features)
+                      self.data.use_features, self.console)
 
     def close(self) -> None:
         """The feed's loader stopped and OUT released, for a caller that uses the pieces without `train`'s loop."""
@@ -270,7 +272,7 @@ def setup(cfg: Config, resume: bool = False, overwrite: bool = False, init_from=
     out = Path(cfg.out)
     created_group, device_name = init_from_env(cfg.device)  # torchrun: join the process group
     rank, size = world()
-    console.quiet = quiet or (size > 1 and rank > 0)
+    console = make_console(quiet or (size > 1 and rank > 0))
     device = train_device(device_name)
     if device.type == "cpu":
         keep_freed_memory()
@@ -329,4 +331,5 @@ def setup(cfg: Config, resume: bool = False, overwrite: bool = False, init_from=
     return Session(cfg=cfg, out=out, device=device, rank=rank, size=size, created_group=created_group, data=data,
                    data_sig=data_sig, model=model, step_fn=step_fn, optimizer=optimizer, params=params,
                    generator=generator, run=run, state=state, feed=feed, precision=precision,
-                   channels_last=channels_last, resumed=ckpt is not None, init=init, rows=rows, lock=lock)
+                   channels_last=channels_last, resumed=ckpt is not None, init=init, rows=rows, lock=lock,
+                   console=console)

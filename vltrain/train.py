@@ -23,7 +23,7 @@ from vltrain.distributed import any_flags, broadcast, gather
 from vltrain.errors import PeerFailed, TrainError
 from vltrain.model import autocast
 from vltrain.optim import lr_at, optimizer_step, set_lr
-from vltrain.runlog import RunLog, console
+from vltrain.runlog import RunLog
 from vltrain.samplers import GritSampler
 from vltrain.session import Session, setup
 from vltrain.step import distill_alpha_at
@@ -40,7 +40,7 @@ def train(cfg, resume: bool = False, overwrite: bool = False, init_from=None, qu
     `vltrain.checkpoint.Interrupted`.
     """
     s = setup(cfg, resume, overwrite, init_from, quiet, batches)
-    with s.open_report() as report, _running(s.run, s.feed):
+    with s.open_report() as report, _running(s.run, s.feed, s.console):
         loop(s, report)
     return end(s, report)
 
@@ -82,7 +82,7 @@ def loop(s: Session, report: RunLog) -> None:
         report.step(state.step, losses_f, lr, alpha, s.feed.bad, cfg.batch_size * s.size, s.feed.io())
         # TOnICS at the end of a period, so that a refreshed P_S starts with the next period
         if data.heldout is not None and state.step % cfg.sampler.refresh_every == 0:
-            report.curriculum(state.step, curriculum_check(run, state, data, s.rank, s.device))
+            report.curriculum(state.step, curriculum_check(run, state, data, s.rank, s.device, report.console))
         saved = state.step % cfg.ckpt_every == 0 or state.step == cfg.steps or save_due
         if saved:  # before the evaluation: an evaluation that fails never costs the steps trained
             save_checkpoint(run.last_path, run, state)
@@ -132,7 +132,7 @@ def _finite(losses: dict, step: int, run: Run) -> dict:
     return losses_f
 
 
-def _on_signal(run: Run, feed: Feed, signum, frame) -> None:
+def _on_signal(run: Run, feed: Feed, console, signum, frame) -> None:
     """First Ctrl-C / SIGTERM: note it, so the loop saves after this step; a second one abandons the step.
 
     While the loop waits for its next batch the wait is given up at once (StopFetch): a read that blocks (a hung
@@ -149,13 +149,13 @@ def _on_signal(run: Run, feed: Feed, signum, frame) -> None:
 
 
 @contextlib.contextmanager
-def _running(run: Run, feed: Feed):
+def _running(run: Run, feed: Feed, console):
     """Ctrl-C and SIGTERM handled by `_on_signal` while the loop runs (main thread only), the former handlers after;
     and the feed's loader workers stopped when the loop ends, however it ends (a failed run's traceback holds the
     feed, and with it workers that would outlive the run in a Python session)."""
     handlers = {}
     if threading.current_thread() is threading.main_thread():
-        handler = functools.partial(_on_signal, run, feed)
+        handler = functools.partial(_on_signal, run, feed, console)
         handlers = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield

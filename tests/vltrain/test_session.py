@@ -76,10 +76,7 @@ def test_resolve_fills_the_derived_values_and_says_what_it_changed():
     assert cfg.data.input == "auto" and cfg.data.workers == 4 and cfg.model.queue_size == 100  # a new config
 
 
-def test_a_quiet_setup_prints_nothing_and_feeds_the_batches_it_is_given(onto, tmp_path, capsys, monkeypatch):
-    from vltrain import runlog as report
-
-    monkeypatch.setattr(report.console, "quiet", False)  # set back after the test: setup's quiet stays set
+def test_a_quiet_setup_prints_nothing_and_feeds_the_batches_it_is_given(onto, tmp_path, capsys):
     cfg = load_config("clip", None, TINY, shards=[str(onto)], out=str(tmp_path / "run"), steps=2, batch_size=4,
                       device="cpu")
     s = setup(cfg, quiet=True)
@@ -94,3 +91,6 @@ def test_a_quiet_setup_prints_nothing_and_feeds_the_batches_it_is_given(onto, tm
         s.state.consumed += 1  # as the loop counts a step's batch
     s.close()
     assert all(b is batch for b in fed) and s.state.epoch == 2
+    s = setup(cfg, overwrite=True, batches=[batch])  # quiet belongs to that session: the next one reports again
+    s.close()
+    assert "clip" in capsys.readouterr().err
