@@ -271,7 +271,7 @@ class RowClock(threading.Thread):
 
 def train_cfg(shards: Path, out: Path, steps: int, batch_size: int, sets: list[str]):
     """`--preset clip` on one dataset folder, cpu, no eval, log every LOG_EVERY, checkpoint only at the end."""
-    from vltrain.config import load_config
+    from vltrain.config_load import load_config
 
     return load_config(preset="clip", sets=["data.val_frac=0", "model.text_model=minilm", *sets],
                        shards=[str(shards)], out=str(out), steps=steps, batch_size=batch_size, device="cpu",

@@ -48,7 +48,7 @@ def tiny_shards(tmp: Path, n: int) -> Path:
 def setup_preset(preset: str, batch: int, device: torch.device, shards: Path, out: Path):
     """The pieces `vltrain.session.setup` builds for the preset (the trainer's speed options, precision, step
     function and optimiser), and one batch of random pixels and captions on the device."""
-    from vltrain.config import load_config
+    from vltrain.config_load import load_config
     from vltrain.session import setup
 
     sets = ["data.val_frac=0", "data.workers=0"]

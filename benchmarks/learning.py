@@ -43,7 +43,7 @@ METRICS = (("i2t_r1", "TR@1"), ("t2i_r1", "IR@1"), ("mean_recall", "mean R"))
 
 
 def one_run(data: Path, sets: list[str], seed: int, steps: int, out: Path, heldout: Path | None = None) -> dict:
-    from vltrain.config import load_config
+    from vltrain.config_load import load_config
     from vltrain.evaluate import evaluate_checkpoint
     from vltrain.train import train
 

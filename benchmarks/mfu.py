@@ -98,7 +98,7 @@ class Setup:
 
     def __init__(self, data: Path, preset: str, batch: int, precision: str, device: torch.device, n_batches: int,
                  out: Path, compile: bool = False):
-        from vltrain.config import load_config
+        from vltrain.config_load import load_config
         from vltrain.data.collate import to_device
         from vltrain.session import setup
 
@@ -214,7 +214,7 @@ def channels_last_ratio(device: torch.device, reps: int) -> float:
     """Median time of the frozen packaged EfficientNet-Lite0 forward (no gradient, eval mode: the pixel path with
     model.freeze_image) on a batch of 32 at 224 px, contiguous over channels_last (weights and input alike);
     alternating rounds after one untimed call of each."""
-    from vltrain.config import load_config
+    from vltrain.config_load import load_config
     from vltrain.model import build_model
 
     cfg = load_config(preset="clip", sets=["model.text_model=tiny", "model.freeze_image=true"])

@@ -52,7 +52,7 @@ def loader_epoch(data: str, workers: int, batch: int) -> tuple[int, float]:
     import torch
 
     from vltrain.data.feed import make_loader
-    from vltrain.config import load_config
+    from vltrain.config_load import load_config
     from vltrain.trainset import prepare
 
     cfg = load_config("clip", sets=["model.text_model=tiny", "model.image_model=tiny", "data.image_size=96",

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vltrain.config import load_config
+from vltrain.config_load import load_config
 from vltrain.model import build_model, tokenizer_for
 from vltrain.samplers import GritSampler, TonicsBatchSampler, TonicsCurriculum
 from vltrain.step import train_step

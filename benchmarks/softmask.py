@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from vltrain.config import load_config
+from vltrain.config_load import load_config
 from vltrain.model import build_model, tokenizer_for
 from vltrain.optim import build_optimizer, optimizer_step
 from vltrain.step import train_step

@@ -39,7 +39,8 @@ import webdataset as wds  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import vltrain.train as vt  # noqa: E402
-from vltrain.config import ModelConfig, load_config  # noqa: E402
+from vltrain.config import ModelConfig  # noqa: E402
+from vltrain.config_load import load_config
 from vlprep.dataset import decode_rgb  # noqa: E402
 from vltrain.data.collate import Collate  # noqa: E402
 from vltrain.data.samples import train_transform  # noqa: E402

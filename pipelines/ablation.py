@@ -47,7 +47,8 @@ from vlprep import VlprepError, cut
 from vlprep.cliargs import check_local
 from vlprep.userfile import read_user_file
 from vltrain.errors import TrainError
-from vltrain.config import ConfigError, load_config
+from vltrain.config import ConfigError
+from vltrain.config_load import load_config
 from vltrain.data.shards import data_signature
 from vltrain.resume import Interrupted
 from vltrain.train import train

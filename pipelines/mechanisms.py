@@ -253,7 +253,7 @@ def load_run(run: Path):
     from vltrain import checkpoint as ckpt_io
     from vltrain.exportfmt import EXPORT_DROPS
     from vltrain.api import Model
-    from vltrain.config import from_dict
+    from vltrain.config_load import from_dict
 
     path = run / "last.pt"
     ckpt = ckpt_io.load(path)

@@ -120,7 +120,7 @@ def test_the_reader_finds_from_imports_module_attributes_and_private_names():
     assert covered("vltrain.api.Model.encode_texts", public)
     assert not covered("vlprep.dataset._secret", public | {"vlprep.dataset._secret"})
     assert not covered("vltrain.train.train", public)
-    assert resolves("vltrain.config.load_config") and not resolves("vltrain.config.no_such_name")
+    assert resolves("vltrain.config.Config") and not resolves("vltrain.config.no_such_name")
     assert script_names("python -c 'from vltrain.data import data_signature, x'") == {
         "vltrain.data.data_signature", "vltrain.data.x"}
 

@@ -24,7 +24,8 @@ from vlprep import VlprepError, cut
 from vlprep.encoders import eval_transform
 from vltrain.checkpoint import load as load_file
 from vltrain.checkpoint import model_from
-from vltrain.config import Config, from_dict
+from vltrain.config import Config
+from vltrain.config_load import from_dict
 from vltrain.losses import upcast
 from vltrain.model import autocast, resolve_device, tokenizer_for
 from vltrain.zeroshot import DEFAULT_TEMPLATES, check_templates, class_embeddings, read_image

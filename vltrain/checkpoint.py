@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 from vlprep import MAX_SIZE, MIN_SIZE, cut
-from vltrain.config import Config, ConfigError, ModelConfig, check_ranges, from_dict
+from vltrain.config import Config, ConfigError, ModelConfig, check_ranges
+from vltrain.config_load import from_dict
 from vltrain.errors import CheckpointError
 from vltrain.exportfmt import EXPORT_MODEL, is_export, read_export
 from vltrain.model import VLModel, build_model

@@ -67,7 +67,7 @@ def writable_file(out: Path) -> None:
 
 def config_file(path: Path | None) -> Path | None:
     """--config as given, or a ConfigError when it names something that is neither a file nor a folder (a FIFO, a
-    device, a socket): reading one waits forever. vltrain.config.read_config_file says the rest."""
+    device, a socket): reading one waits forever. vltrain.config_load.read_config_file says the rest."""
     from vltrain.config import ConfigError
 
     if path is not None and path.exists() and not path.is_file() and not path.is_dir():
@@ -149,7 +149,8 @@ def run(
     Shards made by `vlprep features` are read as cached image tokens (fast on a CPU); others as pixels. The run
     prints a summary, then an estimate of its duration after 10 steps. Ctrl-C saves OUT/last.pt; --resume goes on.
     --init-from fine-tunes another run's weights. `vltrain config --preset P` prints every config key."""
-    from vltrain.config import ConfigError, load_config
+    from vltrain.config import ConfigError
+    from vltrain.config_load import load_config
     from vltrain.train import train
 
     with user_errors():
@@ -188,7 +189,8 @@ def config_(
     set_: Optional[list[str]] = typer.Option(None, "--set", help="Dotted override key=value (repeatable)."),
 ) -> None:
     """Print the fully resolved config as YAML: every key `--set` and `--config` accept, with its value."""
-    from vltrain.config import load_config, to_yaml
+    from vltrain.config import to_yaml
+    from vltrain.config_load import load_config
 
     with user_errors():
         cfg = load_config(known_preset(preset), config_file(config), set_ or [])

@@ -10,7 +10,8 @@ import torch
 from vlprep import versions
 from vlprep.urls import redact
 from vltrain.checkpoint import save
-from vltrain.config import Config, to_dict, upgrade
+from vltrain.config import Config, to_dict
+from vltrain.config_load import upgrade
 from vltrain.distributed import barrier, gather_objects, world
 from vltrain.errors import TrainError
 from vltrain.model import VLModel

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from vltrain import step as step_mod
-from vltrain.config import load_config
+from vltrain.config_load import load_config
 from vltrain.distributed import RankSlice, gather
 from vltrain.model import build_model, tokenizer_for
 

@@ -159,7 +159,7 @@ def _save_run(run: Path, cfg, model, sampler=None) -> None:
 
 
 def test_grit_tonics_and_fistful_checks_run_on_tiny_runs_and_write_their_table(onto, tmp_path, capsys, monkeypatch):
-    from vltrain.config import load_config
+    from vltrain.config_load import load_config
     from vltrain.model import build_model
     from vltrain.trainset import prepare
 

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from vltrain.config import (PRESETS, Config, ConfigError, apply_overrides, from_dict, grit_sizes, load_config, parse_set,
-                            to_dict)
+from vltrain.config import PRESETS, Config, ConfigError, grit_sizes, to_dict
+from vltrain.config_load import apply_overrides, from_dict, load_config, parse_set
 
 
 def test_presets_set_what_the_papers_say():
@@ -168,7 +168,8 @@ def test_masked_text_all_is_a_loss_key_and_the_old_data_key_still_works(tmp_path
     from dataclasses import fields
 
     from vltrain.resume import check_resumable
-    from vltrain.config import DataConfig, LossConfig, to_dict, upgrade
+    from vltrain.config import DataConfig, LossConfig, to_dict
+    from vltrain.config_load import upgrade
 
     assert "masked_text_all" in {f.name for f in fields(LossConfig)}
     assert "masked_text_all" not in {f.name for f in fields(DataConfig)}

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from vltrain import step as step_mod
-from vltrain.config import load_config
+from vltrain.config_load import load_config
 from vltrain.model import build_model, build_tokenizer
 
 

@@ -98,7 +98,7 @@ def test_eval_scores_every_caption_of_every_image(karpathy, tmp_path):
 
     # The same numbers from the embeddings, with the caption -> image map rebuilt from the file
     ck = torch.load(ckpt, weights_only=True)
-    from vltrain.config import from_dict
+    from vltrain.config_load import from_dict
 
     cfg = from_dict(ck["config"])
     model = build_model(cfg.model)

@@ -25,7 +25,7 @@ import torch
 
 from tests.conftest import ontology_dataset
 from vltrain.data import collate as collate_mod
-from vltrain.config import load_config
+from vltrain.config_load import load_config
 from vltrain.train import train
 
 PINS = Path(__file__).parent / "data" / "preset_pins.json"

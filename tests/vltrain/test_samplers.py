@@ -442,7 +442,7 @@ def test_tonics_preset_runs_refreshes_and_resumes_exactly(onto, tmp_path, preset
 def test_tonics_refresh_check_never_reads_a_scored_image(onto, sampler):
     """The curriculum's refresh check and the held-out score draw disjoint images of the validation split, and a
     random-batch twin (same seed, same sampler.heldout) scores exactly the TOnICS arm's triplets."""
-    from vltrain.config import load_config
+    from vltrain.config_load import load_config
     from vltrain.trainset import heldout_positions, prepare
 
     def positions(kind):

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from tests.conftest import ontology_dataset
-from vltrain.config import PRESETS, load_config
+from vltrain.config import PRESETS
+from vltrain.config_load import load_config
 from vltrain.resolve import DataFacts, resolve
 from vltrain.session import setup
 from vltrain.train import train

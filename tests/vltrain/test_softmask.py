@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from vltrain import step as step_mod
-from vltrain.config import ConfigError, load_config
+from vltrain.config import ConfigError
+from vltrain.config_load import load_config
 from vltrain.layers import Attention, FusionLayer
 from vltrain.losses import softmask_itm_loss
 from vltrain.config import parse_source

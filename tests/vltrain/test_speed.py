@@ -15,7 +15,7 @@ from vltrain.cli import app
 from vltrain.data.collate import TokenLengths
 from vltrain.data.samples import caption_of
 from vltrain.data.stream import ShardStream
-from vltrain.config import load_config
+from vltrain.config_load import load_config
 from vltrain.model import build_model, length_groups, tokenizer_for
 
 from tests.conftest import make_dataset
@@ -118,7 +118,7 @@ def test_resume_is_exact_with_workers_kept_across_epochs_and_bucketing(varied, t
 def test_under_bf16_autocast_the_losses_parameters_and_adamw_state_stay_float32():
     """train.precision=bf16: matmuls in bf16, while what accumulates (losses, parameters, optimiser moments) is
     float32. CPU autocast runs anywhere (emulated where the CPU lacks bf16), so this holds on any x86-64 CPU."""
-    from vltrain.config import load_config
+    from vltrain.config_load import load_config
     from vltrain.model import autocast, build_model
     from vltrain.optim import build_optimizer, optimizer_step
     from vltrain.step import train_step

@@ -12,7 +12,7 @@ from vlprep import versions
 from vlprep.shards import ShardsConfig, build_shards
 from vltrain import step as step_mod
 from vltrain.cli import app
-from vltrain.config import load_config
+from vltrain.config_load import load_config
 from vltrain.optim import lr_at
 from vltrain.step import distill_alpha_at
 

@@ -21,7 +21,8 @@ from vlprep.shards import ShardsConfig, build_shards
 from vltrain import checkpoint as ckpt_io
 from vltrain import resume
 from vltrain.cli import app
-from vltrain.config import Config, load_config, to_dict
+from vltrain.config import Config, to_dict
+from vltrain.config_load import load_config
 
 TINY = ["model.text_model=tiny", "model.image_model=tiny", "model.embed_dim=16", "data.image_size=32",
         "data.workers=0", "data.max_len=12", "log_every=1", "optim.warmup_steps=2", "optim.lr=0.01"]
