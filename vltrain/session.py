@@ -231,7 +231,7 @@ class Session:
     size: int
     created_group: bool     # setup joined the torchrun process group: the run leaves it at its end
     data: TrainData
-    data_sig: str           # the training data's signature (vltrain.data.data_signature)
+    data_sig: str           # the training data's signature (vltrain.data.shards.data_signature)
     model: torch.nn.Module
     step_fn: object         # TrainStep, or its DDP wrapper under torchrun
     optimizer: torch.optim.Optimizer

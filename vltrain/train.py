@@ -1,9 +1,9 @@
 """`train`: setup -> loop -> end, and the signal handler.
 
 The pieces live in their own modules: the set-up in vltrain.session (the training data in vltrain.trainset, the
-resolved config in vltrain.resolve), the batches in vltrain.batches, one step's losses in vltrain.step (the
-objectives in vltrain.objectives), the optimiser in vltrain.optim, checkpoints in vltrain.checkpoint, the periodic
-checks in vltrain.heldout, and what the run tells the user in vltrain.runlog.
+resolved config in vltrain.resolve), the batches in vltrain.data.feed, one step's losses in vltrain.step (the
+objectives in vltrain.objectives), the optimiser in vltrain.optim, checkpoints and resume in vltrain.resume, the
+held-out checks in vltrain.heldout, and what the run tells the user in vltrain.runlog.
 """
 
 import contextlib
@@ -35,9 +35,9 @@ def train(cfg, resume: bool = False, overwrite: bool = False, init_from=None, qu
 
     Refuses an OUT holding another run unless `resume` (continue from OUT/last.pt) or `overwrite` (start over).
     `init_from` (a checkpoint or an export folder) starts a new run from its weights only: fresh optimiser, schedule
-    and step 0, the architecture from cfg (vltrain.checkpoint.init_weights); a resume of it re-loads nothing.
+    and step 0, the architecture from cfg (vltrain.init_from.init_weights); a resume of it re-loads nothing.
     `quiet` and `batches` go to `setup`. Ctrl-C / SIGTERM finish the current step, write last.pt and raise
-    `vltrain.checkpoint.Interrupted`.
+    `vltrain.resume.Interrupted`.
     """
     s = setup(cfg, resume, overwrite, init_from, quiet, batches)
     with s.open_report() as report, _running(s.run, s.feed, s.console):

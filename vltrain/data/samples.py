@@ -104,7 +104,7 @@ def loader_error(e: Exception) -> Exception:
     text = str(e)
     if "Original Traceback" not in text:
         return e
-    last = text.strip().splitlines()[-1]  # "vlprep.BadShardError: the message"
+    last = text.strip().splitlines()[-1]  # "vlprep.dataset.BadShardError: the message"
     _, sep, msg = last.partition(": ")
     try:
         return type(e)(msg) if sep else e
