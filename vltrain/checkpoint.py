@@ -13,7 +13,7 @@ import torch
 from vlprep import MAX_SIZE, MIN_SIZE, cut
 from vltrain.config import Config, ConfigError, ModelConfig, check_ranges
 from vltrain.config_load import from_dict
-from vltrain.errors import CheckpointError
+from vltrain.errors import CheckpointError, check_version
 from vltrain.exportfmt import EXPORT_MODEL, is_export, read_export
 from vltrain.model import VLModel, build_model
 
@@ -83,13 +83,7 @@ def load(path, what: str = "checkpoint") -> dict:
     bad = next((k for k, v in ckpt["model"].items() if not torch.is_tensor(v)), None)
     if bad is not None:
         raise CheckpointError(f"{path}: model entry {bad!r} is not a tensor")
-    fmt = ckpt.get("format", FORMAT)
-    if not isinstance(fmt, int) or isinstance(fmt, bool) or fmt < 1:
-        raise CheckpointError(f"{path}: checkpoint format {cut(repr(fmt))} is not a version this vltrain reads "
-                              f"(it reads {FORMAT})")
-    if fmt > FORMAT:
-        raise CheckpointError(f"{path}: written by a newer vltrain (checkpoint format {fmt}, this "
-                              f"version reads {FORMAT})")
+    check_version(ckpt.get("format", FORMAT), FORMAT, "checkpoint format", path, path)
     return ckpt
 
 

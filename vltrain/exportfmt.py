@@ -9,9 +9,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file as load_safetensors
 from safetensors.torch import save_file
 
-from vlprep import cut
 from vlprep.urls import redact
-from vltrain.errors import CheckpointError, TrainError
+from vltrain.errors import CheckpointError, TrainError, check_version
 
 # An export holds model.safetensors (the weights inference reads: no optimiser state, RNG states, EMA copy
 # or queues), config.json (format, the run's config, preprocessing, tokenizer, provenance, eval numbers),
@@ -85,13 +84,7 @@ def read_export(path, what: str = "export") -> dict:
         raise CheckpointError(f"{what} {path} is a folder, and its config.json is not a vltrain export's (no "
                               f"\"format\": \"{EXPORT_FORMAT}\"); give a checkpoint file (last.pt, best.pt) or an "
                               "export")
-    version = meta.get("version")
-    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        raise CheckpointError(f"{meta_path}: export version {cut(repr(version))} is not a version this vltrain reads "
-                              f"(it reads {EXPORT_VERSION})")
-    if version > EXPORT_VERSION:
-        raise CheckpointError(f"{path}: written by a newer vltrain (export version {version!r}, this version reads "
-                              f"{EXPORT_VERSION})")
+    check_version(meta.get("version"), EXPORT_VERSION, "export version", meta_path, path)
     config = meta.get("config")
     source = meta.get("source") or {}
     tied = meta.get("tied") or {}
