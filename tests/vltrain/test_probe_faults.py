@@ -143,7 +143,7 @@ def test_eta_note_of_a_run_ending_beyond_any_date_does_not_crash(capsys):
 
     for steps in (99999999999999999999999, 10 ** 400):  # past year 9999; past a float
         fake = SimpleNamespace(cfg=SimpleNamespace(steps=steps, batch_size=4), device=SimpleNamespace(type="cpu"),
-                               use_features=True)
+                               use_features=True, console=report.make_console())
         report.RunLog._eta_note(fake, 10, 1.0, 10)
     assert report.end_time(60).startswith("until about ")
     assert report.fmt_duration(float("inf")) == "forever" and report.fmt_duration(3.8e22) == "1.2e+15 years"
