@@ -35,7 +35,7 @@ def version_line(prog: str) -> str:
 
 def cut(text: str, limit: int = 80) -> str:
     """`text` cut to `limit` characters with an ellipsis: an error message never quotes a whole (possibly huge) value.
-    Both CLIs use it (vltrain's config errors through vltrain.config.cut, the same rule)."""
+    Both CLIs and vltrain's errors use it."""
     return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
