@@ -556,12 +556,13 @@ def diff_cell(f: dict) -> str:
     return f"{f['diff']:+.2f} {ci}"
 
 
-def power_seeds(f: dict, n_tests: int) -> int | None:
-    """Seeds for the Holm-level paired t test to detect our own mean difference with 80% power (None: no spread yet
-    or no difference)."""
-    if f["n_seeds"] < 2 or not f["diff"] or f["sd"] is None:
+def power_seeds(rows: list[dict], f: dict, n_tests: int) -> int | None:
+    """Seeds for the Holm-level paired t test to detect our own mean difference with 80% power (None: no spread yet,
+    no difference, or no test), from the unrounded differences (the finding's diff and sd are rounded)."""
+    diffs = verdicts.paired_differences(rows, f["better"], f["than"], f["metric"])[0]
+    if "p_zero" not in f or len(diffs) < 2 or not statistics.fmean(diffs):
         return None
-    return verdicts.seeds_needed(f["sd"], f["diff"], verdicts.ALPHA / n_tests)
+    return verdicts.seeds_needed(statistics.stdev(diffs), statistics.fmean(diffs), verdicts.ALPHA / n_tests)
 
 
 def table_rows(rows: list[dict], findings: list[dict]) -> list[list[str]]:
@@ -650,8 +651,9 @@ def judge(rows: list[dict], names: list[str]) -> list[dict]:
     """verdicts.judge over the findings of the checks in `names` (one Holm family), with seeds for 80% power."""
     chosen = [f for f in FINDINGS if f["check"] in names]
     findings = verdicts.judge(chosen, rows)
+    n_tests = sum("p_zero" in f for f in findings)  # a NaN or no-variance finding has no test in the family
     for f in findings:
-        f["seeds_for_power"] = power_seeds(f, len(findings))
+        f["seeds_for_power"] = power_seeds(rows, f, n_tests)
     return findings
 
 
