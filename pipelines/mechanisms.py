@@ -580,10 +580,10 @@ HEAD = ["check", "what is compared", "paper's side (mean ± sd)", "other side (m
         "verdict", "seeds for 80% power"]
 
 
-def write_outputs(out: Path, rows: list[dict], findings: list[dict], meta: dict) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"recipe": "mechanisms", **meta, "rows": rows,
-                                                  "findings": findings}, indent=2) + "\n")
+def write_outputs(results: Path, table: Path, rows: list[dict], findings: list[dict], meta: dict) -> None:
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps({"recipe": "mechanisms", **meta, "rows": rows, "findings": findings}, indent=2)
+                       + "\n")
     md = [f"`{meta['command']}` ({meta['date']}; seeds {', '.join(map(str, meta['seeds']))}): each check's two "
           "sides measured on the same seed's checkpoints, the difference paper's side minus other per seed, its 95% "
           "paired t interval, and the verdict of a paired t test against 0, Holm-adjusted over these findings "
@@ -597,7 +597,17 @@ def write_outputs(out: Path, rows: list[dict], findings: list[dict], meta: dict)
         md.append(f"| {name} | {', '.join(map(str, c.get('seeds', []))) or '-'} | {what} | "
                   f"{c.get('seconds', '-')} |")
     md += ["", "Definitions:", ""] + [f"- **{k}**: {v}" for k, v in DEFINITIONS.items()]
-    (out / "table.md").write_text("\n".join(md) + "\n")
+    table.write_text("\n".join(md) + "\n")
+
+
+def rescore(path: Path) -> None:
+    """Judge a results file's rows again under the current rules, measuring nothing, and write it back with its table
+    beside it (NAME.json -> NAME.md)."""
+    data = json.loads(path.read_text())
+    ran = [name for name, c in data["checks"].items() if "seeds" in c]
+    findings = judge(data["rows"], ran)
+    meta = {k: v for k, v in data.items() if k not in ("recipe", "rows", "findings")}
+    write_outputs(path, path.with_suffix(".md"), data["rows"], findings, meta)
 
 
 def print_table(rows: list[dict], findings: list[dict]) -> None:
@@ -666,7 +676,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: the cores the load average "
                     "leaves idle, at least 1: on a machine busy training, a second thread spin-waits for a core and "
                     "costs 4-5x the time)")
+    ap.add_argument("--rescore", type=Path, metavar="RESULTS.json",
+                    help="judge a results file's rows again under the current rules (nothing is measured) and write "
+                         "it back, with its table as RESULTS.md beside it")
     args = ap.parse_args(argv)
+    if args.rescore is not None:
+        try:
+            rescore(args.rescore)
+        except (OSError, KeyError, TypeError, ValueError) as e:
+            console.print(f"error: --rescore {args.rescore}: {type(e).__name__}: {e}", highlight=False,
+                          markup=False, soft_wrap=True)
+            return 2
+        console.print(f"rescored {args.rescore}; wrote {args.rescore.with_suffix('.md')}", highlight=False,
+                      markup=False, soft_wrap=True)
+        return 0
     torch.set_num_threads(args.threads if args.threads > 0 else idle_cores())
     demo = args.demo.resolve()
     out = args.out or demo / "ablation" / "mechanisms"
@@ -717,7 +740,7 @@ def main(argv: list[str] | None = None) -> int:
             "date": time.strftime("%Y-%m-%d %H:%M"), "seeds": seeds, "checks": checks,
             "k_distractors": K_DISTRACTORS, "threads": torch.get_num_threads(),
             "load_average": round(os.getloadavg()[0], 1)}
-    write_outputs(out, rows, findings, meta)
+    write_outputs(out / "results.json", out / "table.md", rows, findings, meta)
     print_table(rows, findings)
     console.print(f"wrote {out}/results.json and table.md", highlight=False, markup=False, soft_wrap=True)
     return 0

@@ -149,8 +149,27 @@ def test_the_mechanisms_table_renders(tmp_path):
     findings = verdicts.judge([f for f in mechanisms.FINDINGS if f["check"] == "grit"], rows)
     meta = {"command": "mechanisms.py", "date": "today", "seeds": [0, 1, 2],
             "checks": {"grit": {"seeds": [0, 1, 2], "seconds": 1.0, "per_seed": {"2": {"batches": 3}}}}}
-    mechanisms.write_outputs(tmp_path, rows, findings, meta)
+    mechanisms.write_outputs(tmp_path / "results.json", tmp_path / "table.md", rows, findings, meta)
     tables = markdown_tables((tmp_path / "table.md").read_text())
     assert len(tables) == 2
     for table in tables:
         assert_renders(table)
+
+
+def test_mechanisms_rescore_judges_the_stored_rows_again_and_writes_the_table_beside_them(tmp_path):
+    import json
+
+    import mechanisms
+
+    rows = rows_of({"grit-grouped": [35.1, 35.3, 35.2], "grit-random": [28.0, 28.5, 28.4]},
+                   "hardest_negative_cos")
+    meta = {"command": "mechanisms.py", "date": "today", "seeds": [0, 1, 2],
+            "checks": {"grit": {"seeds": [0, 1, 2], "seconds": 1.0, "per_seed": {"2": {"batches": 3}}}}}
+    stale = [dict(f, verdict="inconclusive", seeds_for_power=999) for f in mechanisms.judge(rows, ["grit"])]
+    path = tmp_path / "mechanisms.json"
+    mechanisms.write_outputs(path, tmp_path / "old.md", rows, stale, meta)
+    assert mechanisms.main(["--rescore", str(path)]) == 0
+    again = json.loads(path.read_text())
+    assert again["findings"] == mechanisms.judge(rows, ["grit"]) and again["rows"] == rows
+    assert again["checks"] == meta["checks"] and "agrees" in (tmp_path / "mechanisms.md").read_text()
+    assert mechanisms.main(["--rescore", str(tmp_path / "missing.json")]) == 2
