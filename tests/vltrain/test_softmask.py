@@ -147,11 +147,12 @@ def soft_mask_by_hand(row: list[float]) -> list[float]:
 
 
 def sum_tolerance(n: int) -> float:
-    """How far sum(1 - M) may be from N / 2 in float32 (u = 2^-24, the unit roundoff): soft_mask's scale is
-    (N/2 - k) / R_k with R_k a suffix sum of at most N terms in [0, 1], so R_k is off by at most (N - 1) u R_k, the
-    division adds u and s * w another u: each unclipped weight is off by (N + 1) u relative and their sum, at most
-    N / 2, by (N + 1) u N / 2. M = 1 - w rounds once more, 2^-25 per entry, N u / 2 in all (1 - M is exact again:
-    M >= 1/2 there). Summed in float64 here, the test adds nothing. Twice the bound, for second-order terms."""
+    """How far sum(1 - M) may be from N / 2 in float32 (u = 2^-24, the unit roundoff): an unclipped weight is
+    (N/2 - k) * (w / R_k) with R_k a suffix sum of at most N terms in [0, 1], so R_k is off by at most (N - 1) u R_k,
+    the division adds u and the product another u: each unclipped weight is off by (N + 1) u relative and their
+    sum, at most N / 2, by (N + 1) u N / 2. M = 1 - w rounds once more, 2^-25 per entry, N u / 2 in all (1 - M
+    is exact again: M >= 1/2 there). Summed in float64 here, the test adds nothing. Twice the bound, for
+    second-order terms."""
     u = 2.0 ** -24
     return 2 * ((n + 1) * u * n / 2 + n * u / 2)
 
