@@ -6,7 +6,8 @@ The extracted paper text lost its equation bodies; these rules follow its prose 
 - Grad-CAM: g = d s+ / d A for every fusion layer's cross-attention probabilities A (B, H, L, N), where s+ is the
   positive pairs' ITM match probability summed over the batch; the map is mean over layers and heads of A * ReLU(g).
 - One word per caption, uniform over its non-padding tokens ([CLS] included); its map row (B, N) becomes the mask:
-  min-max normalised, scaled so that the weights clipped to [0, 1] sum to exactly N / 2, M = 1 - w.
+  min-max normalised, scaled so that the weights clipped to [0, 1] sum to exactly N / 2, M = 1 - w. N counts every
+  image token the fusion encoder reads, a ViT's [CLS] included (the paper says half the patches).
 - The positive pairs, with M multiplied into their image tokens, are classified as matches again (eq. 12).
 """
 
@@ -38,34 +39,41 @@ def sample_words(valid: torch.Tensor, generator: torch.Generator | None = None) 
 
 def fill_to(w: torch.Tensor, total: float) -> torch.Tensor:
     """Weights w (B, N) in [0, 1] -> clip(s * w, 0, 1) with a per-row scale s >= 0 solved so that each row sums to
-    exactly `total` (0 < total <= N): water-filling, sort-based and closed-form, no iteration.
+    exactly `total` (0 < total <= N): water-filling, sort-based and closed-form, no iteration, in w's dtype.
 
     f(s) = sum_i min(s * w_i, 1) is continuous, piecewise linear and nondecreasing in s, with breakpoints at
     s = 1 / w_(j) for the row sorted in descending order w_(1) >= ... >= w_(N). At the j-th breakpoint the top j
     entries are at 1 and f = j + R_j / w_(j), R_j = w_(j+1) + ... + w_(N). Let k be the number of breakpoints with
-    f <= total (k = 0 when sum(w) > total already): between the k-th and (k+1)-th breakpoint exactly the top k entries
-    are clipped, f(s) = k + s * R_k, and s = (total - k) / R_k.
+    f <= total (k = 0 when sum(w) > total already): the top k entries (every w_i >= w_(k)) are 1 and the others are
+    (total - k) * w_i / R_k, below 1 since f first passes total after the k-th breakpoint.
 
-    Degenerate rows: if the row has p positive entries and p <= total, no finite s reaches more than p (k = p,
-    R_k = 0); then every positive entry is 1 and every zero stays 0, so the row sums to p (< total unless p = total).
-    Float32 throughout (no float64, which not every device has): R_j is a suffix sum of at most N terms in [0, 1],
-    summed smallest first, so s carries a relative error of at most about (N + 1) * 2^-24 and the row's total about
-    (N + 1) * 2^-24 * total (7e-5 for N = 49; tested).
+    Written so that rounding cannot lose the clipped entries: when total - k is 0 (the k-th breakpoint lands on
+    total exactly, or rounds there because R_k is tiny next to 1), the old form s = (total - k) / R_k gave s = 0 and
+    cleared the whole row; here the top k are 1 by their rank, whatever the rounding. w_i / R_k <= 1 is formed
+    before the multiplication, so subnormal weights neither overflow nor need a clamp: no 1 / w is taken.
+    Degenerate rows: p positive entries with p <= total: k = p, R_k = 0, every positive entry is 1 and every zero
+    stays 0, so the row sums to p (< total unless p = total).
+    Error: R_k is a suffix sum of at most N terms in [0, 1], summed smallest first, so each unclipped entry is off by
+    at most about (N + 1) u relative (u the dtype's unit roundoff) and the row's total by (N + 1) u * total.
     """
     desc = w.sort(dim=-1, descending=True).values
     zero = torch.zeros_like(desc[..., :1])
     suffix = torch.cat([desc.flip(-1).cumsum(dim=-1).flip(-1), zero], dim=-1)  # R_0 .. R_N: R_j = sum of desc[j:]
     j = torch.arange(1, w.shape[-1] + 1, device=w.device, dtype=w.dtype)
-    at_breaks = torch.where(desc > 0, j + suffix[..., 1:] / desc.clamp(min=torch.finfo(w.dtype).tiny),
-                            torch.full_like(desc, torch.inf))  # f at s = 1 / w_(j); a zero never reaches 1
+    # f at s = 1 / w_(j); a zero never reaches 1 (the 0 / 0 of the branch not taken is discarded)
+    at_breaks = torch.where(desc > 0, j + suffix[..., 1:] / desc, torch.full_like(desc, torch.inf))
     k = (at_breaks <= total).sum(dim=-1, keepdim=True)
     rest = suffix.gather(-1, k)
-    scale = (total - k) / rest.clamp(min=torch.finfo(w.dtype).tiny)
-    return torch.where(rest > 0, (scale * w).clamp(0.0, 1.0), (w > 0).to(w.dtype))
+    # the k-th largest weight, or +inf when k = 0 (nothing clipped)
+    top = torch.cat([torch.full_like(zero, torch.inf), desc], dim=-1).gather(-1, k)
+    below = ((total - k) * (w / torch.where(rest > 0, rest, torch.ones_like(rest)))).clamp(0.0, 1.0)
+    scaled = torch.where(w >= top, torch.ones_like(w), below)
+    return torch.where(rest > 0, scaled, (w > 0).to(w.dtype))
 
 
 def soft_mask(cam: torch.Tensor) -> torch.Tensor:
-    """The chosen word's map (B, N) -> soft mask M (B, N) in [0, 1], carrying no gradient (float32, cam's device).
+    """The chosen word's map (B, N) -> soft mask M (B, N) in [0, 1], carrying no gradient, on cam's device: float64
+    for a float64 map (a float64 run's masks keep its precision), float32 for any other float dtype.
 
     w = row min-max to [0, 1] (a constant row: 0.5 everywhere, which already sums to N / 2); w <- clip(s * w, 0, 1)
     with the row's scale s solved (`fill_to`) so that sum(w) = N / 2 exactly: the masked weight is half the patches
@@ -79,7 +87,7 @@ def soft_mask(cam: torch.Tensor) -> torch.Tensor:
     A row with fewer than N / 2 positive entries after the min-max (at least one entry, its minimum, is 0) cannot
     reach N / 2: its positive entries all become 1, its zeros stay 0, and it masks the count of positive entries.
     """
-    cam = cam.detach().float()
+    cam = cam.detach() if cam.dtype == torch.float64 else cam.detach().float()
     n = cam.shape[-1]
     lo = cam.min(dim=-1, keepdim=True).values
     hi = cam.max(dim=-1, keepdim=True).values

@@ -133,19 +133,24 @@ def zeroshot_metrics(image_embeds: torch.Tensor, class_embeds: torch.Tensor, lab
     """Top-1 / top-5 accuracy, mean per-class top-1 accuracy (over the classes that have images), all in %, and the
     five most frequent (true, predicted) top-1 confusions. image_embeds (N, E), class_embeds (C, E), labels (N,).
 
-    A class scoring exactly as high as the true one ranks above it (a tie counts against the image), so the result
-    does not depend on sort order.
+    As retrieval ranks (vltrain.evaluate.recall_at_k): an image's rank is the number of other classes scoring at
+    least as high as the true one, so a tie counts against the image and the result does not depend on sort order;
+    a NaN score ranks last (a NaN image is a miss at every K below C). A missed image's predicted class is the
+    highest-scoring other class (the lowest index among equals), so a tie with the true class is a confusion too;
+    an image whose scores are all NaN has no prediction and is left out of the confusions.
     """
     logits = image_embeds @ class_embeds.t()
+    logits = logits.masked_fill(logits.isnan(), float("-inf"))
+    is_true = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, labels[:, None], True)
     true = logits.gather(1, labels[:, None])
-    rank = (logits >= true).sum(dim=1) - 1  # other classes scoring at least as high as the true one
-    pred = logits.argmax(dim=1)
+    rank = ((logits >= true) & ~is_true).sum(dim=1)
+    others = logits.masked_fill(is_true, float("-inf"))
+    pred = others.argmax(dim=1)  # the class that beat or tied the true one, for a missed image
     correct = rank == 0
     per_class = [correct[labels == c].float().mean().item() for c in range(len(names)) if (labels == c).any()]
     pairs = torch.zeros(len(names), len(names), dtype=torch.long)
-    wrong = ~correct
+    wrong = ~correct & (others.amax(dim=1) > float("-inf"))  # an all-NaN row predicts nothing
     pairs.index_put_((labels[wrong], pred[wrong]), torch.ones(int(wrong.sum()), dtype=torch.long), accumulate=True)
-    pairs.fill_diagonal_(0)
     order = sorted(((int(n), t, p) for (t, p), n in zip(pairs.nonzero().tolist(), pairs[pairs > 0].tolist())),
                    key=lambda r: (-r[0], r[1], r[2]))
     return {"top1": round(100 * correct.float().mean().item(), 2),

@@ -147,11 +147,12 @@ def soft_mask_by_hand(row: list[float]) -> list[float]:
 
 
 def sum_tolerance(n: int) -> float:
-    """How far sum(1 - M) may be from N / 2 in float32 (u = 2^-24, the unit roundoff): soft_mask's scale is
-    (N/2 - k) / R_k with R_k a suffix sum of at most N terms in [0, 1], so R_k is off by at most (N - 1) u R_k, the
-    division adds u and s * w another u: each unclipped weight is off by (N + 1) u relative and their sum, at most
-    N / 2, by (N + 1) u N / 2. M = 1 - w rounds once more, 2^-25 per entry, N u / 2 in all (1 - M is exact again:
-    M >= 1/2 there). Summed in float64 here, the test adds nothing. Twice the bound, for second-order terms."""
+    """How far sum(1 - M) may be from N / 2 in float32 (u = 2^-24, the unit roundoff): an unclipped weight is
+    (N/2 - k) * (w / R_k) with R_k a suffix sum of at most N terms in [0, 1], so R_k is off by at most (N - 1) u R_k,
+    the division adds u and the product another u: each unclipped weight is off by (N + 1) u relative and their
+    sum, at most N / 2, by (N + 1) u N / 2. M = 1 - w rounds once more, 2^-25 per entry, N u / 2 in all (1 - M
+    is exact again: M >= 1/2 there). Summed in float64 here, the test adds nothing. Twice the bound, for
+    second-order terms."""
     u = 2.0 ** -24
     return 2 * ((n + 1) * u * n / 2 + n * u / 2)
 
@@ -267,12 +268,83 @@ def test_soft_mask_degenerate_rows_mask_their_positive_entries():
     assert (1 - soft_mask(even)).tolist() == [[1.0] * 5 + [0.0] * 5]  # p = N / 2 exactly: the target, reached
 
 
-def test_soft_mask_is_float32_and_reads_any_float_dtype():
+def test_soft_mask_keeps_float64_and_reads_any_float_dtype():
+    """A float64 map gets a float64 mask (it came back rounded to float32 before); other dtypes get float32."""
     g = torch.Generator().manual_seed(13)
     cam = torch.rand(3, 49, generator=g, dtype=torch.float64) ** 4
     m64, m32 = soft_mask(cam), soft_mask(cam.float())
-    assert m64.dtype == torch.float32 and torch.equal(m64, m32)
+    assert m64.dtype == torch.float64 and m32.dtype == torch.float32
     assert soft_mask(cam.half()).dtype == torch.float32
+    for i in range(3):
+        assert m64[i].tolist() == pytest.approx(soft_mask_by_hand(cam[i].tolist()), abs=1e-13)
+    assert float((1 - m64).sum(-1).sub(24.5).abs().max()) < 1e-12
+    assert float((m64 - m32.double()).abs().max()) < entry_tolerance(49)  # the same mask to float32 rounding
+
+
+def bisect_fill(w: torch.Tensor, total: float) -> torch.Tensor:
+    """The water-filling by float64 bisection on the scale, rows at once: w (B, N) float64 -> clip(s w, 0, 1)."""
+    positive = w > 0
+    p = positive.sum(-1, keepdim=True)
+    lo = torch.zeros_like(w[:, :1])
+    hi = 1 / w.masked_fill(~positive, torch.inf).amin(-1, keepdim=True).clamp(min=1e-300)  # every positive at 1
+    for _ in range(1100):  # halving from at most 1e300 down to a relative 1e-16 of s >= total / N
+        mid = (lo + hi) / 2
+        low = (mid * w).clamp(max=1).sum(-1, keepdim=True) < total
+        lo, hi = torch.where(low, mid, lo), torch.where(low, hi, mid)
+    return torch.where(p > total, (hi * w).clamp(max=1), positive.double())
+
+
+def maps(n: int, g: torch.Generator) -> torch.Tensor:
+    """Peaked, flat, sparse and heavy-tailed float32 maps of N entries, and ones with a tiny tail (the boundary)."""
+    rows = [torch.rand(2, n, generator=g) ** 12, torch.full((1, n), 2.0), 1 + 1e-3 * torch.rand(1, n, generator=g),
+            torch.randn(2, n, generator=g).clamp(min=0) * (torch.rand(2, n, generator=g) < 0.3),
+            torch.randn(2, n, generator=g).mul(3).exp()]
+    tail = torch.rand(2, n, generator=g) + 0.5
+    tail[:, n // 2:] *= torch.tensor([[1e-10], [1e-6]])  # half the row tiny: the (N/2)-th breakpoint lands near N/2
+    return torch.cat(rows + [tail])
+
+
+def test_soft_mask_matches_a_float64_bisection_at_every_n():
+    """N from 1 to 577, odd and even: soft_mask entrywise against the float64 bisection of the min-max'd float32 map
+    (entry_tolerance: the min-max's 3 u plus the suffix sum's (N + 1) u), and its masked total against the
+    bisection's (sum_tolerance). Before, the tiny-tail rows at even N masked nothing."""
+    g = torch.Generator().manual_seed(21)
+    for n in [1, 2, 3, 4, 7, 16, 49, 50, 196, 197, 576, 577]:
+        cams = maps(n, g)
+        m = soft_mask(cams)
+        c = cams.double()
+        lo, hi = c.min(-1, keepdim=True).values, c.max(-1, keepdim=True).values
+        w = torch.where(hi > lo, (c - lo) / (hi - lo).clamp(min=1e-300), torch.full_like(c, 0.5))
+        ref = torch.where(hi > lo, bisect_fill(w, n / 2), w)
+        assert float(((1 - m.double()) - ref).abs().max()) <= entry_tolerance(n), n
+        masked, want = (1 - m.double()).sum(-1), ref.sum(-1)
+        assert float((masked - want).abs().max()) <= sum_tolerance(n), n
+
+
+def test_soft_mask_masks_half_when_the_half_breakpoint_rounds_to_n_over_2():
+    """Even N, the (N/2)-th breakpoint rounding to exactly N/2 in float32 with a tiny but positive rest: the scale
+    came out 0 and the row masked nothing (M = 1 everywhere)."""
+    assert soft_mask(torch.tensor([[1.0, 1.0, 1e-9, 0.0]]))[0].tolist() == pytest.approx([0, 0, 1, 1], abs=1e-8)
+    yy, xx = torch.meshgrid(torch.arange(4.0), torch.arange(4.0), indexing="ij")
+    bump = torch.exp(-(yy ** 2 + xx ** 2) / (2 * 0.3 ** 2)).reshape(1, -1)  # sigma 0.3 at a corner of 4 x 4
+    assert float((1 - soft_mask(bump)).sum()) == pytest.approx(8.0, abs=sum_tolerance(16))
+    g = torch.Generator().manual_seed(22)
+    cams = torch.rand(2000, 196, generator=g) + 0.5
+    cams[:, 98:] *= 1e-10
+    masked = (1 - soft_mask(cams)).double().sum(-1)
+    assert float((masked - 98).abs().max()) <= sum_tolerance(196)  # 1,788 of these rows masked nothing before
+
+
+def test_soft_mask_reaches_half_with_subnormal_weights():
+    """Float32-subnormal weights are reachable (the scale is large but finite): 24 entries at 1, one subnormal and
+    24 zeros mask 24.5, not 24 (they were clamped to the smallest normal number, and the row fell short)."""
+    cam = torch.zeros(1, 49)
+    cam[0, :24] = 1.0
+    cam[0, 24] = 1e-40  # float32 subnormal
+    assert cam[0, 24].item() != 0 and cam[0, 24].item() < torch.finfo(torch.float32).tiny
+    w = 1 - soft_mask(cam)
+    assert float(w.double().sum()) == pytest.approx(24.5, abs=sum_tolerance(49))
+    assert w[0, :24].tolist() == [1.0] * 24 and w[0, 24].item() == pytest.approx(0.5, abs=1e-6)
 
 
 def test_random_mask_zeroes_round_r_n_tokens_per_row():

@@ -3,12 +3,14 @@
 import json
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from tests.conftest import image_bytes, tiny_checkpoint
 from vltrain.errors import TrainError
 from vltrain.cli import app
-from vltrain.zeroshot import DEFAULT_TEMPLATES, image_folder, read_templates
+from vltrain.evaluate import recall_at_k
+from vltrain.zeroshot import DEFAULT_TEMPLATES, image_folder, read_templates, zeroshot_metrics
 
 
 def benchmark(root, classes=("cat", "dog", "red_car"), per_class=3):
@@ -184,3 +186,56 @@ def test_a_bom_is_read_and_caption_mode_refuses_a_class_listed_twice(tmp_path):
                                  str(tmp_path / "classes.txt"), "--device", "cpu", "--out", str(tmp_path / "e.json")])
     lines = [ln for ln in r.output.splitlines() if ln.startswith("error: ")]
     assert r.exit_code == 2 and len(lines) == 1 and "class name 'red' is listed twice" in lines[0], r.output
+
+
+NAMES = [f"class{c}" for c in range(10)]
+
+
+def test_a_nan_image_is_no_hit_at_any_k_below_the_class_count():
+    """NaN scores rank last, as in retrieval: six NaN images among 10 classes hit nothing (their rank came out -1,
+    a hit at every K: top-5 was 100), and predict nothing, so they are in no confusion."""
+    classes = torch.nn.functional.normalize(torch.randn(10, 16, generator=torch.Generator().manual_seed(1)), dim=-1)
+    labels = torch.arange(6)
+    out = zeroshot_metrics(torch.full((6, 16), float("nan")), classes, labels, NAMES)
+    assert (out["top1"], out["top5"], out["mean_per_class"], out["confusions"]) == (0.0, 0.0, 0.0, [])
+    images = torch.cat([classes[:4] + 0.01, torch.full((2, 16), float("nan"))])  # 4 right, 2 NaN
+    out = zeroshot_metrics(images, classes, labels, NAMES)
+    assert (out["top1"], out["top5"]) == (round(100 * 4 / 6, 2), round(100 * 4 / 6, 2))
+
+
+def test_a_tie_with_the_true_class_is_a_miss_and_a_confusion():
+    """Classes 0 and 1 score the same for every image: a tie counts against the image (top-1 0) whichever index is
+    true, and the confusion list shows it both ways (it dropped the mistakes whose argmax was the true class)."""
+    classes = torch.eye(3, 4)
+    classes[1] = classes[0]
+    images = torch.tensor([[1.0, 0, 0, 0]] * 3 + [[1.0, 0, 0.5, 0]] * 2)
+    labels = torch.tensor([0, 0, 0, 1, 1])
+    out = zeroshot_metrics(images, classes, labels, ["a", "b", "c"])
+    assert out["top1"] == 0.0 and out["top5"] == 100.0
+    assert out["confusions"] == [{"true": "a", "predicted": "b", "count": 3},
+                                 {"true": "b", "predicted": "a", "count": 2}]
+
+
+def test_zeroshot_ranks_as_retrieval_ranks_with_ties_and_nans():
+    """top-1 / top-5 equal retrieval's text->image R@1 / R@5 with each image a caption and each class an image (the
+    same rank rule, written independently in vltrain.evaluate), on scores with exact ties and NaN rows and columns;
+    every missed image with a number for some other class is in the confusion counts, at its top other class."""
+    g = torch.Generator().manual_seed(3)
+    classes = torch.randint(-2, 3, (12, 8), generator=g).double()  # small integers: many exact ties
+    classes[5] = float("nan")
+    images = torch.randint(-2, 3, (60, 8), generator=g).double()
+    images[[7, 19]] = float("nan")
+    labels = torch.cat([torch.arange(12), torch.randint(0, 12, (48,), generator=g)])
+    out = zeroshot_metrics(images, classes, labels, [f"c{i}" for i in range(12)])
+    recall = recall_at_k(classes @ images.t(), labels, ks=(1, 5))  # images as captions of their class "image"
+    assert (out["top1"], out["top5"]) == (recall["t2i_r1"], recall["t2i_r5"])
+    scores = (images @ classes.t()).tolist()
+    counts = {}
+    for row, t in zip(scores, labels.tolist()):
+        row = [float("-inf") if v != v else v for v in row]
+        others = [(v, -c) for c, v in enumerate(row) if c != t]
+        best, c = max(others)
+        if best >= row[t] and best > float("-inf"):
+            counts[(f"c{t}", f"c{-c}")] = counts.get((f"c{t}", f"c{-c}"), 0) + 1
+    top = sorted(counts.items(), key=lambda kv: (-kv[1], int(kv[0][0][1:]), int(kv[0][1][1:])))[:5]
+    assert out["confusions"] == [{"true": t, "predicted": p, "count": n} for (t, p), n in top]
