@@ -89,7 +89,7 @@ def test_actors_of_a_killed_driver_exit_and_rename_nothing(tmp_path):
     """)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update({MARK: marker, "PYTHONPATH": str(ROOT)})
-    driver = subprocess.Popen([sys.executable, "-c", code, str(out)], cwd=ROOT, env=env,
+    driver = subprocess.Popen([sys.executable, "-c", code, str(out)], cwd=ROOT, env=env, start_new_session=True,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 240
@@ -109,15 +109,29 @@ def test_actors_of_a_killed_driver_exit_and_rename_nothing(tmp_path):
         assert snapshot(out) == after
     finally:
         driver.kill()
-        _kill_marked(marker)  # what the driver's Ray left (its agents outlive it for a while: Ray's own)
+        _kill_marked(marker, driver.pid)  # what the driver's Ray left (its agents outlive it a while)
 
 
-def _kill_marked(marker: str) -> None:
-    """SIGKILL exactly the processes that carry this test's marker in their environment."""
+def _kill_marked(marker: str, session: int, settle: float = 10.0) -> None:
+    """SIGKILL what the driver's Ray left: every process of the driver's session (it was started as a session
+    leader, and Ray's processes stay in it) and every process carrying this test's marker in its environment (Ray
+    renames its agents with setproctitle, which can overwrite what /proc/PID/environ shows, so the marker alone
+    misses some); sweeping again until a sweep finds none alive, or `settle` seconds pass."""
     needle = f"{MARK}={marker}".encode()
-    for d in Path("/proc").iterdir():
-        try:
-            if d.name.isdigit() and needle in (d / "environ").read_bytes().split(b"\0"):
-                os.kill(int(d.name), signal.SIGKILL)
-        except (OSError, ProcessLookupError):
-            continue
+    deadline = time.monotonic() + settle
+    while True:
+        found = []
+        for d in Path("/proc").iterdir():
+            if not d.name.isdigit() or not alive(int(d.name)):
+                continue
+            try:
+                stat = (d / "stat").read_bytes()
+                sid = int(stat[stat.rindex(b")") + 2:].split()[3])
+                if sid == session or needle in (d / "environ").read_bytes().split(b"\0"):
+                    os.kill(int(d.name), signal.SIGKILL)
+                    found.append(d.name)
+            except (OSError, ProcessLookupError, ValueError):
+                continue
+        if not found or time.monotonic() > deadline:
+            return
+        time.sleep(0.2)
