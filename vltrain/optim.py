@@ -33,11 +33,18 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 
 def optimizer_step(model, optimizer: torch.optim.Optimizer, params: list, loss: torch.Tensor, grad_clip: float,
-                   enqueue: tuple | None = None) -> None:
-    """Backward, clip to grad_clip (0 = no clipping), step; then the momentum model's EMA update and the queue's
-    enqueue of `enqueue` (the step's detached image and text keys), for a model that has them."""
+                   enqueue: tuple | None = None, scaler=None) -> bool:
+    """Backward of `loss` (scaled by `scaler`, a torch.amp.GradScaler, when given), then `apply_gradients`."""
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    (loss if scaler is None else scaler.scale(loss)).backward()
+    return apply_gradients(model, optimizer, params, grad_clip, enqueue, scaler)
+
+
+def apply_gradients(model, optimizer: torch.optim.Optimizer, params: list, grad_clip: float,
+                    enqueue: tuple | None = None, scaler=None) -> bool:
+    """Clip the gradients the parameters hold to grad_clip (0 = no clipping), step; then the momentum model's EMA
+    update and the queue's enqueue of `enqueue` (the step's detached image and text keys), for a model that has
+    them. True when the optimiser stepped."""
     if grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(params, grad_clip)
     optimizer.step()
@@ -45,3 +52,4 @@ def optimizer_step(model, optimizer: torch.optim.Optimizer, params: list, loss: 
         model.momentum_update()
     if model.cfg.queue_size and enqueue is not None:
         model.dequeue_and_enqueue(*enqueue)
+    return True
