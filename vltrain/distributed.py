@@ -26,10 +26,12 @@ def world() -> tuple[int, int]:
 
 
 def init_from_env(device: str) -> tuple[bool, str]:
-    """Join the torchrun process group when WORLD_SIZE > 1 (NCCL on CUDA, gloo on CPU); returns (whether this call
-    created the group, the device this rank trains on)."""
+    """Join the torchrun process group (NCCL on CUDA, gloo on CPU) when launched by torchrun, one process included,
+    so that `torchrun --nproc_per_node=1` runs the same DDP path as N processes do; returns (whether this call
+    created the group, the device this rank trains on). A plain `vltrain run` (no WORLD_SIZE) joins nothing."""
     size = int(os.environ.get("WORLD_SIZE", "1"))
-    if size <= 1 or dist.is_initialized():
+    launched = "TORCHELASTIC_RUN_ID" in os.environ  # torchrun sets it for every process it starts
+    if (size <= 1 and not launched) or dist.is_initialized():
         return False, device
     if "RANK" not in os.environ or "MASTER_ADDR" not in os.environ:
         raise TrainError(f"WORLD_SIZE={size} but RANK / MASTER_ADDR are not set: launch with `torchrun "

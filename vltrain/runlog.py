@@ -66,8 +66,9 @@ def init_line(init: dict) -> str:
 
 
 def summary(cfg, model, device, n_train: int, n_val: int, per_epoch: int, size: int = 1,
-            precision: tuple[str, str] = ("fp32", "")) -> str:
-    """The start-of-run block: what will train, on what, for how long, where it goes."""
+            precision: tuple[str, str] = ("fp32", ""), ddp: bool = False) -> str:
+    """The start-of-run block: what will train, on what, for how long, where it goes (`ddp`: the step runs under
+    DistributedDataParallel, which torchrun gives even one process)."""
     m = cfg.model
     w = cfg.loss
     d = cfg.data
@@ -102,7 +103,8 @@ def summary(cfg, model, device, n_train: int, n_val: int, per_epoch: int, size: 
     lines = [
         f"vltrain run: preset {cfg.preset}, {cfg.steps:,} steps = {cfg.steps / max(per_epoch, 1):.1f} epochs of "
         f"{per_epoch:,} batches of {cfg.batch_size}"
-        + (f" x {size} processes (DDP, global batch {cfg.batch_size * size})" if size > 1 else "")
+        + (f" x {size} process{'es' if size > 1 else ''} (DDP, global batch {cfg.batch_size * size})"
+           if ddp or size > 1 else "")
         + f", seed {cfg.seed}",
         f"  data     {', '.join(map(redact, cfg.shards))}: train {n_train:,}, held out {n_val:,} "
         f"(val_frac {d.val_frac:g}); "

@@ -307,7 +307,7 @@ def setup(cfg: Config, resume: bool = False, overwrite: bool = False, init_from=
     channels_last = speed_options(cfg, model, device, data.use_features)
     precision, why = resolve_precision(cfg, model, device, ckpt, rank)
     generator = torch.Generator(device=device).manual_seed(rank_seed)
-    step_fn = TrainStep(model) if size == 1 else wrap_ddp(model, cfg.loss, device)
+    step_fn = wrap_ddp(model, cfg.loss, device) if created_group or size > 1 else TrainStep(model)
     if size > 1:
         seed_everything(rank_seed, device)
     # every rank draws the same global batches and reads its slice of each
@@ -326,7 +326,8 @@ def setup(cfg: Config, resume: bool = False, overwrite: bool = False, init_from=
         set_rng_states(rng, generator)
         began = f"; the run began from --init-from {init['path']}" if init else ""
         console.print(f"resumed from step {state.step} of {cfg.steps} ({run.last_path}){began}", highlight=False)
-    console.print(summary(cfg, model, device, data.n_train, data.n_val, data.per_epoch, size, (precision, why)),
+    console.print(summary(cfg, model, device, data.n_train, data.n_val, data.per_epoch, size, (precision, why),
+                          created_group or size > 1),
                   highlight=False, markup=False)
     return Session(cfg=cfg, out=out, device=device, rank=rank, size=size, created_group=created_group, data=data,
                    data_sig=data_sig, model=model, step_fn=step_fn, optimizer=optimizer, params=params,

@@ -208,6 +208,27 @@ def test_torchrun_two_processes_train_and_write_one_checkpoint(shards, tmp_path)
     assert json.loads((tmp_path / "full" / "result.json").read_text())["step"] == 4
 
 
+def test_torchrun_one_process_trains_through_ddp_as_a_plain_run_does(shards, tmp_path):
+    """`torchrun --nproc_per_node=1` joins a process group and wraps the step in DDP (the path a one-GPU check
+    exercises on NCCL), and its losses are a plain run's bit for bit: DDP's all-reduce over one rank averages one
+    gradient (a division by 1), and both processes run with one intra-op thread, so their kernels add alike."""
+    r = torchrun(shards, tmp_path / "ddp", *COMMON, "--steps", "3", nproc=1)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "x 1 process (DDP, global batch 4)" in r.stderr
+    sets = [x for s in TINY for x in ("--set", s)]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]), "OMP_NUM_THREADS": "1"}
+    plain = subprocess.run([sys.executable, "-m", "vltrain", "run", str(shards), "--out", str(tmp_path / "plain"),
+                            "--batch-size", "4", "--device", "cpu", *sets, *COMMON, "--steps", "3"],
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert plain.returncode == 0, plain.stderr[-4000:]
+    assert "DDP" not in plain.stderr
+    ddp_rows = metric_rows(tmp_path / "ddp")
+    plain_rows = metric_rows(tmp_path / "plain")
+    assert [r["step"] for r in ddp_rows] == [1, 2, 3]
+    for key in ("total", "itc_loss", "itm_loss", "mlm_loss"):
+        assert [r[key] for r in ddp_rows] == [r[key] for r in plain_rows], key
+
+
 def test_torchrun_grit_groups_across_ranks(shards, tmp_path):
     """GRIT under torchrun: the grouped epochs (built from features gathered over both ranks) run to the end."""
     r = torchrun(shards, tmp_path / "grit", "--preset", "grit", "--set", "model.fusion_layers=1", "--set",
