@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# The GPU check: everything this project can only prove on a CUDA device, in one call that fits a short offline GPU
+# slot (about 8 minutes at most, each step under its own time limit, so one that hangs costs only its share):
+#   env          the device, the driver, the Python and its torch, and that vltrain and vlprep import;
+#   cuda-tests   the tests marked `cuda` (they must run: VLTRAIN_REQUIRE_CUDA=1 makes a skip a failure);
+#   bench-*      benchmarks/gpu.py: sizes small and base, presets clip, albef, grit, softmask, batches 64 and 128,
+#                bf16; then base with train.compile; then the largest batch that fits with and without
+#                gradient checkpointing;
+#   ddp          a one-process torchrun run on NCCL for 20 steps (the DDP path, one GPU);
+#   report       CHECK_DIR/gpu-check.json and gpu-check.md, the table printed at the end.
+# The node needs a Python with torch, torchvision, transformers, timm, typer, pandas, pyarrow, safetensors, rich,
+# matplotlib, tensorboard and pytest; the rest comes from .gpu/ (`bash scripts/gpu-wheels.sh` on a machine with
+# PyPI), installed here with pip --no-index into .gpu/site.
+#
+#   bash scripts/gpu-check.sh [--dry-run] [--out CHECK_DIR]    (default CHECK_DIR: gpu-check-out)
+#
+# --dry-run runs the same steps on this machine's CPU at tiny sizes with the project's .venv (no wheels, the CUDA
+# tests skip), in under 3 minutes: it is how the script is tested without a GPU. Exit status: 0 when every step
+# passed, 1 when one failed (the others still ran), 2 for a usage error.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+DRY=0
+CHECK=gpu-check-out
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) DRY=1; shift ;;
+    --out) CHECK=${2:?--out needs a folder}; shift 2 ;;
+    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "error: unknown argument $1 (usage: scripts/gpu-check.sh [--dry-run] [--out CHECK_DIR])" >&2; exit 2 ;;
+  esac
+done
+rm -rf "$CHECK"
+mkdir -p "$CHECK"
+CHECK=$(cd "$CHECK" && pwd)
+export PYTHONUNBUFFERED=1
+# The files holding `cuda` tests; collecting only these keeps the check off the imports of the rest of the suite
+# (moto, Ray, spaCy, faiss), which such a node lacks.
+CUDA_TESTS="tests/vltrain/test_cuda.py tests/vltrain/test_samplers.py"
+
+if [ "$DRY" = 1 ]; then
+  PY=${PY:-.venv/bin/python}
+  export PYTHONPATH=$ROOT
+  DEVICE=cpu
+  STEPS=3
+  BENCH_EAGER=(--device cpu --size tiny --presets clip,albef --batches 4 --steps 1)
+  BENCH_COMPILE=()
+  BENCH_MAX=()
+  DDP_ARGS="--device cpu --batch-size 4 --set model.image_model=tiny --set model.text_model=tiny"
+else
+  PY=${PY:-python3}
+  if ! ls .gpu/wheels/*.whl >/dev/null 2>&1; then
+    echo "error: no wheels in .gpu/wheels: run bash scripts/gpu-wheels.sh on a machine with PyPI first" >&2
+    exit 2
+  fi
+  "$PY" -m pip install --quiet --no-index --no-deps --no-compile --disable-pip-version-check --target .gpu/site \
+    .gpu/wheels/*.whl || { echo "error: installing .gpu/wheels failed" >&2; exit 1; }
+  export PYTHONPATH=$ROOT:$ROOT/.gpu/site
+  export VLTRAIN_REQUIRE_CUDA=1
+  DEVICE=cuda
+  STEPS=20
+  BENCH_EAGER=(--size small,base --presets clip,albef,grit,softmask --batches 64,128 --steps 10)
+  BENCH_COMPILE=(--size base --presets clip,albef --batches 128 --compile on --steps 10)
+  BENCH_MAX=(--size base --presets albef --max-batch --ckpt off,on --steps 3)
+  DDP_ARGS="--device cuda --batch-size 32 --set model.image_model=tiny --set model.text_model=random:minilm"
+fi
+
+# step NAME SECONDS CMD...: run CMD under a time limit, its output into CHECK/NAME.log and on the terminal; record
+# {step, rc, seconds} in CHECK/steps.jsonl (rc 124: it ran out of time).
+step() {
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name (at most ${limit}s)"
+  local t0=$SECONDS
+  # bash -c: a step may be one of the functions below (exported), which `timeout` alone cannot run
+  timeout --kill-after=10 "$limit" bash -c '"$@"' _ "$@" 2>&1 | tee "$CHECK/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "{\"step\": \"$name\", \"rc\": $rc, \"seconds\": $((SECONDS - t0))}" >> "$CHECK/steps.jsonl"
+  echo "== $name: rc $rc in $((SECONDS - t0))s"
+}
+
+env_report() {
+  { nvidia-smi -L 2>/dev/null || echo "no nvidia-smi"
+    "$PY" - <<'PY'
+import platform, torch
+print(f"python {platform.python_version()}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
+      f"device {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}")
+import transformers, timm, webdataset, wids
+print(f"transformers {transformers.__version__}, timm {timm.__version__}, webdataset {webdataset.__version__}")
+import vlprep.features, vlprep.shards, vltrain.train  # noqa: F401  the check's imports, before anything is timed
+PY
+  } > "$CHECK/env.txt" 2>&1
+  local rc=$?
+  cat "$CHECK/env.txt"
+  return $rc
+}
+
+ddp_run() {
+  set -o pipefail
+  "$PY" scripts/gpu_check.py data "$CHECK/ddp-src" 256 &&
+  "$PY" -m vlprep.cli shards "$CHECK/ddp-src" "$CHECK/ddp-shards" --samples-per-shard 64 --workers 1 &&
+  "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 -m vltrain run "$CHECK/ddp-shards" \
+    --out "$CHECK/ddp-run" --preset albef --steps "$STEPS" --set model.fusion_layers=1 --set data.val_frac=0.1 \
+    --set eval_every=1000 --set log_every=1 --set model.queue_size=64 $DDP_ARGS 2>&1 | tee "$CHECK/ddp-train.log" &&
+  "$PY" scripts/gpu_check.py ddp "$CHECK/ddp-run" "$STEPS" "$CHECK/ddp-train.log"
+}
+
+export -f env_report ddp_run
+export PY CHECK STEPS DDP_ARGS
+step env 60 env_report
+step cuda-tests 120 "$PY" -m pytest -q -p no:cacheprovider -m cuda --junitxml="$CHECK/cuda-tests.xml" $CUDA_TESTS
+step bench-eager 150 "$PY" benchmarks/gpu.py "${BENCH_EAGER[@]}" --json "$CHECK/bench.jsonl"
+if [ ${#BENCH_COMPILE[@]} -gt 0 ]; then
+  step bench-compile 90 "$PY" benchmarks/gpu.py "${BENCH_COMPILE[@]}" --json "$CHECK/bench.jsonl"
+fi
+if [ ${#BENCH_MAX[@]} -gt 0 ]; then
+  step bench-max-batch 70 "$PY" benchmarks/gpu.py "${BENCH_MAX[@]}" --json "$CHECK/bench.jsonl"
+fi
+step ddp 80 ddp_run
+echo "== report"
+"$PY" scripts/gpu_check.py report "$CHECK"
