@@ -81,6 +81,7 @@ def loop(s: Session, report: RunLog) -> None:
                                  s.scaler)
         if isinstance(data.sampler, GritSampler):  # phase 1: this step's ITC features, no extra forward pass
             data.sampler.collect(gather(batch["index"], False)[1], *queue_feats)  # the global batch, rank order
+        # DDP: every rank unscales the same all-reduced gradients, so every rank skips the same steps
         if not stepped:  # the batch stays consumed, the step is taken again from the next batch
             in_a_row = _skipped(state, in_a_row + 1)
             continue

@@ -4,6 +4,7 @@ leaves the schedule where it was; the scale survives a resume), and what `auto` 
 import copy
 import json
 import math
+import types
 
 import pytest
 import torch
@@ -232,6 +233,17 @@ def test_skipped_counts_and_raises_after_max_skips():
     assert state.step == 4 and state.skipped == 3
     with pytest.raises(TrainError, match="50 steps in a row"):
         train_mod._skipped(RunState(step=7), train_mod.MAX_SKIPS)
+
+
+def test_a_non_finite_loss_under_fp16_stops_the_run_as_in_fp32_with_a_hint(tmp_path):
+    """Not skipped like an inf gradient: the scale multiplies only the backward, so it cannot cure the forward."""
+    run_ = types.SimpleNamespace(last_path=tmp_path / "last.pt", precision="fp16")
+    with pytest.raises(TrainError, match=r"non-finite loss at step 3 \(total=inf\); under fp16 autocast the forward "
+                                         "may have overflowed: try train.precision=bf16 or fp32$"):
+        train_mod._finite({"total": torch.tensor(math.inf)}, 3, run_)
+    run_.precision = "fp32"
+    with pytest.raises(TrainError, match=r"non-finite loss at step 3 \(total=nan\)$"):
+        train_mod._finite({"total": torch.tensor(math.nan)}, 3, run_)
 
 
 class FakeCuda:
