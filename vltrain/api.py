@@ -79,7 +79,7 @@ class Model:
     def _context(self):
         stack = contextlib.ExitStack()
         stack.enter_context(torch.inference_mode())
-        stack.enter_context(autocast(self.device))  # bf16 on CUDA, nothing elsewhere
+        stack.enter_context(autocast(self.device))  # bf16 on CUDA (fp16 without native bf16), nothing elsewhere
         return stack
 
     def pixels(self, images) -> torch.Tensor:

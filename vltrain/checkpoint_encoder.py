@@ -8,7 +8,6 @@ model was trained with (`.image_size`, `.min_crop_scale`), and what identifies t
 never travel.
 """
 
-import contextlib
 import os
 from dataclasses import asdict
 from pathlib import Path
@@ -53,7 +52,9 @@ class CheckpointEncoder:
         return CheckpointEncoder, (str(self.path), self.device_name)
 
     def _autocast(self):
-        return torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else contextlib.nullcontext()
+        from vltrain.model import autocast  # loaded with vltrain.api in __init__
+
+        return autocast(self.device)  # bf16 on a card with native bf16, fp16 on other CUDA cards, none on a CPU
 
     @torch.inference_mode()
     def texts(self, captions: list[str]) -> np.ndarray:
@@ -79,6 +80,6 @@ class CheckpointEncoder:
 
 
 def _normalise(x: np.ndarray) -> np.ndarray:
-    """Rows to unit L2 norm in float32 (bf16 autocast on CUDA leaves them slightly off)."""
+    """Rows to unit L2 norm in float32 (half-precision autocast on CUDA leaves them slightly off)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)

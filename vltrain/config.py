@@ -154,7 +154,7 @@ class OptimConfig(Section):
 
 
 SWITCHES = ("auto", "on", "off")
-PRECISIONS = ("auto", "fp32", "bf16")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
 
 @dataclass
@@ -166,8 +166,9 @@ class TrainConfig(Section):
     compile: bool = False               # torch.compile the image and text encoders in place (same checkpoint keys)
     unpad: bool = True                  # text encoder and fusion layers run on length groups of each batch, each
                                         # cut to its longest caption, instead of the whole batch padded to its longest
-    precision: str = "auto"             # fp32, bf16 (autocast), auto: bf16 on CUDA, and on a CPU with bf16
-                                        # arithmetic where a quick check of the model finds it faster; else fp32
+    precision: str = "auto"             # fp32, bf16 (autocast), fp16 (autocast + loss scaling); auto: bf16 on a
+                                        # GPU with native bf16, fp16 on other CUDA cards, and on a CPU bf16 where it
+                                        # has bf16 arithmetic and a quick check finds it faster; else fp32
 
 
 @dataclass

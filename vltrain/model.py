@@ -105,10 +105,11 @@ def tokenizer_for(text_model: str):
 
 
 def bf16_supported(device: torch.device) -> bool:
-    """Whether `device` computes in bfloat16 natively: CUDA, or a CPU that reports AVX512_BF16 or AMX (torch would
-    emulate bf16 elsewhere, slower than float32)."""
+    """Whether `device` computes in bfloat16 natively: a CUDA card of compute capability 8.0 or more, or a CPU that
+    reports AVX512_BF16 or AMX (torch would emulate bf16 elsewhere, slower than float32)."""
     if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
+        # torch's default also says True where bf16 is only emulated (V100, T4), slower than fp16 there
+        return torch.cuda.is_bf16_supported(including_emulation=False)
     if device.type != "cpu":
         return False
     try:
@@ -118,14 +119,18 @@ def bf16_supported(device: torch.device) -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}  # precision -> autocast dtype
+
+
 def autocast(device: torch.device, precision: str = "auto"):
-    """The context a forward pass runs in: bf16 autocast for precision "bf16", none for "fp32"; "auto" (evaluation
-    and inference) is bf16 on CUDA and float32 on a CPU. Under autocast the matmuls run in bf16 while the losses
-    upcast their logits to float32 (vltrain.losses.upcast) and parameters and optimiser state stay float32."""
+    """The context a forward pass runs in: bf16 / fp16 autocast for precision "bf16" / "fp16", none for "fp32";
+    "auto" (evaluation and inference) is bf16 on a CUDA card with native bf16, fp16 on other CUDA cards and float32
+    on a CPU. Under autocast the matmuls run in half precision while the losses upcast their logits to float32
+    (vltrain.losses.upcast) and parameters and optimiser state stay float32."""
     if precision == "auto":
-        precision = "bf16" if device.type == "cuda" else "fp32"
-    if precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
+        precision = "fp32" if device.type != "cuda" else "bf16" if bf16_supported(device) else "fp16"
+    if precision in HALF:
+        return torch.autocast(device.type, dtype=HALF[precision])
     return contextlib.nullcontext()
 
 

@@ -44,12 +44,29 @@ def apply_gradients(model, optimizer: torch.optim.Optimizer, params: list, grad_
                     enqueue: tuple | None = None, scaler=None) -> bool:
     """Clip the gradients the parameters hold to grad_clip (0 = no clipping), step; then the momentum model's EMA
     update and the queue's enqueue of `enqueue` (the step's detached image and text keys), for a model that has
-    them. True when the optimiser stepped."""
+    them. With `scaler` (a torch.amp.GradScaler: the gradients are scaled) the gradients are unscaled before the
+    clip, and a step whose gradients hold an inf or NaN is skipped whole: no update, no EMA, no enqueue, and the
+    scale backs off. True when the optimiser stepped."""
+    if scaler is not None:
+        scaler.unscale_(optimizer)  # clip the true gradients; records whether any is inf / NaN
     if grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(params, grad_clip)
-    optimizer.step()
+    if scaler is None:
+        optimizer.step()
+    elif not scaler_step(scaler, optimizer):
+        return False
     if model.momentum is not None:
         model.momentum_update()
     if model.cfg.queue_size and enqueue is not None:
         model.dequeue_and_enqueue(*enqueue)
     return True
+
+
+def scaler_step(scaler, optimizer: torch.optim.Optimizer) -> bool:
+    """`scaler.step` then `scaler.update`; False when the scaler skipped the step for inf / NaN gradients."""
+    before = scaler.get_scale()
+    scaler.step(optimizer)
+    scaler.update()
+    # update() lowers the scale (backoff_factor < 1) exactly when it found inf / NaN gradients and skipped the step;
+    # otherwise it keeps the scale or raises it
+    return scaler.get_scale() >= before

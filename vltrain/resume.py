@@ -77,14 +77,16 @@ class Interrupted(TrainError):
 
 @dataclass
 class RunState:
-    """Where a run is: optimiser steps taken, data epoch and batches consumed in it, best held-out mean recall, and
-    TOnICS' curriculum log (P_S at every held-out check)."""
+    """Where a run is: optimiser steps taken, data epoch and batches consumed in it (a step that fp16's loss scaler
+    skipped consumed its batch), best held-out mean recall, TOnICS' curriculum log (P_S at every held-out check),
+    and the steps skipped so far."""
 
     step: int = 0
     epoch: int = 0
     consumed: int = 0
     best: float = -1.0
     curriculum_log: list = field(default_factory=list)
+    skipped: int = 0  # fp16 steps the loss scaler skipped (inf / NaN gradients)
 
 
 @dataclass
@@ -100,7 +102,8 @@ class Run:
     out: Path
     stop_signal: int | None = None  # set by the signal handler: save after this step and stop
     init_from: dict | None = None  # --init-from: where the weights came from (init_weights' record), kept by resumes
-    precision: str = "fp32"  # what train.precision resolved to (fp32 / bf16); a resumed run keeps it
+    precision: str = "fp32"  # what train.precision resolved to (fp32 / bf16 / fp16); a resumed run keeps it
+    scaler: torch.amp.GradScaler | None = None  # fp16's loss scaler; its scale is saved and restored
 
     @property
     def last_path(self) -> Path:
@@ -120,6 +123,7 @@ def checkpoint_state(run: Run, state: RunState) -> dict:
             "data": run.data_sig, "sampler": run.sampler.state_dict() if run.sampler is not None else None,
             "curriculum_log": state.curriculum_log, "rng": rng_states(run.generator), "versions": versions(),
             "precision": run.precision,
+            **({"scaler": run.scaler.state_dict(), "skipped_steps": state.skipped} if run.scaler is not None else {}),
             **({"init_from": run.init_from} if run.init_from else {})}
 
 
@@ -173,7 +177,9 @@ def restore(ckpt: dict, run: Run, rank: int, size: int) -> tuple[RunState, dict]
     """Optimiser and sampler state from a resume checkpoint; returns (the RunState, this rank's RNG states), the
     RNG states to set once the data position has been replayed."""
     run.optimizer.load_state_dict(ckpt["optimizer"])
-    state = RunState(ckpt["step"], ckpt["epoch"], ckpt["consumed"], ckpt["best"])
+    state = RunState(ckpt["step"], ckpt["epoch"], ckpt["consumed"], ckpt["best"], skipped=ckpt.get("skipped_steps", 0))
+    if run.scaler is not None and ckpt.get("scaler") is not None:  # the scale goes on where the run left it
+        run.scaler.load_state_dict(ckpt["scaler"])
     rng = ckpt["rng"]
     if size > 1:  # each rank continues from its own RNG states and data position
         own = ckpt["ranks"][rank]

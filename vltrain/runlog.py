@@ -99,7 +99,8 @@ def summary(cfg, model, device, n_train: int, n_val: int, per_epoch: int, size: 
                                                  if w.distill_warmup_steps > 0 else "")] if w.distill_alpha > 0 else []
     extras += [f"MLM {w.mlm_prob:.0%}"] if w.mlm > 0 else []
     p, why = precision
-    dtype = ("bf16 autocast" if p == "bf16" else "float32") + (f", {why}" if why else "")
+    dtype = {"bf16": "bf16 autocast", "fp16": "fp16 autocast, loss scaling"}.get(p, "float32")
+    dtype += f", {why}" if why else ""
     lines = [
         f"vltrain run: preset {cfg.preset}, {cfg.steps:,} steps = {cfg.steps / max(per_epoch, 1):.1f} epochs of "
         f"{per_epoch:,} batches of {cfg.batch_size}"

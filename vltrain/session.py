@@ -145,27 +145,30 @@ def speed_options(cfg: Config, model, device: torch.device, use_features: bool) 
 
 
 def resolve_precision(cfg: Config, model, device: torch.device, ckpt: dict | None, rank: int) -> tuple[str, str]:
-    """(fp32 or bf16: what train.precision means for this run, the reason in a few words). A resumed run keeps its
-    checkpoint's (fp32 before the key existed). `auto`: bf16 on CUDA; on a CPU with bf16 arithmetic (AVX512_BF16,
-    AMX) bf16 when a quick check of the model's text tower finds it at least BF16_GAIN times faster, else fp32.
-    Under torchrun rank 0 decides for every rank."""
+    """(fp32, bf16 or fp16: what train.precision means for this run, the reason in a few words). A resumed run keeps
+    its checkpoint's (fp32 before the key existed). `auto`: on CUDA bf16 where the card computes it natively, else
+    fp16; on a CPU with bf16 arithmetic (AVX512_BF16, AMX) bf16 when a quick check of the model's text tower finds
+    it at least BF16_GAIN times faster, else fp32. Under torchrun rank 0 decides for every rank."""
     if ckpt is not None:
         p = ckpt.get("precision", "fp32")
         return p, "as the resumed run"
     asked = cfg.train.precision
-    supported = bf16_supported(device)
     if asked == "fp32":
         return "fp32", "train.precision=fp32"
+    if asked == "fp16":
+        return "fp16", "train.precision=fp16" + (", slow on a CPU" if device.type == "cpu" else "")
+    supported = bf16_supported(device)
+    where = "CPU" if device.type == "cpu" else "device"
     if asked == "bf16":
         if not supported:
-            raise TrainError(f"train.precision=bf16: this {'CPU' if device.type == 'cpu' else 'device'} has no bf16 "
-                             "arithmetic (AVX512_BF16 or AMX), so torch would emulate it, slower than fp32; use fp32 "
-                             "or auto")
+            raise TrainError(f"train.precision=bf16: this {where} has no bf16 arithmetic (a CPU needs "
+                             "AVX512_BF16 or AMX, a GPU compute capability 8.0 or more), so torch would emulate "
+                             f"it, slower than fp32; use {'fp16, ' if device.type == 'cuda' else ''}fp32 or auto")
         return "bf16", "train.precision=bf16"
+    if device.type == "cuda":
+        return ("bf16", "auto on CUDA with native bf16") if supported else ("fp16", "auto on CUDA without native bf16")
     if not supported:
         return "fp32", "auto: no bf16 arithmetic here"
-    if device.type == "cuda":
-        return "bf16", "auto on CUDA"
     width = model.text_encoder.config.hidden_size
     if width < BF16_MIN_WIDTH:  # decided without timing: such matmuls gain nothing, and the result stays reproducible
         return "fp32", f"auto: a {width}-wide text tower is too small to gain from bf16"
@@ -240,13 +243,14 @@ class Session:
     run: Run
     state: RunState
     feed: Feed
-    precision: str          # fp32 or bf16
+    precision: str          # fp32, bf16 or fp16
     channels_last: bool     # pixels go channels-last
     resumed: bool
     init: dict | None = None    # --init-from's record, kept by resumes
     rows: list = field(default_factory=list)  # metrics.jsonl's rows before the resumed step
     lock: OutLock | None = None  # OUT's lock, held by rank 0 until `release`
     console: Console | None = None  # where the run reports (quiet on torchrun's other ranks or when asked)
+    scaler: torch.amp.GradScaler | None = None  # fp16's loss scaler (None in fp32 and bf16)
 
     def open_report(self) -> RunLog:
         """The loop's RunLog (metrics.jsonl, TensorBoard, progress), opened now."""
@@ -315,7 +319,10 @@ def setup(cfg: Config, resume: bool = False, overwrite: bool = False, init_from=
 
     # --- optimiser
     optimizer, params = build_optimizer(model, cfg.optim, device)
-    run = Run(cfg, model, optimizer, data.sampler, generator, data_sig, out, init_from=init, precision=precision)
+    # fp16 gradients underflow unscaled; bf16 has float32's exponent range and needs no scaling
+    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+    run = Run(cfg, model, optimizer, data.sampler, generator, data_sig, out, init_from=init, precision=precision,
+              scaler=scaler)
 
     # --- resume (the data position is replayed: this epoch's batches already trained on are drawn again)
     state, rng = restore(ckpt, run, rank, size) if ckpt is not None else (RunState(), None)
@@ -333,4 +340,4 @@ def setup(cfg: Config, resume: bool = False, overwrite: bool = False, init_from=
                    data_sig=data_sig, model=model, step_fn=step_fn, optimizer=optimizer, params=params,
                    generator=generator, run=run, state=state, feed=feed, precision=precision,
                    channels_last=channels_last, resumed=ckpt is not None, init=init, rows=rows, lock=lock,
-                   console=console)
+                   console=console, scaler=scaler)

@@ -53,6 +53,7 @@ def loop(s: Session, report: RunLog) -> None:
     data = s.data
     last_save = time.monotonic()
     start = state.step
+    in_a_row = 0  # fp16 steps skipped for inf / NaN gradients since the last applied one
     while state.step < cfg.steps:
         batch, fault = s.feed.next(state)
         # One all-reduce under torchrun (the identity in one process): every rank stops or saves together.
@@ -76,10 +77,17 @@ def loop(s: Session, report: RunLog) -> None:
             losses = s.step_fn(batch, cfg.loss, s.generator, data.tokenizer, alpha)
         queue_feats = losses.pop("queue_feats")
         losses_f = _finite(losses, state.step, run)
-        optimizer_step(s.model, s.optimizer, s.params, losses["total"], cfg.optim.grad_clip, queue_feats)
+        stepped = optimizer_step(s.model, s.optimizer, s.params, losses["total"], cfg.optim.grad_clip, queue_feats,
+                                 s.scaler)
         if isinstance(data.sampler, GritSampler):  # phase 1: this step's ITC features, no extra forward pass
             data.sampler.collect(gather(batch["index"], False)[1], *queue_feats)  # the global batch, rank order
-        report.step(state.step, losses_f, lr, alpha, s.feed.bad, cfg.batch_size * s.size, s.feed.io())
+        # DDP: every rank unscales the same all-reduced gradients, so every rank skips the same steps
+        if not stepped:  # the batch stays consumed, the step is taken again from the next batch
+            in_a_row = _skipped(state, in_a_row + 1)
+            continue
+        in_a_row = 0
+        io = {**(s.feed.io() or {}), **({"skipped_steps": state.skipped} if s.scaler is not None else {})}
+        report.step(state.step, losses_f, lr, alpha, s.feed.bad, cfg.batch_size * s.size, io or None)
         # TOnICS at the end of a period, so that a refreshed P_S starts with the next period
         if data.heldout is not None and state.step % cfg.sampler.refresh_every == 0:
             report.curriculum(state.step, curriculum_check(run, state, data, s.rank, s.device, report.console))
@@ -120,6 +128,20 @@ def _evaluate(run: Run, state: RunState, data, report: RunLog, device, rank: int
         save_checkpoint(run.last_path, run, state)
 
 
+MAX_SKIPS = 50  # fp16: this many steps skipped in a row means the loss scale is collapsing, not settling
+
+
+def _skipped(state: RunState, in_a_row: int) -> int:
+    """Count a step the loss scaler skipped (its batch stays consumed; the step, and with it the lr schedule, does
+    not advance); a TrainError after MAX_SKIPS in a row. Returns `in_a_row`."""
+    state.step -= 1
+    state.skipped += 1
+    if in_a_row >= MAX_SKIPS:
+        raise TrainError(f"train.precision=fp16: {in_a_row} steps in a row had inf / NaN gradients after step "
+                         f"{state.step}, so the loss scale is collapsing; use train.precision=bf16 or fp32")
+    return in_a_row
+
+
 def _finite(losses: dict, step: int, run: Run) -> dict:
     """The step's losses as floats; a TrainError on every rank at the same step when one rank's total is not finite."""
     losses_f = {k: float(v.detach()) for k, v in losses.items()}
@@ -127,8 +149,12 @@ def _finite(losses: dict, step: int, run: Run) -> dict:
     if any_flags([not finite])[0]:
         kept = f"; the last good checkpoint {run.last_path} is kept" if run.last_path.exists() else ""
         where = "" if finite else " (" + ", ".join(f"{k}={v:.4g}" for k, v in losses_f.items()) + ")"
+        # fp16 does not skip such a step as it does inf gradients: the loss scale multiplies the backward only, so
+        # backing it off cannot cure a forward that overflowed
+        hint = "; under fp16 autocast the forward may have overflowed: try train.precision=bf16 or fp32" \
+            if run.precision == "fp16" and not finite else ""
         raise (PeerFailed if finite else TrainError)(f"non-finite loss at step {step}{where or ' on another rank'}"
-                                                     f"{kept}")
+                                                     f"{kept}{hint}")
     return losses_f
 
 
