@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 LOCK := requirements.lock
 PYTEST_ARGS ?=
 
-.PHONY: install apt lock test test-fast test-kernels demo ablation learns clean
+.PHONY: install apt lock test test-fast test-kernels demo ablation learns gpu-wheels gpu-check clean
 
 # Reinstalls when pyproject.toml or the lock changes; pip moves a venv left at other versions to the locked ones.
 $(STAMP): pyproject.toml $(LOCK)
@@ -56,6 +56,15 @@ learns: install
 ablation: install
 	$(PY) pipelines/ablation.py $(or $(RECIPE),fistful) $(if $(QUICK),--quick) $(if $(STEPS),--steps $(STEPS)) \
 		$(if $(SEEDS),--seeds $(SEEDS))
+
+# The GPU check (scripts/gpu-check.sh): `make gpu-wheels` here (PyPI needed) fills .gpu/ with the few wheels an
+# offline GPU node lacks; copy the tree with .gpu/ there and run `bash scripts/gpu-check.sh` (about 8 minutes at
+# most); `make gpu-check` runs its CPU dry run here (part of `make test` too).
+gpu-wheels: install
+	PY=$(PY) bash scripts/gpu-wheels.sh
+
+gpu-check: install
+	PY=$(PY) bash scripts/gpu-check.sh --dry-run
 
 clean:
 	rm -rf $(VENV) demo-out
