@@ -80,19 +80,24 @@ def matmul_peak(device: torch.device) -> float:
 
 
 def tiny_shards(tmp: Path, n: int) -> Path:
-    """n small captioned images as shards: setup reads the data's size from them (the queue is clamped to it); the
-    timed batch is made by `build`."""
+    """n small captioned images as shards in tmp/ds-N (kept there for another call): setup reads the data's size
+    from them (the queue is clamped to it); the timed batch is made by `build`."""
     from PIL import Image
 
     from vlprep.shards import ShardsConfig, build_shards
 
-    src = tmp / "src"
+    out = tmp / f"ds-{n}"
+    if (out / "sizes.json").is_file():  # written last: a finished dataset
+        return out
+    src = tmp / f"src-{n}"
+    shutil.rmtree(src, ignore_errors=True)
     src.mkdir(parents=True)
     for i in range(n):
         Image.new("RGB", (32, 32), (i % 256, 0, 0)).save(src / f"{i:05d}.png")
         (src / f"{i:05d}.txt").write_text(f"a {WORDS[i % len(WORDS)]} picture number {i}")
-    build_shards(ShardsConfig(src=src, out=tmp / "ds", samples_per_shard=1000, workers=1), progress=None)
-    return tmp / "ds"
+    build_shards(ShardsConfig(src=src, out=out, samples_per_shard=1000, workers=1, overwrite=True), progress=None)
+    shutil.rmtree(src)
+    return out
 
 
 def config_sets(size: str, preset: str, precision: str, compile_on: bool, ckpt_on: bool) -> list[str]:
@@ -178,6 +183,7 @@ def forward_flops(s, cpu_batch: dict, gen: torch.Generator) -> float:
 
 
 def free(device: torch.device) -> None:
+    torch._dynamo.reset()  # compiled graphs (and the modules their guards hold) of the last row
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -288,6 +294,8 @@ def parse_args(argv=None):
     ap.add_argument("--max-batch-seconds", type=float, default=120.0, help="time bound of each search")
     ap.add_argument("--json", type=Path, default=None, help="append a header and the rows as JSON lines")
     ap.add_argument("--table", action="store_true", help="print a markdown table at the end")
+    ap.add_argument("--data-dir", type=Path, default=None,
+                    help="keep the generated shards here for later calls (default: a temporary folder)")
     args = ap.parse_args(argv)
     args.sizes = csv(args.size, SIZES)
     args.preset_list = csv(args.presets, ("clip", "albef", "albef-base", "grit", "softmask", "fistful"))
@@ -312,12 +320,15 @@ def main(argv=None) -> int:
     header = {"kind": "header", "device": name, "torch": torch.__version__, "precision": args.precision,
               "peak_tflops_measured": float(f"{args.peak:.4g}"),
               "peak_dtype": "bf16" if device.type == "cuda" else "fp32",
-              "peak_tflops_spec": spec, "steps": args.steps, "warmup": args.warmup}
+              "peak_tflops_spec": spec, "steps": args.steps, "warmup": args.warmup,
+              "memory_gib": round(torch.cuda.get_device_properties(device).total_memory / 2 ** 30, 1)
+              if device.type == "cuda" else None}
     print(f"{name}, torch {torch.__version__}, {args.precision}; measured matmul peak {args.peak:.4g} TFLOP/s "
           f"({header['peak_dtype']}; spec {spec or '?'})", flush=True)
     rows = [header]
     emit = open(args.json, "a") if args.json else contextlib.nullcontext()  # noqa: SIM115
     tmp = Path(tempfile.mkdtemp(prefix="bench-gpu-"))
+    data_dir = args.data_dir or tmp
     try:
         with emit as sink:
             def report(row: dict) -> None:
@@ -332,7 +343,7 @@ def main(argv=None) -> int:
             queue = max(SIZES[s]["queue"] for s in args.sizes)
             biggest = max(args.batch_list + ([args.max_batch_limit] if args.max_batch else []))
             # enough samples that a preset's queue is not clamped to the training split, and GRIT's sampler fits
-            shards = tiny_shards(tmp, max(queue, 2 * biggest))
+            shards = tiny_shards(data_dir, max(queue, 2 * biggest))
             flops_cache = {}
             for size in args.sizes:
                 for preset in args.preset_list:
@@ -340,8 +351,6 @@ def main(argv=None) -> int:
                     for batch in args.batch_list:
                         for ckpt in args.ckpt_list:
                             for comp in args.compile_list:
-                                if comp == "on":
-                                    torch._dynamo.reset()  # one row's compiled graphs are not the next one's
                                 key = {**base, "batch": batch, "ckpt": ckpt, "compile": comp}
                                 report(measure(args, key, device, shards, tmp / "out", args.steps, args.warmup,
                                                flops_cache))
