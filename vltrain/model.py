@@ -96,8 +96,8 @@ def _text_path(name: str) -> Path:
     except OSError:  # a name too long for a path (ENAMETOOLONG) or otherwise unusable as one: no such folder
         folder = False
     if not folder:
-        raise ValueError("text_model must be 'minilm', 'tiny', 'random:minilm', 'random:bert-base' or a local "
-                         f"Hugging Face model folder, got {cut(repr(name))}")
+        raise ValueError("text_model must be minilm, tiny, random:minilm, random:bert-base or a local Hugging Face "
+                         f"model folder, got {cut(repr(name))}")
     return Path(name)
 
 
