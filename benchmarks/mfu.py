@@ -1,12 +1,14 @@
 """Model FLOPs utilisation of the trainer's step on cached tokens, against the matmul peak measured in the same run.
 
-Peak: the median FLOP/s of --peak-reps square matmuls of --peak-size (2 n^3 FLOPs each) in float32, and in bfloat16
-   where the device runs it natively (CUDA; a CPU that reports AVX512_BF16 or AMX). The peak is what this machine's
-   BLAS reaches on one large matmul with every thread, so no step of smaller matmuls can reach 100% of it.
+Peak: the median FLOP/s of --peak-reps square matmuls of --peak-size (2 n^3 FLOPs each; default 2048 on a CPU and
+   8192 on CUDA, where smaller ones stay below the card's peak) in float32, and in bfloat16 where the device runs it
+   natively (CUDA; a CPU that reports AVX512_BF16 or AMX). The peak is what this machine's BLAS reaches on one large
+   matmul with every thread, so no step of smaller matmuls can reach 100% of it.
 Step: for each preset of --presets and batch of --batches, the trainer's own step on batches drawn the way `vltrain
    run` draws them from the `vlprep features` dataset --data (its sampler, bucketing and collate: the pieces
-   `vltrain.session.setup` builds, data.val_frac 0.05), the packaged MiniLM text model, the process's allocator set
-   as train() sets it (keep_freed_memory on a CPU): the batch moved to the device, the loss step
+   `vltrain.session.setup` builds, data.val_frac 0.05), the --text-model (default the packaged MiniLM; random:minilm
+   is its shape with random weights, for a machine that holds the package's tokenizer alone), the process's
+   allocator set as train() sets it (keep_freed_memory on a CPU): the batch moved to the device, the loss step
    (`TrainStep` under the run's precision, vltrain.model.autocast), then `optimizer_step` (backward, gradient
    clipping, fused AdamW, momentum update and enqueue). Nothing else of the loop (logging, checks, the GRIT
    collect) is timed. One untimed step, then --steps timed steps over the drawn batches; medians.
@@ -33,7 +35,7 @@ Data: --data, a `vlprep features` dataset (default: the demo's demo-out/openclip
 The load average is printed at the start and the end; the script always exits 0 and ends with a table.
 
     .venv/bin/python benchmarks/mfu.py [--data DIR] [--presets clip,albef,grit,softmask] [--batches 32,128]
-        [--precisions fp32,bf16] [--steps 6] [--device auto]
+        [--precisions fp32,bf16] [--steps 6] [--device auto|cpu|cuda] [--text-model minilm|random:minilm]
 """
 
 import argparse
@@ -97,12 +99,12 @@ class Setup:
     model with train()'s speed options, step function, optimiser) and the batches its feed draws (on the device)."""
 
     def __init__(self, data: Path, preset: str, batch: int, precision: str, device: torch.device, n_batches: int,
-                 out: Path, compile: bool = False):
+                 out: Path, compile: bool = False, text_model: str = "minilm"):
         from vltrain.config_load import load_config
         from vltrain.data.collate import to_device
         from vltrain.session import setup
 
-        sets = ["model.text_model=minilm", "data.workers=0", f"train.precision={precision}",
+        sets = [f"model.text_model={text_model}", "data.workers=0", f"train.precision={precision}",
                 f"train.compile={str(compile).lower()}"]
         cfg = load_config(preset=preset, sets=sets, shards=[str(data)], out=str(out), steps=1000, batch_size=batch,
                           device=device.type)
@@ -250,9 +252,11 @@ def main() -> None:
     ap.add_argument("--precisions", default="fp32,bf16", help="bf16 is skipped where the device lacks it")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per row")
     ap.add_argument("--draw", type=int, default=4, help="batches drawn per row (FLOPs are their mean)")
-    ap.add_argument("--peak-size", type=int, default=2048)
+    ap.add_argument("--peak-size", type=int, default=None, help="default: 2048 on a CPU, 8192 on CUDA")
     ap.add_argument("--peak-reps", type=int, default=10)
-    ap.add_argument("--device", default="auto")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--text-model", default="minilm", help="model.text_model: minilm, or random:minilm (its shape, "
+                    "random weights: no weights file needed)")
     ap.add_argument("--extras", default="compile,channels_last,phases", help="also time train.compile on clip batch "
                     "32 (compile), the frozen image tower's forward on pixels contiguous against channels_last "
                     "(channels_last), and clip's step part by part in each precision (phases); '' for none")
@@ -262,6 +266,10 @@ def main() -> None:
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: use --device auto or cpu")
+        return
+    args.peak_size = args.peak_size or (8192 if device.type == "cuda" else 2048)
     print(common.load_line("start"), flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="bench-mfu-"))
     try:
@@ -284,7 +292,8 @@ def main() -> None:
         for preset in args.presets.split(","):
             for batch in map(int, args.batches.split(",")):
                 for p in precisions:
-                    s = Setup(data, preset, batch, p, device, args.draw, tmp / "out")
+                    s = Setup(data, preset, batch, p, device, args.draw, tmp / "out",
+                              text_model=args.text_model)
                     m = measure(s, args.steps)
                     del s
                     mfu, useful_mfu = (m[k] / m["time"] / peaks[p] for k in ("total", "useful"))
@@ -319,7 +328,8 @@ def main() -> None:
                                             / by["clip", batch, "fp32"]["samples_s"], 1.6, "ratio"))
         extras = [e for e in args.extras.split(",") if e]
         if "compile" in extras and ("clip", 32, "fp32") in by:
-            s = Setup(data, "clip", 32, "fp32", device, args.draw, tmp / "out", compile=True)
+            s = Setup(data, "clip", 32, "fp32", device, args.draw, tmp / "out", compile=True,
+                      text_model=args.text_model)
             t0 = time.perf_counter()
             s.step(s.batches[0])
             first = time.perf_counter() - t0
@@ -334,7 +344,8 @@ def main() -> None:
             for batch in map(int, args.batches.split(",")):
                 got = {}
                 for p in precisions:
-                    got[p] = phases(Setup(data, "clip", batch, p, device, args.draw, tmp / "out"), 2 * args.steps)
+                    got[p] = phases(Setup(data, "clip", batch, p, device, args.draw, tmp / "out",
+                                          text_model=args.text_model), 2 * args.steps)
                     print(f"  clip batch {batch} {p}, ms per part: " + ", ".join(f"{k} {v:.1f}" for k, v in
                                                                           got[p].items()), flush=True)
                 if "bf16" in got:

@@ -20,6 +20,16 @@ def pytest_configure(config) -> None:
     os.environ.setdefault(MARK, uuid.uuid4().hex)
 
 
+def pytest_runtest_setup(item) -> None:
+    # `cuda` tests: a skip without a device, unless the GPU check asks for them with VLTRAIN_REQUIRE_CUDA=1, where
+    # a skip would hide that they never ran (a driver that does not load, a CPU-only torch)
+    if item.get_closest_marker("cuda") is None or torch.cuda.is_available():
+        return
+    if os.environ.get("VLTRAIN_REQUIRE_CUDA") == "1":
+        pytest.fail("VLTRAIN_REQUIRE_CUDA=1 but torch sees no CUDA device", pytrace=False)
+    pytest.skip("needs a CUDA device")
+
+
 @pytest.fixture(autouse=True, scope="session")
 def session_leaves_no_trace():
     yield from guard("the session-scoped fixtures")

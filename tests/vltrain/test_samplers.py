@@ -244,7 +244,7 @@ def test_grit_chains_on_torch_ops_equal_numpy_ties_included():
         assert sorted(a[s].tolist()) == list(range(30))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_grit_groups_on_the_gpu_without_moving_the_queue_to_the_host():
     sampler = GritSampler(64, 8, search_space=16, queue_size=32, seed=3)
     g = torch.Generator().manual_seed(0)
