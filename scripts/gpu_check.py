@@ -16,8 +16,8 @@ from pathlib import Path
 
 WORDS = "red green blue cat dog bird tree car boat house sun moon star arrow icon shape".split()
 # The benchmark's columns, in this order when a row has them (benchmarks/gpu.py writes the rows).
-COLUMNS = ["size", "preset", "batch", "precision", "compile", "ckpt", "samples_per_s", "ms_per_step", "ms_to_device",
-           "ms_forward", "ms_backward", "ms_optimizer", "peak_mem_gb", "tflops", "mfu", "status"]
+COLUMNS = ["size", "preset", "params_m", "batch", "precision", "compile", "ckpt", "samples_per_s", "step_ms", "data_ms",
+           "forward_ms", "backward_ms", "optimizer_ms", "peak_mem_gib", "tflops", "mfu", "status"]
 
 
 def make_data(out: Path, n: int) -> None:

@@ -40,8 +40,7 @@ def run_on_cuda(shards, out: Path, preset: str, precision: str):
                                     "--steps", "3", "--device", GPU, *sets])
 
 
-@pytest.mark.parametrize("precision", ["bf16", pytest.param("fp16", marks=pytest.mark.xfail(
-    strict=False, reason="lands with the fp16 helper"))])
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("preset", ["clip", "albef"])
 def test_a_tiny_run_trains_on_cuda(shards, tmp_path, preset, precision, monkeypatch):
     # a run on CUDA setdefaults cuBLAS's determinism switch in os.environ; set here, it is undone after the test
