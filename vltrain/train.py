@@ -76,7 +76,8 @@ def loop(s: Session, report: RunLog) -> None:
             losses = s.step_fn(batch, cfg.loss, s.generator, data.tokenizer, alpha)
         queue_feats = losses.pop("queue_feats")
         losses_f = _finite(losses, state.step, run)
-        optimizer_step(s.model, s.optimizer, s.params, losses["total"], cfg.optim.grad_clip, queue_feats)
+        update = optimizer_step if cfg.train.accum_steps == 1 else s.step_fn.optimizer_step  # AccumStep's phases 2, 3
+        update(s.model, s.optimizer, s.params, losses["total"], cfg.optim.grad_clip, queue_feats)
         if isinstance(data.sampler, GritSampler):  # phase 1: this step's ITC features, no extra forward pass
             data.sampler.collect(gather(batch["index"], False)[1], *queue_feats)  # the global batch, rank order
         report.step(state.step, losses_f, lr, alpha, s.feed.bad, cfg.batch_size * s.size, s.feed.io())
