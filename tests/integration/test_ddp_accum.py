@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.integration.test_ddp import ADAM_EPS, B, config, global_batch, rank_batch
+from tests.integration.test_ddp import ADAM_EPS, B, COMMON, config, global_batch, metric_rows, rank_batch, torchrun
+from tests.vltrain.test_train import shards  # noqa: F401  (the module-scoped shard fixture)
 from vltrain.accum import AccumStep
 from vltrain.model import build_model
 from vltrain.optim import build_optimizer, optimizer_step
@@ -65,3 +66,10 @@ def test_two_gloo_ranks_with_accum_steps_2_equal_accum_steps_1(case, tmp_path):
         assert two["queue_ptr"] == one["queue_ptr"] and one["queue_ptr"] in (None, B)
     for n, p in results[(2, 0)]["params"].items():  # the ranks hold the same model afterwards
         assert torch.equal(p, results[(2, 1)]["params"][n]), n
+
+
+def test_torchrun_trains_with_accum_steps(shards, tmp_path):  # noqa: F811
+    """`torchrun -m vltrain run --set train.accum_steps=2`: the trainer's wiring under DDP runs to the end."""
+    r = torchrun(shards, tmp_path / "accum", *COMMON, "--set", "train.accum_steps=2", "--steps", "3")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert [row["step"] for row in metric_rows(tmp_path / "accum")] == [1, 2, 3]
