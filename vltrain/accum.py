@@ -51,16 +51,23 @@ def _rows(args: tuple, rows: slice) -> tuple:
     return tuple(a[rows] if isinstance(a, torch.Tensor) else a for a in args)
 
 
+def _chunks(n: int, k: int) -> list[slice]:
+    """n rows cut into k contiguous slices (sizes differ by at most one)."""
+    bounds = [i * n // k for i in range(k + 1)]
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
 def _chunked(real, k: int, calls: list, *args):
-    """`real` (a tower method) in k chunks without gradient, recorded in `calls`; its outputs as leaves."""
-    if not torch.is_grad_enabled():  # a call that wants no gradient anyway: nothing to replay
-        return real(*args)
+    """`real` (a tower method) in k chunks without gradient, recorded in `calls`; its outputs as leaves. A call made
+    without gradient (the momentum model's) is only chunked: there is nothing to replay."""
     n = args[0].shape[0]
+    if not torch.is_grad_enabled():
+        parts = [real(*_rows(args, rows)) for rows in _chunks(n, k)]
+        return tuple(torch.cat(p) for p in zip(*parts))
     call = TowerCall(real, args)
     parts = []
     with torch.no_grad():
-        for chunk in torch.arange(n).tensor_split(k):
-            rows = slice(int(chunk[0]), int(chunk[-1]) + 1) if len(chunk) else slice(0, 0)
+        for rows in _chunks(n, k):
             call.chunks.append((rows, rng_state(args[0].device)))
             parts.append(real(*_rows(args, rows)))
     call.leaves = tuple(torch.cat(p).requires_grad_(True) for p in zip(*parts))
@@ -70,18 +77,22 @@ def _chunked(real, k: int, calls: list, *args):
 
 @contextlib.contextmanager
 def chunked_towers(model, k: int, calls: list):
-    """The model's tower methods replaced (on the instance) by chunked, recorded, no-grad ones; restored after."""
-    saved = {name: model.__dict__.get(name) for name in TOWERS}
-    for name in TOWERS:
-        model.__dict__[name] = functools.partial(_chunked, getattr(model, name), k, calls)
+    """The tower methods of the model and of its momentum copy replaced (on the instances) by chunked, recorded,
+    no-grad ones; restored after."""
+    models = [model] if getattr(model, "momentum", None) is None else [model, model.momentum]
+    saved = [{name: m.__dict__.get(name) for name in TOWERS} for m in models]
+    for m in models:
+        for name in TOWERS:
+            m.__dict__[name] = functools.partial(_chunked, getattr(m, name), k, calls)
     try:
         yield
     finally:
-        for name in TOWERS:
-            if saved[name] is None:
-                del model.__dict__[name]
-            else:
-                model.__dict__[name] = saved[name]
+        for m, before in zip(models, saved):
+            for name in TOWERS:
+                if before[name] is None:
+                    del m.__dict__[name]
+                else:
+                    m.__dict__[name] = before[name]
 
 
 def replay(calls: list, device: torch.device, amp: tuple) -> None:

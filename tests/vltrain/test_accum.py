@@ -97,11 +97,13 @@ def assert_same_grads(got: dict, want: dict, atol: float = ATOL) -> None:
 
 
 def reference_grads(model, cfg, batch, k: int, seed: int = 1) -> tuple[float, dict]:
-    """(total, gradients) of one graph through the towers run in the same k chunks WITH gradient, the losses on top,
-    one backward: what GradCache's three phases must reproduce in the same arithmetic."""
+    """(total, gradients) of one graph through the towers run in the same k chunks WITH gradient (the momentum
+    copy's in the same chunks, without), the losses on top, one backward: what GradCache's three phases must
+    reproduce in the same arithmetic."""
     ref = copy.deepcopy(model)
-    for name in accum.TOWERS:
-        setattr(ref, name, lambda *a, real=getattr(ref, name): chunked_with_grad(real, k, *a))
+    for m in [ref] if ref.momentum is None else [ref, ref.momentum]:  # the momentum copy's calls chunked too
+        for name in accum.TOWERS:
+            setattr(m, name, lambda *a, real=getattr(m, name): chunked_with_grad(real, k, *a))
     torch.manual_seed(seed)
     losses = train_step(ref, batch, cfg.loss, torch.Generator().manual_seed(0), None, 0.4)
     losses["total"].backward()
