@@ -16,6 +16,7 @@ the measured step on every side). The image and text towers are random-initialis
 
 import argparse
 import copy
+import functools
 
 import torch
 
@@ -23,7 +24,7 @@ from vltrain.accum import AccumStep
 from vltrain.config_load import load_config
 from vltrain.model import build_model, build_tokenizer
 from vltrain.optim import build_optimizer, optimizer_step
-from vltrain.step import TrainStep
+from vltrain.step import train_step
 
 PRESETS = {"clip": [], "albef": ["model.queue_size=1024"]}
 
@@ -41,7 +42,7 @@ def batch_for(cfg, b: int, device: torch.device) -> dict:
 
 def one_step(model, cfg, batch: dict, k: int, optimizer, params) -> None:
     generator = torch.Generator(device=batch["input_ids"].device).manual_seed(0)
-    step = TrainStep(model) if k == 1 else AccumStep(model, k)
+    step = functools.partial(train_step, model) if k == 1 else AccumStep(model, k)
     losses = step(batch, cfg.loss, generator, None, 0.4)
     enqueue = losses.pop("queue_feats")
     update = optimizer_step if k == 1 else step.optimizer_step
@@ -100,7 +101,6 @@ def main() -> None:
             peak = peak_bytes(lambda: one_step(model, cfg, batch, k, optimizer, params), device)
             first = first or peak
             print(f"{preset:<8} {k:>2} {peak / 2**20:>10.1f} {peak / first:>7.2f}")
-            del model, optimizer, params
 
 
 if __name__ == "__main__":
