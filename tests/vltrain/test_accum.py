@@ -253,3 +253,30 @@ def test_vltrain_run_with_accum_steps_4_writes_the_metrics_of_accum_steps_1(onto
         assert a.keys() == b.keys()
         for key in b:  # AdamW's eps = 1e-8 amplifies a gradient's float64 rounding: the pinned tests' 1e-9
             assert a[key] == pytest.approx(b[key], rel=1e-9, abs=1e-12), (a["step"], key)
+
+
+def test_a_grad_scaler_scales_the_phase_2_loss_once(f64, monkeypatch):
+    """fp16's GradScaler: phase 2 backpropagates scale * loss, so every gradient (the heads' from phase 2, the towers'
+    from the replay of the scaled leaf gradients) is scale times K = 1's; a power of two scales exactly."""
+    cfg = cfg_for("albef")
+    torch.manual_seed(0)
+    model = build_model(cfg.model).train()
+    set_dropout(model, 0.0)
+    batch = batch_for(cfg)
+    _, want, _ = one_step(copy.deepcopy(model), cfg, batch, 1)
+    scaled = copy.deepcopy(model)
+    optimizer, params = build_optimizer(scaled, cfg.optim, torch.device("cpu"))
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    seen = {}
+
+    def apply(model, optimizer, params, grad_clip, enqueue, scaler_given):  # the gradients apply_gradients receives
+        assert scaler_given is scaler
+        seen.update({n: None if p.grad is None else p.grad / 1024.0 for n, p in model.named_parameters()})
+        return True
+
+    monkeypatch.setattr(accum, "apply_gradients", apply)
+    torch.manual_seed(1)
+    step = AccumStep(scaled, 2)
+    losses = step(batch, cfg.loss, torch.Generator().manual_seed(0), None, 0.4)
+    assert step.optimizer_step(scaled, optimizer, params, losses["total"], 0.0, losses.pop("queue_feats"), scaler)
+    assert_same_grads(seen, want)
