@@ -280,3 +280,23 @@ def test_a_grad_scaler_scales_the_phase_2_loss_once(f64, monkeypatch):
     losses = step(batch, cfg.loss, torch.Generator().manual_seed(0), None, 0.4)
     assert step.optimizer_step(scaled, optimizer, params, losses["total"], 0.0, losses.pop("queue_feats"), scaler)
     assert_same_grads(seen, want)
+
+
+def test_batchnorm_statistics_count_each_chunk_once_not_again_in_the_replay(f64):
+    """A trained image tower with BatchNorm: its running statistics are those of phase 1's K chunks (the replay
+    restores them), i.e. of the tower run on each chunk in turn."""
+    cfg = cfg_for("clip")
+    torch.manual_seed(0)
+    model = build_model(cfg.model).train()
+    model.image_encoder.insert(1, torch.nn.BatchNorm2d(16))
+    batch = batch_for(cfg)
+    ref = copy.deepcopy(model.image_encoder)
+    with torch.no_grad():
+        for rows in (slice(0, 4), slice(4, 8)):
+            ref(batch["images"][rows])
+    optimizer, params = build_optimizer(model, cfg.optim, torch.device("cpu"))
+    accumulated_step(model, batch, cfg.loss, torch.Generator().manual_seed(0), None, 0.0, 2, optimizer, params, 1.0)
+    bn = model.image_encoder[1]
+    assert int(bn.num_batches_tracked) == 2
+    assert torch.allclose(bn.running_mean, ref[1].running_mean, rtol=0, atol=1e-15)
+    assert torch.allclose(bn.running_var, ref[1].running_var, rtol=0, atol=1e-15)
