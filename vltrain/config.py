@@ -171,6 +171,8 @@ class TrainConfig(Section):
     precision: str = "auto"             # fp32, bf16 (autocast), fp16 (autocast + loss scaling); auto: bf16 on a
                                         # GPU with native bf16, fp16 on other CUDA cards, and on a CPU bf16 where it
                                         # has bf16 arithmetic and a quick check finds it faster; else fp32
+    accum_steps: int = 1                # K: the towers run on batch_size / K rows at a time (exact: every loss still
+                                        # sees the whole batch); 1 = one pass as before
 
 
 @dataclass
@@ -293,6 +295,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "optim.min_lr_ratio": ("[0, 1]", "the cosine's floor as a share of lr"),
     "optim.grad_clip": ("[0, inf)", "0 = no clipping"),
     "optim.betas": ("[0, 1)", "Adam's two decay rates"),
+    "train.accum_steps": ("[1, inf)", "tower chunks per optimiser step; divides batch_size"),
 }
 
 
@@ -383,6 +386,8 @@ def validate(cfg: Config) -> None:
             setattr(cfg.train, key, "on" if value else "off")
         if getattr(cfg.train, key) not in SWITCHES:
             raise ConfigError(f"train.{key} must be one of {', '.join(SWITCHES)}, got {shown(getattr(cfg.train, key))}")
+    if cfg.batch_size % cfg.train.accum_steps:
+        raise ConfigError(f"train.accum_steps={cfg.train.accum_steps} must divide batch_size={cfg.batch_size}")
     if cfg.train.precision not in PRECISIONS:
         raise ConfigError(f"train.precision must be one of {', '.join(PRECISIONS)}, got {shown(cfg.train.precision)}")
     s = cfg.sampler

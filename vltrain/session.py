@@ -15,6 +15,7 @@ from rich.console import Console
 
 from vlprep import VlprepError
 from vlprep.outlock import OutLock, lock_output
+from vltrain.accum import AccumStep
 from vltrain.checkpoint import check_config, load, model_from
 from vltrain.config import Config
 from vltrain.data.feed import Feed
@@ -236,7 +237,7 @@ class Session:
     data: TrainData
     data_sig: str           # the training data's signature (vltrain.data.shards.data_signature)
     model: torch.nn.Module
-    step_fn: object         # TrainStep, or its DDP wrapper under torchrun
+    step_fn: object         # TrainStep, or its DDP wrapper under torchrun; AccumStep for train.accum_steps > 1
     optimizer: torch.optim.Optimizer
     params: list
     generator: torch.Generator  # MLM masks and hard-negative draws
@@ -311,7 +312,10 @@ def setup(cfg: Config, resume: bool = False, overwrite: bool = False, init_from=
     channels_last = speed_options(cfg, model, device, data.use_features)
     precision, why = resolve_precision(cfg, model, device, ckpt, rank)
     generator = torch.Generator(device=device).manual_seed(rank_seed)
-    step_fn = wrap_ddp(model, cfg.loss, device) if created_group or size > 1 else TrainStep(model)
+    ddp = created_group or size > 1
+    step_fn = wrap_ddp(model, cfg.loss, device) if ddp else TrainStep(model)
+    if cfg.train.accum_steps > 1:  # towers in chunks; under torchrun the gradients are averaged by hand
+        step_fn = AccumStep(model, cfg.train.accum_steps, step_fn if ddp else None)
     if size > 1:
         seed_everything(rank_seed, device)
     # every rank draws the same global batches and reads its slice of each

@@ -77,8 +77,8 @@ def loop(s: Session, report: RunLog) -> None:
             losses = s.step_fn(batch, cfg.loss, s.generator, data.tokenizer, alpha)
         queue_feats = losses.pop("queue_feats")
         losses_f = _finite(losses, state.step, run)
-        stepped = optimizer_step(s.model, s.optimizer, s.params, losses["total"], cfg.optim.grad_clip, queue_feats,
-                                 s.scaler)
+        update = optimizer_step if cfg.train.accum_steps == 1 else s.step_fn.optimizer_step  # AccumStep's phases 2, 3
+        stepped = update(s.model, s.optimizer, s.params, losses["total"], cfg.optim.grad_clip, queue_feats, s.scaler)
         if isinstance(data.sampler, GritSampler):  # phase 1: this step's ITC features, no extra forward pass
             data.sampler.collect(gather(batch["index"], False)[1], *queue_feats)  # the global batch, rank order
         # DDP: every rank unscales the same all-reduced gradients, so every rank skips the same steps
