@@ -69,6 +69,9 @@ class ModelConfig(Section):
     momentum_m: float = 0.995
     queue_size: int = 0  # MoCo queue length Q; 0 = in-batch negatives only
     aligner: bool = False  # TOnICS noun-query aligner head (triplet mode)
+    # Every dropout rate of the model (text encoder, fusion, aligner, image tower) set to this; 0 also turns off
+    # stochastic depth, so a training forward is deterministic. None = each tower's own rates
+    dropout: float | None = None
 
 
 @dataclass
@@ -168,6 +171,8 @@ class TrainConfig(Section):
                                         # cut to its longest caption, instead of the whole batch padded to its longest
     precision: str = "auto"             # fp32, bf16 (autocast), auto: bf16 on CUDA, and on a CPU with bf16
                                         # arithmetic where a quick check of the model finds it faster; else fp32
+    grad_checkpointing: bool = False    # recompute the text, fusion, aligner and trained image layers' activations
+                                        # in the backward pass instead of keeping them: less memory, a slower step
 
 
 @dataclass
@@ -380,6 +385,9 @@ def validate(cfg: Config) -> None:
             setattr(cfg.train, key, "on" if value else "off")
         if getattr(cfg.train, key) not in SWITCHES:
             raise ConfigError(f"train.{key} must be one of {', '.join(SWITCHES)}, got {shown(getattr(cfg.train, key))}")
+    if cfg.model.dropout is not None and not in_range(cfg.model.dropout, "[0, 1)"):
+        raise ConfigError(f"model.dropout={shown(cfg.model.dropout)} is outside its range [0, 1) (a dropout "
+                          "probability; null = the towers' own rates)")
     if cfg.train.precision not in PRECISIONS:
         raise ConfigError(f"train.precision must be one of {', '.join(PRECISIONS)}, got {shown(cfg.train.precision)}")
     s = cfg.sampler
