@@ -19,11 +19,12 @@ from vltrain.checkpoint import model_config
 from vltrain.cli import app
 from vltrain.config import ConfigError
 from vltrain.config_load import load_config
-from vltrain.model import build_model, build_tokenizer
+from vltrain.model import build_model, build_tokenizer, length_groups
 from vltrain.recompute import checkpointed, image_blocks
 
 TINY = ["model.text_model=tiny", "model.image_model=tiny", "model.embed_dim=16", "data.max_len=12"]
-CAPTIONS = [f"a photo of thing {i} and colour {i % 4}" for i in range(6)]
+# Short and long captions, so that train.unpad's length groups split the batch (checkpointed there too)
+CAPTIONS = [f"a photo of thing {i}" + (" with a long tail of many more words" * 3 if i % 2 else "") for i in range(24)]
 
 
 @pytest.fixture
@@ -69,6 +70,7 @@ def test_checkpointing_gives_the_same_losses_and_gradients(float64, preset, drop
     model = build_model(cfg.model).train()
     batch = make_batch(cfg)
     model.set_unpad(4)  # the text encoder and fusion layers on length groups: checkpointed there too
+    assert length_groups(batch["attention_mask"], 4) is not None
     plain_losses, plain_grads = step_with(model, cfg, batch, False)
     ckpt_losses, ckpt_grads = step_with(model, cfg, batch, True)
     assert plain_losses.keys() == ckpt_losses.keys() and len(plain_losses) >= 2
@@ -96,6 +98,7 @@ def test_checkpointing_recomputes_each_layer_once_in_backward(preset):
     torch.manual_seed(0)
     model = build_model(cfg.model).train()
     batch = make_batch(cfg)
+    model.set_unpad(4)
     text = model.text_encoder.encoder.layer[0].attention  # HF checkpoints BertLayer.forward: hook one inside
     watched = [text]
     watched += [model.fusion[0].self_attn] if model.fusion is not None else [model.aligner.q]
@@ -117,7 +120,7 @@ def test_checkpointing_recomputes_each_layer_once_in_backward(preset):
     with torch.no_grad():
         counts[:] = [0] * len(counts)
         model.encode_text(batch["input_ids"], batch["attention_mask"])
-    assert counts[0] == 1
+    assert counts[0] == len(length_groups(batch["attention_mask"], 4))  # once per length group
 
 
 def test_set_grad_checkpointing_off_restores_the_plain_forward():
