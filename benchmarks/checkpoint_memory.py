@@ -18,6 +18,7 @@ Time: the median of --reps steps each way, alternated, without the profiler; the
 """
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -114,7 +115,7 @@ def main() -> None:
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
     print(f"device {device}, batch {args.batch}, {args.size} px, MiniLM + EfficientNet-Lite0 on pixels, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.1f}")
     rows = [measure(preset, args, device) for preset in args.presets.split(",")]
     print("| preset | peak without | peak with | with / without | step without | step with | with / without |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
@@ -123,6 +124,7 @@ def main() -> None:
         mib_on = r["peak_on"] / 2**20
         print(f"| {r['preset']} | {mib_off:,.0f} MiB | {mib_on:,.0f} MiB | {r['peak_on'] / r['peak_off']:.2f} | "
               f"{r['time_off']:.2f} s | {r['time_on']:.2f} s | {r['time_on'] / r['time_off']:.2f} |")
+    print(f"load at the end {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

@@ -162,8 +162,9 @@ def same_tower(model, images, stateful: bool) -> None:
         assert any(not torch.equal(after0[n], state[n]) for n in state)
 
 
-def test_efficientnet_tower_checkpoints_its_blocks(float64):
-    """The packaged EfficientNet-Lite0 trained (BatchNorm in training mode, drop-connect on): the same embeddings,
+def test_efficientnet_tower_checkpoints_its_blocks():
+    """The packaged EfficientNet-Lite0 trained (BatchNorm in training mode, drop-connect on), in float32 (the same
+    operations on the same numbers: equal in any dtype, and float64 convolutions are slow): the same embeddings,
     gradients and running statistics with its MBConv blocks checkpointed."""
     cfg = load_config("clip", sets=["model.text_model=tiny", "model.image_model=efficientnet-lite0"])
     torch.manual_seed(0)
@@ -174,8 +175,8 @@ def test_efficientnet_tower_checkpoints_its_blocks(float64):
     assert counts[0] == 3  # once without checkpointing; forward and recompute with it
 
 
-def test_timm_vit_tower_checkpoints_its_blocks(float64):
-    """A random-initialised timm ViT-Tiny/16 (timm's own set_grad_checkpointing): the same embeddings and
+def test_timm_vit_tower_checkpoints_its_blocks():
+    """A random-initialised timm ViT-Tiny/16 (timm's own set_grad_checkpointing), in float32: the same embeddings and
     gradients; its blocks run twice a step."""
     pytest.importorskip("timm")
     cfg = load_config("clip", sets=["model.text_model=tiny", "model.image_model=timm:vit_tiny_patch16_224"])
@@ -290,3 +291,16 @@ def test_vltrain_run_with_grad_checkpointing_logs_the_same_losses(tmp_path):
     assert len(plain) == 3 and ckpt == plain
     resumed = run(tmp_path / "ckpt", "--steps", "4", "--resume")
     assert len(resumed) == 4
+
+
+def test_a_timm_tower_with_batchnorm_is_refused_in_one_line():
+    """timm recomputes its own blocks, BatchNorm's running statistics included: refused rather than moved twice."""
+    pytest.importorskip("timm")
+    cfg = load_config("clip", sets=["model.text_model=tiny", "model.image_model=timm:resnet18"])
+    model = build_model(cfg.model, pretrained=False).train()
+    with pytest.raises(ValueError, match="BatchNorm") as e:
+        model.set_grad_checkpointing(True)
+    assert "\n" not in str(e.value)
+    frozen = load_config("clip", sets=["model.text_model=tiny", "model.image_model=timm:resnet18",
+                                       "model.freeze_image=true"])
+    build_model(frozen.model, pretrained=False).set_grad_checkpointing(True)  # a frozen tower recomputes nothing
