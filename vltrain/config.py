@@ -71,6 +71,9 @@ class ModelConfig(Section):
     momentum_m: float = 0.995
     queue_size: int = 0  # MoCo queue length Q; 0 = in-batch negatives only
     aligner: bool = False  # TOnICS noun-query aligner head (triplet mode)
+    # Every dropout rate of the model (text encoder, fusion, aligner, image tower) set to this; 0 also turns off
+    # stochastic depth, so a training forward is deterministic. None = each tower's own rates
+    dropout: float | None = None
 
 
 @dataclass
@@ -173,6 +176,8 @@ class TrainConfig(Section):
                                         # has bf16 arithmetic and a quick check finds it faster; else fp32
     accum_steps: int = 1                # K: the towers run on batch_size / K rows at a time (exact: every loss still
                                         # sees the whole batch); 1 = one pass as before
+    grad_checkpointing: bool = False    # recompute the text, fusion, aligner and trained image layers' activations
+                                        # in the backward pass instead of keeping them: less memory, a slower step
 
 
 @dataclass
@@ -388,6 +393,9 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"train.{key} must be one of {', '.join(SWITCHES)}, got {shown(getattr(cfg.train, key))}")
     if cfg.batch_size % cfg.train.accum_steps:
         raise ConfigError(f"train.accum_steps={cfg.train.accum_steps} must divide batch_size={cfg.batch_size}")
+    if cfg.model.dropout is not None and not in_range(cfg.model.dropout, "[0, 1)"):
+        raise ConfigError(f"model.dropout={shown(cfg.model.dropout)} is outside its range [0, 1) (a dropout "
+                          "probability; null = the towers' own rates)")
     if cfg.train.precision not in PRECISIONS:
         raise ConfigError(f"train.precision must be one of {', '.join(PRECISIONS)}, got {shown(cfg.train.precision)}")
     s = cfg.sampler

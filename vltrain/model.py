@@ -16,6 +16,8 @@ from vlprep import cut
 from vlprep.encoders import resolve_device  # noqa: F401  (one device resolver for vlprep and vltrain)
 from vltrain.config import FUSION_FROM, POOLING, TEMP_MAX, TEMP_MIN, ModelConfig
 from vltrain.layers import FusionLayer, NounAligner, bert_init
+from vltrain.recompute import (checkpointed, image_blocks, recomputing, set_dropout, set_image_checkpointing,
+                               set_text_checkpointing)
 
 # Pixel statistics (on [0, 1] inputs) and input size per image encoder, for the data pipeline to match.
 # The EfficientNet-Lite weights are converted from TensorFlow, which normalises Lite models with mean 127 and
@@ -319,6 +321,7 @@ class VLModel(nn.Module):
         self.image_mean, self.image_std, self.image_size = image_stats(cfg)
         self._pixel_encoder = None  # features models: the frozen token encoder, built on first pixel input
         self.unpad_groups = 0  # > 0: text and fusion layers run on length groups (set_unpad); 0: the padded batch
+        self.grad_ckpt = False  # set_grad_checkpointing: layers recompute their activations in backward
 
         self.image_encoder, d_img = _build_image_encoder(cfg, pretrained)
         if cfg.freeze_image:
@@ -385,6 +388,9 @@ class VLModel(nn.Module):
             self.aligner = NounAligner(d_txt, d_img, d["heads"], d["ffn"], d["eps"], d["attn_drop"], d["drop"])
             bert_init(self.aligner, tc.initializer_range)
 
+        if cfg.dropout is not None:  # before the EMA copy, which runs with the same rates
+            set_dropout(self, cfg.dropout)
+
         # The EMA copy is taken from the finished online model, before the queues exist: it holds every module
         # (ALBEF keeps momentum encoders, projections and fusion/MLM), answers the same methods, never trains.
         self.momentum = None
@@ -405,14 +411,28 @@ class VLModel(nn.Module):
             self.image_encoder.eval()
         return self
 
+    def set_grad_checkpointing(self, on: bool) -> None:
+        """Recompute activations in the backward pass (training mode, with gradients) instead of keeping them: the
+        text encoder's and fusion layers', the aligner's, and a trained image tower's blocks. Never the momentum
+        copy (it runs without gradients)."""
+        self.grad_ckpt = on
+        set_text_checkpointing(self.text_encoder, on)
+        if not self.cfg.freeze_image:
+            set_image_checkpointing(self.image_encoder, on)
+
+    def _layer(self, layer: nn.Module, *args, **kwargs):
+        """layer(*args, **kwargs), checkpointed when set_grad_checkpointing is on and this is a training forward."""
+        return checkpointed(layer, *args, **kwargs) if recomputing(self) else layer(*args, **kwargs)
+
     # --- unimodal ---
 
     def encode_image(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Pixels (B, 3, H, W) or feature tokens (B, N, D_in) -> tokens (B, N, D_img), ITC embeds (B, E) L2-normed."""
         if images.dim() == 4 and self.cfg.image_model == "features":
             images = self.pixel_tokens(images)
+        blocks = image_blocks(self.image_encoder) if recomputing(self) and not self.cfg.freeze_image else None
         with torch.no_grad() if self.cfg.freeze_image else contextlib.nullcontext():
-            x = self.image_encoder(images)
+            x = self.image_encoder(images) if blocks is None else blocks(images, checkpointed)
         tokens = x.flatten(2).transpose(1, 2) if x.dim() == 4 else x  # (B, C, h, w) maps -> (B, h*w, C)
         # A CNN has no [CLS]: the global feature is the mean over tokens (a ViT backbone pools its own way).
         pooled = self.image_encoder.pool(tokens) if isinstance(self.image_encoder, Backbone) else tokens.mean(dim=1)
@@ -506,17 +526,17 @@ class VLModel(nn.Module):
                 k = keep[rows, :n]
                 im = image[rows]
                 for layer in self.fusion:
-                    x = layer(x, k, im)
+                    x = self._layer(layer, x, k, im)
                 parts.append(x)
             return regroup(parts, groups, keep.shape[1])
         x = text_hidden
         maps = []
         for layer in self.fusion:
             if return_attn:
-                x, probs = layer(x, keep, image, return_attn=True)
+                x, probs = self._layer(layer, x, keep, image, return_attn=True)
                 maps.append(probs)
             else:
-                x = layer(x, keep, image)
+                x = self._layer(layer, x, keep, image)
         return (x, maps) if return_attn else x
 
     def itm_logits(self, fused: torch.Tensor) -> torch.Tensor:
@@ -533,7 +553,7 @@ class VLModel(nn.Module):
         """TOnICS aligner scores s (Bt, Bi) of noun representations (Bt, D_txt) against image tokens (Bi, N, D_img)."""
         if self.aligner is None:
             raise RuntimeError("this model has no aligner head: build it with ModelConfig(aligner=True)")
-        return self.aligner(nouns, image_tokens)
+        return self._layer(self.aligner, nouns, image_tokens)
 
     # --- momentum copy and queues ---
 

@@ -126,7 +126,8 @@ def seed_everything(seed: int, device: torch.device) -> None:
 
 
 def speed_options(cfg: Config, model, device: torch.device, use_features: bool) -> bool:
-    """Apply train.tf32 / channels_last / unpad / compile; returns whether pixels go channels-last."""
+    """Apply the train.* speed options (tf32, channels_last, unpad, grad_checkpointing, compile); returns whether
+    pixels go channels-last."""
     cuda = device.type == "cuda"
     if cuda:  # TF32: ~10-bit mantissa matmuls on Ampere and later, the usual trade for training speed
         on = cfg.train.tf32 != "off"
@@ -139,6 +140,8 @@ def speed_options(cfg: Config, model, device: torch.device, use_features: bool) 
     # Up to 4 groups: GRIT's and TOnICS' batches (never length-bucketed) and every ITM / MLM pass stop paying for
     # padding; a bucketed batch is one group
     model.set_unpad(4 if cfg.train.unpad else 0)
+    if cfg.train.grad_checkpointing:  # before compile, which traces the checkpointed forward
+        model.set_grad_checkpointing(True)
     if cfg.train.compile:  # in place (nn.Module.compile), so state_dict keys and checkpoints stay the same
         model.image_encoder.compile()
         model.text_encoder.compile()
