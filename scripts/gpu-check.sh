@@ -7,6 +7,7 @@
 #                bf16; then base with train.compile; then the largest batch that fits with and without
 #                gradient checkpointing;
 #   ddp          a one-process torchrun run on NCCL for 20 steps (the DDP path, one GPU);
+#   memory-accum peak memory of a base-size step at train.accum_steps 1, 2, 4 (benchmarks/accum_memory.py);
 #   report       CHECK_DIR/gpu-check.json and gpu-check.md, the table printed at the end.
 # The node needs a Python with torch, torchvision, transformers, timm, typer, pandas, pyarrow, safetensors, rich,
 # matplotlib, tensorboard and pytest; the rest comes from .gpu/ (`bash scripts/gpu-wheels.sh` on a machine with
@@ -46,6 +47,7 @@ if [ "$DRY" = 1 ]; then
   BENCH_EAGER=(--device cpu --size tiny --presets clip,albef --batches 4 --steps 1 --warmup 1)
   BENCH_COMPILE=()
   BENCH_MAX=()
+  MEMORY=()
   DDP_ARGS="--device cpu --batch-size 4 --set model.image_model=tiny --set model.text_model=tiny"
 else
   PY=${PY:-python3}
@@ -59,9 +61,11 @@ else
   export VLTRAIN_REQUIRE_CUDA=1
   DEVICE=cuda
   STEPS=20
-  BENCH_EAGER=(--size small,base --presets clip,albef,grit,softmask --batches 64,128 --steps 10)
-  BENCH_COMPILE=(--size base --presets clip,albef --batches 128 --compile on --steps 10)
+  BENCH_EAGER=(--size small,base --presets clip,albef,grit,softmask --batches 64,128 --steps 6 --warmup 2)
+  BENCH_COMPILE=(--size base --presets clip,albef --batches 128 --compile on --steps 6 --warmup 2)
   BENCH_MAX=(--size base --presets albef --batches 64 --ckpt off,on --max-batch --max-batch-seconds 50)
+  MEMORY=(--device cuda --presets clip,albef --batch 128 --text random:bert-base --image timm:vit_base_patch16_224
+          --image-size 224)
   DDP_ARGS="--device cuda --batch-size 32 --set model.image_model=tiny --set model.text_model=random:minilm"
 fi
 
@@ -107,17 +111,20 @@ ddp_run() {
 
 export -f env_report ddp_run
 export PY CHECK STEPS DDP_ARGS
-step env 60 env_report
-step cuda-tests 120 "$PY" -m pytest -q -p no:cacheprovider -m cuda --junitxml="$CHECK/cuda-tests.xml" $CUDA_TESTS
+step env 40 env_report
+step cuda-tests 110 "$PY" -m pytest -q -p no:cacheprovider -m cuda --junitxml="$CHECK/cuda-tests.xml" $CUDA_TESTS
 # one data folder for the three calls: the shards the benchmark times its setup with are made once
 BENCH=(--json "$CHECK/bench.jsonl" --data-dir "$CHECK/bench-data")
-step bench-eager 150 "$PY" benchmarks/gpu.py "${BENCH_EAGER[@]}" "${BENCH[@]}"
+step bench-eager 130 "$PY" benchmarks/gpu.py "${BENCH_EAGER[@]}" "${BENCH[@]}"
 if [ ${#BENCH_COMPILE[@]} -gt 0 ]; then
-  step bench-compile 90 "$PY" benchmarks/gpu.py "${BENCH_COMPILE[@]}" "${BENCH[@]}"
+  step bench-compile 80 "$PY" benchmarks/gpu.py "${BENCH_COMPILE[@]}" "${BENCH[@]}"
 fi
 if [ ${#BENCH_MAX[@]} -gt 0 ]; then
   step bench-max-batch 70 "$PY" benchmarks/gpu.py "${BENCH_MAX[@]}" "${BENCH[@]}"
 fi
-step ddp 80 ddp_run
+step ddp 60 ddp_run
+if [ ${#MEMORY[@]} -gt 0 ]; then
+  step memory-accum 60 "$PY" benchmarks/accum_memory.py "${MEMORY[@]}"
+fi
 echo "== report"
 "$PY" scripts/gpu_check.py report "$CHECK"
