@@ -228,7 +228,10 @@ def features(
                                                  "at most 2]."),
     workers: Optional[int] = workers_option("1"),
     distributor: str = distributor_option(),
-    device: str = typer.Option("auto", help="auto (CUDA when present, bf16 autocast there), cpu, cuda."),
+    device: str = typer.Option("auto", help="auto (CUDA when present), cpu, cuda."),
+    precision: str = typer.Option("auto", help="auto (bf16 autocast on a CUDA card with native bf16, else float32), "
+                                  "fp32 (float32, TF32 off: a GPU's tokens equal a CPU's within float16 storage "
+                                  "rounding) or bf16 (CUDA only); recorded in meta.json."),
     skip_bad_shards: bool = skip_bad_option(),
     overwrite: bool = typer.Option(False, help="Replace the vlprep files in a non-empty OUT written otherwise."),
 ) -> None:
@@ -240,7 +243,7 @@ def features(
     if dtype not in DTYPES:  # vlprep.features says the same, quoting the whole value
         raise VlprepError(f"--dtype must be float16 or float32, got {cut(repr(dtype))}")
     cfg = FeaturesConfig(src=src, out=out, image_model=image_model, weights=weights, size=size, dtype=dtype,
-                         batch_size=batch_size, device=device, overwrite=overwrite,
+                         batch_size=batch_size, device=device, precision=precision, overwrite=overwrite,
                          skip_bad_shards=skip_bad_shards)
     if decode_threads is not None:
         cfg.decode_threads = decode_threads

@@ -61,6 +61,9 @@ class FeaturesConfig:
     workers: int = 1                          # processes (or Ray actors), each with its own encoder
     distributor: str = "local"                # local | ray (docs/SCALE.md)
     device: str = "auto"
+    # auto: bf16 autocast on a CUDA card with native bf16, float32 elsewhere; fp32: float32 (TF32 off on CUDA, so a
+    # GPU's tokens are a CPU's within float16 storage rounding); bf16: bf16 autocast (CUDA only)
+    precision: str = "auto"
     overwrite: bool = False
     skip_bad_shards: bool = False  # leave out shards whose tar, sidecar and sizes.json disagree (counted)
 
@@ -122,7 +125,45 @@ def _init_worker(image_model: str, weights: Path | None, size: int | None, devic
                    if decode_threads else None, encode_pool=encode_pool, encode_threads=encode_threads)
 
 
-def _encode(enc, device, batch: list, batch_size: int, dtype: np.dtype) -> np.ndarray:
+PRECISIONS = ("auto", "fp32", "bf16")
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """fp32 or bf16: what --precision means on `device` (auto: bf16 only on a CUDA card that computes it natively,
+    where float32 would waste the tensor cores; a CPU or an older card would only emulate it)."""
+    if precision not in PRECISIONS:
+        raise VlprepError(f"--precision must be auto, fp32 or bf16, got {precision!r}")
+    native = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+    if precision == "bf16" and not native:
+        raise VlprepError(f"--precision bf16 needs a CUDA card with native bf16 (compute capability 8.0 or more); "
+                          f"this is {device.type}: use fp32")
+    if precision == "auto":
+        return "bf16" if native else "fp32"
+    return precision
+
+
+@contextlib.contextmanager
+def _numerics(device: torch.device, precision: str):
+    """The encoder call's arithmetic: bf16 autocast, or float32 with TF32 off on CUDA (the process's flags are put
+    back after the call)."""
+    if precision == "bf16":
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            yield
+        return
+    if device.type != "cuda":
+        yield
+        return
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved[0]
+        torch.backends.cudnn.allow_tf32 = saved[1]
+
+
+def _encode(enc, device, batch: list, batch_size: int, dtype: np.dtype, precision: str) -> np.ndarray:
     """[(index, raw, uint8 view)] -> their tokens (len, N, D) in `dtype`, from one call of the fixed shape."""
     spec = enc.spec
     # The views are crops of HWC buffers (ToImage keeps PIL's layout): stacked as (B, S, S, 3) they copy row by row
@@ -132,12 +173,11 @@ def _encode(enc, device, batch: list, batch_size: int, dtype: np.dtype) -> np.nd
     if len(batch) < batch_size:  # the fixed shape: black images fill the shard's last call
         hwc = torch.cat([hwc, hwc.new_zeros(batch_size - len(batch), *hwc.shape[1:])])
     x = normalise(hwc.permute(0, 3, 1, 2), spec["mean"], spec["std"]).to(device, non_blocking=True)
-    with torch.inference_mode(), (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
-                                  else contextlib.nullcontext()):
+    with torch.inference_mode(), _numerics(device, precision):
         return enc(x)[:len(batch)].cpu().numpy().astype(dtype, copy=False)  # (B, N, D)
 
 
-def features_shard(out: Out, src: Path, shard: str, dtype: str, batch_size: int, fp: str) -> dict:
+def features_shard(out: Out, src: Path, shard: str, dtype: str, batch_size: int, precision: str, fp: str) -> dict:
     """Encode one shard's images and write the shard with npy members; returns its stats."""
     enc = _worker["enc"]
     device = _worker["device"]
@@ -165,7 +205,7 @@ def features_shard(out: Out, src: Path, shard: str, dtype: str, batch_size: int,
             else:
                 yield i, raw, view
 
-    calls = _prefetch(encode_pool, lambda batch: (batch, _encode(enc, device, batch, batch_size, dtype)),
+    calls = _prefetch(encode_pool, lambda batch: (batch, _encode(enc, device, batch, batch_size, dtype, precision)),
                       batches(decodable(), batch_size), ahead=2 * _worker["encode_threads"])
     for batch, tokens in calls:
         for (i, raw, _), t in zip(batch, tokens):
@@ -207,14 +247,19 @@ def _features(cfg: FeaturesConfig, progress) -> dict:
     enc = _worker["enc"]
     device = _worker["device"]
     batch_size = cfg.batch_size or default_batch_size(device)
+    precision = resolve_precision(cfg.precision, device)
     spec = {**enc.spec, "dtype": cfg.dtype}
     options = {"image_model": cfg.image_model, "weights": spec["weights"], "size": spec["size"],
                "dtype": cfg.dtype, "batch_size": batch_size, "src": ds.location}
+    if precision != "fp32":  # recorded where it changes the tokens; fp32 keeps the options of earlier runs
+        options["precision"] = precision
     with writing_output(out, "features", options, cfg.overwrite) as out:
         # A shard is redone when its input sidecar or anything that changes the tokens (weights bytes and the call
         # shape included) differs.
-        salt = json.dumps({**spec, "batch_size": batch_size}, sort_keys=True).encode()
-        plan = [Work(s, (ds.source, s, cfg.dtype, batch_size),
+        # (bf16 tokens are other tokens; fp32 keeps the salt of the runs before --precision existed)
+        salt = json.dumps({**spec, "batch_size": batch_size, **({"precision": precision} if precision != "fp32"
+                                                                  else {})}, sort_keys=True).encode()
+        plan = [Work(s, (ds.source, s, cfg.dtype, batch_size, precision),
                      ds.fingerprint(s, salt), ds.sizes[s])
                 for s in ds.shards]
         t_work = time.perf_counter()

@@ -158,11 +158,11 @@ def test_a_run_cut_inside_a_shard_resumes_to_the_same_bytes(raw, packaged, tmp_p
     out, _ = packaged
     real, calls = features_mod._encode, []
 
-    def cut(enc, device, batch, batch_size, dtype):
+    def cut(enc, device, batch, batch_size, dtype, precision):
         calls.append(len(batch))
         if len(calls) == 3:  # shard 0 is 5 samples: calls of 4 and 1 (padded to 4)
             raise KeyboardInterrupt
-        return real(enc, device, batch, batch_size, dtype)
+        return real(enc, device, batch, batch_size, dtype, precision)
 
     monkeypatch.setattr(features_mod, "_encode", cut)
     again = tmp_path / "again"
@@ -175,6 +175,19 @@ def test_a_run_cut_inside_a_shard_resumes_to_the_same_bytes(raw, packaged, tmp_p
     report = run(raw, again, decode_threads=2)
     assert report["shards_resumed"] == 1
     assert dataset_bytes(again) == dataset_bytes(out)
+
+
+def test_auto_precision_on_a_cpu_is_float32_and_leaves_the_recorded_options_as_before(raw, tmp_path):
+    """On a CPU --precision auto is fp32, which the run does not record: its meta.json and bytes are those of a run
+    made before the option existed (an earlier OUT still resumes)."""
+    from vlprep.features import resolve_precision
+
+    assert resolve_precision("auto", torch.device("cpu")) == "fp32"
+    run(raw, tmp_path / "auto")
+    run(raw, tmp_path / "fp32", precision="fp32")
+    metas = [json.loads((tmp_path / d / "meta.json").read_text()) for d in ("auto", "fp32")]
+    assert "precision" not in metas[0]["options"] and metas[0]["options"] == metas[1]["options"]
+    assert dataset_bytes(tmp_path / "auto") == dataset_bytes(tmp_path / "fp32")
 
 
 def test_the_stage_restores_the_callers_torch_threads(raw, tmp_path):
@@ -252,7 +265,9 @@ def test_bad_options_are_one_line_errors(raw, tmp_path):
                     ({"weights": tmp_path / "w.pt"}, "packaged weights"),
                     ({"image_model": "torchvision:swin_t", "weights": raw / "sizes.json"}, "window-attention"),
                     ({"image_model": "torchvision:resnet_nope", "weights": raw / "sizes.json"}, "unknown torchvision"),
-                    ({"device": "tpu"}, "--device")]:
+                    ({"device": "tpu"}, "--device"),
+                    ({"precision": "fp8"}, "^--precision must be auto, fp32 or bf16, got 'fp8'$"),
+                    ({"precision": "bf16", "device": "cpu"}, "^--precision bf16 needs a CUDA card with native bf16")]:
         with pytest.raises(VlprepError, match=msg):
             run(raw, tmp_path / "o", **kw)
     assert not (tmp_path / "o").exists()
