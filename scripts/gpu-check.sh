@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU check: everything this project can only prove on a CUDA device, in one call that fits a short offline GPU
-# slot (about 8 minutes at most, each step under its own time limit, so one that hangs costs only its share):
+# slot (about 7 minutes on an H200, each step under its own time limit, so one that hangs costs only its share):
 #   env          the device, the driver, the Python and its torch, and that vltrain and vlprep import;
 #   cuda-tests   the tests marked `cuda` (they must run: VLTRAIN_REQUIRE_CUDA=1 makes a skip a failure);
 #   bench-*      benchmarks/gpu.py: sizes small and base, presets clip, albef, grit, softmask, batches 64 and 128,
-#                bf16; then base with train.compile; then the largest batch that fits with and without
+#                bf16; then base clip with train.compile; then the largest batch that fits with and without
 #                gradient checkpointing;
 #   ddp          a one-process torchrun run on NCCL for 20 steps (the DDP path, one GPU);
 #   memory-accum peak memory of a base-size step at train.accum_steps 1, 2, 4 (benchmarks/accum_memory.py);
@@ -61,9 +61,12 @@ else
   export VLTRAIN_REQUIRE_CUDA=1
   DEVICE=cuda
   STEPS=20
-  BENCH_EAGER=(--size small,base --presets clip,albef,grit,softmask --batches 64,128 --steps 6 --warmup 2)
-  BENCH_COMPILE=(--size base --presets clip,albef --batches 128 --compile on --steps 6 --warmup 2)
-  BENCH_MAX=(--size base --presets albef --batches 64 --ckpt off,on --max-batch --max-batch-seconds 50)
+  # Sized from the first run on an H200 (2026-11-27): a row takes about 7 s, a compiled base row about 35 s, a
+  # batch-size search to 1024 about 55 s; the whole check about 7 minutes.
+  BENCH_EAGER=(--size small,base --presets clip,albef,grit,softmask --batches 64,128 --steps 5 --warmup 2)
+  BENCH_COMPILE=(--size base --presets clip --batches 128 --compile on --steps 5 --warmup 2)
+  BENCH_MAX=(--size base --presets albef --batches 64 --ckpt off,on --max-batch --max-batch-seconds 40 --steps 3
+             --warmup 1)
   MEMORY=(--device cuda --presets clip,albef --batch 128 --text random:bert-base --image timm:vit_base_patch16_224
           --image-size 224)
   DDP_ARGS="--device cuda --batch-size 32 --set model.image_model=tiny --set model.text_model=random:minilm"
@@ -115,12 +118,12 @@ step env 40 env_report
 step cuda-tests 110 "$PY" -m pytest -q -p no:cacheprovider -m cuda --junitxml="$CHECK/cuda-tests.xml" $CUDA_TESTS
 # one data folder for the three calls: the shards the benchmark times its setup with are made once
 BENCH=(--json "$CHECK/bench.jsonl" --data-dir "$CHECK/bench-data")
-step bench-eager 130 "$PY" benchmarks/gpu.py "${BENCH_EAGER[@]}" "${BENCH[@]}"
+step bench-eager 150 "$PY" benchmarks/gpu.py "${BENCH_EAGER[@]}" "${BENCH[@]}"
 if [ ${#BENCH_COMPILE[@]} -gt 0 ]; then
-  step bench-compile 80 "$PY" benchmarks/gpu.py "${BENCH_COMPILE[@]}" "${BENCH[@]}"
+  step bench-compile 70 "$PY" benchmarks/gpu.py "${BENCH_COMPILE[@]}" "${BENCH[@]}"
 fi
 if [ ${#BENCH_MAX[@]} -gt 0 ]; then
-  step bench-max-batch 70 "$PY" benchmarks/gpu.py "${BENCH_MAX[@]}" "${BENCH[@]}"
+  step bench-max-batch 110 "$PY" benchmarks/gpu.py "${BENCH_MAX[@]}" "${BENCH[@]}"
 fi
 step ddp 60 ddp_run
 if [ ${#MEMORY[@]} -gt 0 ]; then
