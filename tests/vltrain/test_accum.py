@@ -229,9 +229,11 @@ def rows_of(out) -> list[dict]:
     return [{k: v for k, v in r.items() if k.endswith("loss") or k in ("total", "step")} for r in rows if "total" in r]
 
 
-@pytest.mark.parametrize("preset", ["clip", "albef"])
+@pytest.mark.parametrize("preset", ["clip", "albef", "grit", "softmask", "tonics"])
 def test_vltrain_run_with_accum_steps_4_writes_the_metrics_of_accum_steps_1(onto, tmp_path, float64, monkeypatch,
                                                                             preset):
+    """Every preset through `vltrain run` in float64: K = 4 alone, and K = 4 with gradient checkpointing (which
+    recomputes the same operations on the same inputs, so it adds no rounding), log K = 1's losses."""
     def no_dropout(*a, **kw):
         model = build_model(*a, **kw)
         set_dropout(model, 0.0)
@@ -239,20 +241,24 @@ def test_vltrain_run_with_accum_steps_4_writes_the_metrics_of_accum_steps_1(onto
 
     monkeypatch.setattr(session, "build_model", no_dropout)
     outs = {}
-    for k in (1, 4):
-        outs[k] = tmp_path / f"k{k}"
-        sets = [x for s in [*PIN_TINY, *PER_PRESET[preset], f"train.accum_steps={k}", "eval_every=100"]
-                for x in ("--set", s)]
-        r = CliRunner().invoke(app, ["run", str(onto), "--preset", preset, "--out", str(outs[k]), "--batch-size",
-                                     "16", "--steps", "3", "--device", "cpu", *sets])
+    arms = {"k1": ["train.accum_steps=1"], "k4": ["train.accum_steps=4"],
+            "k4-ckpt": ["train.accum_steps=4", "train.grad_checkpointing=true"]}
+    for name, extra in arms.items():
+        outs[name] = tmp_path / name
+        sets = [x for s in [*PIN_TINY, *PER_PRESET[preset], *extra, "eval_every=100"] for x in ("--set", s)]
+        batch = "8" if preset == "tonics" else "16"  # TOnICS' batches are same-object: 8 images of one class
+        r = CliRunner().invoke(app, ["run", str(onto), "--preset", preset, "--out", str(outs[name]), "--batch-size",
+                                     batch, "--steps", "3", "--device", "cpu", *sets])
         assert r.exit_code == 0, r.output
-    want = rows_of(outs[1])
-    got = rows_of(outs[4])
-    assert [r["step"] for r in got] == [1, 2, 3]
-    for a, b in zip(got, want):
-        assert a.keys() == b.keys()
-        for key in b:  # AdamW's eps = 1e-8 amplifies a gradient's float64 rounding: the pinned tests' 1e-9
-            assert a[key] == pytest.approx(b[key], rel=1e-9, abs=1e-12), (a["step"], key)
+    want = rows_of(outs["k1"])
+    for name in ("k4", "k4-ckpt"):
+        got = rows_of(outs[name])
+        assert [r["step"] for r in got] == [1, 2, 3]
+        for a, b in zip(got, want):
+            assert a.keys() == b.keys()
+            for key in b:  # AdamW's eps = 1e-8 amplifies a gradient's float64 rounding: the pinned tests' 1e-9
+                assert a[key] == pytest.approx(b[key], rel=1e-9, abs=1e-12), (name, a["step"], key)
+    assert rows_of(outs["k4-ckpt"]) == rows_of(outs["k4"])  # checkpointing: bit for bit
 
 
 def test_a_grad_scaler_scales_the_phase_2_loss_once(f64, monkeypatch):
