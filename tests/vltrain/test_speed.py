@@ -193,7 +193,10 @@ if sys.argv[1] == "keep":
     assert keep_freed_memory()
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(2):  # a 64 MB tensor made, zeroed and freed, as the word-embedding gradient is every step
+# A 64 MB tensor made, zeroed and freed, as the word-embedding gradient is every step. Warm-up: glibc's bins settle
+# after a few such blocks (the first two may land at different addresses, with the process's small allocations,
+# whose pattern varies with Python's hash seed, between them), and the steady state is what a run lives in.
+for _ in range(6):
     torch.zeros(16 * 2 ** 20).sum()
 before = faults()
 for _ in range(3):
