@@ -144,15 +144,19 @@ def resolve_precision(precision: str, device: torch.device) -> str:
 
 @contextlib.contextmanager
 def _numerics(device: torch.device, precision: str):
-    """The encoder call's arithmetic: bf16 autocast, or float32 with TF32 off on CUDA (the process's flags are put
-    back after the call)."""
+    """The encoder call's arithmetic: bf16 autocast, or float32 (TF32 off on CUDA)."""
     if precision == "bf16":
         with torch.autocast("cuda", dtype=torch.bfloat16):
             yield
         return
-    if device.type != "cuda":
+    with full_float32() if device.type == "cuda" else contextlib.nullcontext():
         yield
-        return
+
+
+@contextlib.contextmanager
+def full_float32():
+    """CUDA's matmuls and convolutions in float32, not TF32 (a 10-bit mantissa), within the block; the process's
+    flags are put back after it."""
     saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

@@ -1,7 +1,6 @@
 """On a CUDA device: tiny-tower runs, the CPU's step numbers, GRIT's batches and vlprep's tokens (marker `cuda`:
 skipped without a device, a failure under VLTRAIN_REQUIRE_CUDA=1)."""
 
-import contextlib
 import io
 import json
 import math
@@ -14,6 +13,7 @@ import torch
 from typer.testing import CliRunner
 
 from tests.conftest import colour_pairs, image_bytes
+from vlprep.features import full_float32
 from vltrain.cli import app
 from vltrain.config_load import load_config
 from vltrain.model import build_model, tokenizer_for
@@ -50,19 +50,6 @@ def test_a_tiny_run_trains_on_cuda(shards, tmp_path, preset, precision, monkeypa
     rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     totals = [row["total"] for row in rows if "total" in row]
     assert len(totals) == 3 and all(math.isfinite(t) for t in totals), rows
-
-
-@contextlib.contextmanager
-def full_float32():
-    """TF32 off for matmuls and convolutions (a 10-bit mantissa would dwarf the rounding the comparison allows)."""
-    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = saved[0]
-        torch.backends.cudnn.allow_tf32 = saved[1]
 
 
 def step_numbers(model, batch: dict, cfg, device: str) -> tuple[dict, dict]:

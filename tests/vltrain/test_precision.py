@@ -11,13 +11,14 @@ import torch
 from typer.testing import CliRunner
 
 from tests.conftest import colour_pairs
-from tests.vltrain.test_train import TINY, losses, run
+from tests.vltrain.test_speed import tiny_albef
+from tests.vltrain.test_train import losses, run
 from vltrain import train as train_mod
 from vltrain.cli import app
 from vltrain.config import ConfigError, ModelConfig, OptimConfig
 from vltrain.config_load import load_config
 from vltrain.errors import TrainError
-from vltrain.model import autocast, bf16_supported, build_model, tokenizer_for
+from vltrain.model import autocast, bf16_supported, build_model
 from vltrain.optim import apply_gradients, build_optimizer, lr_at, optimizer_step
 from vltrain.resume import RunState
 from vltrain.session import resolve_precision
@@ -98,13 +99,7 @@ def test_fp16_on_a_cpu_trains_and_counts_the_steps_its_first_scale_skips(clean):
 def test_losses_stay_float32_under_fp16_autocast():
     """fp16 autocast runs the matmuls in float16; the losses upcast (vltrain.losses.upcast), and parameters, their
     gradients (unscaled by the scaler) and AdamW's moments stay float32."""
-    cfg = load_config(preset="albef", sets=[*TINY, "model.fusion_layers=1", "model.queue_size=8"])
-    torch.manual_seed(0)
-    model = build_model(cfg.model).train()
-    tok = tokenizer_for("tiny")
-    enc = tok([f"a red thing number {i}" for i in range(4)], padding="longest", return_tensors="pt")
-    batch = {"images": torch.randn(4, 3, 32, 32), "input_ids": enc["input_ids"],
-             "attention_mask": enc["attention_mask"], "captions": [f"c{i}" for i in range(4)]}
+    cfg, model, tok, batch = tiny_albef()
     opt, params = build_optimizer(model, cfg.optim, torch.device("cpu"))
     scaler = torch.amp.GradScaler("cpu")
     with autocast(torch.device("cpu"), "fp16"):

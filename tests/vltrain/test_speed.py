@@ -115,21 +115,26 @@ def test_resume_is_exact_with_workers_kept_across_epochs_and_bucketing(varied, t
     assert sorted(part) == list(range(1, 21)) and full == part
 
 
-def test_under_bf16_autocast_the_losses_parameters_and_adamw_state_stay_float32():
-    """train.precision=bf16: matmuls in bf16, while what accumulates (losses, parameters, optimiser moments) is
-    float32. CPU autocast runs anywhere (emulated where the CPU lacks bf16), so this holds on any x86-64 CPU."""
-    from vltrain.config_load import load_config
-    from vltrain.model import autocast, build_model
-    from vltrain.optim import build_optimizer, optimizer_step
-    from vltrain.step import train_step
-
+def tiny_albef(n: int = 4) -> tuple:
+    """(config, model in train mode, tokenizer, a batch of n random 32 px images and captions) for the tiny albef."""
     cfg = load_config(preset="albef", sets=[*TINY, "model.fusion_layers=1", "model.queue_size=8"])
     torch.manual_seed(0)
     model = build_model(cfg.model).train()
     tok = tokenizer_for("tiny")
-    enc = tok([f"a red thing number {i}" for i in range(4)], padding="longest", return_tensors="pt")
-    batch = {"images": torch.randn(4, 3, 32, 32), "input_ids": enc["input_ids"],
-             "attention_mask": enc["attention_mask"], "captions": [f"c{i}" for i in range(4)]}
+    enc = tok([f"a red thing number {i}" for i in range(n)], padding="longest", return_tensors="pt")
+    batch = {"images": torch.randn(n, 3, 32, 32), "input_ids": enc["input_ids"],
+             "attention_mask": enc["attention_mask"], "captions": [f"c{i}" for i in range(n)]}
+    return cfg, model, tok, batch
+
+
+def test_under_bf16_autocast_the_losses_parameters_and_adamw_state_stay_float32():
+    """train.precision=bf16: matmuls in bf16, while what accumulates (losses, parameters, optimiser moments) is
+    float32. CPU autocast runs anywhere (emulated where the CPU lacks bf16), so this holds on any x86-64 CPU."""
+    from vltrain.model import autocast
+    from vltrain.optim import build_optimizer, optimizer_step
+    from vltrain.step import train_step
+
+    cfg, model, tok, batch = tiny_albef()
     opt, params = build_optimizer(model, cfg.optim, torch.device("cpu"))
     with autocast(torch.device("cpu"), "bf16"):
         losses = train_step(model, batch, cfg.loss, torch.Generator().manual_seed(0), tok, 0.4)
