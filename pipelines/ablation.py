@@ -446,8 +446,11 @@ def near_chance(metric: str, rows: list[dict]) -> bool:
             return r.get("zeroshot_chance")
         return None if r.get("chance_r1") is None else r["chance_r1"] * CHANCE_UNITS[metric]
 
+    def scored(r: dict) -> bool:  # a NaN score (a metric that failed) says nothing about the floor
+        return r.get(metric) is not None and math.isfinite(r[metric]) and chance(r) is not None
+
     for arm in dict.fromkeys(r["arm"] for r in rows):
-        mine = [r for r in rows if r["arm"] == arm and r.get(metric) is not None and chance(r) is not None]
+        mine = [r for r in rows if r["arm"] == arm and scored(r)]
         if not mine or statistics.mean(r[metric] for r in mine) >= NEAR_CHANCE * statistics.mean(map(chance, mine)):
             return False
     return True

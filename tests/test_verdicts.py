@@ -173,3 +173,16 @@ def test_mechanisms_rescore_judges_the_stored_rows_again_and_writes_the_table_be
     assert again["findings"] == mechanisms.judge(rows, ["grit"]) and again["rows"] == rows
     assert again["checks"] == meta["checks"] and "agrees" in (tmp_path / "mechanisms.md").read_text()
     assert mechanisms.main(["--rescore", str(tmp_path / "missing.json")]) == 2
+
+
+def test_near_chance_reads_a_nan_score_as_no_score():
+    """An arm whose seeds scored NaN (a failed metric) is not on the metric's floor: its mean would be NaN, and NaN
+    compares false with everything, which used to read as "under 3x chance"."""
+    import ablation
+
+    low = [{"arm": a, "seed": s, "i2t_r1": 2.0, "chance_r1": 1.0} for a in ("base", "new") for s in (1, 2)]
+    assert ablation.near_chance("i2t_r1", low)
+    nan = [{**r, "i2t_r1": math.nan} if r["arm"] == "new" else r for r in low]
+    assert not ablation.near_chance("i2t_r1", nan)
+    one = [{**r, "i2t_r1": math.nan} if (r["arm"], r["seed"]) == ("new", 1) else r for r in low]
+    assert ablation.near_chance("i2t_r1", one)  # the other seed still scores, under 3x chance
