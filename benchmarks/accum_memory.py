@@ -17,9 +17,13 @@ the measured step on every side). The image and text towers are random-initialis
 import argparse
 import copy
 import functools
+import sys
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import peak_bytes  # noqa: E402
 from vltrain.accum import AccumStep
 from vltrain.config_load import load_config
 from vltrain.model import build_model, build_tokenizer
@@ -47,29 +51,6 @@ def one_step(model, cfg, batch: dict, k: int, optimizer, params) -> None:
     enqueue = losses.pop("queue_feats")
     update = optimizer_step if k == 1 else step.optimizer_step
     update(model, optimizer, params, losses["total"], cfg.optim.grad_clip, enqueue)
-
-
-def peak_bytes(fn, device: torch.device) -> int:
-    """The most bytes live at once during fn() above those live when it began (see the module docstring)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        start = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        fn()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - start
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
-    live = 0
-    peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return peak
 
 
 def main() -> None:

@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import peak_bytes  # noqa: E402
 from vltrain.config_load import load_config  # noqa: E402
 from vltrain.model import build_model, build_tokenizer  # noqa: E402
 from vltrain.step import train_step  # noqa: E402
@@ -53,27 +55,10 @@ def one_step(model, cfg, batch: dict) -> None:
         torch.cuda.synchronize()
 
 
-def peak_bytes(model, cfg, batch: dict) -> int:
+def step_peak(model, cfg, batch: dict) -> int:
     """The step's peak of allocated bytes above what was allocated before it (see the module docstring)."""
-    device = batch["images"].device
-    if device.type == "cuda":
-        model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        one_step(model, cfg, batch)
-        return torch.cuda.max_memory_allocated() - before
     model.zero_grad(set_to_none=True)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        one_step(model, cfg, batch)
-    # every allocation (+bytes) and free (-bytes) the profiler saw, each with its time
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    total = 0
-    peak = 0
-    for _, delta in events:
-        total += delta
-        peak = max(peak, total)
-    return peak
+    return peak_bytes(lambda: one_step(model, cfg, batch), batch["images"].device)
 
 
 def step_time(model, cfg, batch: dict, on: bool) -> float:
@@ -94,7 +79,7 @@ def measure(preset: str, args, device: torch.device) -> dict:
     for on in (False, True):
         model.set_grad_checkpointing(on)
         one_step(model, cfg, batch)  # untimed: allocator and kernels warm
-        peaks[on] = peak_bytes(model, cfg, batch)
+        peaks[on] = step_peak(model, cfg, batch)
     times = {False: [], True: []}
     for _ in range(args.reps):
         for on in (False, True):

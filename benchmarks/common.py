@@ -222,3 +222,31 @@ def print_table_ms(rows: list[dict], candidate: str = "candidate") -> None:
         target = f"<= {r['target']}x" if r["target"] is not None else "-"
         print(f"{r['name']:<34} {r['base'] * 1e3:>11.2f} {r['cand'] * 1e3:>13.2f} {r['ratio']:>6.2f}x "
               f"{r['cpu_ratio']:>8.2f}x {target:>8}  {r['result']}{'  (' + r['note'] + ')' if r['note'] else ''}")
+
+
+def peak_bytes(fn, device) -> int:
+    """The most bytes torch holds at once during fn() above what it held when fn began: on CUDA the caching
+    allocator's own count (max_memory_allocated less memory_allocated at the start); on a CPU the running sum, in
+    time order, of every allocation (+bytes) and free (-bytes) torch.profiler records with profile_memory=True.
+    Memory outside torch's allocator (Python objects, a tokenizer) is not counted on either device."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - start
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    live = 0
+    peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak

@@ -45,6 +45,15 @@ def test_leaves_no_trace(request):
     yield from guard(request.node.nodeid)
 
 
+@pytest.fixture
+def default_float64():
+    """torch's default dtype float64 for the test (models and tensors built in it), the caller's back after."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(before)
+
+
 COLOURS = ["red", "green", "blue", "yellow", "purple", "orange"]
 THINGS = ["dog", "cat", "car", "boat", "tree", "house", "bird", "kite"]
 

@@ -340,8 +340,7 @@ def setup(cfg: Config, resume: bool = False, overwrite: bool = False, init_from=
         set_rng_states(rng, generator)
         began = f"; the run began from --init-from {init['path']}" if init else ""
         console.print(f"resumed from step {state.step} of {cfg.steps} ({run.last_path}){began}", highlight=False)
-    console.print(summary(cfg, model, device, data.n_train, data.n_val, data.per_epoch, size, (precision, why),
-                          created_group or size > 1),
+    console.print(summary(cfg, model, device, data.n_train, data.n_val, data.per_epoch, size, (precision, why), ddp),
                   highlight=False, markup=False)
     return Session(cfg=cfg, out=out, device=device, rank=rank, size=size, created_group=created_group, data=data,
                    data_sig=data_sig, model=model, step_fn=step_fn, optimizer=optimizer, params=params,

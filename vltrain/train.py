@@ -54,6 +54,7 @@ def loop(s: Session, report: RunLog) -> None:
     last_save = time.monotonic()
     start = state.step
     in_a_row = 0  # fp16 steps skipped for inf / NaN gradients since the last applied one
+    update = optimizer_step if cfg.train.accum_steps == 1 else s.step_fn.optimizer_step  # AccumStep's phases 2, 3
     while state.step < cfg.steps:
         batch, fault = s.feed.next(state)
         # One all-reduce under torchrun (the identity in one process): every rank stops or saves together.
@@ -77,7 +78,6 @@ def loop(s: Session, report: RunLog) -> None:
             losses = s.step_fn(batch, cfg.loss, s.generator, data.tokenizer, alpha)
         queue_feats = losses.pop("queue_feats")
         losses_f = _finite(losses, state.step, run)
-        update = optimizer_step if cfg.train.accum_steps == 1 else s.step_fn.optimizer_step  # AccumStep's phases 2, 3
         stepped = update(s.model, s.optimizer, s.params, losses["total"], cfg.optim.grad_clip, queue_feats, s.scaler)
         if isinstance(data.sampler, GritSampler):  # phase 1: this step's ITC features, no extra forward pass
             data.sampler.collect(gather(batch["index"], False)[1], *queue_feats)  # the global batch, rank order

@@ -62,14 +62,6 @@ def batch_for(cfg) -> dict:
     return batch
 
 
-@pytest.fixture
-def f64():
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(before)
-
-
 def one_step(model, cfg, batch, k: int, seed: int = 1) -> tuple[dict, dict, torch.Generator]:
     """One optimiser step with K = k (grad_clip 0, so the .grad left behind is the raw gradient): (losses as
     floats, every parameter's gradient, the generator after)."""
@@ -118,12 +110,18 @@ def chunked_with_grad(real, k: int, *args):
     return tuple(torch.cat(p) for p in zip(*parts))
 
 
-@pytest.mark.parametrize("preset", PRESETS)
-def test_k_chunks_give_the_losses_gradients_and_draws_of_one_batch(f64, preset):
-    cfg = cfg_for(preset)
+def seeded_model(cfg, dropout: float):
+    """The config's model built from seed 0, in train mode, every dropout rate at `dropout`."""
     torch.manual_seed(0)
     model = build_model(cfg.model).train()
-    set_dropout(model, 0.0)
+    set_dropout(model, dropout)
+    return model
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_k_chunks_give_the_losses_gradients_and_draws_of_one_batch(default_float64, preset):
+    cfg = cfg_for(preset)
+    model = seeded_model(cfg, 0.0)
     batch = batch_for(cfg)
     models = {k: copy.deepcopy(model) for k in (1, 2, 4)}
     want, want_grads, want_gen = one_step(models[1], cfg, batch, 1)
@@ -147,11 +145,9 @@ def test_k_chunks_give_the_losses_gradients_and_draws_of_one_batch(f64, preset):
             assert torch.allclose(a.double(), b.double(), rtol=0, atol=atol), (k, n)
 
 
-def test_unpadded_length_groups_and_channels_last_still_match(f64):
+def test_unpadded_length_groups_and_channels_last_still_match(default_float64):
     cfg = cfg_for("albef")
-    torch.manual_seed(0)
-    model = build_model(cfg.model).train()
-    set_dropout(model, 0.0)
+    model = seeded_model(cfg, 0.0)
     model.set_unpad(4)
     model.image_encoder.to(memory_format=torch.channels_last)
     batch = batch_for(cfg)
@@ -165,11 +161,9 @@ def test_unpadded_length_groups_and_channels_last_still_match(f64):
 
 
 @pytest.mark.parametrize("preset", ["albef", "softmask"])
-def test_with_dropout_the_recompute_replays_each_chunks_masks(f64, preset):
+def test_with_dropout_the_recompute_replays_each_chunks_masks(default_float64, preset):
     cfg = cfg_for(preset)
-    torch.manual_seed(0)
-    model = build_model(cfg.model).train()
-    set_dropout(model, 0.1)
+    model = seeded_model(cfg, 0.1)
     batch = batch_for(cfg)
     want_total, want = reference_grads(model, cfg, batch, 2)
     got, got_grads, _ = one_step(model, cfg, batch, 2)
@@ -181,11 +175,9 @@ def test_with_dropout_the_recompute_replays_each_chunks_masks(f64, preset):
     assert float(plain["total"].detach()) != pytest.approx(want_total, rel=1e-6)
 
 
-def test_queue_and_momentum_advance_once_per_optimiser_step(f64):
+def test_queue_and_momentum_advance_once_per_optimiser_step(default_float64):
     cfg = cfg_for("albef")
-    torch.manual_seed(0)
-    model = build_model(cfg.model).train()
-    set_dropout(model, 0.0)
+    model = seeded_model(cfg, 0.0)
     assert cfg.model.queue_size == 16 and int(model.queue_ptr) == 0
     before = {n: p.clone() for n, p in model.momentum.named_parameters()}
     optimizer, params = build_optimizer(model, cfg.optim, torch.device("cpu"))
@@ -201,7 +193,7 @@ def test_queue_and_momentum_advance_once_per_optimiser_step(f64):
         assert torch.allclose(mom, want, rtol=0, atol=1e-14), name
 
 
-def test_the_step_object_keeps_no_tower_patch_and_resumes_the_dropout_stream(f64):
+def test_the_step_object_keeps_no_tower_patch_and_resumes_the_dropout_stream(default_float64):
     cfg = cfg_for("clip")
     torch.manual_seed(0)
     model = build_model(cfg.model).train()
@@ -261,13 +253,11 @@ def test_vltrain_run_with_accum_steps_4_writes_the_metrics_of_accum_steps_1(onto
     assert rows_of(outs["k4-ckpt"]) == rows_of(outs["k4"])  # checkpointing: bit for bit
 
 
-def test_a_grad_scaler_scales_the_phase_2_loss_once(f64, monkeypatch):
+def test_a_grad_scaler_scales_the_phase_2_loss_once(default_float64, monkeypatch):
     """fp16's GradScaler: phase 2 backpropagates scale * loss, so every gradient (the heads' from phase 2, the towers'
     from the replay of the scaled leaf gradients) is scale times K = 1's; a power of two scales exactly."""
     cfg = cfg_for("albef")
-    torch.manual_seed(0)
-    model = build_model(cfg.model).train()
-    set_dropout(model, 0.0)
+    model = seeded_model(cfg, 0.0)
     batch = batch_for(cfg)
     _, want, _ = one_step(copy.deepcopy(model), cfg, batch, 1)
     scaled = copy.deepcopy(model)
@@ -288,7 +278,7 @@ def test_a_grad_scaler_scales_the_phase_2_loss_once(f64, monkeypatch):
     assert_same_grads(seen, want)
 
 
-def test_batchnorm_statistics_count_each_chunk_once_not_again_in_the_replay(f64):
+def test_batchnorm_statistics_count_each_chunk_once_not_again_in_the_replay(default_float64):
     """A trained image tower with BatchNorm: its running statistics are those of phase 1's K chunks (the replay
     restores them), i.e. of the tower run on each chunk in turn."""
     cfg = cfg_for("clip")

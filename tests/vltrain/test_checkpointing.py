@@ -27,14 +27,6 @@ TINY = ["model.text_model=tiny", "model.image_model=tiny", "model.embed_dim=16",
 CAPTIONS = [f"a photo of thing {i}" + (" with a long tail of many more words" * 3 if i % 2 else "") for i in range(24)]
 
 
-@pytest.fixture
-def float64():
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(before)
-
-
 def cfg_for(preset: str, *sets: str):
     fusion = ["model.fusion_layers=1"] if load_config(preset).model.fusion_layers else []  # the tiny BERT: 1 + 1
     return load_config(preset, sets=[*TINY, *fusion, *sets])
@@ -62,7 +54,7 @@ def step_with(model, cfg, batch, on: bool) -> tuple[dict, dict]:
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 @pytest.mark.parametrize("preset", ["clip", "albef", "grit", "softmask", "tonics"])
-def test_checkpointing_gives_the_same_losses_and_gradients(float64, preset, dropout):
+def test_checkpointing_gives_the_same_losses_and_gradients(default_float64, preset, dropout):
     """float64, training mode: with dropout off, and on (the recompute replays the RNG state, so it draws the masks
     of the first forward). Every loss and every gradient equal, exactly (see the module docstring)."""
     cfg = cfg_for(preset, f"model.dropout={dropout}")
@@ -188,7 +180,7 @@ def test_timm_vit_tower_checkpoints_its_blocks():
     assert counts[0] == 3
 
 
-def test_torchvision_vit_blocks_compute_its_forward(float64):
+def test_torchvision_vit_blocks_compute_its_forward(default_float64):
     """The torchvision ViT's block-by-block forward (what checkpointing runs) is its own forward, value and
     gradient; a torchvision CNN trunk (a Sequential with BatchNorm) keeps its running statistics."""
     from torchvision.models import VisionTransformer, resnet18
