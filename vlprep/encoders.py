@@ -354,11 +354,13 @@ def features_spec(folder: str | os.PathLike) -> dict | None:
 # --- pixels ------------------------------------------------------------------------------------------------
 
 
-def eval_transform(size: int, mean, std):
-    """RGB PIL image -> (3, S, S) float32: shorter side resized to S, centre crop, normalised."""
+def eval_transform(size: int, mean, std, interpolation: str = "bilinear"):
+    """RGB PIL image -> (3, S, S) float32: shorter side resized to S (antialiased; bilinear, or a CLIP tower's
+    bicubic), centre crop, normalised."""
     from torchvision.transforms import v2
 
-    return v2.Compose([v2.ToImage(), v2.Resize(size, antialias=True), v2.CenterCrop(size),
+    how = v2.InterpolationMode(interpolation)
+    return v2.Compose([v2.ToImage(), v2.Resize(size, antialias=True, interpolation=how), v2.CenterCrop(size),
                        v2.ToDtype(torch.float32, scale=True), v2.Normalize(list(mean), list(std))])
 
 

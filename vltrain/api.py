@@ -22,12 +22,13 @@ from PIL import Image
 
 from vlprep import VlprepError, cut
 from vlprep.encoders import eval_transform
+from vltrain import hfclip
 from vltrain.checkpoint import load as load_file
 from vltrain.checkpoint import model_from
 from vltrain.config import Config
 from vltrain.config_load import from_dict
 from vltrain.losses import upcast
-from vltrain.model import autocast, resolve_device, tokenizer_for
+from vltrain.model import autocast, image_interpolation, resolve_device, tokenizer_for
 from vltrain.zeroshot import DEFAULT_TEMPLATES, check_templates, class_embeddings, read_image
 
 IMAGE_BATCH = 32
@@ -38,7 +39,7 @@ def pixel_transform(net, image_size: int):
     """The deterministic eval transform for a model's pixels (shorter side to S, centre crop S x S, normalise with
     the encoder's statistics); a model trained on cached tokens uses its frozen encoder's size."""
     size = net.image_size if net.cfg.image_model == "features" else image_size
-    return eval_transform(size, net.image_mean, net.image_std)
+    return eval_transform(size, net.image_mean, net.image_std, image_interpolation(net.cfg))
 
 
 def to_pil(image) -> Image.Image:
@@ -65,9 +66,10 @@ class Model:
     `net` is the underlying VLModel (eval mode, on `device`), `config` its vltrain Config, `transform` the eval
     transform (PIL image -> normalised float tensor (3, S, S)), `tokenizer` the Hugging Face tokenizer."""
 
-    def __init__(self, net, config: Config, path: Path, device: torch.device, step: int | None = None):
+    def __init__(self, net, config: Config, path: Path, device: torch.device, step: int | None = None,
+                 tokenizer=None):
         self.net, self.config, self.path, self.device, self.step = net, config, path, device, step
-        self.tokenizer = tokenizer_for(net.cfg.text_model)
+        self.tokenizer = tokenizer or tokenizer_for(net.cfg.text_model)
         self.max_len = config.data.max_len
         self.transform = pixel_transform(net, config.data.image_size) if net.image_mean is not None else None
 
@@ -198,4 +200,9 @@ def load(path, device: str = "auto") -> Model:
         raise ValueError(str(e).replace("--device", "device", 1)) from None
     ckpt = load_file(path)
     net = model_from(ckpt, path).to(dev).eval()
-    return Model(net, from_dict(ckpt["config"]), path, dev, ckpt.get("step"))
+    tokenizer = None
+    if ckpt.get("tokenizer") and hfclip.is_clip(net.cfg.text_model):  # the export's copy: the CLIP folder may be gone
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(ckpt["tokenizer"], local_files_only=True)
+    return Model(net, from_dict(ckpt["config"]), path, dev, ckpt.get("step"), tokenizer)

@@ -136,7 +136,10 @@ def run(
                                          "short or, at a URL, cannot be read after the retries, instead of stopping "
                                          "(data.skip_bad_shards)."),
     init_from: Optional[Path] = typer.Option(None, "--init-from", help="Start a new run from trained weights: a "
-                                             "checkpoint (last.pt, best.pt) or a `vltrain export` folder. Weights "
+                                             "checkpoint (last.pt, best.pt), a `vltrain export` folder, or "
+                                             "clip:PATH, a pretrained Hugging Face CLIPModel folder (its towers, "
+                                             "projections and temperature; clip:hf-hub:ORG/NAME downloads one). "
+                                             "Weights "
                                              "only: fresh optimiser, schedule and step 0; --preset and --set decide "
                                              "the architecture, tensors are matched by name (those the model adds "
                                              "start as built, the momentum copy as the loaded online weights; those "
@@ -300,6 +303,10 @@ def export_(
                               "needs the \\[onnx] extra)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Write into a non-empty OUT that is not an export "
                                    "(only the export's files are replaced)."),
+    fmt: str = typer.Option("vltrain", "--format", help="vltrain (the layout above), or hf: a transformers CLIPModel "
+                            "(VisionTextDualEncoderModel for CLIP towers of two sources) with its tokenizer and image "
+                            "processor, loadable without vltrain, the fusion/ITM/MLM heads in "
+                            "vltrain_heads.safetensors; hf needs CLIP towers (a run from --init-from clip:PATH)."),
 ) -> None:
     """A trained model as a folder to ship: the weights inference needs as safetensors (no optimiser, RNG, momentum
     copy or queues), config.json with preprocessing, provenance and eval numbers, the tokenizer and a README;
@@ -307,7 +314,7 @@ def export_(
     from vltrain.export import export
 
     with user_errors(), writing(out):  # OUT below a file, read-only or on a full disk: one line
-        info = export(checkpoint, out, onnx=onnx, overwrite=overwrite)
+        info = export(checkpoint, out, onnx=onnx, overwrite=overwrite, fmt=fmt)
     for warning in info.get("warnings", []):
         console.print(f"warning: {warning}", style="yellow", highlight=False, markup=False)
     dropped = (f"; left out {len(info['dropped'])} training-only tensors (momentum copy, queues)"

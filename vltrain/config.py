@@ -20,7 +20,7 @@ class ConfigError(ValueError):
 
 TEMP_MIN = 0.001  # ALBEF's clamp on the learnable ITC temperature
 TEMP_MAX = 0.5
-FUSION_FROM = ("copy", "split")
+FUSION_FROM = ("copy", "split", "new")
 POOLING = ("cls", "mean")
 
 class Section:
@@ -48,10 +48,11 @@ class ModelConfig(Section):
     """Model architecture; the names map onto `--set model.KEY=VALUE`."""
 
     # "minilm" (packaged all-MiniLM-L6-v2), "tiny" (random 2x32 BERT), "random:minilm" / "random:bert-base" (those
-    # shapes, random init) or a local HF dir
+    # shapes, random init), a local HF dir, or "clip:PATH" (the text tower of a local CLIPModel folder)
     text_model: str = "minilm"
-    # "efficientnet-lite0" (packaged), "tiny" (random CNN), "features" (cached tokens), or a backbone by name:
-    # "torchvision:ARCH" / "timm:NAME" (CNNs and ViTs), weights from `image_weights` (a local state dict)
+    # "efficientnet-lite0" (packaged), "tiny" (random CNN), "features" (cached tokens), a backbone by name:
+    # "torchvision:ARCH" / "timm:NAME" (CNNs and ViTs), weights from `image_weights` (a local state dict), or
+    # "clip:PATH" (the vision tower of a local CLIPModel folder)
     image_model: str = "efficientnet-lite0"
     image_weights: str = ""  # torchvision:/timm: backbones: torch.save(model.state_dict(), PATH); "" = random init
     feature_dim: int = 2048  # D_in of precomputed tokens when image_model == "features"
@@ -61,7 +62,8 @@ class ModelConfig(Section):
     embed_dim: int = 256  # ITC projection size
     fusion_layers: int = 2  # N; 0 = no fusion encoder and no ITM/MLM heads (CLIP-style dual encoder)
     # Where the N fusion layers come from: "copy" = self-attention + FFN copied from the text encoder's last N
-    # layers, which it keeps (all L); "split" = ALBEF's layout: text encoder = first L - N layers, fusion = last N.
+    # layers, which it keeps (all L); "split" = ALBEF's layout: text encoder = first L - N layers, fusion = last N;
+    # "new" = N fresh layers of the text width (what a CLIP text tower gets: its causal layers are no donors)
     fusion_from: str = "copy"
     freeze_image: bool = False
     temp: float = 0.07  # initial ITC temperature
@@ -74,6 +76,9 @@ class ModelConfig(Section):
     # Every dropout rate of the model (text encoder, fusion, aligner, image tower) set to this; 0 also turns off
     # stochastic depth, so a training forward is deterministic. None = each tower's own rates
     dropout: float | None = None
+    # clip: towers: {"text": ..., "image": ...}, each the tower's source, transformers config, projection width and
+    # preprocessing, filled in when a run resolves its config, so that a checkpoint rebuilds them without the folder
+    towers: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -9,8 +9,9 @@ from torch import nn
 from vlprep.urls import redact
 from vltrain.checkpoint import load, model_from
 from vltrain.errors import TrainError
-from vltrain.exportfmt import (CONFIG, EXPORT_DROPS, IMAGE_ONNX, README, TEXT_ONNX, TOKENIZER, WEIGHTS, export_config,
-                               prepare_out, write_config, write_weights)
+from vltrain.export_hf import HF_FORMATS, check_hf, hf_meta, hf_readme, write_hf, write_meta
+from vltrain.exportfmt import (CONFIG, EXPORT_DROPS, HEADS, IMAGE_ONNX, META, README, TEXT_ONNX, TOKENIZER, WEIGHTS,
+                               export_config, prepare_out, write_config, write_weights)
 from vltrain.model import tokenizer_for
 
 # `vltrain.load(OUT)` and every command that takes a checkpoint read the folder (vltrain.checkpoint.load).
@@ -20,8 +21,10 @@ ONNX_OPSET = 17  # LayerNormalization is one ONNX op from opset 17
 ONNX_TOLERANCE = 1e-4  # max abs difference of the ONNX embeddings from torch's that the export accepts
 
 
-def export(checkpoint, out, onnx: bool = False, overwrite: bool = False) -> dict:
-    """Write the export of `checkpoint` (a `vltrain run` checkpoint, or an export) into the folder `out`.
+def export(checkpoint, out, onnx: bool = False, overwrite: bool = False, fmt: str = "vltrain") -> dict:
+    """Write the export of `checkpoint` (a `vltrain run` checkpoint, or an export) into the folder `out`: in vltrain's
+    layout (fmt "vltrain"), or as transformers' CLIPModel / VisionTextDualEncoderModel with vltrain's other heads
+    beside it (fmt "hf", vltrain.export_hf).
 
     Refuses a non-empty `out` that holds anything but a previous export unless `overwrite` (which replaces only an
     export's files, EXPORT_FILES). Returns {"out", "files", "dropped": the state-dict names left out, "onnx"}."""
@@ -32,12 +35,20 @@ def export(checkpoint, out, onnx: bool = False, overwrite: bool = False) -> dict
     dropped = sorted(set(ckpt["model"]) - set(kept))
     # The model an export rebuilds (no EMA copy, no queues), with the checkpoint's weights checked by name and shape.
     net = model_from({**ckpt, "model": kept, "export": True}, checkpoint).eval()
-    tokenizer = tokenizer_for(net.cfg.text_model)
+    tokenizer = export_tokenizer(ckpt, net)
     onnx_info = None
+    if fmt not in HF_FORMATS:
+        raise TrainError(f"--format must be one of {', '.join(HF_FORMATS)}, got {fmt!r}"[:160])
+    if fmt == "hf":
+        check_hf(net)  # before OUT is touched: a model transformers cannot hold is one line, OUT as it was
 
     prepare_out(out, overwrite)
-    tied = write_weights(net, out)
-    tokenizer.save_pretrained(str(out / TOKENIZER))
+    if fmt == "hf":
+        hf = write_hf(net, tokenizer, out)
+        tied = hf["tied"]
+    else:
+        tied = write_weights(net, out)
+        tokenizer.save_pretrained(str(out / TOKENIZER))
     warnings_ = []
     if onnx:
         onnx_info = write_onnx(net, ckpt["config"], tokenizer, out)
@@ -45,10 +56,26 @@ def export(checkpoint, out, onnx: bool = False, overwrite: bool = False) -> dict
             onnx_info["itc_trained"] = False
             warnings_.append(UNTRAINED_ITC)
     meta = export_config(ckpt, checkpoint, net, tied, dropped, onnx_info)
-    (out / README).write_text(readme(meta, out), encoding="utf-8")
-    write_config(meta, out)  # last: from now on the folder is a complete export
-    files = [WEIGHTS, CONFIG, TOKENIZER + "/", README] + ([IMAGE_ONNX, TEXT_ONNX] if onnx else [])
+    if fmt == "hf":
+        meta = hf_meta(meta, hf)
+        (out / README).write_text(hf_readme(readme(meta, out), meta, out), encoding="utf-8")
+        write_meta(meta, out)  # last: from now on the folder is a complete export
+        files = [CONFIG, WEIGHTS, HEADS, META, "tokenizer and image processor files", README]
+    else:
+        (out / README).write_text(readme(meta, out), encoding="utf-8")
+        write_config(meta, out)  # last: from now on the folder is a complete export
+        files = [WEIGHTS, CONFIG, TOKENIZER + "/", README]
+    files += [IMAGE_ONNX, TEXT_ONNX] if onnx else []
     return {"out": str(out), "files": files, "dropped": dropped, "onnx": onnx_info, "warnings": warnings_}
+
+
+def export_tokenizer(ckpt: dict, net):
+    """The tokenizer an export ships: the one of the export being re-exported, else the text model's."""
+    from transformers import AutoTokenizer
+
+    if ckpt.get("tokenizer"):
+        return AutoTokenizer.from_pretrained(ckpt["tokenizer"], local_files_only=True)
+    return tokenizer_for(net.cfg.text_model)
 
 
 UNTRAINED_ITC = ("the ONNX graphs hold the ITC towers (image_proj, text_proj), and this model was trained with "

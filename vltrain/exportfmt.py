@@ -10,6 +10,7 @@ from safetensors.torch import load_file as load_safetensors
 from safetensors.torch import save_file
 
 from vlprep.urls import redact
+from vltrain import hfclip
 from vltrain.errors import CheckpointError, TrainError, check_version
 
 # An export holds model.safetensors (the weights inference reads: no optimiser state, RNG states, EMA copy
@@ -23,9 +24,17 @@ TOKENIZER = "tokenizer"
 README = "README.md"
 IMAGE_ONNX = "image_encoder.onnx"
 TEXT_ONNX = "text_encoder.onnx"
+# `--format hf` (vltrain.export_hf): config.json and model.safetensors are transformers', the tokenizer and image
+# processor files lie at the top, the tensors no transformers class holds are in HEADS, and META is the export's own
+# record (what config.json is in the vltrain layout), written last.
+HEADS = "vltrain_heads.safetensors"
+META = "vltrain.json"
+HF_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+            "added_tokens.json", "preprocessor_config.json", "processor_config.json", "generation_config.json")
 
 # Every name an export writes (config.json's temporary file included): all that exporting again replaces.
-EXPORT_FILES = (CONFIG, CONFIG + ".tmp", WEIGHTS, TOKENIZER, README, IMAGE_ONNX, TEXT_ONNX)
+EXPORT_FILES = (CONFIG, CONFIG + ".tmp", WEIGHTS, TOKENIZER, README, IMAGE_ONNX, TEXT_ONNX, META, META + ".tmp",
+                HEADS) + HF_FILES
 # What `vltrain eval EXPORT` writes into an export by default: still an export, and its scores go with its weights,
 # so exporting again over a previous export removes it (it scored the weights replaced).
 EVAL = "eval.json"
@@ -44,7 +53,7 @@ EXPORT_MODEL = {"momentum": False, "queue_size": 0}
 def is_export(path: Path) -> bool:
     """Whether a folder is, or claims to be, a `vltrain export` (perhaps unfinished or damaged, which read_export
     says): it holds model.safetensors or config.json. Other folders keep load's "a folder, not a checkpoint"."""
-    return (path / CONFIG).is_file() or (path / WEIGHTS).is_file()
+    return (path / CONFIG).is_file() or (path / WEIGHTS).is_file() or (path / META).is_file()
 
 
 def untie(state: dict) -> tuple[dict, dict]:
@@ -68,7 +77,8 @@ def read_export(path, what: str = "export") -> dict:
     read with json and safetensors only: no unpickler, so nothing in the folder can run code. model_from rebuilds
     it (without EXPORT_DROPS). A missing, truncated or foreign config.json or model.safetensors is one line."""
     path = Path(path)
-    meta_path = path / CONFIG
+    hf = (path / META).is_file()  # --format hf: config.json is transformers', vltrain.json the export's record
+    meta_path = path / (META if hf else CONFIG)
     weights_path = path / WEIGHTS
     if not meta_path.is_file():
         raise CheckpointError(f"{what} {path}: not a complete vltrain export (no config.json; an export writes it "
@@ -81,7 +91,7 @@ def read_export(path, what: str = "export") -> dict:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise CheckpointError(f"{meta_path}: not readable JSON (truncated or corrupt: {type(e).__name__})") from None
     if not isinstance(meta, dict) or meta.get("format") != EXPORT_FORMAT:
-        raise CheckpointError(f"{what} {path} is a folder, and its config.json is not a vltrain export's (no "
+        raise CheckpointError(f"{what} {path} is a folder, and its {meta_path.name} is not a vltrain export's (no "
                               f"\"format\": \"{EXPORT_FORMAT}\"); give a checkpoint file (last.pt, best.pt) or an "
                               "export")
     check_version(meta.get("version"), EXPORT_VERSION, "export version", meta_path, path)
@@ -95,19 +105,27 @@ def read_export(path, what: str = "export") -> dict:
             raise CheckpointError(f"{meta_path}: \"{key}\" is a {type(value).__name__}, not a mapping")
     if not weights_path.is_file():
         raise CheckpointError(f"{path}: the export has no model.safetensors")
-    try:
-        weights = load_safetensors(weights_path, device="cpu")
-    except (SafetensorError, OSError) as e:
-        why = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
-        raise CheckpointError(f"{weights_path}: not a readable safetensors file (truncated or corrupt: "
-                              f"{why})") from None
+    weights = _safetensors(weights_path)
+    if hf:  # transformers' tensors under vltrain's names, then the heads (whose temp is the exact one)
+        weights = {**hfclip.to_vltrain(weights), **_safetensors(path / HEADS)}
     # safetensors stores a tensor once: a tied weight (the MLM decoder shares the word embeddings) is listed by name
     for alias, name in tied.items():
         if name not in weights:
             raise CheckpointError(f"{meta_path}: tied weight {alias!r} names {name!r}, which model.safetensors lacks")
         weights[alias] = weights[name]
     return {"model": weights, "config": config, "step": source.get("step"), "data": source.get("data"),
-            "export": True}
+            "export": True, "tokenizer": str(path if hf else path / TOKENIZER)}
+
+
+def _safetensors(path: Path) -> dict:
+    """Every tensor of a safetensors file, on the CPU; one line when it is missing, truncated or corrupt."""
+    if not path.is_file():
+        raise CheckpointError(f"{path.parent}: the export has no {path.name}")
+    try:
+        return load_safetensors(path, device="cpu")
+    except (SafetensorError, OSError) as e:
+        why = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        raise CheckpointError(f"{path}: not a readable safetensors file (truncated or corrupt: {why})") from None
 
 
 # --- writing ---------------------------------------------------------------------------------------------------
@@ -120,10 +138,11 @@ def previous_export(out: Path) -> bool:
     names = {p.name for p in out.iterdir()}
     if not names <= set(EXPORT_FILES) | {EVAL}:
         return False
-    if CONFIG not in names:
+    record = META if META in names else CONFIG
+    if record not in names:
         return EVAL not in names  # an eval.json without an export's config.json is not ours to remove
     try:
-        return json.loads((out / CONFIG).read_text(encoding="utf-8")).get("format") == EXPORT_FORMAT
+        return json.loads((out / record).read_text(encoding="utf-8")).get("format") == EXPORT_FORMAT
     except (OSError, UnicodeDecodeError, ValueError, AttributeError):
         return False
 

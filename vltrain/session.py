@@ -2,6 +2,7 @@
 data, model, speed options, precision, step function, optimiser, resume and feed), as a `Session` that `train`,
 the benchmarks and the pipelines share."""
 
+import copy
 import random
 import shutil
 import statistics
@@ -17,7 +18,8 @@ from vlprep import VlprepError
 from vlprep.outlock import OutLock, lock_output
 from vltrain.accum import AccumStep
 from vltrain.checkpoint import check_config, load, model_from
-from vltrain.config import Config
+from vltrain import hfclip
+from vltrain.config import Config, ConfigError, ModelConfig
 from vltrain.data.feed import Feed
 from vltrain.data.shards import data_signature
 from vltrain.distributed import RankSlice, broadcast, init_from_env, world
@@ -81,6 +83,11 @@ def init_source(init_from, out: Path, resume: bool, overwrite: bool) -> dict | N
         raise TrainError("give --resume or --init-from, not both: --resume continues OUT/last.pt with its optimiser "
                          "and step, --init-from starts a new run from other weights (a resumed run that began with "
                          "--init-from keeps them: its checkpoint has everything)")
+    if hfclip.is_clip(str(init_from)):  # a pretrained CLIP folder: its weights under vltrain's names
+        try:
+            return hfclip.init_source(str(init_from))
+        except ValueError as e:
+            raise TrainError(f"--init-from {e}") from None
     path = Path(init_from)
     if overwrite and deleted_by_overwrite(path, out):
         raise TrainError(f"--init-from {path} is a checkpoint of the run in {out}, which --overwrite deletes; copy it "
@@ -88,6 +95,23 @@ def init_source(init_from, out: Path, resume: bool, overwrite: bool) -> dict | N
     source = load(path, "--init-from")
     check_config(source, f"--init-from {path}")  # its config is read for notes: checked as every reader checks it
     return source
+
+
+def clip_start(cfg: Config, init_from) -> Config:
+    """--init-from clip:PATH: the run's text and image towers become that CLIP's (model.text_model and
+    model.image_model set to it); another tower named in the config is a one-line ConfigError."""
+    if init_from is None or not hfclip.is_clip(str(init_from)):
+        return cfg
+    spec = str(init_from)
+    default = ModelConfig()
+    for key in ("text_model", "image_model"):
+        if getattr(cfg.model, key) not in (getattr(default, key), spec):
+            raise ConfigError(f"--init-from {spec} makes the run's towers that CLIP's, and model.{key} is "
+                              f"{getattr(cfg.model, key)}: leave model.{key} out")
+    cfg = copy.deepcopy(cfg)
+    cfg.model.text_model = spec
+    cfg.model.image_model = spec
+    return cfg
 
 
 def deleted_by_overwrite(path: Path, out: Path) -> bool:
@@ -294,6 +318,8 @@ def setup(cfg: Config, resume: bool = False, overwrite: bool = False, init_from=
     seed_everything(cfg.seed, device)
 
     # --- data, then the config resolved against it (read-only from here on)
+    # --init-from clip:PATH names the towers (a resume of such a run finds the name in its checkpoint's record)
+    cfg = clip_start(cfg, ((ckpt or {}).get("init_from") or {}).get("path") if resume else init_from)
     cfg, data, notes = prepare(cfg, device, ckpt, rank, size)
     data_sig = data_signature(cfg.shards)
     if ckpt is not None:

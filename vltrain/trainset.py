@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vlprep.urls import redact
+from vltrain import hfclip
 from vltrain.config import GRIT_RATIOS, GRIT_RATIOS_BEFORE, Config, grit_sizes
 from vlprep.encoders import eval_transform
 from vltrain.data.collate import Collate, TokenLengths
@@ -15,8 +16,8 @@ from vltrain.data.shards import count_split, feature_input, in_val
 from vltrain.data.stream import ShardStream
 from vltrain.errors import TrainError
 from vltrain.evaluate import distinct_positions
-from vltrain.model import image_stats, tokenizer_for
-from vltrain.resolve import DataFacts, resolve
+from vltrain.model import image_interpolation, image_stats, tokenizer_for
+from vltrain.resolve import DataFacts, resolve, resolve_towers
 from vltrain.samplers import GritSampler, TonicsBatchSampler, TonicsCurriculum, default_ontology, tonics_instances
 
 EVAL_TRIPLETS = 1000  # triplet mode: validation retrieval over at most this many triplets (one per image)
@@ -118,8 +119,13 @@ def input_spec(cfg: Config) -> dict | None:
 def prepare(cfg: Config, device, ckpt: dict | None = None, rank: int = 0, size: int = 1) -> tuple:
     """(the resolved, read-only config, the TrainData, the notes to print in order): the data is read first, with
     only what resolve leaves as it is, and what resolve needs from it is handed over as DataFacts."""
+    cfg, tower_notes = resolve_towers(cfg)  # first: the data pipeline reads the sizes a CLIP tower fixes
     spec = input_spec(cfg)
+    if spec is not None and hfclip.is_clip(cfg.model.image_model):
+        raise TrainError(f"model.image_model={cfg.model.image_model} reads pixels, and the shards hold `vlprep "
+                         "features` tokens: train on the pixel dataset")
     data, notes = training_data(cfg, spec is not None, ckpt, rank, size)
+    notes = tower_notes + notes
     streamed = None
     if data.sampler is None:
         streamed = (data.n_train // size, len(data.train.shards) // size)
@@ -139,8 +145,9 @@ def training_data(cfg: Config, use_features: bool, ckpt: dict | None, rank: int,
                      "images are not augmented (train on the pixel dataset to augment)")
     if not use_features:
         mean, std, _ = image_stats(cfg.model)
-        tf_train = train_transform(cfg.data.image_size, mean, std, cfg.data.min_crop_scale, cfg.data.augment)
-        tf_eval = eval_transform(cfg.data.image_size, mean, std)
+        how = image_interpolation(cfg.model)
+        tf_train = train_transform(cfg.data.image_size, mean, std, cfg.data.min_crop_scale, cfg.data.augment, how)
+        tf_eval = eval_transform(cfg.data.image_size, mean, std, how)
     collate = Collate(tok, cfg.data.max_len, use_features)
     common = dict(tokenizer=tok, collate=collate, use_features=use_features)
     if cfg.sampler.kind != "random" or cfg.data.triplets:

@@ -13,15 +13,19 @@ from torchvision.transforms import v2
 from vlprep.dataset import decode_rgb, image_ext
 
 
-def train_transform(size: int, mean, std, min_scale: float = 0.5, augment: str = "none") -> v2.Compose:
-    """Training view of an image: augment none (crop at scale min_scale..1 + flip), albef or softmask (MMDA).
+def train_transform(size: int, mean, std, min_scale: float = 0.5, augment: str = "none",
+                    interpolation: str = "bilinear") -> v2.Compose:
+    """Training view of an image: augment none (crop at scale min_scale..1 + flip, resized with `interpolation`,
+    the model's: bicubic for a CLIP tower), albef or softmask (MMDA).
 
     albef is ALBEF's pre-training recipe: crop at scale 0.2..1, flip, RandAugment with 2 ops at magnitude 7
     (torchvision's op set, not ALBEF's hand-written one). softmask adds TCL's colour recipe, which SoftMask++'s MMDA
     takes: ColorJitter(0.4, 0.4, 0.4, 0.1) at p 0.8, grayscale at p 0.2, Gaussian blur (sigma 0.1..2) at p 0.5.
     """
     if augment == "none":
-        return v2.Compose([v2.ToImage(), v2.RandomResizedCrop(size, scale=(min_scale, 1.0), antialias=True),
+        how = v2.InterpolationMode(interpolation)
+        return v2.Compose([v2.ToImage(), v2.RandomResizedCrop(size, scale=(min_scale, 1.0), antialias=True,
+                                                              interpolation=how),
                            v2.RandomHorizontalFlip(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
     steps = [v2.ToImage(), v2.RandomResizedCrop(size, scale=(0.2, 1.0), antialias=True,
                                                 interpolation=v2.InterpolationMode.BICUBIC),

@@ -1,0 +1,126 @@
+"""`vltrain export --format hf`: a folder that transformers loads as a CLIPModel (both towers from one CLIP) or a
+VisionTextDualEncoderModel (CLIP towers of two sources) with every tensor it expects and none it does not, with the
+tokenizer and image processor at the top, so `CLIPProcessor.from_pretrained(OUT)` preprocesses as vltrain does.
+
+What no transformers class holds (the fusion encoder, ITM and MLM heads, the TOnICS aligner) goes to
+vltrain_heads.safetensors under vltrain's names, and vltrain.json is the export's own record (config.json is
+transformers'), so `vltrain.load(OUT)` reads the whole model back (vltrain.exportfmt.read_export).
+"""
+
+import json
+import math
+import os
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from vltrain import hfclip
+from vltrain.errors import TrainError
+from vltrain.exportfmt import HEADS, META, untie
+
+HF_FORMATS = ("vltrain", "hf")
+
+
+def check_hf(net) -> str:
+    """The transformers class that holds `net`'s towers: CLIPModel or VisionTextDualEncoderModel; a one-line
+    TrainError saying which formats can hold it otherwise."""
+    cfg = net.cfg
+    if not (hfclip.is_clip(cfg.text_model) and hfclip.is_clip(cfg.image_model)):
+        raise TrainError(f"--format hf writes CLIP towers (model.text_model and model.image_model clip:PATH, as a run "
+                         f"started with --init-from clip:PATH has); this model's are {cfg.text_model} + "
+                         f"{cfg.image_model}, which no transformers class holds: use --format vltrain (the default), "
+                         "with --onnx for runtimes without vltrain")
+    same = cfg.towers["text"]["source"] == cfg.towers["image"]["source"]
+    return "CLIPModel" if same else "VisionTextDualEncoderModel"
+
+
+def hf_model(net, kind: str):
+    """The transformers model of `kind` holding net's towers, projections and logit scale, loaded strictly (every
+    tensor it expects, none it lacks)."""
+    from transformers import (CLIPConfig, CLIPModel, CLIPTextConfig, CLIPVisionConfig, VisionTextDualEncoderConfig,
+                              VisionTextDualEncoderModel)
+
+    towers = net.cfg.towers
+    text = CLIPTextConfig.from_dict(towers["text"]["config"])
+    vision = CLIPVisionConfig.from_dict(towers["image"]["config"])
+    scale = math.log(1 / float(net.temperature().detach()))
+    if kind == "CLIPModel":
+        config = CLIPConfig(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                            projection_dim=net.cfg.embed_dim, logit_scale_init_value=scale)
+        model = CLIPModel(config)
+    else:
+        config = VisionTextDualEncoderConfig.from_vision_text_configs(vision, text, projection_dim=net.cfg.embed_dim,
+                                                                     logit_scale_init_value=scale)
+        model = VisionTextDualEncoderModel(config)
+    state = {k: v for k, v in hfclip.to_clip(net.state_dict()).items()}
+    model.load_state_dict(state, strict=True)
+    return model.eval()
+
+
+def image_processor(net):
+    """CLIPImageProcessor doing vltrain's eval transform: shorter side to S (the tower's interpolation, antialiased),
+    centre crop S x S, /255, the tower's mean and std."""
+    from transformers import CLIPImageProcessor
+
+    pre = net.cfg.towers["image"]["preprocess"]
+    code = {v: k for k, v in hfclip.RESAMPLE.items()}[pre["interpolation"]]
+    return CLIPImageProcessor(size={"shortest_edge": pre["size"]}, crop_size={"height": pre["size"],
+                              "width": pre["size"]}, image_mean=list(pre["mean"]), image_std=list(pre["std"]),
+                              resample=code)
+
+
+def write_hf(net, tokenizer, out: Path) -> dict:
+    """config.json + model.safetensors (transformers'), the tokenizer and image processor files, and
+    vltrain_heads.safetensors; returns {"class", "heads", "tied"} for vltrain.json."""
+    from vltrain.model import _quiet_transformers
+
+    kind = check_hf(net)
+    with _quiet_transformers():  # no "Writing model shards" bar in the command's output
+        hf_model(net, kind).save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    image_processor(net).save_pretrained(str(out))
+    state = net.state_dict()
+    _, tied = untie(state)  # the MLM decoder's weight is the text tower's word embeddings: stored once, there
+    held = set(hfclip.to_vltrain(hfclip.to_clip(state)))  # what transformers' model.safetensors holds
+    # the temperature too, exactly: logit_scale = log(1 / temp) and back would round it in float32
+    rest, _ = untie({k: v for k, v in state.items() if (k not in held or k == "temp") and k not in tied})
+    save_file(rest, str(out / HEADS), metadata={"format": "pt"})
+    os.chmod(out / HEADS, 0o644)  # safetensors writes 0600; an export is shared like its other files
+    return {"class": kind, "heads": sorted(rest), "tied": tied}
+
+
+def hf_readme(text: str, meta: dict, out: Path) -> str:
+    """The export README for the hf layout: vltrain's description and scores, then its files and how to load it."""
+    kind = meta["hf"]["class"]
+    head = text.split("## Files")[0]
+    return "\n".join([head.rstrip(), "", "## Files", "",
+                      f"- `config.json`, `model.safetensors`: a transformers `{kind}` (towers, projections, logit scale)",
+                      "- the tokenizer and `preprocessor_config.json` (CLIPImageProcessor: vltrain's eval transform)",
+                      f"- `{HEADS}`: the tensors no transformers class holds (fusion encoder, ITM and MLM heads, "
+                      "aligner) and the exact temperature, under vltrain's names",
+                      f"- `{META}`: the run's config, preprocessing, provenance and eval numbers", "",
+                      "## Loading", "", "With transformers alone (no vltrain):", "", "```python",
+                      f"from transformers import {kind}, CLIPProcessor", "",
+                      f'model = {kind}.from_pretrained("{out.name}")',
+                      f'processor = CLIPProcessor.from_pretrained("{out.name}")',
+                      'inputs = processor(text=["a dog"], images=[image], return_tensors="pt", padding=True)',
+                      "img = model.get_image_features(pixel_values=inputs.pixel_values).pooler_output  "
+                      "# L2-normalise both",
+                      "txt = model.get_text_features(input_ids=inputs.input_ids, "
+                      "attention_mask=inputs.attention_mask).pooler_output", "```", "",
+                      "With vltrain (the whole model, heads included):", "", "```python", "import vltrain", "",
+                      f'model = vltrain.load("{out.name}")', "```", ""])
+
+
+def hf_meta(meta: dict, info: dict) -> dict:
+    """vltrain.json: the export's record (what config.json holds in the vltrain layout) with the hf layout's parts."""
+    return {**meta, "layout": "hf", "hf": {"class": info["class"], "heads": HEADS, "heads_tensors": info["heads"]},
+            "tied": info["tied"]}
+
+
+def write_meta(meta: dict, out: Path) -> None:
+    """vltrain.json, last and atomically: from then on the folder is a complete export."""
+    tmp = out / (META + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, out / META)
+

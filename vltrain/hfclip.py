@@ -1,0 +1,206 @@
+"""Pretrained CLIP towers (`clip:PATH`): a local Hugging Face CLIPModel folder's text and vision towers, projections and
+temperature as a vltrain model's, and the record a checkpoint keeps to rebuild them without that folder.
+
+A vltrain model with CLIP towers names its tensors as CLIPModel does, under another prefix: `text_model.X` is
+`text_encoder.X`, `vision_model.X` is `image_encoder.X`, `text_projection` / `visual_projection` are `text_proj` /
+`image_proj` (no bias, as CLIP's), and `logit_scale` is log(1 / temp). So loading a CLIP folder, exporting one
+(vltrain.export_hf) and `--init-from clip:PATH` are renames, not conversions.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+
+from vlprep import cut
+
+PREFIX = "clip:"
+HUB = "hf-hub:"
+MODEL_TYPES = ("clip",)  # the config.json model_type a clip: folder may have
+# CLIP's pixel statistics: the defaults of a folder without preprocessor_config.json, as transformers' CLIPImageProcessor
+OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
+RESAMPLE = {0: "nearest", 2: "bilinear", 3: "bicubic"}  # PIL's codes, which preprocessor_config.json's resample holds
+# CLIPModel's names of the tensors outside the towers -> vltrain's
+RENAMES = {"text_projection.weight": "text_proj.weight", "visual_projection.weight": "image_proj.weight"}
+TOWERS = {"text_model.": "text_encoder.", "vision_model.": "image_encoder."}
+
+
+def is_clip(name) -> bool:
+    """Whether a text_model / image_model names a CLIP tower (`clip:PATH`)."""
+    return isinstance(name, str) and name.startswith(PREFIX)
+
+
+def folder(spec: str) -> Path:
+    """The local folder of `clip:PATH`, or of `clip:hf-hub:ORG/NAME` (fetched through huggingface_hub's cache); a
+    one-line ValueError when it cannot be had or holds no CLIPModel."""
+    where = spec[len(PREFIX):]
+    if where.startswith(HUB):
+        repo = where[len(HUB):]
+        try:
+            from huggingface_hub import snapshot_download
+
+            path = Path(snapshot_download(repo, allow_patterns=["*.json", "*.safetensors", "*.txt"]))
+        except Exception as e:  # offline, unknown or gated id: one line naming the id (never the token)
+            raise ValueError(f"{cut(spec)}: could not fetch {cut(repr(repo))} from the Hugging Face Hub "
+                             f"({type(e).__name__}); download it where a network is (save_pretrained) and give "
+                             "clip:FOLDER") from None
+    else:
+        path = Path(where)
+    try:
+        found = (path / "config.json").is_file()
+    except OSError:  # a name too long to be a path
+        found = False
+    if not found:
+        raise ValueError(f"{cut(spec)}: no config.json in {cut(str(path))}; give clip:FOLDER, a local Hugging Face "
+                         "CLIPModel folder (what save_pretrained writes)")
+    return path
+
+
+def _json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{cut(str(path))}: not readable JSON ({type(e).__name__})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{cut(str(path))}: not a JSON object")
+    return data
+
+
+def clip_config(path: Path):
+    """The folder's CLIPConfig; a one-line ValueError for another model type."""
+    from transformers import CLIPConfig
+
+    raw = _json(path / "config.json")
+    kind = raw.get("model_type")
+    if kind not in MODEL_TYPES:
+        raise ValueError(f"{cut(str(path))}: model_type {cut(repr(kind))}; clip: reads a CLIPModel folder "
+                         f"(model_type {' or '.join(MODEL_TYPES)})")
+    return CLIPConfig.from_dict(raw)
+
+
+def preprocess(path: Path, vision) -> dict:
+    """The image preprocessing the folder's CLIPImageProcessor does: shorter side to S, centre crop S x S, its mean,
+    std and interpolation. A processor that resizes to another size than it crops is refused (vltrain's transform
+    resizes the shorter side to the crop size)."""
+    file = path / "preprocessor_config.json"
+    raw = _json(file) if file.is_file() else {}
+    crop = raw.get("crop_size", vision.image_size)
+    crop = crop.get("height", vision.image_size) if isinstance(crop, dict) else int(crop)
+    size = raw.get("size", crop)
+    size = size.get("shortest_edge", crop) if isinstance(size, dict) else int(size)
+    if crop != vision.image_size or size != crop:
+        raise ValueError(f"{cut(str(file))}: resizes to {size} and crops {crop}, and the vision tower reads "
+                         f"{vision.image_size}; vltrain resizes the shorter side to the tower's size and crops that")
+    resample = RESAMPLE.get(raw.get("resample", 3))
+    if resample is None:
+        raise ValueError(f"{cut(str(file))}: resample {raw.get('resample')!r} is none of {sorted(RESAMPLE)} "
+                         "(nearest, bilinear, bicubic)")
+    return {"size": int(crop), "mean": [float(v) for v in raw.get("image_mean", OPENAI_MEAN)],
+            "std": [float(v) for v in raw.get("image_std", OPENAI_STD)], "interpolation": resample}
+
+
+def record(spec: str, side: str) -> dict:
+    """What a checkpoint keeps of a CLIP tower: its source, the tower's transformers config, the projection width,
+    and the image preprocessing (image side) or the longest text (text side)."""
+    path = folder(spec)
+    conf = clip_config(path)
+    tower = conf.text_config if side == "text" else conf.vision_config
+    rec = {"source": spec, "model_type": conf.model_type, "projection_dim": int(conf.projection_dim),
+           "config": tower.to_dict()}
+    if side == "text":
+        rec["max_len"] = int(conf.text_config.max_position_embeddings)
+    else:
+        rec["preprocess"] = preprocess(path, conf.vision_config)
+    return rec
+
+
+def tower_record(cfg, side: str) -> dict:
+    """cfg.towers' record of a side (filled in when a run resolves its config), else read from the folder."""
+    name = cfg.text_model if side == "text" else cfg.image_model
+    rec = (cfg.towers or {}).get(side)
+    return rec if rec and rec.get("source") == name else record(name, side)
+
+
+def build_tower(cfg, side: str, pretrained: bool = True):
+    """CLIPTextModel or CLIPVisionModel for a side; pretrained: with the folder's weights, else as built (a
+    checkpoint's weights replace them)."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPVisionConfig, CLIPVisionModel
+
+    rec = tower_record(cfg, side)
+    cls, conf = (CLIPTextModel, CLIPTextConfig) if side == "text" else (CLIPVisionModel, CLIPVisionConfig)
+    tower = cls(conf.from_dict(rec["config"]))
+    if pretrained:
+        prefix = "text_model." if side == "text" else "vision_model."
+        weights = {k[len(prefix):]: v for k, v in folder_weights(folder(rec["source"])).items()
+                   if k.startswith(prefix)}
+        missing, unexpected = tower.load_state_dict(weights, strict=False)
+        missing = [k for k in missing if not k.endswith("position_ids")]  # a buffer older files may lack
+        if missing or unexpected:
+            raise ValueError(f"{cut(rec['source'])}: the {side} tower's weights do not fit its config ("
+                             f"{len(missing)} missing, {len(unexpected)} unexpected, e.g. "
+                             f"{cut(str((missing or unexpected)[0]))})")
+    return tower
+
+
+def folder_weights(path: Path) -> dict:
+    """Every tensor of a Hugging Face folder's safetensors weights (one file, or shards listed by their index)."""
+    from safetensors.torch import load_file
+
+    single = path / "model.safetensors"
+    index = path / "model.safetensors.index.json"
+    if single.is_file():
+        files = [single]
+    elif index.is_file():
+        files = sorted({path / name for name in _json(index).get("weight_map", {}).values()})
+    else:
+        raise ValueError(f"{cut(str(path))}: no model.safetensors; save the model with save_pretrained (transformers "
+                         "writes safetensors) — vltrain does not unpickle .bin weights")
+    out = {}
+    for file in files:
+        try:
+            out.update(load_file(str(file), device="cpu"))
+        except Exception as e:  # a truncated or foreign file: safetensors raises its own types and OSError
+            raise ValueError(f"{cut(str(file))}: not readable safetensors ({type(e).__name__})") from None
+    return out
+
+
+def to_vltrain(state: dict) -> dict:
+    """A CLIPModel state dict under vltrain's names: towers re-prefixed, projections renamed, logit_scale as temp."""
+    out = {}
+    for name, t in state.items():
+        if name == "logit_scale":
+            out["temp"] = torch.exp(-t.double()).float()  # logits = cos * exp(logit_scale) = cos / temp
+        elif name in RENAMES:
+            out[RENAMES[name]] = t
+        else:
+            for theirs, ours in TOWERS.items():
+                if name.startswith(theirs):
+                    out[ours + name[len(theirs):]] = t
+    return out
+
+
+def to_clip(state: dict) -> dict:
+    """The inverse of to_vltrain for the tensors a CLIPModel holds: towers, projections, logit_scale."""
+    back = {v: k for k, v in RENAMES.items()}
+    out = {}
+    for name, t in state.items():
+        if name == "temp":
+            out["logit_scale"] = torch.log(1 / t.double()).float().reshape(())
+        elif name in back:
+            out[back[name]] = t
+        else:
+            for theirs, ours in TOWERS.items():
+                if name.startswith(ours):
+                    out[theirs + name[len(ours):]] = t
+    return out
+
+
+def init_source(spec: str) -> dict:
+    """`--init-from clip:PATH` as init_weights reads a checkpoint: the folder's weights under vltrain's names and a
+    model config saying what they are."""
+    path = folder(spec)
+    conf = clip_config(path)
+    weights = to_vltrain(folder_weights(path))
+    model = {"text_model": spec, "image_model": spec, "embed_dim": int(conf.projection_dim)}
+    return {"model": weights, "config": {"model": model, "preset": None}, "step": None}
