@@ -94,7 +94,8 @@ def hf_readme(text: str, meta: dict, out: Path) -> str:
     kind = meta["hf"]["class"]
     head = text.split("## Files")[0]
     return "\n".join([head.rstrip(), "", "## Files", "",
-                      f"- `config.json`, `model.safetensors`: a transformers `{kind}` (towers, projections, logit scale)",
+                      f"- `config.json`, `model.safetensors`: a transformers `{kind}` (towers, projections, "
+                      "logit scale)",
                       "- the tokenizer and `preprocessor_config.json` (CLIPImageProcessor: vltrain's eval transform)",
                       f"- `{HEADS}`: the tensors no transformers class holds (fusion encoder, ITM and MLM heads, "
                       "aligner) and the exact temperature, under vltrain's names",

@@ -17,7 +17,7 @@ from vlprep import cut
 PREFIX = "clip:"
 HUB = "hf-hub:"
 MODEL_TYPES = ("clip",)  # the config.json model_type a clip: folder may have
-# CLIP's pixel statistics: the defaults of a folder without preprocessor_config.json, as transformers' CLIPImageProcessor
+# CLIP's pixel statistics: a folder without preprocessor_config.json gets them, as transformers' CLIPImageProcessor
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
 RESAMPLE = {0: "nearest", 2: "bilinear", 3: "bicubic"}  # PIL's codes, which preprocessor_config.json's resample holds
@@ -107,7 +107,7 @@ def record(spec: str, side: str) -> dict:
     conf = clip_config(path)
     tower = conf.text_config if side == "text" else conf.vision_config
     rec = {"source": spec, "model_type": conf.model_type, "projection_dim": int(conf.projection_dim),
-           "config": tower.to_dict()}
+           "config": json.loads(json.dumps(tower.to_dict()))}  # as JSON has it (an export's copy): string keys
     if side == "text":
         rec["max_len"] = int(conf.text_config.max_position_embeddings)
     else:

@@ -53,8 +53,8 @@ def config_diff(saved: dict, now: dict, prefix: str = "", defaults: dict | None 
     diffs = []
     defaults = defaults or {}
     # The preset first: when it differs, it explains most of the other differences.
-    for key in sorted(set(saved) | set(now), key=lambda k: (k != "preset", k)):
-        dotted = prefix + key
+    for key in sorted(set(saved) | set(now), key=lambda k: (k != "preset", str(k))):
+        dotted = prefix + str(key)
         a = saved.get(key, defaults.get(key))
         b = now.get(key)
         if isinstance(a, dict) and isinstance(b, dict):

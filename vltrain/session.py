@@ -27,6 +27,7 @@ from vltrain.errors import TrainError
 from vltrain.init_from import init_weights
 from vltrain.model import autocast, bf16_supported, build_model, resolve_device
 from vltrain.optim import build_optimizer
+from vltrain.resolve import resolve_towers
 from vltrain.resume import Run, RunState, check_ranks, check_resumable, restore, set_rng_states
 from vltrain.runlog import RunLog, earlier_rows, init_line, make_console, summary
 from vltrain.step import TrainStep, wrap_ddp
@@ -310,6 +311,9 @@ def setup(cfg: Config, resume: bool = False, overwrite: bool = False, init_from=
         keep_freed_memory()
     # --init-from is read before OUT is touched: an unreadable source leaves OUT as it was
     source = init_source(init_from, out, resume, overwrite)
+    if not resume:  # --init-from clip:PATH names the towers; an unreadable clip: folder is one line, OUT untouched
+        cfg = clip_start(cfg, init_from)
+        resolve_towers(cfg)
     lock = open_output(out, resume, overwrite, rank)
     ckpt = load(out / "last.pt", "--resume checkpoint") if resume else None
     if ckpt is not None:
@@ -318,8 +322,8 @@ def setup(cfg: Config, resume: bool = False, overwrite: bool = False, init_from=
     seed_everything(cfg.seed, device)
 
     # --- data, then the config resolved against it (read-only from here on)
-    # --init-from clip:PATH names the towers (a resume of such a run finds the name in its checkpoint's record)
-    cfg = clip_start(cfg, ((ckpt or {}).get("init_from") or {}).get("path") if resume else init_from)
+    if resume:  # a run begun from --init-from clip:PATH finds the name in its checkpoint's record
+        cfg = clip_start(cfg, ((ckpt or {}).get("init_from") or {}).get("path"))
     cfg, data, notes = prepare(cfg, device, ckpt, rank, size)
     data_sig = data_signature(cfg.shards)
     if ckpt is not None:

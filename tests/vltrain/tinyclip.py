@@ -11,15 +11,29 @@ SIZE = 32  # the vision tower's input: 4 x 4 patches of 8 pixels
 PROJECTION = 16
 
 
-def bpe_tokenizer(folder: Path):
-    """CLIP's tokenizer (49,408 tokens) from open_clip's bpe_simple_vocab_16e6.txt.gz."""
-    import open_clip
-    from transformers import CLIPTokenizer
-    from open_clip.tokenizer import bytes_to_unicode
+def byte_characters() -> list[str]:
+    """GPT-2's byte-level BPE alphabet, which CLIP's uses: each of the 256 bytes as a printable character."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    chars = keep[:]
+    extra = 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return [chr(c) for c in chars]
 
-    path = Path(open_clip.__file__).parent / "bpe_simple_vocab_16e6.txt.gz"
+
+def bpe_tokenizer(folder: Path):
+    """CLIP's tokenizer (49,408 tokens) from open_clip's bpe_simple_vocab_16e6.txt.gz (found without importing
+    open_clip, whose tokenizer module sets TOKENIZERS_PARALLELISM in the environment)."""
+    import importlib.util
+
+    from transformers import CLIPTokenizer
+
+    path = Path(importlib.util.find_spec("open_clip").origin).parent / "bpe_simple_vocab_16e6.txt.gz"
     merges = gzip.open(path).read().decode("utf-8").split("\n")[1:49152 - 256 - 2 + 1]
-    chars = list(bytes_to_unicode().values())
+    chars = byte_characters()
     vocab = chars + [c + "</w>" for c in chars] + ["".join(m.split()) for m in merges]
     vocab += ["<|startoftext|>", "<|endoftext|>"]
     tok = CLIPTokenizer(vocab={t: i for i, t in enumerate(vocab)}, merges=[tuple(m.split()) for m in merges])
