@@ -195,8 +195,11 @@ def config_(
     from vltrain.config import to_yaml
     from vltrain.config_load import load_config
 
+    from vltrain.resolve import resolve_towers
+
     with user_errors():
         cfg = load_config(known_preset(preset), config_file(config), set_ or [])
+        cfg, _ = resolve_towers(cfg)  # clip: towers: their sizes, preprocessing and record, as a run resolves them
     sys.stdout.write(to_yaml(cfg))
 
 

@@ -9,7 +9,8 @@ from torch import nn
 from vlprep.urls import redact
 from vltrain.checkpoint import load, model_from
 from vltrain.errors import TrainError
-from vltrain.export_hf import HF_FORMATS, check_hf, hf_meta, hf_readme, write_hf, write_meta
+from vltrain import openclip
+from vltrain.export_hf import FORMATS, check_hf, hf_meta, hf_readme, write_hf, write_meta, write_open_clip
 from vltrain.exportfmt import (CONFIG, EXPORT_DROPS, HEADS, IMAGE_ONNX, META, README, TEXT_ONNX, TOKENIZER, WEIGHTS,
                                export_config, prepare_out, write_config, write_weights)
 from vltrain.model import tokenizer_for
@@ -37,14 +38,14 @@ def export(checkpoint, out, onnx: bool = False, overwrite: bool = False, fmt: st
     net = model_from({**ckpt, "model": kept, "export": True}, checkpoint).eval()
     tokenizer = export_tokenizer(ckpt, net)
     onnx_info = None
-    if fmt not in HF_FORMATS:
-        raise TrainError(f"--format must be one of {', '.join(HF_FORMATS)}, got {fmt!r}"[:160])
-    if fmt == "hf":
-        check_hf(net)  # before OUT is touched: a model transformers cannot hold is one line, OUT as it was
+    if fmt not in FORMATS:
+        raise TrainError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}"[:160])
+    if fmt != "vltrain":
+        check_hf(net, fmt)  # before OUT is touched: a model the library cannot hold is one line, OUT as it was
 
     prepare_out(out, overwrite)
-    if fmt == "hf":
-        hf = write_hf(net, tokenizer, out)
+    if fmt != "vltrain":
+        hf = write_hf(net, tokenizer, out) if fmt == "hf" else write_open_clip(net, tokenizer, out)
         tied = hf["tied"]
     else:
         tied = write_weights(net, out)
@@ -56,11 +57,12 @@ def export(checkpoint, out, onnx: bool = False, overwrite: bool = False, fmt: st
             onnx_info["itc_trained"] = False
             warnings_.append(UNTRAINED_ITC)
     meta = export_config(ckpt, checkpoint, net, tied, dropped, onnx_info)
-    if fmt == "hf":
-        meta = hf_meta(meta, hf)
+    if fmt != "vltrain":
+        meta = hf_meta(meta, hf, fmt)
         (out / README).write_text(hf_readme(readme(meta, out), meta, out), encoding="utf-8")
         write_meta(meta, out)  # last: from now on the folder is a complete export
-        files = [CONFIG, WEIGHTS, HEADS, META, "tokenizer and image processor files", README]
+        files = ([CONFIG, WEIGHTS, "tokenizer and image processor files"] if fmt == "hf"
+                 else [openclip.CONFIG, openclip.WEIGHTS]) + [HEADS, META, README]
     else:
         (out / README).write_text(readme(meta, out), encoding="utf-8")
         write_config(meta, out)  # last: from now on the folder is a complete export

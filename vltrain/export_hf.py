@@ -14,19 +14,19 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from vltrain import hfclip
+from vltrain import hfclip, openclip
 from vltrain.errors import TrainError
 from vltrain.exportfmt import HEADS, META, untie
 
-HF_FORMATS = ("vltrain", "hf")
+FORMATS = ("vltrain", "hf", "open_clip")
 
 
-def check_hf(net) -> str:
+def check_hf(net, fmt: str = "hf") -> str:
     """The transformers class that holds `net`'s towers: CLIPModel or VisionTextDualEncoderModel; a one-line
     TrainError saying which formats can hold it otherwise."""
     cfg = net.cfg
     if not (hfclip.is_clip(cfg.text_model) and hfclip.is_clip(cfg.image_model)):
-        raise TrainError(f"--format hf writes CLIP towers (model.text_model and model.image_model clip:PATH, as a run "
+        raise TrainError(f"--format {fmt} writes CLIP towers (model.text_model and model.image_model clip:PATH, as a run "
                          f"started with --init-from clip:PATH has); this model's are {cfg.text_model} + "
                          f"{cfg.image_model}, which no transformers class holds: use --format vltrain (the default), "
                          "with --onnx for runtimes without vltrain")
@@ -52,8 +52,7 @@ def hf_model(net, kind: str):
         config = VisionTextDualEncoderConfig.from_vision_text_configs(vision, text, projection_dim=net.cfg.embed_dim,
                                                                      logit_scale_init_value=scale)
         model = VisionTextDualEncoderModel(config)
-    state = {k: v for k, v in hfclip.to_clip(net.state_dict()).items()}
-    model.load_state_dict(state, strict=True)
+    model.load_state_dict(hfclip.to_clip(net.state_dict()), strict=True)
     return model.eval()
 
 
@@ -79,6 +78,35 @@ def write_hf(net, tokenizer, out: Path) -> dict:
         hf_model(net, kind).save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
     image_processor(net).save_pretrained(str(out))
+    return {"class": kind, **write_heads(net, out)}
+
+
+def write_open_clip(net, tokenizer, out: Path) -> dict:
+    """open_clip_config.json + open_clip_model.safetensors (open_clip's plain CLIP, loadable with
+    `open_clip.create_model_and_transforms("local-dir:OUT")`), vltrain_heads.safetensors, and the tokenizer files
+    (open_clip tokenizes with its own copy of CLIP's BPE; vltrain.load reads these)."""
+    check_hf(net, "open_clip")
+    tokenizer.save_pretrained(str(out))
+    model = hf_model(net, "CLIPModel")  # both towers' configs in one CLIPConfig, whatever their sources
+    try:
+        config = {"model_cfg": openclip.model_cfg_of(model.config), "preprocess_cfg": open_clip_preprocess(net)}
+    except ValueError as e:
+        raise TrainError(f"--format open_clip: {e}") from None
+    save_file(openclip.from_hf(model.state_dict()), str(out / openclip.WEIGHTS), metadata={"format": "pt"})
+    os.chmod(out / openclip.WEIGHTS, 0o644)
+    (out / openclip.CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return {"class": "open_clip", **write_heads(net, out)}
+
+
+def open_clip_preprocess(net) -> dict:
+    """open_clip's preprocess_cfg of vltrain's eval transform for the model."""
+    pre = net.cfg.towers["image"]["preprocess"]
+    return {"size": pre["size"], "mode": "RGB", "mean": list(pre["mean"]), "std": list(pre["std"]),
+            "interpolation": pre["interpolation"], "resize_mode": "shortest"}
+
+
+def write_heads(net, out: Path) -> dict:
+    """vltrain_heads.safetensors: the tensors the other library's weights do not hold, and the exact temperature."""
     state = net.state_dict()
     _, tied = untie(state)  # the MLM decoder's weight is the text tower's word embeddings: stored once, there
     held = set(hfclip.to_vltrain(hfclip.to_clip(state)))  # what transformers' model.safetensors holds
@@ -86,36 +114,45 @@ def write_hf(net, tokenizer, out: Path) -> dict:
     rest, _ = untie({k: v for k, v in state.items() if (k not in held or k == "temp") and k not in tied})
     save_file(rest, str(out / HEADS), metadata={"format": "pt"})
     os.chmod(out / HEADS, 0o644)  # safetensors writes 0600; an export is shared like its other files
-    return {"class": kind, "heads": sorted(rest), "tied": tied}
+    return {"heads": sorted(rest), "tied": tied}
 
 
 def hf_readme(text: str, meta: dict, out: Path) -> str:
-    """The export README for the hf layout: vltrain's description and scores, then its files and how to load it."""
+    """The export README for the hf and open_clip layouts: vltrain's description and scores, then its files and how
+    to load it with the other library alone, and with vltrain."""
     kind = meta["hf"]["class"]
-    head = text.split("## Files")[0]
-    return "\n".join([head.rstrip(), "", "## Files", "",
-                      f"- `config.json`, `model.safetensors`: a transformers `{kind}` (towers, projections, "
-                      "logit scale)",
-                      "- the tokenizer and `preprocessor_config.json` (CLIPImageProcessor: vltrain's eval transform)",
-                      f"- `{HEADS}`: the tensors no transformers class holds (fusion encoder, ITM and MLM heads, "
-                      "aligner) and the exact temperature, under vltrain's names",
-                      f"- `{META}`: the run's config, preprocessing, provenance and eval numbers", "",
-                      "## Loading", "", "With transformers alone (no vltrain):", "", "```python",
-                      f"from transformers import {kind}, CLIPProcessor", "",
-                      f'model = {kind}.from_pretrained("{out.name}")',
-                      f'processor = CLIPProcessor.from_pretrained("{out.name}")',
-                      'inputs = processor(text=["a dog"], images=[image], return_tensors="pt", padding=True)',
-                      "img = model.get_image_features(pixel_values=inputs.pixel_values).pooler_output  "
-                      "# L2-normalise both",
-                      "txt = model.get_text_features(input_ids=inputs.input_ids, "
-                      "attention_mask=inputs.attention_mask).pooler_output", "```", "",
-                      "With vltrain (the whole model, heads included):", "", "```python", "import vltrain", "",
-                      f'model = vltrain.load("{out.name}")', "```", ""])
+    head = text.split("## Files")[0].rstrip()
+    heads = (f"- `{HEADS}`: the tensors the other library does not hold (fusion encoder, ITM and MLM heads, aligner) "
+             "and the exact temperature, under vltrain's names")
+    record = f"- `{META}`: the run's config, preprocessing, provenance and eval numbers"
+    if kind == "open_clip":
+        files = [f"- `{openclip.CONFIG}`, `{openclip.WEIGHTS}`: open_clip's CLIP (towers, projections, logit scale) "
+                 "and its preprocessing", heads, record]
+        loading = ["```python", "import open_clip", "",
+                   f'model, _, preprocess = open_clip.create_model_and_transforms("local-dir:{out.name}")',
+                   f'tokenizer = open_clip.get_tokenizer("local-dir:{out.name}")',
+                   "img = model.encode_image(preprocess(image)[None])  # L2-normalise both",
+                   'txt = model.encode_text(tokenizer(["a dog"]))', "```"]
+    else:
+        files = [f"- `config.json`, `model.safetensors`: a transformers `{kind}` (towers, projections, logit scale)",
+                 "- the tokenizer and `preprocessor_config.json` (CLIPImageProcessor: vltrain's eval transform)",
+                 heads, record]
+        loading = ["```python", f"from transformers import {kind}, CLIPProcessor", "",
+                   f'model = {kind}.from_pretrained("{out.name}")',
+                   f'processor = CLIPProcessor.from_pretrained("{out.name}")',
+                   'inputs = processor(text=["a dog"], images=[image], return_tensors="pt", padding=True)',
+                   "img = model.get_image_features(pixel_values=inputs.pixel_values).pooler_output  # L2-normalise",
+                   "txt = model.get_text_features(input_ids=inputs.input_ids, "
+                   "attention_mask=inputs.attention_mask).pooler_output", "```"]
+    library = "open_clip" if kind == "open_clip" else "transformers"
+    return "\n".join([head, "", "## Files", "", *files, "", "## Loading", "", f"With {library} alone (no vltrain):",
+                      "", *loading, "", "With vltrain (the whole model, heads included):", "", "```python",
+                      "import vltrain", "", f'model = vltrain.load("{out.name}")', "```", ""])
 
 
-def hf_meta(meta: dict, info: dict) -> dict:
-    """vltrain.json: the export's record (what config.json holds in the vltrain layout) with the hf layout's parts."""
-    return {**meta, "layout": "hf", "hf": {"class": info["class"], "heads": HEADS, "heads_tensors": info["heads"]},
+def hf_meta(meta: dict, info: dict, fmt: str) -> dict:
+    """vltrain.json: the export's record (what config.json holds in the vltrain layout) with the layout's parts."""
+    return {**meta, "layout": fmt, "hf": {"class": info["class"], "heads": HEADS, "heads_tensors": info["heads"]},
             "tied": info["tied"]}
 
 

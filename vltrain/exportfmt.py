@@ -10,7 +10,7 @@ from safetensors.torch import load_file as load_safetensors
 from safetensors.torch import save_file
 
 from vlprep.urls import redact
-from vltrain import hfclip
+from vltrain import hfclip, openclip
 from vltrain.errors import CheckpointError, TrainError, check_version
 
 # An export holds model.safetensors (the weights inference reads: no optimiser state, RNG states, EMA copy
@@ -29,7 +29,7 @@ TEXT_ONNX = "text_encoder.onnx"
 # record (what config.json is in the vltrain layout), written last.
 HEADS = "vltrain_heads.safetensors"
 META = "vltrain.json"
-HF_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+HF_FILES = ("open_clip_config.json", "open_clip_model.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
             "added_tokens.json", "preprocessor_config.json", "processor_config.json", "generation_config.json")
 
 # Every name an export writes (config.json's temporary file included): all that exporting again replaces.
@@ -77,7 +77,7 @@ def read_export(path, what: str = "export") -> dict:
     read with json and safetensors only: no unpickler, so nothing in the folder can run code. model_from rebuilds
     it (without EXPORT_DROPS). A missing, truncated or foreign config.json or model.safetensors is one line."""
     path = Path(path)
-    hf = (path / META).is_file()  # --format hf: config.json is transformers', vltrain.json the export's record
+    hf = (path / META).is_file()  # --format hf / open_clip: vltrain.json is the export's record
     meta_path = path / (META if hf else CONFIG)
     weights_path = path / WEIGHTS
     if not meta_path.is_file():
@@ -103,11 +103,12 @@ def read_export(path, what: str = "export") -> dict:
     for key, value in (("source", source), ("tied", tied)):
         if not isinstance(value, dict):
             raise CheckpointError(f"{meta_path}: \"{key}\" is a {type(value).__name__}, not a mapping")
-    if not weights_path.is_file():
-        raise CheckpointError(f"{path}: the export has no model.safetensors")
+    if meta.get("layout") == "open_clip":
+        weights_path = path / openclip.WEIGHTS
     weights = _safetensors(weights_path)
-    if hf:  # transformers' tensors under vltrain's names, then the heads (whose temp is the exact one)
-        weights = {**hfclip.to_vltrain(weights), **_safetensors(path / HEADS)}
+    if hf:  # the other library's tensors under vltrain's names, then the heads (whose temp is the exact one)
+        weights = hfclip.to_vltrain(openclip.to_hf(weights) if meta.get("layout") == "open_clip" else weights)
+        weights = {**weights, **_safetensors(path / HEADS)}
     # safetensors stores a tensor once: a tied weight (the MLM decoder shares the word embeddings) is listed by name
     for alias, name in tied.items():
         if name not in weights:

@@ -57,7 +57,7 @@ def folder(spec: str) -> Path:
     return path
 
 
-def _json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as e:
@@ -71,7 +71,7 @@ def clip_config(path: Path):
     """The folder's CLIPConfig; a one-line ValueError for another model type."""
     from transformers import CLIPConfig
 
-    raw = _json(path / "config.json")
+    raw = read_json(path / "config.json")
     kind = raw.get("model_type")
     if kind not in MODEL_TYPES:
         raise ValueError(f"{cut(str(path))}: model_type {cut(repr(kind))}; clip: reads a CLIPModel folder "
@@ -84,7 +84,7 @@ def preprocess(path: Path, vision) -> dict:
     std and interpolation. A processor that resizes to another size than it crops is refused (vltrain's transform
     resizes the shorter side to the crop size)."""
     file = path / "preprocessor_config.json"
-    raw = _json(file) if file.is_file() else {}
+    raw = read_json(file) if file.is_file() else {}
     crop = raw.get("crop_size", vision.image_size)
     crop = crop.get("height", vision.image_size) if isinstance(crop, dict) else int(crop)
     size = raw.get("size", crop)
@@ -152,7 +152,7 @@ def folder_weights(path: Path) -> dict:
     if single.is_file():
         files = [single]
     elif index.is_file():
-        files = sorted({path / name for name in _json(index).get("weight_map", {}).values()})
+        files = sorted({path / name for name in read_json(index).get("weight_map", {}).values()})
     else:
         raise ValueError(f"{cut(str(path))}: no model.safetensors; save the model with save_pretrained (transformers "
                          "writes safetensors) — vltrain does not unpickle .bin weights")

@@ -18,7 +18,7 @@ from vlprep import VlprepError
 from vlprep.outlock import OutLock, lock_output
 from vltrain.accum import AccumStep
 from vltrain.checkpoint import check_config, load, model_from
-from vltrain import hfclip
+from vltrain import hfclip, openclip
 from vltrain.config import Config, ConfigError, ModelConfig
 from vltrain.data.feed import Feed
 from vltrain.data.shards import data_signature
@@ -33,8 +33,9 @@ from vltrain.runlog import RunLog, earlier_rows, init_line, make_console, summar
 from vltrain.step import TrainStep, wrap_ddp
 from vltrain.trainset import TrainData, heldout_positions, prepare
 
+OPEN_CLIP_DIR = "open_clip-init"  # --init-from open_clip:...: the CLIPModel folder it is converted into
 RUN_FILES = ("last.pt", "best.pt", "metrics.jsonl", "result.json", "curriculum.json", "curriculum.png",
-             "learning_curve.png", "tb")
+             "learning_curve.png", "tb", OPEN_CLIP_DIR)
 
 
 # --- the output folder, seeds, device ------------------------------------------------------------------------
@@ -84,11 +85,14 @@ def init_source(init_from, out: Path, resume: bool, overwrite: bool) -> dict | N
         raise TrainError("give --resume or --init-from, not both: --resume continues OUT/last.pt with its optimiser "
                          "and step, --init-from starts a new run from other weights (a resumed run that began with "
                          "--init-from keeps them: its checkpoint has everything)")
-    if hfclip.is_clip(str(init_from)):  # a pretrained CLIP folder: its weights under vltrain's names
-        try:
+    try:
+        if hfclip.is_clip(str(init_from)):  # a pretrained CLIP folder: its weights under vltrain's names
             return hfclip.init_source(str(init_from))
-        except ValueError as e:
-            raise TrainError(f"--init-from {e}") from None
+        if openclip.is_open_clip(str(init_from)):  # checked here, converted once OUT is ready (setup)
+            openclip.hf_config(openclip.read(str(init_from))[0])
+            return None
+    except ValueError as e:
+        raise TrainError(f"--init-from {e}") from None
     path = Path(init_from)
     if overwrite and deleted_by_overwrite(path, out):
         raise TrainError(f"--init-from {path} is a checkpoint of the run in {out}, which --overwrite deletes; copy it "
@@ -98,12 +102,37 @@ def init_source(init_from, out: Path, resume: bool, overwrite: bool) -> dict | N
     return source
 
 
-def clip_start(cfg: Config, init_from) -> Config:
-    """--init-from clip:PATH: the run's text and image towers become that CLIP's (model.text_model and
-    model.image_model set to it); another tower named in the config is a one-line ConfigError."""
-    if init_from is None or not hfclip.is_clip(str(init_from)):
+def clip_spec(init_from, out: Path) -> str | None:
+    """The clip: folder an --init-from names: clip:PATH itself, open_clip:... the CLIPModel folder it is converted
+    into (OUT/open_clip-init); None for a checkpoint or an export."""
+    name = "" if init_from is None else str(init_from)
+    if hfclip.is_clip(name):
+        return name
+    return f"{hfclip.PREFIX}{out / OPEN_CLIP_DIR}" if openclip.is_open_clip(name) else None
+
+
+def convert_open_clip(init_from, out: Path, rank: int) -> dict | None:
+    """--init-from open_clip:...: rank 0 converts it into OUT/open_clip-init (the others wait for it); returns the
+    folder's weights as init_weights reads them. None for any other --init-from."""
+    if init_from is None or not openclip.is_open_clip(str(init_from)):
+        return None
+    error = None
+    if rank == 0:
+        try:
+            openclip.convert(str(init_from), out / OPEN_CLIP_DIR)
+        except ValueError as e:
+            error = f"--init-from {e}"
+    error = broadcast(error)
+    if error is not None:
+        raise TrainError(error)
+    return hfclip.init_source(clip_spec(init_from, out))
+
+
+def clip_start(cfg: Config, spec: str | None) -> Config:
+    """--init-from clip:PATH (or open_clip:..., converted): the run's text and image towers become that CLIP's
+    (model.text_model and model.image_model set to it); another tower in the config is a one-line ConfigError."""
+    if spec is None:
         return cfg
-    spec = str(init_from)
     default = ModelConfig()
     for key in ("text_model", "image_model"):
         if getattr(cfg.model, key) not in (getattr(default, key), spec):
@@ -312,9 +341,12 @@ def setup(cfg: Config, resume: bool = False, overwrite: bool = False, init_from=
     # --init-from is read before OUT is touched: an unreadable source leaves OUT as it was
     source = init_source(init_from, out, resume, overwrite)
     if not resume:  # --init-from clip:PATH names the towers; an unreadable clip: folder is one line, OUT untouched
-        cfg = clip_start(cfg, init_from)
-        resolve_towers(cfg)
+        cfg = clip_start(cfg, clip_spec(init_from, out))
+        if not openclip.is_open_clip(str(init_from)):  # (an open_clip source was checked by init_source)
+            resolve_towers(cfg)
     lock = open_output(out, resume, overwrite, rank)
+    if not resume:
+        source = convert_open_clip(init_from, out, rank) or source
     ckpt = load(out / "last.pt", "--resume checkpoint") if resume else None
     if ckpt is not None:
         check_ranks(ckpt, out / "last.pt", size)
@@ -323,7 +355,7 @@ def setup(cfg: Config, resume: bool = False, overwrite: bool = False, init_from=
 
     # --- data, then the config resolved against it (read-only from here on)
     if resume:  # a run begun from --init-from clip:PATH finds the name in its checkpoint's record
-        cfg = clip_start(cfg, ((ckpt or {}).get("init_from") or {}).get("path"))
+        cfg = clip_start(cfg, clip_spec(((ckpt or {}).get("init_from") or {}).get("path"), out))
     cfg, data, notes = prepare(cfg, device, ckpt, rank, size)
     data_sig = data_signature(cfg.shards)
     if ckpt is not None:

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 from PIL import Image
 from typer.testing import CliRunner
 
@@ -101,6 +102,13 @@ def test_clip_preprocessing_and_tokenizer_come_from_the_folder(clip_dir):
     assert image_interpolation(cfg) == "bicubic"  # CLIPImageProcessor's resample 3
     tok = tokenizer_for(cfg.text_model)
     assert type(tok).__name__ == "CLIPTokenizer"
+    shown = yaml.safe_load(ok(run("config", "--preset", "albef", "--set", f"model.text_model={cfg.text_model}",
+                                  "--set", f"model.image_model={cfg.image_model}")).output)
+    assert shown["model"]["towers"]["image"]["preprocess"] == {"size": SIZE, "mean": list(hfclip.OPENAI_MEAN),
+                                                               "std": list(hfclip.OPENAI_STD),
+                                                               "interpolation": "bicubic"}
+    assert (shown["data"]["image_size"], shown["model"]["embed_dim"], shown["model"]["fusion_from"]) == (
+        SIZE, PROJECTION, "new")
     assert tok.mask_token_id is None and mask_token_id(tok) == tok.unk_token_id  # MLM's stand-in for [MASK]
 
 

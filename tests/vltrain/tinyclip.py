@@ -1,44 +1,14 @@
 """A tiny random CLIPModel folder, as `save_pretrained` writes one (config, safetensors weights, CLIP's BPE tokenizer
-and image processor), built offline: the tokenizer's vocabulary comes from open_clip's packaged BPE merges, as
-transformers' own CLIP conversion builds it."""
+and image processor), built offline (the tokenizer from open_clip's packaged BPE merges: vltrain.openclip)."""
 
-import gzip
 from pathlib import Path
 
 import torch
 
+from vltrain.openclip import clip_tokenizer
+
 SIZE = 32  # the vision tower's input: 4 x 4 patches of 8 pixels
 PROJECTION = 16
-
-
-def byte_characters() -> list[str]:
-    """GPT-2's byte-level BPE alphabet, which CLIP's uses: each of the 256 bytes as a printable character."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
-    chars = keep[:]
-    extra = 0
-    for b in range(256):
-        if b not in keep:
-            keep.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return [chr(c) for c in chars]
-
-
-def bpe_tokenizer(folder: Path):
-    """CLIP's tokenizer (49,408 tokens) from open_clip's bpe_simple_vocab_16e6.txt.gz (found without importing
-    open_clip, whose tokenizer module sets TOKENIZERS_PARALLELISM in the environment)."""
-    import importlib.util
-
-    from transformers import CLIPTokenizer
-
-    path = Path(importlib.util.find_spec("open_clip").origin).parent / "bpe_simple_vocab_16e6.txt.gz"
-    merges = gzip.open(path).read().decode("utf-8").split("\n")[1:49152 - 256 - 2 + 1]
-    chars = byte_characters()
-    vocab = chars + [c + "</w>" for c in chars] + ["".join(m.split()) for m in merges]
-    vocab += ["<|startoftext|>", "<|endoftext|>"]
-    tok = CLIPTokenizer(vocab={t: i for i, t in enumerate(vocab)}, merges=[tuple(m.split()) for m in merges])
-    tok.save_pretrained(str(folder))
-    return tok
 
 
 def tiny_clip(folder: Path, seed: int = 0, projection: int = PROJECTION) -> Path:
@@ -54,7 +24,37 @@ def tiny_clip(folder: Path, seed: int = 0, projection: int = PROJECTION) -> Path
         model.logit_scale.fill_(3.0)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(folder))
-    bpe_tokenizer(folder)
+    clip_tokenizer().save_pretrained(str(folder))
     CLIPImageProcessor(size={"shortest_edge": SIZE}, crop_size={"height": SIZE, "width": SIZE}).save_pretrained(
         str(folder))
     return folder
+
+
+OPEN_CLIP_CFG = {"embed_dim": PROJECTION,
+                 "vision_cfg": {"image_size": SIZE, "layers": 2, "width": 32, "patch_size": 8, "head_width": 16},
+                 "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2}}
+
+
+def tiny_open_clip(folder: Path, seed: int = 0):
+    """A random open_clip CLIP of the same tiny shape, built by open_clip itself and saved as a `local-dir:` folder
+    (open_clip_config.json + open_clip_model.safetensors); returns (folder, the model in eval mode)."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    import open_clip  # its tokenizer module sets TOKENIZERS_PARALLELISM: put the environment back as it was
+
+    if before is None:
+        os.environ.pop("TOKENIZERS_PARALLELISM", None)
+    else:
+        os.environ["TOKENIZERS_PARALLELISM"] = before
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "open_clip_config.json").write_text(json.dumps({"model_cfg": OPEN_CLIP_CFG, "preprocess_cfg": {}}))
+    torch.manual_seed(seed)
+    model = open_clip.create_model(f"local-dir:{folder}")
+    with torch.no_grad():
+        model.logit_scale.fill_(2.5)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "open_clip_model.safetensors"))
+    return folder, model.eval()
