@@ -306,10 +306,11 @@ def export_(
                               "needs the \\[onnx] extra)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Write into a non-empty OUT that is not an export "
                                    "(only the export's files are replaced)."),
-    fmt: str = typer.Option("vltrain", "--format", help="vltrain (the layout above), or hf: a transformers CLIPModel "
+    fmt: str = typer.Option("vltrain", "--format", help="vltrain (the layout above); hf: a transformers CLIPModel "
                             "(VisionTextDualEncoderModel for CLIP towers of two sources) with its tokenizer and image "
-                            "processor, loadable without vltrain, the fusion/ITM/MLM heads in "
-                            "vltrain_heads.safetensors; hf needs CLIP towers (a run from --init-from clip:PATH)."),
+                            "processor; open_clip: open_clip's `local-dir:` layout. hf and open_clip load without "
+                            "vltrain, keep the fusion/ITM/MLM heads in vltrain_heads.safetensors, and need CLIP "
+                            "towers (a run from --init-from clip:PATH or open_clip:...)."),
 ) -> None:
     """A trained model as a folder to ship: the weights inference needs as safetensors (no optimiser, RNG, momentum
     copy or queues), config.json with preprocessing, provenance and eval numbers, the tokenizer and a README;

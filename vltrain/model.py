@@ -112,8 +112,8 @@ def _text_path(name: str) -> Path:
     except OSError:  # a name too long for a path (ENAMETOOLONG) or otherwise unusable as one: no such folder
         folder = False
     if not folder:
-        raise ValueError("text_model must be minilm, tiny, random:minilm, random:bert-base, clip:PATH or a local "
-                         f"Hugging Face model folder, got {cut(repr(name))}")
+        raise ValueError("text_model must be clip:PATH, minilm, tiny, random:minilm, random:bert-base or a local "
+                         f"Hugging Face model folder, got {cut(repr(name), 70)}")
     return Path(name)
 
 
@@ -166,14 +166,10 @@ def mask_token_id(tokenizer) -> int:
     return tokenizer.mask_token_id if tokenizer.mask_token_id is not None else tokenizer.unk_token_id
 
 
-def _build_text_encoder(cfg: ModelConfig, pretrained: bool = True) -> nn.Module:
-    """A BERT-like HF encoder without pooler (an unused pooler would break DDP): ids (B, L) -> (B, L, D); or a CLIP
-    text tower (CLIPTextModel, which pools its end-of-text token)."""
+def _build_text_encoder(name: str) -> nn.Module:
+    """A BERT-like HF encoder without pooler (an unused pooler would break DDP): ids (B, L) -> (B, L, D)."""
     from transformers import AutoModel, BertConfig, BertModel
 
-    name = cfg.text_model
-    if hfclip.is_clip(name):
-        return hfclip.build_tower(cfg, "text", pretrained)
     if name == "tiny":
         return BertModel(BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                     intermediate_size=64, max_position_embeddings=128), add_pooling_layer=False)
@@ -355,7 +351,9 @@ class VLModel(nn.Module):
         self.image_encoder, d_img = _build_image_encoder(cfg, pretrained)
         if cfg.freeze_image:
             self.image_encoder.requires_grad_(False)
-        self.text_encoder = _build_text_encoder(cfg, pretrained)
+        # a CLIP text tower is CLIPTextModel (which pools its end-of-text token); others BERT-like encoders
+        self.text_encoder = (hfclip.build_tower(cfg, "text", pretrained) if hfclip.is_clip(cfg.text_model)
+                             else _build_text_encoder(cfg.text_model))
         tc = self.text_encoder.config
         d_txt = tc.hidden_size
         n_text = tc.num_hidden_layers

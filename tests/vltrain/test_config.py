@@ -83,7 +83,7 @@ def test_precedence_preset_file_set_flags(tmp_path):
     (["batch_size=1"], r"^batch_size=1 is outside its range \[2, inf\) \(contrastive and ITM losses need "
                        r"negatives\)$"),
     (["preset=clip", "loss.distill_alpha=0.4", "model.momentum=false"], r"distill_alpha > 0 needs model.momentum"),
-    (["model.fusion_from=share"], r"^unknown model.fusion_from 'share'; use one of copy, split$"),
+    (["model.fusion_from=share"], r"^unknown model.fusion_from 'share'; use one of copy, split, new$"),
     (["model.fusion_layers=0"], r"^model.fusion_from=split needs model.fusion_layers >= 1"),
     (["loss.distill_warmup_steps=-2"], r"^loss.distill_warmup_steps=-2 is outside its range \[-1, inf\) \(steps; "
                                        r"-1 = one epoch"),

@@ -177,8 +177,8 @@ def test_an_unknown_image_model_on_pixels_names_the_valid_choices(shards, tmp_pa
     """Before: image_stats gave mean None and torchvision's Normalize raised `TypeError: 'NoneType' object is not
     iterable`."""
     line = error_line(run(shards, tmp_path / "r", "--set", "model.image_model=foo"))
-    assert line == ("error: image_model must be one of ['efficientnet-lite0', 'features', 'tiny'], torchvision:ARCH "
-                    "or timm:NAME, got 'foo'")
+    assert line == ("error: image_model must be one of ['efficientnet-lite0', 'features', 'tiny'], torchvision:ARCH, "
+                    "timm:NAME or clip:PATH, got 'foo'")
     line = error_line(run(shards, tmp_path / "r", "--set", "model.image_model=" + "f" * 5000))
     assert len(line) < 250 and line.endswith("…"), line
     from vltrain.config import ModelConfig
