@@ -1,6 +1,7 @@
 """train.report_to: the config key, the rows and parameters the trackers get, and real offline W&B and MLflow runs
 read back and compared with metrics.jsonl (a resume continuing the same tracked run)."""
 
+import io
 import json
 import struct
 import sys
@@ -8,6 +9,7 @@ from dataclasses import fields, is_dataclass
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 from typer.testing import CliRunner
 
 from tests.conftest import colour_pairs
@@ -167,6 +169,39 @@ def test_a_tracker_that_cannot_start_is_one_line(monkeypatch, tmp_path):
     with pytest.raises(TrainError, match=r"^train.report_to=wandb: could not start its run: api_key not configured "
                                          r"\(no-tty\)$"):
         fake_trackers(monkeypatch, tmp_path, NoLogin)
+
+
+def test_a_tracker_that_cannot_start_ends_those_started_before_it(monkeypatch, tmp_path):
+    class NoServer(Fake):
+        def start(self, config, name, resume_id):
+            raise ConnectionError("http://mlflow:5000 refused the connection")
+
+    Fake.calls = []
+    monkeypatch.setitem(tracking.TRACKERS, "wandb", Fake)
+    monkeypatch.setitem(tracking.TRACKERS, "mlflow", NoServer)
+    cfg = load_config("clip", sets=["train.report_to=wandb,mlflow"])
+    with pytest.raises(TrainError, match=r"^train.report_to=mlflow: could not start its run: http://mlflow:5000 "):
+        tracking.Trackers(cfg, tmp_path, 0, None)
+    assert Fake.calls == [("start", None), ("finish", False)]
+
+
+def test_a_tracker_that_fails_mid_run_is_dropped_with_a_warning(monkeypatch, tmp_path):
+    class Flaky(Fake):
+        def log(self, values, step):
+            if step == 2:
+                raise OSError("disk full")
+            super().log(values, step)
+
+    Flaky.calls = []
+    monkeypatch.setitem(tracking.TRACKERS, "wandb", Flaky)
+    said = io.StringIO()
+    t = tracking.Trackers(load_config("clip", sets=["train.report_to=wandb"]), tmp_path, 0, Console(file=said, soft_wrap=True))
+    for step in (1, 2, 3):
+        t.log({"step": step, "total": 1.0})
+    t.finish(None, True)
+    assert Flaky.calls == [("start", None), (1, ["total"])]
+    assert said.getvalue() == ("warning: train.report_to=wandb could not log step 2 (disk full); training goes on "
+                               "without it\n")
 
 
 @pytest.mark.parametrize("name", ["wandb", "mlflow"])
