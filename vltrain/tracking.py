@@ -147,8 +147,7 @@ class Trackers:
         if not self.active:
             return
         check_installed(list(self.active))
-        path = out / STATE
-        self.state = json.loads(path.read_text()) if path.exists() else {}
+        self.state = read_state(out / STATE)
         config = params(cfg)
         started = {}
         for name, tracker in self.active.items():
@@ -208,6 +207,20 @@ class Trackers:
         tmp = path.with_name(STATE + ".tmp")
         tmp.write_text(json.dumps(self.state) + "\n")
         os.replace(tmp, path)
+
+
+def read_state(path: Path) -> dict:
+    """OUT/tracking.json ({tracker: {id, step, kinds}}), {} when absent; a TrainError when it is not such JSON."""
+    if not path.exists():
+        return {}
+    try:
+        state = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError):
+        state = None
+    if not isinstance(state, dict) or not all(isinstance(r, dict) and {"id", "step", "kinds"} <= set(r)
+                                              for r in state.values()):
+        raise TrainError(f"{path}: not the tracked runs' ids (JSON); delete it to start new tracked runs")
+    return state
 
 
 def _line(e: Exception) -> str:

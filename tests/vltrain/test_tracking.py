@@ -151,6 +151,13 @@ def test_a_resumed_tracker_skips_the_rows_it_had(monkeypatch, tmp_path):
         "wandb": {"id": "abc", "step": 4, "kinds": ["train", "curriculum"]}}
 
 
+def test_an_unreadable_tracking_json_is_one_line(monkeypatch, tmp_path):
+    (tmp_path / "tracking.json").write_text("{not json")
+    with pytest.raises(TrainError, match=r"^.*tracking.json: not the tracked runs' ids \(JSON\); delete it to start "
+                                         r"new tracked runs$"):
+        fake_trackers(monkeypatch, tmp_path)
+
+
 def test_other_ranks_track_nothing(monkeypatch, tmp_path):
     monkeypatch.setitem(tracking.TRACKERS, "wandb", Fake)
     Fake.calls = []
@@ -195,7 +202,8 @@ def test_a_tracker_that_fails_mid_run_is_dropped_with_a_warning(monkeypatch, tmp
     Flaky.calls = []
     monkeypatch.setitem(tracking.TRACKERS, "wandb", Flaky)
     said = io.StringIO()
-    t = tracking.Trackers(load_config("clip", sets=["train.report_to=wandb"]), tmp_path, 0, Console(file=said, soft_wrap=True))
+    console = Console(file=said, soft_wrap=True)
+    t = tracking.Trackers(load_config("clip", sets=["train.report_to=wandb"]), tmp_path, 0, console)
     for step in (1, 2, 3):
         t.log({"step": step, "total": 1.0})
     t.finish(None, True)
