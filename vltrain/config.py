@@ -165,6 +165,7 @@ class OptimConfig(Section):
 
 SWITCHES = ("auto", "on", "off")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+TRACKERS = ("tensorboard", "wandb", "mlflow")
 
 
 @dataclass
@@ -183,6 +184,9 @@ class TrainConfig(Section):
                                         # sees the whole batch); 1 = one pass as before
     grad_checkpointing: bool = False    # recompute the text, fusion, aligner and trained image layers' activations
                                         # in the backward pass instead of keeping them: less memory, a slower step
+    # where metrics.jsonl's rows also go: tensorboard (tb/), wandb, mlflow (the [wandb] / [mlflow] extras); [] or
+    # none = metrics.jsonl alone
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
 
 
 @dataclass
@@ -403,6 +407,7 @@ def validate(cfg: Config) -> None:
                           "probability; null = the towers' own rates)")
     if cfg.train.precision not in PRECISIONS:
         raise ConfigError(f"train.precision must be one of {', '.join(PRECISIONS)}, got {shown(cfg.train.precision)}")
+    cfg.train.report_to = report_to(cfg.train.report_to)
     s = cfg.sampler
     if s.kind not in SAMPLERS:
         raise ConfigError(f"unknown sampler {shown(s.kind)}; samplers: {', '.join(SAMPLERS)}")
@@ -416,6 +421,17 @@ def validate(cfg: Config) -> None:
     m, queue = grit_sizes(cfg)
     if s.kind == "grit" and (m < 2 or queue < m):
         raise ConfigError("GRIT needs sampler.search_space >= 2 and sampler.queue_size >= sampler.search_space")
+
+
+def report_to(names: list[str]) -> list[str]:
+    """train.report_to as a list of TRACKERS without repeats ("wandb,mlflow" from --set is two; none is none)."""
+    found = []
+    for name in (part.strip() for item in names for part in item.split(",")):
+        if name not in TRACKERS + ("none", ""):
+            raise ConfigError(f"train.report_to: unknown tracker {shown(name)}; use {', '.join(TRACKERS)} or none")
+        if name not in found + ["none", ""]:
+            found.append(name)
+    return found
 
 
 SAMPLERS = ("random", "tonics", "grit")

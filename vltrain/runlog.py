@@ -14,6 +14,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, 
 
 from vlprep.urls import redact
 from vltrain.figures import plot_learning_curve
+from vltrain.tracking import Trackers
 
 
 
@@ -100,6 +101,8 @@ def summary(cfg, model, device, n_train: int, n_val: int, per_epoch: int, size: 
     extras += [f"MLM {w.mlm_prob:.0%}"] if w.mlm > 0 else []
     pooling = "CLIP's end-of-text" if m.text_model.startswith("clip:") else m.pooling
     p, why = precision
+    others = [name for name in cfg.train.report_to if name != "tensorboard"]
+    reports = f"; reports to {', '.join(others)}" if others else ""
     dtype = {"bf16": "bf16 autocast", "fp16": "fp16 autocast, loss scaling"}.get(p, "float32")
     dtype += f", {why}" if why else ""
     lines = [
@@ -120,7 +123,8 @@ def summary(cfg, model, device, n_train: int, n_val: int, per_epoch: int, size: 
         + (f"; frozen: {', '.join(frozen)}" if frozen else ""),
         f"  device   {device} ({dtype}); lr {cfg.optim.lr:g}, warm-up {cfg.optim.warmup_steps}",
         f"  out      {cfg.out}: last.pt every {cfg.ckpt_every} steps or {cfg.ckpt_minutes:g} min, best.pt at evals "
-        f"every {cfg.eval_every} steps, metrics.jsonl, learning_curve.png, tb/",
+        f"every {cfg.eval_every} steps, metrics.jsonl, learning_curve.png"
+        + (", tb/" if "tensorboard" in cfg.train.report_to else "") + reports,
     ]
     return "\n".join(lines)
 
@@ -145,17 +149,22 @@ class _NoBoard:
 
 class RunLog:
     """One run's reporting, a context manager: metrics.jsonl (kept in `rows` for the learning curve), TensorBoard
-    under tb/, the progress bar and the speed lines. `rows` are the earlier rows of a resumed run."""
+    under tb/ and the other trackers of train.report_to, the progress bar and the speed lines. `rows` are the earlier
+    rows of a resumed run."""
 
     def __init__(self, cfg, out: Path, rank: int, rows: list[dict], step: int, device, use_features: bool,
                  console: Console):
         self.console = console
         self.cfg, self.out, self.rows, self.device, self.use_features = cfg, out, rows, device, use_features
+        self.trackers = Trackers(cfg, out, rank, console)  # first: a tracker that cannot start leaves nothing open
         self.metrics = (out / "metrics.jsonl").open("w") if rank == 0 else open(os.devnull, "w")
         self.metrics.writelines(json.dumps(r) + "\n" for r in rows)
         from torch.utils.tensorboard import SummaryWriter  # slow to import: only once a run starts
 
-        self.tb = SummaryWriter(str(out / "tb")) if rank == 0 else _NoBoard()
+        board = rank == 0 and "tensorboard" in cfg.train.report_to
+        self.tb = SummaryWriter(str(out / "tb")) if board else _NoBoard()
+        for row in rows:  # a tracker that is new to the run gets its earlier rows (one that had them skips them)
+            self.trackers.log(row)
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("eta"),
                                  TimeRemainingColumn(), console=console, disable=not console.is_terminal)
@@ -173,12 +182,14 @@ class RunLog:
         self.progress.__exit__(*exc)
         self.metrics.close()
         self.tb.close()
+        self.trackers.finish(self.last_eval, exc[0] is None)
 
     def log(self, row: dict) -> None:
         """One metrics.jsonl row."""
         self.rows.append(row)
         self.metrics.write(json.dumps(row) + "\n")
         self.metrics.flush()
+        self.trackers.log(row)
 
     def step(self, step: int, losses: dict, lr: float, alpha: float, bad: int, samples: int,
              io: dict | None = None) -> None:

@@ -31,11 +31,12 @@ from vltrain.resolve import resolve_towers
 from vltrain.resume import Run, RunState, check_ranks, check_resumable, restore, set_rng_states
 from vltrain.runlog import RunLog, earlier_rows, init_line, make_console, summary
 from vltrain.step import TrainStep, wrap_ddp
+from vltrain.tracking import check_installed
 from vltrain.trainset import TrainData, heldout_positions, prepare
 
 OPEN_CLIP_DIR = "open_clip-init"  # --init-from open_clip:...: the CLIPModel folder it is converted into
 RUN_FILES = ("last.pt", "best.pt", "metrics.jsonl", "result.json", "curriculum.json", "curriculum.png",
-             "learning_curve.png", "tb", OPEN_CLIP_DIR)
+             "learning_curve.png", "tb", "tracking.json", OPEN_CLIP_DIR)
 
 
 # --- the output folder, seeds, device ------------------------------------------------------------------------
@@ -338,6 +339,7 @@ def setup(cfg: Config, resume: bool = False, overwrite: bool = False, init_from=
     device = train_device(device_name)
     if device.type == "cpu":
         keep_freed_memory()
+    check_installed(cfg.train.report_to)  # a missing extra stops the run before OUT is touched
     # --init-from is read before OUT is touched: an unreadable source leaves OUT as it was
     source = init_source(init_from, out, resume, overwrite)
     if not resume:  # --init-from clip:PATH names the towers; an unreadable clip: folder is one line, OUT untouched
