@@ -100,21 +100,25 @@ def image_graphs(net) -> list[tuple[str, str, str]]:
     return [("image", IMAGE_ONNX, "pixels"), ("image_tokens", IMAGE_TOKENS_ONNX, "tokens")]
 
 
-def example_inputs(net, config: dict, tokenizer, n: int, image_input: str = "pixels") -> tuple[torch.Tensor, dict]:
-    """n images (normalised pixels, or feature tokens) and n captions of different lengths, padded to the longest:
-    the trace sees a padded attention mask, and the check another batch size and length than the trace."""
+def example_images(net, config: dict, n: int, image_input: str) -> torch.Tensor:
+    """n images: normalised pixels (B, 3, S, S), or feature tokens (B, N, D) with N another count for each n (the
+    check sees another token count than the trace)."""
     gen = torch.Generator().manual_seed(n)
     if image_input == "tokens":
-        tokens = int(net.cfg.feature_encoder.get("tokens") or 4) + n - 2  # and the check another token count
-        images = torch.randn(n, tokens, net.cfg.feature_dim, generator=gen)
-    else:
-        size = net.image_size if net.cfg.image_model == "features" else config["data"]["image_size"]
-        images = torch.randn(n, 3, size, size, generator=gen)
+        tokens = int(net.cfg.feature_encoder.get("tokens") or 4) + n - 2
+        return torch.randn(n, tokens, net.cfg.feature_dim, generator=gen)
+    size = net.image_size if net.cfg.image_model == "features" else config["data"]["image_size"]
+    return torch.randn(n, 3, size, size, generator=gen)
+
+
+def example_texts(config: dict, tokenizer, n: int) -> dict:
+    """n captions of different lengths, padded to the longest: the trace sees a padded attention mask, and the check
+    another batch size and length than the trace."""
     words = ["a photo of", "a red", "dog", "on the grass", "next to a small", "blue car", "and", "a tree"]
     texts = [" ".join(words[:2 + (i * 3) % len(words)]) for i in range(n)]
     enc = tokenizer(texts, padding="longest", truncation=True, max_length=config["data"]["max_len"],
                     return_tensors="pt")
-    return images, {k: enc[k].to(torch.int64) for k in ("input_ids", "attention_mask")}
+    return {k: enc[k].to(torch.int64) for k in ("input_ids", "attention_mask")}
 
 
 def trace(tower: nn.Module, inputs: dict, axes: dict, path: Path) -> None:
@@ -195,11 +199,11 @@ def write_onnx(net, config: dict, tokenizer, out: Path) -> dict:
     info = {"opset": ONNX_OPSET, "exporter": exporter}
     diff = {}
     for key, file, name in image_graphs(net):
-        images, _ = example_inputs(net, config, tokenizer, 3, name)
+        images = example_images(net, config, 3, name)
         with torch.no_grad():  # first: a features model builds its frozen encoder here, outside the trace
             want = image_tower(images)
         axes = {0: "batch"} if name == "pixels" else {0: "batch", 1: "tokens"}
-        trace(image_tower, {name: example_inputs(net, config, tokenizer, 2, name)[0]}, {name: axes}, out / file)
+        trace(image_tower, {name: example_images(net, config, 2, name)}, {name: axes}, out / file)
         shape = ["batch", 3, images.shape[2], images.shape[3]] if name == "pixels" else \
             ["batch", "tokens", net.cfg.feature_dim]
         info[key] = {"file": file, "input": {"name": name, "dtype": "float32", "shape": shape}, "output": output}
@@ -208,10 +212,10 @@ def write_onnx(net, config: dict, tokenizer, out: Path) -> dict:
             diff[key] = ort_diff(out / file, {name: images}, want)
         else:
             diff[key], diff[f"{key}_encoder"] = encoder_diff(net, image_tower, graph, images)
-    _, text = example_inputs(net, config, tokenizer, 2)
+    text = example_texts(config, tokenizer, 2)
     text_axes = {0: "batch", 1: "length"}
     trace(text_tower, text, {"input_ids": text_axes, "attention_mask": text_axes}, out / TEXT_ONNX)
-    _, text = example_inputs(net, config, tokenizer, 3)
+    text = example_texts(config, tokenizer, 3)
     with torch.no_grad():
         diff["text"] = ort_diff(out / TEXT_ONNX, text, text_tower(text["input_ids"], text["attention_mask"]))
     info["text"] = {"file": TEXT_ONNX, "inputs": [{"name": n, "dtype": "int64", "shape": ["batch", "length"]}
@@ -265,29 +269,36 @@ def readme(meta: dict, out: Path) -> str:
             zs = ev["zeroshot"]
             lines += [f"Zero-shot: top-1 {zs['top1']:.2f} %, top-5 {zs.get('top5', float('nan')):.2f} % over "
                       f"{zs.get('classes', '?')} classes.", ""]
-    stats = (f"{pre['image_size']} x {pre['image_size']} RGB, {pre['resize']}, scaled to [0, 1] and normalised with "
-             f"mean {[round(v, 4) for v in pre['mean']]} and std {[round(v, 4) for v in pre['std']]}"
+    size = pre["image_size"]
+    stats = (f"RGB (transparency composited on white), the shorter side resized to {size} (antialiased bilinear on "
+             f"uint8: config.json's preprocessing.resize_kernel), centre-cropped to {size} x {size}, scaled to "
+             f"[0, 1] and normalised with mean {[round(v, 4) for v in pre['mean']]} and std "
+             f"{[round(v, 4) for v in pre['std']]}: (batch, 3, {size}, {size}) float32"
              if pre["image_input"] == "pixels" else "")
+    onnx = meta.get("onnx")
     if mc["image_model"] != "features":
         image_in = stats
     elif stats:
-        image_in = (f"{stats}, which vltrain runs through the frozen `{meta['feature_encoder']['encoder']}` encoder; "
-                    "the ONNX image graph reads that encoder's tokens, as `vlprep features` caches them")
+        image_in = (f"{stats}; the frozen `{meta['feature_encoder']['encoder']}` encoder turns them into the tokens "
+                    "`vlprep features` caches" + (", and the pixels graph holds that encoder" if onnx else ""))
     else:
-        image_in = "the cached `vlprep features` tokens only (the export has no record of their encoder)"
+        image_in = ("the cached `vlprep features` tokens only (the export has no record of their encoder, so the "
+                    "ONNX image graph reads tokens)")
     lines += ["## Files", "",
               "- `model.safetensors`: the weights inference reads (no optimiser, RNG, momentum copy or queues)",
               "- `config.json`: format, the run's config, preprocessing, provenance, eval numbers",
-              "- `tokenizer/`: the Hugging Face tokenizer (`AutoTokenizer.from_pretrained`), "
-              f"captions truncated to {pre['max_len']} tokens"]
-    if meta.get("onnx") and meta["onnx"].get("itc_trained") is False:
+              "- `tokenizer/`: the Hugging Face tokenizer (`AutoTokenizer.from_pretrained`, or `tokenizers` "
+              f"with tokenizer.json), captions padded to the longest and truncated to {pre['max_len']} tokens"]
+    if onnx and onnx.get("itc_trained") is False:
         lines += [f"- note: {UNTRAINED_ITC}; use `vltrain.load` and the aligner, not the ONNX graphs"]
-    if meta.get("onnx"):
-        image = meta["onnx"]["image"]["input"]
-        lines += [f"- `{IMAGE_ONNX}`: `{image['name']}` float32 ({', '.join(map(str, image['shape']))}) -> "
-                  f"`embedding` (batch, {mc['embed_dim']}), L2-normalised",
-                  f"- `{TEXT_ONNX}`: `input_ids`, `attention_mask` int64 (batch, length) -> `embedding` "
-                  f"(batch, {mc['embed_dim']}), L2-normalised"]
+    for key in ("image", "image_tokens") if onnx else ():
+        if key in onnx:
+            graph = onnx[key]["input"]
+            lines.append(f"- `{onnx[key]['file']}`: `{graph['name']}` float32 ({', '.join(map(str, graph['shape']))})"
+                         f" -> `embedding` (batch, {mc['embed_dim']}), L2-normalised")
+    if onnx:
+        lines.append(f"- `{TEXT_ONNX}`: `input_ids`, `attention_mask` int64 (batch, length) -> `embedding` "
+                     f"(batch, {mc['embed_dim']}), L2-normalised")
     lines += ["", f"Images: {image_in}.", "", "## Loading", "", "```python", "import vltrain", "",
               f'model = vltrain.load("{out.name}")  # json and safetensors only: no pickle',
               'img = model.encode_images(["a.png"])', 'txt = model.encode_texts(["a dog"])', "```", ""]
