@@ -3,10 +3,10 @@
 import warnings
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
+from vlprep import VlprepError
 from vlprep.urls import redact
 from vltrain.checkpoint import load, model_from
 from vltrain.errors import TrainError
@@ -200,8 +200,12 @@ def write_onnx(net, config: dict, tokenizer, out: Path) -> dict:
     diff = {}
     for key, file, name in image_graphs(net):
         images = example_images(net, config, 3, name)
-        with torch.no_grad():  # first: a features model builds its frozen encoder here, outside the trace
-            want = image_tower(images)
+        try:
+            with torch.no_grad():  # first: a features model builds its frozen encoder here, outside the trace
+                want = image_tower(images)
+        except VlprepError as e:  # the recorded encoder's weights are gone or changed
+            raise TrainError(f"{e}; the ONNX image graph holds that encoder: restore its weights, or export without "
+                             "--onnx") from None
         axes = {0: "batch"} if name == "pixels" else {0: "batch", 1: "tokens"}
         trace(image_tower, {name: example_images(net, config, 2, name)}, {name: axes}, out / file)
         shape = ["batch", 3, images.shape[2], images.shape[3]] if name == "pixels" else \

@@ -34,7 +34,8 @@ EVAL = "eval.json"
 RESIZE = "shorter side then centre crop"  # config.json's first word on it, kept for its readers
 # torchvision v2's Resize of a uint8 image on the CPU, as eval_transform runs it on AVX2, AVX-512 and ARM CPUs (on other
 # x86 CPUs torchvision resizes in float32 and rounds: a pixel may come out one level apart). PIL's bilinear resize is
-# no substitute: its weights have 22 bits, these 15 at most, so some pixels round one level apart.
+# no substitute: its weights have 22 bits, these 15 at most, and for some sizes it takes the height first; either
+# rounds some pixels one level apart.
 RESIZE_KERNEL = ("separable: width, then height, each pass rounded to uint8. Along a side of m pixels resized to n, "
                  "with s = m / n, output pixel i weighs input pixel j by max(0, 1 - |j - s * (i + 0.5) + 0.5| / "
                  "max(s, 1)), normalised to sum 1 (summed in order of j); in fixed point each weight is "

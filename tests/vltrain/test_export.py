@@ -217,6 +217,26 @@ def test_a_features_model_exports_an_image_graph_over_its_tokens(tmp_path):
         assert np.abs(image.run(None, {"tokens": x.numpy()})[0] - want).max() < 1e-4
 
 
+def test_a_features_models_pixel_graph_needs_its_encoders_weights(tmp_path):
+    pytest.importorskip("onnxruntime")
+    from vltrain.config import Config, DataConfig, ModelConfig, to_dict
+
+    weights = tmp_path / "resnet18.pt"
+    spec = {"encoder": "torchvision:resnet18", "weights": str(weights), "weights_sha256": "0" * 16, "size": 64,
+            "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225], "tokens": 4, "dim": 512, "dtype": "float16"}
+    mc = ModelConfig(text_model="tiny", image_model="features", feature_dim=512, feature_encoder=spec, embed_dim=16,
+                     fusion_layers=0)
+    ckpt = tmp_path / "feat.pt"
+    torch.save({"model": build_model(mc).state_dict(),
+                "config": to_dict(Config(model=mc, data=DataConfig(image_size=32, max_len=12)))}, ckpt)
+    # the weights file is gone: the pixels graph cannot be built, in one line; without --onnx nothing needs it
+    one_line_error(invoke("export", ckpt, tmp_path / "out", "--onnx"),
+                   r"resnet18\.pt, which is missing; the ONNX image graph holds that encoder: restore its weights, or "
+                   r"export without --onnx$")
+    assert not (tmp_path / "out" / "config.json").exists()
+    ok(invoke("export", ckpt, tmp_path / "out"))
+
+
 def test_the_export_folder_is_refused_or_replaced_as_it_should(runs, tmp_path):
     out = tmp_path / "busy"
     out.mkdir()
