@@ -113,6 +113,13 @@ def run_snippet(export_dir: Path, folder: Path, images: list[str]) -> dict:
         return dict(got)
 
 
+def test_the_prelude_stops_torch_and_vltrain():
+    for module in ("torch", "vltrain.api", "transformers"):  # not vacuous: they are installed here
+        r = subprocess.run([sys.executable, "-I", "-c", PRELUDE + f"import {module}"], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode != 0 and f"{module.split('.')[0]} may not be imported here" in r.stderr, r.stderr[-500:]
+
+
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory):
     """--onnx exports of a tiny pixel model (32 px) and of a features model over EfficientNet-Lite0 at 64 px, tokens
