@@ -101,11 +101,10 @@ def image_graphs(net) -> list[tuple[str, str, str]]:
 
 
 def example_images(net, config: dict, n: int, image_input: str) -> torch.Tensor:
-    """n images: normalised pixels (B, 3, S, S), or feature tokens (B, N, D) with N another count for each n (the
-    check sees another token count than the trace)."""
+    """n random normalised pixels (n, 3, S, S), or feature tokens (n, N, D)."""
     gen = torch.Generator().manual_seed(n)
     if image_input == "tokens":
-        tokens = int(net.cfg.feature_encoder.get("tokens") or 4) + n - 2
+        tokens = int(net.cfg.feature_encoder.get("tokens") or 4) + n - 2  # the check sees another count than the trace
         return torch.randn(n, tokens, net.cfg.feature_dim, generator=gen)
     size = net.image_size if net.cfg.image_model == "features" else config["data"]["image_size"]
     return torch.randn(n, 3, size, size, generator=gen)
@@ -163,10 +162,10 @@ def with_encoder_tokens(path: Path) -> bytes | None:
 
 
 def encoder_diff(net, tower: nn.Module, graph: bytes, images: torch.Tensor) -> tuple[float, float]:
-    """A features model's pixel graph checked in its two parts: (the max abs difference of its embedding from torch's
-    on the graph's own tokens rounded to float16, that of its encoder's float32 tokens from torch's). End to end would
-    not do: two encoders that agree to float32 rounding still round a token to either side of a float16 step now and
-    then, which moves the embedding by more than float32 rounding."""
+    """A features model's pixels graph (with_encoder_tokens) in two parts: (max abs difference of its embedding from
+    torch's on the graph's own tokens rounded to float16, that of its encoder's float32 tokens from torch's)."""
+    # Not end to end: two encoders that agree to float32 rounding still round a token to either side of a float16
+    # step now and then, which moves the embedding by more than float32 rounding.
     got, tokens = ort_run(graph, {"pixels": images})
     with torch.no_grad():
         want_tokens = net._pixel_encoder(images)  # built by the model's first pixel input (VLModel.pixel_tokens)
@@ -185,7 +184,7 @@ def write_onnx(net, config: dict, tokenizer, out: Path) -> dict:
     record, image_encoder.onnx is the tokens graph, and the tokens must come from `vlprep features`."""
     try:
         import onnx  # noqa: F401  (the exporter serialises with it)
-        import onnxruntime  # noqa: F401
+        import onnxruntime  # noqa: F401  (the check runs the graphs with it)
     except ImportError:
         raise TrainError("--onnx needs onnx and onnxruntime: pip install 'vlprep-vltrain[onnx]' (`make install` "
                          "has them)") from None

@@ -182,9 +182,8 @@ def eval_numbers(ev: dict) -> dict | None:
 
 
 def preprocessing(net, config: dict) -> dict:
-    """What the image and text inputs must be: the eval transform's recipe, step by step (vlprep.encoders.eval_transform
-    with the decode of vlprep.dataset.as_rgb; docs/API.md does it in numpy), and the tokenizer call (api.Model.tokens);
-    a features model without an encoder record reads tokens only, so its image keys are None."""
+    """Every step from an image file and a caption to the graphs' inputs (vlprep.dataset.as_rgb, eval_transform,
+    api.Model.tokens) spelled out, as docs/API.md does them in numpy; image keys None for a model that reads tokens."""
     mc = net.cfg
     features = mc.image_model == "features"
     pixels = net.image_mean is not None
