@@ -6,13 +6,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from vlprep import VlprepError
 from vlprep.urls import redact
 from vltrain.checkpoint import load, model_from
 from vltrain.errors import TrainError
 from vltrain import openclip
 from vltrain.export_hf import FORMATS, check_hf, hf_meta, hf_readme, write_hf, write_meta, write_open_clip
-from vltrain.exportfmt import (CONFIG, EXPORT_DROPS, HEADS, IMAGE_ONNX, META, README, TEXT_ONNX, TOKENIZER, WEIGHTS,
-                               export_config, prepare_out, write_config, write_weights)
+from vltrain.exportfmt import (CONFIG, EXPORT_DROPS, HEADS, IMAGE_ONNX, IMAGE_TOKENS_ONNX, META, README, TEXT_ONNX,
+                               TOKENIZER, WEIGHTS, export_config, prepare_out, write_config, write_weights)
 from vltrain.model import tokenizer_for
 
 # `vltrain.load(OUT)` and every command that takes a checkpoint read the folder (vltrain.checkpoint.load).
@@ -67,7 +68,7 @@ def export(checkpoint, out, onnx: bool = False, overwrite: bool = False, fmt: st
         (out / README).write_text(readme(meta, out), encoding="utf-8")
         write_config(meta, out)  # last: from now on the folder is a complete export
         files = [WEIGHTS, CONFIG, TOKENIZER + "/", README]
-    files += [IMAGE_ONNX, TEXT_ONNX] if onnx else []
+    files += [v["file"] for v in (onnx_info or {}).values() if isinstance(v, dict) and "file" in v]
     return {"out": str(out), "files": files, "dropped": dropped, "onnx": onnx_info, "warnings": warnings_}
 
 
@@ -95,7 +96,8 @@ def itc_trained(config: dict) -> bool:
 
 
 class ImageTower(nn.Module):
-    """encode_image's ITC embedding alone: pixels (B, 3, S, S), or a features model's tokens (B, N, D) -> (B, E)."""
+    """encode_image's ITC embedding alone: pixels (B, 3, S, S) (a features model's through its frozen encoder,
+    VLModel.pixel_tokens), or a features model's tokens (B, N, D) -> (B, E)."""
 
     def __init__(self, net):
         super().__init__()
@@ -116,83 +118,144 @@ class TextTower(nn.Module):
         return self.net.encode_text(input_ids, attention_mask)[1]
 
 
-def example_inputs(net, config: dict, tokenizer, n: int) -> tuple[torch.Tensor, dict]:
-    """n images (normalised pixels, or feature tokens) and n captions of different lengths, padded to the longest:
-    the trace sees a padded attention mask, and the check another batch size and length than the trace."""
+def image_graphs(net) -> list[tuple[str, str, str]]:
+    """(key in config.json's onnx, file, input name) of each image graph: one from pixels wherever the model can read
+    them (a features model through its recorded encoder), and a features model's graph over its cached tokens."""
+    if net.cfg.image_model != "features":
+        return [("image", IMAGE_ONNX, "pixels")]
+    if not net.cfg.feature_encoder:  # no record of the encoder: the tokens are all it can read
+        return [("image", IMAGE_ONNX, "tokens")]
+    return [("image", IMAGE_ONNX, "pixels"), ("image_tokens", IMAGE_TOKENS_ONNX, "tokens")]
+
+
+def example_images(net, config: dict, n: int, image_input: str) -> torch.Tensor:
+    """n random normalised pixels (n, 3, S, S), or feature tokens (n, N, D)."""
     gen = torch.Generator().manual_seed(n)
-    if net.cfg.image_model == "features":  # the graph reads the cached tokens (write_onnx says why)
-        tokens = int(net.cfg.feature_encoder.get("tokens") or 4) + n - 2  # and the check another token count
-        images = torch.randn(n, tokens, net.cfg.feature_dim, generator=gen)
-    else:
-        size = config["data"]["image_size"]
-        images = torch.randn(n, 3, size, size, generator=gen)
+    if image_input == "tokens":
+        tokens = int(net.cfg.feature_encoder.get("tokens") or 4) + n - 2  # the check sees another count than the trace
+        return torch.randn(n, tokens, net.cfg.feature_dim, generator=gen)
+    size = net.image_size if net.cfg.image_model == "features" else config["data"]["image_size"]
+    return torch.randn(n, 3, size, size, generator=gen)
+
+
+def example_texts(config: dict, tokenizer, n: int) -> dict:
+    """n captions of different lengths, padded to the longest: the trace sees a padded attention mask, and the check
+    another batch size and length than the trace."""
     words = ["a photo of", "a red", "dog", "on the grass", "next to a small", "blue car", "and", "a tree"]
     texts = [" ".join(words[:2 + (i * 3) % len(words)]) for i in range(n)]
     enc = tokenizer(texts, padding="longest", truncation=True, max_length=config["data"]["max_len"],
                     return_tensors="pt")
-    return images, {k: enc[k].to(torch.int64) for k in ("input_ids", "attention_mask")}
+    return {k: enc[k].to(torch.int64) for k in ("input_ids", "attention_mask")}
+
+
+def trace(tower: nn.Module, inputs: dict, axes: dict, path: Path) -> None:
+    """torch.onnx.export of `tower` on `inputs` {name: tensor} with their dynamic `axes`, to `path`."""
+    with warnings.catch_warnings():
+        # The TorchScript exporter's deprecation notice, and tracer notes on Python bools in transformers' mask code
+        # (no padding beyond the mask, not causal), which hold for every batch and length: the check runs both.
+        warnings.simplefilter("ignore")
+        torch.onnx.export(tower, tuple(inputs.values()), str(path), input_names=list(inputs),
+                          output_names=["embedding"], dynamic_axes={**axes, "embedding": {0: "batch"}},
+                          opset_version=ONNX_OPSET, dynamo=False)
+
+
+def ort_run(graph, inputs: dict) -> list:
+    """onnxruntime's outputs of `graph` (a path, or a serialised model) for `inputs` {name: tensor}, as numpy."""
+    import onnxruntime
+
+    opts = onnxruntime.SessionOptions()
+    opts.log_severity_level = 3
+    graph = str(graph) if isinstance(graph, Path) else graph
+    session = onnxruntime.InferenceSession(graph, opts, providers=["CPUExecutionProvider"])
+    return session.run(None, {k: v.numpy() for k, v in inputs.items()})
+
+
+def ort_diff(path: Path, inputs: dict, want: torch.Tensor) -> float:
+    """Max abs difference of onnxruntime's output for `inputs` {name: tensor} from torch's `want`."""
+    return float((torch.from_numpy(ort_run(path, inputs)[0]) - want).abs().max())
+
+
+def with_encoder_tokens(path: Path) -> bytes | None:
+    """The image graph at `path` with a second output: its frozen encoder's float32 tokens, the input of its one Cast
+    to float16 (the dtype `vlprep features` stored them in); None for a graph without one (stored as float32)."""
+    import onnx
+
+    model = onnx.load(str(path))
+    to16 = [n.input[0] for n in model.graph.node
+            if n.op_type == "Cast" and onnx.helper.get_attribute_value(n.attribute[0]) == onnx.TensorProto.FLOAT16]
+    if len(to16) != 1:
+        return None
+    model.graph.output.append(onnx.helper.make_tensor_value_info(to16[0], onnx.TensorProto.FLOAT, None))
+    return model.SerializeToString()
+
+
+def encoder_diff(net, tower: nn.Module, graph: bytes, images: torch.Tensor) -> tuple[float, float]:
+    """A features model's pixels graph (with_encoder_tokens) in two parts: (max abs difference of its embedding from
+    torch's on the graph's own tokens rounded to float16, that of its encoder's float32 tokens from torch's)."""
+    # Not end to end: two encoders that agree to float32 rounding still round a token to either side of a float16
+    # step now and then, which moves the embedding by more than float32 rounding.
+    got, tokens = ort_run(graph, {"pixels": images})
+    with torch.no_grad():
+        want_tokens = net._pixel_encoder(images)  # built by the model's first pixel input (VLModel.pixel_tokens)
+        want = tower(torch.from_numpy(tokens).half().float())
+    head = float((torch.from_numpy(got) - want).abs().max())
+    return head, float((torch.from_numpy(tokens) - want_tokens).abs().max())
 
 
 def write_onnx(net, config: dict, tokenizer, out: Path) -> dict:
     """image_encoder.onnx and text_encoder.onnx (dynamic batch; dynamic length for text, and token count for a
     features model's tokens), checked with onnxruntime against torch on a batch of another size than the trace's.
 
-    A model trained on `vlprep features` tokens gets an image graph over those tokens (B, N, D), not over pixels:
-    its frozen encoder is no part of the model or its weights (vltrain.model.VLModel.pixel_tokens loads it from
-    the packaged or recorded weights), and config.json's feature_encoder names it, so the tokens come from where
-    they always come from, `vlprep features` or that encoder."""
+    A model trained on `vlprep features` tokens whose export records their encoder (config.json's feature_encoder)
+    gets an image graph from pixels, that frozen encoder and the model in one (VLModel.pixel_tokens, with its cast to
+    the stored dtype and back), and image_tokens_encoder.onnx over the cached tokens (B, N, D) beside it; without a
+    record, image_encoder.onnx is the tokens graph, and the tokens must come from `vlprep features`."""
     try:
         import onnx  # noqa: F401  (the exporter serialises with it)
-        import onnxruntime
+        import onnxruntime  # noqa: F401  (the check runs the graphs with it)
     except ImportError:
         raise TrainError("--onnx needs onnx and onnxruntime: pip install 'vlprep-vltrain[onnx]' (`make install` "
                          "has them)") from None
-    image_name = "tokens" if net.cfg.image_model == "features" else "pixels"
-    image_axes = {0: "batch"} if image_name == "pixels" else {0: "batch", 1: "tokens"}
-    images, text = example_inputs(net, config, tokenizer, 2)
     # torch.onnx.export restores each wrapper's training mode afterwards, and that recursively sets the model's: the
     # wrappers must be in eval mode, or dropout would be on after the export.
     image_tower = ImageTower(net).eval()
     text_tower = TextTower(net).eval()
-    with warnings.catch_warnings():
-        # The TorchScript exporter's deprecation notice, and tracer notes on Python bools in transformers' mask code
-        # (no padding beyond the mask, not causal), which hold for every batch and length: the check below runs both.
-        warnings.simplefilter("ignore")
-        torch.onnx.export(image_tower, (images,), str(out / IMAGE_ONNX), input_names=[image_name],
-                          output_names=["embedding"], dynamic_axes={image_name: image_axes, "embedding": {0: "batch"}},
-                          opset_version=ONNX_OPSET, dynamo=False)
-        text_axes = {0: "batch", 1: "length"}
-        torch.onnx.export(text_tower, (text["input_ids"], text["attention_mask"]), str(out / TEXT_ONNX),
-                          input_names=["input_ids", "attention_mask"], output_names=["embedding"],
-                          dynamic_axes={"input_ids": text_axes, "attention_mask": text_axes, "embedding": {0: "batch"}},
-                          opset_version=ONNX_OPSET, dynamo=False)
-    images, text = example_inputs(net, config, tokenizer, 3)
-    with torch.no_grad():
-        want_image = image_tower(images)
-        want_text = text_tower(text["input_ids"], text["attention_mask"])
-    opts = onnxruntime.SessionOptions()
-    opts.log_severity_level = 3
-    got_image = onnxruntime.InferenceSession(str(out / IMAGE_ONNX), opts, providers=["CPUExecutionProvider"]).run(
-        None, {image_name: images.numpy()})[0]
-    got_text = onnxruntime.InferenceSession(str(out / TEXT_ONNX), opts, providers=["CPUExecutionProvider"]).run(
-        None, {k: v.numpy() for k, v in text.items()})[0]
-    diff = {"image": float((torch.from_numpy(got_image) - want_image).abs().max()),
-            "text": float((torch.from_numpy(got_text) - want_text).abs().max())}
-    if max(diff.values()) > ONNX_TOLERANCE:
-        raise TrainError(f"the ONNX graphs do not reproduce the model (max abs difference image {diff['image']:.2g}, "
-                         f"text {diff['text']:.2g} > {ONNX_TOLERANCE:g}); export without --onnx")
     e = net.cfg.embed_dim
-    image_shape = ["batch", 3, images.shape[2], images.shape[3]] if image_name == "pixels" else \
-        ["batch", "tokens", net.cfg.feature_dim]
+    output = {"name": "embedding", "dtype": "float32", "shape": ["batch", e]}
     exporter = f"torch.onnx.export (TorchScript, dynamo=False), torch {torch.__version__}"
-    return {"opset": ONNX_OPSET, "exporter": exporter,
-            "image": {"file": IMAGE_ONNX, "input": {"name": image_name, "dtype": "float32", "shape": image_shape},
-                      "output": {"name": "embedding", "dtype": "float32", "shape": ["batch", e]}},
-            "text": {"file": TEXT_ONNX,
-                     "inputs": [{"name": n, "dtype": "int64", "shape": ["batch", "length"]}
-                                for n in ("input_ids", "attention_mask")],
-                     "output": {"name": "embedding", "dtype": "float32", "shape": ["batch", e]}},
-            "max_abs_diff": diff}
+    info = {"opset": ONNX_OPSET, "exporter": exporter}
+    diff = {}
+    for key, file, name in image_graphs(net):
+        images = example_images(net, config, 3, name)
+        try:
+            with torch.no_grad():  # first: a features model builds its frozen encoder here, outside the trace
+                want = image_tower(images)
+        except VlprepError as e:  # the recorded encoder's weights are gone or changed
+            raise TrainError(f"{e}; the ONNX image graph holds that encoder: restore its weights, or export without "
+                             "--onnx") from None
+        axes = {0: "batch"} if name == "pixels" else {0: "batch", 1: "tokens"}
+        trace(image_tower, {name: example_images(net, config, 2, name)}, {name: axes}, out / file)
+        shape = ["batch", 3, images.shape[2], images.shape[3]] if name == "pixels" else \
+            ["batch", "tokens", net.cfg.feature_dim]
+        info[key] = {"file": file, "input": {"name": name, "dtype": "float32", "shape": shape}, "output": output}
+        graph = with_encoder_tokens(out / file) if name == "pixels" and net.cfg.image_model == "features" else None
+        if graph is None:
+            diff[key] = ort_diff(out / file, {name: images}, want)
+        else:
+            diff[key], diff[f"{key}_encoder"] = encoder_diff(net, image_tower, graph, images)
+    text = example_texts(config, tokenizer, 2)
+    text_axes = {0: "batch", 1: "length"}
+    trace(text_tower, text, {"input_ids": text_axes, "attention_mask": text_axes}, out / TEXT_ONNX)
+    text = example_texts(config, tokenizer, 3)
+    with torch.no_grad():
+        diff["text"] = ort_diff(out / TEXT_ONNX, text, text_tower(text["input_ids"], text["attention_mask"]))
+    info["text"] = {"file": TEXT_ONNX, "inputs": [{"name": n, "dtype": "int64", "shape": ["batch", "length"]}
+                                                  for n in ("input_ids", "attention_mask")], "output": output}
+    if max(diff.values()) > ONNX_TOLERANCE:
+        shown = ", ".join(f"{k} {v:.2g}" for k, v in diff.items())
+        raise TrainError(f"the ONNX graphs do not reproduce the model (max abs difference {shown} > "
+                         f"{ONNX_TOLERANCE:g}); export without --onnx")
+    return {**info, "max_abs_diff": diff}
 
 
 # --- README -----------------------------------------------------------------------------------------------------
@@ -237,29 +300,36 @@ def readme(meta: dict, out: Path) -> str:
             zs = ev["zeroshot"]
             lines += [f"Zero-shot: top-1 {zs['top1']:.2f} %, top-5 {zs.get('top5', float('nan')):.2f} % over "
                       f"{zs.get('classes', '?')} classes.", ""]
-    stats = (f"{pre['image_size']} x {pre['image_size']} RGB, {pre['resize']}, scaled to [0, 1] and normalised with "
-             f"mean {[round(v, 4) for v in pre['mean']]} and std {[round(v, 4) for v in pre['std']]}"
+    size = pre["image_size"]
+    stats = (f"RGB (transparency composited on white), the shorter side resized to {size} (antialiased bilinear on "
+             f"uint8: config.json's preprocessing.resize_kernel), centre-cropped to {size} x {size}, scaled to "
+             f"[0, 1] and normalised with mean {[round(v, 4) for v in pre['mean']]} and std "
+             f"{[round(v, 4) for v in pre['std']]}: (batch, 3, {size}, {size}) float32"
              if pre["image_input"] == "pixels" else "")
+    onnx = meta.get("onnx")
     if mc["image_model"] != "features":
         image_in = stats
     elif stats:
-        image_in = (f"{stats}, which vltrain runs through the frozen `{meta['feature_encoder']['encoder']}` encoder; "
-                    "the ONNX image graph reads that encoder's tokens, as `vlprep features` caches them")
+        image_in = (f"{stats}; the frozen `{meta['feature_encoder']['encoder']}` encoder turns them into the tokens "
+                    "`vlprep features` caches" + (", and the pixels graph holds that encoder" if onnx else ""))
     else:
-        image_in = "the cached `vlprep features` tokens only (the export has no record of their encoder)"
+        image_in = ("the cached `vlprep features` tokens only (the export has no record of their encoder, so the "
+                    "ONNX image graph reads tokens)")
     lines += ["## Files", "",
               "- `model.safetensors`: the weights inference reads (no optimiser, RNG, momentum copy or queues)",
               "- `config.json`: format, the run's config, preprocessing, provenance, eval numbers",
-              "- `tokenizer/`: the Hugging Face tokenizer (`AutoTokenizer.from_pretrained`), "
-              f"captions truncated to {pre['max_len']} tokens"]
-    if meta.get("onnx") and meta["onnx"].get("itc_trained") is False:
+              "- `tokenizer/`: the Hugging Face tokenizer (`AutoTokenizer.from_pretrained`, or `tokenizers` "
+              f"with tokenizer.json), captions padded to the longest and truncated to {pre['max_len']} tokens"]
+    if onnx and onnx.get("itc_trained") is False:
         lines += [f"- note: {UNTRAINED_ITC}; use `vltrain.load` and the aligner, not the ONNX graphs"]
-    if meta.get("onnx"):
-        image = meta["onnx"]["image"]["input"]
-        lines += [f"- `{IMAGE_ONNX}`: `{image['name']}` float32 ({', '.join(map(str, image['shape']))}) -> "
-                  f"`embedding` (batch, {mc['embed_dim']}), L2-normalised",
-                  f"- `{TEXT_ONNX}`: `input_ids`, `attention_mask` int64 (batch, length) -> `embedding` "
-                  f"(batch, {mc['embed_dim']}), L2-normalised"]
+    for key in ("image", "image_tokens") if onnx else ():
+        if key in onnx:
+            graph = onnx[key]["input"]
+            lines.append(f"- `{onnx[key]['file']}`: `{graph['name']}` float32 ({', '.join(map(str, graph['shape']))})"
+                         f" -> `embedding` (batch, {mc['embed_dim']}), L2-normalised")
+    if onnx:
+        lines.append(f"- `{TEXT_ONNX}`: `input_ids`, `attention_mask` int64 (batch, length) -> `embedding` "
+                     f"(batch, {mc['embed_dim']}), L2-normalised")
     lines += ["", f"Images: {image_in}.", "", "## Loading", "", "```python", "import vltrain", "",
               f'model = vltrain.load("{out.name}")  # json and safetensors only: no pickle',
               'img = model.encode_images(["a.png"])', 'txt = model.encode_texts(["a dog"])', "```", ""]

@@ -152,8 +152,9 @@ def hf_readme(text: str, meta: dict, out: Path) -> str:
 
 def hf_meta(meta: dict, info: dict, fmt: str) -> dict:
     """vltrain.json: the export's record (what config.json holds in the vltrain layout) with the layout's parts."""
-    return {**meta, "layout": fmt, "hf": {"class": info["class"], "heads": HEADS, "heads_tensors": info["heads"]},
-            "tied": info["tied"]}
+    pre = {**meta["preprocessing"], "tokenizer_files": "."}  # the tokenizer lies at the top in these layouts
+    return {**meta, "layout": fmt, "preprocessing": pre, "tokenizer_files": ".",
+            "hf": {"class": info["class"], "heads": HEADS, "heads_tensors": info["heads"]}, "tied": info["tied"]}
 
 
 def write_meta(meta: dict, out: Path) -> None:

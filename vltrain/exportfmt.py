@@ -16,29 +16,42 @@ from vltrain.errors import CheckpointError, TrainError, check_version
 # An export holds model.safetensors (the weights inference reads: no optimiser state, RNG states, EMA copy
 # or queues), config.json (format, the run's config, preprocessing, tokenizer, provenance, eval numbers),
 # tokenizer/ (the Hugging Face tokenizer files), README.md and, with --onnx, image_encoder.onnx and
-# text_encoder.onnx. config.json is written last: a folder without it is an unfinished export, which
-# read_export refuses, so a failure never leaves a half export that claims to be complete.
+# text_encoder.onnx (and a features model's image_tokens_encoder.onnx). config.json is written last: a folder
+# without it is an unfinished export, which read_export refuses, so a failure never leaves a half export that
+# claims to be complete.
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 TOKENIZER = "tokenizer"
 README = "README.md"
 IMAGE_ONNX = "image_encoder.onnx"
 TEXT_ONNX = "text_encoder.onnx"
-# `--format hf` (vltrain.export_hf): config.json and model.safetensors are transformers', the tokenizer and image
-# processor files lie at the top, the tensors no transformers class holds are in HEADS, and META is the export's own
-# record (what config.json is in the vltrain layout), written last.
+IMAGE_TOKENS_ONNX = "image_tokens_encoder.onnx"  # a features model's image graph over its cached tokens
+# `--format hf` / `open_clip` (vltrain.export_hf): the other library's config and weights, the tokenizer and image
+# processor files at the top, the tensors the library does not hold in HEADS, and META, the export's own record (what
+# config.json is in the vltrain layout), written last.
 HEADS = "vltrain_heads.safetensors"
 META = "vltrain.json"
-HF_FILES = ("open_clip_config.json", "open_clip_model.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-            "added_tokens.json", "preprocessor_config.json", "processor_config.json", "generation_config.json")
+HF_FILES = ("open_clip_config.json", "open_clip_model.safetensors", "tokenizer.json", "tokenizer_config.json",
+            "special_tokens_map.json", "vocab.json", "merges.txt", "added_tokens.json", "preprocessor_config.json",
+            "processor_config.json", "generation_config.json")
 
 # Every name an export writes (config.json's temporary file included): all that exporting again replaces.
-EXPORT_FILES = (CONFIG, CONFIG + ".tmp", WEIGHTS, TOKENIZER, README, IMAGE_ONNX, TEXT_ONNX, META, META + ".tmp",
-                HEADS) + HF_FILES
+EXPORT_FILES = (CONFIG, CONFIG + ".tmp", WEIGHTS, TOKENIZER, README, IMAGE_ONNX, TEXT_ONNX, IMAGE_TOKENS_ONNX, META,
+                META + ".tmp", HEADS) + HF_FILES
 # What `vltrain eval EXPORT` writes into an export by default: still an export, and its scores go with its weights,
 # so exporting again over a previous export removes it (it scored the weights replaced).
 EVAL = "eval.json"
-RESIZE = "shorter side then centre crop"
+RESIZE = "shorter side then centre crop"  # config.json's first word on it, kept for its readers
+# torchvision v2's Resize of a uint8 image on the CPU, as eval_transform runs it on AVX2, AVX-512 and ARM CPUs (on other
+# x86 CPUs torchvision resizes in float32 and rounds: a pixel may come out one level apart). PIL's bilinear resize is
+# no substitute: its weights have 22 bits, these 15 at most, and for some sizes it takes the height first; either
+# rounds some pixels one level apart.
+RESIZE_KERNEL = ("separable: width, then height, each pass rounded to uint8. Along a side of m pixels resized to n, "
+                 "with s = m / n, output pixel i weighs input pixel j by max(0, 1 - |j - s * (i + 0.5) + 0.5| / "
+                 "max(s, 1)), normalised to sum 1 (summed in order of j); in fixed point each weight is "
+                 "floor(w * 2^p + 0.5), with p the largest number of bits up to 22 for which that stays under 2^15 "
+                 "for the largest weight of the side; the output is "
+                 "(sum of pixel * weight + 2^(p - 1)) >> p, clipped to [0, 255]")
 
 EXPORT_FORMAT = "vltrain-export"  # config.json's "format"
 EXPORT_VERSION = 1  # config.json's "version"
@@ -190,15 +203,32 @@ def eval_numbers(ev: dict) -> dict | None:
 
 
 def preprocessing(net, config: dict) -> dict:
-    """What the image and text inputs must be: the eval transform's size and statistics (api.pixel_transform) and the
-    text length the model was trained with; a features model without an encoder record reads tokens only."""
+    """Every step from an image file and a caption to the graphs' inputs (vlprep.dataset.as_rgb, eval_transform,
+    api.Model.tokens) spelled out, as docs/API.md does them in numpy; image keys None for a model that reads tokens."""
     mc = net.cfg
     features = mc.image_model == "features"
     pixels = net.image_mean is not None
-    return {"image_input": "pixels" if pixels else "tokens",
-            "image_size": (net.image_size if features else config["data"]["image_size"]) if pixels else None,
+    size = (net.image_size if features else config["data"]["image_size"]) if pixels else None
+    from vltrain.model import image_interpolation, tokenizer_for  # (tokenizer_for: the one vltrain.load pairs)
+
+    how = image_interpolation(mc)  # bilinear, or a CLIP tower's own (bicubic for OpenAI's)
+    image = {"decode": "RGB; an RGBA, LA, PA or transparent P image composited on white first",
+             "resize_to": "shorter side to image_size, longer side int(image_size * longer / shorter) (rounded down)",
+             "interpolation": how, "antialias": True, "align_corners": False,
+             "resize_kernel": RESIZE_KERNEL if how == "bilinear" else
+             f"torchvision.transforms.v2.functional.resize(uint8 image, interpolation={how}, antialias=True)",
+             "crop": "centre image_size x image_size: top int(round((height - image_size) / 2)), left likewise "
+                     "(Python's round: halves to even)",
+             "scale": "uint8 to float32, times float32(1 / 255)", "normalize": "(x - mean) / std, float32",
+             "channel_order": "RGB", "layout": "NCHW", "dtype": "float32"}
+    tokenizer = tokenizer_for(mc.text_model)
+    text = {"tokenizer_files": TOKENIZER, "padding": "longest", "pad_token": tokenizer.pad_token,
+            "pad_id": tokenizer.pad_token_id, "truncation": True,
+            "max_length": config["data"]["max_len"], "text_inputs": {"input_ids": "int64", "attention_mask": "int64"}}
+    return {"image_input": "pixels" if pixels else "tokens", "image_size": size,
             "mean": list(net.image_mean) if pixels else None, "std": list(net.image_std) if pixels else None,
-            "resize": RESIZE if pixels else None, "max_len": config["data"]["max_len"]}
+            "resize": RESIZE if pixels else None, "max_len": config["data"]["max_len"],
+            **{k: v if pixels else None for k, v in image.items()}, **text}
 
 
 def export_config(ckpt: dict, path: Path, net, tied: dict, dropped: list, onnx_info: dict | None) -> dict:

@@ -130,8 +130,14 @@ def test_config_json_readme_and_tokenizer(runs, tmp_path):
     meta = json.loads((out / "config.json").read_text())
     ckpt = load(runs["albef"])
     assert meta["format"] == "vltrain-export" and meta["version"] == 1 and meta["config"] == ckpt["config"]
-    assert meta["preprocessing"] == {"image_input": "pixels", "image_size": 32, "mean": [0.5] * 3, "std": [0.5] * 3,
-                                     "resize": "shorter side then centre crop", "max_len": 12}
+    pre = meta["preprocessing"]
+    old = ("image_input", "image_size", "mean", "std", "resize", "max_len")  # the keys of earlier exports, unchanged
+    assert {k: pre[k] for k in old} == {"image_input": "pixels", "image_size": 32, "mean": [0.5] * 3,
+                                        "std": [0.5] * 3, "resize": "shorter side then centre crop", "max_len": 12}
+    assert (pre["interpolation"], pre["antialias"], pre["channel_order"], pre["layout"], pre["dtype"]) == \
+        ("bilinear", True, "RGB", "NCHW", "float32")
+    assert (pre["tokenizer_files"], pre["padding"], pre["pad_token"], pre["pad_id"], pre["max_length"]) == \
+        ("tokenizer", "longest", "[PAD]", 0, 12)
     assert meta["tokenizer"] == "tiny" and meta["feature_encoder"] is None
     src = meta["source"]
     assert src["step"] == 2 and src["preset"] == "albef" and src["data"] == ckpt["data"] and len(src["data"]) > 8
@@ -198,6 +204,10 @@ def test_a_features_model_exports_an_image_graph_over_its_tokens(tmp_path):
     meta = json.loads((out / "config.json").read_text())
     assert meta["preprocessing"]["image_input"] == "tokens" and meta["preprocessing"]["mean"] is None
     assert meta["onnx"]["image"]["input"] == {"name": "tokens", "dtype": "float32", "shape": ["batch", "tokens", 8]}
+    # no record of the encoder: the tokens graph is the only image graph, and nothing describes pixels
+    assert "image_tokens" not in meta["onnx"] and not (out / "image_tokens_encoder.onnx").exists()
+    assert meta["preprocessing"]["interpolation"] is None and meta["preprocessing"]["max_length"] == 12
+    assert "tokens only (the export has no record of their encoder" in (out / "README.md").read_text()
     net = model_from(load(out), out).eval()
     image = ort_session(out / "image_encoder.onnx")
     for n, tokens in ((3, 4), (5, 7)):
@@ -205,6 +215,26 @@ def test_a_features_model_exports_an_image_graph_over_its_tokens(tmp_path):
         with torch.no_grad():
             want = net.encode_image(x)[1].numpy()
         assert np.abs(image.run(None, {"tokens": x.numpy()})[0] - want).max() < 1e-4
+
+
+def test_a_features_models_pixel_graph_needs_its_encoders_weights(tmp_path):
+    pytest.importorskip("onnxruntime")
+    from vltrain.config import Config, DataConfig, ModelConfig, to_dict
+
+    weights = tmp_path / "resnet18.pt"
+    spec = {"encoder": "torchvision:resnet18", "weights": str(weights), "weights_sha256": "0" * 16, "size": 64,
+            "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225], "tokens": 4, "dim": 512, "dtype": "float16"}
+    mc = ModelConfig(text_model="tiny", image_model="features", feature_dim=512, feature_encoder=spec, embed_dim=16,
+                     fusion_layers=0)
+    ckpt = tmp_path / "feat.pt"
+    torch.save({"model": build_model(mc).state_dict(),
+                "config": to_dict(Config(model=mc, data=DataConfig(image_size=32, max_len=12)))}, ckpt)
+    # the weights file is gone: the pixels graph cannot be built, in one line; without --onnx nothing needs it
+    one_line_error(invoke("export", ckpt, tmp_path / "out", "--onnx"),
+                   r"resnet18\.pt, which is missing; the ONNX image graph holds that encoder: restore its weights, or "
+                   r"export without --onnx$")
+    assert not (tmp_path / "out" / "config.json").exists()
+    ok(invoke("export", ckpt, tmp_path / "out"))
 
 
 def test_the_export_folder_is_refused_or_replaced_as_it_should(runs, tmp_path):
