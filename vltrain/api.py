@@ -22,7 +22,7 @@ from PIL import Image
 
 from vlprep import VlprepError, cut
 from vlprep.encoders import eval_transform
-from vltrain import hfclip
+from vltrain import hfclip, hub
 from vltrain.checkpoint import load as load_file
 from vltrain.checkpoint import model_from
 from vltrain.config import Config
@@ -186,11 +186,11 @@ def _check_batch(batch_size) -> None:
 
 def load(path, device: str = "auto") -> Model:
     """A trained model from a `vltrain run` checkpoint (last.pt, best.pt: read with weights_only=True) or a
-    `vltrain export` folder; device "auto" takes CUDA when present. One-line CheckpointError (a ValueError) for a
+    `vltrain export` folder (local, or `hf-hub:ORG/NAME` where a network is); device "auto" takes CUDA when present. One-line CheckpointError (a ValueError) for a
     file that is not one."""
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"path must be a checkpoint file or an export folder, not {type(path).__name__}")
-    path = Path(path)
+    path = hub.fetch(path) if hub.is_hub(path) else Path(path)  # hf-hub:ORG/NAME: an export on the Hub
     try:  # first: a machine without the device says so before any file is read
         name = str(device) if isinstance(device, torch.device) else device
         if not isinstance(name, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", name):

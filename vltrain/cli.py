@@ -311,6 +311,10 @@ def export_(
                             "processor; open_clip: open_clip's `local-dir:` layout. hf and open_clip load without "
                             "vltrain, keep the fusion/ITM/MLM heads in vltrain_heads.safetensors, and need CLIP "
                             "towers (a run from --init-from clip:PATH or open_clip:...)."),
+    push_to_hub: Optional[str] = typer.Option(None, "--push-to-hub", help="Then upload OUT to this Hugging Face model "
+                                              "repository (ORG/NAME; created if missing), its README as the model "
+                                              "card; needs a network and a login (huggingface-cli login or HF_TOKEN)."),
+    private: bool = typer.Option(False, "--private", help="With --push-to-hub: create the repository private."),
 ) -> None:
     """A trained model as a folder to ship: the weights inference needs as safetensors (no optimiser, RNG, momentum
     copy or queues), config.json with preprocessing, provenance and eval numbers, the tokenizer and a README;
@@ -324,6 +328,12 @@ def export_(
     dropped = (f"; left out {len(info['dropped'])} training-only tensors (momentum copy, queues)"
                if info["dropped"] else "")
     console.print(f"wrote {out}/ ({', '.join(info['files'])}){dropped}", highlight=False)
+    if push_to_hub:
+        from vltrain.hub import push
+
+        with user_errors():
+            url = push(out, push_to_hub, fmt, private)
+        console.print(f"uploaded {out}/ to {url}", highlight=False)
 
 
 # SHARDS may be URLs (s3://, gs://, http(s)://; docs/SCALE.md); every other Path argument refuses one in one line,

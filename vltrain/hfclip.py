@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 
 from vlprep import cut
+from vltrain import hub
 
 PREFIX = "clip:"
-HUB = "hf-hub:"
 MODEL_TYPES = ("clip",)  # the config.json model_type a clip: folder may have
 # CLIP's pixel statistics: a folder without preprocessor_config.json gets them, as transformers' CLIPImageProcessor
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -35,18 +35,7 @@ def folder(spec: str) -> Path:
     """The local folder of `clip:PATH`, or of `clip:hf-hub:ORG/NAME` (fetched through huggingface_hub's cache); a
     one-line ValueError when it cannot be had or holds no CLIPModel."""
     where = spec[len(PREFIX):]
-    if where.startswith(HUB):
-        repo = where[len(HUB):]
-        try:
-            from huggingface_hub import snapshot_download
-
-            path = Path(snapshot_download(repo, allow_patterns=["*.json", "*.safetensors", "*.txt"]))
-        except Exception as e:  # offline, unknown or gated id: one line naming the id (never the token)
-            raise ValueError(f"{cut(spec)}: could not fetch {cut(repr(repo))} from the Hugging Face Hub "
-                             f"({type(e).__name__}); download it where a network is (save_pretrained) and give "
-                             "clip:FOLDER") from None
-    else:
-        path = Path(where)
+    path = hub.fetch(where, ["*.json", "*.safetensors", "*.txt"]) if hub.is_hub(where) else Path(where)
     try:
         found = (path / "config.json").is_file()
     except OSError:  # a name too long to be a path
