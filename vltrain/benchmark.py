@@ -16,6 +16,7 @@ docs/EVALUATION.md says when to use this and when `vltrain eval`.
 """
 
 import contextlib
+import gc
 import json
 import sys
 import tempfile
@@ -77,14 +78,20 @@ class ClipLike(torch.nn.Module):
         stack.enter_context(autocast(device))
         return stack
 
+    def _device(self, x: torch.Tensor) -> torch.device:
+        # a DataParallel replica (CLIP_benchmark's linear probe makes them) lists no parameters; its input is on its
+        # device
+        param = next(self.net.parameters(), None)
+        return x.device if param is None else param.device
+
     def encode_image(self, images: torch.Tensor) -> torch.Tensor:
-        device = next(self.net.parameters()).device
+        device = self._device(images)
         with self._precision(device):
             _, emb = self.net.encode_image(images.to(device))
         return F.normalize(upcast(emb).float(), dim=-1)
 
     def encode_text(self, tokens: torch.Tensor) -> torch.Tensor:
-        device = next(self.net.parameters()).device
+        device = self._device(tokens)
         tokens = tokens.to(device)
         with self._precision(device):
             _, emb = self.net.encode_text(tokens[:, 0], tokens[:, 1])
@@ -197,18 +204,35 @@ def run(checkpoint, dataset: str, root: str, task: str = "auto", out=None, split
             registered(lambda **_: for_clip_benchmark(model)):
         # a fresh feature cache: the linear probe reuses any cache it finds under the model's name, which a
         # checkpoint retrained at the same path keeps
+        workers = _workers(dataset, root, split, workers)
         args = parse(cli, ["eval", "--model_type", NAME, "--model", NAME, "--pretrained", str(checkpoint),
-                           "--dataset", dataset, "--dataset_root", _literal(root),
-                           "--task", task, "--split", split, "--batch_size", str(batch_size),
-                           "--num_workers", str(workers), "--recall_k", *map(str, recall_k), "--no_amp", "--quiet",
-                           "--feature_root", features,
+                           "--dataset", dataset, "--dataset_root", _literal(root), "--task", task, "--split", split,
+                           "--batch_size", str(batch_size), "--num_workers", str(workers),
+                           "--recall_k", *map(str, recall_k), "--no_amp", "--quiet", "--feature_root", features,
                            "--output", _literal(out)])
+        failure = None
         try:
             cli.main_eval(args)
         except (AssertionError, ValueError, OSError) as e:  # its checks of dataset, split and files
-            raise TrainError(f"CLIP_benchmark on {dataset} ({task}): {' '.join(str(e).split()) or type(e).__name__}"
-                             ) from None
+            # the last line: a loader worker's error arrives with the worker's traceback above it
+            failure = ([line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__])[-1]
+        if failure is not None:
+            # the failed loop's frames hold its DataLoader iterator in a reference cycle: collected now, it shuts its
+            # worker processes down before this returns rather than at some later collection
+            gc.collect()
+            raise TrainError(f"CLIP_benchmark on {dataset} ({task}): {failure}")
     return json.loads(out.read_text())
+
+
+def _workers(dataset: str, root: str, split: str, workers: int) -> int:
+    """--num-workers, at most the shard count of a local wds/ dataset (webdataset stops a worker that gets none)."""
+    counts = Path(root, split, "nshards.txt")
+    if not dataset.startswith("wds/") or "://" in str(root) or not counts.is_file():
+        return workers
+    try:
+        return max(0, min(workers, int(counts.read_text().strip())))
+    except ValueError:  # CLIP_benchmark reads the file too and says what is wrong with it
+        return workers
 
 
 def _literal(path) -> str:

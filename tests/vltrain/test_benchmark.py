@@ -177,7 +177,7 @@ def test_retrieval_equals_vltrain_eval(data, trained):
     """Image->text and text->image R@1/5/10 from CLIP_benchmark's retrieval code (any caption of an image counts for
     image->text, as in the papers) equal `vltrain eval`'s multi-caption recalls on the same 12 images and 24
     captions."""
-    cb = benchmark(data, trained, "wds/tinyret", data["ret"], "zeroshot_retrieval", "ret")
+    cb = benchmark(data, trained, "wds/tinyret", data["ret"], "zeroshot_retrieval", "ret", "--num-workers", 2)
     r = invoke("eval", trained, data["ret_shards"], "--device", "cpu", "--out", data["tmp"] / "eval-ret.json")
     assert r.exit_code == 0, r.output + repr(r.exception)
     ours = json.loads((data["tmp"] / "eval-ret.json").read_text())["retrieval"]
@@ -316,6 +316,21 @@ def test_bad_arguments_are_one_line_errors(data, args, message):
     from clip_benchmark import models
 
     assert "vltrain" not in models.TYPE2FUNC and "vltrain" not in models.MODEL_TYPES  # taken out after a failure too
+
+
+def test_a_loader_workers_error_is_its_last_line_and_leaves_no_worker(data, tmp_path):
+    """nshards.txt promises 2 shards and only 0.tar exists: the second worker fails reading 1.tar; the error is the
+    worker's own last line, not its traceback, and (the leak guard checks) no worker process outlives the command.
+    Two workers on one real shard (the retrieval test) are capped to one: webdataset stops a worker with no shard."""
+    import shutil
+
+    shutil.copytree(data["zs"], tmp_path / "zs")
+    (tmp_path / "zs" / "test" / "nshards.txt").write_text("2\n")
+    r = invoke("benchmark", data["ckpt"], "--dataset", "wds/tiny", "--dataset-root", tmp_path / "zs", "--task",
+               "zeroshot_classification", "--num-workers", 2, "--output", tmp_path / "out.json")
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    line = r.output.splitlines()[-1]  # after CLIP_benchmark's progress bars
+    assert line.startswith("error: CLIP_benchmark on wds/tiny (zeroshot_classification): ") and "1.tar" in line
 
 
 def test_a_file_that_is_no_checkpoint_and_a_missing_clip_benchmark_are_one_line_errors(data, tmp_path, monkeypatch):
