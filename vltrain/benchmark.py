@@ -120,6 +120,7 @@ def accuracy(output: torch.Tensor, target: torch.Tensor, topk=(1,)) -> list[floa
 
 
 def _accuracy_works(zeroshot) -> bool:
+    """Whether CLIP_benchmark's own accuracy runs under the installed NumPy."""
     try:
         zeroshot.accuracy(torch.zeros(1, 2), torch.zeros(1, dtype=torch.long))
     except TypeError:
@@ -200,11 +201,11 @@ def run(checkpoint, dataset: str, root: str, task: str = "auto", out=None, split
         out = folder / f"benchmark_{dataset.replace('/', '_')}_{task}.json"
     out = Path(out)
     model = load(checkpoint)  # before CLIP_benchmark starts: a file that is not a model is our one-line error
+    workers = _workers(dataset, root, split, workers)
+    # a fresh feature cache: the linear probe reuses any cache it finds under the model's name, which a checkpoint
+    # retrained at the same path keeps
     with tempfile.TemporaryDirectory(prefix="vltrain-benchmark-") as features, \
             registered(lambda **_: for_clip_benchmark(model)):
-        # a fresh feature cache: the linear probe reuses any cache it finds under the model's name, which a
-        # checkpoint retrained at the same path keeps
-        workers = _workers(dataset, root, split, workers)
         args = parse(cli, ["eval", "--model_type", NAME, "--model", NAME, "--pretrained", str(checkpoint),
                            "--dataset", dataset, "--dataset_root", _literal(root), "--task", task, "--split", split,
                            "--batch_size", str(batch_size), "--num_workers", str(workers),
