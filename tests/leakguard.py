@@ -28,8 +28,9 @@ PROCESS_SINGLETONS = ("multiprocessing.resource_tracker", "multiprocessing.forks
 # it settled on into TORCHINDUCTOR_CACHE_DIR the first time it looks (open_clip's training code does, on import).
 # pytest's own variable names the running test.
 # torch.compile's first code cache load sets _TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR for its compiled kernels.
+# open_clip's tokenizer module sets TOKENIZERS_PARALLELISM=false on import (clip_benchmark imports open_clip).
 NOT_STATE = {"KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK", "RAY_CLIENT_MODE", "TORCHINDUCTOR_CACHE_DIR",
-             "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "PYTEST_CURRENT_TEST"}
+             "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "PYTEST_CURRENT_TEST", "TOKENIZERS_PARALLELISM"}
 # tests/conftest.py puts a value unique to the session under this name before the first test: every process a test
 # starts inherits it (through os.environ), so one that outlives the test is found even when its parent is gone (a
 # driver killed with kill -9 leaves its Ray behind, adopted by init).

@@ -277,6 +277,39 @@ def _print_zeroshot(zs: dict) -> None:
             f"{c['true']} → {c['predicted']}: {c['count']}" for c in zs["confusions"]), highlight=False)
 
 
+@app.command("benchmark")
+def benchmark_(
+    checkpoint: Path = typer.Argument(..., help="A checkpoint from `vltrain run` or a `vltrain export` folder."),
+    dataset: str = typer.Option(..., help="A CLIP_benchmark dataset name: cifar10, imagenet1k, flickr30k, ..., or "
+                                "wds/NAME for its WebDataset layout."),
+    dataset_root: str = typer.Option(..., "--dataset-root", help="The dataset's folder (or URL, for wds/)."),
+    task: str = typer.Option("auto", help="zeroshot_classification, zeroshot_retrieval, linear_probe (CUDA only), "
+                             "or auto (CLIP_benchmark's choice for the dataset)."),
+    split: str = typer.Option("test", help="The split to score."),
+    output: Optional[Path] = typer.Option(None, help="Result JSON, CLIP_benchmark's format \\[default: "
+                                          "benchmark_DATASET_TASK.json beside the checkpoint, or in the export]."),
+    batch_size: int = typer.Option(64, "--batch-size", help="Images per batch."),
+    num_workers: int = typer.Option(4, "--num-workers", help="Data loader worker processes."),
+    recall_k: list[int] = typer.Option([1, 5, 10], "--recall-k", help="Retrieval K (repeatable; at most the "
+                                       "number of images)."),
+) -> None:
+    """Score a model with CLIP_benchmark's own evaluation code (zero-shot classification, retrieval, linear probe)
+    on its datasets, for numbers comparable with published CLIP-like models (docs/EVALUATION.md)."""
+    from vltrain.benchmark import run as run_benchmark
+
+    with user_errors():
+        if output is not None:
+            writable_file(output)
+        result = run_benchmark(checkpoint, dataset, dataset_root, task=task, out=output, split=split,
+                               batch_size=batch_size, workers=num_workers, recall_k=recall_k)
+    table = Table(title=f"CLIP_benchmark {result['task']} on {result['dataset']} (fractions)")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in result["metrics"].items():
+        table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+    out_console.print(table)
+
+
 @app.command("gradcam")
 def gradcam_(
     checkpoint: Path = typer.Argument(..., help="A checkpoint with a fusion encoder (albef, grit, softmask presets)."),
