@@ -26,9 +26,10 @@ def check_hf(net, fmt: str = "hf") -> str:
     TrainError saying which formats can hold it otherwise."""
     cfg = net.cfg
     if not (hfclip.is_clip(cfg.text_model) and hfclip.is_clip(cfg.image_model)):
-        raise TrainError(f"--format {fmt} writes CLIP towers (model.text_model and model.image_model clip:PATH, as a run "
-                         f"started with --init-from clip:PATH has); this model's are {cfg.text_model} + "
-                         f"{cfg.image_model}, which no transformers class holds: use --format vltrain (the default), "
+        raise TrainError(f"--format {fmt} writes CLIP towers (model.text_model and model.image_model clip:PATH, as a "
+                         f"run started with --init-from clip:PATH has); this model's are {cfg.text_model} + "
+                         f"{cfg.image_model}, which {'open_clip' if fmt == 'open_clip' else 'transformers'} cannot hold: "
+                         "use --format vltrain (the default), "
                          "with --onnx for runtimes without vltrain")
     same = cfg.towers["text"]["source"] == cfg.towers["image"]["source"]
     return "CLIPModel" if same else "VisionTextDualEncoderModel"

@@ -157,7 +157,8 @@ FLAT = {"token_embedding.weight": "text_model.embeddings.token_embedding.weight"
         "visual.class_embedding": "vision_model.embeddings.class_embedding",
         "visual.positional_embedding": "vision_model.embeddings.position_embedding.weight",
         "visual.conv1.weight": "vision_model.embeddings.patch_embedding.weight",
-        "visual.ln_pre.weight": "vision_model.pre_layrnorm.weight", "visual.ln_pre.bias": "vision_model.pre_layrnorm.bias",
+        "visual.ln_pre.weight": "vision_model.pre_layrnorm.weight",
+        "visual.ln_pre.bias": "vision_model.pre_layrnorm.bias",
         "visual.ln_post.weight": "vision_model.post_layernorm.weight",
         "visual.ln_post.bias": "vision_model.post_layernorm.bias", "logit_scale": "logit_scale"}
 TRANSPOSED = {"text_projection": "text_projection.weight", "visual.proj": "visual_projection.weight"}

@@ -4,7 +4,6 @@ same tracked run: each tracker's run id, and the last row it got, are kept in OU
 
 import importlib.util
 import json
-import math
 import os
 import shutil
 import tempfile
