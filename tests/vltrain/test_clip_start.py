@@ -21,6 +21,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from tests.conftest import colour_pairs
+from tests.vltrain.test_init_from import ok, one_line_error
 from tests.vltrain.tinyclip import PROJECTION, SIZE, tiny_clip
 from vltrain import hfclip
 from vltrain.checkpoint import load, model_from
@@ -47,20 +48,6 @@ def pairs(tmp_path_factory):
 
 def run(*args):
     return CliRunner().invoke(app, [*args])
-
-
-def ok(r):
-    assert r.exit_code == 0, r.output + repr(r.exception)
-    return r
-
-
-def one_line_error(r, *parts):
-    assert r.exit_code == 2, r.output + repr(r.exception)
-    line = r.output.strip()
-    assert line.startswith("error:") and "\n" not in line and "Traceback" not in line, line
-    for part in parts:
-        assert part in line, line
-    return line
 
 
 def reference(clip_dir, images, ids, mask):

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from PIL import Image
 from typer.testing import CliRunner
 
-from tests.conftest import colour_pairs
+from tests.vltrain.test_clip_start import BASE, TEXTS, pairs  # noqa: F401  (the pairs fixture)
+from tests.vltrain.test_init_from import ok
 from tests.vltrain.tinyclip import SIZE, tiny_open_clip
 from vltrain import openclip
 from vltrain.checkpoint import load, model_from
@@ -25,24 +26,11 @@ from vltrain.cli import app
 from vltrain.model import tokenizer_for
 
 TOL = 16 * 2.0 ** -23
-BASE = ["--batch-size", "8", "--device", "cpu", "--set", "data.workers=0", "--set", "log_every=1",
-        "--set", "data.max_len=12"]
-TEXTS = ["a photo of a dog", "red", "a blue car next to a small tree"]
 
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
     return tiny_open_clip(tmp_path_factory.mktemp("oc") / "tiny-open-clip")
-
-
-@pytest.fixture(scope="module")
-def pairs(tmp_path_factory):
-    return colour_pairs(tmp_path_factory.mktemp("pairs"), 24)
-
-
-def ok(r):
-    assert r.exit_code == 0, r.output + repr(r.exception)
-    return r
 
 
 def open_clip_features(model, images, texts):
@@ -70,7 +58,7 @@ def test_state_dict_names_convert_both_ways_without_loss(source):
 
 
 @pytest.mark.slow
-def test_init_from_open_clip_embeds_as_open_clip_then_exports_what_open_clip_loads(source, pairs, tmp_path):
+def test_open_clip_start_and_export_embed_as_open_clip(source, pairs, tmp_path):  # noqa: F811
     import vltrain
 
     folder, model = source
@@ -158,7 +146,7 @@ def test_a_builtin_architecture_converts_to_the_same_network_shape():
     assert openclip.builtin_config("no-such-arch") is None
 
 
-def test_open_clip_errors_are_one_line(pairs, tmp_path):
+def test_open_clip_errors_are_one_line(pairs, tmp_path):  # noqa: F811
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "open_clip_config.json").write_text(json.dumps({"model_cfg": {
