@@ -354,13 +354,14 @@ def features_spec(folder: str | os.PathLike) -> dict | None:
 # --- pixels ------------------------------------------------------------------------------------------------
 
 
-def eval_transform(size: int, mean, std, interpolation: str = "bilinear"):
+def eval_transform(size: int, mean, std, interpolation: str = "bilinear", squash: bool = False):
     """RGB PIL image -> (3, S, S) float32: shorter side resized to S (antialiased; bilinear, or a CLIP tower's
-    bicubic), centre crop, normalised."""
+    bicubic), centre crop, normalised; squash: the whole image resized to S x S instead (SigLIP's processor)."""
     from torchvision.transforms import v2
 
     how = v2.InterpolationMode(interpolation)
-    return v2.Compose([v2.ToImage(), v2.Resize(size, antialias=True, interpolation=how), v2.CenterCrop(size),
+    return v2.Compose([v2.ToImage(), v2.Resize((size, size) if squash else size, antialias=True, interpolation=how),
+                       v2.CenterCrop(size),
                        v2.ToDtype(torch.float32, scale=True), v2.Normalize(list(mean), list(std))])
 
 

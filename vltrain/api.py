@@ -28,7 +28,7 @@ from vltrain.checkpoint import model_from
 from vltrain.config import Config
 from vltrain.config_load import from_dict
 from vltrain.losses import upcast
-from vltrain.model import autocast, image_interpolation, resolve_device, tokenizer_for
+from vltrain.model import autocast, image_interpolation, image_squash, resolve_device, tokenizer_for
 from vltrain.zeroshot import DEFAULT_TEMPLATES, check_templates, class_embeddings, read_image
 
 IMAGE_BATCH = 32
@@ -39,7 +39,7 @@ def pixel_transform(net, image_size: int):
     """The deterministic eval transform for a model's pixels (shorter side to S, centre crop S x S, normalise with
     the encoder's statistics); a model trained on cached tokens uses its frozen encoder's size."""
     size = net.image_size if net.cfg.image_model == "features" else image_size
-    return eval_transform(size, net.image_mean, net.image_std, image_interpolation(net.cfg))
+    return eval_transform(size, net.image_mean, net.image_std, image_interpolation(net.cfg), image_squash(net.cfg))
 
 
 def to_pil(image) -> Image.Image:

@@ -106,7 +106,7 @@ def load_weights(model, weights: dict, path) -> None:
         raise CheckpointError(f"{path}: weights do not match the model its config builds ({len(missing)} missing, "
                               f"{len(extra)} unexpected, e.g. {what})")
     emb = model.cfg.embed_dim
-    saved_emb = weights.get("text_proj.weight", ours["text_proj.weight"]).shape[0]
+    saved_emb = weights["text_proj.weight"].shape[0] if "text_proj.weight" in ours else emb  # SigLIP: no projection
     if saved_emb != emb:
         raise CheckpointError(f"{path}: checkpoint has embed_dim {saved_emb}, config asks {emb}")
     for name, t in weights.items():

@@ -28,10 +28,16 @@ def check_hf(net, fmt: str = "hf") -> str:
     if not (hfclip.is_clip(cfg.text_model) and hfclip.is_clip(cfg.image_model)):
         raise TrainError(f"--format {fmt} writes CLIP towers (model.text_model and model.image_model clip:PATH, as a "
                          f"run started with --init-from clip:PATH has); this model's are {cfg.text_model} + "
-                         f"{cfg.image_model}, which {'open_clip' if fmt == 'open_clip' else 'transformers'} cannot hold: "
-                         "use --format vltrain (the default), "
+                         f"{cfg.image_model}, which {'open_clip' if fmt == 'open_clip' else 'transformers'} cannot "
+                         "hold: use --format vltrain (the default), "
                          "with --onnx for runtimes without vltrain")
     same = cfg.towers["text"]["source"] == cfg.towers["image"]["source"]
+    kinds = {cfg.towers[side]["model_type"] for side in ("text", "image")}
+    if "siglip" in kinds:
+        if fmt != "hf" or not same:
+            raise TrainError(f"--format {fmt}: SigLIP towers export as one SiglipModel (--format hf, both towers from "
+                             "one SigLIP folder); use --format vltrain for these")
+        return "SiglipModel"
     return "CLIPModel" if same else "VisionTextDualEncoderModel"
 
 
@@ -42,9 +48,17 @@ def hf_model(net, kind: str):
                               VisionTextDualEncoderModel)
 
     towers = net.cfg.towers
+    scale = math.log(1 / float(net.temperature().detach()))
+    if kind == "SiglipModel":
+        from transformers import SiglipConfig, SiglipModel
+
+        model = SiglipModel(SiglipConfig(text_config=towers["text"]["config"], vision_config=towers["image"]["config"]))
+        want = model.state_dict()  # SigLIP keeps logit_scale and logit_bias as (1,)
+        state = {k: v.reshape(want[k].shape) if k in want else v for k, v in hfclip.to_clip(net.state_dict()).items()}
+        model.load_state_dict(state, strict=True)
+        return model.eval()
     text = CLIPTextConfig.from_dict(towers["text"]["config"])
     vision = CLIPVisionConfig.from_dict(towers["image"]["config"])
-    scale = math.log(1 / float(net.temperature().detach()))
     if kind == "CLIPModel":
         config = CLIPConfig(text_config=text.to_dict(), vision_config=vision.to_dict(),
                             projection_dim=net.cfg.embed_dim, logit_scale_init_value=scale)
@@ -64,6 +78,11 @@ def image_processor(net):
 
     pre = net.cfg.towers["image"]["preprocess"]
     code = {v: k for k, v in hfclip.RESAMPLE.items()}[pre["interpolation"]]
+    if pre.get("resize") == "squash":  # SigLIP's: the whole image to S x S
+        from transformers import SiglipImageProcessor
+
+        return SiglipImageProcessor(size={"height": pre["size"], "width": pre["size"]}, image_mean=list(pre["mean"]),
+                                    image_std=list(pre["std"]), resample=code)
     return CLIPImageProcessor(size={"shortest_edge": pre["size"]}, crop_size={"height": pre["size"],
                               "width": pre["size"]}, image_mean=list(pre["mean"]), image_std=list(pre["std"]),
                               resample=code)
@@ -77,8 +96,12 @@ def write_hf(net, tokenizer, out: Path) -> dict:
     kind = check_hf(net)
     with _quiet_transformers():  # no "Writing model shards" bar in the command's output
         hf_model(net, kind).save_pretrained(str(out))
-    tokenizer.save_pretrained(str(out))
-    image_processor(net).save_pretrained(str(out))
+    # the processor (tokenizer + image processor) as one: AutoProcessor.from_pretrained(OUT) gives it back
+    import transformers
+
+    family = "Siglip" if kind == "SiglipModel" else "CLIP"
+    processor = getattr(transformers, f"{family}Processor")(image_processor=image_processor(net), tokenizer=tokenizer)
+    processor.save_pretrained(str(out))
     return {"class": kind, **write_heads(net, out)}
 
 
@@ -138,9 +161,9 @@ def hf_readme(text: str, meta: dict, out: Path) -> str:
         files = [f"- `config.json`, `model.safetensors`: a transformers `{kind}` (towers, projections, logit scale)",
                  "- the tokenizer and `preprocessor_config.json` (CLIPImageProcessor: vltrain's eval transform)",
                  heads, record]
-        loading = ["```python", f"from transformers import {kind}, CLIPProcessor", "",
+        loading = ["```python", f"from transformers import {kind}, AutoProcessor", "",
                    f'model = {kind}.from_pretrained("{out.name}")',
-                   f'processor = CLIPProcessor.from_pretrained("{out.name}")',
+                   f'processor = AutoProcessor.from_pretrained("{out.name}")',
                    'inputs = processor(text=["a dog"], images=[image], return_tensors="pt", padding=True)',
                    "img = model.get_image_features(pixel_values=inputs.pixel_values).pooler_output  # L2-normalise",
                    "txt = model.get_text_features(input_ids=inputs.input_ids, "

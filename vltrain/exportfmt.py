@@ -209,11 +209,13 @@ def preprocessing(net, config: dict) -> dict:
     features = mc.image_model == "features"
     pixels = net.image_mean is not None
     size = (net.image_size if features else config["data"]["image_size"]) if pixels else None
-    from vltrain.model import image_interpolation, tokenizer_for  # (tokenizer_for: the one vltrain.load pairs)
+    from vltrain.model import image_interpolation, image_squash, tokenizer_for  # (the tokenizer vltrain.load pairs)
 
     how = image_interpolation(mc)  # bilinear, or a CLIP tower's own (bicubic for OpenAI's)
+    squash = image_squash(mc)  # a SigLIP tower's processor resizes the whole image
     image = {"decode": "RGB; an RGBA, LA, PA or transparent P image composited on white first",
-             "resize_to": "shorter side to image_size, longer side int(image_size * longer / shorter) (rounded down)",
+             "resize_to": "the whole image to image_size x image_size (no crop)" if squash else
+             "shorter side to image_size, longer side int(image_size * longer / shorter) (rounded down)",
              "interpolation": how, "antialias": True, "align_corners": False,
              "resize_kernel": RESIZE_KERNEL if how == "bilinear" else
              f"torchvision.transforms.v2.functional.resize(uint8 image, interpolation={how}, antialias=True)",

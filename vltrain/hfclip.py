@@ -16,7 +16,7 @@ from vlprep import cut
 from vltrain import hub
 
 PREFIX = "clip:"
-MODEL_TYPES = ("clip",)  # the config.json model_type a clip: folder may have
+MODEL_TYPES = ("clip", "siglip")  # the config.json model_type a clip: folder may have
 # CLIP's pixel statistics: a folder without preprocessor_config.json gets them, as transformers' CLIPImageProcessor
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -57,23 +57,47 @@ def read_json(path: Path) -> dict:
 
 
 def clip_config(path: Path):
-    """The folder's CLIPConfig; a one-line ValueError for another model type."""
-    from transformers import CLIPConfig
+    """The folder's CLIPConfig or SiglipConfig; a one-line ValueError for another model type."""
+    from transformers import CLIPConfig, SiglipConfig
 
     raw = read_json(path / "config.json")
     kind = raw.get("model_type")
     if kind not in MODEL_TYPES:
-        raise ValueError(f"{cut(str(path))}: model_type {cut(repr(kind))}; clip: reads a CLIPModel folder "
-                         f"(model_type {' or '.join(MODEL_TYPES)})")
-    return CLIPConfig.from_dict(raw)
+        raise ValueError(f"{cut(str(path))}: model_type {cut(repr(kind))}; clip: reads a CLIPModel or SiglipModel "
+                         f"folder (model_type {' or '.join(MODEL_TYPES)})")
+    return (CLIPConfig if kind == "clip" else SiglipConfig).from_dict(raw)
 
 
-def preprocess(path: Path, vision) -> dict:
-    """The image preprocessing the folder's CLIPImageProcessor does: shorter side to S, centre crop S x S, its mean,
-    std and interpolation. A processor that resizes to another size than it crops is refused (vltrain's transform
-    resizes the shorter side to the crop size)."""
+def projection_width(conf) -> int:
+    """The width both towers' embeddings have: CLIP's projection_dim; SigLIP has no projections, its text head maps
+    to the vision tower's width."""
+    if conf.model_type == "clip":
+        return int(conf.projection_dim)
+    text = int(getattr(conf.text_config, "projection_size", None) or conf.text_config.hidden_size)
+    if text != conf.vision_config.hidden_size:
+        raise ValueError(f"a SigLIP whose text head gives {text} dimensions and vision tower "
+                         f"{conf.vision_config.hidden_size}: its embeddings cannot be compared")
+    return text
+
+
+def preprocess(path: Path, vision, kind: str = "clip") -> dict:
+    """The image preprocessing the folder's image processor does: CLIP's shorter side to S and centre crop S x S, or
+    SigLIP's resize of the whole image to S x S ("resize": "squash"), with its mean, std and interpolation. A CLIP
+    processor that resizes to another size than it crops is refused (vltrain's transform resizes the shorter side to
+    the crop size)."""
     file = path / "preprocessor_config.json"
     raw = read_json(file) if file.is_file() else {}
+    if kind == "siglip":
+        size = raw.get("size", {"height": vision.image_size})
+        size = size.get("height", vision.image_size) if isinstance(size, dict) else int(size)
+        if size != vision.image_size:
+            raise ValueError(f"{cut(str(file))}: resizes to {size}, and the vision tower reads {vision.image_size}")
+        resample = RESAMPLE.get(raw.get("resample", 3))
+        if resample is None:
+            raise ValueError(f"{cut(str(file))}: resample {raw.get('resample')!r} is none of {sorted(RESAMPLE)}")
+        return {"size": int(size), "mean": [float(v) for v in raw.get("image_mean", (0.5,) * 3)],
+                "std": [float(v) for v in raw.get("image_std", (0.5,) * 3)], "interpolation": resample,
+                "resize": "squash"}
     crop = raw.get("crop_size", vision.image_size)
     crop = crop.get("height", vision.image_size) if isinstance(crop, dict) else int(crop)
     size = raw.get("size", crop)
@@ -86,7 +110,8 @@ def preprocess(path: Path, vision) -> dict:
         raise ValueError(f"{cut(str(file))}: resample {raw.get('resample')!r} is none of {sorted(RESAMPLE)} "
                          "(nearest, bilinear, bicubic)")
     return {"size": int(crop), "mean": [float(v) for v in raw.get("image_mean", OPENAI_MEAN)],
-            "std": [float(v) for v in raw.get("image_std", OPENAI_STD)], "interpolation": resample}
+            "std": [float(v) for v in raw.get("image_std", OPENAI_STD)], "interpolation": resample,
+            "resize": "shorter"}
 
 
 def record(spec: str, side: str) -> dict:
@@ -95,12 +120,15 @@ def record(spec: str, side: str) -> dict:
     path = folder(spec)
     conf = clip_config(path)
     tower = conf.text_config if side == "text" else conf.vision_config
-    rec = {"source": spec, "model_type": conf.model_type, "projection_dim": int(conf.projection_dim),
+    rec = {"source": spec, "model_type": conf.model_type, "projection_dim": projection_width(conf),
            "config": json.loads(json.dumps(tower.to_dict()))}  # as JSON has it (an export's copy): string keys
     if side == "text":
         rec["max_len"] = int(conf.text_config.max_position_embeddings)
+        if conf.model_type == "siglip":  # SigLIP reads every caption padded to its full length, unmasked
+            rec["pad_to"] = rec["max_len"]
+            rec["pad_id"] = int(conf.text_config.pad_token_id)
     else:
-        rec["preprocess"] = preprocess(path, conf.vision_config)
+        rec["preprocess"] = preprocess(path, conf.vision_config, conf.model_type)
     return rec
 
 
@@ -111,13 +139,20 @@ def tower_record(cfg, side: str) -> dict:
     return rec if rec and rec.get("source") == name else record(name, side)
 
 
-def build_tower(cfg, side: str, pretrained: bool = True):
-    """CLIPTextModel or CLIPVisionModel for a side; pretrained: with the folder's weights, else as built (a
-    checkpoint's weights replace them)."""
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPVisionConfig, CLIPVisionModel
+def tower_classes(kind: str, side: str) -> tuple:
+    """(model class, config class) of a side's tower: CLIP's or SigLIP's text or vision model."""
+    import transformers
 
+    family = "CLIP" if kind == "clip" else "Siglip"
+    part = "Text" if side == "text" else "Vision"
+    return getattr(transformers, f"{family}{part}Model"), getattr(transformers, f"{family}{part}Config")
+
+
+def build_tower(cfg, side: str, pretrained: bool = True):
+    """CLIP's or SigLIP's text or vision model for a side; pretrained: with the folder's weights, else as built (a
+    checkpoint's weights replace them)."""
     rec = tower_record(cfg, side)
-    cls, conf = (CLIPTextModel, CLIPTextConfig) if side == "text" else (CLIPVisionModel, CLIPVisionConfig)
+    cls, conf = tower_classes(rec["model_type"], side)
     tower = cls(conf.from_dict(rec["config"]))
     if pretrained:
         prefix = "text_model." if side == "text" else "vision_model."
@@ -155,11 +190,14 @@ def folder_weights(path: Path) -> dict:
 
 
 def to_vltrain(state: dict) -> dict:
-    """A CLIPModel state dict under vltrain's names: towers re-prefixed, projections renamed, logit_scale as temp."""
+    """A CLIPModel (or SiglipModel) state dict under vltrain's names: towers re-prefixed, projections renamed,
+    logit_scale as temp (SigLIP's logit_bias keeps its name)."""
     out = {}
     for name, t in state.items():
-        if name == "logit_scale":
-            out["temp"] = torch.exp(-t.double()).float()  # logits = cos * exp(logit_scale) = cos / temp
+        if name == "logit_bias":
+            out[name] = t
+        elif name == "logit_scale":  # logits = cos * exp(logit_scale) = cos / temp (SigLIP keeps it as (1,))
+            out["temp"] = torch.exp(-t.double()).float().reshape(())
         elif name in RENAMES:
             out[RENAMES[name]] = t
         else:
@@ -174,7 +212,9 @@ def to_clip(state: dict) -> dict:
     back = {v: k for k, v in RENAMES.items()}
     out = {}
     for name, t in state.items():
-        if name == "temp":
+        if name == "logit_bias":
+            out[name] = t
+        elif name == "temp":
             out["logit_scale"] = torch.log(1 / t.double()).float().reshape(())
         elif name in back:
             out[back[name]] = t
@@ -191,5 +231,5 @@ def init_source(spec: str) -> dict:
     path = folder(spec)
     conf = clip_config(path)
     weights = to_vltrain(folder_weights(path))
-    model = {"text_model": spec, "image_model": spec, "embed_dim": int(conf.projection_dim)}
+    model = {"text_model": spec, "image_model": spec, "embed_dim": projection_width(conf)}
     return {"model": weights, "config": {"model": model, "preset": None}, "step": None}

@@ -64,6 +64,12 @@ def image_stats(cfg: ModelConfig) -> tuple:
     return stats.get("mean"), stats.get("std"), stats.get("size")
 
 
+def image_squash(cfg: ModelConfig) -> bool:
+    """Whether the eval transform resizes the whole image to S x S (a SigLIP tower's processor) rather than the
+    shorter side to S and crops the centre."""
+    return hfclip.is_clip(cfg.image_model) and hfclip.tower_record(cfg, "image")["preprocess"].get("resize") == "squash"
+
+
 def image_interpolation(cfg: ModelConfig) -> str:
     """How the image transforms resize for this model: a CLIP tower's own interpolation (bicubic for OpenAI's),
     bilinear for every other image model."""
@@ -347,6 +353,12 @@ class VLModel(nn.Module):
         self.grad_ckpt = False  # set_grad_checkpointing: layers recompute their activations in backward
         self.clip_text = hfclip.is_clip(cfg.text_model)  # CLIP towers pool their own way (encode_text, encode_image)
         self.clip_image = hfclip.is_clip(cfg.image_model)
+        # "clip" or "siglip" per side with a pretrained tower; a SigLIP text tower reads captions padded to pad_to
+        records = {side: hfclip.tower_record(cfg, side) for side, on in (("text", self.clip_text),
+                                                                          ("image", self.clip_image)) if on}
+        self.kinds = {side: rec["model_type"] for side, rec in records.items()}
+        self.text_pad = (records["text"]["pad_to"], records["text"]["pad_id"]) if "pad_to" in records.get(
+            "text", {}) else None
 
         self.image_encoder, d_img = _build_image_encoder(cfg, pretrained)
         if cfg.freeze_image:
@@ -357,9 +369,14 @@ class VLModel(nn.Module):
         tc = self.text_encoder.config
         d_txt = tc.hidden_size
         n_text = tc.num_hidden_layers
-        # A CLIP tower's projection has no bias, as CLIP's (so the pair exports as a CLIPModel)
-        self.image_proj = nn.Linear(d_img, cfg.embed_dim, bias=not hfclip.is_clip(cfg.image_model))
-        self.text_proj = nn.Linear(d_txt, cfg.embed_dim, bias=not hfclip.is_clip(cfg.text_model))
+        # A CLIP tower's projection has no bias, as CLIP's (so the pair exports as a CLIPModel); a SigLIP tower has
+        # none at all (its heads give the embedding)
+        self.image_proj = (nn.Identity() if self.kinds.get("image") == "siglip" else
+                           nn.Linear(d_img, cfg.embed_dim, bias=not hfclip.is_clip(cfg.image_model)))
+        self.text_proj = (nn.Identity() if self.kinds.get("text") == "siglip" else
+                          nn.Linear(d_txt, cfg.embed_dim, bias=not hfclip.is_clip(cfg.text_model)))
+        if "siglip" in self.kinds.values():  # SigLIP's sigmoid-loss bias: kept (never trained) so it exports back
+            self.register_buffer("logit_bias", torch.zeros(1))
         # A fixed temperature stays a (frozen) parameter so that checkpoints hold it under the same name either way.
         self.temp = nn.Parameter(torch.tensor(float(cfg.temp)), requires_grad=cfg.temp_learnable)
         if cfg.pooling not in POOLING:
@@ -391,7 +408,7 @@ class VLModel(nn.Module):
             self.fusion = nn.ModuleList(
                 FusionLayer(d_txt, dims["heads"], dims["ffn"], eps, dims["attn_drop"], dims["drop"])
                 for _ in range(cfg.fusion_layers))
-            std = tc.initializer_range
+            std = getattr(tc, "initializer_range", 0.02)  # (SigLIP's text config has none: BERT's)
             bert_init(self.image_to_text, std)
             # Fresh cross-attention; self-attention + FFN from the text encoder's last N layers (of
             # all L, before "split" cuts them); --init-from builds them from a checkpoint's by it.
@@ -419,7 +436,7 @@ class VLModel(nn.Module):
         if cfg.aligner:
             d = text_dims(tc)
             self.aligner = NounAligner(d_txt, d_img, d["heads"], d["ffn"], d["eps"], d["attn_drop"], d["drop"])
-            bert_init(self.aligner, tc.initializer_range)
+            bert_init(self.aligner, getattr(tc, "initializer_range", 0.02))
 
         if cfg.dropout is not None:  # before the EMA copy, which runs with the same rates
             set_dropout(self, cfg.dropout)
@@ -463,11 +480,11 @@ class VLModel(nn.Module):
         """Pixels (B, 3, H, W) or feature tokens (B, N, D_in) -> tokens (B, N, D_img), ITC embeds (B, E) L2-normed."""
         if images.dim() == 4 and self.cfg.image_model == "features":
             images = self.pixel_tokens(images)
-        if self.clip_image:  # CLIP's own: every token of its last layer; pooled = its post-LayerNorm class token
+        if self.clip_image:  # the tower's own: every token of its last layer, pooled as it pools (CLIP: the
+            # post-LayerNorm class token; SigLIP: its attention-pooling head)
             with torch.no_grad() if self.cfg.freeze_image else contextlib.nullcontext():
-                tokens = self.image_encoder(pixel_values=images).last_hidden_state
-                pooled = self.image_encoder.post_layernorm(tokens[:, 0])
-            return tokens, F.normalize(self.image_proj(pooled), dim=-1)
+                out = self.image_encoder(pixel_values=images)
+            return out.last_hidden_state, F.normalize(self.image_proj(out.pooler_output), dim=-1)
         blocks = image_blocks(self.image_encoder) if recomputing(self) and not self.cfg.freeze_image else None
         with torch.no_grad() if self.cfg.freeze_image else contextlib.nullcontext():
             x = self.image_encoder(images) if blocks is None else blocks(images, checkpointed)
@@ -505,6 +522,10 @@ class VLModel(nn.Module):
         With unpad_groups, each length group runs cut to its own longest caption: the attended positions come out
         the same up to float rounding; past a row's mask (positions nothing reads) hidden holds what its group
         computed there, and zeros past the group's length."""
+        if self.text_pad is not None:  # SigLIP reads captions padded to its full length, unmasked, and pools the last
+            full, pad = self.text_pad
+            out = self.text_encoder(input_ids=F.pad(ids, (0, full - ids.shape[1]), value=pad))
+            return out.last_hidden_state[:, :ids.shape[1]], F.normalize(self.text_proj(out.pooler_output), dim=-1)
         if self.clip_text:  # CLIP's own pooling: the (final-LayerNorm) state of each caption's end-of-text token
             out = self.text_encoder(input_ids=ids, attention_mask=mask)
             return out.last_hidden_state, F.normalize(self.text_proj(out.pooler_output), dim=-1)

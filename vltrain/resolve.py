@@ -79,9 +79,9 @@ def clamp_queue(cfg: Config, n_train: int) -> str | None:
 def resolve_towers(cfg: Config) -> tuple[Config, list[str]]:
     """A copy of cfg whose clip: towers are recorded in model.towers (so a checkpoint rebuilds them without their
     folder) and whose sizes follow them: data.image_size the vision tower's, data.max_len at most its text positions,
-    model.embed_dim the CLIP projection width, and a fusion encoder over a CLIP text tower fresh (fusion_from=new:
-    a causal CLIP layer is no donor for a bidirectional fusion layer); and the notes saying what changed. cfg itself
-    when neither tower is a CLIP's. An unreadable folder is a one-line ConfigError."""
+    model.embed_dim the towers' embedding width, and a fusion encoder over a CLIP or SigLIP text tower fresh
+    (fusion_from=new: a causal CLIP layer is no donor for a bidirectional fusion layer); and the notes saying what
+    changed. cfg itself when neither tower is pretrained. An unreadable folder is a one-line ConfigError."""
     m = cfg.model
     sides = {side: name for side, name in (("text", m.text_model), ("image", m.image_model)) if hfclip.is_clip(name)}
     if not sides:
@@ -101,15 +101,15 @@ def resolve_towers(cfg: Config) -> tuple[Config, list[str]]:
             setattr(section, key, value)
 
     if "image" in towers:
-        follow(out.data, "image_size", towers["image"]["preprocess"]["size"], "the CLIP vision tower's input size")
+        follow(out.data, "image_size", towers["image"]["preprocess"]["size"], "the pretrained vision tower's input size")
     if "text" in towers and out.data.max_len > towers["text"]["max_len"]:
-        follow(out.data, "max_len", towers["text"]["max_len"], "the CLIP text tower's positions")
+        follow(out.data, "max_len", towers["text"]["max_len"], "the pretrained text tower's positions")
     dims = sorted({t["projection_dim"] for t in towers.values()})
     if len(dims) > 1:
-        raise ConfigError(f"the CLIP text and image towers project to {dims[0]} and {dims[1]} dimensions; take both "
-                          "from CLIPs of one projection width")
-    follow(out.model, "embed_dim", dims[0], "the CLIP projection width")
+        raise ConfigError(f"the pretrained text and image towers embed in {dims[0]} and {dims[1]} dimensions; take "
+                          "both from models of one embedding width")
+    follow(out.model, "embed_dim", dims[0], "the pretrained towers' embedding width")
     if "text" in towers and out.model.fusion_layers and out.model.fusion_from != "new":
-        follow(out.model, "fusion_from", "new", "a CLIP text tower's causal layers are no fusion layers; "
+        follow(out.model, "fusion_from", "new", "a CLIP or SigLIP text tower lends no layers to the fusion encoder; "
                f"{out.model.fusion_layers} fresh fusion layer(s) of its width")
     return out, notes

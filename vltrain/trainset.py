@@ -16,7 +16,7 @@ from vltrain.data.shards import count_split, feature_input, in_val
 from vltrain.data.stream import ShardStream
 from vltrain.errors import TrainError
 from vltrain.evaluate import distinct_positions
-from vltrain.model import image_interpolation, image_stats, tokenizer_for
+from vltrain.model import image_interpolation, image_squash, image_stats, tokenizer_for
 from vltrain.resolve import DataFacts, resolve, resolve_towers
 from vltrain.samplers import GritSampler, TonicsBatchSampler, TonicsCurriculum, default_ontology, tonics_instances
 
@@ -147,7 +147,7 @@ def training_data(cfg: Config, use_features: bool, ckpt: dict | None, rank: int,
         mean, std, _ = image_stats(cfg.model)
         how = image_interpolation(cfg.model)
         tf_train = train_transform(cfg.data.image_size, mean, std, cfg.data.min_crop_scale, cfg.data.augment, how)
-        tf_eval = eval_transform(cfg.data.image_size, mean, std, how)
+        tf_eval = eval_transform(cfg.data.image_size, mean, std, how, image_squash(cfg.model))
     collate = Collate(tok, cfg.data.max_len, use_features)
     common = dict(tokenizer=tok, collate=collate, use_features=use_features)
     if cfg.sampler.kind != "random" or cfg.data.triplets:

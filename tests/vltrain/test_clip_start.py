@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 
 from tests.conftest import colour_pairs
 from tests.vltrain.test_init_from import ok, one_line_error
-from tests.vltrain.tinyclip import PROJECTION, SIZE, tiny_clip
+from tests.vltrain.tinyclip import PROJECTION, SIGLIP_TEXT_LEN, SIZE, tiny_clip, tiny_siglip
 from vltrain import hfclip
 from vltrain.checkpoint import load, model_from
 from vltrain.cli import app
@@ -135,12 +135,14 @@ from PIL import Image
 out, kind, texts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 cls = getattr(transformers, kind)
 model, info = cls.from_pretrained(out, output_loading_info=True)
-processor = transformers.CLIPProcessor.from_pretrained(out)
+processor = transformers.AutoProcessor.from_pretrained(out)
 images = [Image.open(p).convert("RGB") for p in json.loads(sys.argv[4])]
-x = processor(images=images, text=texts, return_tensors="pt", padding=True)
+padding = sys.argv[5] if len(sys.argv) > 5 else "longest"  # SigLIP's processor pads to max_length
+x = processor(images=images, text=texts, return_tensors="pt", padding=padding)
 with torch.no_grad():
     img = model.get_image_features(pixel_values=x.pixel_values).pooler_output
-    txt = model.get_text_features(input_ids=x.input_ids, attention_mask=x.attention_mask).pooler_output
+    mask = {} if padding == "max_length" else {"attention_mask": x.attention_mask}  # SigLIP reads no mask
+    txt = model.get_text_features(input_ids=x.input_ids, **mask).pooler_output
 img = torch.nn.functional.normalize(img, dim=-1)
 txt = torch.nn.functional.normalize(txt, dim=-1)
 print(json.dumps({"info": {k: sorted(map(str, v)) for k, v in info.items()}, "image": img.tolist(),
@@ -159,9 +161,9 @@ def photos(tmp_path) -> list[str]:
     return paths
 
 
-def transformers_alone(out, kind: str, texts: list[str], images: list[str]) -> dict:
+def transformers_alone(out, kind: str, texts: list[str], images: list[str], padding: str = "longest") -> dict:
     r = subprocess.run([sys.executable, "-c", TRANSFORMERS_ALONE, str(out), kind, json.dumps(texts),
-                        json.dumps(images)], capture_output=True, text=True, timeout=300)
+                        json.dumps(images), padding], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -243,3 +245,43 @@ def test_clip_start_errors_are_one_line(clip_dir, pairs, tmp_path, monkeypatch):
     one_line_error(run("run", str(pairs), "--out", out, "--init-from", "clip:hf-hub:openai/clip-vit-base-patch32",
                        *BASE), "openai/clip-vit-base-patch32", "Hugging Face Hub")
     assert not (tmp_path / "run").exists()  # nothing was written
+
+
+SHORT = ["red dog", "a cat", "blue sky"]  # within data.max_len in the tiny SentencePiece vocabulary
+
+
+@pytest.mark.slow
+def test_siglip_start_embeds_as_the_source_and_exports_a_siglip_model(pairs, tmp_path):
+    """A SigLIP folder: no projections (its heads give the embeddings), captions padded to its full length and read
+    unmasked, the whole image resized to S x S; its logit_bias kept so the export is a whole SiglipModel."""
+    from transformers import SiglipModel
+
+    import vltrain
+
+    folder = tiny_siglip(tmp_path / "siglip")
+    out = tmp_path / "run"
+    r = ok(run("run", str(pairs), "--out", str(out), "--steps", "2", "--preset", "albef", "--init-from",
+               f"clip:{folder}", "--set", "optim.lr=0", *BASE, *FUSION))
+    assert "model.embed_dim 256 -> 32" in r.output
+    net = model_from(load(out / "last.pt"), out / "last.pt").eval()
+    source = SiglipModel.from_pretrained(str(folder)).eval()
+    tok = tokenizer_for(net.cfg.text_model)
+    ids = tok(SHORT, padding="longest", return_tensors="pt")
+    full = tok(SHORT, padding="max_length", max_length=SIGLIP_TEXT_LEN, return_tensors="pt")["input_ids"]
+    images = torch.randn(3, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref_txt = F.normalize(source.get_text_features(input_ids=full).pooler_output, dim=-1)
+        ref_img = F.normalize(source.get_image_features(pixel_values=images).pooler_output, dim=-1)
+        assert torch.allclose(net.encode_text(ids["input_ids"], ids["attention_mask"])[1], ref_txt, rtol=0, atol=ULPS)
+        assert torch.allclose(net.encode_image(images)[1], ref_img, rtol=0, atol=ULPS)
+    assert float(net.temp.detach()) == pytest.approx(math.exp(-2.0), rel=ULPS)
+    export = tmp_path / "hf"
+    ok(run("export", str(out / "last.pt"), str(export), "--format", "hf"))
+    got = transformers_alone(export, "SiglipModel", SHORT, photos(tmp_path), "max_length")
+    assert got["info"]["missing_keys"] == [] and got["info"]["unexpected_keys"] == [] and not got["vltrain"]
+    model = vltrain.load(export, device="cpu")
+    assert torch.allclose(model.encode_texts(SHORT), torch.tensor(got["text"]), rtol=0, atol=1e-5)
+    assert torch.allclose(model.encode_images(photos(tmp_path)), torch.tensor(got["image"]), rtol=0, atol=1e-5)
+    back = load(export)["model"]
+    assert float(back["logit_bias"]) == -3.0  # SigLIP's bias went out and came back
+    one_line_error(run("export", str(out / "last.pt"), str(tmp_path / "oc"), "--format", "open_clip"), "SigLIP")
