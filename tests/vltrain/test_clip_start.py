@@ -93,7 +93,7 @@ def test_clip_preprocessing_and_tokenizer_come_from_the_folder(clip_dir):
                                   "--set", f"model.image_model={cfg.image_model}")).output)
     assert shown["model"]["towers"]["image"]["preprocess"] == {"size": SIZE, "mean": list(hfclip.OPENAI_MEAN),
                                                                "std": list(hfclip.OPENAI_STD),
-                                                               "interpolation": "bicubic"}
+                                                               "interpolation": "bicubic", "resize": "shorter"}
     assert (shown["data"]["image_size"], shown["model"]["embed_dim"], shown["model"]["fusion_from"]) == (
         SIZE, PROJECTION, "new")
     assert tok.mask_token_id is None and mask_token_id(tok) == tok.unk_token_id  # MLM's stand-in for [MASK]
