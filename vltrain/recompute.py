@@ -100,8 +100,11 @@ def _torchvision_vit(net: nn.Module, x: torch.Tensor, run) -> torch.Tensor:
 
 
 def set_image_checkpointing(encoder: nn.Module, on: bool) -> None:
-    """timm towers checkpoint their own blocks (set_grad_checkpointing); the others run through `image_blocks`.
+    """timm and Hugging Face towers checkpoint their own blocks; the others run through `image_blocks`.
     A timm network with BatchNorm is refused: timm's recompute would move its running statistics twice a step."""
+    if hasattr(encoder, "config") and hasattr(encoder, "gradient_checkpointing_enable"):  # a Hugging Face tower
+        set_text_checkpointing(encoder, on)  # (CLIP's or SigLIP's vision model): its own per-layer checkpointing
+        return
     timm_net = getattr(getattr(encoder, "net", None), "net", None)
     if timm_net is None or not hasattr(timm_net, "set_grad_checkpointing"):
         return

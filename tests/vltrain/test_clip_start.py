@@ -99,6 +99,27 @@ def test_clip_preprocessing_and_tokenizer_come_from_the_folder(clip_dir):
     assert tok.mask_token_id is None and mask_token_id(tok) == tok.unk_token_id  # MLM's stand-in for [MASK]
 
 
+def test_grad_checkpointing_recomputes_both_clip_towers_with_the_same_gradients(clip_dir):
+    """HF's own per-layer checkpointing in both towers (CLIP's dropout is 0: the recompute is the same arithmetic)."""
+    spec = f"clip:{clip_dir}"
+    images, ids, mask = inputs(clip_dir)
+    grads = []
+    for on in (False, True):
+        torch.manual_seed(0)
+        model = build_model(ModelConfig(text_model=spec, image_model=spec, embed_dim=PROJECTION, fusion_layers=1,
+                                        fusion_from="new")).train()
+        model.set_grad_checkpointing(on)
+        assert model.image_encoder.is_activation_checkpointing == on
+        assert model.text_encoder.is_activation_checkpointing == on
+        _, img = model.encode_image(images)
+        hidden, txt = model.encode_text(ids, mask)
+        fused = model.fuse(hidden, mask, model.encode_image(images)[0])
+        ((img @ txt.t()).sum() + fused.square().mean()).backward()
+        grads.append({k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    assert all(torch.equal(grads[0][k], grads[1][k]) for k in grads[0])
+
+
 def test_init_from_clip_run_starts_from_the_source_weights(clip_dir, pairs, tmp_path):
     """A run from --init-from clip:PATH with lr 0 keeps every tensor as loaded: step 0's model is the source."""
     out = tmp_path / "run"
