@@ -22,13 +22,13 @@ from PIL import Image
 
 from vlprep import VlprepError, cut
 from vlprep.encoders import eval_transform
-from vltrain import hfclip, hub
+from vltrain import hub
 from vltrain.checkpoint import load as load_file
 from vltrain.checkpoint import model_from
 from vltrain.config import Config
 from vltrain.config_load import from_dict
 from vltrain.losses import upcast
-from vltrain.model import autocast, image_interpolation, image_squash, resolve_device, tokenizer_for
+from vltrain.model import autocast, image_interpolation, image_squash, model_tokenizer, resolve_device
 from vltrain.zeroshot import DEFAULT_TEMPLATES, check_templates, class_embeddings, read_image
 
 IMAGE_BATCH = 32
@@ -66,10 +66,9 @@ class Model:
     `net` is the underlying VLModel (eval mode, on `device`), `config` its vltrain Config, `transform` the eval
     transform (PIL image -> normalised float tensor (3, S, S)), `tokenizer` the Hugging Face tokenizer."""
 
-    def __init__(self, net, config: Config, path: Path, device: torch.device, step: int | None = None,
-                 tokenizer=None):
+    def __init__(self, net, config: Config, path: Path, device: torch.device, step: int | None = None):
         self.net, self.config, self.path, self.device, self.step = net, config, path, device, step
-        self.tokenizer = tokenizer or tokenizer_for(net.cfg.text_model)
+        self.tokenizer = model_tokenizer(net)
         self.max_len = config.data.max_len
         self.transform = pixel_transform(net, config.data.image_size) if net.image_mean is not None else None
 
@@ -200,9 +199,4 @@ def load(path, device: str = "auto") -> Model:
         raise ValueError(str(e).replace("--device", "device", 1)) from None
     ckpt = load_file(path)
     net = model_from(ckpt, path).to(dev).eval()
-    tokenizer = None
-    if ckpt.get("tokenizer") and hfclip.is_clip(net.cfg.text_model):  # the export's copy: the CLIP folder may be gone
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(ckpt["tokenizer"], local_files_only=True)
-    return Model(net, from_dict(ckpt["config"]), path, dev, ckpt.get("step"), tokenizer)
+    return Model(net, from_dict(ckpt["config"]), path, dev, ckpt.get("step"))

@@ -15,6 +15,7 @@ from vltrain.config import Config, ConfigError, ModelConfig, check_ranges
 from vltrain.config_load import from_dict
 from vltrain.errors import CheckpointError, check_version
 from vltrain.exportfmt import EXPORT_MODEL, is_export, read_export
+from vltrain import hfclip
 from vltrain.model import VLModel, build_model
 
 # Checkpoints hold only tensors and plain data, are written atomically and are read without the
@@ -170,6 +171,8 @@ def model_from(ckpt: dict, path) -> VLModel:
     # pretrained=False: a backbone's model.image_weights file is not read (the checkpoint's weights replace it)
     model = build_model(replace(cfg, **EXPORT_MODEL) if ckpt.get("export") else cfg, pretrained=False)
     load_weights(model, ckpt["model"], path)
+    if ckpt.get("tokenizer") and hfclip.is_clip(cfg.text_model):  # the export's copy: the CLIP folder may be gone
+        model.tokenizer_dir = ckpt["tokenizer"]
     return model
 
 

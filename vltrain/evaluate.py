@@ -29,7 +29,7 @@ from vltrain.data.stream import ShardStream
 from vltrain.errors import TrainError
 from vltrain.layers import noun_states
 from vltrain.losses import upcast
-from vltrain.model import autocast, tokenizer_for
+from vltrain.model import autocast, model_tokenizer
 
 console = Console(stderr=True, emoji=False, soft_wrap=True)
 
@@ -152,7 +152,7 @@ def embed_split(model, folders, split: str, data: DataConfig, batch_size: int, d
     left out (LoadCounts.skipped)}; keep_fusion adds what ITM needs without re-encoding: the image
     tokens 'tokens' (N, n, D) and the text encoder's states 'hidden' (T, max_len, D).
     """
-    tok = tokenizer_for(model.cfg.text_model)
+    tok = model_tokenizer(model)
     max_len = data.max_len
     tf = None if use_features else pixel_transform(model, data.image_size)
     stream = ShardStream(folders, split, data.val_frac, tf, shuffle=False, use_features=use_features, captions=ALL,
@@ -426,7 +426,7 @@ def _evaluate_triplets(model, cfg, shards: list[str], dev, path: Path, step, ext
     n = len(positions)
     if n < 2:
         raise TrainError(f"evaluation needs at least 2 triplets of distinct images, found {n}")
-    collate = Collate(tokenizer_for(cfg.model.text_model), cfg.data.max_len, use_features)
+    collate = Collate(model_tokenizer(model), cfg.data.max_len, use_features)
     sim = view_scores(model, view, positions, collate, cfg.batch_size, True, dev).t()  # (image, noun)
     skipped = data.counts.skipped()  # bad samples drop out of both sides
     n = len(sim)

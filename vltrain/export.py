@@ -14,7 +14,7 @@ from vltrain import openclip
 from vltrain.export_hf import FORMATS, check_hf, hf_meta, hf_readme, write_hf, write_meta, write_open_clip
 from vltrain.exportfmt import (CONFIG, EXPORT_DROPS, HEADS, IMAGE_ONNX, IMAGE_TOKENS_ONNX, META, README, TEXT_ONNX,
                                TOKENIZER, WEIGHTS, export_config, prepare_out, write_config, write_weights)
-from vltrain.model import tokenizer_for
+from vltrain.model import model_tokenizer
 
 # `vltrain.load(OUT)` and every command that takes a checkpoint read the folder (vltrain.checkpoint.load).
 # docs/TRAINING.md, "Export".
@@ -37,7 +37,7 @@ def export(checkpoint, out, onnx: bool = False, overwrite: bool = False, fmt: st
     dropped = sorted(set(ckpt["model"]) - set(kept))
     # The model an export rebuilds (no EMA copy, no queues), with the checkpoint's weights checked by name and shape.
     net = model_from({**ckpt, "model": kept, "export": True}, checkpoint).eval()
-    tokenizer = export_tokenizer(ckpt, net)
+    tokenizer = model_tokenizer(net)
     onnx_info = None
     if fmt not in FORMATS:
         raise TrainError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}"[:160])
@@ -70,15 +70,6 @@ def export(checkpoint, out, onnx: bool = False, overwrite: bool = False, fmt: st
         files = [WEIGHTS, CONFIG, TOKENIZER + "/", README]
     files += [v["file"] for v in (onnx_info or {}).values() if isinstance(v, dict) and "file" in v]
     return {"out": str(out), "files": files, "dropped": dropped, "onnx": onnx_info, "warnings": warnings_}
-
-
-def export_tokenizer(ckpt: dict, net):
-    """The tokenizer an export ships: the one of the export being re-exported, else the text model's."""
-    from transformers import AutoTokenizer
-
-    if ckpt.get("tokenizer"):
-        return AutoTokenizer.from_pretrained(ckpt["tokenizer"], local_files_only=True)
-    return tokenizer_for(net.cfg.text_model)
 
 
 UNTRAINED_ITC = ("the ONNX graphs hold the ITC towers (image_proj, text_proj), and this model was trained with "

@@ -209,7 +209,7 @@ def preprocessing(net, config: dict) -> dict:
     features = mc.image_model == "features"
     pixels = net.image_mean is not None
     size = (net.image_size if features else config["data"]["image_size"]) if pixels else None
-    from vltrain.model import image_interpolation, image_squash, tokenizer_for  # (the tokenizer vltrain.load pairs)
+    from vltrain.model import image_interpolation, image_squash, model_tokenizer  # (the one vltrain.load pairs)
 
     how = image_interpolation(mc)  # bilinear, or a CLIP tower's own (bicubic for OpenAI's)
     squash = image_squash(mc)  # a SigLIP tower's processor resizes the whole image
@@ -223,7 +223,7 @@ def preprocessing(net, config: dict) -> dict:
                      "(Python's round: halves to even)",
              "scale": "uint8 to float32, times float32(1 / 255)", "normalize": "(x - mean) / std, float32",
              "channel_order": "RGB", "layout": "NCHW", "dtype": "float32"}
-    tokenizer = tokenizer_for(mc.text_model)
+    tokenizer = model_tokenizer(net)
     text = {"tokenizer_files": TOKENIZER, "padding": "longest", "pad_token": tokenizer.pad_token,
             "pad_id": tokenizer.pad_token_id, "truncation": True,
             "max_length": config["data"]["max_len"], "text_inputs": {"input_ids": "int64", "attention_mask": "int64"}}

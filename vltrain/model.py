@@ -136,6 +136,20 @@ def tokenizer_for(text_model: str):
     return build_tokenizer(ModelConfig(text_model=text_model))
 
 
+@functools.lru_cache(maxsize=4)
+def _tokenizer_at(folder: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+
+def model_tokenizer(model):
+    """A built model's tokenizer: the copy its export ships (VLModel.tokenizer_dir, set for pretrained CLIP towers,
+    whose folder may be gone on the machine that reads the export), else the text model's (tokenizer_for)."""
+    folder = getattr(model, "tokenizer_dir", None)
+    return _tokenizer_at(folder) if folder else tokenizer_for(model.cfg.text_model)
+
+
 def bf16_supported(device: torch.device) -> bool:
     """Whether `device` computes in bfloat16 natively: a CUDA card of compute capability 8.0 or more, or a CPU that
     reports AVX512_BF16 or AMX (torch would emulate bf16 elsewhere, slower than float32)."""
@@ -351,6 +365,7 @@ class VLModel(nn.Module):
         self._pixel_encoder = None  # features models: the frozen token encoder, built on first pixel input
         self.unpad_groups = 0  # > 0: text and fusion layers run on length groups (set_unpad); 0: the padded batch
         self.grad_ckpt = False  # set_grad_checkpointing: layers recompute their activations in backward
+        self.tokenizer_dir = None  # an export's own tokenizer files, for CLIP towers (model_tokenizer)
         self.clip_text = hfclip.is_clip(cfg.text_model)  # CLIP towers pool their own way (encode_text, encode_image)
         self.clip_image = hfclip.is_clip(cfg.image_model)
         # "clip" or "siglip" per side with a pretrained tower; a SigLIP text tower reads captions padded to pad_to

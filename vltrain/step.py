@@ -3,7 +3,7 @@
 import torch
 
 from vltrain.losses import mlm_mask
-from vltrain.model import mask_token_id, tokenizer_for
+from vltrain.model import mask_token_id, model_tokenizer
 from vltrain.objectives import Forward
 from vltrain.objectives.aligner import aligner_losses
 from vltrain.objectives.contrastive import contrastive_logits, contrastive_losses
@@ -31,7 +31,7 @@ def encode(model, batch: dict, w, generator: torch.Generator, tokenizer=None) ->
     mask = batch["attention_mask"]
     mlm_masked = None
     if w.masked_text_all and w.mlm > 0:
-        tok = tokenizer or tokenizer_for(model.cfg.text_model)
+        tok = tokenizer or model_tokenizer(model)
         mlm_masked = mlm_mask(ids, w.mlm_prob, tok.all_special_ids, mask_token_id(tok),
                               model.text_encoder.config.vocab_size, generator)
     text_ids = ids if mlm_masked is None else mlm_masked[0]

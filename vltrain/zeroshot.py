@@ -20,7 +20,7 @@ from vlprep.sources import IMAGE_SUFFIXES
 from vlprep.userfile import FileTooLarge, NotARegularFile, read_regular
 from vltrain.errors import TrainError
 from vltrain.losses import upcast
-from vltrain.model import autocast, tokenizer_for
+from vltrain.model import autocast, model_tokenizer
 
 # CLIP's 7-template ImageNet ensemble, chosen by the CLIP authors from their 80 ImageNet templates by forward
 # selection on ImageNet (their "Prompt Engineering for ImageNet" notebook); open_clip ships it as
@@ -112,7 +112,7 @@ def fill(template: str, name: str) -> str:
 @torch.no_grad()
 def class_embeddings(model, names: list[str], templates, max_len: int, device, batch_size: int = 256) -> torch.Tensor:
     """(C, E): for each class, the re-normalised mean of its L2-normalised prompt embeddings over the templates."""
-    tok = tokenizer_for(model.cfg.text_model)
+    tok = model_tokenizer(model)
     prompts = [fill(t, name) for name in names for t in templates]
     was_training = model.training
     model.eval()

@@ -306,3 +306,26 @@ def test_siglip_start_embeds_as_the_source_and_exports_a_siglip_model(pairs, tmp
     back = load(export)["model"]
     assert float(back["logit_bias"]) == -3.0  # SigLIP's bias went out and came back
     one_line_error(run("export", str(out / "last.pt"), str(tmp_path / "oc"), "--format", "open_clip"), "SigLIP")
+
+
+@pytest.mark.slow
+def test_an_export_reads_without_the_clip_folder_it_came_from(pairs, tmp_path):
+    """The towers' record rebuilds the model and the export's own tokenizer tokenizes: the source folder may be gone
+    (an export downloaded elsewhere); vltrain.load and `vltrain eval` both work."""
+    import shutil
+
+    import vltrain
+
+    folder = tiny_clip(tmp_path / "gone")
+    out = tmp_path / "run"
+    ok(run("run", str(pairs), "--out", str(out), "--steps", "2", "--preset", "clip", "--init-from", f"clip:{folder}",
+           *BASE))
+    for fmt in ("hf", "vltrain"):
+        ok(run("export", str(out / "last.pt"), str(tmp_path / fmt), "--format", fmt))
+    before = vltrain.load(tmp_path / "hf", device="cpu").encode_texts(TEXTS)
+    shutil.rmtree(folder)
+    for fmt in ("hf", "vltrain"):
+        moved = shutil.move(str(tmp_path / fmt), str(tmp_path / f"elsewhere-{fmt}"))
+        assert torch.equal(vltrain.load(moved, device="cpu").encode_texts(TEXTS), before)
+        r = ok(run("eval", moved, str(pairs), "--device", "cpu"))
+        assert "R@1" in r.output or "TR@1" in r.output

@@ -3,7 +3,7 @@
 import torch
 
 from vltrain.losses import mlm_loss, mlm_mask, upcast
-from vltrain.model import mask_token_id, tokenizer_for
+from vltrain.model import mask_token_id, model_tokenizer
 
 
 def masked_lm_loss(model, f, w, generator: torch.Generator, tokenizer, alpha: float, distill: bool) -> dict:
@@ -13,7 +13,7 @@ def masked_lm_loss(model, f, w, generator: torch.Generator, tokenizer, alpha: fl
         masked, labels = f.mlm_masked
         fused = f.fused[:f.ids.shape[0]] if w.itm > 0 else model.fuse(f.text_hidden, mask, f.image_tokens)
     else:
-        tok = tokenizer or tokenizer_for(model.cfg.text_model)
+        tok = tokenizer or model_tokenizer(model)
         masked, labels = mlm_mask(f.ids, w.mlm_prob, tok.all_special_ids, mask_token_id(tok),
                                   model.text_encoder.config.vocab_size, generator)
         hidden, _ = model.encode_text(masked, mask)
