@@ -12,26 +12,17 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from tests.conftest import colour_pairs
+from tests.vltrain.test_train import run as train_run, shards  # noqa: F401  (the tiny shards fixture)
 from vltrain import tracking
 from vltrain.cli import app
 from vltrain.config import ConfigError
 from vltrain.config_load import load_config
 from vltrain.errors import TrainError
 
-TINY = ["model.text_model=tiny", "model.image_model=tiny", "model.embed_dim=16", "data.image_size=32",
-        "data.workers=0", "data.max_len=12", "log_every=1", "optim.warmup_steps=2", "optim.lr=0.01", "eval_every=2"]
 
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    return colour_pairs(tmp_path_factory.mktemp("tracking"), 24)
-
-
-def run(shards, out, *args):
-    sets = [x for s in TINY for x in ("--set", s)]
-    return CliRunner().invoke(app, ["run", str(shards), "--out", str(out), "--batch-size", "8", "--device", "cpu",
-                                    "--preset", "clip", *sets, *args])
+def run(shards, out, *args):  # noqa: F811
+    """test_train's tiny clip run, evaluated every 2 steps (a tracker gets the held-out rows too)."""
+    return train_run(shards, out, "--preset", "clip", "--set", "eval_every=2", *args)
 
 
 def rows(out: Path) -> list[dict]:
