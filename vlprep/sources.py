@@ -8,7 +8,9 @@ holding its bytes, so that only paths travel to the workers (docs/SCALE.md); `lo
 where the shard is written.
 """
 
+import bisect
 import csv
+import itertools
 import json
 import os
 import stat
@@ -155,14 +157,7 @@ def load_images(items: list[Item]) -> list[str | bytes | RootedPath | None]:
             rows.setdefault((it.image.path, it.image.column), set()).add(it.image.row)
     cells = {}
     for (path, column), wanted in rows.items():
-        pf = pq.ParquetFile(path)
-        start = 0
-        for g in range(pf.metadata.num_row_groups):
-            n = pf.metadata.row_group(g).num_rows
-            if any(start <= r < start + n for r in wanted):
-                values = pf.read_row_group(g, columns=[column]).column(0).to_pylist()
-                cells.update(((path, column, start + j), v) for j, v in enumerate(values) if start + j in wanted)
-            start += n
+        cells.update(((path, column, r), v) for r, v in _parquet_cells(path, column, sorted(wanted)))
     for it in items:
         image = it.image
         if isinstance(image, TarRef):
@@ -171,6 +166,23 @@ def load_images(items: list[Item]) -> list[str | bytes | RootedPath | None]:
             image = _cell_image(cells[image], Path(image.path).parent)
         out.append(image)
     return out
+
+
+def _parquet_cells(path: str, column: str, wanted: list[int]):
+    """(row, value) of the sorted `wanted` rows of one column: each row group that holds some is read once, found by
+    bisecting the groups' first rows (not by testing every row against every group: that grew with the square of
+    the file's size), and only the wanted rows of it become Python values (a single-group file of a million rows
+    is then read, but not converted whole, for every shard)."""
+    pf = pq.ParquetFile(path)
+    meta = pf.metadata
+    starts = list(itertools.accumulate((meta.row_group(g).num_rows for g in range(meta.num_row_groups)), initial=0))
+    by_group = {}
+    for r in wanted:
+        by_group.setdefault(bisect.bisect_right(starts, r) - 1, []).append(r)
+    for g, group_rows in by_group.items():
+        values = pf.read_row_group(g, columns=[column]).column(0)
+        picked = values.take(pa.array([r - starts[g] for r in group_rows], type=pa.int64())).to_pylist()
+        yield from zip(group_rows, picked)
 
 
 def _suffix(name: str) -> str:

@@ -37,6 +37,27 @@ def test_folder_walk_matches_sorted_rglob(tmp_path):
     assert [it.uid for it in got][:3] == ["..d", ".hidden", "A/z"] and "lnk/in" not in [it.uid for it in got]
 
 
+def test_parquet_rows_are_read_from_the_groups_that_hold_them_and_nothing_more(tmp_path, monkeypatch):
+    """Rows in any order, over row groups of uneven sizes (two files written into one), come back as the table holds
+    them; each group holding some is read once, the others never."""
+    import random
+
+    imgs = [bytes([i % 251]) * (1 + i % 5) for i in range(40)]
+    path = tmp_path / "u.parquet"
+    with pq.ParquetWriter(path, pa.schema([("jpg", pa.binary()), ("caption", pa.string())])) as w:
+        for a, b in ((0, 7), (7, 8), (8, 30), (30, 40)):  # groups of 7, 1, 22 and 10 rows
+            w.write_table(pa.table({"jpg": imgs[a:b], "caption": [f"c{i}" for i in range(a, b)]}))
+    items = list(open_source(path).items)
+    read = []
+    original = pq.ParquetFile.read_row_group
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", lambda self, g, **kw: read.append(g) or original(self, g,
+                                                                                                          **kw))
+    picks = random.Random(0).sample(range(40), 12) + [7, 29, 30]
+    assert load_images([items[i] for i in picks]) == [imgs[i] for i in picks]
+    group = [0] * 7 + [1] + [2] * 22 + [3] * 10
+    assert sorted(read) == sorted({group[i] for i in picks})
+
+
 def test_parquet_image_bytes_stay_in_the_file_until_a_worker_reads_them(tmp_path):
     imgs = [image_bytes(10 + i, 10, seed=i) for i in range(7)]
     table = pa.table({"jpg": imgs, "caption": [f"c{i}" for i in range(7)]})
