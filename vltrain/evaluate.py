@@ -71,6 +71,54 @@ def recall_at_k(sim: torch.Tensor, txt2img, ks=KS) -> dict[str, float]:
     return out
 
 
+BLOCK = 4096  # blocked_recall's block side: a (BLOCK, BLOCK) float32 score block is 64 MiB
+
+
+def blocked_recall(img: torch.Tensor, txt: torch.Tensor, txt2img, ks=KS, block: int = BLOCK) -> dict:
+    """recall_at_k(img @ txt.T, txt2img) without the (N_img, N_txt) matrix: the scores are computed a
+    (block, block) tile at a time, twice, so memory is bounded by one tile whatever N (a held-out set of 100K images
+    would need 40 GB at once). The first pass finds each image's best-scored caption and each caption's own
+    image score; the second counts, per query, the wrong candidates scoring at least as high (recall_at_k's rank:
+    ties count against the query, NaN ranks last). Both passes compute each tile by the same call, so a candidate
+    and the positive it is compared with come from the same arithmetic; on a matrix that fits one tile the result
+    equals recall_at_k's exactly."""
+    n_img, n_txt = img.shape[0], txt.shape[0]
+    txt2img = torch.as_tensor(txt2img, dtype=torch.long)
+    if txt2img.shape != (n_txt,) or (n_txt and not 0 <= int(txt2img.min()) <= int(txt2img.max()) < n_img):
+        raise ValueError(f"txt2img must give each of the {n_txt} captions an image index below {n_img}")
+    if (torch.bincount(txt2img, minlength=n_img) == 0).any():
+        raise ValueError("every image needs at least one caption for image→text recall")
+    ninf = float("-inf")
+
+    def tiles():
+        for a in range(0, n_img, block):
+            for b in range(0, n_txt, block):
+                tile = img[a:a + block] @ txt[b:b + block].t()
+                rows = torch.arange(a, a + tile.shape[0])[:, None]
+                positive = txt2img[b:b + tile.shape[1]][None, :] == rows  # (rows, cols): caption of that image
+                yield a, b, tile.masked_fill(tile.isnan(), ninf), positive
+
+    best = torch.full((n_img,), ninf, dtype=img.dtype)  # each image's best-scored caption
+    own = torch.empty(n_txt, dtype=img.dtype)  # each caption's score with its image
+    for a, b, tile, positive in tiles():
+        best[a:a + tile.shape[0]] = torch.maximum(best[a:a + tile.shape[0]],
+                                                  tile.masked_fill(~positive, ninf).amax(dim=1))
+        hit = positive.any(dim=0)
+        cols = hit.nonzero().flatten()
+        own[b + cols] = tile[positive[:, cols].int().argmax(dim=0), cols]
+    rank_i2t = torch.zeros(n_img, dtype=torch.long)
+    rank_t2i = torch.full((n_txt,), -1, dtype=torch.long)  # minus the caption's own image
+    for a, b, tile, positive in tiles():
+        rank_i2t[a:a + tile.shape[0]] += ((tile >= best[a:a + tile.shape[0], None]) & ~positive).sum(dim=1)
+        rank_t2i[b:b + tile.shape[1]] += (tile >= own[None, b:b + tile.shape[1]]).sum(dim=0)
+    out = {}
+    for k in ks:
+        out[f"i2t_r{k}"] = round(100 * (rank_i2t < k).double().mean().item(), 2)
+        out[f"t2i_r{k}"] = round(100 * (rank_t2i < k).double().mean().item(), 2)
+    out["mean_recall"] = round(sum(out.values()) / len(out), 2)
+    return out
+
+
 def chance_recall(n_img: int, n_txt: int, ks=KS, captions_per_image=None) -> dict[str, float]:
     """Expected R@K of a random ranking, for the table beside the results.
 
@@ -357,11 +405,14 @@ def _retrieval(model, cfg, shards: list[str], itm_rerank_k: int, workers: int, d
     if not bool(finite.all()):  # recalls from NaN embeddings would be printed as if they meant something
         raise TrainError(f"the checkpoint gives non-finite image embeddings for {int((~finite).sum())} of {n} "
                          f"images (first: {emb['keys'][int((~finite).nonzero()[0])]}); its weights are damaged")
-    sim = emb["img"] @ emb["txt"].t()
     per_image = torch.bincount(emb["txt2img"], minlength=n)
     sizes = {"n_images": n, "n_captions": len(emb["txt"])}
+    # ITM's re-rank reads the whole ITC matrix (each query's top-k); plain retrieval is scored in bounded tiles
+    sim = emb["img"] @ emb["txt"].t() if itm_rerank_k > 0 else None
+    recall = (recall_at_k(sim, emb["txt2img"]) if sim is not None
+              else blocked_recall(emb["img"], emb["txt"], emb["txt2img"]))
     out = {"data": data_signature(shards), "input": "features" if use_features else "pixels", "protocol": PROTOCOL,
-           "n_samples": n, "skipped": emb["skipped"], "retrieval": {**recall_at_k(sim, emb["txt2img"]), **sizes},
+           "n_samples": n, "skipped": emb["skipped"], "retrieval": {**recall, **sizes},
            "chance": chance_recall(n, len(emb["txt"]), captions_per_image=per_image.tolist())}
     if any(emb["io"].values()):  # remote shards: reads retried, shards left out (--skip-bad-shards)
         out.update(emb["io"])
@@ -447,12 +498,14 @@ def skipped_note(skipped: dict, read: int | None = None) -> str:
     return f"{counted} skipped ({why})"
 
 
-def heldout_recall(sim: torch.Tensor, what: str, step: int, txt2img=None, skipped: dict | None = None) -> dict:
-    """R@K of a held-out (N_img, N_txt) image-text similarity (one caption per image unless txt2img says otherwise)
-    with its chance levels; prints the step's one-line summary, with the bad samples `skipped` left out."""
-    n, n_txt = sim.shape
+def heldout_recall(sim, what: str, step: int, txt2img=None, skipped: dict | None = None) -> dict:
+    """R@K of a held-out (N_img, N_txt) image-text similarity, or of (image, caption) embeddings scored in tiles
+    (blocked_recall: memory bounded whatever N), one caption per image unless txt2img says otherwise, with its
+    chance levels; prints the step's one-line summary, with the bad samples `skipped` left out."""
+    embeddings = isinstance(sim, tuple)
+    n, n_txt = (sim[0].shape[0], sim[1].shape[0]) if embeddings else sim.shape
     txt2img = torch.arange(n) if txt2img is None else txt2img
-    res = recall_at_k(sim, txt2img)
+    res = blocked_recall(*sim, txt2img) if embeddings else recall_at_k(sim, txt2img)
     chance = chance_recall(n, n_txt, captions_per_image=torch.bincount(txt2img, minlength=n).tolist())
     many = f" ({n_txt} captions)" if n_txt != n else ""
     left_out = f"; {skipped_note(skipped)}, not scored" if skipped and skipped["count"] else ""

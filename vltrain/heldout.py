@@ -60,7 +60,8 @@ def evaluate_heldout(run: Run, state: RunState, data, report: RunLog, device) ->
         skipped = emb["skipped"]
         if data.heldout_keys and emb["n"]:  # the TOnICS refresh check's images are not scored
             emb = drop_images(emb, data.heldout_keys)
-        sim, txt2img = (emb["img"] @ emb["txt"].t(), emb["txt2img"]) if emb["n"] >= 2 else (None, None)
+        # the embeddings, scored in bounded tiles (blocked_recall), not their (N, N) product
+        sim, txt2img = ((emb["img"], emb["txt"]), emb["txt2img"]) if emb["n"] >= 2 else (None, None)
     result = (heldout_recall(sim, "val triplets" if cfg.data.triplets else "val samples", state.step, txt2img,
                              skipped if skipped["count"] else None) if sim is not None else None)
     report.last_eval = result

@@ -1,7 +1,7 @@
 import torch
 import torch.nn.functional as F
 
-from vltrain.evaluate import chance_recall, itm_rerank, recall_at_k, rerank_recall
+from vltrain.evaluate import blocked_recall, chance_recall, itm_rerank, recall_at_k, rerank_recall
 from vltrain.zeroshot import zeroshot_metrics
 
 
@@ -58,3 +58,32 @@ def test_drop_images_removes_an_image_and_its_captions_and_renumbers_the_rest():
     assert torch.equal(out["img"], torch.eye(3)[[0, 2]]) and torch.equal(out["txt"], emb["txt"][[0, 3]])
     assert out["txt2img"].tolist() == [0, 1] and out["ids"].tolist() == [[0, 1], [6, 7]]
     assert drop_images(emb, {"z"}) is emb
+
+
+def test_blocked_recall_equals_the_whole_matrix_in_any_tiling():
+    """Scored tile by tile, the ranks are recall_at_k's: with several captions per image, exact ties (small-integer
+    embeddings: every dot product is exact in float32, so any tiling computes the same numbers and a tie is a
+    tie), a NaN caption and a NaN image."""
+    gen = torch.Generator().manual_seed(0)
+    n_img = 23
+    txt2img = torch.cat([torch.arange(n_img), torch.randint(0, n_img, (17,), generator=gen)])
+    img = torch.randint(-2, 3, (n_img, 4), generator=gen).float()  # 5^4 values over 23 rows: ties among images
+    txt = img[txt2img] + torch.randint(-1, 2, (len(txt2img), 4), generator=gen).float()
+    txt[5] = float("nan")
+    img[7] = float("nan")
+    want = recall_at_k(img @ txt.t(), txt2img)
+    assert 0 < want["i2t_r1"] < 100 and 0 < want["t2i_r1"] < 100  # a test that ranks something
+    for block in (1, 3, 7, 16, 1000):
+        assert blocked_recall(img, txt, txt2img, block=block) == want
+
+
+def test_blocked_recall_refuses_what_recall_at_k_refuses():
+    img = torch.randn(3, 4)
+    txt = torch.randn(3, 4)
+    for bad in ([0, 1, 5], [0, 0, 1]):  # an image index out of range; image 2 without a caption
+        try:
+            blocked_recall(img, txt, torch.tensor(bad))
+        except ValueError as e:
+            assert "\n" not in str(e)
+        else:
+            raise AssertionError(f"txt2img {bad} was accepted")
