@@ -41,6 +41,27 @@ PROTOCOL = ("multi-caption retrieval: image→text R@K counts an image when any 
             "high as the right one ranks above it")
 
 
+def checked_txt2img(txt2img, n_img: int, n_txt: int) -> torch.Tensor:
+    """txt2img as a long tensor; a one-line ValueError unless it gives every caption an image and every image a
+    caption."""
+    txt2img = torch.as_tensor(txt2img, dtype=torch.long)
+    if txt2img.shape != (n_txt,) or (n_txt and not 0 <= int(txt2img.min()) <= int(txt2img.max()) < n_img):
+        raise ValueError(f"txt2img must give each of the {n_txt} captions an image index below {n_img}")
+    if (torch.bincount(txt2img, minlength=n_img) == 0).any():
+        raise ValueError("every image needs at least one caption for image→text recall")
+    return txt2img
+
+
+def recalls(rank_i2t: torch.Tensor, rank_t2i: torch.Tensor, ks=KS) -> dict[str, float]:
+    """R@K in % from each query's rank (the wrong candidates above its best right one), and the six recalls' mean."""
+    out = {}
+    for k in ks:
+        out[f"i2t_r{k}"] = round(100 * (rank_i2t < k).double().mean().item(), 2)
+        out[f"t2i_r{k}"] = round(100 * (rank_t2i < k).double().mean().item(), 2)
+    out["mean_recall"] = round(sum(out.values()) / len(out), 2)
+    return out
+
+
 def recall_at_k(sim: torch.Tensor, txt2img, ks=KS) -> dict[str, float]:
     """sim (N_img, N_txt), txt2img (N_txt,) image index of each caption -> i2t / t2i R@K in % and their mean.
 
@@ -51,11 +72,7 @@ def recall_at_k(sim: torch.Tensor, txt2img, ks=KS) -> dict[str, float]:
     sort order; a NaN score ranks last. With one caption per image this is the usual one-positive R@K.
     """
     n_img, n_txt = sim.shape
-    txt2img = torch.as_tensor(txt2img, dtype=torch.long)
-    if txt2img.shape != (n_txt,) or (n_txt and not 0 <= int(txt2img.min()) <= int(txt2img.max()) < n_img):
-        raise ValueError(f"txt2img must give each of the {n_txt} captions an image index below {n_img}")
-    if (torch.bincount(txt2img, minlength=n_img) == 0).any():
-        raise ValueError("every image needs at least one caption for image→text recall")
+    txt2img = checked_txt2img(txt2img, n_img, n_txt)
     sim = sim.masked_fill(sim.isnan(), float("-inf"))
     cols = torch.arange(n_txt)
     positive = torch.zeros(n_img, n_txt, dtype=torch.bool)
@@ -63,12 +80,7 @@ def recall_at_k(sim: torch.Tensor, txt2img, ks=KS) -> dict[str, float]:
     best = sim.masked_fill(~positive, float("-inf")).amax(dim=1)  # the best-scored caption of each image
     rank_i2t = ((sim >= best[:, None]) & ~positive).sum(dim=1)
     rank_t2i = (sim >= sim[txt2img, cols][None, :]).sum(dim=0) - 1  # minus the caption's own image
-    out = {}
-    for k in ks:
-        out[f"i2t_r{k}"] = round(100 * (rank_i2t < k).double().mean().item(), 2)
-        out[f"t2i_r{k}"] = round(100 * (rank_t2i < k).double().mean().item(), 2)
-    out["mean_recall"] = round(sum(out.values()) / len(out), 2)
-    return out
+    return recalls(rank_i2t, rank_t2i, ks)
 
 
 BLOCK = 4096  # blocked_recall's block side: a (BLOCK, BLOCK) float32 score block is 64 MiB
@@ -83,11 +95,7 @@ def blocked_recall(img: torch.Tensor, txt: torch.Tensor, txt2img, ks=KS, block: 
     and the positive it is compared with come from the same arithmetic; on a matrix that fits one tile the result
     equals recall_at_k's exactly."""
     n_img, n_txt = img.shape[0], txt.shape[0]
-    txt2img = torch.as_tensor(txt2img, dtype=torch.long)
-    if txt2img.shape != (n_txt,) or (n_txt and not 0 <= int(txt2img.min()) <= int(txt2img.max()) < n_img):
-        raise ValueError(f"txt2img must give each of the {n_txt} captions an image index below {n_img}")
-    if (torch.bincount(txt2img, minlength=n_img) == 0).any():
-        raise ValueError("every image needs at least one caption for image→text recall")
+    txt2img = checked_txt2img(txt2img, n_img, n_txt)
     ninf = float("-inf")
 
     def tiles():
@@ -111,12 +119,7 @@ def blocked_recall(img: torch.Tensor, txt: torch.Tensor, txt2img, ks=KS, block: 
     for a, b, tile, positive in tiles():
         rank_i2t[a:a + tile.shape[0]] += ((tile >= best[a:a + tile.shape[0], None]) & ~positive).sum(dim=1)
         rank_t2i[b:b + tile.shape[1]] += (tile >= own[None, b:b + tile.shape[1]]).sum(dim=0)
-    out = {}
-    for k in ks:
-        out[f"i2t_r{k}"] = round(100 * (rank_i2t < k).double().mean().item(), 2)
-        out[f"t2i_r{k}"] = round(100 * (rank_t2i < k).double().mean().item(), 2)
-    out["mean_recall"] = round(sum(out.values()) / len(out), 2)
-    return out
+    return recalls(rank_i2t, rank_t2i, ks)
 
 
 def chance_recall(n_img: int, n_txt: int, ks=KS, captions_per_image=None) -> dict[str, float]:
