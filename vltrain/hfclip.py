@@ -156,8 +156,7 @@ def build_tower(cfg, side: str, pretrained: bool = True):
     tower = cls(conf.from_dict(rec["config"]))
     if pretrained:
         prefix = "text_model." if side == "text" else "vision_model."
-        weights = {k[len(prefix):]: v for k, v in folder_weights(folder(rec["source"])).items()
-                   if k.startswith(prefix)}
+        weights = {k[len(prefix):]: v for k, v in folder_weights(folder(rec["source"]), prefix).items()}
         missing, unexpected = tower.load_state_dict(weights, strict=False)
         missing = [k for k in missing if not k.endswith("position_ids")]  # a buffer older files may lack
         if missing or unexpected:
@@ -167,9 +166,10 @@ def build_tower(cfg, side: str, pretrained: bool = True):
     return tower
 
 
-def folder_weights(path: Path) -> dict:
-    """Every tensor of a Hugging Face folder's safetensors weights (one file, or shards listed by their index)."""
-    from safetensors.torch import load_file
+def folder_weights(path: Path, prefix: str = "") -> dict:
+    """The tensors of a Hugging Face folder's safetensors weights (one file, or shards listed by their index) whose
+    names start with `prefix`; the others are not read (one tower's weights without the other's)."""
+    from safetensors import safe_open
 
     single = path / "model.safetensors"
     index = path / "model.safetensors.index.json"
@@ -183,45 +183,42 @@ def folder_weights(path: Path) -> dict:
     out = {}
     for file in files:
         try:
-            out.update(load_file(str(file), device="cpu"))
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                out.update((k, f.get_tensor(k)) for k in f.keys() if k.startswith(prefix))
         except Exception as e:  # a truncated or foreign file: safetensors raises its own types and OSError
             raise ValueError(f"{cut(str(file))}: not readable safetensors ({type(e).__name__})") from None
+    return out
+
+
+def _renamed(state: dict, names: dict, prefixes: dict) -> dict:
+    """The tensors of `state` whose name `names` maps, or that start with a key of `prefixes` (re-prefixed); the
+    others are left out."""
+    out = {}
+    for name, t in state.items():
+        if name in names:
+            out[names[name]] = t
+            continue
+        prefix = next((p for p in prefixes if name.startswith(p)), None)
+        if prefix is not None:
+            out[prefixes[prefix] + name[len(prefix):]] = t
     return out
 
 
 def to_vltrain(state: dict) -> dict:
     """A CLIPModel (or SiglipModel) state dict under vltrain's names: towers re-prefixed, projections renamed,
     logit_scale as temp (SigLIP's logit_bias keeps its name)."""
-    out = {}
-    for name, t in state.items():
-        if name == "logit_bias":
-            out[name] = t
-        elif name == "logit_scale":  # logits = cos * exp(logit_scale) = cos / temp (SigLIP keeps it as (1,))
-            out["temp"] = torch.exp(-t.double()).float().reshape(())
-        elif name in RENAMES:
-            out[RENAMES[name]] = t
-        else:
-            for theirs, ours in TOWERS.items():
-                if name.startswith(theirs):
-                    out[ours + name[len(theirs):]] = t
+    out = _renamed(state, {**RENAMES, "logit_bias": "logit_bias"}, TOWERS)
+    if "logit_scale" in state:  # logits = cos * exp(logit_scale) = cos / temp (SigLIP keeps it as (1,))
+        out["temp"] = torch.exp(-state["logit_scale"].double()).float().reshape(())
     return out
 
 
 def to_clip(state: dict) -> dict:
     """The inverse of to_vltrain for the tensors a CLIPModel holds: towers, projections, logit_scale."""
-    back = {v: k for k, v in RENAMES.items()}
-    out = {}
-    for name, t in state.items():
-        if name == "logit_bias":
-            out[name] = t
-        elif name == "temp":
-            out["logit_scale"] = torch.log(1 / t.double()).float().reshape(())
-        elif name in back:
-            out[back[name]] = t
-        else:
-            for theirs, ours in TOWERS.items():
-                if name.startswith(ours):
-                    out[theirs + name[len(ours):]] = t
+    back = {**{v: k for k, v in RENAMES.items()}, "logit_bias": "logit_bias"}
+    out = _renamed(state, back, {v: k for k, v in TOWERS.items()})
+    if "temp" in state:
+        out["logit_scale"] = torch.log(1 / state["temp"].double()).float().reshape(())
     return out
 
 

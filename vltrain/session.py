@@ -367,7 +367,9 @@ def setup(cfg: Config, resume: bool = False, overwrite: bool = False, init_from=
     heldout_positions(cfg, data)
 
     # --- model
-    model = build_model(cfg.model) if ckpt is None else model_from(ckpt, out / "last.pt")
+    # a pretrained CLIP's towers are built empty when --init-from loads them anyway (not read twice)
+    pretrained = source is None or clip_spec(init_from, out) is None
+    model = build_model(cfg.model, pretrained) if ckpt is None else model_from(ckpt, out / "last.pt")
     init = (ckpt or {}).get("init_from")  # a resumed run keeps its record; its weights are in last.pt
     if source is not None:
         init = init_weights(model, source, init_from)
