@@ -205,3 +205,53 @@ def test_accumulation_and_checkpointing_on_cuda_start_from_the_plain_steps_loss(
     for key in ("itc_loss", "itm_loss", "mlm_loss", "total"):
         assert out["levers"][0][key] == pytest.approx(out["plain"][0][key], rel=1e-5), key
     assert all(math.isfinite(row["total"]) for row in out["levers"])
+
+
+def test_a_clip_start_trains_on_cuda_and_its_towers_embed_there_as_the_source_does(shards, tmp_path, monkeypatch):
+    """--init-from clip:PATH on CUDA: albef in bf16 with gradient checkpointing trains 3 steps (finite losses, the
+    towers' HF recompute and autocast together), and the float32 towers on CUDA, TF32 off, embed as the source
+    CLIPModel does on the CPU. Tolerance 1e-5 on unit vectors: about 80 float32 ulps, room for the GPU's other
+    summation order over 2 layers of width 32; a wrong weight, preprocessing or pooling moves them by about 0.1."""
+    import torch.nn.functional as F
+    from transformers import CLIPModel
+
+    from tests.vltrain.tinyclip import PROJECTION, SIZE, tiny_clip
+    from vltrain import hfclip
+    from vltrain.config import ModelConfig
+    from vltrain.init_from import init_weights
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8"))
+    folder = tiny_clip(tmp_path / "tiny-clip")
+    sets = ["data.workers=0", "log_every=1", "data.val_frac=0", "model.fusion_layers=1", "model.queue_size=16",
+            "train.precision=bf16", "train.grad_checkpointing=true"]
+    r = CliRunner().invoke(app, ["run", str(shards), "--out", str(tmp_path / "r"), "--preset", "albef",
+                                 "--batch-size", "8", "--steps", "3", "--device", GPU, "--init-from", f"clip:{folder}",
+                                 *[x for s in sets for x in ("--set", s)]])
+    assert r.exit_code == 0, r.output + repr(r.exception)
+    rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    totals = [row["total"] for row in rows if "total" in row]
+    assert len(totals) == 3 and all(math.isfinite(t) for t in totals), rows
+
+    spec = f"clip:{folder}"
+    model = build_model(ModelConfig(text_model=spec, image_model=spec, embed_dim=PROJECTION, fusion_layers=0))
+    init_weights(model, hfclip.init_source(spec), spec)
+    model = model.eval().to(GPU)
+    tok = tokenizer_for(spec)
+    enc = tok(["a photo of a dog", "red", "a blue car next to a small tree"], padding="longest", return_tensors="pt")
+    images = torch.randn(3, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(0))
+    source = CLIPModel.from_pretrained(str(folder)).eval()
+    matmul_tf32 = torch.backends.cuda.matmul.allow_tf32  # a property of torch's, not an attribute to monkeypatch
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:  # the patch embedding is a convolution: cuDNN's TF32 off too
+        with torch.no_grad(), torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+            # transformers 5 returns an output with the projected features as pooler_output, 4 the tensor itself
+            ref_img = source.get_image_features(pixel_values=images)
+            ref_txt = source.get_text_features(**enc)
+            ref_img = F.normalize(getattr(ref_img, "pooler_output", ref_img), dim=-1)
+            ref_txt = F.normalize(getattr(ref_txt, "pooler_output", ref_txt), dim=-1)
+            img = model.encode_image(images.to(GPU))[1].cpu()
+            txt = model.encode_text(enc["input_ids"].to(GPU), enc["attention_mask"].to(GPU))[1].cpu()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = matmul_tf32
+    assert torch.allclose(img, ref_img, rtol=0, atol=1e-5), (img - ref_img).abs().max()
+    assert torch.allclose(txt, ref_txt, rtol=0, atol=1e-5), (txt - ref_txt).abs().max()
