@@ -24,9 +24,11 @@ def traced_peak(fn: Callable[[], object]) -> int:
 
 
 def growth_per_sample(run: Callable[[int], object], n: int) -> float:
-    """(peak of run(4n) - peak of run(n)) / 3n in bytes, after one unmeasured run(n) that pays the imports, model
-    loads and caches a first call makes. `run(m)` builds (or reuses) an m-sample dataset and runs the stage on it."""
+    """(peak of run(4n) - peak of run(n)) / 3n in bytes, after an unmeasured run(n) and run(4n), which pay the
+    imports, model loads and caches a first call makes and build the datasets when `run` makes them on first use.
+    `run(m)` runs the stage on an m-sample dataset."""
     run(n)
+    run(4 * n)
     small = traced_peak(lambda: run(n))
     large = traced_peak(lambda: run(4 * n))
     return (large - small) / (3 * n)

@@ -545,9 +545,22 @@ def bow(cfg: BowConfig, progress=None, warn: Callable[[str], None] = lambda line
         spec = ",".join(s.label for s in cascade)
         fps = shard_fingerprints(ds, ctx)
         plan = [Work(shard, (ds.source, shard), fps[shard], ds.sizes[shard]) for shard in ds.shards]
+        after_words = Counter()
+        after_lengths = Counter()
+
+        def fold_after(shard: str, st: dict) -> dict:
+            """The 'after' statistics of each shard's kept captions (bow_shard's; a resumed shard's from its
+            sidecar), merged in shard order as the shards finish: no shard's word counts are held to the end."""
+            shard_words, shard_lengths = st.pop("after", None) or _word_stats(
+                pq.ParquetFile(out.root / sidecar_name(shard)).read(columns=["caption"]).column(0).to_pylist())
+            after_words.update(shard_words)
+            after_lengths.update(shard_lengths)
+            return st
+
         stats, resumed = map_shards(out, plan, bow_shard, init=init_worker,
                                     initargs=(spec, ctx, cfg.seed, cfg.base_frac, cfg.deform_base), workers=cfg.workers,
-                                    distributor=cfg.distributor, progress=progress, label="bow", total=ds.num_samples)
+                                    distributor=cfg.distributor, progress=progress, label="bow", total=ds.num_samples,
+                                    fold=fold_after)
 
         sizes = {s: stats[s]["written"] for s in ds.shards}
         n_in = ds.num_samples
@@ -561,13 +574,6 @@ def bow(cfg: BowConfig, progress=None, warn: Callable[[str], None] = lambda line
             "counts": {"in": n_in, "written": written, "deformed": deformed, "dropped_empty": dropped},
             **carried_features(ds),
         })
-        after_words = Counter()
-        after_lengths = Counter()
-        for shard in ds.shards:  # the 'after' statistics: of each shard's kept captions (bow_shard), in shard order
-            shard_words, shard_lengths = stats[shard].pop("after", None) or _word_stats(
-                pq.ParquetFile(out.root / sidecar_name(shard)).read(columns=["caption"]).column(0).to_pylist())
-            after_words.update(shard_words)
-            after_lengths.update(shard_lengths)
         report = {
             "stage": "bow", "source": redact(str(cfg.src)), "ops": spec, "base_frac": cfg.base_frac, "seed": cfg.seed,
             "deform_base": cfg.deform_base, "samples_in": n_in, "base_samples": before["base"], "written": written,

@@ -320,7 +320,7 @@ def map_shards(out: Out, plan: Iterable[Work], fn: Callable[..., dict], *, init:
                initargs: tuple = (), workers: int = 1, distributor: str = "local", progress=None,
                label: str = "", total: int | None = None, start: str = "fork", gpu: bool = False,
                done: Callable[[Out, Work], dict | None] = shard_fingerprint_done,
-               executor=None) -> tuple[dict[str, dict], set[str]]:
+               executor=None, fold: Callable[[str, dict], dict] | None = None) -> tuple[dict[str, dict], set[str]]:
     """fn(out, *work.args, work.fingerprint) -> counts, for each planned shard not done; ({shard: counts}, resumed).
 
     `resumed` holds the shards found complete; `counts` is in plan order, a resumed shard's as stored.
@@ -328,6 +328,10 @@ def map_shards(out: Out, plan: Iterable[Work], fn: Callable[..., dict], *, init:
     The plan may be a generator (`vlprep shards` streams its source): at most two shards per worker are in flight,
     so memory stays bounded by the shard size. The executor, and with it the models, starts only when a shard is
     left to do. `executor` lets a caller reuse one it made (benchmarks exclude the start-up that way).
+    `fold(shard, counts)` is called in the driver, in plan order, as soon as a shard and every shard before it
+    are done (resumed ones too); what it returns is kept instead of the counts, so a stage can merge a bulky part
+    of them (a shard's word counts) into its totals at once rather than hold every shard's until the end. Plan
+    order makes the totals the same whatever order the workers finish in.
     SIGTERM or SIGINT raise `Stopped` (a KeyboardInterrupt) once the executor made here is stopped and its workers
     have exited; a caller's own executor is the caller's to stop.
     """
@@ -338,6 +342,14 @@ def map_shards(out: Out, plan: Iterable[Work], fn: Callable[..., dict], *, init:
     ex = executor
     own = executor is None
     portable = out.portable()  # what travels to the workers: the folder and the URL, not the lock
+    order: list[str] = []  # the plan's shards; order[folded:] are not folded yet
+    folded = 0
+
+    def fold_ready() -> None:
+        nonlocal folded
+        while fold is not None and folded < len(order) and stats[order[folded]] is not None:
+            stats[order[folded]] = fold(order[folded], stats[order[folded]])
+            folded += 1
 
     def collect(futures) -> None:
         for fut in futures:
@@ -347,6 +359,7 @@ def map_shards(out: Out, plan: Iterable[Work], fn: Callable[..., dict], *, init:
                 pull(out, sidecar_name(work.shard))  # a worker on another machine kept it there
             if progress is not None:
                 progress.advance(task, work.size)
+        fold_ready()
 
     stopped = False
     with stop_on_signals():  # SIGTERM / SIGINT -> Stopped: the workers are stopped before it propagates
@@ -354,12 +367,14 @@ def map_shards(out: Out, plan: Iterable[Work], fn: Callable[..., dict], *, init:
             for work in plan:
                 if work.shard in stats:
                     raise VlprepError(f"internal: shard {work.shard} planned twice")
+                order.append(work.shard)
                 previous = done(out, work)
                 if previous is not None:
                     stats[work.shard] = previous
                     resumed.add(work.shard)
                     if progress is not None:
                         progress.advance(task, work.size)
+                    fold_ready()
                     continue
                 stats[work.shard] = None  # keeps the plan's order in the result
                 if ex is None:

@@ -231,3 +231,33 @@ def test_an_unreachable_ray_address_is_one_line_before_ray_init(monkeypatch):
     monkeypatch.setenv("VLPREP_RAY_CONNECT_TIMEOUT", "soon")
     with pytest.raises(VlprepError, match="VLPREP_RAY_CONNECT_TIMEOUT must be a number of seconds"):
         _probe_ray_address("127.0.0.1:1")
+
+
+def _slow_first(out: Out, n: int, fp: str) -> dict:
+    """_write, but the first planned shard (n = 9) finishes last."""
+    if n == 9:
+        import time
+
+        time.sleep(0.5)
+    return _write(out, n, fp)
+
+
+def test_fold_sees_every_shard_once_in_plan_order_whatever_order_they_finish(tmp_path):
+    (tmp_path / "w2").mkdir()
+    map_shards(Out(tmp_path), plan([9, 2]), _write, init=_init, initargs=("x",))  # two shards done before
+    (tmp_path / "s-000002.tar").unlink()
+    seen = []
+
+    def fold(shard: str, counts: dict) -> dict:
+        seen.append(shard)
+        return {"written": counts["written"]}  # the slimmed counts are what map_shards keeps
+
+    sizes = [9, 2, 3, 4, 5]
+    # a resumed first shard, then the pool's: there the slow first shard finishes after the others
+    for folder, workers, done_before in ((tmp_path, 1, {"s-000009.tar"}), (tmp_path / "w2", 2, set())):
+        seen.clear()
+        stats, resumed = map_shards(Out(folder), plan(sizes), _slow_first, init=_init, initargs=("x",),
+                                    workers=workers, fold=fold)
+        assert resumed == done_before
+        assert seen == [f"s-{n:06d}.tar" for n in sizes]
+        assert stats == {f"s-{n:06d}.tar": {"written": n} for n in sizes}
