@@ -469,3 +469,71 @@ def test_caption_whitespace_is_collapsed_as_the_regex_did():
     spaces = "".join(c for c in map(chr, range(sys.maxunicode + 1)) if re.match(r"\s", c))
     for cap in ["  a\tb\n\nc  ", f"x{spaces}y{spaces}", "\u00a0lead and trail\u3000", "one"]:
         assert clean_caption(cap) == re.sub(r"\s+", " ", cap).strip()
+
+
+def _uid_table(path: Path, uids: list[str]) -> Path:
+    """A Parquet source of 8 px images (bytes) with these uids."""
+    pq.write_table(pa.table({"image": [image_bytes(8, 8, seed=i % 7) for i in range(len(uids))],
+                             "caption": [f"thing {i}" for i in range(len(uids))], "uid": uids}), path)
+    return path
+
+
+def reference_duplicates(uids: list[str], limit: int = 5) -> dict:
+    """The rule, plainly: a row repeats when an earlier row has its uid; examples are the first repeated uids."""
+    seen = set()
+    rows = 0
+    examples = []
+    for u in uids:
+        if u in seen:
+            rows += 1
+            if len(examples) < limit and u not in examples:
+                examples.append(u)
+        seen.add(u)
+    return {"rows": rows, "examples": examples}
+
+
+def test_duplicate_uid_scan_is_exact_even_when_every_hash_collides(tmp_path, monkeypatch):
+    """Duplicates across shards and within one, with a resumed shard (its uids read from the sidecar); then again
+    with a hash that maps every uid to one of two values, so only the check against the uids themselves keeps
+    distinct uids apart."""
+    import numpy as np
+
+    import vlprep.shards as shards_mod
+
+    uids = [f"u{i % 9}" if i % 3 == 0 else f"v{i}" for i in range(40)] + ["v1", "z", "z", "v2"]
+    src = _uid_table(tmp_path / "t.parquet", uids)
+    want = reference_duplicates(uids)
+    assert want["rows"] > 5 and len(want["examples"]) == 5
+    report = build(src, tmp_path / "a", samples_per_shard=6)
+    assert (report["duplicate_uids"], report["duplicate_uid_examples"]) == (want["rows"], want["examples"])
+    (tmp_path / "a" / "shard-000002.tar").unlink()  # a resumed run: the other shards' uids come from sidecars
+    report = build(src, tmp_path / "a", samples_per_shard=6)
+    assert report["shards_resumed"] == 7
+    assert (report["duplicate_uids"], report["duplicate_uid_examples"]) == (want["rows"], want["examples"])
+    monkeypatch.setattr(shards_mod, "uid_hashes",
+                        lambda us: np.array([len(u) % 2 for u in us], dtype=np.uint64))
+    report = build(src, tmp_path / "b", samples_per_shard=6)
+    assert (report["duplicate_uids"], report["duplicate_uid_examples"]) == (want["rows"], want["examples"])
+
+
+@pytest.mark.slow
+def test_shards_driver_holds_no_uid_per_sample(tmp_path):
+    """The memory rule: the duplicate-uid scan keeps an 8-byte hash per row, not the uid strings (each shard's
+    list travelled back and stayed to the end, then a set of all of them: 98 bytes per sample of growth from
+    2,000 to 8,000 samples); now 13 (the hash, and each shard's counts)."""
+    from tests.memrule import growth_per_sample
+
+    sources = {}
+
+    def stage(n: int) -> None:
+        if n not in sources:
+            sources[n] = _uid_table(tmp_path / f"t{n}.parquet", [f"https://example.com/images/{i:012d}.jpg"
+                                                                   for i in range(n)])
+        out = tmp_path / f"ds{n}"
+        if out.exists():
+            import shutil
+
+            shutil.rmtree(out)
+        build(sources[n], out, samples_per_shard=200)
+
+    assert growth_per_sample(stage, 2000) < 40
