@@ -89,3 +89,26 @@ def test_the_samplers_benchmark_times_a_real_grit_step():
     finally:
         sys.path.remove(str(BENCH))
     assert 0 < seconds < 60
+
+
+@pytest.mark.slow
+def test_scale_runs_its_stages_measures_each_process_and_prints_verdicts(tmp_path):
+    """benchmarks/scale.py at two tiny sizes: its data, `vlprep shards` with two workers (a driver and two
+    workers measured) and `vlprep stats`, the per-size table, the extrapolation and the PASS/FAIL rows."""
+    import json
+
+    r = subprocess.run([sys.executable, str(BENCH / "scale.py"), "--sizes", "1000,2000", "--stages", "shards,stats",
+                        "--work", str(tmp_path / "w"), "--json", str(tmp_path / "scale.json")],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    got = json.loads((tmp_path / "scale.json").read_text())
+    shards = got["results"]["shards"]
+    assert set(shards) == {"1000", "2000"} and all(m["rc"] == 0 for m in shards.values())
+    assert all(m["driver_peak"] > 0 and m["worker_peak"] > 0 and m["cpu"] > 0 for m in shards.values())
+    assert shards["2000"]["written"] > shards["1000"]["written"] > 1000 * 1000  # about 1 KB images
+    assert got["results"]["stats"]["1000"]["worker_peak"] == 0  # stats runs in one process
+    names = {row["name"]: row for row in got["rows"]}
+    assert {"shards CPU/1K 2k / 1k", "shards driver RSS 2k / 1k", "shards worker RSS 2k / 1k", "shards swap",
+            "stats CPU/1K 2k / 1k"} <= set(names)
+    assert all(row["result"] in ("PASS", "FAIL") for row in names.values())
+    assert "extrapolated from the largest N measured" in r.stdout and "3.3M" in r.stdout
