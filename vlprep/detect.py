@@ -6,7 +6,8 @@ Boxes are [x0, y0, x1, y1] normalised to [0, 1] of the stored image. Backends:
 - `torchvision:ARCH` with `--weights FILE`: any torchvision detection model (e.g.
   fasterrcnn_resnet50_fpn) loaded from a local state dict, COCO categories.
 - `--from-file detections.jsonl`: detections computed elsewhere, one JSON object per line:
-  {"key": KEY, "objects": [{"label": str, "score": float, "box": [x0, y0, x1, y1]}]}.
+  {"key": KEY, "objects": [{"label": str, "score": float, "box": [x0, y0, x1, y1]}]}, streamed into an index on
+  disk that the driver queries shard by shard (vlprep/detfile.py).
 Detections below --min-score are not stored. Images that fail to decode are counted and get [].
 """
 

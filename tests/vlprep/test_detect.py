@@ -131,7 +131,8 @@ def test_imported_detections_match_a_whole_file_reading_and_keep_their_fingerpri
         stored = json.loads(side.schema.metadata[b"vlprep"])["stats"]["fingerprint"]
         assert stored == hashlib.blake2b(salt + (raw / shard.replace(".tar", ".parquet")).read_bytes(),
                                          digest_size=16).hexdigest()
-        f32 = [[{"label": o["label"], "score": float(np.float32(o["score"])), "box": [float(np.float32(v)) for v in o["box"]]}
+        f32 = [[{"label": o["label"], "score": float(np.float32(o["score"])),
+                 "box": [float(np.float32(v)) for v in o["box"]]}
                 for o in got[k]] for k in side.column("key").to_pylist()]  # the sidecar's columns are float32
         assert side.column("objects").to_pylist() == f32
     (tmp_path / "dets.jsonl").write_bytes(data + b'\n{"key": "nope", "objects": []}\n')
