@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from vlprep import VlprepError, cut
+from vlprep.lifeline import stop_on_signals
 from vlprep.userfile import NotARegularFile, open_regular
 
 CACHE_KIB = 32 << 10  # SQLite's page cache: a constant, enough to keep the key indexes' upper levels in memory
@@ -129,7 +130,8 @@ def _load(con: sqlite3.Connection, path: Path, shard_keys: Iterable[list[str]]) 
 def detection_index(path: Path, shard_keys: Iterable[list[str]]) -> Iterator[DetectionIndex]:
     """The index of detections file `path` against a dataset whose shards hold `shard_keys` (a list of keys per shard,
     in shard order, read one at a time); a one-line error naming the line for anything malformed. Removed after."""
-    with tempfile.TemporaryDirectory(prefix="vlprep-detect-") as folder:
+    # SIGTERM as Ctrl-C (vlprep.lifeline's Stopped) while the index exists: the folder goes, not only on an error
+    with stop_on_signals(), tempfile.TemporaryDirectory(prefix="vlprep-detect-") as folder:
         # a throwaway file: no journal and no fsync, since a crash only means building it again
         con = sqlite3.connect(Path(folder) / "detections.sqlite")
         try:

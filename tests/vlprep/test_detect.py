@@ -3,8 +3,12 @@
 import hashlib
 import io
 import json
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -141,6 +145,31 @@ def test_imported_detections_match_a_whole_file_reading_and_keep_their_fingerpri
     assert list((tmp_path / "tmp").iterdir()) == [] and not (tmp_path / "det2").exists()
     with pytest.raises(VlprepError, match=r"^detections file .*missing.jsonl: not found$"):
         detect(DetectConfig(src=raw, out=tmp_path / "det2", from_file=tmp_path / "missing.jsonl"))
+
+
+def test_sigterm_while_the_index_is_built_removes_it(tmp_path):
+    """SIGTERM stops the driver as Ctrl-C does (lifeline's Stopped), and the index's folder goes with it."""
+    (tmp_path / "tmp").mkdir()
+    (tmp_path / "d.jsonl").write_text('{"key": "k", "objects": []}\n')
+    script = f"""
+import os, signal, sys, tempfile
+from vlprep.detfile import detection_index
+tempfile.tempdir = {str(tmp_path / "tmp")!r}
+def keys():
+    yield ["k"]
+    assert os.listdir(tempfile.tempdir)  # the index exists by now
+    signal.raise_signal(signal.SIGTERM)
+    yield ["j"]
+try:
+    with detection_index({str(tmp_path / "d.jsonl")!r}, keys()):
+        pass
+except KeyboardInterrupt as e:
+    sys.exit(type(e).__name__)
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+    assert (r.returncode, r.stderr.strip()) == (1, "Stopped")
+    assert list((tmp_path / "tmp").iterdir()) == []
 
 
 @pytest.mark.slow  # about 10 s
