@@ -111,6 +111,7 @@ def _load(con: sqlite3.Connection, path: Path, shard_keys: Iterable[list[str]]) 
     """Fill the index: the dataset's keys shard by shard, then the file's lines checked in order (the first bad line
     is the error, as a whole-file read would find it); returns the file's digest."""
     for i, keys in enumerate(shard_keys):
+        # OR IGNORE: a key twice in one shard is one row (the shard's lookup returns a dict by key anyway)
         con.executemany("INSERT OR IGNORE INTO sample VALUES (?, ?)", ((i, k) for k in keys))
     con.execute("CREATE INDEX sample_key ON sample (key)")  # built once the keys are in: a sort, not random inserts
     digest = hashlib.blake2b(digest_size=16)
