@@ -6,11 +6,12 @@ Boxes are [x0, y0, x1, y1] normalised to [0, 1] of the stored image. Backends:
 - `torchvision:ARCH` with `--weights FILE`: any torchvision detection model (e.g.
   fasterrcnn_resnet50_fpn) loaded from a local state dict, COCO categories.
 - `--from-file detections.jsonl`: detections computed elsewhere, one JSON object per line:
-  {"key": KEY, "objects": [{"label": str, "score": float, "box": [x0, y0, x1, y1]}]}.
+  {"key": KEY, "objects": [{"label": str, "score": float, "box": [x0, y0, x1, y1]}]}, streamed into an index on
+  disk that the driver queries shard by shard (vlprep/detfile.py).
 Detections below --min-score are not stored. Images that fail to decode are counted and get [].
 """
 
-import hashlib
+import contextlib
 import importlib.util
 import json
 import os
@@ -25,14 +26,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
 
-from vlprep import VlprepError, cut
-from vlprep.dataset import batches, carried_features, decode_rgb, decode_sample, image_ext, iter_aligned, sidecar_name
+from vlprep import VlprepError
+from vlprep.dataset import (Dataset, batches, carried_features, decode_rgb, decode_sample, image_ext, iter_aligned,
+                            sidecar_name)
+from vlprep.detfile import DetectionIndex, detection_index
 from vlprep.engine import Work, check_engine, map_shards
 from vlprep.output import Out, finish_dataset, open_derived, write_json_atomic, write_shard, writing_output
 from vlprep.urls import redact
-from vlprep.userfile import read_user_file
 
-DETECTIONS_BYTES = 4 << 30  # a detections file is read whole (its objects are held for the run): a cap on that
 OBJECT_TYPE = pa.list_(pa.struct([("label", pa.string()), ("score", pa.float32()), ("box", pa.list_(pa.float32()))]))
 
 
@@ -122,48 +123,6 @@ class TorchvisionDetector:
             labels = [self.categories[int(c)] for c in r["labels"].cpu()]
             out.append(_objects(labels, r["scores"].cpu().tolist(), boxes, min_score))
         return out
-
-
-def read_detections_file(path: Path, keys: set[str]) -> tuple[dict[str, list[dict]], bytes]:
-    """(key -> objects, the file's blake2b digest) from a JSONL file; a clear error naming the line for anything
-    malformed, one line for a missing, special (a FIFO) or oversized file."""
-    data = read_user_file(path, DETECTIONS_BYTES, f"detections file {path}")
-    out = {}
-    # the lines of the bytes read once, which the digest is also of
-    for lineno, line in enumerate(data.split(b"\n"), 1):
-        if not line.strip():
-            continue
-        where = f"{path.name}:{lineno}"
-        try:
-            row = json.loads(line)
-        except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, a 5,000-digit integer
-            why = e.__class__.__name__ if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)) else (
-                "nested too deeply" if isinstance(e, RecursionError) else str(e).split(";")[0])
-            raise VlprepError(f"{where}: malformed JSON ({why})") from None
-        if not isinstance(row, dict) or "key" not in row or "objects" not in row:
-            raise VlprepError(f"{where}: expected an object with fields 'key' and 'objects'")
-        key = row["key"]
-        objs = row["objects"]
-        if not isinstance(key, str) or key not in keys:  # (a list or an object is unhashable: no set lookup)
-            raise VlprepError(f"{where}: unknown key {cut(repr(key), 60)} (not in the dataset)")
-        if key in out:
-            raise VlprepError(f"{where}: key {key!r} appears twice")
-        if not isinstance(objs, list):
-            raise VlprepError(f"{where}: 'objects' must be a list")
-        clean = []
-        for j, o in enumerate(objs):
-            if not isinstance(o, dict) or not {"label", "score", "box"} <= set(o):
-                raise VlprepError(f"{where}: object {j} needs fields label, score and box")
-            box = o["box"]
-            if (not isinstance(box, list) or len(box) != 4 or not all(isinstance(v, (int, float)) for v in box)
-                    or not all(0 <= v <= 1 for v in box)):
-                raise VlprepError(f"{where}: object {j}: box must be 4 numbers in [0, 1] (x0, y0, x1, y1)")
-            if not isinstance(o["score"], (int, float)) or not isinstance(o["label"], str):
-                raise VlprepError(f"{where}: object {j}: label must be a string and score a number")
-            clean.append({"label": o["label"], "score": round(float(o["score"]), 4),
-                          "box": [round(float(v), 4) for v in box]})
-        out[key] = clean
-    return out, hashlib.blake2b(data, digest_size=16).digest()
 
 
 # --- the stage ---------------------------------------------------------------------------------
@@ -260,32 +219,44 @@ def detect(cfg: DetectConfig, progress=None) -> dict:
     check_engine(cfg.distributor, cfg.workers)
     t0 = time.perf_counter()
     ds, out = open_derived(cfg.src, cfg.out, cfg.skip_bad_shards)
-    keys = {s: pq.read_table(ds.sidecar(s), columns=["key"]).column(0).to_pylist() for s in ds.shards}
-    imported = None
-    if cfg.from_file is not None:
-        imported, digest = read_detections_file(Path(cfg.from_file), {k for ks in keys.values() for k in ks})
-        backend = f"file:{Path(cfg.from_file).name}"
-    else:
-        # Loaded here to check the backend and weights before OUT is touched; other workers load their own.
-        _init_worker(cfg.backend, cfg.weights, cfg.device)
-        backend = _worker["detector"].name
+    with contextlib.ExitStack() as stack:
+        index = None
+        if cfg.from_file is not None:
+            # the keys stream into the index one shard at a time: the driver holds no per-sample structure
+            keys = (pq.read_table(ds.sidecar(s), columns=["key"]).column(0).to_pylist() for s in ds.shards)
+            index = stack.enter_context(detection_index(Path(cfg.from_file), keys))
+            backend = f"file:{Path(cfg.from_file).name}"
+        else:
+            # Loaded here to check the backend and weights before OUT is touched; other workers load their own.
+            _init_worker(cfg.backend, cfg.weights, cfg.device)
+            backend = _worker["detector"].name
+        return _run(cfg, ds, out, backend, index, t0, progress)
+
+
+def _plan(cfg: DetectConfig, ds: Dataset, backend: str, index: DetectionIndex | None):
+    """The stage's Work items, one shard at a time (map_shards keeps at most two per worker in flight)."""
+    salt = json.dumps({"backend": backend, "min_score": cfg.min_score}).encode()
+    if index is not None:
+        salt += index.digest
+    for i, shard in enumerate(ds.shards):
+        # Imported detections travel per shard (metadata, never image bytes); a detector sees only paths.
+        mine = None if index is None else index.shard(i)
+        yield Work(shard, (ds.source, shard, mine, cfg.min_score, cfg.batch_size), ds.fingerprint(shard, salt),
+                   ds.sizes[shard])
+
+
+def _run(cfg: DetectConfig, ds: Dataset, out: Out, backend: str, index: DetectionIndex | None, t0: float,
+         progress) -> dict:
+    """The stage once its input is checked: OUT written and locked, the shards mapped, the report."""
     options = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()
                if k not in ("src", "out", "overwrite", "batch_size", "device", "workers", "distributor",
                             "skip_bad_shards")}
     options["src"] = ds.location
     with writing_output(out, "detect", options, cfg.overwrite) as out:
-        salt = json.dumps({"backend": backend, "min_score": cfg.min_score}).encode()
-        if cfg.from_file is not None:
-            salt += digest
-        plan = []
-        for shard in ds.shards:
-            fp = ds.fingerprint(shard, salt)
-            # Imported detections travel per shard (metadata, never image bytes); a detector sees only paths.
-            mine = None if imported is None else {k: imported[k] for k in keys[shard] if k in imported}
-            plan.append(Work(shard, (ds.source, shard, mine, cfg.min_score, cfg.batch_size), fp, ds.sizes[shard]))
+        plan = _plan(cfg, ds, backend, index)
         t_work = time.perf_counter()
         stats, resumed = map_shards(out, plan, detect_shard, init=_init_worker,
-                                    initargs=(None if imported is not None else cfg.backend, cfg.weights, cfg.device),
+                                    initargs=(None if index is not None else cfg.backend, cfg.weights, cfg.device),
                                     workers=cfg.workers, distributor=cfg.distributor, progress=progress, label="detect",
                                     total=ds.num_samples, start="spawn", gpu=cfg.device == "cuda")
         processed = sum(ds.sizes[s] for s in ds.shards if s not in resumed)

@@ -99,7 +99,7 @@ def test_ontology_overrides_file_is_read_by_the_same_rule(tmp_path):
 
 
 def test_a_detections_file_with_an_unhashable_key_deep_nesting_or_a_huge_integer_is_one_line(tmp_path):
-    from vlprep.detect import read_detections_file
+    from vlprep.detfile import detection_index
 
     cases = {'{"key": ["k"], "objects": []}': r"d\.jsonl:1: unknown key \['k'\] \(not in the dataset\)",
              "[" * 100_000 + "]" * 100_000: r"d\.jsonl:1: malformed JSON \(nested too deeply\)",
@@ -107,4 +107,5 @@ def test_a_detections_file_with_an_unhashable_key_deep_nesting_or_a_huge_integer
     for text, said in cases.items():
         (tmp_path / "d.jsonl").write_text(text + "\n")
         with pytest.raises(VlprepError, match="^" + said):
-            read_detections_file(tmp_path / "d.jsonl", {"k"})
+            with detection_index(tmp_path / "d.jsonl", [["k"]]):
+                pass
