@@ -2,12 +2,14 @@
 
 docs/ONTOLOGY.md is the contract: which nouns and objects count, PMI, the noun -> class mapping with its ties and
 overrides, the triplet rules and the class-size threshold, and the outputs (ontology.json, triplets.parquet,
-annotated shards, report).
+annotated shards, report). The driver reads the dataset one shard at a time (vlprep.ontology_scan): it keeps counts
+the size of the vocabulary, never a structure with an entry per sample.
 """
 
 import json
 import math
 import time
+from fractions import Fraction
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
@@ -114,6 +116,19 @@ def default_min_instances(n_triplets: int) -> int:
     return max(5, math.ceil(n_triplets * PAPER_RATIO))
 
 
+def cooccur_threshold(min_cooccur: int, rate: float, pairs: int) -> int:
+    """The co-occurrence count a mapped pair needs: min_cooccur, or ceil(rate x pairs) when that is larger."""
+    # the rate as written in decimal: 0.07 x 100 pairs is 7, not 7.000000000000001 -> 8
+    return max(min_cooccur, math.ceil(Fraction(str(float(rate))) * pairs))
+
+
+def triplet_counts(every: Counter, detected: Counter, kept: set[str], rule: str) -> dict:
+    """Both rules' triplet counts: over every mapped class (before --min-instances), and over the kept classes."""
+    return {"rule": rule,
+            "found": {"all": sum(every.values()), "detected": sum(detected.values())},
+            "kept": {"all": sum(every[c] for c in kept), "detected": sum(detected[c] for c in kept)}}
+
+
 # --- the stage ---------------------------------------------------------------------------------
 
 
@@ -123,6 +138,7 @@ class OntologyConfig:
     out: Path
     min_instances: int | None = None
     min_cooccur: int = 5
+    min_cooccur_rate: float = 0.0      # > 0: a pair also needs ceil(rate x pairs with objects) co-occurrences
     min_score: float = 0.3
     overrides: Path | None = None
     triplets: str = "all"
@@ -163,6 +179,8 @@ def ontology(cfg: OntologyConfig, progress=None) -> dict:
     """Run the stage; returns the report (also written to OUT/report.json)."""
     if cfg.min_cooccur < 1 or (cfg.min_instances is not None and cfg.min_instances < 1):
         raise VlprepError("--min-cooccur and --min-instances must be at least 1")
+    if not 0 <= cfg.min_cooccur_rate < 1:
+        raise VlprepError("--min-cooccur-rate must be at least 0 and below 1")
     if not 0 <= cfg.min_score <= 1:
         raise VlprepError("--min-score must be between 0 and 1")
     if cfg.triplets not in TRIPLET_RULES:
@@ -173,7 +191,10 @@ def ontology(cfg: OntologyConfig, progress=None) -> dict:
     check_detections(ds)
     overrides = load_overrides(cfg.overrides, detected_labels(ds, cfg.min_score) if cfg.overrides else set())
     options = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()
-               if k not in ("src", "out", "overwrite", "skip_bad_shards", "workers", "distributor")}
+               if k not in ("src", "out", "overwrite", "skip_bad_shards", "workers", "distributor",
+                            "min_cooccur_rate")}
+    if cfg.min_cooccur_rate:  # absent at its default, so a run from before the option resumes with the same options
+        options["min_cooccur_rate"] = cfg.min_cooccur_rate
     options["src"] = ds.location
     with writing_output(out, "ontology", options, cfg.overwrite) as out:
         (out.root / "_nouns").mkdir(exist_ok=True)
@@ -182,7 +203,8 @@ def ontology(cfg: OntologyConfig, progress=None) -> dict:
         map_shards(out, plan, nouns_shard, init=_init_nlp, label="nouns", total=ds.num_samples, done=_nouns_done,
                    **engine)
         table = pmi_table(noun_label_pairs(ds, out, cfg.min_score))
-        mapping = map_nouns(table, cfg.min_cooccur, overrides)
+        min_cooccur = cooccur_threshold(cfg.min_cooccur, cfg.min_cooccur_rate, table.attrs["pairs"])
+        mapping = map_nouns(table, min_cooccur, overrides)
 
         # Every set noun of a caption gives a triplet (appendix A.1: "one triplet for each noun in our set ... that the
         # text contains"); `detected` keeps only those whose class the detector found in the image. Both rules'
@@ -191,10 +213,7 @@ def ontology(cfg: OntologyConfig, progress=None) -> dict:
         per_class = every if cfg.triplets == "all" else detected
         min_inst = cfg.min_instances or default_min_instances(sum(per_class.values()))
         kept = {c for c, n in per_class.items() if n >= min_inst}
-        # both rules' counts: over every mapped class (before --min-instances), and over the classes this run kept
-        counts = {"rule": cfg.triplets,
-                  "found": {"all": sum(every.values()), "detected": sum(detected.values())},
-                  "kept": {"all": sum(every[c] for c in kept), "detected": sum(detected[c] for c in kept)}}
+        counts = triplet_counts(every, detected, kept, cfg.triplets)
         n_triplets = sum(per_class[c] for c in kept)
         mapping = {n: c for n, c in mapping.items() if c in kept}
 
@@ -203,7 +222,7 @@ def ontology(cfg: OntologyConfig, progress=None) -> dict:
             nodes.append({"class": cls, "nouns": sorted(n for n, c in mapping.items() if c == cls),
                           "instances": per_class[cls], "instances_detected": detected[cls]})
         onto = {"root": {"name": "entity", "instances": ds.num_samples}, "nodes": nodes, "noun_to_class": mapping,
-                "params": {"min_instances": min_inst, "min_cooccur": cfg.min_cooccur, "min_score": cfg.min_score,
+                "params": {"min_instances": min_inst, "min_cooccur": min_cooccur, "min_score": cfg.min_score,
                            "pairs_with_objects": table.attrs["pairs"], "triplets": n_triplets,
                            "triplet_rule": cfg.triplets}}
         write_json_atomic(out.root / "ontology.json", onto)
@@ -213,7 +232,7 @@ def ontology(cfg: OntologyConfig, progress=None) -> dict:
 
         seen = {"pairs_with_objects": table.attrs["pairs"],
                 "nouns_seen": int(table["noun"].nunique()) if len(table) else 0,
-                "candidate_pairs": int((table["count"] >= cfg.min_cooccur).sum()) if len(table) else 0}
+                "candidate_pairs": int((table["count"] >= min_cooccur).sum()) if len(table) else 0}
         plots = plot_pmi(out.root / "pmi_heatmap.png", table, mapping, nodes)
         del table  # a row per co-occurring noun and class: the annotate pass's workers do not inherit it
 
