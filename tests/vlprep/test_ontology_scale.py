@@ -6,6 +6,7 @@ import random
 import shutil
 import sys
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -93,3 +94,34 @@ def test_the_driver_holds_nothing_per_sample(tmp_path):
     _detected(tmp_path, 2000)
     assert sys.getsizeof("shard_000000000") == 64
     assert growth_per_sample(run, 500) < 64
+
+
+def _zipf_pairs(n: int, rng) -> list[tuple[list[str], set[str]]]:
+    """n (nouns, classes) pairs: 4 nouns per caption, Zipf(1.1) over 20,000 nouns of which the 400 most frequent
+    name a class (noun i -> class i % 80, detected 70% of the time it is said), plus up to 2 unrelated classes."""
+    weights = 1 / np.arange(1, 20_001) ** 1.1
+    class_weights = 1 / np.arange(1, 81) ** 0.8
+    nouns = rng.choice(20_000, size=(n, 4), p=weights / weights.sum())
+    extra = rng.choice(80, size=(n, 2), p=class_weights / class_weights.sum())
+    count = rng.integers(0, 3, n)
+    seen = rng.random((n, 4)) < 0.7
+    return [([f"n{v}" for v in cap], {f"c{v % 80}" for v, s in zip(cap, said) if v < 400 and s}
+             | {f"c{e}" for e in ex[:k]}) for cap, said, ex, k in zip(nouns, seen, extra, count)]
+
+
+def test_a_fixed_count_maps_the_long_tail_a_rate_does_not():
+    """At --min-cooccur 5 the mapping grows with N (the tail of nouns that name no class, mapped by chance
+    co-occurrence); with --min-cooccur-rate 0.0005 (5 per 10,000 pairs) it keeps the class-naming nouns only."""
+    from vlprep.ontology import cooccur_threshold, map_nouns, pmi_table
+
+    rng = np.random.default_rng(0)
+    mapped = {}
+    for n in (10_000, 100_000):
+        table = pmi_table(_zipf_pairs(n, rng))
+        for name, threshold in (("count", 5), ("rate", cooccur_threshold(5, 0.0005, table.attrs["pairs"]))):
+            mapping = map_nouns(table, threshold)
+            wrong = sum(int(k[1:]) >= 400 or v != f"c{int(k[1:]) % 80}" for k, v in mapping.items())
+            mapped[name, n] = (len(mapping), wrong)
+    assert mapped["count", 10_000] == mapped["rate", 10_000]  # the same threshold, 5, at 10K pairs
+    assert mapped["count", 100_000][0] > 5 * mapped["count", 10_000][0] and mapped["count", 100_000][1] > 1000
+    assert mapped["rate", 100_000][1] == 0 and 380 <= mapped["rate", 100_000][0] <= 400
