@@ -9,10 +9,10 @@ the size of the vocabulary, never a structure with an entry per sample.
 import json
 import math
 import time
-from fractions import Fraction
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
+from fractions import Fraction
 from pathlib import Path
 
 import pyarrow as pa
@@ -138,7 +138,6 @@ class OntologyConfig:
     out: Path
     min_instances: int | None = None
     min_cooccur: int = 5
-    min_cooccur_rate: float = 0.0      # > 0: a pair also needs ceil(rate x pairs with objects) co-occurrences
     min_score: float = 0.3
     overrides: Path | None = None
     triplets: str = "all"
@@ -146,6 +145,7 @@ class OntologyConfig:
     distributor: str = "local"         # local | ray (docs/SCALE.md)
     overwrite: bool = False
     skip_bad_shards: bool = False  # leave out shards whose tar, sidecar and sizes.json disagree (counted)
+    min_cooccur_rate: float = 0.0  # > 0: a pair also needs ceil(rate x pairs with objects) co-occurrences
 
 
 _worker: dict = {}
