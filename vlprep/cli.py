@@ -258,6 +258,8 @@ def ontology(
     min_instances: Optional[int] = typer.Option(None, help="Drop classes with fewer triplets (default: "
                                                 "max(5, ceil(T x 5000 / 5.8M)) for T triplets, the paper's ratio)."),
     min_cooccur: int = typer.Option(5, help="Noun-class pairs must co-occur this often to be mapped."),
+    min_cooccur_rate: float = typer.Option(0.0, help="Also at least ceil(RATE x pairs with objects) times, so the "
+                                           "mapping does not grow with the dataset (docs/ONTOLOGY.md)."),
     min_score: float = typer.Option(0.3, help="Object labels count when their score is at least this."),
     overrides: Optional[Path] = typer.Option(None, help="YAML of noun: class (force) or noun: null (exclude)."),
     triplets: str = typer.Option("all", help="all: one triplet per mapped noun of the caption (TOnICS appendix "
@@ -273,7 +275,7 @@ def ontology(
 
     cfg = OntologyConfig(src=src, out=out, min_instances=min_instances, min_cooccur=min_cooccur, min_score=min_score,
                          overrides=overrides, triplets=triplets, overwrite=overwrite,
-                         skip_bad_shards=skip_bad_shards)
+                         skip_bad_shards=skip_bad_shards, min_cooccur_rate=min_cooccur_rate)
     run_stage(cfg, workers, distributor, run_ontology, print_ontology_report, out,
               "ontology.json, triplets.parquet, report.json, pmi_heatmap.png", report_console=Console(emoji=False))
 

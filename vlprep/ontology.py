@@ -2,7 +2,8 @@
 
 docs/ONTOLOGY.md is the contract: which nouns and objects count, PMI, the noun -> class mapping with its ties and
 overrides, the triplet rules and the class-size threshold, and the outputs (ontology.json, triplets.parquet,
-annotated shards, report).
+annotated shards, report). The driver reads the dataset one shard at a time (vlprep.ontology_scan): it keeps counts
+the size of the vocabulary, never a structure with an entry per sample.
 """
 
 import json
@@ -11,8 +12,8 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
+from fractions import Fraction
 from pathlib import Path
-from typing import NamedTuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -20,6 +21,8 @@ import pyarrow.parquet as pq
 from vlprep import VlprepError
 from vlprep.dataset import carried_features, decode_sample, iter_aligned, sidecar_name
 from vlprep.engine import Work, check_engine, map_shards
+from vlprep.ontology_scan import (check_detections, detected_labels, labels_of, make_triplets, noun_label_pairs,
+                                  nouns_file, read_nouns, tally_triplets, write_triplets)
 from vlprep.output import (Out, finish_dataset, open_derived, publish, pull, write_json_atomic, write_shard,
                            writing_output)
 from vlprep.urls import redact
@@ -109,33 +112,21 @@ def load_overrides(path: Path | None, labels: set[str]) -> dict:
     return {str(k).lower(): v for k, v in data.items()}
 
 
-class Triplet(NamedTuple):
-    """One row of triplets.parquet: a sample (key, index), a noun span of its caption, the noun's class."""
-
-    key: str
-    index: int
-    noun: str
-    start: int
-    end: int
-    cls: str          # the column `class`
-    detected: bool    # the detector found `cls` in this image
-
-
-def make_triplets(nouns: list[tuple[str, int, int]], mapping: dict[str, str],
-                  labels: set[str] | None = None) -> list[tuple]:
-    """(noun, start, end, class) per distinct mapped noun; with `labels`, only those whose class is among them."""
-    out = []
-    seen = set()
-    for noun, start, end in nouns:
-        cls = mapping.get(noun)
-        if cls is not None and (labels is None or cls in labels) and noun not in seen:
-            seen.add(noun)
-            out.append((noun, start, end, cls))
-    return out
-
-
 def default_min_instances(n_triplets: int) -> int:
     return max(5, math.ceil(n_triplets * PAPER_RATIO))
+
+
+def cooccur_threshold(min_cooccur: int, rate: float, pairs: int) -> int:
+    """The co-occurrence count a mapped pair needs: min_cooccur, or ceil(rate x pairs) when that is larger."""
+    # the rate as written in decimal: 0.07 x 100 pairs is 7, not 7.000000000000001 -> 8
+    return max(min_cooccur, math.ceil(Fraction(str(float(rate))) * pairs))
+
+
+def triplet_counts(every: Counter, detected: Counter, kept: set[str], rule: str) -> dict:
+    """Both rules' triplet counts: over every mapped class (before --min-instances), and over the kept classes."""
+    return {"rule": rule,
+            "found": {"all": sum(every.values()), "detected": sum(detected.values())},
+            "kept": {"all": sum(every[c] for c in kept), "detected": sum(detected[c] for c in kept)}}
 
 
 # --- the stage ---------------------------------------------------------------------------------
@@ -154,6 +145,7 @@ class OntologyConfig:
     distributor: str = "local"         # local | ray (docs/SCALE.md)
     overwrite: bool = False
     skip_bad_shards: bool = False  # leave out shards whose tar, sidecar and sizes.json disagree (counted)
+    min_cooccur_rate: float = 0.0  # > 0: a pair also needs ceil(rate x pairs with objects) co-occurrences
 
 
 _worker: dict = {}
@@ -161,10 +153,6 @@ _worker: dict = {}
 
 def _init_nlp() -> None:
     _worker["nlp"] = load_nlp()  # once per worker: loading spaCy takes about a second
-
-
-def nouns_file(out: Out, shard: str) -> Path:
-    return out.root / "_nouns" / sidecar_name(shard)
 
 
 def nouns_shard(out: Out, src: Path, shard: str, fp: str) -> dict:
@@ -187,30 +175,12 @@ def _nouns_done(out: Out, work: Work) -> dict | None:
     return None
 
 
-def read_nouns(out: Out, shard: str) -> list[list[tuple[str, int, int]]]:
-    pull(out, f"_nouns/{nouns_file(out, shard).name}")  # made on another machine (a URL OUT)
-    return [[tuple(d.values()) for d in row] for row in pq.read_table(nouns_file(out, shard)).column(0).to_pylist()]
-
-
-def _keys_and_labels(ds, min_score: float) -> tuple[dict[str, list[str]], dict[str, list[set[str]]]]:
-    """Per shard, from one sidecar read: the sample keys and each image's labels with score >= min_score."""
-    keys = {}
-    labels = {}
-    for shard in ds.shards:
-        schema = pq.read_schema(ds.sidecar(shard))
-        if "objects" not in schema.names:
-            raise VlprepError(f"{ds.root} has no detections (sidecar column 'objects'); run `vlprep detect` first")
-        t = pq.read_table(ds.sidecar(shard), columns=["key", "objects"])
-        keys[shard] = t.column("key").to_pylist()
-        labels[shard] = [{o["label"] for o in (row or []) if o["score"] >= min_score}
-                         for row in t.column("objects").to_pylist()]
-    return keys, labels
-
-
 def ontology(cfg: OntologyConfig, progress=None) -> dict:
     """Run the stage; returns the report (also written to OUT/report.json)."""
     if cfg.min_cooccur < 1 or (cfg.min_instances is not None and cfg.min_instances < 1):
         raise VlprepError("--min-cooccur and --min-instances must be at least 1")
+    if not 0 <= cfg.min_cooccur_rate < 1:
+        raise VlprepError("--min-cooccur-rate must be at least 0 and below 1")
     if not 0 <= cfg.min_score <= 1:
         raise VlprepError("--min-score must be between 0 and 1")
     if cfg.triplets not in TRIPLET_RULES:
@@ -218,11 +188,13 @@ def ontology(cfg: OntologyConfig, progress=None) -> dict:
     check_engine(cfg.distributor, cfg.workers)
     t0 = time.perf_counter()
     ds, out = open_derived(cfg.src, cfg.out, cfg.skip_bad_shards)
-    keys, labels = _keys_and_labels(ds, cfg.min_score)
-    all_labels = set().union(*(s for rows in labels.values() for s in rows))
-    overrides = load_overrides(cfg.overrides, all_labels)
+    check_detections(ds)
+    overrides = load_overrides(cfg.overrides, detected_labels(ds, cfg.min_score) if cfg.overrides else set())
     options = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()
-               if k not in ("src", "out", "overwrite", "skip_bad_shards", "workers", "distributor")}
+               if k not in ("src", "out", "overwrite", "skip_bad_shards", "workers", "distributor",
+                            "min_cooccur_rate")}
+    if cfg.min_cooccur_rate:  # absent at its default, so a run from before the option resumes with the same options
+        options["min_cooccur_rate"] = cfg.min_cooccur_rate
     options["src"] = ds.location
     with writing_output(out, "ontology", options, cfg.overwrite) as out:
         (out.root / "_nouns").mkdir(exist_ok=True)
@@ -230,86 +202,64 @@ def ontology(cfg: OntologyConfig, progress=None) -> dict:
         plan = [Work(s, (ds.source, s), ds.fingerprint(s), ds.sizes[s]) for s in ds.shards]
         map_shards(out, plan, nouns_shard, init=_init_nlp, label="nouns", total=ds.num_samples, done=_nouns_done,
                    **engine)
-        nouns = {shard: read_nouns(out, shard) for shard in ds.shards}
-
-        pairs = ((n for n, _, _ in ns) for shard in ds.shards for ns in nouns[shard])
-        table = pmi_table(zip(pairs, (ls for shard in ds.shards for ls in labels[shard])))
-        mapping = map_nouns(table, cfg.min_cooccur, overrides)
+        table = pmi_table(noun_label_pairs(ds, out, cfg.min_score))
+        min_cooccur = cooccur_threshold(cfg.min_cooccur, cfg.min_cooccur_rate, table.attrs["pairs"])
+        mapping = map_nouns(table, min_cooccur, overrides)
 
         # Every set noun of a caption gives a triplet (appendix A.1: "one triplet for each noun in our set ... that the
-        # text contains"); `detected` keeps only those whose class the detector found in the image. Each triplet
-        # carries that flag, so both rules' counts come from one pass.
-        every = []
-        index = 0
-        for shard in ds.shards:
-            for key, ns, ls in zip(keys[shard], nouns[shard], labels[shard]):
-                every.extend(Triplet(key, index, *t, t[3] in ls) for t in make_triplets(ns, mapping))
-                index += 1
-        triplets = every if cfg.triplets == "all" else [t for t in every if t.detected]
-        per_class = Counter(t.cls for t in triplets)
-        per_class_detected = Counter(t.cls for t in triplets if t.detected)
-        min_inst = cfg.min_instances or default_min_instances(len(triplets))
+        # text contains"); `detected` keeps only those whose class the detector found in the image. Both rules'
+        # counts per class come from one pass.
+        every, detected = tally_triplets(ds, out, mapping, cfg.min_score)
+        per_class = every if cfg.triplets == "all" else detected
+        min_inst = cfg.min_instances or default_min_instances(sum(per_class.values()))
         kept = {c for c, n in per_class.items() if n >= min_inst}
-        # both rules' counts: over every mapped class (before --min-instances), and over the classes this run kept
-        counts = {"rule": cfg.triplets,
-                  "found": {"all": len(every), "detected": sum(t.detected for t in every)},
-                  "kept": {"all": sum(t.cls in kept for t in every),
-                           "detected": sum(t.detected and t.cls in kept for t in every)}}
-        triplets = [t for t in triplets if t.cls in kept]
+        counts = triplet_counts(every, detected, kept, cfg.triplets)
+        n_triplets = sum(per_class[c] for c in kept)
         mapping = {n: c for n, c in mapping.items() if c in kept}
 
         nodes = []
         for cls in sorted(kept, key=lambda c: (-per_class[c], c)):
             nodes.append({"class": cls, "nouns": sorted(n for n, c in mapping.items() if c == cls),
-                          "instances": per_class[cls], "instances_detected": per_class_detected[cls]})
+                          "instances": per_class[cls], "instances_detected": detected[cls]})
         onto = {"root": {"name": "entity", "instances": ds.num_samples}, "nodes": nodes, "noun_to_class": mapping,
-                "params": {"min_instances": min_inst, "min_cooccur": cfg.min_cooccur, "min_score": cfg.min_score,
-                           "pairs_with_objects": table.attrs["pairs"], "triplets": len(triplets),
+                "params": {"min_instances": min_inst, "min_cooccur": min_cooccur, "min_score": cfg.min_score,
+                           "pairs_with_objects": table.attrs["pairs"], "triplets": n_triplets,
                            "triplet_rule": cfg.triplets}}
         write_json_atomic(out.root / "ontology.json", onto)
-        cols = list(zip(*triplets)) if triplets else [[]] * 7
-        trip = pa.table({"key": pa.array(cols[0], pa.string()), "index": pa.array(cols[1], pa.int64()),
-                         "noun": pa.array(cols[2], pa.string()), "start": pa.array(cols[3], pa.int32()),
-                         "end": pa.array(cols[4], pa.int32()), "class": pa.array(cols[5], pa.string()),
-                         "detected": pa.array(cols[6], pa.bool_())})
-        pq.write_table(trip, out.root / "triplets.parquet.tmp")
-        (out.root / "triplets.parquet.tmp").replace(out.root / "triplets.parquet")
+        covered = write_triplets(out.root / "triplets.parquet", ds, out, mapping, cfg.min_score,
+                                 cfg.triplets == "detected")
+        from vlprep.report import plot_pmi
 
-        sample_nodes: dict[str, set] = {}
-        for t in triplets:
-            sample_nodes.setdefault(t.key, set()).add(t.cls)
+        seen = {"pairs_with_objects": table.attrs["pairs"],
+                "nouns_seen": int(table["noun"].nunique()) if len(table) else 0,
+                "candidate_pairs": int((table["count"] >= min_cooccur).sum()) if len(table) else 0}
+        plots = plot_pmi(out.root / "pmi_heatmap.png", table, mapping, nodes)
+        del table  # a row per co-occurring noun and class: the annotate pass's workers do not inherit it
+
         salt = json.dumps([mapping, cfg.min_score, cfg.triplets]).encode()
-        plan = []
-        for shard in ds.shards:
-            fp = ds.fingerprint(shard, salt)
-            nodes_of = {k: sorted(sample_nodes[k]) for k in keys[shard] if k in sample_nodes}
-            plan.append(Work(shard, (ds.source, shard, nodes_of), fp, ds.sizes[shard]))
+        plan = [Work(s, (ds.source, s, mapping, cfg.min_score, cfg.triplets), ds.fingerprint(s, salt), ds.sizes[s])
+                for s in ds.shards]
         stats, resumed = map_shards(out, plan, annotate_shard, label="annotate", total=ds.num_samples, **engine)
         finish_dataset(out, {s: stats[s]["written"] for s in ds.shards},
                        {"stage": "ontology", "input": redact(str(cfg.src)), "options": options,
-                        "counts": {"pairs": ds.num_samples, "triplets": len(triplets), "classes": len(nodes),
+                        "counts": {"pairs": ds.num_samples, "triplets": n_triplets, "classes": len(nodes),
                                    "triplet_counts": counts}, **carried_features(ds)})
-        covered = len(sample_nodes)
         report = {
-            "stage": "ontology", "source": redact(str(cfg.src)), "pairs": ds.num_samples,
-            "pairs_with_objects": table.attrs["pairs"], "nouns_seen": int(table["noun"].nunique()) if len(table) else 0,
-            "candidate_pairs": int((table["count"] >= cfg.min_cooccur).sum()) if len(table) else 0,
-            "min_instances": min_inst, "classes": len(nodes), "mapped_nouns": len(mapping), "triplets": len(triplets),
+            "stage": "ontology", "source": redact(str(cfg.src)), "pairs": ds.num_samples, **seen,
+            "min_instances": min_inst, "classes": len(nodes), "mapped_nouns": len(mapping), "triplets": n_triplets,
             "triplet_rule": cfg.triplets, "triplet_counts": counts,
             "coverage": round(covered / ds.num_samples, 4) if ds.num_samples else 0.0,
             "dropped_classes": {c: per_class[c] for c in sorted(set(per_class) - kept)},
             "nodes": nodes, "shards_resumed": len(resumed), "bad_shards": ds.bad,
-            "elapsed_s": round(time.perf_counter() - t0, 3),
+            "elapsed_s": round(time.perf_counter() - t0, 3), "plots": plots,
         }
-        from vlprep.report import plot_pmi
-
-        report["plots"] = plot_pmi(out.root / "pmi_heatmap.png", table, mapping, nodes)
         write_json_atomic(out.root / "report.json", report)
     return report
 
 
-def annotate_shard(out: Out, src: Path, shard: str, nodes_of: dict[str, list[str]], fp: str) -> dict:
-    """Copy one shard, adding json.nouns ([noun, start, end] per NOUN token) and json.nodes (its classes)."""
+def annotate_shard(out: Out, src: Path, shard: str, mapping: dict[str, str], min_score: float, rule: str,
+                   fp: str) -> dict:
+    """Copy one shard, adding json.nouns ([noun, start, end] per NOUN token) and json.nodes (its triplets' classes)."""
     side = pq.read_table(src / sidecar_name(shard))
     rows_in = side.replace_schema_metadata(None).to_pylist()
     nouns = read_nouns(out, shard)
@@ -317,7 +267,8 @@ def annotate_shard(out: Out, src: Path, shard: str, nodes_of: dict[str, list[str
     rows = []
     for i, raw in iter_aligned(src / shard, [r["key"] for r in rows_in]):
         s = decode_sample(raw)
-        nodes = nodes_of.get(raw["__key__"], [])
+        labels = labels_of(rows_in[i]["objects"], min_score) if rule == "detected" else None
+        nodes = sorted({t[3] for t in make_triplets(nouns[i], mapping, labels)})
         samples.append({**{k: v for k, v in raw.items() if k not in ("json", "__url__")},
                         "json": {**(s.get("json") or {}), "nouns": [list(n) for n in nouns[i]], "nodes": nodes}})
         rows.append({**rows_in[i], "nouns": [n for n, _, _ in nouns[i]], "nodes": nodes})

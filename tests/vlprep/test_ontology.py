@@ -1,5 +1,8 @@
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -161,4 +164,55 @@ def test_triplet_rules_all_and_detected_against_a_hand_count(tmp_path):
 def test_bad_triplet_rule_is_a_one_line_error(detected, tmp_path):
     with pytest.raises(VlprepError, match=r"^unknown --triplets 'some'; use all or detected$"):
         ontology(OntologyConfig(src=detected, out=tmp_path / "o", triplets="some"))
+    assert not (tmp_path / "o").exists()
+
+
+def test_cooccur_threshold_is_the_ceiling_of_the_rate_as_written():
+    from vlprep.ontology import cooccur_threshold
+
+    # independent: a rate of k / 10**d in decimal needs ceil(k * pairs / 10**d), in integers
+    for digits, pairs in (("0.1", 30), ("0.1", 31), ("0.0005", 10_000), ("0.0005", 1_000_000), ("0.0005", 3_300_001),
+                          ("0.000001", 3_300_000), ("0.3", 10), ("0.07", 100), ("0", 5)):
+        k = int(digits.replace(".", ""))
+        d = len(digits.split(".")[1]) if "." in digits else 0
+        assert cooccur_threshold(1, float(digits), pairs) == max(1, -(-k * pairs // 10**d)), (digits, pairs)
+    assert math.ceil(0.07 * 100) == 8 and cooccur_threshold(1, 0.07, 100) == 7  # the float product would round up
+    assert cooccur_threshold(5, 0.0005, 10_000) == 5 and cooccur_threshold(5, 0.0005, 1_000_000) == 500
+    assert cooccur_threshold(5, 0.0, 10**9) == 5 and cooccur_threshold(5, np.float64(0.5), 3) == 5
+
+
+@pytest.mark.parametrize("rate", [-0.1, 1.0, float("nan"), float("inf")])
+def test_bad_cooccur_rate_is_a_one_line_error(detected, tmp_path, rate):
+    with pytest.raises(VlprepError, match=r"^--min-cooccur-rate must be at least 0 and below 1$"):
+        ontology(OntologyConfig(src=detected, out=tmp_path / "o", min_cooccur_rate=rate))
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow  # loads the packaged spaCy model
+def test_cooccur_rate_raises_the_count_by_the_pairs_with_objects(detected, tmp_path):
+    # 5 pairs with objects: a rate of 0.5 asks ceil(2.5) = 3 co-occurrences, the same ontology as --min-cooccur 3
+    by_rate = ontology(OntologyConfig(src=detected, out=tmp_path / "r", min_cooccur=1, min_cooccur_rate=0.5,
+                                      min_instances=1))
+    by_count = ontology(OntologyConfig(src=detected, out=tmp_path / "c", min_cooccur=3, min_instances=1))
+    assert by_rate["pairs_with_objects"] == 5
+    onto = {d: json.loads((tmp_path / d / "ontology.json").read_text()) for d in ("r", "c")}
+    assert onto["r"] == onto["c"] and onto["r"]["params"]["min_cooccur"] == 3
+    assert onto["r"]["noun_to_class"] == {"dog": "dog"}  # dog: pairs 0, 1, 4; cat (3, 4) and man (1, 2) are under 3
+    assert (tmp_path / "r" / "triplets.parquet").read_bytes() == (tmp_path / "c" / "triplets.parquet").read_bytes()
+    assert by_rate["candidate_pairs"] == by_count["candidate_pairs"]
+    meta = {d: json.loads((tmp_path / d / "meta.json").read_text())["options"] for d in ("r", "c")}
+    assert meta["r"]["min_cooccur_rate"] == 0.5 and "min_cooccur_rate" not in meta["c"]  # the default is not recorded
+    # a rate under what --min-cooccur asks changes nothing
+    low = ontology(OntologyConfig(src=detected, out=tmp_path / "low", min_cooccur=3, min_cooccur_rate=0.1,
+                                  min_instances=1))
+    assert json.loads((tmp_path / "low" / "ontology.json").read_text()) == onto["c"]
+    assert low["mapped_nouns"] == by_count["mapped_nouns"]
+
+
+def test_the_cli_refuses_a_bad_cooccur_rate_in_one_line(detected, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "vlprep.cli", "ontology", str(detected), str(tmp_path / "o"),
+                        "--min-cooccur-rate", "2"], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
+    assert r.returncode == 2 and lines == ["error: --min-cooccur-rate must be at least 0 and below 1"], lines
     assert not (tmp_path / "o").exists()
