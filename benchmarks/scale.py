@@ -103,7 +103,7 @@ def make_data(n: int, folder: Path, seed: int = 0) -> Path:
     pool = image_pool(rng)
     syll = ["ka", "lo", "mi", "ne", "ru", "ta", "vo", "zi", "be", "do", "fa", "gu", "pe", "so"]
     words = np.array(["".join(rng.choice(syll, size=int(rng.integers(2, 4)))) + str(i % 7) for i in range(VOCAB)])
-    nouns = np.array([c for c in coco_categories() if " " not in c])
+    nouns = np.array([c for c in coco_categories() if c.isalpha()])  # one-word class names (no placeholders)
     schema = pa.schema([("image", pa.binary()), ("caption", pa.string())])
     with pq.ParquetWriter(folder / "source.parquet", schema) as table, open(folder / "detections.jsonl", "w") as dets:
         for start in range(0, n, GROUP):
