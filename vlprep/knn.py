@@ -54,16 +54,6 @@ def choose_kind(kind: str, n: int) -> str:
     return kind
 
 
-def flat_index(d: int):
-    """An empty exact inner-product index of dimension d, for rows added in batches (`add`)."""
-    return _faiss().IndexFlatIP(d)
-
-
-def add(index, x: np.ndarray) -> None:
-    """Append rows of x (N, d) to the index; ids continue from index.ntotal."""
-    index.add(np.ascontiguousarray(x, dtype=np.float32))
-
-
 def build_index(x: np.ndarray, kind: str = "auto", nlist: int | None = None):
     """A CPU inner-product index over rows of x (N, d) float32 (rows should be L2-normalised); ids are row numbers."""
     faiss = _faiss()
@@ -82,6 +72,32 @@ def build_index(x: np.ndarray, kind: str = "auto", nlist: int | None = None):
         index.train(x)  # faiss' Python wrapper keeps `quantizer` alive with the index
     index.add(x)
     return index
+
+
+class IndexBuilder:
+    """`build_index` over n rows that come in batches (`add`, then `finish`): a flat index takes each batch as it
+    comes, so no (n, d) array is ever held; IVF's k-means trains on every row, gathered into one array first."""
+
+    def __init__(self, kind: str, n: int, d: int):
+        self.kind = choose_kind(kind, n)
+        self.n = n
+        self.flat = _faiss().IndexFlatIP(d) if self.kind == "flat" else None
+        self.rows = None if self.flat is not None else np.empty((n, d), dtype=np.float32)
+        self.done = 0
+
+    def add(self, x: np.ndarray) -> None:
+        """Append rows of x (B, d)."""
+        if self.flat is not None:
+            self.flat.add(np.ascontiguousarray(x, dtype=np.float32))
+        else:
+            self.rows[self.done:self.done + len(x)] = x
+        self.done += len(x)
+
+    def finish(self):
+        """The index over the n rows added."""
+        if self.done != self.n:
+            raise ValueError(f"IndexBuilder: {self.done} rows added, {self.n} announced")
+        return self.flat if self.flat is not None else build_index(self.rows, self.kind)
 
 
 def kind_of(index) -> str:

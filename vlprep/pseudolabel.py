@@ -191,21 +191,7 @@ def caption_index(ds, columns: list[str], enc, out: Out, kind: str, progress=Non
             if index.d == enc.dim and index.ntotal == n:
                 return True, fp
     task = progress.add_task("embed captions", total=n) if progress else None
-    # A flat index takes the embeddings batch by batch; IVF's k-means trains on all of them at once
-    index = knn.flat_index(enc.dim) if kind == "flat" else None
-    vectors = None if kind == "flat" else np.empty((n, enc.dim), dtype=np.float32)
-    done = 0
-
-    def embed(batch: list[str]) -> None:
-        nonlocal done
-        if index is not None:
-            knn.add(index, enc.texts(batch))
-        else:
-            vectors[done:done + len(batch)] = enc.texts(batch)
-        done += len(batch)
-        if progress:
-            progress.advance(task, len(batch))
-
+    index = knn.IndexBuilder(kind, n, enc.dim)
     pending = []
     table = knn.CaptionTableWriter(out.root, fp)
     schema = pa.schema([("key", pa.string()), ("caption", pa.string())], metadata={"fingerprint": fp})
@@ -214,16 +200,15 @@ def caption_index(ds, columns: list[str], enc, out: Out, kind: str, progress=Non
             table.add(keys, (caption_words(c) for c in captions))
             rows.write_table(pa.table([pa.array(keys, pa.string()), pa.array(captions, pa.string())], schema=schema))
             pending += captions
-            # batches of 256 across the shards: the output does not depend on --batch-size or on ALIGNED's sharding
-            while len(pending) >= 256:
-                embed(pending[:256])
+            # batches of 256 across the shards, the last one whatever is left: the embeddings depend neither on
+            # --batch-size nor on ALIGNED's sharding
+            while len(pending) >= 256 or (pending and index.done + len(pending) == n):
+                index.add(enc.texts(pending[:256]))
+                if progress:
+                    progress.advance(task, len(pending[:256]))
                 pending = pending[256:]
-        if pending:
-            embed(pending)
-    if index is None:
-        index = knn.build_index(vectors, kind)
     table.close()
-    knn.save_index(index, index_file)
+    knn.save_index(index.finish(), index_file)
     (out.root / "knn_captions.parquet.tmp").replace(rows_file)
     return False, fp
 

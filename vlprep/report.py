@@ -349,13 +349,20 @@ def pseudolabel_figures(out: Out, ds, report: dict, n: int = 24) -> list[str]:
     plt.close(fig)
 
     # Figure 6 of the paper: evenly spaced images with their pseudo-caption (and the caption UNALIGNED had, if any).
-    rows = []
-    for shard in ds.shards:
-        side = out.root / sidecar_name(shard)
-        t = pq.read_table(side, columns=["key", "caption"]) if side.exists() else None
-        if t is not None:
-            rows += [(shard, k, c) for k, c in zip(t.column(0).to_pylist(), t.column(1).to_pylist())]
-    picks = [rows[i * len(rows) // n] for i in range(min(n, len(rows)))]
+    # Rows by their number over the output's sidecars, read for the shards that hold a pick only
+    written = [(s, out.root / sidecar_name(s)) for s in ds.shards if (out.root / sidecar_name(s)).exists()]
+    counts = [pq.read_metadata(side).num_rows for _, side in written]
+    total = sum(counts)
+    numbers = [i * total // n for i in range(min(n, total))]
+    rows = {}
+    start = 0
+    for (shard, side), m in zip(written, counts):
+        here = sorted({j for j in numbers if start <= j < start + m})
+        if here:
+            t = pq.read_table(side, columns=["key", "caption"]).take([j - start for j in here])
+            rows.update(zip(here, zip([shard] * len(here), t.column(0).to_pylist(), t.column(1).to_pylist())))
+        start += m
+    picks = [rows[j] for j in numbers]
     wanted = {k for _, k, _ in picks}
     given = {}
     images = {}
