@@ -66,7 +66,9 @@ def sample_fields(ds, cols: set[str]) -> Iterator[tuple]:
     """(caption, width, height, image_ext) per sample, in shard order, one shard's sidecar in memory at a time."""
     if {"caption", "width", "height"} <= cols:
         for shard in ds.shards:
-            t = pq.read_table(ds.sidecar(shard), columns=[c for c in SIDECAR_COLUMNS if c in cols])
+            side = ds.sidecar(shard)
+            names = pq.read_schema(side).names
+            t = pq.read_table(side, columns=[c for c in SIDECAR_COLUMNS if c in names])
             # a column that only other shards have reads as nulls, as when the sidecars are concatenated
             yield from zip(*(t.column(c).to_pylist() if c in t.column_names else [None] * t.num_rows
                              for c in SIDECAR_COLUMNS))

@@ -6,6 +6,7 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
@@ -136,6 +137,18 @@ def test_report_and_png_are_the_former_ones(tmp_path, sidecar):
     new = np.asarray(Image.open(tmp_path / "new" / "stats.png"))
     old = np.asarray(Image.open(tmp_path / "old" / "stats.png"))
     assert new.shape == old.shape and (new == old).all()
+
+
+def test_a_column_only_some_sidecars_have_reads_as_nulls(tmp_path):
+    """As when the sidecars are concatenated: a shard without width/height has its samples counted without a size."""
+    ds = synthetic(tmp_path / "ds", 250, per_shard=100)
+    side = ds / "syn-000001.parquet"
+    t = pq.read_table(side)
+    pq.write_table(t.drop_columns(["width", "height"]), side)
+    report = dataset_stats(ds, out=tmp_path / "new", top=5)
+    old_stats(ds, tmp_path / "old", top=5)
+    assert (tmp_path / "new" / "report.json").read_bytes() == (tmp_path / "old" / "report.json").read_bytes()
+    assert report["image_width"]["count"] == 150 and report["caption_words"]["count"] == 250
 
 
 def test_report_of_a_dataset_without_samples_is_the_former_one(tmp_path):
