@@ -75,12 +75,13 @@ def build_index(x: np.ndarray, kind: str = "auto", nlist: int | None = None):
 
 
 class IndexBuilder:
-    """`build_index` over n rows that come in batches (`add`, then `finish`): a flat index takes each batch as it
-    comes, so no (n, d) array is ever held; IVF's k-means trains on every row, gathered into one array first."""
+    """`build_index` over n rows that come in batches (`add`, then `finish`)."""
 
     def __init__(self, kind: str, n: int, d: int):
         self.kind = choose_kind(kind, n)
         self.n = n
+        # a flat index takes each batch as it comes, so no (n, d) array is held; IVF's k-means trains on every row,
+        # gathered into one array first
         self.flat = _faiss().IndexFlatIP(d) if self.kind == "flat" else None
         self.rows = None if self.flat is not None else np.empty((n, d), dtype=np.float32)
         self.done = 0
@@ -203,7 +204,7 @@ class NpyAppender:
 
 
 class CaptionTableWriter:
-    """Writes the caption table of OUT (`root`) a shard of rows at a time; only the vocabulary stays in memory."""
+    """Writes the caption table of OUT (`root`) a shard of rows at a time (`with`, or `close`); holds the vocabulary."""
 
     def __init__(self, root: Path, fingerprint: str):
         self.root = root
@@ -236,6 +237,16 @@ class CaptionTableWriter:
         self.files[KEY_OFFSETS].append(self.key_end + np.cumsum([len(k) for k in encoded], dtype=np.int64))
         self.word_end += len(ids)
         self.key_end += sum(len(k) for k in encoded)
+
+    def __enter__(self) -> "CaptionTableWriter":
+        return self
+
+    def __exit__(self, kind, *_) -> None:
+        if kind is None:
+            self.close()
+        else:  # the .tmp files stay for the next run of the stage to remove
+            for f in self.files.values():
+                f.f.close()
 
     def close(self) -> None:
         """Finish the arrays, then the vocabulary (with the fingerprint: the table is current once it is there)."""
@@ -287,8 +298,7 @@ class CaptionTable:
         return [self.vocab[i] for i in self.word_ids[self.word_offsets[j]:self.word_offsets[j + 1]].tolist()]
 
     def word_counts(self, rows: np.ndarray) -> tuple[dict[str, int], dict[str, int]]:
-        """({word: how many of the rows hold it}, {word: its document frequency}) over the rows' words; a row
-        repeated counts again, a -1 (no row) not at all."""
+        """({word: rows holding it}, {word: document frequency}) over rows (c, k); a repeat counts again, -1 not."""
         js = [j for j in rows.ravel().tolist() if j >= 0]
         if not js:
             return {}, {}

@@ -177,8 +177,7 @@ def _index_fingerprint(ds, enc, kind: str) -> str:
 
 
 def caption_index(ds, columns: list[str], enc, out: Out, kind: str, progress=None) -> tuple[bool, str]:
-    """(reused, fingerprint) of OUT/knn.faiss over ALIGNED's intact captions and its caption table (vlprep.knn),
-    built unless they are current."""
+    """(reused, fingerprint) of OUT/knn.faiss and the caption table over ALIGNED's intact captions, built if stale."""
     n = sum(pq.read_metadata(ds.sidecar(shard)).num_rows for shard in ds.shards)
     kind = knn.choose_kind(kind, n)
     fp = _index_fingerprint(ds, enc, kind)
@@ -193,9 +192,9 @@ def caption_index(ds, columns: list[str], enc, out: Out, kind: str, progress=Non
     task = progress.add_task("embed captions", total=n) if progress else None
     index = knn.IndexBuilder(kind, n, enc.dim)
     pending = []
-    table = knn.CaptionTableWriter(out.root, fp)
     schema = pa.schema([("key", pa.string()), ("caption", pa.string())], metadata={"fingerprint": fp})
-    with pq.ParquetWriter(out.root / "knn_captions.parquet.tmp", schema) as rows:
+    with (pq.ParquetWriter(out.root / "knn_captions.parquet.tmp", schema) as rows,
+          knn.CaptionTableWriter(out.root, fp) as table):
         for keys, captions in _aligned_captions(ds, columns):
             table.add(keys, (caption_words(c) for c in captions))
             rows.write_table(pa.table([pa.array(keys, pa.string()), pa.array(captions, pa.string())], schema=schema))
@@ -207,7 +206,6 @@ def caption_index(ds, columns: list[str], enc, out: Out, kind: str, progress=Non
                 if progress:
                     progress.advance(task, len(pending[:256]))
                 pending = pending[256:]
-    table.close()
     knn.save_index(index.finish(), index_file)
     (out.root / "knn_captions.parquet.tmp").replace(rows_file)
     return False, fp

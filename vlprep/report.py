@@ -22,8 +22,8 @@ SIDECAR_COLUMNS = ("caption", "width", "height", "image_ext")
 
 
 def distribution(counts: Mapping) -> dict:
-    """Summary of integers given as value -> count: count, mean and the QUANTILES (named p0 ... p100), the figures
-    numpy's mean and linear quantile give over the values written out, without writing them out."""
+    """Summary of integers given as value -> count: count, mean and the QUANTILES (p0 ... p100), as numpy's."""
+    # the figures numpy's mean and linear quantile give over the values written out, without writing them out
     values = sorted((v for v, c in counts.items() if c), key=float)
     n = sum(counts[v] for v in values)
     if n == 0:
@@ -79,9 +79,8 @@ def sample_fields(ds, cols: set[str]) -> Iterator[tuple]:
 
 
 def dataset_stats(path, out: Path | None = None, top: int = 20) -> dict:
-    """Counts, caption-length and image-size distributions, vocabulary; writes report.json + stats.png.
-
-    Streams the samples into counters (vocabulary- and size-sized, never one entry per sample)."""
+    """Counts, caption-length and image-size distributions, vocabulary; writes report.json + stats.png."""
+    # the samples stream into counters (vocabulary- and size-sized), never a list with an entry per sample
     ds = open_dataset(path)
     cols = sidecar_columns(ds)
     # image formats come from the sidecars' image_ext column only (a tar read leaves them out)

@@ -9,7 +9,6 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import tiny_checkpoint
 from tests.memrule import growth_per_sample
 from vlprep import knn
 from vlprep.output import Out, finish_dataset, write_shard
@@ -100,6 +99,13 @@ def test_caption_table_is_the_per_caption_word_sets(tmp_path):
         counts, dfs = table.word_counts(rows)
         assert counts == expected and dfs == {w: df[w] for w in expected}
     assert table.word_counts(np.full((2, 3), -1)) == ({}, {})
+    (tmp_path / "x").mkdir()
+    failed = knn.CaptionTableWriter(tmp_path / "x", "fp")
+    with pytest.raises(KeyError), failed:
+        failed.add(["k"], [{"w"}])
+        raise KeyError("a failure while writing")
+    assert [p.name for p in (tmp_path / "x").iterdir() if not p.name.endswith(".tmp")] == []  # nothing final
+    assert all(f.f.closed for f in failed.files.values())
 
 
 def run_stage(w, aligned, out, **kw):
