@@ -9,7 +9,7 @@ import hashlib
 import random
 import time
 from collections import Counter
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 from vlprep import VlprepError
 from vlprep import knn
 from vlprep.bow import rmstop, top_tokens
-from vlprep.dataset import batches, check_shards, decode_sample, iter_aligned, open_dataset, read_sidecars, sidecar_name
+from vlprep.dataset import batches, check_shards, decode_sample, iter_aligned, open_dataset, sidecar_name
 from vlprep.embed import check_images, crop_views, decode, intact_captions
 from vlprep.engine import Work, check_engine, map_shards, merged_skips
 from vlprep.output import Out, check_out, finish_dataset, write_json_atomic, write_shard, writing_output
@@ -151,15 +151,21 @@ def _need_sidecars(ds, role: str) -> None:
                           "writes one; re-shard it with `vlprep shards`)")
 
 
-def _aligned_captions(ds) -> tuple[list[str], list[str]]:
-    """ALIGNED's keys and intact captions, from the sidecars."""
+def _aligned_columns(ds) -> list[str]:
+    """The sidecar columns ALIGNED's keys and intact captions come from."""
     if ds.num_samples == 0:
         raise VlprepError(f"ALIGNED {ds.root} has no samples: there are no captions to retrieve")
     names = set(pq.read_schema(ds.sidecar(ds.shards[0])).names)
     if not {"key", "caption"} <= names:
         raise VlprepError(f"ALIGNED {ds.root}: the sidecars have no key/caption columns (not written by vlprep?)")
-    table = read_sidecars(ds, columns=["key", "caption"] + (["caption_raw"] if "caption_raw" in names else []))
-    return table.column("key").to_pylist(), intact_captions(table)
+    return ["key", "caption"] + (["caption_raw"] if "caption_raw" in names else [])
+
+
+def _aligned_captions(ds, columns: list[str]) -> Iterator[tuple[list[str], list[str]]]:
+    """ALIGNED's keys and intact captions, one shard's sidecar at a time."""
+    for shard in ds.shards:
+        table = pq.read_table(ds.sidecar(shard), columns=columns)
+        yield table.column("key").to_pylist(), intact_captions(table)
 
 
 def _index_fingerprint(ds, enc, kind: str) -> str:
@@ -170,29 +176,38 @@ def _index_fingerprint(ds, enc, kind: str) -> str:
     return h.hexdigest()
 
 
-def caption_index(ds, keys: list[str], captions: list[str], enc, out: Out, kind: str, progress=None):
-    """(reused, fingerprint) of OUT/knn.faiss over ALIGNED's intact captions, built unless it is current."""
-    kind = knn.choose_kind(kind, len(keys))
+def caption_index(ds, columns: list[str], enc, out: Out, kind: str, progress=None) -> tuple[bool, str]:
+    """(reused, fingerprint) of OUT/knn.faiss and the caption table over ALIGNED's intact captions, built if stale."""
+    n = sum(pq.read_metadata(ds.sidecar(shard)).num_rows for shard in ds.shards)
+    kind = knn.choose_kind(kind, n)
     fp = _index_fingerprint(ds, enc, kind)
     index_file = out.root / "knn.faiss"
-    table_file = out.root / "knn_captions.parquet"
-    if index_file.exists() and table_file.exists():
-        meta = pq.read_schema(table_file).metadata or {}
+    rows_file = out.root / "knn_captions.parquet"
+    if index_file.exists() and rows_file.exists() and knn.table_fingerprint(out.root) == fp:
+        meta = pq.read_schema(rows_file).metadata or {}
         if meta.get(b"fingerprint") == fp.encode():
             index = knn.load_index(index_file)
-            if index.d == enc.dim and index.ntotal == len(keys):
+            if index.d == enc.dim and index.ntotal == n:
                 return True, fp
-    task = progress.add_task("embed captions", total=len(keys)) if progress else None
-    vectors = np.empty((len(keys), enc.dim), dtype=np.float32)
-    for i in range(0, len(keys), 256):  # one text batch size: the output does not depend on --batch-size
-        vectors[i:i + 256] = enc.texts(captions[i:i + 256])
-        if progress:
-            progress.advance(task, len(captions[i:i + 256]))
-    index = knn.build_index(vectors, kind)
-    table = pa.table({"key": keys, "caption": captions}).replace_schema_metadata({"fingerprint": fp})
-    pq.write_table(table, out.root / "knn_captions.parquet.tmp")
-    knn.save_index(index, index_file)
-    (out.root / "knn_captions.parquet.tmp").replace(table_file)
+    task = progress.add_task("embed captions", total=n) if progress else None
+    index = knn.IndexBuilder(kind, n, enc.dim)
+    pending = []
+    schema = pa.schema([("key", pa.string()), ("caption", pa.string())], metadata={"fingerprint": fp})
+    with (pq.ParquetWriter(out.root / "knn_captions.parquet.tmp", schema) as rows,
+          knn.CaptionTableWriter(out.root, fp) as table):
+        for keys, captions in _aligned_captions(ds, columns):
+            table.add(keys, (caption_words(c) for c in captions))
+            rows.write_table(pa.table([pa.array(keys, pa.string()), pa.array(captions, pa.string())], schema=schema))
+            pending += captions
+            # batches of 256 across the shards, the last one whatever is left: the embeddings depend neither on
+            # --batch-size nor on ALIGNED's sharding
+            while len(pending) >= 256 or (pending and index.done + len(pending) == n):
+                index.add(enc.texts(pending[:256]))
+                if progress:
+                    progress.advance(task, len(pending[:256]))
+                pending = pending[256:]
+    knn.save_index(index.finish(), index_file)
+    (out.root / "knn_captions.parquet.tmp").replace(rows_file)
     return False, fp
 
 
@@ -200,10 +215,10 @@ _worker: dict = {}
 
 
 def _init_worker(enc, out: Out, index_fp: str, params: dict) -> None:
-    """Per worker, once: the encoder (unpickled here, so it loads here), the saved index, ALIGNED's word statistics.
+    """Per worker, once: the encoder (unpickled here, so it loads here), the saved index, ALIGNED's caption table.
 
-    Everything comes from OUT/knn.faiss and OUT/knn_captions.parquet (paths travel, not the index); in the driver
-    the state is reused when the index is the same.
+    Everything comes from OUT/knn.faiss and the caption table's files (paths travel, not the index; the table is
+    memory-mapped, its pages shared by the workers); in the driver the state is reused when the index is the same.
     """
     if _worker.get("index_fp") == index_fp and _worker.get("params") == params and _worker.get("enc") is enc:
         return
@@ -213,16 +228,12 @@ def _init_worker(enc, out: Out, index_fp: str, params: dict) -> None:
     nprobe = knn.set_nprobe(index, params["nprobe"])
     if knn.use_gpu(params["device"]):
         index = knn.to_gpu(index, nprobe)
-    table = pq.read_table(out.root / "knn_captions.parquet")
-    keys = table.column("key").to_pylist()
-    captions = table.column("caption").to_pylist()
-    words = [caption_words(c) for c in captions]
-    df = Counter()
-    for ws in words:
-        df.update(ws)
-    top = top_words(df, params["rmtop"]) if params["strategy"] in ("rmtopmaxcount", "rmtoprand") else frozenset()
-    _worker.update(enc=enc, index=index, kind=kind, nlist=n_lists, keys=keys, words=words, df=df, top=top, nprobe=nprobe, index_fp=index_fp,
-                   params=params)
+    table = knn.CaptionTable(out.root)
+    top = frozenset()
+    if params["strategy"] in ("rmtopmaxcount", "rmtoprand"):
+        top = top_words(dict(zip(table.vocab, table.df.tolist())), params["rmtop"])
+    _worker.update(enc=enc, index=index, kind=kind, nlist=n_lists, table=table, top=top, nprobe=nprobe,
+                   index_fp=index_fp, params=params)
 
 
 def rmtop_warnings(removed: int, vocab: int, dropped: int, n_in: int) -> list[str]:
@@ -266,17 +277,14 @@ def pseudolabel_shard(out: Out, src: Path, shard: str, fp: str) -> dict:
         for n, (i, raw) in enumerate(ok):
             key = raw["__key__"]
             rows = ids[n * c:(n + 1) * c]
-            counts = Counter()
-            for j in rows.ravel().tolist():
-                if j >= 0:  # IVF returns -1 when the probed lists hold fewer than k captions
-                    counts.update(w["words"][j])
+            counts, df = w["table"].word_counts(rows)  # IVF's -1 (fewer than k captions in the probed lists) left out
             rng = random.Random(f"{p['seed']}:{key}") if p["strategy"] == "rmtoprand" else None
-            words = rank_counts(counts, p["strategy"], w["df"], w["top"], p["words"], rng)
+            words = rank_counts(counts, p["strategy"], df, w["top"], p["words"], rng)
             if not words:
                 dropped += 1
                 continue
             meta = {k: v for k, v in (decode_sample(raw).get("json") or {}).items() if k not in DROP_META}
-            nbrs = neighbour_keys(rows, scores[n * c:(n + 1) * c], w["keys"], p["k"])
+            nbrs = neighbour_keys(rows, scores[n * c:(n + 1) * c], w["table"].keys, p["k"])
             caption = " ".join(words)
             samples.append({**{k: v for k, v in raw.items() if k not in ("txt", "json", "__url__")}, "txt": caption,
                             "json": {**meta, "pseudo": True, "strategy": p["strategy"], "neighbours": nbrs}})
@@ -319,7 +327,7 @@ def pseudolabel(cfg: PseudolabelConfig, enc, progress=None) -> dict:
         ds = check_shards(ds)
     _need_sidecars(aligned, "ALIGNED")
     _need_sidecars(ds, "UNALIGNED")
-    keys, captions = _aligned_captions(aligned)
+    columns = _aligned_columns(aligned)
     options = {k: v for k, v in asdict(cfg).items() if k not in ("aligned", "unaligned", "out", "batch_size",
                                                                   "device", "workers", "distributor", "overwrite",
                                                                   "skip_bad_shards")}
@@ -328,7 +336,7 @@ def pseudolabel(cfg: PseudolabelConfig, enc, progress=None) -> dict:
 
         # --- plan: the caption index (saved in OUT for the workers) and one Work per UNALIGNED shard
         t_index = time.perf_counter()
-        reused, index_fp = caption_index(aligned, keys, captions, enc, out, cfg.index, progress)
+        reused, index_fp = caption_index(aligned, columns, enc, out, cfg.index, progress)
         params = {k: getattr(cfg, k) for k in ("strategy", "k", "crops", "words", "rmtop", "seed", "batch_size",
                                                "device")}
         params["nprobe"] = cfg.nprobe or knn.DEFAULT_NPROBE
@@ -348,14 +356,14 @@ def pseudolabel(cfg: PseudolabelConfig, enc, progress=None) -> dict:
         # --- summarise
         index = _worker["index"]
         kind = _worker["kind"]
-        df = _worker["df"]
+        table = _worker["table"]
         top = _worker["top"]
         sizes = {s: stats[s]["written"] for s in ds.shards}
         skipped, examples = merged_skips(stats.values())
         n_in = ds.num_samples
         written = sum(sizes.values())
         dropped = sum(st["dropped_no_words"] for st in stats.values())
-        index_info = {"kind": kind, "vectors": len(keys), "dim": enc.dim, "nprobe": _worker["nprobe"] or None,
+        index_info = {"kind": kind, "vectors": len(table), "dim": enc.dim, "nprobe": _worker["nprobe"] or None,
                       "gpu": knn.on_gpu(index), "reused": reused, "seconds": round(index_s, 3)}
         if kind == "ivf":
             index_info["nlist"] = _worker["nlist"]
@@ -373,18 +381,19 @@ def pseudolabel(cfg: PseudolabelConfig, enc, progress=None) -> dict:
                 ws = caption.split(" ")
                 pseudo_words.update(ws)
                 lengths[len(ws)] += 1
+        ids = {w: i for i, w in enumerate(table.vocab)}  # for the top words' document frequencies
         report = {
             "stage": "pseudolabel", "aligned": redact(str(cfg.aligned)), "unaligned": redact(str(cfg.unaligned)),
             "encoder": enc.name, "strategy": cfg.strategy, "k": cfg.k, "crops": cfg.crops,
             "words": cfg.words, "rmtop": cfg.rmtop if top else None, "seed": cfg.seed, "index": index_info,
-            "aligned_captions": len(keys), "aligned_vocab": len(df), "samples_in": n_in, "written": written,
+            "aligned_captions": len(table), "aligned_vocab": len(table.vocab), "samples_in": n_in, "written": written,
             "dropped_no_words": dropped, "skipped": dict(skipped), "skipped_examples": examples,
             "avg_words": round(sum(k * v for k, v in lengths.items()) / written, 3) if written else 0.0,
             "words_hist": {str(k): lengths[k] for k in sorted(lengths)}, "vocab": len(pseudo_words),
-            "top_words": [[w, n, df[w]] for w, n in pseudo_words.most_common(30)],
+            "top_words": [[w, n, table.df[ids[w]].item()] for w, n in pseudo_words.most_common(30)],
             "shards": len(ds.shards), "shards_resumed": len(resumed), "bad_shards": ds.bad,
             "images_per_s": round(processed / images_s, 2) if processed and images_s > 0 else None,
-            "warnings": rmtop_warnings(len(top), len(df), dropped, n_in),
+            "warnings": rmtop_warnings(len(top), len(table.vocab), dropped, n_in),
         }
         report["plots"] = pseudolabel_figures(out, ds, report)
         report["elapsed_s"] = round(time.perf_counter() - t0, 3)

@@ -1,58 +1,106 @@
 """Dataset statistics (`vlprep stats`) and the terminal tables and plots the stages share."""
 
+import bisect
+import math
 from collections import Counter
+from collections.abc import Iterator, Mapping
+from itertools import accumulate
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 from rich.console import Console
 from rich.table import Table
 
-from vlprep import urls
-from vlprep.dataset import iter_samples, open_dataset, read_sidecars
+from vlprep import VlprepError, urls
+from vlprep.dataset import iter_samples, open_dataset
 from vlprep.output import Out, pull, write_json_atomic
 from vlprep.text import words
 
 QUANTILES = (0.0, 0.05, 0.25, 0.5, 0.75, 0.95, 1.0)
+SIDECAR_COLUMNS = ("caption", "width", "height", "image_ext")
 
 
-def distribution(values) -> dict:
-    """Summary of a 1-D sample: count, mean and the QUANTILES (named p0 ... p100)."""
-    v = np.asarray(values, dtype=float)
-    if v.size == 0:
+def distribution(counts: Mapping) -> dict:
+    """Summary of integers given as value -> count: count, mean and the QUANTILES (p0 ... p100), as numpy's."""
+    # the figures numpy's mean and linear quantile give over the values written out, without writing them out
+    values = sorted((v for v, c in counts.items() if c), key=float)
+    n = sum(counts[v] for v in values)
+    if n == 0:
         return {"count": 0}
-    out = {"count": int(v.size), "mean": round(float(v.mean()), 3)}
+    # ends[i]: one past the rank of value i's last copy in the sorted sample
+    ends = list(accumulate(counts[v] for v in values))
+    # An integer sum is exact (numpy's float64 sum of integers is too, below 2**53), so both divisions round alike
+    out = {"count": n, "mean": round(float(sum(v * counts[v] for v in values) / n), 3)}
     for q in QUANTILES:
-        out[f"p{round(q * 100)}"] = round(float(np.quantile(v, q)), 3)
+        out[f"p{round(q * 100)}"] = round(quantile(values, ends, q), 3)
     return out
+
+
+def quantile(values: list, ends: list[int], q: float) -> float:
+    """np.quantile's linear method, in its float64 arithmetic, over the sorted sample that values and ends describe."""
+    n = ends[-1]
+    h = (n - 1) * q
+    if h >= n - 1:
+        return float(values[-1])
+    lo = math.floor(h)
+    a = float(values[bisect.bisect_right(ends, lo)])
+    b = float(values[bisect.bisect_right(ends, lo + 1)])
+    t = h - lo
+    # numpy's _lerp: from the nearer end, so that a weight near 1 still lands on b exactly
+    return a + (b - a) * t if t < 0.5 else b - (b - a) * (1 - t)
+
+
+def sidecar_columns(ds) -> set[str]:
+    """The union of a dataset's sidecar columns, from their footers."""
+    names = set()
+    for shard in ds.shards:
+        side = ds.sidecar(shard)
+        if not side.exists():
+            raise VlprepError(f"{ds.root}: missing sidecar {side.name} (written by every vlprep stage)")
+        names.update(pq.read_schema(side).names)
+    return names
+
+
+def sample_fields(ds, cols: set[str]) -> Iterator[tuple]:
+    """(caption, width, height, image_ext) per sample, in shard order, one shard's sidecar in memory at a time."""
+    if {"caption", "width", "height"} <= cols:
+        for shard in ds.shards:
+            side = ds.sidecar(shard)
+            names = pq.read_schema(side).names
+            t = pq.read_table(side, columns=[c for c in SIDECAR_COLUMNS if c in names])
+            # a column that only other shards have reads as nulls, as when the sidecars are concatenated
+            yield from zip(*(t.column(c).to_pylist() if c in t.column_names else [None] * t.num_rows
+                             for c in SIDECAR_COLUMNS))
+    else:  # sidecars from another tool: read the tars instead
+        for s in iter_samples(ds):
+            meta = s.get("json") or {}
+            yield s.get("txt", ""), meta.get("width"), meta.get("height"), None
 
 
 def dataset_stats(path, out: Path | None = None, top: int = 20) -> dict:
     """Counts, caption-length and image-size distributions, vocabulary; writes report.json + stats.png."""
+    # the samples stream into counters (vocabulary- and size-sized), never a list with an entry per sample
     ds = open_dataset(path)
-    table = read_sidecars(ds)
-    cols = set(table.column_names)
-    if {"caption", "width", "height"} <= cols:
-        captions = table.column("caption").to_pylist()
-        widths = table.column("width").to_pylist()
-        heights = table.column("height").to_pylist()
-        exts = table.column("image_ext").to_pylist() if "image_ext" in cols else []
-    else:  # sidecars from another tool: read the tars instead
-        captions = []
-        widths = []
-        heights = []
-        exts = []
-        for s in iter_samples(ds):
-            captions.append(s.get("txt", ""))
-            meta = s.get("json") or {}
-            widths.append(meta.get("width"))
-            heights.append(meta.get("height"))
-    lengths = []
+    cols = sidecar_columns(ds)
+    # image formats come from the sidecars' image_ext column only (a tar read leaves them out)
+    formats_known = {"caption", "width", "height", "image_ext"} <= cols
+    lengths = Counter()
     vocab = Counter()
-    for c in captions:
-        ws = words(c or "")
-        lengths.append(len(ws))
+    widths = Counter()
+    heights = Counter()
+    shorter = Counter()
+    exts = Counter()
+    for caption, w, h, ext in sample_fields(ds, cols):
+        ws = words(caption or "")
+        lengths[len(ws)] += 1
         vocab.update(ws)
-    sized = [(w, h) for w, h in zip(widths, heights) if w is not None and h is not None]
+        if w is not None and h is not None:
+            widths[w] += 1
+            heights[h] += 1
+            shorter[min(w, h)] += 1
+        if formats_known:
+            exts[ext] += 1
     report = {
         "dataset": urls.redact(ds.url) if ds.url else str(ds.root),
         "samples": ds.num_samples,
@@ -61,31 +109,34 @@ def dataset_stats(path, out: Path | None = None, top: int = 20) -> dict:
         "vocabulary_size": len(vocab),
         "tokens": int(sum(vocab.values())),
         "top_words": [[w, n] for w, n in vocab.most_common(top)],
-        "image_width": distribution([w for w, _ in sized]),
-        "image_height": distribution([h for _, h in sized]),
-        "image_shorter_side": distribution([min(w, h) for w, h in sized]),
-        "image_formats": dict(sorted(Counter(exts).items())),
+        "image_width": distribution(widths),
+        "image_height": distribution(heights),
+        "image_shorter_side": distribution(shorter),
+        "image_formats": dict(sorted(exts.items())),
     }
     out = Path(out) if out is not None else ds.root / "stats"
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / "report.json", report)
-    plot_histograms(out / "stats.png", lengths, sized, vocab.most_common(top))
+    plot_histograms(out / "stats.png", lengths, shorter, vocab.most_common(top))
     report["outputs"] = [str(out / "report.json"), str(out / "stats.png")]
     return report
 
 
-def plot_histograms(path: Path, lengths: list[int], sizes: list[tuple[int, int]], top_words) -> None:
+def plot_histograms(path: Path, lengths: Counter, shorter: Counter, top_words) -> None:
+    """stats.png: histograms of caption length and image shorter side (value -> count) and the top words."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    axes[0].hist(lengths, bins=min(50, max(1, len(set(lengths)))), color="tab:blue")
+    # Each distinct value once, weighted by its count: numpy bins it as it would the values written out
+    values = sorted(lengths)
+    axes[0].hist(values, bins=min(50, max(1, len(values))), weights=[lengths[v] for v in values], color="tab:blue")
     axes[0].set(title="caption length", xlabel="words", ylabel="samples")
-    if sizes:
-        w, h = np.array(sizes).T
-        axes[1].hist(np.minimum(w, h), bins=40, color="tab:orange")
+    if shorter:
+        values = sorted(shorter)
+        axes[1].hist(values, bins=40, weights=[shorter[v] for v in values], color="tab:orange")
     axes[1].set(title="image shorter side", xlabel="pixels", ylabel="samples")
     if top_words:
         names, counts = zip(*top_words)
@@ -299,13 +350,20 @@ def pseudolabel_figures(out: Out, ds, report: dict, n: int = 24) -> list[str]:
     plt.close(fig)
 
     # Figure 6 of the paper: evenly spaced images with their pseudo-caption (and the caption UNALIGNED had, if any).
-    rows = []
-    for shard in ds.shards:
-        side = out.root / sidecar_name(shard)
-        t = pq.read_table(side, columns=["key", "caption"]) if side.exists() else None
-        if t is not None:
-            rows += [(shard, k, c) for k, c in zip(t.column(0).to_pylist(), t.column(1).to_pylist())]
-    picks = [rows[i * len(rows) // n] for i in range(min(n, len(rows)))]
+    # Rows by their number over the output's sidecars, read for the shards that hold a pick only
+    written = [(s, out.root / sidecar_name(s)) for s in ds.shards if (out.root / sidecar_name(s)).exists()]
+    counts = [pq.read_metadata(side).num_rows for _, side in written]
+    total = sum(counts)
+    numbers = [i * total // n for i in range(min(n, total))]
+    rows = {}
+    start = 0
+    for (shard, side), m in zip(written, counts):
+        here = sorted({j for j in numbers if start <= j < start + m})
+        if here:
+            t = pq.read_table(side, columns=["key", "caption"]).take([j - start for j in here])
+            rows.update(zip(here, zip([shard] * len(here), t.column(0).to_pylist(), t.column(1).to_pylist())))
+        start += m
+    picks = [rows[j] for j in numbers]
     wanted = {k for _, k, _ in picks}
     given = {}
     images = {}
