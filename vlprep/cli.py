@@ -353,7 +353,7 @@ def stats(
     top: int = typer.Option(20, help="How many top words to list."),
 ) -> None:
     """Sample count, caption lengths, vocabulary, top words and image sizes of a dataset."""
-    from vlprep.report import dataset_stats, print_stats
+    from vlprep.stats import dataset_stats, print_stats
 
     if out is None and not isinstance(dataset, Path):
         raise VlprepError(f"DATASET {dataset} is a URL: give --out, a local folder for report.json and stats.png")

@@ -4,7 +4,7 @@ from collections import Counter
 from PIL import Image
 
 from tests.conftest import image_bytes
-from vlprep.report import dataset_stats, distribution
+from vlprep.stats import dataset_stats, distribution
 from vlprep.shards import ShardsConfig, build_shards
 
 

@@ -14,7 +14,7 @@ from tests.conftest import image_bytes
 from tests.memrule import growth_per_sample
 from vlprep.dataset import iter_samples, open_dataset, read_sidecars
 from vlprep.output import Out, finish_dataset, write_json_atomic, write_shard
-from vlprep.report import QUANTILES, dataset_stats, distribution
+from vlprep.stats import QUANTILES, dataset_stats, distribution
 from vlprep.text import words
 
 VOCAB = [f"w{i}" for i in range(300)] + ["A", "the", "dog", "café", "naïve"]
