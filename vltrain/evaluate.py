@@ -516,7 +516,7 @@ def heldout_recall(sim, what: str, step: int, txt2img=None, skipped: dict | None
     res = blocked_recall(*sim, txt2img) if embeddings else recall_at_k(sim, txt2img)
     chance = chance_recall(n, n_txt, captions_per_image=torch.bincount(txt2img, minlength=n).tolist())
     many = f" ({n_txt} captions)" if n_txt != n else ""
-    many += f" of {held_out} held out" if held_out is not None and held_out != n else ""
+    many += f" of {held_out} held out" if held_out is not None else ""
     left_out = f"; {skipped_note(skipped)}, not scored" if skipped and skipped["count"] else ""
     console.print(f"step {step} eval on {n} {what}{many}: R@1 image→text {res['i2t_r1']:.1f}, text→image "
                   f"{res['t2i_r1']:.1f} (chance {chance['i2t_r1']:.1f}); mean recall {res['mean_recall']:.2f}"

@@ -64,8 +64,10 @@ def evaluate_heldout(run: Run, state: RunState, data, report: RunLog, device) ->
             emb = drop_images(emb, data.heldout_keys)
         # the embeddings, scored in bounded tiles (blocked_recall), not their (N, N) product
         sim, txt2img = ((emb["img"], emb["txt"]), emb["txt2img"]) if emb["n"] >= 2 else (None, None)
+    # the held-out split's size, said only when data.val_max left some of it out (the metrics' rows stay as they were)
+    capped = data.n_val if not cfg.data.triplets and 0 < cfg.data.val_max < data.n_val else None
     result = (heldout_recall(sim, "val triplets" if cfg.data.triplets else "val samples", state.step, txt2img,
-                             skipped if skipped["count"] else None, None if cfg.data.triplets else data.n_val)
+                             skipped if skipped["count"] else None, capped)
               if sim is not None else None)
     report.last_eval = result
     if result is None:
