@@ -285,7 +285,7 @@ def view_scores(model, view: InstanceView, positions, collate: Collate, batch_si
     img = []
     bs = batch_size
     for a in range(0, len(positions), bs):
-        batch = collate([view[int(p)] for p in positions[a:a + bs]])
+        batch = collate(view.__getitems__([int(p) for p in positions[a:a + bs]]))  # read in shard order
         if batch is None:  # undecodable samples drop out of both sides, so row i still matches column i
             continue
         batch = to_device(batch, device)
