@@ -121,7 +121,7 @@ class IndexedShards:
             except OSError as e:  # the file system refused: not the data's fault, so no advice to re-create it
                 raise open_error(e, path) from None
             expected = int(self.first[s + 1] - self.first[s])
-            if len(keys) != expected:  # a corrupt header ends the tar early, for tarfile as for wids
+            if len(keys) != expected:  # tarfile takes a corrupt header for the end of the tar
                 raise short_shard(path, len(keys), "index.json says", expected, REMAKE_HINT)
             sidecar = self.keys.array[self.first[s]:self.first[s + 1]]
             if keys and not np.array_equal(np.array([k.encode() for k in keys], dtype="S"), sidecar):

@@ -61,7 +61,7 @@ def shard_sizes(folders: list[str | Path]) -> dict[Path | str, int]:
 
 def first_held_out(folders, val_frac: float, limit: int) -> tuple[list, set]:
     """(the shards, in ShardStream's order, that hold the first `limit` held-out samples; those samples' keys), from
-    the sidecars of those shards only, so a capped evaluation reads as many shards as it scores, whatever N."""
+    the sidecars of those shards only: a capped evaluation reads the shards holding what it scores, whatever N."""
     import pyarrow.parquet as pq
 
     lists = [[(ds, s) for s in ds.shards] for ds in map(open_dataset, folders)]
