@@ -101,3 +101,21 @@ def test_a_checkpoint_from_before_val_max_scored_every_held_out_sample():
         "data.val_max: 0 (absent from this older checkpoint) -> 5000"]
     now["data"]["val_max"] = 0
     assert config_diff(old, now, defaults=defaults) == []
+
+
+def test_a_capped_evaluation_holds_no_more_as_the_dataset_grows(tmp_path):
+    """The memory rule: embed_split with limit 50 peaks at the same size on 400 and on 1,600 samples (shards of 50,
+    half of them held out): 6 bytes per extra sample, the shard list's. Uncapped (data.val_max=0, the former
+    behaviour) every held-out sample's embeddings, tokens, key and caption stay: 166 bytes per extra sample."""
+    from tests.memrule import growth_per_sample
+    from tests.vltrain.test_index_read import write_folder
+
+    n = 400
+    data = {m: write_folder(tmp_path / str(m), [50] * (m // 50), members=False) for m in (n, 4 * n)}
+    model = load(tiny_checkpoint(tmp_path / "ckpt.pt"), "cpu").net
+    cfg = DataConfig(image_size=32, max_len=12, val_frac=VAL_FRAC, workers=0)
+
+    def run(m: int):
+        return embed_split(model, [data[m]], "val", cfg, 16, torch.device("cpu"), False, limit=50)
+
+    assert growth_per_sample(run, n) < 24
