@@ -86,6 +86,8 @@ class DataConfig(Section):
     image_size: int = 224
     max_len: int = 32
     val_frac: float = 0.05          # held out by key hash, never trained on
+    val_max: int = 5000             # held-out samples scored at each evaluation (the first in shard order; COCO 5K's
+                                    # size), so its cost does not grow with the dataset; 0 = every held-out sample
     input: str = "auto"             # auto (features when every folder has `vlprep features` tokens), features, pixels
     workers: int = -1               # DataLoader workers; -1 = auto: 0 on cached tokens on a CPU, else 2
     min_crop_scale: float = 0.5     # RandomResizedCrop scale lower bound of augment=none (ALBEF fine-tuning: 0.5)
@@ -282,6 +284,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "data.image_size": (f"[{MIN_SIZE}, {MAX_SIZE}]", "pixels; the image trunks downsample by 32"),
     "data.max_len": ("[2, 512]", "tokens with [CLS] and [SEP]; BERT's position table holds 512"),
     "data.val_frac": ("[0, 1)", "a share of the samples"),
+    "data.val_max": ("[0, inf)", "held-out samples scored per evaluation; 0 = all"),
     "data.workers": ("[-1, inf)", "-1 = auto"),
     "data.min_crop_scale": ("(0, 1]", "a share of the image area"),
     "data.bucket": ("[0, 1000]", "batches per length-sorted window; 0 = off"),

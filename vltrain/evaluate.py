@@ -24,7 +24,7 @@ from vltrain.config import DataConfig
 from vltrain.data.collate import Collate, to_device
 from vltrain.data.indexed import IndexedShards, InstanceView
 from vltrain.data.samples import ALL
-from vltrain.data.shards import SAME_ENCODER, data_signature, feature_input
+from vltrain.data.shards import SAME_ENCODER, data_signature, feature_input, first_held_out
 from vltrain.data.stream import ShardStream
 from vltrain.errors import TrainError
 from vltrain.layers import noun_states
@@ -194,9 +194,11 @@ def reads_features(model, folders) -> bool:
 
 @torch.no_grad()
 def embed_split(model, folders, split: str, data: DataConfig, batch_size: int, device: torch.device,
-                use_features: bool, keep_fusion: bool = False) -> dict:
+                use_features: bool, keep_fusion: bool = False, limit: int = 0) -> dict:
     """ITC embeddings of a split in shard order, every caption of every image (multi-caption samples included); the
-    split, captions, pixels and loader as `data` says (val_frac, max_len, image_size, workers, skip_bad_shards).
+    split, captions, pixels and loader as `data` says (val_frac, max_len, image_size, workers, skip_bad_shards);
+    `limit` > 0 takes the split's first `limit` samples in shard order (vltrain.data.shards.first_held_out), reading
+    only the shards that hold them.
 
     Returns {'n': images, 'img' (N, E), 'txt' (T, E), 'txt2img' (T,) the image of each caption, 'keys' (N images),
     'captions' (T), 'ids'/'mask' (T, max_len), 'read': samples read, 'skipped': {'count', 'reasons'} the bad samples
@@ -206,8 +208,9 @@ def embed_split(model, folders, split: str, data: DataConfig, batch_size: int, d
     tok = model_tokenizer(model)
     max_len = data.max_len
     tf = None if use_features else pixel_transform(model, data.image_size)
+    subset = first_held_out(folders, data.val_frac, limit) if limit > 0 and split == "val" else None
     stream = ShardStream(folders, split, data.val_frac, tf, shuffle=False, use_features=use_features, captions=ALL,
-                         skip_bad_shards=data.skip_bad_shards)
+                         skip_bad_shards=data.skip_bad_shards, subset=subset)
     # Its own generator: evaluation must not draw from the global RNG, or a resumed run would diverge.
     loader = DataLoader(stream, batch_size=batch_size, collate_fn=Collate(tok, max_len, use_features),
                         num_workers=data.workers, generator=torch.Generator().manual_seed(0))
@@ -282,7 +285,7 @@ def view_scores(model, view: InstanceView, positions, collate: Collate, batch_si
     img = []
     bs = batch_size
     for a in range(0, len(positions), bs):
-        batch = collate([view[int(p)] for p in positions[a:a + bs]])
+        batch = collate(view.__getitems__([int(p) for p in positions[a:a + bs]]))  # read in shard order
         if batch is None:  # undecodable samples drop out of both sides, so row i still matches column i
             continue
         batch = to_device(batch, device)
@@ -501,22 +504,26 @@ def skipped_note(skipped: dict, read: int | None = None) -> str:
     return f"{counted} skipped ({why})"
 
 
-def heldout_recall(sim, what: str, step: int, txt2img=None, skipped: dict | None = None) -> dict:
+def heldout_recall(sim, what: str, step: int, txt2img=None, skipped: dict | None = None,
+                   held_out: int | None = None) -> dict:
     """R@K of a held-out (N_img, N_txt) image-text similarity, or of (image, caption) embeddings scored in tiles
     (blocked_recall: memory bounded whatever N), one caption per image unless txt2img says otherwise, with its
-    chance levels; prints the step's one-line summary, with the bad samples `skipped` left out."""
+    chance levels; prints the step's one-line summary, with the bad samples `skipped` left out and, when given, the
+    size of the whole held-out split (`held_out`) that a capped evaluation scored a part of."""
     embeddings = isinstance(sim, tuple)
     n, n_txt = (sim[0].shape[0], sim[1].shape[0]) if embeddings else sim.shape
     txt2img = torch.arange(n) if txt2img is None else txt2img
     res = blocked_recall(*sim, txt2img) if embeddings else recall_at_k(sim, txt2img)
     chance = chance_recall(n, n_txt, captions_per_image=torch.bincount(txt2img, minlength=n).tolist())
     many = f" ({n_txt} captions)" if n_txt != n else ""
+    many += f" of {held_out} held out" if held_out is not None else ""
     left_out = f"; {skipped_note(skipped)}, not scored" if skipped and skipped["count"] else ""
     console.print(f"step {step} eval on {n} {what}{many}: R@1 image→text {res['i2t_r1']:.1f}, text→image "
                   f"{res['t2i_r1']:.1f} (chance {chance['i2t_r1']:.1f}); mean recall {res['mean_recall']:.2f}"
                   + left_out,
                   highlight=False)
-    return {**res, "n_val": n, "n_captions": n_txt, "chance": chance, **({"skipped": skipped} if skipped else {})}
+    return {**res, "n_val": n, "n_captions": n_txt, "chance": chance, **({"skipped": skipped} if skipped else {}),
+            **({"held_out": held_out} if held_out is not None else {})}
 
 
 def val_triplet_sim(model, view: InstanceView, positions, collate: Collate, batch_size: int, device) -> torch.Tensor:

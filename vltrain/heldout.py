@@ -56,14 +56,19 @@ def evaluate_heldout(run: Run, state: RunState, data, report: RunLog, device) ->
                    "reasons": {r: n - before["reasons"].get(r, 0) for r, n in after["reasons"].items()
                                if n > before["reasons"].get(r, 0)}}
     else:  # every caption of a multi-caption image is scored (the protocol of `vltrain eval`)
-        emb = embed_split(model, cfg.shards, "val", cfg.data, cfg.batch_size, device, data.use_features)
+        # at most data.val_max held-out samples, the first in shard order: the cost of an evaluation stays flat in N
+        emb = embed_split(model, cfg.shards, "val", cfg.data, cfg.batch_size, device, data.use_features,
+                          limit=cfg.data.val_max)
         skipped = emb["skipped"]
         if data.heldout_keys and emb["n"]:  # the TOnICS refresh check's images are not scored
             emb = drop_images(emb, data.heldout_keys)
         # the embeddings, scored in bounded tiles (blocked_recall), not their (N, N) product
         sim, txt2img = ((emb["img"], emb["txt"]), emb["txt2img"]) if emb["n"] >= 2 else (None, None)
+    # the held-out split's size, said only when data.val_max left some of it out (the metrics' rows stay as they were)
+    capped = data.n_val if not cfg.data.triplets and 0 < cfg.data.val_max < data.n_val else None
     result = (heldout_recall(sim, "val triplets" if cfg.data.triplets else "val samples", state.step, txt2img,
-                             skipped if skipped["count"] else None) if sim is not None else None)
+                             skipped if skipped["count"] else None, capped)
+              if sim is not None else None)
     report.last_eval = result
     if result is None:
         return

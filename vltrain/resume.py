@@ -40,7 +40,7 @@ def set_rng_states(rng: dict, generator: torch.Generator) -> None:
 
 # Keys a resumed run may change: how long it runs, where and how it reports, how it loads data, the speed options.
 # Keys added with a default that is not the behaviour from before them: a checkpoint older than the key ran as this.
-BEFORE_KEY = {"data.bucket": 0, "train.precision": "fp32", "train.unpad": False}
+BEFORE_KEY = {"data.bucket": 0, "train.precision": "fp32", "train.unpad": False, "data.val_max": 0}
 RESUMABLE = {"steps", "epochs", "out", "device", "log_every", "eval_every", "ckpt_every", "ckpt_minutes",
              "data.workers", "train.tf32", "train.channels_last", "train.compile", "train.grad_checkpointing",
              "train.report_to"}

@@ -112,7 +112,9 @@ def summary(cfg, model, device, n_train: int, n_val: int, per_epoch: int, size: 
            if ddp or size > 1 else "")
         + f", seed {cfg.seed}",
         f"  data     {', '.join(map(redact, cfg.shards))}: train {n_train:,}, held out {n_val:,} "
-        f"(val_frac {d.val_frac:g}); "
+        f"(val_frac {d.val_frac:g}"
+        + (f"; the first {d.val_max:,} scored per evaluation, data.val_max" if 0 < d.val_max < n_val else "")
+        + "); "
         f"sampler {cfg.sampler.kind}",
         f"  image    {image}",
         f"  text     {m.text_model}, max {d.max_len} tokens, {pooling} pooling; fusion layers {m.fusion_layers}"

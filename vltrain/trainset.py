@@ -53,7 +53,8 @@ def index_data(cfg: Config, use_features: bool, tf_train, tf_eval, grit_ratios: 
     rank from the same seed; each rank reads its slice (vltrain.distributed.RankSlice).
     """
     shards = IndexedShards(cfg.shards)
-    is_val = np.array([in_val(k, cfg.data.val_frac) for k in shards.keys], dtype=bool)
+    # one byte per sample, no list of one Python bool per sample on the way
+    is_val = np.fromiter((in_val(k, cfg.data.val_frac) for k in shards.keys), dtype=bool, count=len(shards.keys))
     s = cfg.sampler
     n = cfg.batch_size * world
     names = None

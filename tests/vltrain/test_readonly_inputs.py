@@ -1,5 +1,6 @@
-"""Inputs are never written to: GRIT / TOnICS runs read shards through wids, whose lock files must not land beside
-the dataset; a file system that refuses them gets a line about the lock, not advice to re-create good data."""
+"""Inputs are never written to: GRIT / TOnICS runs read shards by index (once through wids, whose lock files landed
+beside the dataset); a shard the file system refuses to open gets a line about that, not advice to re-create good
+data."""
 
 import builtins
 import errno
@@ -74,14 +75,7 @@ def test_a_grit_run_trains_when_writes_to_the_dataset_fail(ds, tmp_path, monkeyp
     assert refused == []  # nothing even tried to write there
 
 
-def test_lock_and_permission_faults_are_not_called_damaged_data(ds, tmp_path, monkeypatch):
-    refuse_writes_under(monkeypatch, ds.resolve(), errno.EROFS, suffix=".tar.lock")  # wherever wids puts it
-    r = grit_run(ds, tmp_path / "run")
-    err = [ln for ln in r.output.splitlines() if ln.startswith("error: ")]
-    assert r.exit_code == 2 and len(err) == 1, r.output
-    assert "cannot create wids' lock file" in err[0] and "Read-only file system" in err[0] and "TMPDIR" in err[0]
-    assert "re-create" not in err[0] and "not a readable tar" not in err[0]
-    monkeypatch.undo()
+def test_permission_faults_are_not_called_damaged_data(ds, tmp_path, monkeypatch):
     refuse_writes_under(monkeypatch, ds.resolve(), errno.EACCES)  # the shard itself cannot be read by this user
     r = grit_run(ds, tmp_path / "run2")
     err = [ln for ln in r.output.splitlines() if ln.startswith("error: ")]
@@ -89,13 +83,12 @@ def test_lock_and_permission_faults_are_not_called_damaged_data(ds, tmp_path, mo
     assert "cannot open the shard (PermissionError: Permission denied)" in err[0] and "re-create" not in err[0]
 
 
-def test_the_link_folder_goes_with_the_reader(ds):
+def test_the_index_reader_writes_nothing_anywhere(ds, tmp_path, monkeypatch):
+    """Before: wids' lock files (and a folder of links to every shard, for them) under the temp folder."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)
     shards = IndexedShards([ds])
     assert shards.raw(5)["__key__"] == shards.keys[5]
-    links = Path(shards.links)
-    assert links.is_dir() and not str(links).startswith(str(ds))
-    del shards
-    import gc
-
-    gc.collect()
-    assert not links.exists()
+    assert list(tmp_path.iterdir()) == []

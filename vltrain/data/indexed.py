@@ -1,34 +1,93 @@
-"""Samples by global index through wids for the index samplers: IndexedShards, InstanceView."""
+"""Samples by global index for the index samplers: IndexedShards (a compact per-shard member table, read shard by
+shard), InstanceView.
 
-import contextlib
-import functools
-import io
+Why not wids' random access, which this replaced: wids keeps a few shards indexed (an LRU of 16) and re-indexes a
+shard on every miss, scanning all of its member headers in Python. GRIT's and TOnICS' batches draw from the whole
+dataset, so past a few dozen shards nearly every sample was a miss, and a miss costs a whole shard's headers.
+Here each shard's headers are scanned once per process, with vlprep's reader and its safety checks, into three
+numpy arrays (each member's offset, size and extension), kept for the run: 8 bytes per sample plus 18 per member,
+about 60 bytes a sample of image, caption and json. A batch's samples are then read in shard order, one open per
+shard, and handed over in the sampler's order; the bytes are wids' (a reference test reads both).
+"""
+
 import json
-import os
-import shutil
-import tempfile
-import weakref
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
 from vlprep import VlprepError
-from vlprep.dataset import (PICKLE_EXTS, REMAKE_HINT, BadShardError, ShardFormatError, open_dataset, plain_shard_name,
-                            short_shard)
+from vlprep.dataset import REMAKE_HINT, BadShardError, iter_tar, open_dataset, plain_shard_name, short_shard
 from vltrain.data.samples import FIRST, EpochCounter, LoadCounts, load_sample, reseed_worker, skip_reason, token_shape
 
 
+class KeyArray:
+    """The keys of every sample as one fixed-width bytes array (about one byte per key character), not a list of str:
+    no per-sample Python object for DataLoader workers to inherit and touch."""
+
+    def __init__(self, parts: list[np.ndarray]):
+        self.array = np.concatenate(parts) if parts else np.empty(0, dtype="S1")
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+    def __getitem__(self, i: int) -> str:
+        return self.array[i].decode()
+
+    def __iter__(self):
+        return (k.decode() for k in self.array)
+
+
+class _Every:
+    """iter_tar's `refs` holding every extension: a header scan that yields where each member lies, never its bytes."""
+
+    def __contains__(self, ext: str) -> bool:
+        return True
+
+
+class ShardIndex(NamedTuple):
+    """Where the members of each sample of one shard lie: sample j's members are starts[j]:starts[j + 1]."""
+
+    starts: np.ndarray   # (n + 1,) int64
+    offsets: np.ndarray  # (members,) int64: the first byte of each member's data
+    sizes: np.ndarray    # (members,) int64
+    exts: np.ndarray     # (members,) uint16: each member's extension, an index into names
+    names: tuple         # the shard's distinct extensions
+
+
+def scan_shard(path: Path) -> tuple[ShardIndex, list[str]]:
+    """The member table of one shard and its keys in tar order, from its headers alone (vlprep.dataset.iter_tar:
+    no pickles, no unsafe names; a tar tarfile cannot read is a BadShardError)."""
+    starts = [0]
+    offsets = []
+    sizes = []
+    exts = []
+    names = {}
+    keys = []
+    for sample in iter_tar(path, refs=_Every()):
+        for ext, ref in sample.items():
+            if not ext.startswith("__"):
+                exts.append(names.setdefault(ext, len(names)))
+                offsets.append(ref.offset)
+                sizes.append(ref.size)
+        starts.append(len(offsets))
+        keys.append(sample["__key__"])
+    table = ShardIndex(np.asarray(starts, dtype=np.int64), np.asarray(offsets, dtype=np.int64),
+                       np.asarray(sizes, dtype=np.int64), np.asarray(exts, dtype=np.uint16), tuple(names))
+    return table, keys
+
+
 class IndexedShards:
-    """Raw samples of dataset folders by global index (folder order, then shard order, as wids numbers them)."""
+    """Raw samples of dataset folders by global index (folder order, then shard order, as index.json lists them)."""
 
     def __init__(self, folders):
         import pyarrow.parquet as pq
 
         datasets = [open_dataset(f) for f in folders]
         for ds in datasets:
-            if ds.url:  # wids' random access wants local files (docs/SCALE.md: index samplers need local shards)
+            if ds.url:  # random access wants local files (docs/SCALE.md: index samplers need local shards)
                 raise VlprepError(f"{ds.url}: the index samplers (grit, tonics, triplets) read samples by index and "
                                   "need local shards; copy the dataset to a local folder (e.g. aws s3 sync, gcloud "
                                   "storage rsync) or train with sampler.kind=random, which streams")
@@ -36,88 +95,85 @@ class IndexedShards:
         self.roots = [ds.root for ds in datasets]
         self.counts = LoadCounts()
         self.offsets = np.concatenate([[0], np.cumsum([ds.num_samples for ds in datasets])]).astype(np.int64)
-        keys = []
+        self.paths = [ds.root / shard for ds in datasets for shard in ds.shards]  # one entry per shard
+        self.first = np.concatenate([[0], np.cumsum([n for ds in datasets for n in ds.sizes.values()])]
+                                    ).astype(np.int64)  # (shards + 1,) the global index of each shard's first sample
+        parts = []
         for ds in datasets:
             for shard in ds.shards:
-                keys.extend(pq.read_table(ds.sidecar(shard), columns=["key"]).column(0).to_pylist())
-        if len(keys) != self.offsets[-1]:
+                keys = pq.read_table(ds.sidecar(shard), columns=["key"]).column(0).to_pylist()
+                parts.append(np.array([k.encode() for k in keys], dtype="S") if keys else np.empty(0, dtype="S1"))
+        self.keys = KeyArray(parts)
+        if len(self.keys) != self.offsets[-1]:
             raise ValueError("the sidecars and sizes.json disagree on the number of samples in "
                              + ", ".join(map(str, self.roots)))
-        self.keys = keys
-        self._wids = None  # opened on first use, in each DataLoader worker
-        # wids writes a lock file beside the path it opens (wids_dl.download_and_open: LOCAL.lock). Inputs are never
-        # written to (a read-only dataset must train), so wids opens a link to each shard in a private folder; the
-        # process that made the folder removes it (DataLoader workers are forks that share it and leave it be).
-        self.links = tempfile.mkdtemp(prefix="vltrain-wids-")
-        weakref.finalize(self, _remove_links, self.links, os.getpid())
+        self.tables = {}  # shard number -> ShardIndex, scanned on first use in each process (each loader worker)
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
 
-    def _open(self) -> list:
-        import wids
-
-        out = []
-        for f, root in enumerate(self.roots):
-            # wids prints a line per dataset on stderr; the shards are local files, read in place (no cache copy).
-            with contextlib.redirect_stderr(io.StringIO()):
-                out.append(wids.ShardListDataset(str(root / "index.json"), transformations=[], lru_size=16,
-                                                 localname=functools.partial(self._link, f)))
-        return out
-
-    def _link(self, folder: int, url: str) -> str:
-        """wids' local name of a shard: a symlink to it in self.links, where wids' lock file goes."""
-        link = os.path.join(self.links, str(folder), os.path.basename(url))
-        if not os.path.islink(link):
-            os.makedirs(os.path.dirname(link), exist_ok=True)
-            with contextlib.suppress(FileExistsError):  # another loader worker made the same link
-                os.symlink(os.path.abspath(url), link)
-        return link
+    def table(self, s: int) -> ShardIndex:
+        """Shard s's member table, scanned on first use; its keys must be its sidecar's and its count index.json's."""
+        if s not in self.tables:
+            path = self.paths[s]
+            try:
+                table, keys = scan_shard(path)
+            except OSError as e:  # the file system refused: not the data's fault, so no advice to re-create it
+                raise open_error(e, path) from None
+            expected = int(self.first[s + 1] - self.first[s])
+            if len(keys) != expected:  # tarfile takes a corrupt header for the end of the tar
+                raise short_shard(path, len(keys), "index.json says", expected, REMAKE_HINT)
+            sidecar = self.keys.array[self.first[s]:self.first[s + 1]]
+            if keys and not np.array_equal(np.array([k.encode() for k in keys], dtype="S"), sidecar):
+                j = next(j for j, k in enumerate(keys) if k.encode() != sidecar[j])
+                raise BadShardError(f"{path}: sample {j} of the tar is {keys[j]}, its sidecar says "
+                                    f"{sidecar[j].decode()}; {REMAKE_HINT}")
+            self.tables[s] = table
+        return self.tables[s]
 
     def raw(self, index: int) -> dict:
         """{'__key__', 'txt', 'jpg' | 'png' | ..., ...}: the member bytes of sample `index`."""
-        if self._wids is None:
-            self._wids = self._open()
-        f = int(np.searchsorted(self.offsets, index, side="right")) - 1
-        w = self._wids[f]
-        local = int(index - self.offsets[f])
-        url = Path(w.shards[int(np.searchsorted(w.cum_lengths, local, side="right"))]["url"]).name
-        try:
-            shard, inner, desc = w.get_shard(local)
-        except OSError as e:  # the file system refused: not the data's fault, so no advice to re-create it
-            raise open_error(e, self.roots[f] / url, self.links) from None
-        except (ValueError, AssertionError) as e:  # wids could not index the tar (e.g. a corrupt header)
-            raise BadShardError(f"{self.roots[f] / url}: not a readable tar ({type(e).__name__}: {e}); "
-                                f"{REMAKE_HINT}") from None
-        if len(shard) != desc["nsamples"]:  # a corrupt header ends the tar early, for wids as for tarfile
-            raise short_shard(self.roots[f] / url, len(shard), "index.json says", desc["nsamples"], REMAKE_HINT)
-        sample = shard[inner]
-        for ext in sample:
-            if ext.startswith(".") and ext.rsplit(".", 1)[-1].lower() in PICKLE_EXTS:
-                raise ShardFormatError(f"{self.roots[f] / url}: refusing pickled member "
-                                       f"{sample['__key__']}{ext}")
-        # wids hands over member bytes (transformations=[]): we decode the caption, image and npy only
-        raw = {k[1:]: v.getvalue() for k, v in sample.items() if k.startswith(".")}
-        raw["__key__"] = sample["__key__"]
-        if raw["__key__"] != self.keys[index]:
-            raise ValueError(f"wids returned {raw['__key__']} for index {index}, the sidecars say "
-                             f"{self.keys[index]}: index.json is out of date")
-        return raw
+        return self.raws([index])[0]
+
+    def raws(self, indices) -> list[dict]:
+        """raw() of each index, in the order given; read in shard order, each shard opened once."""
+        indices = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if len(indices) and (indices.min() < 0 or indices.max() >= len(self)):
+            raise IndexError(f"sample index out of range 0..{len(self) - 1}")
+        shard_of = np.searchsorted(self.first, indices, side="right") - 1
+        out = [None] * len(indices)
+        for s in np.unique(shard_of):  # ascending: shard order, and in each shard tar order
+            table = self.table(int(s))
+            wanted = np.flatnonzero(shard_of == s)
+            wanted = wanted[np.argsort(indices[wanted], kind="stable")]
+            try:
+                with open(self.paths[s], "rb") as f:
+                    for i in wanted:
+                        out[i] = read_sample(f, table, int(indices[i] - self.first[s]))
+            except OSError as e:
+                raise open_error(e, self.paths[s]) from None
+            for i in wanted:
+                out[i]["__key__"] = self.keys[int(indices[i])]
+        return out
 
 
-def _remove_links(path: str, pid: int) -> None:
-    if os.getpid() == pid:  # only the process that made the folder: a loader worker's copy must not remove it
-        shutil.rmtree(path, ignore_errors=True)
+def read_sample(f, table: ShardIndex, j: int) -> dict:
+    """The member bytes of sample j of an open shard: one read spanning its members (they lie together in the tar)."""
+    a = int(table.starts[j])
+    b = int(table.starts[j + 1])
+    first = int(table.offsets[a])
+    f.seek(first)
+    span = f.read(int(table.offsets[b - 1] + table.sizes[b - 1]) - first)
+    out = {}
+    for m in range(a, b):
+        at = int(table.offsets[m]) - first
+        out[table.names[table.exts[m]]] = span[at:at + int(table.sizes[m])]
+    return out
 
 
-def open_error(e: OSError, shard: Path, links: str) -> VlprepError:
-    """The one line for a shard wids could not open: its lock file or link (in our temp folder) or the shard itself."""
+def open_error(e: OSError, shard: Path) -> VlprepError:
+    """The one line for a shard that could not be opened or read: the file system's refusal, not damaged data."""
     why = e.strerror or str(e)
-    name = str(e.filename or "")
-    if name.startswith(links) and (name.endswith(".lock") or not os.path.islink(name)):
-        what = "wids' lock file" if name.endswith(".lock") else "the link wids opens"
-        return VlprepError(f"{shard}: cannot create {what} {name} ({why}); the dataset is fine: make "
-                           f"{tempfile.gettempdir()} writable or set TMPDIR to a writable folder")
     return VlprepError(f"{shard}: cannot open the shard ({type(e).__name__}: {why}); check that this user can read "
                        "it (the file itself is not known to be damaged)")
 
@@ -164,14 +220,28 @@ class InstanceView(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, p: int) -> tuple | None:
-        """The sample at position p, or None (counted in shards.counts) when it cannot be decoded."""
+    def _reseed(self) -> int:
+        """The epoch; a worker kept across epochs reseeds at each one's start."""
         epoch = self.epoch
         info = get_worker_info()
-        if info is not None and self._seeded != epoch:  # a worker kept across epochs: reseed at each one's start
+        if info is not None and self._seeded != epoch:
             reseed_worker(self.seed, epoch, info.id)
             self._seeded = epoch
-        raw = self.shards.raw(int(self.samples[p]))
+        return epoch
+
+    def __getitem__(self, p: int) -> tuple | None:
+        """The sample at position p, or None (counted in shards.counts) when it cannot be decoded."""
+        epoch = self._reseed()
+        return self._load(p, self.shards.raw(int(self.samples[p])), epoch)
+
+    def __getitems__(self, positions) -> list:
+        """[self[p] for p in positions] (what a DataLoader's batch_sampler asks for), the bytes read in shard order;
+        the samples are decoded and transformed in the order given, so they draw the same random numbers."""
+        epoch = self._reseed()
+        raws = self.shards.raws(self.samples[np.asarray(positions, dtype=np.int64)])
+        return [self._load(p, raw, epoch) for p, raw in zip(positions, raws)]
+
+    def _load(self, p: int, raw: dict, epoch: int) -> tuple | None:
         try:
             which = (self.seed, epoch) if self.captions == "draw" and self.spans is None else FIRST
             x, caption, key = load_sample(raw, self.transform, self.use_features, which, self.shape)

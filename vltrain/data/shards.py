@@ -59,6 +59,26 @@ def shard_sizes(folders: list[str | Path]) -> dict[Path | str, int]:
     return out
 
 
+def first_held_out(folders, val_frac: float, limit: int) -> tuple[list, set]:
+    """(the shards, in ShardStream's order, that hold the first `limit` held-out samples; those samples' keys), from
+    the sidecars of those shards only: a capped evaluation reads the shards holding what it scores, whatever N."""
+    import pyarrow.parquet as pq
+
+    lists = [[(ds, s) for s in ds.shards] for ds in map(open_dataset, folders)]
+    order = [x[i] for i in range(max((len(x) for x in lists), default=0)) for x in lists if i < len(x)]
+    shards = []
+    keys = set()
+    for ds, shard in order:
+        if len(keys) >= limit:
+            break
+        held = [k for k in pq.read_table(ds.sidecar(shard), columns=["key"]).column(0).to_pylist()
+                if in_val(k, val_frac)]
+        if held:
+            shards.append(ds.tar(shard))
+            keys.update(held[:limit - len(keys)])
+    return shards, keys
+
+
 def shard_paths(folders: list[str | Path]) -> list[Path]:
     return list(shard_sizes(folders))
 

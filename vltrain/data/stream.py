@@ -24,15 +24,22 @@ class ShardStream(IterableDataset):
     decoded is skipped and counted in `self.counts` (webdataset's warn_and_continue, with a count); a shard whose
     tar ends before its sizes.json count is a BadShardError, and a remote shard that cannot be read after the
     retries (vlprep.objstore; each retry counted) a RemoteError naming its URL. With `skip_bad_shards` both leave the
-    rest of that shard out instead, counted (`counts.io_totals()`) and warned about on stderr.
+    rest of that shard out instead, counted (`counts.io_totals()`) and warned about on stderr. `subset` (shards, keys),
+    as `first_held_out` gives, reads only those shards and of them only those keys (a capped evaluation).
     """
 
     def __init__(self, folders, split: str, val_frac: float, transform, shuffle: bool = True,
                  buffer: int = 1000, seed: int = 0, use_features: bool = False, rank: int = 0, world: int = 1,
-                 captions: str = "draw", bucket: int = 0, batch: int = 1, lengths=None, skip_bad_shards: bool = False):
+                 captions: str = "draw", bucket: int = 0, batch: int = 1, lengths=None, skip_bad_shards: bool = False,
+                 subset: tuple | None = None):
         self.sizes = shard_sizes(folders)
         self.shards = list(self.sizes)
-        if not self.shards:
+        self.keys = None  # every sample of the split, or (subset) only these keys
+        if subset is not None:
+            wanted = set(subset[0])
+            self.shards = [s for s in self.shards if s in wanted]
+            self.keys = subset[1]
+        if not self.shards and subset is None:
             raise ValueError("no shards in " + ", ".join(map(str, folders)))
         self.split, self.val_frac, self.transform = split, val_frac, transform
         self.shuffle, self.buffer, self.seed = shuffle, buffer, seed
@@ -53,6 +60,8 @@ class ShardStream(IterableDataset):
         self._epoch.value = epoch
 
     def _wanted(self, key: str) -> bool:
+        if self.keys is not None:
+            return key in self.keys
         return in_val(key, self.val_frac) == (self.split == "val")
 
     def _load(self, raw: dict):

@@ -127,16 +127,17 @@ class TonicsBatchSampler:
 def tonics_instances(ontology_dir, keys: Sequence[str], is_val: np.ndarray, triplets: bool) -> dict:
     """Instances and object nodes from ontology.json + triplets.parquet, split into train and validation.
 
-    keys[i] is the key of global sample i of the training folders; the triplets' `index` must point into the
-    first folder (the ontology's own shards), checked key by key. Returns a dict with, per split ("train", "val"):
-    `samples` (P,) the global sample of each position, `spans` (P, 2) or None, and for "train" also `nodes` (a list
-    of (class, positions) in ontology.json order).
+    keys[i] is the key of global sample i of the training folders (a list, or IndexedShards' KeyArray); the
+    triplets' `index` must point into the first folder (the ontology's own shards), checked key by key. Returns a
+    dict with, per split ("train", "val"): `samples` (P,) the global sample of each position, `spans` (P, 2) or
+    None, and for "train" also `nodes` (a list of (class, positions) in ontology.json order).
     Triplet mode: an instance is a triplet. Sample mode: an instance is a sample (of any folder), and node o holds
     the samples with at least one triplet of class o.
+    Memory: numpy arrays only, 12 bytes per triplet (index, class; triplet mode 16 more for the span) and, in sample
+    mode, 8 per sample; the triplets' keys are checked a block of rows at a time, never held as Python strings.
     """
-    import json
-    from pathlib import Path
-
+    import pyarrow as pa
+    import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     root = Path(ontology_dir)
@@ -145,31 +146,62 @@ def tonics_instances(ontology_dir, keys: Sequence[str], is_val: np.ndarray, trip
     if not onto_path.is_file() or not trip_path.is_file():
         raise ValueError(f"{root}: no ontology.json / triplets.parquet (run `vlprep ontology` to make them)")
     classes = [n["class"] for n in json.loads(onto_path.read_text())["nodes"]]
-    t = pq.read_table(trip_path, columns=["key", "index", "start", "end", "class"]).to_pandas()
-    idx = t["index"].to_numpy(np.int64)
-    if len(t) and (idx.max() >= len(keys) or any(keys[i] != k for i, k in zip(idx, t["key"]))):
+    t = pq.read_table(trip_path, columns=["index", "start", "end", "class"] if triplets else ["index", "class"])
+    idx = np.asarray(t.column("index").to_numpy(), dtype=np.int64)  # Arrow's buffer when it is int64 already
+    spans = np.stack([t.column("start").to_numpy(), t.column("end").to_numpy()], axis=1).astype(np.int64) if (
+        triplets) else None
+    # each triplet's class as its position in `classes` (-1: a class ontology.json does not list)
+    names = pa.array(classes, type=pa.string())
+    code = pc.fill_null(pc.index_in(pc.cast(t.column("class"), pa.string()), value_set=names), -1)
+    code = code.to_numpy().astype(np.int32)
+    del t
+    if len(idx) and (idx.min() < 0 or idx.max() >= len(keys) or not _keys_agree(trip_path, keys)):
         raise ValueError(f"{trip_path} does not describe the first shard folder (its keys differ): "
                          "give the ontology output folder as the first dataset")
     is_val = np.asarray(is_val, dtype=bool)
-    cls = t["class"].to_numpy()
     out = {}
     if triplets:
         for split, keep in (("train", ~is_val[idx]), ("val", is_val[idx])):
-            out[split] = {"samples": idx[keep], "spans": t[["start", "end"]].to_numpy(np.int64)[keep]}
-        train_cls = cls[~is_val[idx]]
-        out["train"]["nodes"] = [(c, np.flatnonzero(train_cls == c)) for c in classes]
+            out[split] = {"samples": idx[keep], "spans": spans[keep]}
+        out["train"]["nodes"] = list(zip(classes, _groups(code[~is_val[idx]], len(classes))))
     else:
         for split, keep in (("train", ~is_val), ("val", is_val)):
             out[split] = {"samples": np.flatnonzero(keep), "spans": None}
         pos_of = np.full(len(keys), -1, dtype=np.int64)
         pos_of[out["train"]["samples"]] = np.arange(len(out["train"]["samples"]))
+        # each (class, sample) pair once, in sample order within each class
+        pairs = np.unique(code.astype(np.int64) * max(len(keys), 1) + idx)
+        pair_code = pairs // max(len(keys), 1)
+        pair_idx = pairs % max(len(keys), 1)
         nodes = []
-        for c in classes:
-            members = np.unique(idx[cls == c])
-            pos = pos_of[members]
+        for c, rows in zip(classes, _groups(pair_code, len(classes))):
+            pos = pos_of[pair_idx[rows]]
             nodes.append((c, pos[pos >= 0]))
         out["train"]["nodes"] = nodes
     return out
+
+
+def _groups(code: np.ndarray, n: int) -> list[np.ndarray]:
+    """[np.flatnonzero(code == k) for k in range(n)], from one stable sort instead of n passes."""
+    order = np.argsort(code, kind="stable")
+    bounds = np.searchsorted(code[order], np.arange(n + 1), side="left")
+    return [order[bounds[k]:bounds[k + 1]] for k in range(n)]
+
+
+def _keys_agree(trip_path: Path, keys) -> bool:
+    """Whether every triplet's key is keys[its index], read a block of rows at a time."""
+    import pyarrow.parquet as pq
+
+    table = keys.array if hasattr(keys, "array") else None  # KeyArray: compare bytes, no str per sample
+    for batch in pq.ParquetFile(trip_path).iter_batches(batch_size=4096, columns=["key", "index"]):
+        got = batch.column(0).to_pylist()
+        where = batch.column(1).to_numpy().astype(np.int64)
+        if table is not None:
+            if not np.array_equal(np.array([k.encode() for k in got], dtype="S"), table[where]):
+                return False
+        elif any(keys[i] != k for i, k in zip(where, got)):
+            return False
+    return True
 
 
 def default_ontology(folder: str) -> str:
