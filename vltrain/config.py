@@ -86,8 +86,8 @@ class DataConfig(Section):
     image_size: int = 224
     max_len: int = 32
     val_frac: float = 0.05          # held out by key hash, never trained on
-    val_max: int = 5000             # held-out samples scored at each evaluation (the first in shard order; COCO 5K's
-                                    # size), so its cost does not grow with the dataset; 0 = every held-out sample
+    val_max: int = 1000             # held-out samples scored at each evaluation (the first in shard order; the size
+                                    # of Flickr30K's 1K test split), so its cost does not grow with the dataset; 0 = all
     input: str = "auto"             # auto (features when every folder has `vlprep features` tokens), features, pixels
     workers: int = -1               # DataLoader workers; -1 = auto: 0 on cached tokens on a CPU, else 2
     min_crop_scale: float = 0.5     # RandomResizedCrop scale lower bound of augment=none (ALBEF fine-tuning: 0.5)

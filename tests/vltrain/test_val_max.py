@@ -98,7 +98,7 @@ def test_a_checkpoint_from_before_val_max_scored_every_held_out_sample():
     defaults["data"]["val_max"] = BEFORE_KEY["data.val_max"]
     assert BEFORE_KEY["data.val_max"] == 0
     assert config_diff(old, now, defaults=defaults) == [
-        "data.val_max: 0 (absent from this older checkpoint) -> 5000"]
+        "data.val_max: 0 (absent from this older checkpoint) -> 1000"]
     now["data"]["val_max"] = 0
     assert config_diff(old, now, defaults=defaults) == []
 
