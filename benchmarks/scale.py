@@ -345,7 +345,8 @@ def main() -> None:
     ap.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, of {', '.join(STAGES)}")
     ap.add_argument("--workers", type=int, default=2, help="--workers of every vlprep stage")
     ap.add_argument("--work", type=Path, default=Path("/tmp/vlprep-scale"),
-                    help="where the data and the outputs go (the data is kept and reused)")
+                    help="where the data and the outputs go (the data, and a stage's complete output that is only "
+                         "another stage's input, are kept and reused)")
     ap.add_argument("--json", type=Path, default=None, help="also write every measurement here")
     args = ap.parse_args()
     sizes = sorted(parse_size(s) for s in args.sizes.split(","))
@@ -366,6 +367,8 @@ def main() -> None:
             if not needed or n > MAX_N.get(stage, n):
                 continue
             cmd, out = stage_command(stage, n_dir, data, args.work, args.workers)
+            if stage not in stages and (out / "report.json").exists():
+                continue  # only another stage's input, and complete from an earlier run: reused
             shutil.rmtree(out, ignore_errors=True)
             r = measure(cmd, out, n_dir / f"{stage}.log", out / "metrics.jsonl" if stage.startswith("train") else None)
             if stage in stages:
