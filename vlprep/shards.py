@@ -413,7 +413,8 @@ class UidScan:
 
     def result(self, out: Out) -> dict:
         """{'rows': duplicate rows, 'examples': the first MAX_EXAMPLES repeated uids in row order}."""
-        h = np.sort(np.concatenate(self.hashes)) if self.hashes else np.zeros(0, np.uint64)
+        h = np.concatenate(self.hashes) if self.hashes else np.zeros(0, np.uint64)
+        h.sort()
         suspect = set(h[1:][h[1:] == h[:-1]].tolist())  # hashes that more than one row has
         del h  # 8 bytes a row: the sorted copy, freed before the uids are read back
         if not suspect:
