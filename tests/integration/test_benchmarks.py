@@ -112,3 +112,7 @@ def test_scale_runs_its_stages_measures_each_process_and_prints_verdicts(tmp_pat
             "stats CPU/1K 2k / 1k"} <= set(names)
     assert all(row["result"] in ("PASS", "FAIL") for row in names.values())
     assert "extrapolated from the largest N measured" in r.stdout and "3.3M" in r.stdout
+    again = subprocess.run([sys.executable, str(BENCH / "scale.py"), "--report", str(tmp_path / "scale.json")],
+                           capture_output=True, text=True, timeout=300)  # the tables again, nothing run
+    assert again.returncode == 0 and "shards driver RSS 2k / 1k" in again.stdout, again.stderr[-2000:]
+    assert "load average" not in again.stdout  # nothing was run
