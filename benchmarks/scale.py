@@ -236,8 +236,9 @@ def stage_command(stage: str, n_dir: Path, data: Path, work: Path, workers: int)
     w = ["--workers", workers]
     if stage == "shards":
         return vlprep("shards", data / "source.parquet", out, "-n", GROUP, *w), out
-    if stage == "bow":
-        return vlprep("bow", shards, out, *w), out
+    if stage == "bow":  # without rmtop: the default rmtop:1000 takes most of a Zipf caption's words, and emptied
+        # 90% of these captions (dropped samples are not written, which would flatter the stage)
+        return vlprep("bow", shards, out, "--ops", "shuffle,rmstop,basevocab,keep:4", *w), out
     if stage == "detect":
         return vlprep("detect", shards, out, "--from-file", data / "detections.jsonl", *w), out
     if stage == "ontology":
