@@ -97,6 +97,11 @@ class Dataset:
                 objstore.get_file(objstore.join(self.url, path.name), path)
         return path
 
+    def column(self, shard: str, name: str) -> list:
+        """One column of a shard's sidecar as Python values (ParquetFile.read: the column without pq.read_table's
+        dataset machinery)."""
+        return pq.ParquetFile(self.sidecar(shard)).read(columns=[name]).column(0).to_pylist()
+
     def stat(self, shard: str) -> dict:
         """{'size', 'etag'} of a shard's tar (etag '' for a local file or a server that gives none)."""
         if not self.url:

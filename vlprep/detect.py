@@ -223,7 +223,7 @@ def detect(cfg: DetectConfig, progress=None) -> dict:
         index = None
         if cfg.from_file is not None:
             # the keys stream into the index one shard at a time: the driver holds no per-sample structure
-            keys = (pq.read_table(ds.sidecar(s), columns=["key"]).column(0).to_pylist() for s in ds.shards)
+            keys = (ds.column(s, "key") for s in ds.shards)
             index = stack.enter_context(detection_index(Path(cfg.from_file), keys))
             backend = f"file:{Path(cfg.from_file).name}"
         else:

@@ -75,7 +75,7 @@ def detected_labels(ds: Dataset, min_score: float) -> set[str]:
     """Every class detected with score >= min_score anywhere in the dataset."""
     found = set()
     for shard in ds.shards:
-        for row in pq.read_table(ds.sidecar(shard), columns=["objects"]).column(0).to_pylist():
+        for row in ds.column(shard, "objects"):
             found |= labels_of(row, min_score)
     return found
 

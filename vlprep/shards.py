@@ -346,10 +346,9 @@ def build_shards(cfg: ShardsConfig, progress=None) -> dict:
                 planned.append(shard_name(cfg.prefix, idx))
                 yield Work(planned[-1], (idx * n, chunk, job), fingerprint(chunk), len(chunk))
 
-        scan = UidScan()
+        scan = UidScan(out)
         stats, resumed = map_shards(out, plan(), build_shard, workers=cfg.workers, distributor=cfg.distributor,
-                                    progress=progress, label="shards", total=source.total,
-                                    fold=lambda shard, st: scan.add(out, shard, st))
+                                    progress=progress, label="shards", total=source.total, fold=scan.add)
         remove_extra_shards(out, cfg.prefix, set(planned))
         sizes = {s: stats[s]["written"] for s in planned}
         skipped, examples = merged_skips((stats[s] for s in planned), "examples", MAX_EXAMPLES)
@@ -361,7 +360,7 @@ def build_shards(cfg: ShardsConfig, progress=None) -> dict:
             "stage": "shards", "input": str(cfg.src), "source_kind": source.kind, "columns": source.columns,
             "options": options, "counts": {"in": n_in, "written": written, "skipped": dict(sorted(skipped.items()))},
         })
-        dups = scan.result(out)
+        dups = scan.result()
         elapsed = time.perf_counter() - t0
         report = {
             "stage": "shards", "source": str(cfg.src), "source_kind": source.kind, "columns": source.columns,
@@ -399,19 +398,20 @@ class UidScan:
     uids themselves, read back from the sidecars of the shards that hold them, so a hash collision is no duplicate.
     """
 
-    def __init__(self):
+    def __init__(self, out: Out):
+        self.out = out
         self.shards: list[str] = []
         self.hashes: list[np.ndarray] = []
 
-    def add(self, out: Out, shard: str, stats: dict) -> dict:
+    def add(self, shard: str, stats: dict) -> dict:
         """Take a finished shard's uids (this run's, travelling with its counts; a resumed shard's, from its
         sidecar) and return the counts without them."""
         uids = stats.pop("uids", None)
         self.shards.append(shard)
-        self.hashes.append(uid_hashes(shard_uids(out, shard) if uids is None else uids))
+        self.hashes.append(uid_hashes(shard_uids(self.out, shard) if uids is None else uids))
         return stats
 
-    def result(self, out: Out) -> dict:
+    def result(self) -> dict:
         """{'rows': duplicate rows, 'examples': the first MAX_EXAMPLES repeated uids in row order}."""
         h = np.concatenate(self.hashes) if self.hashes else np.zeros(0, np.uint64)
         h.sort()
@@ -423,12 +423,12 @@ class UidScan:
         dup = 0
         examples = []
         for shard, hashes in zip(self.shards, self.hashes):
-            rows = [i for i, v in enumerate(hashes.tolist()) if v in suspect]
+            rows = [(i, v) for i, v in enumerate(hashes.tolist()) if v in suspect]
             if not rows:
                 continue
-            uids = shard_uids(out, shard)
-            for i in rows:
-                bucket = seen.setdefault(int(hashes[i]), set())
+            uids = shard_uids(self.out, shard)
+            for i, v in rows:
+                bucket = seen.setdefault(v, set())
                 if uids[i] in bucket:
                     dup += 1
                     if len(examples) < MAX_EXAMPLES and uids[i] not in examples:

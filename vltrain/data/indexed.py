@@ -83,8 +83,6 @@ class IndexedShards:
     """Raw samples of dataset folders by global index (folder order, then shard order, as index.json lists them)."""
 
     def __init__(self, folders):
-        import pyarrow.parquet as pq
-
         datasets = [open_dataset(f) for f in folders]
         for ds in datasets:
             if ds.url:  # random access wants local files (docs/SCALE.md: index samplers need local shards)
@@ -101,7 +99,7 @@ class IndexedShards:
         parts = []
         for ds in datasets:
             for shard in ds.shards:
-                keys = pq.read_table(ds.sidecar(shard), columns=["key"]).column(0).to_pylist()
+                keys = ds.column(shard, "key")
                 parts.append(np.array([k.encode() for k in keys], dtype="S") if keys else np.empty(0, dtype="S1"))
         self.keys = KeyArray(parts)
         if len(self.keys) != self.offsets[-1]:

@@ -62,8 +62,6 @@ def shard_sizes(folders: list[str | Path]) -> dict[Path | str, int]:
 def first_held_out(folders, val_frac: float, limit: int) -> tuple[list, set]:
     """(the shards, in ShardStream's order, that hold the first `limit` held-out samples; those samples' keys), from
     the sidecars of those shards only: a capped evaluation reads the shards holding what it scores, whatever N."""
-    import pyarrow.parquet as pq
-
     lists = [[(ds, s) for s in ds.shards] for ds in map(open_dataset, folders)]
     order = [x[i] for i in range(max((len(x) for x in lists), default=0)) for x in lists if i < len(x)]
     shards = []
@@ -71,8 +69,7 @@ def first_held_out(folders, val_frac: float, limit: int) -> tuple[list, set]:
     for ds, shard in order:
         if len(keys) >= limit:
             break
-        held = [k for k in pq.read_table(ds.sidecar(shard), columns=["key"]).column(0).to_pylist()
-                if in_val(k, val_frac)]
+        held = [k for k in ds.column(shard, "key") if in_val(k, val_frac)]
         if held:
             shards.append(ds.tar(shard))
             keys.update(held[:limit - len(keys)])
@@ -108,11 +105,9 @@ def data_signature(folders: list[str | Path]) -> str:
 
 def count_split(folders, val_frac: float) -> dict[str, int]:
     """Number of train / val samples, from the sidecars' keys (no tar reads)."""
-    import pyarrow.parquet as pq
-
     n = {"train": 0, "val": 0}
     for ds in map(open_dataset, folders):
         for shard in ds.shards:
-            for key in pq.read_table(ds.sidecar(shard), columns=["key"]).column(0).to_pylist():
+            for key in ds.column(shard, "key"):
                 n["val" if in_val(key, val_frac) else "train"] += 1
     return n
