@@ -3,7 +3,7 @@ paired difference over seeds against the paper's own effect.
 
     .venv/bin/python pipelines/ablation.py pipelines/NAME.yaml [--quick] [--seeds 3 | 0,1,2] [--steps N]
                                            [--demo DIR] [--out DIR] [--arms a,b]
-    .venv/bin/python pipelines/ablation.py --rescore RESULTS.json
+    .venv/bin/python pipelines/ablation.py --rescore RESULTS.json [--update-findings]
     .venv/bin/python pipelines/ablation.py --list
 
 A recipe (pipelines/*.yaml) has `about` (the --list line), `paper`, `common` (preset, steps, batch_size, sampler
@@ -11,20 +11,26 @@ and a `set` mapping of dotted config keys), `arms` (name -> its `data`, a list o
 and the same keys as `common`, overriding them), `eval` (`retrieval`: an input whose pairs score R@1/5/10, or
 `heldout` for each run's own held-out split; `zeroshot`: an input labelled by class name, or absent), `findings`
 (each: the paper's claim, the arm that should be `better` `than` another, on which `metric`, and `paper_effect`,
-the paper's better-minus-other difference in the metric's points, or null for a finding of our own) and `quick`
-(steps, seeds and arms of the smoke version). Input names refer to pipelines/inputs.yaml; a missing input is built
+the paper's better-minus-other difference in the metric's points, or null for a finding of our own; optionally
+`paper_than`, the paper's level of the `than` arm, and `tie_margin`, which makes the claim a tie within ±margin
+points), `seeds` (a count or a list: declared before the run) and `quick` (steps, seeds and arms of the smoke
+version). Input names refer to pipelines/inputs.yaml; a missing input is built
 first with the stage that makes it (the demo itself when that is missing).
 
-Every arm trains once per seed into OUT/ARM/sSEED with the seed setting its initial weights, data order and held-out
+The seeds are recorded in OUT/plan.json before the first arm runs; a later invocation in the same OUT with more
+seeds is a run extended after a look at its table, and its table says so. Every arm trains once per seed into
+OUT/ARM/sSEED with the seed setting its initial weights, data order and held-out
 draw, the same across arms; a finished run (result.json at its step count, trained on data with the same keys and
 captions: `vltrain.data.shards.data_signature`) is reused, one whose inputs were rebuilt since trains again, and an
 interrupted one resumes, so the same command continues a cut run. OUT gets results.json (`rows`, one per arm and
 seed with every metric; `arms`, each arm's mean and sd; `eval`, the eval sizes and their sampling sd; `findings`),
 table.md and chart.png. Each finding gets `diff` (the mean over seeds of better minus other on the same seed),
-`ci_low`/`ci_high` (its 95% paired t interval), Holm-adjusted p-values, a `verdict` (agrees, disagrees, rules out
-the paper's effect, inconclusive), `seeds_needed` (pipelines/verdicts.py states the rule) and `near_chance` (both
-arms under 3 times the metric's chance: a verdict on the floor speaks of the run's length). `--rescore` recomputes
-all of that from a results file's rows and findings alone, with no training, and writes it back.
+`ci_low`/`ci_high` (its 95% paired t interval), Holm-adjusted p-values, a `verdict`, `shares` (the paper's effect
+and ours as a percentage of their baseline arm), `seeds_needed` and `seeds_range` (pipelines/verdicts.py states the
+rule), `near_chance` (both arms under 3 times the metric's chance: a verdict on the floor speaks of the run's
+length) and `far_below` (the arms under 3 times chance or a fifth of the paper's level). `--rescore` recomputes all
+of that from a results file's rows and findings alone, with no training, and writes it back; with
+`--update-findings` it takes the findings from the recipe's YAML as it is now.
 """
 
 import argparse
@@ -75,6 +81,7 @@ MAX_SEED = 2**32 - 1
 CHANCE_UNITS = {"i2t_r1": 1, "t2i_r1": 1, "r1_mean": 1, "i2t_r5": 5, "t2i_r5": 5, "i2t_r10": 10, "t2i_r10": 10,
                 "mean_recall": 16 / 3}
 NEAR_CHANCE = 3.0  # a finding whose two arms both score under this many times chance is flagged "near chance"
+FAR_BELOW = 0.2  # an arm under this fraction of the paper's level (or NEAR_CHANCE x chance) is far below the paper's
 
 
 class RecipeError(Exception):
@@ -104,6 +111,7 @@ def load_recipe(path: Path) -> dict:
                                   f"{', '.join(arms)}")
         if f.get("metric") not in COLUMNS:
             raise RecipeError(f"{path}: finding {f.get('paper')!r}: metric must be one of {', '.join(COLUMNS)}")
+        check_finding(f, f"{path}: finding {cut(repr(f.get('paper')), 40)}")
     for name in recipe.get("quick", {}).get("arms", []):
         if name not in arms:
             raise RecipeError(f"{path}: quick arm {name!r} is not one of {', '.join(arms)}")
@@ -315,18 +323,51 @@ def _num(x, signed: bool = True) -> str:
     return "-" if x is None else (f"{x:+.2f}" if signed else f"{x:.2f}")
 
 
+def _share(x) -> str:
+    return "" if x is None else f" ({x:+.0f}%)" if abs(x) >= 10 else f" ({x:+.1f}%)"
+
+
+def _seeds_cell(f: dict) -> str:
+    """Seeds per arm for 80% power at both ends of the sd's 80% interval (inconclusive findings only)."""
+    if f["verdict"] != "inconclusive" or f.get("seeds_needed") is None:
+        return "-"
+    show = [f"{verdicts.MAX_SEEDS}+" if n > verdicts.MAX_SEEDS else str(n)
+            for n in f.get("seeds_range") or [f["seeds_needed"]] * 2]
+    return show[0] if show[0] == show[1] else f"{show[0]}–{show[1]}"
+
+
 def finding_cells(f: dict) -> list[str]:
-    """A finding's cells: the paper's effect, ours with its interval, the Holm p-values, the verdict, seeds needed."""
-    ours = f"{_num(f['diff'])} [{_num(f['ci_low'])}, {_num(f['ci_high'])}]" if f["diff"] is not None else "-"
+    """A finding's cells: the paper's effect (and its share of the paper's baseline), ours with its interval (and its
+    share of ours), the Holm p-values, the verdict with its flags, the seeds for 80% power."""
+    sh = f.get("shares") or {}
+    ours = (f"{_num(f['diff'])} [{_num(f['ci_low'])}, {_num(f['ci_high'])}]{_share(sh.get('ours'))}"
+            if f["diff"] is not None else "-")
     if f["missing_seeds"]:
         ours += f" ({f['n_seeds']} seeds; seed(s) {', '.join(map(str, f['missing_seeds']))} missing in one arm)"
-    p = _num(f.get("p_zero"), False) + (f" / {_num(f['p_paper'], False)}" if "p_paper" in f else "")
-    need = f["seeds_needed"]
-    need = "-" if need is None or f["verdict"] != "inconclusive" else (
-        f"> {verdicts.MAX_SEEDS}" if need > verdicts.MAX_SEEDS else str(need))
-    paper = "ours" if f.get("paper_effect") is None else _num(f["paper_effect"])
-    verdict = f["verdict"] + (f" (both arms under {NEAR_CHANCE:g}x chance)" if f.get("near_chance") else "")
-    return [paper, ours, p, verdict, need]
+    if "p_equiv" in f:
+        p = f"equiv. {_num(f['p_equiv'], False)} / apart {_num(f['p_apart'], False)}"
+    else:
+        p = _num(f.get("p_zero"), False) + (f" / {_num(f['p_paper'], False)}" if "p_paper" in f else "")
+    paper = "ours" if f.get("paper_effect") is None else _num(f["paper_effect"]) + _share(sh.get("paper"))
+    if f.get("tie_margin") is not None:
+        paper = f"tie within ±{f['tie_margin']:g} (paper {_num(f['paper_effect'])})"
+    verdict = f["verdict"]
+    if f.get("near_chance"):
+        verdict += f" (both arms under {NEAR_CHANCE:g}x chance)"
+    elif f.get("far_below"):
+        verdict += f" (far below the paper's operating point: {', '.join(f['far_below'])})"
+    return [paper, ours, p, verdict, _seeds_cell(f)]
+
+
+def seeds_text(seeds: list[int], plan: dict | None) -> str:
+    """The table's seeds, with how they relate to the seeds declared before the run."""
+    text = "seeds " + ", ".join(map(str, seeds))
+    if plan is None:
+        return text + " (this file predates recorded seed plans)"
+    status = seed_status(plan["seeds"], seeds)
+    if status == "as declared":
+        return text + f", declared before the run ({plan['declared_on'][:10]})"
+    return text + f": {status} (declared {', '.join(map(str, plan['seeds']))} on {plan['declared_on'][:10]})"
 
 
 def table_md(results: dict) -> str:
@@ -342,17 +383,20 @@ def table_md(results: dict) -> str:
         text += (f", zero-shot on {sizes['zeroshot_images']:,} images (chance {sizes['zeroshot_chance']:.1f}%"
                  + (f"; sampling sd ± {sizes['zeroshot_sampling_sd']:.1f}" if "zeroshot_sampling_sd" in sizes else "")
                  + ")")
-    md = [f"`{meta['command']}` ({meta['date']}; seeds {', '.join(map(str, seeds))}; {meta['steps']}). "
+    md = [f"`{meta['command']}` ({meta['date']}; {seeds_text(seeds, meta.get('seed_plan'))}; {meta['steps']}). "
           f"Arms: mean ± sd over seeds. Eval: {text}.", "",
           "| arm | " + " | ".join(HEADERS[c] for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
     md += [f"| {arm} | " + " | ".join(cell(s, c) for c in cols) + " |" for arm, s in summary.items()]
     if findings:
-        n_tests = sum(1 + (f.get("paper_effect") is not None) for f in findings)
-        md += ["", f"Findings: the per-seed paired difference better − other, its mean and 95% t interval over seeds; "
-               f"p-values of the paired t tests against 0 and against the paper's effect, Holm-adjusted over this "
-               f"recipe's {n_tests} tests (family-wise 5%); seeds per arm for 80% power to detect the paper's effect "
-               f"at the observed sd (inconclusive findings). A verdict marked \"under {NEAR_CHANCE:g}x chance\" compares two "
-               f"arms on the metric's floor: there it speaks of this run's length, not of the method.", "",
+        md += ["", "Findings: the per-seed paired difference better − other, its mean and 95% t interval over seeds, "
+               "and in brackets its share of our `other` arm (the paper's effect: of the paper's `other` arm). "
+               f"p-values, Holm-adjusted over this recipe's {verdicts.family_size(findings)} tests (family-wise 5%): "
+               "the paired t tests against 0 and against the paper's effect, or for a tie claim the TOST (equiv.) and "
+               "the test against the nearer margin (apart). Seeds per arm for 80% power at both ends of the 80% "
+               "interval of the differences' sd (inconclusive findings). "
+               f"\"Both arms under {NEAR_CHANCE:g}x chance\": a verdict on the metric's floor, about this run's "
+               "length, not the method; \"far below the paper's operating point\": an arm under "
+               f"{NEAR_CHANCE:g}x chance or under {FAR_BELOW:.0%} of the paper's level.", "",
                "| paper's finding | better − other (metric) | paper's effect | ours [95% CI] | p vs 0 / vs paper "
                "| verdict | seeds for 80% power |", "|---|---|---|---|---|---|---|"]
         md += [f"| {f['paper']} | {f['better']} − {f['than']} ({HEADERS[f['metric']]}) | "
@@ -406,6 +450,32 @@ def check_results(results) -> None:
         v = f.get("paper_effect")
         need(v is None or type(v) in (int, float) and math.isfinite(v), f"findings[{j}].paper_effect",
              "a finite number or null", v)
+        check_finding(f, f"findings[{j}]")
+    plan = results.get("meta", {}).get("seed_plan")
+    if plan is not None:
+        need(isinstance(plan, dict) and isinstance(plan.get("seeds"), list)
+             and all(type(x) is int for x in plan["seeds"]) and isinstance(plan.get("declared_on"), str),
+             "meta.seed_plan", "an object with the declared seeds (integers) and declared_on", plan)
+
+
+FINDING_KEYS = ("paper", "better", "than", "metric", "paper_effect")
+OPTIONAL_KEYS = ("tie_margin", "paper_than")  # a tie claim's margin; the paper's level of the `than` arm
+
+
+def definition(f: dict) -> dict:
+    """A finding's definition as judged: its keys, and the optional ones it has."""
+    return {**{k: f.get(k) for k in FINDING_KEYS}, **{k: f[k] for k in OPTIONAL_KEYS if f.get(k) is not None}}
+
+
+def check_finding(f: dict, where: str) -> None:
+    """A RecipeError naming the key when a finding's optional numbers are not positive, or a tie claim has no paper
+    effect to set against its margin."""
+    for key in OPTIONAL_KEYS:
+        v = f.get(key)
+        if v is not None and not (type(v) in (int, float) and math.isfinite(v) and v > 0):
+            raise RecipeError(f"{where}.{key}: expected a positive number (points of the metric), not {_kind(v)}")
+    if f.get("tie_margin") is not None and f.get("paper_effect") is None:
+        raise RecipeError(f"{where}: a tie claim (tie_margin) needs the paper's own difference as paper_effect")
 
 
 def rescore(results: dict) -> dict:
@@ -419,8 +489,7 @@ def rescore(results: dict) -> dict:
     if not rows:
         raise RecipeError("the results hold no rows to score")
     arms = list(dict.fromkeys(r["arm"] for r in rows))
-    keep = ("paper", "better", "than", "metric", "paper_effect")
-    defs = [{k: f.get(k) for k in keep} for f in results.get("findings", [])]
+    defs = [definition(f) for f in results.get("findings", [])]
     for f in defs:
         for side in ("better", "than"):
             if f[side] not in arms:
@@ -432,7 +501,9 @@ def rescore(results: dict) -> dict:
                    **{k: v for k, v in results.items() if k not in ("command", "date", "steps", "paper", "seeds")}}
     findings = verdicts.judge(defs, rows)
     for f in findings:
-        f["near_chance"] = near_chance(f["metric"], [r for r in rows if r["arm"] in (f["better"], f["than"])])
+        mine = [r for r in rows if r["arm"] in (f["better"], f["than"])]
+        f["near_chance"] = near_chance(f["metric"], mine)
+        f["far_below"] = far_below(f, mine)
     return {**results, "rows": rows, "arms": {a: summarise([r for r in rows if r["arm"] == a]) for a in arms},
             "eval": eval_sizes(rows), "findings": findings}
 
@@ -454,6 +525,22 @@ def near_chance(metric: str, rows: list[dict]) -> bool:
         if not mine or statistics.mean(r[metric] for r in mine) >= NEAR_CHANCE * statistics.mean(map(chance, mine)):
             return False
     return True
+
+
+def far_below(f: dict, rows: list[dict]) -> list[str]:
+    """The arms of a finding far below the paper's operating point: those whose mean over seeds is under
+    NEAR_CHANCE times the metric's chance, or under FAR_BELOW of the paper's level of the `than` arm (`paper_than`).
+    A verdict there is about a model that has learned a fraction of what the paper's had."""
+    out = []
+    for arm in (f["better"], f["than"]):
+        mine = [r for r in rows if r["arm"] == arm and r.get(f["metric"]) is not None and math.isfinite(r[f["metric"]])]
+        if not mine:
+            continue
+        level = statistics.mean(r[f["metric"]] for r in mine)
+        floor = near_chance(f["metric"], mine)
+        if floor or (f.get("paper_than") and level < FAR_BELOW * f["paper_than"]):
+            out.append(arm)
+    return out
 
 
 def write_outputs(results_path: Path, results: dict) -> tuple[Path, Path]:
@@ -501,6 +588,10 @@ def chart(path: Path, results: dict) -> None:
     ax.legend(fontsize=8)
     labelled = False
     for k, f in enumerate(reversed(findings)):
+        if f.get("tie_margin") is not None:  # a tie claim: its margin as a band behind our interval
+            m = f["tie_margin"]
+            fx.plot([-m, m], [k, k], color="tab:green", linewidth=8, alpha=0.3, solid_capstyle="butt",
+                    label=f"tie margin ±{m:g}")
         if f["diff"] is not None:
             lo = f["ci_low"] if f["ci_low"] is not None else f["diff"]
             hi = f["ci_high"] if f["ci_high"] is not None else f["diff"]
@@ -514,7 +605,7 @@ def chart(path: Path, results: dict) -> None:
                                          for f in reversed(findings)], fontsize=8)
     fx.set_xlabel("difference, points (ours: mean and 95% interval over seeds)")
     fx.set_title("findings")
-    if labelled:
+    if labelled or any(f.get("tie_margin") is not None for f in findings):
         fx.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -572,6 +663,38 @@ def parse_seeds(text: str | None, default) -> list[int]:
     return seeds
 
 
+def declare_seeds(path: Path, seeds: list[int]) -> dict:
+    """The seed plan of a recipe's OUT: the seeds of its first invocation, written to `path` (OUT/plan.json) before
+    the first arm runs, against the seeds scored now. A later invocation in the same OUT with more seeds is a run
+    extended after a look at its first table, and its table says so (`seed_plan.status`); one with other seeds is
+    not the declared run either. The pipelines' README explains why seeds are declared before the run."""
+    if path.is_file():
+        try:
+            declared = json.loads(path.read_text())
+            ok = isinstance(declared.get("seeds"), list) and all(type(s) is int for s in declared["seeds"])
+        except (ValueError, AttributeError):
+            ok = False
+        if not ok:
+            raise RecipeError(f"{path}: not a seed plan this script wrote (remove it to declare the seeds anew)")
+    else:
+        declared = {"seeds": seeds, "declared_on": time.strftime("%Y-%m-%d %H:%M:%S")}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(declared) + "\n")
+        os.replace(tmp, path)
+    return {**declared, "scored": seeds, "status": seed_status(declared["seeds"], seeds)}
+
+
+def seed_status(declared: list[int], scored: list[int]) -> str:
+    """How the seeds scored relate to those declared before the run: as declared, extended after a look (a superset:
+    seeds added once a table had been seen), or other than declared."""
+    if set(scored) == set(declared):
+        return "as declared"
+    if set(scored) > set(declared):
+        return "extended after a look"
+    return "other than declared"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # paths are read as text and checked before they become Paths: Path("s3://b/x") is the local folder s3:/b/x
@@ -586,6 +709,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rescore", metavar="RESULTS.json",
                     help="recompute the summary, findings, table and chart from a results file's rows (no training) "
                     "and write them back beside it")
+    ap.add_argument("--update-findings", action="store_true",
+                    help="with --rescore: judge the rows against the recipe's current findings (pipelines/NAME.yaml: "
+                    "its claims, paper effects, tie margins and the paper's baselines) instead of the file's own")
     args = ap.parse_args(argv)
     try:  # refused in one line before anything is read or built
         if args.steps is not None and args.steps < 1:
@@ -599,8 +725,11 @@ def main(argv: list[str] | None = None) -> int:
     except (RecipeError, VlprepError) as e:
         console.print(f"error: {e}", highlight=False, markup=False, soft_wrap=True)
         return 2
+    if args.update_findings and args.rescore is None:
+        console.print("error: --update-findings goes with --rescore RESULTS.json", highlight=False, markup=False)
+        return 2
     if args.rescore is not None:
-        return rescore_file(args.rescore)
+        return rescore_file(args.rescore, args.update_findings)
     if args.list:
         for p in recipe_paths():
             print(f"{p.stem:<16} {(yaml.safe_load(p.read_text()) or {}).get('about', '')}")
@@ -630,6 +759,7 @@ def main(argv: list[str] | None = None) -> int:
         zeroshot = None
         if ev.get("zeroshot"):
             zeroshot = (ensure(ev["zeroshot"], inputs, demo, logs), Path(fill(ev["classes"], demo)))
+        plan = declare_seeds(out / "plan.json", seeds)
         rows = []
         for arm in names:
             folders = [str(ensure(d, inputs, demo, logs)) for d in recipe["arms"][arm].get("data", [])]
@@ -647,11 +777,10 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"error: {e}", highlight=False, markup=False, soft_wrap=True)
         return 2
 
-    defs = [{k: f.get(k) for k in ("paper", "better", "than", "metric", "paper_effect")}
-            for f in recipe.get("findings", []) if f["better"] in names and f["than"] in names]
+    defs = [definition(f) for f in recipe.get("findings", []) if f["better"] in names and f["than"] in names]
     command = "make ablation RECIPE=" + name + (" QUICK=1" if args.quick else "")
     meta = {"command": command, "date": time.strftime("%Y-%m-%d"), "steps": f"{rows[0]['step']} steps",
-            "paper": recipe.get("paper", "")}
+            "paper": recipe.get("paper", ""), "seed_plan": plan}
     out.mkdir(parents=True, exist_ok=True)
     results = rescore({"recipe": name, "meta": meta, "rows": rows, "findings": defs})
     table, png = write_outputs(out / "results.json", results)
@@ -661,8 +790,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def rescore_file(path: Path) -> int:
-    """--rescore: the summary, findings, table and chart of a results.json again, from its rows alone."""
+def recipe_findings(results: dict) -> dict:
+    """The results with the finding definitions of its recipe's YAML (those whose arms have rows), in its order."""
+    name = results.get("recipe") if isinstance(results, dict) else None
+    if not isinstance(name, str) or not (HERE / f"{name}.yaml").is_file():
+        raise RecipeError(f"--update-findings: the file's recipe {_kind(name)} is not one of pipelines/*.yaml")
+    arms = {r.get("arm") for r in results.get("rows", []) if isinstance(r, dict)}
+    recipe = load_recipe(HERE / f"{name}.yaml")
+    return {**results, "findings": [definition(f) for f in recipe.get("findings", [])
+                                    if f["better"] in arms and f["than"] in arms]}
+
+
+def rescore_file(path: Path, update_findings: bool = False) -> int:
+    """--rescore: the summary, findings, table and chart of a results.json again, from its rows alone (and with
+    `update_findings` the findings of the recipe the file names, as pipelines/NAME.yaml defines them now)."""
     try:
         data = read_user_file(path, RESULTS_BYTES, "the results file")  # never a FIFO or /dev/zero
         try:
@@ -675,6 +816,8 @@ def rescore_file(path: Path) -> int:
             raise
         except ValueError as e:  # an integer of more than 4,300 digits
             raise RecipeError(f"malformed JSON: {str(e).split(';')[0]}") from None
+        if update_findings:
+            results = recipe_findings(results)
         results = rescore(results)
         table, png = write_outputs(path, results)
     except (OSError, json.JSONDecodeError, KeyError, TypeError, RecipeError, VlprepError) as e:

@@ -42,8 +42,9 @@ the others still run. Each measures two sides on the same seed:
 
 Every finding has the paper's side as `better` and no paper effect (no paper quantifies these), so the verdicts are
 one family: a paired t test of each difference against 0, Holm-adjusted over the findings of the checks that ran
-(pipelines/verdicts.py). "seeds for 80% power" is the number of seeds at which that test would detect our own mean
-difference with 80% power, at the observed sd of the differences. OUT (default DEMO/ablation/mechanisms) gets
+(pipelines/verdicts.py). There is no power column: a power computed at our own observed difference (post-hoc
+"observed power") is a function of the p-value and says nothing beyond it, and with no paper effect there is no
+other effect to compute it for. OUT (default DEMO/ablation/mechanisms) gets
 results.json (rows, findings, each check's definition, item counts and runtime) and table.md, printed too.
 """
 
@@ -556,28 +557,17 @@ def diff_cell(f: dict) -> str:
     return f"{f['diff']:+.2f} {ci}"
 
 
-def power_seeds(rows: list[dict], f: dict, n_tests: int) -> int | None:
-    """Seeds for the Holm-level paired t test to detect our own mean difference with 80% power (None: no spread yet,
-    no difference, or no test), from the unrounded differences (the finding's diff and sd are rounded)."""
-    diffs = verdicts.paired_differences(rows, f["better"], f["than"], f["metric"])[0]
-    if "p_zero" not in f or len(diffs) < 2 or not statistics.fmean(diffs):
-        return None
-    return verdicts.seeds_needed(statistics.stdev(diffs), statistics.fmean(diffs), verdicts.ALPHA / n_tests)
-
-
 def table_rows(rows: list[dict], findings: list[dict]) -> list[list[str]]:
     out = []
     for f in findings:
-        need = f.get("seeds_for_power")
-        need = "-" if need is None else (f"> {verdicts.MAX_SEEDS}" if need > verdicts.MAX_SEEDS else str(need))
         out.append([f["check"], f"{f['better']} vs {f['than']}: {METRICS[f['metric']]}",
                     side(rows, f["better"], f["metric"]), side(rows, f["than"], f["metric"]), diff_cell(f),
-                    f["verdict"], need])
+                    f["verdict"]])
     return out
 
 
 HEAD = ["check", "what is compared", "paper's side (mean ± sd)", "other side (mean ± sd)", "ours: diff [95% CI]",
-        "verdict", "seeds for 80% power"]
+        "verdict"]
 
 
 def write_outputs(results: Path, table: Path, rows: list[dict], findings: list[dict], meta: dict) -> None:
@@ -587,7 +577,7 @@ def write_outputs(results: Path, table: Path, rows: list[dict], findings: list[d
     md = [f"`{meta['command']}` ({meta['date']}; seeds {', '.join(map(str, meta['seeds']))}): each check's two "
           "sides measured on the same seed's checkpoints, the difference paper's side minus other per seed, its 95% "
           "paired t interval, and the verdict of a paired t test against 0, Holm-adjusted over these findings "
-          "(pipelines/verdicts.py). Seeds for 80% power: at our own mean difference and sd.", "",
+          "(pipelines/verdicts.py).", "",
           "| " + " | ".join(HEAD) + " |", "|---" * len(HEAD) + "|"]
     md += ["| " + " | ".join(cells) + " |" for cells in table_rows(rows, findings)]
     md += ["", "| check | seeds | what was measured (the last seed's) | seconds |", "|---|---|---|---|"]
@@ -658,13 +648,8 @@ def parse_seeds(text: str) -> list[int]:
 
 
 def judge(rows: list[dict], names: list[str]) -> list[dict]:
-    """verdicts.judge over the findings of the checks in `names` (one Holm family), with seeds for 80% power."""
-    chosen = [f for f in FINDINGS if f["check"] in names]
-    findings = verdicts.judge(chosen, rows)
-    n_tests = sum("p_zero" in f for f in findings)  # a NaN or no-variance finding has no test in the family
-    for f in findings:
-        f["seeds_for_power"] = power_seeds(rows, f, n_tests)
-    return findings
+    """verdicts.judge over the findings of the checks in `names` (one Holm family)."""
+    return verdicts.judge([f for f in FINDINGS if f["check"] in names], rows)
 
 
 def main(argv: list[str] | None = None) -> int:

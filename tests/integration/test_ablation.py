@@ -90,7 +90,9 @@ def test_each_verdict_from_constructed_differences():
     (v,) = verdicts.judge(f(2.0), _rows({"b": [-2.0, -2.1, -1.9, -2.05, -1.95], "c": c}))
     assert v["verdict"] == "disagrees"
     (v,) = verdicts.judge(f(-0.3), _rows({"b": [-2.0, -2.1, -1.9, -2.05, -1.95], "c": c}))
-    assert v["verdict"] == "agrees"  # a negative paper effect: its side is below zero
+    assert v["verdict"] == verdicts.LARGER  # a negative paper effect: its side is below zero, and -2 is beyond it
+    (v,) = verdicts.judge(f(-2.0), _rows({"b": [-2.0, -2.1, -1.9, -2.05, -1.95], "c": c}))
+    assert v["verdict"] == "agrees"
     (v,) = verdicts.judge(f(5.0), _rows({"b": [0.1, -0.1, 0.2, -0.2, 0.0], "c": c}))
     assert v["verdict"] == "rules out the paper's effect" and v["ci_high"] < 5.0
     (v,) = verdicts.judge(f(5.0), _rows({"b": [3.0, -2.0, 8.0, -1.0, 2.0], "c": c}))
@@ -109,16 +111,18 @@ def test_holm_makes_a_lone_significant_finding_inconclusive_among_many_tests():
     assert {f["verdict"] for f in many} == {"inconclusive"}  # 10 tests: each needs p < 0.005 at the first step
 
 
-def _simulate(true_effect: float, paper_effect, n: int, reps: int, k: int = 1, seed: int = 0) -> list[list[str]]:
-    """Verdicts of `reps` simulated recipes: k findings, each with n seeds of differences ~ N(true_effect, 1)."""
+def _simulate(true_effect: float, paper_effect, n: int, reps: int, k: int = 1, seed: int = 0,
+              margin: float | None = None) -> list[list[str]]:
+    """Verdicts of `reps` simulated recipes: k findings (tie claims within ±margin when one is given), each with n
+    seeds of differences ~ N(true_effect, 1)."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(reps):
         diffs = rng.normal(true_effect, 1.0, size=(k, n))
         rows = [{"arm": f"b{j}", "seed": s, "m": float(diffs[j, s])} for j in range(k) for s in range(n)]
         rows += [{"arm": f"c{j}", "seed": s, "m": 0.0} for j in range(k) for s in range(n)]
-        found = [{"paper": "p", "better": f"b{j}", "than": f"c{j}", "metric": "m", "paper_effect": paper_effect}
-                 for j in range(k)]
+        found = [{"paper": "p", "better": f"b{j}", "than": f"c{j}", "metric": "m", "paper_effect": paper_effect,
+                  **({} if margin is None else {"tie_margin": margin})} for j in range(k)]
         out.append([f["verdict"] for f in verdicts.judge(found, rows)])
     return out
 
@@ -128,12 +132,17 @@ def test_simulated_error_rates_stay_at_the_stated_level_and_power_rises_with_see
     reps = 1500
     margin = 3 * (0.05 * 0.95 / reps) ** 0.5  # three binomial sds of a 5% rate over `reps` draws
     # no true effect: a verdict on either side of 0 is false, at most 5% of recipes (exact t test, Holm)
+    side = ("agrees", verdicts.SMALLER, verdicts.LARGER, "disagrees")
     for n in (3, 10):
         null = _simulate(0.0, 2.0, n, reps, seed=n)
-        assert sum(v[0] in ("agrees", "disagrees") for v in null) / reps <= 0.05 + margin
+        assert sum(v[0] in side for v in null) / reps <= 0.05 + margin
+    # a tie claim whose true difference sits on its margin: "equivalent" is false, at most 5%
+    at_margin = _simulate(1.0, 0.0, 5, reps, seed=4, margin=1.0)
+    assert sum(v[0].startswith("equivalent") for v in at_margin) / reps <= 0.05 + margin
     # the true effect equals the paper's: "rules out" or "disagrees" is false, at most 5%
     same = _simulate(1.0, 1.0, 5, reps, seed=1)
-    assert sum(v[0] in ("rules out the paper's effect", "disagrees") for v in same) / reps <= 0.05 + margin
+    wrong = ("rules out the paper's effect", "disagrees", verdicts.SMALLER, verdicts.LARGER)  # the true size rejected
+    assert sum(v[0] in wrong for v in same) / reps <= 0.05 + margin
     # family-wise: five null findings in one recipe, any false side verdict in at most 5% of recipes
     family = _simulate(0.0, None, 3, reps, k=5, seed=2)
     assert sum(any(x != "inconclusive" for x in v) for v in family) / reps <= 0.05 + margin
@@ -238,6 +247,10 @@ def test_a_recipe_runs_every_arm_over_seeds_and_writes_its_table(onto, tmp_path,
     assert ablation.main([str(path), "--out", str(out), "--demo", str(tmp_path)]) == 0
     res = json.loads((out / "results.json").read_text())
     assert [(r["arm"], r["seed"]) for r in res["rows"]] == [("random", 0), ("random", 1), ("tonics", 0), ("tonics", 1)]
+    # the recipe's seeds were recorded before the first arm ran, and the table says they are the declared ones
+    assert json.loads((out / "plan.json").read_text())["seeds"] == [0, 1]
+    assert res["meta"]["seed_plan"]["status"] == "as declared"
+    assert "seeds 0, 1, declared before the run" in (out / "table.md").read_text()
     # the random arm scores the whole held-out split; with pairs, TOnICS leaves out the images its check reads
     assert [r["n_eval"] for r in res["rows"]] == [N_VAL, N_VAL, N_VAL - N_VAL // 2, N_VAL - N_VAL // 2]
     vals = [json.loads((out / "tonics" / f"s{s}" / "result.json").read_text())["eval"]["t2i_r5"] for s in (0, 1)]
@@ -258,6 +271,10 @@ def test_a_recipe_runs_every_arm_over_seeds_and_writes_its_table(onto, tmp_path,
     stamp = (out / "random" / "s0" / "last.pt").stat().st_mtime_ns
     assert ablation.main([str(path), "--out", str(out), "--demo", str(tmp_path)]) == 0
     assert (out / "random" / "s0" / "last.pt").stat().st_mtime_ns == stamp  # reused, not retrained
+    # a third seed added after that look: the same OUT says so
+    assert ablation.main([str(path), "--out", str(out), "--demo", str(tmp_path), "--seeds", "3"]) == 0
+    assert json.loads((out / "results.json").read_text())["meta"]["seed_plan"]["status"] == "extended after a look"
+    assert "seeds 0, 1, 2: extended after a look (declared 0, 1 on" in (out / "table.md").read_text()
     # Rebuilt inputs (other keys or captions: another data signature) train the finished runs again.
     monkeypatch.setattr(ablation, "data_signature", lambda folders: "rebuilt")
     assert ablation.main([str(path), "--out", str(out), "--demo", str(tmp_path), "--arms", "random"]) == 0
@@ -401,3 +418,30 @@ def test_rescore_of_a_valid_file_still_works_and_duplicate_seeds_or_arms_are_ref
         ablation.parse_seeds("1,1", 3)
     assert ablation.main(["grit", "--arms", "grit,grit", "--demo", str(tmp_path / "nodemo")]) == 2
     assert "an arm is named twice" in capsys.readouterr().err
+
+
+def test_rescore_with_update_findings_judges_the_rows_against_the_recipes_current_findings(tmp_path, capsys):
+    """A results file keeps the findings it was judged by; --update-findings takes the recipe's current ones (a tie
+    margin, the paper's baselines) and judges the same rows against them."""
+    old = json.loads((ablation.ROOT / "pipelines" / "results" / "fistful.json").read_text())
+    old["findings"] = [{k: f[k] for k in ("paper", "better", "than", "metric", "paper_effect")}
+                       for f in old["findings"]]
+    path = tmp_path / "fistful.json"
+    path.write_text(json.dumps(old))
+    assert ablation.main(["--rescore", str(path)]) == 0
+    kept = json.loads(path.read_text())["findings"]
+    assert all("tie_margin" not in f and f["shares"]["paper"] is None for f in kept)
+    assert ablation.main(["--rescore", str(path), "--update-findings"]) == 0
+    new = json.loads(path.read_text())
+    recipe = ablation.load_recipe(ablation.HERE / "fistful.yaml")
+    assert [ablation.definition(f) for f in new["findings"]] == [ablation.definition(f) for f in recipe["findings"]]
+    assert new["rows"] == [ablation.derive(dict(r)) for r in old["rows"]]
+    tie = new["findings"][0]
+    assert tie["tie_margin"] == 1.0 and "p_equiv" in tie and "p_zero" not in tie
+    assert "tie within ±1" in (tmp_path / "fistful.md").read_text()
+    capsys.readouterr()
+    assert ablation.main(["--update-findings"]) == 2
+    assert "goes with --rescore" in capsys.readouterr().err
+    path.write_text(json.dumps({**old, "recipe": "nope"}))
+    assert ablation.main(["--rescore", str(path), "--update-findings"]) == 2
+    assert "is not one of pipelines/*.yaml" in capsys.readouterr().err
