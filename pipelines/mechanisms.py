@@ -574,7 +574,8 @@ def write_outputs(results: Path, table: Path, rows: list[dict], findings: list[d
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(json.dumps({"recipe": "mechanisms", **meta, "rows": rows, "findings": findings}, indent=2)
                        + "\n")
-    md = [f"`{meta['command']}` ({meta['date']}; seeds {', '.join(map(str, meta['seeds']))}): each check's two "
+    command = meta["command"].replace(f"{ROOT}/", "")  # the checkout's own paths, shown relative to it
+    md = [f"`{command}` ({meta['date']}; seeds {', '.join(map(str, meta['seeds']))}): each check's two "
           "sides measured on the same seed's checkpoints, the difference paper's side minus other per seed, its 95% "
           "paired t interval, and the verdict of a paired t test against 0, Holm-adjusted over these findings "
           "(pipelines/verdicts.py).", "",
