@@ -179,6 +179,43 @@ def bow(
               early_warnings=True)
 
 
+@app.command("filter")
+def filter_(
+    src: Path = typer.Argument(..., help="Input shard dataset (from `vlprep shards` or any vlprep stage)."),
+    out: Path = typer.Argument(..., help="Output dataset folder: the kept samples, unchanged, plus report.json and "
+                                "dropped.parquet (an earlier run there with the same rules resumes)."),
+    keys: Optional[Path] = typer.Option(None, help="Rule 1: keep only the keys listed in this file (one per line)."),
+    drop_keys: Optional[Path] = typer.Option(None, help="Rule 2: drop the keys listed in this file (one per line)."),
+    min_side: Optional[int] = typer.Option(None, help="Rule 4: drop images whose short side is below PX pixels.",
+                                           metavar="PX"),
+    max_aspect: Optional[float] = typer.Option(None, help="Rule 5: drop images whose long side / short side is "
+                                               "above R (R >= 1).", metavar="R"),
+    max_pixels: Optional[int] = typer.Option(None, help="Rule 6: drop images of more than N pixels (width x "
+                                             "height, read from the header).", metavar="N"),
+    caption_words: Optional[str] = typer.Option(None, help="Rule 7: keep captions of MIN to MAX words (as vlprep "
+                                                "tokenises them; 3: or :40 leave one side open).",
+                                                metavar="MIN:MAX"),
+    dedup: Optional[List[str]] = typer.Option(None, help="Rules 8-10: drop exact duplicates of an earlier sample: "
+                                              "image (decoded pixels), caption (normalised text), pair (both); "
+                                              "repeat or comma-separate. The first in dataset order is kept.",
+                                              metavar="KIND"),
+    workers: Optional[int] = workers_option("CPU count, at most 4"),
+    distributor: str = distributor_option(),
+    skip_bad_shards: bool = skip_bad_option(),
+    overwrite: bool = typer.Option(False, help="Replace the vlprep files in a non-empty OUT written otherwise."),
+) -> None:
+    """Keep the samples that pass every rule, copied unchanged. Rules run in a fixed order (1 keys, 2 drop-keys,
+    3 bad images (always), 4-6 image size, 7 caption words, 8-10 dedup image, caption, pair); each dropped sample
+    is charged to the first rule that drops it (docs/FILTER.md)."""
+    from vlprep.filter import FilterConfig, filter_dataset, print_filter_report
+
+    cfg = FilterConfig(src=src, out=out, keys=keys, drop_keys=drop_keys, min_side=min_side, max_aspect=max_aspect,
+                       max_pixels=max_pixels, caption_words=caption_words, dedup=list(dedup or []),
+                       overwrite=overwrite, skip_bad_shards=skip_bad_shards)
+    run_stage(cfg, workers, distributor, filter_dataset, print_filter_report, out,
+              "report.json and dropped.parquet say what was dropped", empty="every sample was dropped")
+
+
 @app.command()
 def detect(
     src: Path = typer.Argument(..., help="Input shard dataset."),
@@ -367,6 +404,7 @@ def stats(
 # Dataset folders may be URLs (s3://, gs://, http(s)://; OUT s3:// or gs://, docs/SCALE.md); every other Path argument
 # refuses one in one line, never the folder ./s3:/...
 refuse_urls(app, {"shards": ("out",), "bow": ("src", "out"), "detect": ("src", "out"), "features": ("src", "out"),
+                  "filter": ("src", "out"),
                   "ontology": ("src", "out"), "embed": ("dataset", "out"), "pseudolabel": ("aligned", "unaligned", "out"),
                   "stats": ("dataset",)})
 

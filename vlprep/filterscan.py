@@ -1,0 +1,155 @@
+"""`vlprep filter`'s scan pass: each sample's cheap attributes, one table per input shard under OUT/_scan/.
+
+docs/FILTER.md is the contract. A worker reads one input shard and writes OUT/_scan/SHARD.parquet: per sample its
+key, the image's width and height from its header (PIL opens lazily: no decode), why it is a bad sample (no image,
+a header that does not open, pixels that do not decode), its caption's word count, and for each hash the scan was
+asked for a 64-bit hash (what the driver holds per sample) beside the full 256-bit one (what settles a collision).
+A table is complete when its parquet is there and holds the shard's fingerprint, so a stopped scan resumes.
+"""
+
+import hashlib
+import io
+import json
+import os
+import string
+import unicodedata
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from PIL import Image
+
+from vlprep.dataset import as_rgb, image_ext, iter_aligned, sidecar_name
+from vlprep.engine import Work
+from vlprep.output import Out, publish, pull
+from vlprep.text import words
+
+SCAN_DIR = "_scan"
+HASHES = ("image", "caption", "pair")  # what `--dedup` compares
+_ASCII_PUNCT = frozenset(string.punctuation)
+
+
+def normalise_caption(text: str) -> str:
+    """The caption `--dedup caption` compares: NFKC, casefolded, punctuation (Unicode P*) removed, spaces collapsed."""
+    s = unicodedata.normalize("NFKC", text).casefold()
+    s = "".join(" " if c in _ASCII_PUNCT or unicodedata.category(c)[0] == "P" else c for c in s)
+    return " ".join(s.split())
+
+
+def full_hash(data: bytes) -> bytes:
+    """The 256-bit blake2b that decides whether two samples are equal."""
+    return hashlib.blake2b(data, digest_size=32).digest()
+
+
+def short_hash(full: bytes) -> int:
+    """The 64-bit hash the driver holds per sample: the full hash's first 8 bytes, little-endian."""
+    return int.from_bytes(full[:8], "little")
+
+
+def pixel_hash(image: Image.Image) -> bytes:
+    """full_hash of 'WxH:' and the decoded RGB pixels (transparency on white, as every stage decodes)."""
+    rgb = as_rgb(image)
+    return full_hash(f"{rgb.width}x{rgb.height}:".encode() + rgb.tobytes())
+
+
+def caption_hash(text: str) -> bytes:
+    return full_hash(normalise_caption(text).encode())
+
+
+def pair_hash(image_full: bytes, caption_full: bytes) -> bytes:
+    return full_hash(image_full + caption_full)
+
+
+def image_attributes(data: bytes | None, pixels: bool) -> tuple[int, int, str | None, bytes | None]:
+    """(width, height, why it is bad or None, the pixel hash when `pixels`) of one image member."""
+    if data is None:
+        return -1, -1, "no_image", None
+    try:
+        im = Image.open(io.BytesIO(data))  # reads the header only
+        width, height = im.size
+    except Exception:  # any failure to open is a counted bad sample, never fatal
+        return -1, -1, "undecodable", None
+    if not pixels:
+        return width, height, None, None
+    try:
+        im.load()
+        return width, height, None, pixel_hash(im)
+    except Exception:
+        return width, height, "undecodable", None
+
+
+def scan_path(out: Out, shard: str) -> Path:
+    return out.root / SCAN_DIR / sidecar_name(shard)
+
+
+def scan_schema(hashes: tuple[str, ...]) -> pa.Schema:
+    fields = [("key", pa.string()), ("width", pa.int32()), ("height", pa.int32()), ("bad", pa.string()),
+              ("words", pa.int32())]
+    for name in hashes:
+        fields += [(f"{name}_h64", pa.uint64()), (f"{name}_full", pa.binary(32))]
+    return pa.schema(fields)
+
+
+def scan_shard(out: Out, src: Path, shard: str, hashes: tuple[str, ...], fp: str) -> dict:
+    """One input shard's attributes -> OUT/_scan/SHARD.parquet (its fingerprint in the schema metadata)."""
+    side = pq.ParquetFile(src / sidecar_name(shard)).read(columns=["key", "caption"])
+    keys = side.column("key").to_pylist()
+    captions = side.column("caption").to_pylist()
+    pixels = "image" in hashes or "pair" in hashes
+    cols: dict[str, list] = {f.name: [] for f in scan_schema(hashes)}
+    bad = Counter()
+    for i, raw in iter_aligned(src / shard, keys):
+        ext = image_ext(raw)
+        width, height, why, image_full = image_attributes(raw[ext] if ext else None, pixels)
+        if why is not None:
+            bad[why] += 1
+        caption = captions[i] or ""
+        caption_full = caption_hash(caption)
+        cols["key"].append(keys[i])
+        cols["width"].append(width)
+        cols["height"].append(height)
+        cols["bad"].append(why)
+        cols["words"].append(len(words(caption)))
+        found = {"image": image_full, "caption": caption_full,
+                 "pair": pair_hash(image_full, caption_full) if image_full else None}
+        for name in hashes:
+            full = found[name] or bytes(32)  # a bad sample's placeholder: the driver drops it before any dedup
+            cols[f"{name}_h64"].append(short_hash(full))
+            cols[f"{name}_full"].append(full)
+    stats = {"in": len(keys), "bad": dict(sorted(bad.items()))}
+    table = pa.table(cols, schema=scan_schema(hashes))
+    table = table.replace_schema_metadata({b"fingerprint": fp.encode(), b"stats": json.dumps(stats).encode()})
+    path = scan_path(out, shard)
+    tmp = path.with_name(path.name + ".tmp")
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
+    name = f"{SCAN_DIR}/{path.name}"
+    publish(out, [name], keep=[name])  # a URL OUT keeps its scan beside the shards, so a re-run resumes
+    return stats
+
+
+def scan_done(out: Out, work: Work) -> dict | None:
+    """The stored counts of a complete scan table built from the same fingerprint, else None."""
+    path = scan_path(out, work.shard)
+    if not pull(out, f"{SCAN_DIR}/{path.name}"):
+        return None
+    try:
+        meta = pq.read_schema(path).metadata or {}
+    except Exception:
+        return None  # unreadable: scan the shard again
+    if meta.get(b"fingerprint") != work.fingerprint.encode():
+        return None
+    return json.loads(meta[b"stats"])
+
+
+def read_scan(out: Out, shard: str, columns: list[str]) -> pa.Table:
+    """Some columns of a shard's scan table (made on another machine for a URL OUT: fetched first)."""
+    pull(out, f"{SCAN_DIR}/{sidecar_name(shard)}")
+    return pq.ParquetFile(scan_path(out, shard)).read(columns=columns)
+
+
+def h64_column(table: pa.Table, name: str) -> np.ndarray:
+    """A scan table's 64-bit hash column as a uint64 array."""
+    return table.column(f"{name}_h64").to_numpy().astype(np.uint64, copy=False)
