@@ -28,11 +28,12 @@ from vlprep.text import words
 
 SCAN_DIR = "_scan"
 HASHES = ("image", "caption", "pair")  # what `--dedup` compares
-_ASCII_PUNCT = frozenset(string.punctuation)
+_ASCII_PUNCT = frozenset(string.punctuation)  # symbols such as + = $ too: "a+b" is "a b"
 
 
 def normalise_caption(text: str) -> str:
-    """The caption `--dedup caption` compares: NFKC, casefolded, punctuation (Unicode P*) removed, spaces collapsed."""
+    """The caption `--dedup caption` compares: NFKC, casefolded, punctuation (Unicode P* and ASCII's
+    string.punctuation) replaced by spaces, whitespace collapsed."""
     s = unicodedata.normalize("NFKC", text).casefold()
     s = "".join(" " if c in _ASCII_PUNCT or unicodedata.category(c)[0] == "P" else c for c in s)
     return " ".join(s.split())
