@@ -404,9 +404,8 @@ def stats(
 # Dataset folders may be URLs (s3://, gs://, http(s)://; OUT s3:// or gs://, docs/SCALE.md); every other Path argument
 # refuses one in one line, never the folder ./s3:/...
 refuse_urls(app, {"shards": ("out",), "bow": ("src", "out"), "detect": ("src", "out"), "features": ("src", "out"),
-                  "filter": ("src", "out"),
                   "ontology": ("src", "out"), "embed": ("dataset", "out"), "pseudolabel": ("aligned", "unaligned", "out"),
-                  "stats": ("dataset",)})
+                  "stats": ("dataset",), "filter": ("src", "out")})
 
 
 def main() -> None:

@@ -238,6 +238,11 @@ def test_same_bytes_for_any_worker_count_and_resume(data):
     assert files(w2) == files(w1) and not list(w2.glob("*.tmp"))
     assert (w2 / "report.json").exists() and json.loads((w2 / "sizes.json").read_text()) == json.loads(
         (w1 / "sizes.json").read_text())
+    # other thresholds into the same OUT: refused without --overwrite; with it, the scan tables are reused
+    with pytest.raises(VlprepError, match="written with other options"):
+        run(data["ds"], w2, workers=2, dedup=["image", "caption"], min_side=30)
+    rep = run(data["ds"], w2, workers=2, dedup=["image", "caption"], min_side=30, overwrite=True)
+    assert rep["scan_resumed"] == 7 and rep["shards_resumed"] == 0
 
 
 def test_a_forced_64_bit_collision_still_gives_the_exact_result(data, monkeypatch):
