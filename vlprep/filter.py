@@ -258,8 +258,8 @@ def read_keys(path: Path, flag: str) -> tuple[frozenset[str], str]:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise VlprepError(f"{flag} {path}: not UTF-8 text (one key per line)") from None
-    return frozenset(line.strip() for line in text.splitlines() if line.strip()), hashlib.blake2b(
-        data, digest_size=16).hexdigest()
+    keys = frozenset(line.strip() for line in text.splitlines() if line.strip())
+    return keys, hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 def build_rules(cfg: FilterConfig) -> tuple[list, list, dict]:

@@ -302,6 +302,15 @@ def test_user_mistakes_are_one_line_errors(data, tmp_path, args, why):
     assert not out.exists()
 
 
+def test_the_cli_prints_the_table_and_its_help_gives_the_order(data, tmp_path):
+    r = cli(str(data["ds"]), str(tmp_path / "o"), "--dedup", "image", "--min-side", "10", "--workers", "1")
+    assert r.returncode == 0, r.stderr
+    assert "39 of 45 kept" in r.stderr and "dedup_image" in r.stderr and "min_side" in r.stderr
+    assert "wrote " in r.stderr
+    h = cli("--help")
+    assert h.returncode == 0 and "1 keys, 2 drop-keys" in " ".join(h.stdout.split())
+
+
 def test_out_that_is_the_input_is_refused(data):
     with pytest.raises(VlprepError, match="is the input"):
         run(data["ds"], data["ds"], dedup=["caption"])
