@@ -125,3 +125,15 @@ def test_each_actor_runs_the_initializer_once_and_errors_stay_one_line(local_ray
     with pytest.raises(VlprepError) as e:
         map_shards(Out(tmp_path), plan[:2], _fail, workers=2, distributor="ray")
     assert str(e.value) in ("shard 0 is bad", "shard 1 is bad")  # the worker's own error, not Ray's traceback
+
+
+def test_filter_on_ray_is_byte_identical_to_local(local_ray, source, tmp_path):
+    from vlprep.filter import FilterConfig, filter_dataset
+
+    raw = tmp_path / "raw"
+    build_shards(ShardsConfig(src=source, out=raw, samples_per_shard=4, workers=1))
+    rules = {"min_side": 18, "dedup": ["image", "caption", "pair"]}
+    local = filter_dataset(FilterConfig(src=raw, out=tmp_path / "f-local", workers=1, **rules))
+    on_ray = filter_dataset(FilterConfig(src=raw, out=tmp_path / "f-ray", workers=2, distributor="ray", **rules))
+    assert digests(tmp_path / "f-local") == digests(tmp_path / "f-ray")  # dropped.parquet among them
+    assert on_ray["dropped"] == local["dropped"] and 0 < on_ray["dropped"]["min_side"] < on_ray["samples_in"]
