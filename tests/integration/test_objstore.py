@@ -409,3 +409,19 @@ def test_two_stages_in_one_process_write_a_local_and_an_s3_out_at_once_as_each_a
     assert digests(s3_objects("two-s3")) == digests(s3_objects("alone-s3")) and len(digests(s3_objects("two-s3"))) == 14
     assert digests(local_files(tmp_path / "two-bow")) == digests(local_files(tmp_path / "alone-bow"))
     assert ".vlprep.lock" not in s3_objects("two-s3")
+
+
+def test_filter_from_and_to_s3_is_byte_identical_to_local_and_resumes(s3, source, tmp_path):
+    assert vlprep("shards", source, "s3://bkt/fraw/", "-n", "2", "--workers", "1").returncode == 0
+    assert vlprep("shards", source, tmp_path / "raw", "-n", "2", "--workers", "1").returncode == 0
+    rules = ["--dedup", "image,caption", "--max-aspect", "1", "--workers", "2"]
+    r = vlprep("filter", "s3://bkt/fraw/", "s3://bkt/filtered/", *rules)
+    assert r.returncode == 0 and "wrote s3://bkt/filtered/" in r.stderr, r.stderr
+    assert vlprep("filter", tmp_path / "raw", tmp_path / "filtered", *rules).returncode == 0
+    remote = s3_objects("filtered")
+    assert digests(remote) == digests(local_files(tmp_path / "filtered")) and "report.json" in remote
+    assert "dropped.parquet" in remote and not any(n.endswith(".tmp") for n in remote)
+    r = vlprep("filter", "s3://bkt/fraw/", "s3://bkt/filtered/", *rules)  # a re-run resumes from the bucket
+    assert r.returncode == 0, r.stderr
+    report = json.loads(s3_objects("filtered")["report.json"])
+    assert report["scan_resumed"] == report["shards_resumed"] == 6
