@@ -28,7 +28,6 @@ from vlprep.userfile import read_user_file
 
 MAX_KEYS_BYTES = 1 << 30  # a keys file is held as a set in the driver
 EXAMPLES = 5
-RULE_ORDER = "keys, drop_keys, bad_image, min_side, max_aspect, max_pixels, caption_words, dedup image, caption, pair"
 
 
 # --- sample rules: a shard's samples judged one by one -----------------------------------------------------------
@@ -146,7 +145,7 @@ class Dedup:
         del alive
         if not suspect.size:
             return
-        first: dict[bytes, str] = {}  # full hash -> the key kept, for the suspect samples only
+        first: dict[bytes, tuple[int, int, str]] = {}  # full hash -> (shard index, row, key) kept: suspects only
         for i, shard in enumerate(d.shards):
             rows = np.nonzero((d.codes[i] == 0) & np.isin(hashes[i], suspect))[0]
             if not rows.size:
@@ -155,10 +154,10 @@ class Dedup:
             keys = table.column(0).to_pylist()
             fulls = table.column(1).to_pylist()
             for r in rows.tolist():
-                kept = first.setdefault(fulls[r], keys[r])
-                if kept != keys[r]:
+                kept = first.setdefault(fulls[r], (i, r, keys[r]))
+                if kept[:2] != (i, r):
                     d.codes[i][r] = code
-                    d.details[(i, r)] = f"duplicate of {kept}"
+                    d.details[(i, r)] = f"duplicate of {kept[2]}"
 
 
 # --- the decision --------------------------------------------------------------------------------------------------
