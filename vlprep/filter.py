@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 from vlprep import VlprepError
 from vlprep.dataset import carried_features, iter_aligned, sidecar_name
 from vlprep.engine import Work, check_engine, default_workers, map_shards
+from vlprep.filterembed import build_embed_rules, embed_report, exclude_signatures, vectors_identity
 from vlprep.filterscan import HASHES, SCAN_DIR, h64_column, read_scan, scan_done, scan_shard
 from vlprep.output import Out, finish_dataset, open_derived, write_json_atomic, write_shard, writing_output
 from vlprep.urls import redact
@@ -136,6 +137,7 @@ class Dedup:
     def __init__(self, kind: str):
         self.kind = kind
         self.name = f"dedup_{kind}"
+        self.scan = (kind,)
 
     def run(self, d: "Decision", code: int) -> None:
         hashes = d.h64.pop(self.kind)
@@ -166,15 +168,17 @@ class Dedup:
 class Decision:
     """The driver's step (b): fed each shard's scan in order (map_shards' fold), then the dataset rules."""
 
-    def __init__(self, out: Out, sample_rules: list, dataset_rules: list):
+    def __init__(self, out: Out, sample_rules: list, dataset_rules: list, progress=None):
         self.out = out
+        self.progress = progress
         self.rules = sample_rules + dataset_rules
         self.sample_rules = sample_rules
         self.dataset_rules = dataset_rules
         self.shards: list[str] = []
         self.codes: list[np.ndarray] = []  # per shard (n,) uint8: 0 kept, else 1 + the dropping rule's index
-        self.h64: dict[str, list[np.ndarray]] = {r.kind: [] for r in dataset_rules}
-        self.details: dict[tuple[int, int], str] = {}  # (shard index, row) -> a dataset rule's detail
+        self.h64: dict[str, list[np.ndarray]] = {r.kind: [] for r in dataset_rules if isinstance(r, Dedup)}
+        self.details: dict[tuple[int, int], str | dict] = {}  # (shard index, row) -> a dataset rule's detail
+        self.scores: list[np.ndarray] | None = None  # per shard (n,) float32 clip scores, when a clip rule ran
 
     def add(self, shard: str, stats: dict) -> dict:
         columns = ["key", "bad", "width", "height", "words"] + [f"{k}_h64" for k in self.h64]
@@ -203,7 +207,8 @@ class Decision:
         for r in rows.tolist():
             rule = self.rules[self.codes[i][r] - 1]
             detail = self.details.get((i, r)) or rule.detail(a, r)
-            out.append({"key": a.keys[r], "shard": self.shards[i], "rule": rule.name, "detail": detail})
+            row = detail if isinstance(detail, dict) else {"detail": detail}
+            out.append({"key": a.keys[r], "shard": self.shards[i], "rule": rule.name, **row})
         return out
 
 
@@ -221,6 +226,12 @@ class FilterConfig:
     max_pixels: int | None = None    # drop images of more pixels than this
     caption_words: str | None = None  # MIN:MAX words (either may be left empty)
     dedup: list[str] = field(default_factory=list)  # image, caption, pair (repeatable, comma-separated)
+    near_dup: float | None = None     # drop a sample within this cosine of an earlier kept one
+    embeddings: Path | None = None    # `vlprep embed` output (image) over SRC
+    text_embeddings: Path | None = None  # `vlprep embed --modality text` output over SRC (the CLIP score)
+    exclude: list = field(default_factory=list)  # eval datasets whose images no training sample may repeat
+    clip_score_min: float | None = None  # drop pairs whose image-caption cosine is below this
+    clip_score_top: float | None = None  # keep this fraction of the samples still kept, by clip score
     workers: int = field(default_factory=default_workers)
     distributor: str = "local"
     overwrite: bool = False
@@ -261,7 +272,7 @@ def read_keys(path: Path, flag: str) -> tuple[frozenset[str], str]:
     return keys, hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
-def build_rules(cfg: FilterConfig) -> tuple[list, list, dict]:
+def build_rules(cfg: FilterConfig, encoder=None) -> tuple[list, list, dict]:
     """(sample rules, dataset rules, the options meta.json records), in the fixed order; one-line errors."""
     sample = []
     options = {}
@@ -283,10 +294,13 @@ def build_rules(cfg: FilterConfig) -> tuple[list, list, dict]:
     sample += [BadImage()] + [r for r in image_rules if r is not None]
     if words is not None:
         sample.append(CaptionWords(*words))
-    dataset = [Dedup(k) for k in kinds]
+    embed_rules, embed_options = build_embed_rules(cfg, encoder)
+    dataset = [Dedup(k) for k in kinds] + embed_rules
     if len(sample) == 1 and not dataset:
         raise VlprepError("no rule given: give at least one of --keys, --drop-keys, --min-side, --max-aspect, "
-                          "--max-pixels, --caption-words, --dedup (`vlprep filter --help`)")
+                          "--max-pixels, --caption-words, --dedup, --near-dup, --exclude, --clip-score-min, "
+                          "--clip-score-top (`vlprep filter --help`)")
+    options.update(embed_options)
     options.update({"min_side": cfg.min_side, "max_aspect": cfg.max_aspect, "max_pixels": cfg.max_pixels,
                     "caption_words": None if words is None else list(words), "dedup": kinds,
                     "order": [r.name for r in sample + dataset]})
@@ -300,31 +314,38 @@ def input_signature(ds) -> tuple[dict[str, str], str]:
     return fps, whole
 
 
-def copy_shard(out: Out, src: Path, shard: str, keep: bytes, n: int, fp: str) -> dict:
-    """Step (c) for one shard: the kept samples' members copied unchanged, with their sidecar rows."""
+def copy_shard(out: Out, src: Path, shard: str, keep: bytes, n: int, scores: bytes | None, fp: str) -> dict:
+    """Step (c) for one shard: the kept samples' members copied unchanged, with their sidecar rows (and their
+    `clip_score`, when scored)."""
     kept = np.unpackbits(np.frombuffer(keep, np.uint8), count=n).astype(bool)
     side = pq.ParquetFile(src / sidecar_name(shard)).read().replace_schema_metadata(None)
     keys = side.column("key").to_pylist()
     samples = (raw for i, raw in iter_aligned(src / shard, keys) if kept[i])
     rows = side.take(pa.array(np.nonzero(kept)[0], pa.int64()))
+    if scores is not None:
+        if "clip_score" in rows.column_names:  # a filtered dataset filtered again: the new score replaces it
+            rows = rows.drop_columns(["clip_score"])
+        rows = rows.append_column("clip_score", pa.array(np.frombuffer(scores, np.float32)[kept], pa.float32()))
     stats = {"in": n, "written": int(kept.sum()), "fingerprint": fp}
     write_shard(out, shard, samples, rows, stats=stats)
     return stats
 
 
-def filter_dataset(cfg: FilterConfig, progress=None) -> dict:
-    """Run the stage; returns the report (also OUT/report.json)."""
-    sample_rules, dataset_rules, options = build_rules(cfg)
+def filter_dataset(cfg: FilterConfig, encoder=None, progress=None) -> dict:
+    """Run the stage (the encoder object embeds for the embedding rules); returns the report (also OUT/report.json)."""
+    sample_rules, dataset_rules, options = build_rules(cfg, encoder)
     check_engine(cfg.distributor, cfg.workers)
     t0 = time.perf_counter()
     ds, out = open_derived(cfg.src, cfg.out, cfg.skip_bad_shards)
     fps, signature = input_signature(ds)
     options["src"] = ds.location
+    if cfg.exclude:
+        options["exclude_signatures"] = exclude_signatures(cfg.exclude)
     with writing_output(out, "filter", options, cfg.overwrite) as out:
         (out.root / SCAN_DIR).mkdir(exist_ok=True)
-        hashes = tuple(r.kind for r in dataset_rules)
+        hashes = tuple(k for k in HASHES if any(k in r.scan for r in dataset_rules))
         scan_plan = [Work(s, (ds.source, s, hashes), f"{fps[s]}:{','.join(hashes)}", ds.sizes[s]) for s in ds.shards]
-        decision = Decision(out, sample_rules, dataset_rules)
+        decision = Decision(out, sample_rules, dataset_rules, progress)
         scanned, scan_resumed = map_shards(out, scan_plan, scan_shard, workers=cfg.workers,
                                            distributor=cfg.distributor, progress=progress, label="filter scan",
                                            total=ds.num_samples, done=scan_done, fold=decision.add)
@@ -332,8 +353,9 @@ def filter_dataset(cfg: FilterConfig, progress=None) -> dict:
         plan = []
         for i, shard in enumerate(ds.shards):
             keep = np.packbits(decision.codes[i] == 0).tobytes()
-            fp = hashlib.blake2b(f"{fps[shard]}:".encode() + keep, digest_size=16).hexdigest()
-            plan.append(Work(shard, (ds.source, shard, keep, len(decision.codes[i])), fp, ds.sizes[shard]))
+            scores = decision.scores[i].tobytes() if decision.scores is not None else None
+            fp = hashlib.blake2b(f"{fps[shard]}:".encode() + keep + (scores or b""), digest_size=16).hexdigest()
+            plan.append(Work(shard, (ds.source, shard, keep, len(decision.codes[i]), scores), fp, ds.sizes[shard]))
         stats, resumed = map_shards(out, plan, copy_shard, workers=cfg.workers, distributor=cfg.distributor,
                                     progress=progress, label="filter write", total=ds.num_samples)
         dropped, examples = write_dropped(out, decision)
@@ -341,8 +363,10 @@ def filter_dataset(cfg: FilterConfig, progress=None) -> dict:
         n_in = ds.num_samples
         kept = sum(sizes.values())
         counts = {"in": n_in, "kept": kept, "dropped": n_in - kept}
+        vectors = vectors_identity(dataset_rules)
         finish_dataset(out, sizes, {"stage": "filter", "input": redact(str(cfg.src)), "input_signature": signature,
-                                    "options": options, "counts": counts, **carried_features(ds)})
+                                    "options": options, "counts": counts, **({"vectors": vectors} if vectors else {}),
+                                    **carried_features(ds)})
         report = {"stage": "filter", "source": redact(str(cfg.src)), "input_signature": signature,
                   "rules": options, "samples_in": n_in, "written": kept, "kept": kept,
                   "dropped": dropped, "examples": examples,
@@ -350,6 +374,7 @@ def filter_dataset(cfg: FilterConfig, progress=None) -> dict:
                   "shards": len(ds.shards), "shards_resumed": len(resumed), "scan_resumed": len(scan_resumed),
                   "bad_shards": ds.bad, "elapsed_s": round(time.perf_counter() - t0, 3),
                   "outputs": ["report.json", "dropped.parquet"]}
+        embed_report(report, out, ds, dataset_rules)
         write_json_atomic(out.root / "report.json", report)
     return report
 
@@ -363,7 +388,8 @@ def _bad_counts(scanned: dict) -> dict[str, int]:
 
 
 DROPPED_SCHEMA = pa.schema([("key", pa.string()), ("shard", pa.string()), ("rule", pa.string()),
-                            ("detail", pa.string())])
+                            ("detail", pa.string()), ("match_dataset", pa.string()), ("match_key", pa.string()),
+                            ("cosine", pa.float32())])
 
 
 def write_dropped(out: Out, d: Decision) -> tuple[dict[str, int], dict[str, list[str]]]:
