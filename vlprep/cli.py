@@ -227,7 +227,8 @@ def filter_(
     """Keep the samples that pass every rule, copied unchanged. Rules run in a fixed order (1 keys, 2 drop-keys,
     3 bad images (always), 4-6 image size, 7 caption words, 8-10 dedup image, caption, pair, 11 near-dup,
     12 exclude, 13 clip score); each dropped sample is charged to the first rule that drops it (docs/FILTER.md)."""
-    from vlprep.filter import FilterConfig, filter_dataset, print_filter_report
+    from vlprep.filter import FilterConfig, filter_dataset
+    from vlprep.filterreport import print_filter_report
 
     cfg = FilterConfig(src=src, out=out, keys=keys, drop_keys=drop_keys, min_side=min_side, max_aspect=max_aspect,
                        max_pixels=max_pixels, caption_words=caption_words, dedup=list(dedup or []),

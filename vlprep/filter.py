@@ -21,7 +21,8 @@ import pyarrow.parquet as pq
 from vlprep import VlprepError
 from vlprep.dataset import carried_features, iter_aligned, sidecar_name
 from vlprep.engine import Work, check_engine, default_workers, map_shards
-from vlprep.filterembed import build_embed_rules, embed_report, exclude_signatures, vectors_identity
+from vlprep.filterembed import build_embed_rules, exclude_signatures, vectors_identity
+from vlprep.filterreport import embed_report
 from vlprep.filterscan import HASHES, SCAN_DIR, h64_column, read_scan, scan_done, scan_shard
 from vlprep.output import Out, finish_dataset, open_derived, write_json_atomic, write_shard, writing_output
 from vlprep.urls import redact
@@ -409,19 +410,3 @@ def write_dropped(out: Out, d: Decision) -> tuple[dict[str, int], dict[str, list
                 w.write_table(pa.Table.from_pylist(rows, schema=DROPPED_SCHEMA))
     tmp.replace(path)
     return dropped, examples
-
-
-def print_filter_report(r: dict, console) -> None:
-    """The terminal table: kept, then dropped per rule in the fixed order with example keys."""
-    from rich.table import Table
-
-    t = Table(title=f"vlprep filter: {r['kept']:,} of {r['samples_in']:,} kept", show_header=True)
-    t.add_column("rule")
-    t.add_column("dropped", justify="right")
-    t.add_column("examples", overflow="fold")
-    for name, n in r["dropped"].items():
-        t.add_row(name, f"{n:,}", ", ".join(r["examples"][name]))
-    t.add_row("kept", f"{r['kept']:,}", "")
-    console.print(t)
-    extra = f", {r['shards_resumed']} shard(s) resumed" if r["shards_resumed"] else ""
-    console.print(f"{r['elapsed_s']:.1f}s{extra}; every dropped key: dropped.parquet", highlight=False)

@@ -370,7 +370,8 @@ def test_a_real_checkpoint_through_the_cli_equals_vlprep_embed(world, tmp_path):
     r = cli("filter", world["aligned"], tmp_path / "o", "--near-dup", t, "--checkpoint", world["ckpt"],
             "--device", "cpu", "--clip-score-top", "0.5", "--workers", "1")
     assert r.returncode == 0, r.stderr
-    assert (tmp_path / "o" / "_embed" / "image" / "embeddings.npy").read_bytes() == (tmp_path / "i" / "embeddings.npy").read_bytes()
+    made = tmp_path / "o" / "_embed" / "image" / "embeddings.npy"
+    assert made.read_bytes() == (tmp_path / "i" / "embeddings.npy").read_bytes()
     margin = (upper[gap + 1] - upper[gap]) / 2
     assert margin > 4 * 16 * 2 ** -24  # above the float32 rounding of a 16-term inner product of unit vectors
     rows = dropped(tmp_path / "o")

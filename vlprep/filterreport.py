@@ -1,0 +1,117 @@
+"""`vlprep filter`'s terminal table, the embedding rules' part of report.json, and its figures."""
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from vlprep.dataset import image_ext
+from vlprep.filterembed import ClipScore, Exclude, NearDup
+
+def embed_report(report: dict, out, ds, rules: list) -> None:
+    """The embedding rules' part of the report, and OUT/clip_score.png, near_dup.png, clip_score_low.png."""
+    for rule in rules:
+        if isinstance(rule, NearDup):
+            report["near_dup"] = {"threshold": rule.threshold,
+                                  "pairs": [{"key": a, "kept": b, "cosine": c} for a, b, c in rule.pairs]}
+            if rule.pairs:
+                cells = [cell for a, b, c in rule.pairs[:12] for cell in ((a, f"dropped, {c:.3f}"), (b, "kept"))]
+                report["outputs"].append(image_grid(out.root / "near_dup.png", ds, cells,
+                                                    f"near duplicates (cosine >= {rule.threshold:g}): dropped, kept"))
+        elif isinstance(rule, Exclude):
+            report["exclude"] = {"eval_sets": rule.evals, "pairs": rule.pairs}
+        elif isinstance(rule, ClipScore):
+            report["clip_score"] = {"min": rule.least, "top": rule.top, "threshold": rule.threshold,
+                                    "histogram": {"range": [-1.0, 1.0], "bins": 40, "counts": rule.histogram},
+                                    "lowest": [{"key": k, "clip_score": s} for k, s in rule.lowest]}
+            report["outputs"].append(histogram_png(out.root / "clip_score.png", rule))
+            if rule.lowest:
+                cells = [(k, f"{s:.3f}") for k, s in rule.lowest]
+                report["outputs"].append(image_grid(out.root / "clip_score_low.png", ds, cells,
+                                                    "lowest clip scores (score, caption)", captions=True))
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def histogram_png(path: Path, rule: ClipScore) -> str:
+    """The scored samples' clip scores, with the threshold drawn."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    edges = np.linspace(-1, 1, 41)
+    ax.bar(edges[:-1], rule.histogram, width=edges[1] - edges[0], align="edge", color="tab:blue")
+    if rule.threshold is not None:
+        ax.axvline(rule.threshold, color="tab:red", label=f"threshold {rule.threshold:.4f}")
+        ax.legend()
+    ax.set(title="clip score (image-caption cosine) of the samples scored", xlabel="clip score", ylabel="samples")
+    fig.savefig(path, dpi=72)
+    plt.close(fig)
+    return path.name
+
+
+def image_grid(path: Path, ds, cells: list[tuple[str, str]], title: str, captions: bool = False) -> str:
+    """A grid of the given keys' images (read from the shards that hold them), each with its label."""
+    import textwrap
+
+    from vlprep.dataset import decode_rgb, iter_tar
+
+    plt = _pyplot()
+    wanted = {k for k, _ in cells}
+    images = {}
+    texts = {}
+    for shard in ds.shards:
+        side = pq.read_table(ds.sidecar(shard), columns=["key", "caption"])
+        here = wanted & set(side.column(0).to_pylist())
+        if not here:
+            continue
+        texts.update((k, c) for k, c in zip(side.column(0).to_pylist(), side.column(1).to_pylist()) if k in here)
+        for raw in iter_tar(ds.tar(shard)):
+            if raw["__key__"] in here and image_ext(raw):
+                im = decode_rgb(raw[image_ext(raw)])
+                im.thumbnail((160, 160))
+                images[raw["__key__"]] = im
+    cols = 6
+    rows = max(1, -(-len(cells) // cols))
+    fig, axes = plt.subplots(rows, cols, figsize=(cols * 2.3, rows * 2.9), squeeze=False)
+    fig.subplots_adjust(left=0.01, right=0.99, bottom=0.03, top=0.92, wspace=0.12, hspace=0.5)
+    for ax in axes.ravel():
+        ax.axis("off")
+    for ax, (key, label) in zip(axes.ravel(), cells):
+        if key in images:
+            ax.imshow(images[key])
+        lines = [f"{key}: {label}"] + (textwrap.wrap(texts.get(key) or "", 26)[:2] if captions else [])
+        ax.text(0.5, -0.03, "\n".join(lines), transform=ax.transAxes, ha="center", va="top", fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.savefig(path, dpi=72)
+    plt.close(fig)
+    return path.name
+
+
+def print_filter_report(r: dict, console) -> None:
+    """The terminal table: kept, then dropped per rule in the fixed order with example keys."""
+    from rich.table import Table
+
+    t = Table(title=f"vlprep filter: {r['kept']:,} of {r['samples_in']:,} kept", show_header=True)
+    t.add_column("rule")
+    t.add_column("dropped", justify="right")
+    t.add_column("examples", overflow="fold")
+    for name, n in r["dropped"].items():
+        t.add_row(name, f"{n:,}", ", ".join(r["examples"][name]))
+    t.add_row("kept", f"{r['kept']:,}", "")
+    console.print(t)
+    if "clip_score" in r:
+        c = r["clip_score"]
+        cut = "none" if c["threshold"] is None else f"{c['threshold']:.4f}"
+        console.print(f"clip score: threshold {cut}; histogram clip_score.png, lowest pairs clip_score_low.png",
+                      highlight=False)
+    if r.get("exclude", {}).get("pairs"):
+        console.print(f"exclude: {len(r['exclude']['pairs'])} pair(s) with the eval sets in report.json",
+                      highlight=False)
+    extra = f", {r['shards_resumed']} shard(s) resumed" if r["shards_resumed"] else ""
+    console.print(f"{r['elapsed_s']:.1f}s{extra}; every dropped key: dropped.parquet", highlight=False)

@@ -1,0 +1,202 @@
+"""`vlprep filter`'s vectors: `vlprep embed` outputs looked up by key, and the greedy near-duplicate search.
+
+docs/FILTER.md is the contract. Vectors come from `vlprep embed` outputs (embeddings.npy, memory-mapped, and
+keys.parquet), given or made under OUT/_embed/ with an encoder object. Per sample the driver holds a 64-bit hash of
+each vector's key and its sort order, the row a sample's vector is in (8 bytes each) and a byte of state; the
+vectors themselves are in the memory map and in FAISS' index (CPU: FAISS' GPU indexes have no range search).
+"""
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from vlprep import VlprepError
+from vlprep.filterscan import read_scan
+
+QUERY_BATCH = 4096  # range-search queries per FAISS call: bounds the result buffers, whatever N is
+KEY_CHUNK = 4096  # keys hashed at a time: the Python strings of one chunk at most
+EMBED_DIR = "_embed"
+
+
+def key_hashes(keys: pa.Array) -> np.ndarray:
+    """blake2b-64 of each key (uint64), computed a chunk at a time."""
+    out = np.empty(len(keys), np.uint64)
+    for s in range(0, len(keys), KEY_CHUNK):
+        part = keys.slice(s, KEY_CHUNK).to_pylist()
+        out[s:s + len(part)] = [int.from_bytes(hashlib.blake2b(k.encode(), digest_size=8).digest(), "little")
+                                for k in part]
+    return out
+
+
+class Vectors:
+    """A `vlprep embed` output opened for lookups: keys (Arrow), rows memory-mapped, key hashes sorted."""
+
+    def __init__(self, folder: Path, flag: str):
+        folder = Path(folder)
+        if not (folder / "embeddings.npy").is_file() or not (folder / "keys.parquet").is_file():
+            raise VlprepError(f"{flag} {folder}: not a `vlprep embed` output (needs embeddings.npy and keys.parquet)")
+        self.flag = f"{flag} {folder}"
+        self.keys = pq.read_table(folder / "keys.parquet", columns=["key"]).column(0).combine_chunks()
+        self.x = np.load(folder / "embeddings.npy", mmap_mode="r")
+        if self.x.ndim != 2 or len(self.x) != len(self.keys):
+            raise VlprepError(f"{self.flag}: embeddings.npy has shape {self.x.shape}, keys.parquet "
+                              f"{len(self.keys)} rows")
+        hashes = key_hashes(self.keys)
+        self.order = np.argsort(hashes, kind="stable")
+        hashes.sort()  # in place: equal hashes are equal values, so this is hashes[order] without a second array
+        self.sorted = hashes
+        meta = folder / "meta.json"
+        info = json.loads(meta.read_text()) if meta.is_file() else {}
+        self.identity = {"folder": str(folder), "rows": len(self.keys), "dim": int(self.x.shape[1]),
+                         "keys_blake2b": hashlib.blake2b((folder / "keys.parquet").read_bytes(),
+                                                         digest_size=16).hexdigest(),
+                         "encoder": info.get("encoder"), "modality": (info.get("options") or {}).get("modality")}
+
+    def rows(self, keys: pa.Array) -> np.ndarray:
+        """Each key's row (the first if repeated), -1 where it has none; a 64-bit hash match is checked exactly."""
+        if not len(self.sorted):
+            return np.full(len(keys), -1, np.int64)
+        h = key_hashes(keys)
+        pos = np.minimum(np.searchsorted(self.sorted, h), len(self.sorted) - 1)
+        rows = np.where(self.sorted[pos] == h, self.order[pos], -1).astype(np.int64)
+        found = np.flatnonzero(rows >= 0)
+        if found.size:
+            same = pc.equal(self.keys.take(pa.array(rows[found])), keys.take(pa.array(found))).to_numpy(False)
+            rows[found[~same]] = -1
+        return rows
+
+    def gather(self, rows: np.ndarray) -> np.ndarray:
+        """Rows as contiguous float32, L2-normalised (a no-op up to rounding for vlprep embed's own output)."""
+        x = np.asarray(self.x[rows], dtype=np.float32)
+        norm = np.linalg.norm(x, axis=1, keepdims=True)
+        return np.ascontiguousarray(x / np.maximum(norm, np.float32(1e-12)))
+
+
+class Source:
+    """Where a modality's vectors come from: a given folder, or made under OUT/_embed/ by the encoder (once)."""
+
+    def __init__(self, modality: str, folder: Path | None, encoder, src, workers: int):
+        self.modality = modality
+        self.folder = folder
+        self.encoder = encoder
+        self.src = src
+        self.workers = workers
+        self.vectors: Vectors | None = None
+
+    def open(self, out, progress=None) -> Vectors:
+        if self.vectors is None:
+            folder = self.folder
+            flag = "--embeddings" if self.modality == "image" else "--text-embeddings"
+            if folder is None:
+                folder = embed_under(out, self.src, self.encoder, self.modality, self.modality, self.workers, progress)
+                flag = "--checkpoint"
+            self.vectors = Vectors(folder, flag)
+        return self.vectors
+
+    def identity(self) -> dict:
+        if self.folder is not None:
+            return {"embeddings": str(self.folder)}
+        return {"checkpoint": self.encoder.name, "fingerprint": self.encoder.fingerprint}
+
+
+def embed_under(out, src, encoder, modality: str, name: str, workers: int, progress=None) -> Path:
+    """`vlprep embed` of SRC into OUT/_embed/NAME with the encoder (a re-run resumes there: nothing encoded twice)."""
+    from vlprep.embed import EmbedConfig, embed
+
+    if out.url is not None:
+        raise VlprepError("--checkpoint embeds into OUT/_embed/, which needs a local OUT; run `vlprep embed` and "
+                          "give --embeddings (and --text-embeddings) instead")
+    folder = out.root / EMBED_DIR / name
+    folder.parent.mkdir(exist_ok=True)
+    embed(EmbedConfig(src=src, out=folder, modality=modality, workers=workers), encoder, progress=progress)
+    return folder
+
+
+class Alive:
+    """The samples the earlier rules kept, in dataset order: their vector rows (8 bytes each) and per-shard counts."""
+
+    def __init__(self, d, vec: Vectors):
+        self.counts = []
+        parts = []
+        for i, shard in enumerate(d.shards):
+            mask = d.codes[i] == 0
+            self.counts.append(int(mask.sum()))
+            if not mask.any():
+                continue
+            keys = read_scan(d.out, shard, ["key"]).column(0).combine_chunks().filter(pa.array(mask))
+            rows = vec.rows(keys)
+            missing = np.flatnonzero(rows < 0)
+            if missing.size:
+                raise VlprepError(f"{vec.flag}: no embedding for key {keys[int(missing[0])].as_py()!r} of shard "
+                                  f"{shard} (the embeddings must come from `vlprep embed` over SRC)")
+            parts.append(rows)
+        self.rows = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
+
+    def place(self, d, positions: np.ndarray):
+        """(shard index, row) of each alive position, in order of the positions given."""
+        for i in range(len(d.shards)):
+            here = positions[(positions >= self.starts[i]) & (positions < self.starts[i + 1])]
+            if here.size:
+                local = np.flatnonzero(d.codes[i] == 0)
+                yield from ((i, int(r)) for r in local[here - self.starts[i]])
+
+
+def radius(threshold: float) -> float:
+    # FAISS keeps inner products above the radius; one float32 step lower, then `>= threshold` decides exactly
+    return float(np.nextafter(np.float32(threshold), np.float32(-np.inf)))
+
+
+def index_over(vec: Vectors, rows: np.ndarray, kind: str):
+    """A CPU inner-product index over the given rows (flat or IVF as vlprep.knn chooses), added a batch at a time."""
+    from vlprep.knn import DEFAULT_NPROBE, IndexBuilder, set_nprobe
+
+    builder = IndexBuilder(kind, len(rows), vec.x.shape[1])
+    for s in range(0, len(rows), QUERY_BATCH):
+        builder.add(vec.gather(rows[s:s + QUERY_BATCH]))
+    index = builder.finish()
+    set_nprobe(index, DEFAULT_NPROBE)
+    return index
+
+
+def near_dup_greedy(vec: Vectors, rows: np.ndarray, threshold: float, kind: str = "auto"):
+    """The greedy rule over positions 0..n-1 (rows[j] is position j's vector): j is dropped when an earlier KEPT
+    position i < j has cosine >= threshold. Returns (dropped positions, the most similar such i, its cosine)."""
+    n = len(rows)
+    if n == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float32)
+    index = index_over(vec, rows, kind)
+    keep = np.ones(n, bool)
+    t = np.float32(threshold)
+    found = ([], [], [])
+    for s in range(0, n, QUERY_BATCH):
+        q = vec.gather(rows[s:s + QUERY_BATCH])
+        lims, dist, ids = index.range_search(q, radius(threshold))
+        owner = s + np.repeat(np.arange(len(q)), np.diff(lims).astype(np.int64))
+        hit = (ids < owner) & (dist >= t)
+        owner = owner[hit]
+        ids = ids[hit]
+        dist = dist[hit]
+        if not owner.size:
+            continue
+        order = np.lexsort((ids, owner))  # a query's earlier neighbours in position order
+        owner = owner[order]
+        ids = ids[order]
+        dist = dist[order]
+        starts = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1]])
+        ends = np.r_[starts[1:], owner.size]
+        for a, b in zip(starts.tolist(), ends.tolist()):  # in position order: a drop here decides later queries
+            kept = keep[ids[a:b]]
+            if kept.any():
+                j = int(owner[a])
+                keep[j] = False
+                best = a + int(np.argmax(np.where(kept, dist[a:b], -np.inf)))  # first of the highest: earliest
+                found[0].append(j)
+                found[1].append(int(ids[best]))
+                found[2].append(float(dist[best]))
+    return (np.array(found[0], np.int64), np.array(found[1], np.int64), np.array(found[2], np.float32))
