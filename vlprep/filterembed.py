@@ -5,6 +5,7 @@ exact dedups on the samples still kept, in this order: `NearDup`, `Exclude`, `Cl
 vlprep.filtervec (a `vlprep embed` output given, or made under OUT/_embed/ with the encoder object).
 """
 
+import hashlib
 import math
 from fractions import Fraction
 from pathlib import Path
@@ -100,7 +101,8 @@ class Exclude:
         alive = Alive(d, vec)
         t = np.float32(self.threshold)
         for e, path in enumerate(self.evals):
-            ev = Vectors(embed_under(d.out, path, self.encoder, "image", f"exclude{e}", self.workers, d.progress),
+            name = "exclude-" + hashlib.blake2b(str(path).encode(), digest_size=6).hexdigest()  # by path, not place
+            ev = Vectors(embed_under(d.out, path, self.encoder, "image", name, self.workers, d.progress),
                          f"--exclude {path}")
             index = index_over(ev, np.arange(len(ev.keys)), "auto")
             hits = []

@@ -113,7 +113,9 @@ def embed_under(out, src, encoder, modality: str, name: str, workers: int, progr
                           "give --embeddings (and --text-embeddings) instead")
     folder = out.root / EMBED_DIR / name
     folder.parent.mkdir(exist_ok=True)
-    embed(EmbedConfig(src=src, out=folder, modality=modality, workers=workers), encoder, progress=progress)
+    # overwrite: the folder is this stage's cache; other options (another encoder) replace it, equal ones resume
+    embed(EmbedConfig(src=src, out=folder, modality=modality, workers=workers, overwrite=True), encoder,
+          progress=progress)
     return folder
 
 

@@ -251,6 +251,9 @@ def test_exclude_drops_every_planted_overlap_and_names_the_pairs(evals):
     assert (out / "_embed" / "image" / "embeddings.npy").exists()  # the encoder's vectors, kept for a re-run
     exact_only = run(evals["ds"], evals["tmp"] / "x", exclude=[evals["eval"]])
     assert {keys.index(p["key"]) for p in exact_only["exclude"]["pairs"]} == {11, 12}
+    again = run(evals["ds"], out, evals["enc"], near_dup=T, exclude=[evals["eval2"], evals["eval"]], overwrite=True)
+    assert {(p["key"], p["eval_key"]) for p in again["exclude"]["pairs"]} == {(p["key"], p["eval_key"])
+                                                                              for p in rep["exclude"]["pairs"]}
     meta = json.loads((out / "meta.json").read_text())
     assert set(meta["options"]["exclude_signatures"]) == {str(evals["eval"]), str(evals["eval2"])}
     assert meta["options"]["image_vectors"] == {"checkpoint": "fake", "fingerprint": "fake:1"}
@@ -370,6 +373,7 @@ def test_a_real_checkpoint_through_the_cli_equals_vlprep_embed(world, tmp_path):
     r = cli("filter", world["aligned"], tmp_path / "o", "--near-dup", t, "--checkpoint", world["ckpt"],
             "--device", "cpu", "--clip-score-top", "0.5", "--workers", "1")
     assert r.returncode == 0, r.stderr
+    assert "near_dup" in r.stderr and "clip_score" in r.stderr and "clip score: threshold" in r.stderr
     made = tmp_path / "o" / "_embed" / "image" / "embeddings.npy"
     assert made.read_bytes() == (tmp_path / "i" / "embeddings.npy").read_bytes()
     margin = (upper[gap + 1] - upper[gap]) / 2
