@@ -169,8 +169,9 @@ class Dedup:
 class Decision:
     """The driver's step (b): fed each shard's scan in order (map_shards' fold), then the dataset rules."""
 
-    def __init__(self, out: Out, sample_rules: list, dataset_rules: list, progress=None):
+    def __init__(self, out: Out, sample_rules: list, dataset_rules: list, progress=None, signature: str = ""):
         self.out = out
+        self.signature = signature  # the input's (a cache made from other input is not reused)
         self.progress = progress
         self.rules = sample_rules + dataset_rules
         self.sample_rules = sample_rules
@@ -346,7 +347,7 @@ def filter_dataset(cfg: FilterConfig, encoder=None, progress=None) -> dict:
         (out.root / SCAN_DIR).mkdir(exist_ok=True)
         hashes = tuple(k for k in HASHES if any(k in r.scan for r in dataset_rules))
         scan_plan = [Work(s, (ds.source, s, hashes), f"{fps[s]}:{','.join(hashes)}", ds.sizes[s]) for s in ds.shards]
-        decision = Decision(out, sample_rules, dataset_rules, progress)
+        decision = Decision(out, sample_rules, dataset_rules, progress, signature)
         scanned, scan_resumed = map_shards(out, scan_plan, scan_shard, workers=cfg.workers,
                                            distributor=cfg.distributor, progress=progress, label="filter scan",
                                            total=ds.num_samples, done=scan_done, fold=decision.add)

@@ -6,7 +6,9 @@ vlprep.filtervec (a `vlprep embed` output given, or made under OUT/_embed/ with 
 """
 
 import hashlib
+import json
 import math
+import os
 from fractions import Fraction
 from pathlib import Path
 
@@ -15,8 +17,9 @@ import numpy as np
 from vlprep import VlprepError
 from vlprep.dataset import image_ext, iter_samples, open_dataset
 from vlprep.filterscan import image_attributes, read_scan
-from vlprep.filtervec import (QUERY_BATCH, Alive, Source, Vectors, embed_under, index_over, near_dup_greedy,
-                              radius)
+from vlprep.filtervec import (EMBED_DIR, QUERY_BATCH, Alive, Source, Vectors, embed_under, index_over,
+                              near_dup_greedy, places, radius)
+
 
 class NearDup:
     """--near-dup T: a sample within cosine T of an earlier kept sample is dropped (the greedy rule)."""
@@ -100,12 +103,14 @@ class Exclude:
         vec = self.images.open(d.out, d.progress)
         alive = Alive(d, vec)
         t = np.float32(self.threshold)
+        where = {}  # alive position -> (eval set, eval row, cosine): the first eval set that has a match
+        names = []
         for e, path in enumerate(self.evals):
             name = "exclude-" + hashlib.blake2b(str(path).encode(), digest_size=6).hexdigest()  # by path, not place
             ev = Vectors(embed_under(d.out, path, self.encoder, "image", name, self.workers, d.progress),
                          f"--exclude {path}")
+            names.append(ev.keys)
             index = index_over(ev, np.arange(len(ev.keys)), "auto")
-            hits = []
             for s in range(0, len(alive.rows), QUERY_BATCH):
                 lims, dist, ids = index.range_search(vec.gather(alive.rows[s:s + QUERY_BATCH]),
                                                      radius(self.threshold))
@@ -114,13 +119,12 @@ class Exclude:
                 for j in np.unique(owner[ok]).tolist():
                     m = ok & (owner == j)
                     best = np.flatnonzero(m)[np.argmax(dist[m])]
-                    hits.append((j, int(ids[best]), float(dist[best])))
-            where = {j: (k, c) for j, k, c in hits}
-            positions = np.array(sorted(where), np.int64)
-            for (i, r), j in zip(alive.place(d, positions), positions.tolist()):
-                if d.codes[i][r] == 0:  # not taken by an exact match or an earlier eval set
-                    k, c = where[j]
-                    self._drop(d, code, i, r, vec.keys[int(alive.rows[j])].as_py(), e, ev.keys[k].as_py(), c)
+                    where.setdefault(j, (e, int(ids[best]), float(dist[best])))
+        # every eval set searched before any drop: the positions map to rows through the codes as Alive saw them
+        positions = np.array(sorted(where), np.int64)
+        for (i, r), j in zip(alive.place(d, positions), positions.tolist()):
+            e, k, c = where[j]
+            self._drop(d, code, i, r, vec.keys[int(alive.rows[j])].as_py(), e, names[e][k].as_py(), c)
 
     def _drop(self, d, code, i, r, key, e, eval_key, cos) -> None:
         d.codes[i][r] = code
@@ -144,20 +148,27 @@ class ClipScore:
         self.threshold = None  # the score a --clip-score-top run cut at (reported)
         self.lowest: list[tuple[str, float]] = []
         self.histogram: list[int] = []  # 40 bins over [-1, 1] of the scored samples
+        self.cached = False  # whether the scores were read from OUT/_embed/clip_score.npy
 
     def run(self, d, code: int) -> None:
-        img = self.images.open(d.out, d.progress)
-        txt = self.texts.open(d.out, d.progress)
-        a_img = Alive(d, img)
-        a_txt = Alive(d, txt)
-        n = len(a_img.rows)
-        scores = np.empty(n, np.float32)
-        for s in range(0, n, QUERY_BATCH):
-            scores[s:s + QUERY_BATCH] = cosines(img.x[a_img.rows[s:s + QUERY_BATCH]],
-                                                txt.x[a_txt.rows[s:s + QUERY_BATCH]])
-        d.scores = [np.full(len(c), np.nan, np.float32) for c in d.codes]
-        for i in range(len(d.shards)):
-            d.scores[i][d.codes[i] == 0] = scores[a_img.starts[i]:a_img.starts[i + 1]]
+        every = self.every_score(d)
+        counts = []
+        for i, shard in enumerate(d.shards):
+            alive = d.codes[i] == 0
+            counts.append(int(alive.sum()))
+            gap = np.flatnonzero(alive & np.isnan(every[i]))
+            if gap.size:
+                key = read_scan(d.out, shard, ["key"]).column(0)[int(gap[0])].as_py()
+                raise VlprepError(f"clip score: no image or caption embedding for key {key!r} of shard {shard} "
+                                  "(the embeddings must come from `vlprep embed` over SRC)")
+        d.scores = every
+        scores = np.concatenate([s[c == 0] for s, c in zip(every, d.codes)]) if every else np.zeros(0, np.float32)
+        starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        n = len(scores)
+        low = np.sort(np.argsort(scores, kind="stable")[:12])  # named before any drop: places() reads the codes
+        named = {j: read_scan(d.out, d.shards[i], ["key"]).column(0)[r].as_py()
+                 for (i, r), j in zip(places(d, starts, low), low.tolist())}
+        self.lowest = sorted(((named[j], float(scores[j])) for j in named), key=lambda p: p[1])
         if self.top is not None:
             k = math.floor(Fraction(repr(self.top)) * n)
             order = np.argsort(-scores, kind="stable")  # highest first; equal scores in dataset order
@@ -168,12 +179,44 @@ class ClipScore:
             drop = scores < np.float32(self.least)
             self.threshold = self.least
         positions = np.flatnonzero(drop)
-        for (i, r), j in zip(a_img.place(d, positions), positions.tolist()):
+        for (i, r), j in zip(places(d, starts, positions), positions.tolist()):
             d.codes[i][r] = code
             d.details[(i, r)] = {"detail": f"clip score {scores[j]:.4f}", "cosine": float(scores[j])}
-        low = np.argsort(scores, kind="stable")[:12]
-        self.lowest = [(img.keys[int(a_img.rows[j])].as_py(), float(scores[j])) for j in low.tolist()]
         self.histogram = np.histogram(scores.astype(np.float64), bins=40, range=(-1.0, 1.0))[0].tolist()
+
+    def every_score(self, d) -> list[np.ndarray]:
+        """Per shard every sample's score (NaN without both vectors), read from OUT/_embed/clip_score.npy when
+        it was saved from the same vectors and input, else computed (and saved, for a local OUT)."""
+        img = self.images.open(d.out, d.progress)
+        txt = self.texts.open(d.out, d.progress)
+        ident = [img.identity, txt.identity, d.signature, d.shards, [len(c) for c in d.codes]]
+        ident += [self.images.stamp(), self.texts.stamp()]
+        fp = hashlib.blake2b(json.dumps(ident, sort_keys=True).encode(), digest_size=16).hexdigest()
+        cache = d.out.root / EMBED_DIR / "clip_score.npy" if d.out.url is None else None
+        bounds = np.cumsum([0] + [len(c) for c in d.codes])
+        if cache is not None and cache.is_file() and cache.with_suffix(".json").is_file():
+            if json.loads(cache.with_suffix(".json").read_text()).get("fingerprint") == fp:
+                self.cached = True
+                flat = np.load(cache)
+                return [flat[bounds[i]:bounds[i + 1]].copy() for i in range(len(d.codes))]
+        every = []
+        for i, shard in enumerate(d.shards):
+            keys = read_scan(d.out, shard, ["key"]).column(0).combine_chunks()
+            ri = img.rows(keys)
+            rt = txt.rows(keys)
+            ok = np.flatnonzero((ri >= 0) & (rt >= 0))
+            s = np.full(len(keys), np.nan, np.float32)
+            for b in range(0, ok.size, QUERY_BATCH):
+                rows = ok[b:b + QUERY_BATCH]
+                s[rows] = cosines(img.x[ri[rows]], txt.x[rt[rows]])
+            every.append(s)
+        if cache is not None:
+            cache.parent.mkdir(exist_ok=True)
+            with open(cache.with_name(cache.name + ".tmp"), "wb") as f:  # np.save on a name would add .npy
+                np.save(f, np.concatenate(every) if every else np.zeros(0, np.float32))
+            os.replace(cache.with_name(cache.name + ".tmp"), cache)
+            cache.with_suffix(".json").write_text(json.dumps({"fingerprint": fp}))
+        return every
 
 
 def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -22,6 +22,7 @@ def embed_report(report: dict, out, ds, rules: list) -> None:
             report["exclude"] = {"eval_sets": rule.evals, "pairs": rule.pairs}
         elif isinstance(rule, ClipScore):
             report["clip_score"] = {"min": rule.least, "top": rule.top, "threshold": rule.threshold,
+                                    "cached": rule.cached,
                                     "histogram": {"range": [-1.0, 1.0], "bins": 40, "counts": rule.histogram},
                                     "lowest": [{"key": k, "clip_score": s} for k, s in rule.lowest]}
             report["outputs"].append(histogram_png(out.root / "clip_score.png", rule))

@@ -8,6 +8,7 @@ vectors themselves are in the memory map and in FAISS' index (CPU: FAISS' GPU in
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -98,6 +99,13 @@ class Source:
             self.vectors = Vectors(folder, flag)
         return self.vectors
 
+    def stamp(self) -> list:
+        """What the vectors' content follows: a given file's size and mtime, or the encoder (a function of it)."""
+        if self.folder is None:
+            return ["encoder", self.encoder.fingerprint, self.modality]
+        st = os.stat(Path(self.folder) / "embeddings.npy")
+        return [st.st_size, st.st_mtime_ns]
+
     def identity(self) -> dict:
         if self.folder is not None:
             return {"embeddings": str(self.folder)}
@@ -141,12 +149,17 @@ class Alive:
         self.starts = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
 
     def place(self, d, positions: np.ndarray):
-        """(shard index, row) of each alive position, in order of the positions given."""
-        for i in range(len(d.shards)):
-            here = positions[(positions >= self.starts[i]) & (positions < self.starts[i + 1])]
-            if here.size:
-                local = np.flatnonzero(d.codes[i] == 0)
-                yield from ((i, int(r)) for r in local[here - self.starts[i]])
+        """(shard index, row) of each alive position (sorted), in order."""
+        return places(d, self.starts, positions)
+
+
+def places(d, starts: np.ndarray, positions: np.ndarray):
+    """(shard index, row) of each sorted position among the kept samples (shard i's from starts[i]), in order."""
+    for i in range(len(d.shards)):
+        here = positions[(positions >= starts[i]) & (positions < starts[i + 1])]
+        if here.size:
+            local = np.flatnonzero(d.codes[i] == 0)
+            yield from ((i, int(r)) for r in local[here - starts[i]])
 
 
 def radius(threshold: float) -> float:

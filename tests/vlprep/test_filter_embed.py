@@ -215,7 +215,8 @@ def test_workers_give_the_same_bytes_and_the_order_is_fixed(near, tmp_path):
 @pytest.fixture(scope="module")
 def evals(tmp_path_factory):
     """Train: 30 solid colours, each its own basis vector. Eval: an exact copy of 11, a re-encoded copy of 12, a
-    vector 0.93 from 13's (a near copy), one 0.88 from 15's (not), distractors; eval 2: a near copy of 17."""
+    vector 0.93 from 13's and one 0.94 from 16's (near copies), one 0.88 from 15's (not), a distractor; eval 2: near
+    copies of 17 and 10."""
     tmp = tmp_path_factory.mktemp("evals")
     q = basis(1)
     train_c = [colour(i) for i in range(30)]
@@ -226,11 +227,12 @@ def evals(tmp_path_factory):
               colour(203)]
     by_colour[colour(200)] = 0.93 * q[13] + math.sqrt(1 - 0.93 ** 2) * q[50]
     by_colour[colour(201)] = 0.88 * q[15] + math.sqrt(1 - 0.88 ** 2) * q[51]
-    by_colour[colour(202)] = q[52]
+    by_colour[colour(202)] = 0.94 * q[16] + math.sqrt(1 - 0.94 ** 2) * q[52]  # before 17 (eval 2) in its shard
     by_colour[colour(203)] = q[53]
     ev = dataset(tmp / "eval", eval_c, [f"eval caption {i}" for i in range(6)], per_shard=4)
     by_colour[colour(210)] = 0.97 * q[17] + math.sqrt(1 - 0.97 ** 2) * q[54]
-    ev2 = dataset(tmp / "eval2", [colour(210)], ["eval two"])
+    by_colour[colour(211)] = 0.96 * q[10] + math.sqrt(1 - 0.96 ** 2) * q[55]  # in 13's shard (7-13)
+    ev2 = dataset(tmp / "eval2", [colour(210), colour(211)], ["eval two", "eval three"])
     enc = FakeEncoder(by_colour, {})
     return {"tmp": tmp, "ds": ds, "eval": ev, "eval2": ev2, "enc": enc, "keys": keys_of(ds),
             "eval_keys": keys_of(ev), "eval2_keys": keys_of(ev2)}
@@ -244,9 +246,10 @@ def test_exclude_drops_every_planted_overlap_and_names_the_pairs(evals):
     got = {(keys.index(p["key"]), p["eval"], p["eval_key"], None if p["cosine"] is None else round(p["cosine"], 3))
            for p in rep["exclude"]["pairs"]}
     assert got == {(11, str(evals["eval"]), ek[0], None), (12, str(evals["eval"]), ek[1], None),
-                   (13, str(evals["eval"]), ek[2], 0.93), (17, str(evals["eval2"]), evals["eval2_keys"][0], 0.97)}
+                   (13, str(evals["eval"]), ek[2], 0.93), (17, str(evals["eval2"]), evals["eval2_keys"][0], 0.97),
+                   (10, str(evals["eval2"]), evals["eval2_keys"][1], 0.96), (16, str(evals["eval"]), ek[4], 0.94)}
     rows = {keys.index(r["key"]): r for r in dropped(out)}
-    assert set(rows) == {11, 12, 13, 17} and rep["dropped"]["exclude"] == 4 and rep["dropped"]["near_dup"] == 0
+    assert set(rows) == {10, 11, 12, 13, 16, 17} and rep["dropped"]["exclude"] == 6 and rep["dropped"]["near_dup"] == 0
     assert rows[13]["match_dataset"] == str(evals["eval"]) and rows[13]["match_key"] == ek[2]
     assert (out / "_embed" / "image" / "embeddings.npy").exists()  # the encoder's vectors, kept for a re-run
     exact_only = run(evals["ds"], evals["tmp"] / "x", exclude=[evals["eval"]])
@@ -335,16 +338,27 @@ def test_clip_score_top_cuts_through_a_tie_by_dataset_order(clip):
     assert {4, 5} <= kept and 6 not in kept
 
 
-def test_clip_score_from_an_encoder_and_a_rerun_reuses_the_vectors(clip, tmp_path):
+def test_clip_score_from_an_encoder_and_a_rerun_reuses_the_vectors(clip, tmp_path, monkeypatch):
     out = tmp_path / "o"
-    run(clip["ds"], out, clip["enc"], clip_score_min=0.2)
+    first = run(clip["ds"], out, clip["enc"], clip_score_min=0.2)
+    assert first["clip_score"]["cached"] is False and (out / "_embed" / "clip_score.npy").exists()
     a = sidecar_scores(out)
     assert a == sidecar_scores(clip["tmp"] / "min")
     parts = {p: p.stat().st_mtime_ns for p in (out / "_embed").rglob("_parts/*")}
     rep = run(clip["ds"], out, clip["enc"], clip_score_min=0.3, overwrite=True)
     assert {p: p.stat().st_mtime_ns for p in (out / "_embed").rglob("_parts/*")} == parts and parts
     assert set(sidecar_scores(out)) == {clip["keys"][i] for i in range(20) if clip["ref"][i] >= 0.3}
-    assert rep["rules"]["clip_score_min"] == 0.3
+    assert rep["rules"]["clip_score_min"] == 0.3 and rep["clip_score"]["cached"] is True
+    import vlprep.filterembed
+
+    def no_recompute(*_):
+        raise AssertionError("the scores were recomputed")
+
+    monkeypatch.setattr(vlprep.filterembed, "cosines", no_recompute)
+    third = run(clip["ds"], out, clip["enc"], clip_score_top=0.5, overwrite=True)  # read from the cache
+    assert third["kept"] == 10 and third["clip_score"]["cached"] is True
+    with pytest.raises(AssertionError, match="recomputed"):  # other vectors: not reused
+        run(clip["ds"], tmp_path / "p", clip_score_min=0.3, embeddings=clip["img"], text_embeddings=clip["txt"])
 
 
 # --- a real checkpoint -------------------------------------------------------------------------------------------
