@@ -59,7 +59,7 @@ class Vectors:
                          "encoder": info.get("encoder"), "modality": (info.get("options") or {}).get("modality")}
 
     def rows(self, keys: pa.Array) -> np.ndarray:
-        """Each key's row (the first if repeated), -1 where it has none; a 64-bit hash match is checked exactly."""
+        """Each key's row (the first if repeated), -1 where it has none; a 64-bit hash match is checked in full."""
         if not len(self.sorted):
             return np.full(len(keys), -1, np.int64)
         h = key_hashes(keys)
@@ -68,7 +68,8 @@ class Vectors:
         found = np.flatnonzero(rows >= 0)
         if found.size:
             same = pc.equal(self.keys.take(pa.array(rows[found])), keys.take(pa.array(found))).to_numpy(False)
-            rows[found[~same]] = -1
+            for j in found[~same].tolist():  # two keys with one 64-bit hash: look the key up in full
+                rows[j] = pc.index(self.keys, keys[j]).as_py()
         return rows
 
     def gather(self, rows: np.ndarray) -> np.ndarray:

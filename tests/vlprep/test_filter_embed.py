@@ -180,6 +180,14 @@ def test_only_samples_the_earlier_rules_kept_take_part(near, tmp_path):
     assert expected == {23: 22, 24: 9, 25: 20}  # 20 and 22 lost their earlier partner, so 25 and 23 now have one
 
 
+def test_a_64_bit_key_hash_collision_is_settled_in_full(tmp_path, monkeypatch):
+    import vlprep.filtervec
+
+    monkeypatch.setattr(vlprep.filtervec, "key_hashes", lambda keys: np.zeros(len(keys), np.uint64))  # all collide
+    vec = Vectors(write_embeddings(tmp_path / "e", ["a", "b", "c"], np.eye(3)), "--embeddings")
+    assert vec.rows(pa.array(["c", "a", "zz", "b"])).tolist() == [2, 0, -1, 1]
+
+
 @pytest.mark.parametrize("kind", ["flat", "ivf"])
 def test_greedy_equals_brute_force_on_random_clusters(tmp_path, kind):
     n = 200
