@@ -429,7 +429,7 @@ def stats(
 # refuses one in one line, never the folder ./s3:/...
 refuse_urls(app, {"shards": ("out",), "bow": ("src", "out"), "detect": ("src", "out"), "features": ("src", "out"),
                   "ontology": ("src", "out"), "embed": ("dataset", "out"), "pseudolabel": ("aligned", "unaligned", "out"),
-                  "stats": ("dataset",), "filter": ("src", "out")})
+                  "stats": ("dataset",), "filter": ("src", "out", "exclude")})
 
 
 def main() -> None:

@@ -19,6 +19,7 @@ from vlprep.dataset import image_ext, iter_samples, open_dataset
 from vlprep.filterscan import image_attributes, read_scan
 from vlprep.filtervec import (EMBED_DIR, QUERY_BATCH, Alive, Source, Vectors, embed_under, index_over,
                               near_dup_greedy, places, radius)
+from vlprep.urls import redact, redact_text
 
 
 class NearDup:
@@ -65,7 +66,7 @@ def open_eval(path):
     try:
         return open_dataset(path)
     except VlprepError as e:
-        raise VlprepError(f"--exclude {path}: not a vlprep dataset ({e})") from None
+        raise VlprepError(redact_text(f"--exclude {path}: not a vlprep dataset ({e})")) from None
 
 
 class Exclude:
@@ -77,6 +78,7 @@ class Exclude:
 
     def __init__(self, evals: list[str], threshold: float | None, images: Source | None, encoder, workers: int):
         self.evals = evals
+        self.shown = [redact(e) for e in evals]  # as the report, meta.json and dropped.parquet name them
         self.threshold = threshold
         self.images = images
         self.encoder = encoder
@@ -108,7 +110,7 @@ class Exclude:
         for e, path in enumerate(self.evals):
             name = "exclude-" + hashlib.blake2b(str(path).encode(), digest_size=6).hexdigest()  # by path, not place
             ev = Vectors(embed_under(d.out, path, self.encoder, "image", name, self.workers, d.progress),
-                         f"--exclude {path}")
+                         f"--exclude {redact(str(path))}")
             names.append(ev.keys)
             index = index_over(ev, np.arange(len(ev.keys)), "auto")
             for s in range(0, len(alive.rows), QUERY_BATCH):
@@ -129,9 +131,9 @@ class Exclude:
     def _drop(self, d, code, i, r, key, e, eval_key, cos) -> None:
         d.codes[i][r] = code
         how = "same pixels as" if cos is None else f"cosine {cos:.4f} with"
-        d.details[(i, r)] = {"detail": f"{how} {eval_key} of {self.evals[e]}", "match_key": eval_key,
-                             "match_dataset": str(self.evals[e]), "cosine": cos}
-        self.pairs.append({"key": key, "eval": str(self.evals[e]), "eval_key": eval_key, "cosine": cos})
+        d.details[(i, r)] = {"detail": f"{how} {eval_key} of {self.shown[e]}", "match_key": eval_key,
+                             "match_dataset": self.shown[e], "cosine": cos}
+        self.pairs.append({"key": key, "eval": self.shown[e], "eval_key": eval_key, "cosine": cos})
 
 
 class ClipScore:
@@ -265,7 +267,7 @@ def build_embed_rules(cfg, encoder) -> tuple[list, dict]:
         rules.append(Exclude([str(p) for p in cfg.exclude], t, images, encoder, cfg.workers))
     if clip:
         rules.append(ClipScore(cfg.clip_score_min, cfg.clip_score_top, images, texts))
-    options = {"near_dup": t, "exclude": [str(p) for p in cfg.exclude], "clip_score_min": cfg.clip_score_min,
+    options = {"near_dup": t, "exclude": [redact(str(p)) for p in cfg.exclude], "clip_score_min": cfg.clip_score_min,
                "clip_score_top": cfg.clip_score_top}
     if images is not None and rules:
         options["image_vectors"] = images.identity()
@@ -278,7 +280,7 @@ def exclude_signatures(evals: list[str]) -> dict[str, str]:
     """Each eval set's signature (its sidecars' bytes and tar sizes), so meta.json says which eval data was used."""
     from vlprep.filter import input_signature
 
-    return {str(p): input_signature(open_eval(p))[1] for p in evals}
+    return {redact(str(p)): input_signature(open_eval(p))[1] for p in evals}
 
 
 def vectors_identity(rules: list) -> dict:

@@ -19,7 +19,7 @@ def embed_report(report: dict, out, ds, rules: list) -> None:
                 report["outputs"].append(image_grid(out.root / "near_dup.png", ds, cells,
                                                     f"near duplicates (cosine >= {rule.threshold:g}): dropped, kept"))
         elif isinstance(rule, Exclude):
-            report["exclude"] = {"eval_sets": rule.evals, "pairs": rule.pairs}
+            report["exclude"] = {"eval_sets": rule.shown, "pairs": rule.pairs}
         elif isinstance(rule, ClipScore):
             report["clip_score"] = {"min": rule.least, "top": rule.top, "threshold": rule.threshold,
                                     "cached": rule.cached,

@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 
 from vlprep import VlprepError
 from vlprep.filterscan import read_scan
+from vlprep.urls import redact
 
 QUERY_BATCH = 4096  # range-search queries per FAISS call: bounds the result buffers, whatever N is
 KEY_CHUNK = 4096  # keys hashed at a time: the Python strings of one chunk at most
@@ -109,7 +110,7 @@ class Source:
 
     def identity(self) -> dict:
         if self.folder is not None:
-            return {"embeddings": str(self.folder)}
+            return {"embeddings": redact(str(self.folder))}
         return {"checkpoint": self.encoder.name, "fingerprint": self.encoder.fingerprint}
 
 
