@@ -5,8 +5,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from vlprep.dataset import image_ext
 from vlprep.filterembed import ClipScore, Exclude, NearDup
+
 
 def embed_report(report: dict, out, ds, rules: list) -> None:
     """The embedding rules' part of the report, and OUT/clip_score.png, near_dup.png, clip_score_low.png."""
@@ -60,7 +60,8 @@ def image_grid(path: Path, ds, cells: list[tuple[str, str]], title: str, caption
     """A grid of the given keys' images (read from the shards that hold them), each with its label."""
     import textwrap
 
-    from vlprep.dataset import decode_rgb, iter_tar
+    from vlprep.dataset import iter_tar
+    from vlprep.report import grid_axes, thumbnails
 
     plt = _pyplot()
     wanted = {k for k, _ in cells}
@@ -72,18 +73,9 @@ def image_grid(path: Path, ds, cells: list[tuple[str, str]], title: str, caption
         if not here:
             continue
         texts.update((k, c) for k, c in zip(side.column(0).to_pylist(), side.column(1).to_pylist()) if k in here)
-        for raw in iter_tar(ds.tar(shard)):
-            if raw["__key__"] in here and image_ext(raw):
-                im = decode_rgb(raw[image_ext(raw)])
-                im.thumbnail((160, 160))
-                images[raw["__key__"]] = im
-    cols = 6
-    rows = max(1, -(-len(cells) // cols))
-    fig, axes = plt.subplots(rows, cols, figsize=(cols * 2.3, rows * 2.9), squeeze=False)
-    fig.subplots_adjust(left=0.01, right=0.99, bottom=0.03, top=0.92, wspace=0.12, hspace=0.5)
-    for ax in axes.ravel():
-        ax.axis("off")
-    for ax, (key, label) in zip(axes.ravel(), cells):
+        thumbnails(iter_tar(ds.tar(shard)), here, images)
+    fig, axes = grid_axes(plt, len(cells), top=0.92)
+    for ax, (key, label) in zip(axes, cells):
         if key in images:
             ax.imshow(images[key])
         lines = [f"{key}: {label}"] + (textwrap.wrap(texts.get(key) or "", 26)[:2] if captions else [])

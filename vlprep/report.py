@@ -171,7 +171,7 @@ def pseudolabel_figures(out: Out, ds, report: dict, n: int = 24) -> list[str]:
     import matplotlib.pyplot as plt
     import pyarrow.parquet as pq
 
-    from vlprep.dataset import decode_rgb, image_ext, iter_tar, sidecar_name
+    from vlprep.dataset import iter_tar, sidecar_name
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 6), gridspec_kw={"width_ratios": [2, 1]})
     fig.subplots_adjust(left=0.14, right=0.98, bottom=0.09, top=0.93, wspace=0.3)
@@ -213,18 +213,9 @@ def pseudolabel_figures(out: Out, ds, report: dict, n: int = 24) -> list[str]:
             given.update((k, c) for k, c in zip(side.column("key").to_pylist(), side.column("caption").to_pylist())
                          if k in wanted)
         pull(out, shard)  # a URL OUT keeps its uploaded tars only there (vlprep.output)
-        for raw in iter_tar(out.root / shard):
-            if raw["__key__"] in wanted and image_ext(raw):
-                im = decode_rgb(raw[image_ext(raw)])
-                im.thumbnail((160, 160))
-                images[raw["__key__"]] = im
-    cols = 6
-    nrows = max(1, -(-len(picks) // cols))
-    fig, axes = plt.subplots(nrows, cols, figsize=(cols * 2.3, nrows * 2.9), squeeze=False)
-    fig.subplots_adjust(left=0.01, right=0.99, bottom=0.03, top=0.95, wspace=0.12, hspace=0.5)
-    for ax in axes.ravel():
-        ax.axis("off")
-    for ax, (_, key, caption) in zip(axes.ravel(), picks):
+        thumbnails(iter_tar(out.root / shard), wanted, images)
+    fig, axes = grid_axes(plt, len(picks), top=0.95)
+    for ax, (_, key, caption) in zip(axes, picks):
         if key in images:
             ax.imshow(images[key])
         lines = textwrap.wrap(caption, 24) or [""]
@@ -240,6 +231,31 @@ def pseudolabel_figures(out: Out, ds, report: dict, n: int = 24) -> list[str]:
     fig.savefig(grid_png, dpi=72)
     plt.close(fig)
     return [str(words_png), str(grid_png)]
+
+
+GRID_COLS = 6  # thumbnails a row in the stages' image grids
+
+
+def thumbnails(samples, wanted: set, into: dict) -> None:
+    """Add the images of the `wanted` keys among `samples` (raw shard samples) to `into`, as 160-pixel thumbnails."""
+    from vlprep.dataset import decode_rgb, image_ext
+
+    for raw in samples:
+        if raw["__key__"] in wanted and image_ext(raw):
+            im = decode_rgb(raw[image_ext(raw)])
+            im.thumbnail((160, 160))
+            into[raw["__key__"]] = im
+
+
+def grid_axes(plt, n: int, top: float):
+    """A figure for n thumbnails, GRID_COLS a row, every axis off: (the figure, its axes in reading order)."""
+    rows = max(1, -(-n // GRID_COLS))
+    fig, axes = plt.subplots(rows, GRID_COLS, figsize=(GRID_COLS * 2.3, rows * 2.9), squeeze=False)
+    fig.subplots_adjust(left=0.01, right=0.99, bottom=0.03, top=top, wspace=0.12, hspace=0.5)
+    axes = axes.ravel()
+    for ax in axes:
+        ax.axis("off")
+    return fig, axes
 
 
 def print_pseudolabel_report(r: dict, console: Console) -> None:
