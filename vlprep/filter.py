@@ -23,7 +23,7 @@ from vlprep.dataset import carried_features, iter_aligned, sidecar_name
 from vlprep.engine import Work, check_engine, default_workers, map_shards
 from vlprep.filterembed import build_embed_rules, exclude_signatures, vectors_identity
 from vlprep.filterreport import embed_report
-from vlprep.filterscan import HASHES, SCAN_DIR, h64_column, read_scan, scan_done, scan_shard
+from vlprep.filterscan import HASHES, SCAN_DIR, h64_column, input_signature, read_scan, scan_done, scan_shard
 from vlprep.output import Out, finish_dataset, open_derived, write_json_atomic, write_shard, writing_output
 from vlprep.urls import redact
 from vlprep.userfile import read_user_file
@@ -307,13 +307,6 @@ def build_rules(cfg: FilterConfig, encoder=None) -> tuple[list, list, dict]:
                     "caption_words": None if words is None else list(words), "dedup": kinds,
                     "order": [r.name for r in sample + dataset]})
     return sample, dataset, options
-
-
-def input_signature(ds) -> tuple[dict[str, str], str]:
-    """Per input shard its fingerprint (its sidecar's bytes and its tar's size), and the whole input's."""
-    fps = {s: ds.fingerprint(s, f"filter:{ds.tar_size(s)}:".encode()) for s in ds.shards}
-    whole = hashlib.blake2b("".join(f"{s}={fp};" for s, fp in fps.items()).encode(), digest_size=16).hexdigest()
-    return fps, whole
 
 
 def copy_shard(out: Out, src: Path, shard: str, keep: bytes, n: int, scores: bytes | None, fp: str) -> dict:

@@ -16,7 +16,7 @@ import numpy as np
 
 from vlprep import VlprepError
 from vlprep.dataset import image_ext, iter_samples, open_dataset
-from vlprep.filterscan import image_attributes, read_scan
+from vlprep.filterscan import image_attributes, input_signature, read_scan
 from vlprep.filtervec import (EMBED_DIR, QUERY_BATCH, Alive, Source, Vectors, embed_under, index_over,
                               near_dup_greedy, places, radius)
 from vlprep.urls import redact, redact_text
@@ -278,8 +278,6 @@ def build_embed_rules(cfg, encoder) -> tuple[list, dict]:
 
 def exclude_signatures(evals: list[str]) -> dict[str, str]:
     """Each eval set's signature (its sidecars' bytes and tar sizes), so meta.json says which eval data was used."""
-    from vlprep.filter import input_signature
-
     return {redact(str(p)): input_signature(open_eval(p))[1] for p in evals}
 
 

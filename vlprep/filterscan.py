@@ -154,3 +154,10 @@ def read_scan(out: Out, shard: str, columns: list[str]) -> pa.Table:
 def h64_column(table: pa.Table, name: str) -> np.ndarray:
     """A scan table's 64-bit hash column as a uint64 array."""
     return table.column(f"{name}_h64").to_numpy().astype(np.uint64, copy=False)
+
+
+def input_signature(ds) -> tuple[dict[str, str], str]:
+    """Per input shard its fingerprint (its sidecar's bytes and its tar's size), and the whole input's."""
+    fps = {s: ds.fingerprint(s, f"filter:{ds.tar_size(s)}:".encode()) for s in ds.shards}
+    whole = hashlib.blake2b("".join(f"{s}={fp};" for s, fp in fps.items()).encode(), digest_size=16).hexdigest()
+    return fps, whole

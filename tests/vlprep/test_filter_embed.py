@@ -379,12 +379,14 @@ def cli(*args) -> subprocess.CompletedProcess:
 
 
 def test_a_real_checkpoint_through_the_cli_equals_vlprep_embed(world, tmp_path):
-    from vlprep.embed import EmbedConfig, embed, load_embeddings
-    from vltrain.checkpoint_encoder import CheckpointEncoder
+    from vlprep.embed import load_embeddings
 
-    enc = CheckpointEncoder(world["ckpt"], "cpu")
-    embed(EmbedConfig(src=world["aligned"], out=tmp_path / "i"), enc)
-    embed(EmbedConfig(src=world["aligned"], out=tmp_path / "t", modality="text"), enc)
+    # the reference through the CLI too: the same process set-up (torch's threads) as the filter's embed pass, so
+    # the same float reductions and the same bytes
+    for folder, modality in (("i", "image"), ("t", "text")):
+        r = cli("embed", world["aligned"], tmp_path / folder, "--checkpoint", world["ckpt"], "--device", "cpu",
+                "--modality", modality, "--workers", "1")
+        assert r.returncode == 0, r.stderr
     keys, x = load_embeddings(tmp_path / "i")
     _, y = load_embeddings(tmp_path / "t")
     u = x.astype(np.float64) / np.linalg.norm(x.astype(np.float64), axis=1, keepdims=True)
