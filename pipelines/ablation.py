@@ -51,6 +51,7 @@ from rich.table import Table
 
 from vlprep import VlprepError, cut
 from vlprep.cliargs import check_local
+from vlprep.output import write_json_atomic
 from vlprep.userfile import read_user_file
 from vltrain.errors import TrainError
 from vltrain.config import ConfigError
@@ -679,9 +680,7 @@ def declare_seeds(path: Path, seeds: list[int]) -> dict:
     else:
         declared = {"seeds": seeds, "declared_on": time.strftime("%Y-%m-%d %H:%M:%S")}
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(declared) + "\n")
-        os.replace(tmp, path)
+        write_json_atomic(path, declared)
     return {**declared, "scored": seeds, "status": seed_status(declared["seeds"], seeds)}
 
 

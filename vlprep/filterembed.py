@@ -10,15 +10,15 @@ import json
 import math
 import os
 from fractions import Fraction
-from pathlib import Path
 
 import numpy as np
 
 from vlprep import VlprepError
 from vlprep.dataset import image_ext, iter_samples, open_dataset
 from vlprep.filterscan import image_attributes, input_signature, read_scan
-from vlprep.filtervec import (EMBED_DIR, QUERY_BATCH, Alive, Source, Vectors, embed_under, index_over,
-                              near_dup_greedy, places, radius)
+from vlprep.filtervec import (EMBED_DIR, QUERY_BATCH, Alive, Source, Vectors, check_embed_output, embed_under,
+                              index_over, near_dup_greedy, places, range_hits)
+from vlprep.output import write_json_atomic
 from vlprep.urls import redact, redact_text
 
 
@@ -104,7 +104,6 @@ class Exclude:
     def _near(self, d, code: int) -> None:
         vec = self.images.open(d.out, d.progress)
         alive = Alive(d, vec)
-        t = np.float32(self.threshold)
         where = {}  # alive position -> (eval set, eval row, cosine): the first eval set that has a match
         names = []
         for e, path in enumerate(self.evals):
@@ -113,13 +112,9 @@ class Exclude:
                          f"--exclude {redact(str(path))}")
             names.append(ev.keys)
             index = index_over(ev, np.arange(len(ev.keys)), "auto")
-            for s in range(0, len(alive.rows), QUERY_BATCH):
-                lims, dist, ids = index.range_search(vec.gather(alive.rows[s:s + QUERY_BATCH]),
-                                                     radius(self.threshold))
-                owner = s + np.repeat(np.arange(len(lims) - 1), np.diff(lims).astype(np.int64))
-                ok = dist >= t
-                for j in np.unique(owner[ok]).tolist():
-                    m = ok & (owner == j)
+            for owner, ids, dist in range_hits(index, vec, alive.rows, self.threshold):
+                for j in np.unique(owner).tolist():
+                    m = owner == j
                     best = np.flatnonzero(m)[np.argmax(dist[m])]
                     where.setdefault(j, (e, int(ids[best]), float(dist[best])))
         # every eval set searched before any drop: the positions map to rows through the codes as Alive saw them
@@ -217,7 +212,7 @@ class ClipScore:
             with open(cache.with_name(cache.name + ".tmp"), "wb") as f:  # np.save on a name would add .npy
                 np.save(f, np.concatenate(every) if every else np.zeros(0, np.float32))
             os.replace(cache.with_name(cache.name + ".tmp"), cache)
-            cache.with_suffix(".json").write_text(json.dumps({"fingerprint": fp}))
+            write_json_atomic(cache.with_suffix(".json"), {"fingerprint": fp})
         return every
 
 
@@ -254,9 +249,8 @@ def build_embed_rules(cfg, encoder) -> tuple[list, dict]:
     for path in cfg.exclude:
         open_eval(path)
     for folder, flag in ((cfg.embeddings, "--embeddings"), (cfg.text_embeddings, "--text-embeddings")):
-        if folder is not None and not ((Path(folder) / "embeddings.npy").is_file()
-                                       and (Path(folder) / "keys.parquet").is_file()):
-            raise VlprepError(f"{flag} {folder}: not a `vlprep embed` output (needs embeddings.npy and keys.parquet)")
+        if folder is not None:
+            check_embed_output(folder, flag)
     src = cfg.src
     images = Source("image", cfg.embeddings, encoder, src, cfg.workers) if (cfg.embeddings or encoder) else None
     texts = Source("text", cfg.text_embeddings, encoder, src, cfg.workers) if clip else None

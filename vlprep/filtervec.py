@@ -26,13 +26,20 @@ EMBED_DIR = "_embed"
 
 
 def key_hashes(keys: pa.Array) -> np.ndarray:
-    """blake2b-64 of each key (uint64), computed a chunk at a time."""
+    """The 64-bit hash `vlprep shards` keeps per uid (shards.uid_hashes) of each key, a chunk at a time."""
+    from vlprep.shards import uid_hashes
+
     out = np.empty(len(keys), np.uint64)
     for s in range(0, len(keys), KEY_CHUNK):
         part = keys.slice(s, KEY_CHUNK).to_pylist()
-        out[s:s + len(part)] = [int.from_bytes(hashlib.blake2b(k.encode(), digest_size=8).digest(), "little")
-                                for k in part]
+        out[s:s + len(part)] = uid_hashes(part)
     return out
+
+
+def check_embed_output(folder, flag: str) -> None:
+    """A one-line error unless `folder` is a `vlprep embed` output (embeddings.npy and keys.parquet)."""
+    if not ((Path(folder) / "embeddings.npy").is_file() and (Path(folder) / "keys.parquet").is_file()):
+        raise VlprepError(f"{flag} {folder}: not a `vlprep embed` output (needs embeddings.npy and keys.parquet)")
 
 
 class Vectors:
@@ -40,8 +47,7 @@ class Vectors:
 
     def __init__(self, folder: Path, flag: str):
         folder = Path(folder)
-        if not (folder / "embeddings.npy").is_file() or not (folder / "keys.parquet").is_file():
-            raise VlprepError(f"{flag} {folder}: not a `vlprep embed` output (needs embeddings.npy and keys.parquet)")
+        check_embed_output(folder, flag)
         self.flag = f"{flag} {folder}"
         self.keys = pq.read_table(folder / "keys.parquet", columns=["key"]).column(0).combine_chunks()
         self.x = np.load(folder / "embeddings.npy", mmap_mode="r")
@@ -181,6 +187,17 @@ def index_over(vec: Vectors, rows: np.ndarray, kind: str):
     return index
 
 
+def range_hits(index, vec: Vectors, rows: np.ndarray, threshold: float):
+    """Per batch of QUERY_BATCH query positions (rows[j] is position j's vector): (query position, index id,
+    cosine) of every pair at cosine >= threshold."""
+    t = np.float32(threshold)
+    for s in range(0, len(rows), QUERY_BATCH):
+        lims, dist, ids = index.range_search(vec.gather(rows[s:s + QUERY_BATCH]), radius(threshold))
+        owner = s + np.repeat(np.arange(len(lims) - 1), np.diff(lims).astype(np.int64))
+        ok = dist >= t
+        yield owner[ok], ids[ok], dist[ok]
+
+
 def near_dup_greedy(vec: Vectors, rows: np.ndarray, threshold: float, kind: str = "auto"):
     """The greedy rule over positions 0..n-1 (rows[j] is position j's vector): j is dropped when an earlier KEPT
     position i < j has cosine >= threshold. Returns (dropped positions, the most similar such i, its cosine)."""
@@ -189,13 +206,9 @@ def near_dup_greedy(vec: Vectors, rows: np.ndarray, threshold: float, kind: str 
         return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float32)
     index = index_over(vec, rows, kind)
     keep = np.ones(n, bool)
-    t = np.float32(threshold)
     found = ([], [], [])
-    for s in range(0, n, QUERY_BATCH):
-        q = vec.gather(rows[s:s + QUERY_BATCH])
-        lims, dist, ids = index.range_search(q, radius(threshold))
-        owner = s + np.repeat(np.arange(len(q)), np.diff(lims).astype(np.int64))
-        hit = (ids < owner) & (dist >= t)
+    for owner, ids, dist in range_hits(index, vec, rows, threshold):
+        hit = ids < owner
         owner = owner[hit]
         ids = ids[hit]
         dist = dist[hit]
