@@ -51,7 +51,6 @@ from rich.table import Table
 
 from vlprep import VlprepError, cut
 from vlprep.cliargs import check_local
-from vlprep.output import write_json_atomic
 from vlprep.userfile import read_user_file
 from vltrain.errors import TrainError
 from vltrain.config import ConfigError
@@ -680,7 +679,9 @@ def declare_seeds(path: Path, seeds: list[int]) -> dict:
     else:
         declared = {"seeds": seeds, "declared_on": time.strftime("%Y-%m-%d %H:%M:%S")}
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, declared)
+        tmp = path.with_name(path.name + ".tmp")  # a script: vlprep.output is not its public API (docs/API.md)
+        tmp.write_text(json.dumps(declared) + "\n")
+        os.replace(tmp, path)
     return {**declared, "scored": seeds, "status": seed_status(declared["seeds"], seeds)}
 
 
