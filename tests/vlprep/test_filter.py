@@ -272,7 +272,8 @@ def test_an_undecodable_image_is_a_counted_bad_sample(tmp_path):
     assert rep["bad"] == {"undecodable": 1} and rep["dropped"]["bad_image"] == 1 and rep["kept"] == 5
     row = pq.read_table(tmp_path / "o" / "dropped.parquet").to_pylist()
     assert row == [{"key": samples[1]["__key__"], "shard": "shard-000001.tar", "rule": "bad_image",
-                    "detail": "undecodable", "match_dataset": None, "match_key": None, "cosine": None}]
+                    "detail": "undecodable", "match_dataset": None, "match_key": None, "cosine": None,
+                    "distance": None}]
 
 
 # --- user mistakes: one line, nothing written ----------------------------------------------------------------------
