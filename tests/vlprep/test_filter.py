@@ -310,6 +310,8 @@ def test_the_cli_prints_the_table_and_its_help_gives_the_order(data, tmp_path):
     assert "wrote " in r.stderr
     h = cli("--help")
     assert h.returncode == 0 and "1 keys, 2 drop-keys" in " ".join(h.stdout.split())
+    assert "11 phash, 12 near-dup, 13 exclude, 14 clip score" in " ".join(h.stdout.split())
+    assert "--phash" in h.stdout and "--exclude-embeddings" in h.stdout
 
 
 def test_out_that_is_the_input_is_refused(data):
