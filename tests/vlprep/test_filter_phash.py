@@ -199,8 +199,9 @@ def test_phash_greedy_driver_memory_per_sample():
 def test_exclude_with_phash_drops_near_copies_of_eval_images(planted, tmp_path):
     """Eval: a half-size JPEG of train 12, a flip of train 14 (not found), an exact copy of train 16, a distinct
     picture."""
-    ev = dataset(tmp_path / "eval", [half_jpeg(smooth(12)), encoded(smooth(14).transpose(Image.Transpose.FLIP_TOP_BOTTOM)),
-                                     encoded(smooth(16)), encoded(smooth(500))], ["a", "b", "c", "d"])
+    flipped = smooth(14).transpose(Image.Transpose.FLIP_TOP_BOTTOM)
+    images = [half_jpeg(smooth(12)), encoded(flipped), encoded(smooth(16)), encoded(smooth(500))]
+    ev = dataset(tmp_path / "eval", images, ["a", "b", "c", "d"])
     ek = keys_of(ev)
     keys = planted["keys"]
     rep = run(planted["ds"], tmp_path / "o", phash=D, exclude=[ev])
