@@ -27,7 +27,7 @@ N_BASE = 24
 
 
 def smooth(seed: int, size: int = 96) -> Image.Image:
-    """A smooth random RGB picture (an 6x6 grid of random colours, bicubic-upscaled): pHash's low frequencies
+    """A smooth random RGB picture (a 6x6 grid of random colours, bicubic-upscaled): pHash's low frequencies
     differ from seed to seed as a photo's do, unlike pixel noise, whose 32x32 reduction is nearly flat."""
     grid = np.random.default_rng(seed).integers(0, 256, size=(6, 6, 3), dtype=np.uint8)
     return Image.fromarray(grid).resize((size, size), Image.Resampling.BICUBIC)
