@@ -199,25 +199,31 @@ def filter_(
                                               "image (decoded pixels), caption (normalised text), pair (both); "
                                               "repeat or comma-separate. The first in dataset order is kept.",
                                               metavar="KIND"),
-    near_dup: Optional[float] = typer.Option(None, help="Rule 11: drop a sample whose image is within cosine T "
+    phash: Optional[int] = typer.Option(None, help="Rule 11: drop a sample whose image's 64-bit perceptual hash "
+                                        "is within Hamming distance D (0-32) of an EARLIER KEPT sample's (resized "
+                                        "or re-encoded copies; no model needed).", metavar="D"),
+    near_dup: Optional[float] = typer.Option(None, help="Rule 12: drop a sample whose image is within cosine T "
                                              "(0 < T <= 1) of an EARLIER KEPT sample's (greedy, in dataset order; "
                                              "FAISS range search); needs --embeddings or --checkpoint.",
                                              metavar="T"),
     embeddings: Optional[Path] = typer.Option(None, help="A `vlprep embed` output over SRC's images (for rules "
-                                              "11-13).", metavar="EMB"),
+                                              "12-14).", metavar="EMB"),
     text_embeddings: Optional[Path] = typer.Option(None, help="A `vlprep embed --modality text` output over SRC "
-                                                   "(rule 13 with --embeddings).", metavar="EMB"),
+                                                   "(rule 14 with --embeddings).", metavar="EMB"),
     checkpoint: Optional[Path] = typer.Option(None, help="Embed with this vltrain checkpoint instead (the vectors "
                                               "are kept under OUT/_embed/, so a re-run encodes nothing again).",
                                               metavar="CKPT"),
     device: str = typer.Option("auto", help="--checkpoint's device: auto (CUDA when present), cpu, cuda."),
-    exclude: Optional[List[Path]] = typer.Option(None, help="Rule 12: drop samples whose image has the same pixels "
-                                                 "as (or with --near-dup, is within T of) an image of this eval "
-                                                 "dataset; repeatable.", metavar="DATASET"),
-    clip_score_min: Optional[float] = typer.Option(None, help="Rule 13: drop pairs whose image-caption cosine "
+    exclude: Optional[List[Path]] = typer.Option(None, help="Rule 13: drop samples whose image has the same pixels "
+                                                 "as (or with --phash / --near-dup, is within D / T of) an image of "
+                                                 "this eval dataset; repeatable.", metavar="DATASET"),
+    exclude_embeddings: Optional[List[Path]] = typer.Option(None, help="With --near-dup and --embeddings: each "
+                                                            "--exclude set's `vlprep embed` output (same checkpoint, "
+                                                            "same order), instead of --checkpoint.", metavar="EMB"),
+    clip_score_min: Optional[float] = typer.Option(None, help="Rule 14: drop pairs whose image-caption cosine "
                                                    "(clip score) is below S; OUT's sidecars get `clip_score`.",
                                                    metavar="S"),
-    clip_score_top: Optional[float] = typer.Option(None, help="Rule 13: keep the top F (0 < F <= 1) of the samples "
+    clip_score_top: Optional[float] = typer.Option(None, help="Rule 14: keep the top F (0 < F <= 1) of the samples "
                                                    "still kept, by clip score (ties: dataset order).", metavar="F"),
     workers: Optional[int] = workers_option("CPU count, at most 4"),
     distributor: str = distributor_option(),
@@ -225,15 +231,17 @@ def filter_(
     overwrite: bool = typer.Option(False, help="Replace the vlprep files in a non-empty OUT written otherwise."),
 ) -> None:
     """Keep the samples that pass every rule, copied unchanged. Rules run in a fixed order (1 keys, 2 drop-keys,
-    3 bad images (always), 4-6 image size, 7 caption words, 8-10 dedup image, caption, pair, 11 near-dup,
-    12 exclude, 13 clip score); each dropped sample is charged to the first rule that drops it (docs/FILTER.md)."""
+    3 bad images (always), 4-6 image size, 7 caption words, 8-10 dedup image, caption, pair, 11 phash,
+    12 near-dup, 13 exclude, 14 clip score); each dropped sample is charged to the first rule that drops it
+    (docs/FILTER.md)."""
     from vlprep.filter import FilterConfig, filter_dataset
     from vlprep.filterreport import print_filter_report
 
     cfg = FilterConfig(src=src, out=out, keys=keys, drop_keys=drop_keys, min_side=min_side, max_aspect=max_aspect,
                        max_pixels=max_pixels, caption_words=caption_words, dedup=list(dedup or []),
-                       near_dup=near_dup, embeddings=embeddings, text_embeddings=text_embeddings,
-                       exclude=list(exclude or []), clip_score_min=clip_score_min, clip_score_top=clip_score_top,
+                       phash=phash, near_dup=near_dup, embeddings=embeddings, text_embeddings=text_embeddings,
+                       exclude=list(exclude or []), exclude_embeddings=list(exclude_embeddings or []),
+                       clip_score_min=clip_score_min, clip_score_top=clip_score_top,
                        overwrite=overwrite, skip_bad_shards=skip_bad_shards)
     run_stage(cfg, workers, distributor, filter_dataset, print_filter_report, out,
               "report.json and dropped.parquet say what was dropped", empty="every sample was dropped",

@@ -22,14 +22,15 @@ from vlprep import VlprepError
 from vlprep.dataset import carried_features, iter_aligned, sidecar_name
 from vlprep.engine import Work, check_engine, default_workers, map_shards
 from vlprep.filterembed import build_embed_rules, exclude_signatures, vectors_identity
-from vlprep.filterreport import embed_report
-from vlprep.filterscan import HASHES, SCAN_DIR, h64_column, input_signature, read_scan, scan_done, scan_shard
+from vlprep.filterphash import PHash, check_distance
+from vlprep.filterreport import embed_report, write_dropped
+from vlprep.filterscan import (HASHES, SCAN_DIR, SCAN_KINDS, h64_column, input_signature, read_scan, scan_done,
+                               scan_shard)
 from vlprep.output import Out, finish_dataset, open_derived, write_json_atomic, write_shard, writing_output
 from vlprep.urls import redact
 from vlprep.userfile import read_user_file
 
 MAX_KEYS_BYTES = 1 << 30  # a keys file is held as a set in the driver
-EXAMPLES = 5
 
 
 # --- sample rules: a shard's samples judged one by one -----------------------------------------------------------
@@ -139,6 +140,7 @@ class Dedup:
         self.kind = kind
         self.name = f"dedup_{kind}"
         self.scan = (kind,)
+        self.hold = (kind,)  # the 64-bit hashes the driver holds for it
 
     def run(self, d: "Decision", code: int) -> None:
         hashes = d.h64.pop(self.kind)
@@ -178,7 +180,7 @@ class Decision:
         self.dataset_rules = dataset_rules
         self.shards: list[str] = []
         self.codes: list[np.ndarray] = []  # per shard (n,) uint8: 0 kept, else 1 + the dropping rule's index
-        self.h64: dict[str, list[np.ndarray]] = {r.kind: [] for r in dataset_rules if isinstance(r, Dedup)}
+        self.h64: dict[str, list[np.ndarray]] = {k: [] for r in dataset_rules for k in getattr(r, "hold", ())}
         self.details: dict[tuple[int, int], str | dict] = {}  # (shard index, row) -> a dataset rule's detail
         self.scores: list[np.ndarray] | None = None  # per shard (n,) float32 clip scores, when a clip rule ran
 
@@ -228,10 +230,12 @@ class FilterConfig:
     max_pixels: int | None = None    # drop images of more pixels than this
     caption_words: str | None = None  # MIN:MAX words (either may be left empty)
     dedup: list[str] = field(default_factory=list)  # image, caption, pair (repeatable, comma-separated)
+    phash: int | None = None          # drop a sample whose pHash is within this Hamming distance of an earlier one
     near_dup: float | None = None     # drop a sample within this cosine of an earlier kept one
     embeddings: Path | None = None    # `vlprep embed` output (image) over SRC
     text_embeddings: Path | None = None  # `vlprep embed --modality text` output over SRC (the CLIP score)
     exclude: list = field(default_factory=list)  # eval datasets whose images no training sample may repeat
+    exclude_embeddings: list = field(default_factory=list)  # their `vlprep embed` outputs (one per exclude)
     clip_score_min: float | None = None  # drop pairs whose image-caption cosine is below this
     clip_score_top: float | None = None  # keep this fraction of the samples still kept, by clip score
     workers: int = field(default_factory=default_workers)
@@ -290,6 +294,8 @@ def build_rules(cfg: FilterConfig, encoder=None) -> tuple[list, list, dict]:
         raise VlprepError(f"--max-aspect is long side / short side, so at least 1; got {cfg.max_aspect:g}")
     words = parse_words(cfg.caption_words) if cfg.caption_words is not None else None
     kinds = parse_dedup(cfg.dedup)
+    if cfg.phash is not None:
+        check_distance(cfg.phash)
     image_rules = [MinSide(cfg.min_side) if cfg.min_side is not None else None,
                    MaxAspect(cfg.max_aspect) if cfg.max_aspect is not None else None,
                    MaxPixels(cfg.max_pixels) if cfg.max_pixels is not None else None]
@@ -297,14 +303,14 @@ def build_rules(cfg: FilterConfig, encoder=None) -> tuple[list, list, dict]:
     if words is not None:
         sample.append(CaptionWords(*words))
     embed_rules, embed_options = build_embed_rules(cfg, encoder)
-    dataset = [Dedup(k) for k in kinds] + embed_rules
+    dataset = [Dedup(k) for k in kinds] + ([PHash(cfg.phash)] if cfg.phash is not None else []) + embed_rules
     if len(sample) == 1 and not dataset:
         raise VlprepError("no rule given: give at least one of --keys, --drop-keys, --min-side, --max-aspect, "
-                          "--max-pixels, --caption-words, --dedup, --near-dup, --exclude, --clip-score-min, "
+                          "--max-pixels, --caption-words, --dedup, --phash, --near-dup, --exclude, --clip-score-min, "
                           "--clip-score-top (`vlprep filter --help`)")
     options.update(embed_options)
     options.update({"min_side": cfg.min_side, "max_aspect": cfg.max_aspect, "max_pixels": cfg.max_pixels,
-                    "caption_words": None if words is None else list(words), "dedup": kinds,
+                    "caption_words": None if words is None else list(words), "dedup": kinds, "phash": cfg.phash,
                     "order": [r.name for r in sample + dataset]})
     return sample, dataset, options
 
@@ -338,7 +344,7 @@ def filter_dataset(cfg: FilterConfig, encoder=None, progress=None) -> dict:
         options["exclude_signatures"] = exclude_signatures(cfg.exclude)
     with writing_output(out, "filter", options, cfg.overwrite) as out:
         (out.root / SCAN_DIR).mkdir(exist_ok=True)
-        hashes = tuple(k for k in HASHES if any(k in r.scan for r in dataset_rules))
+        hashes = tuple(k for k in SCAN_KINDS if any(k in r.scan for r in dataset_rules))
         scan_plan = [Work(s, (ds.source, s, hashes), f"{fps[s]}:{','.join(hashes)}", ds.sizes[s]) for s in ds.shards]
         decision = Decision(out, sample_rules, dataset_rules, progress, signature)
         scanned, scan_resumed = map_shards(out, scan_plan, scan_shard, workers=cfg.workers,
@@ -380,27 +386,3 @@ def _bad_counts(scanned: dict) -> dict[str, int]:
     for st in scanned.values():
         total.update(st.get("bad", {}))
     return dict(sorted(total.items()))
-
-
-DROPPED_SCHEMA = pa.schema([("key", pa.string()), ("shard", pa.string()), ("rule", pa.string()),
-                            ("detail", pa.string()), ("match_dataset", pa.string()), ("match_key", pa.string()),
-                            ("cosine", pa.float32())])
-
-
-def write_dropped(out: Out, d: Decision) -> tuple[dict[str, int], dict[str, list[str]]]:
-    """OUT/dropped.parquet, a shard at a time in dataset order; (dropped per rule, up to 5 example keys each)."""
-    dropped = {r.name: 0 for r in d.rules}
-    examples = {r.name: [] for r in d.rules}
-    path = out.root / "dropped.parquet"
-    tmp = path.with_name(path.name + ".tmp")
-    with pq.ParquetWriter(tmp, DROPPED_SCHEMA) as w:
-        for i in range(len(d.shards)):
-            rows = d.dropped_rows(i)
-            for row in rows:
-                dropped[row["rule"]] += 1
-                if len(examples[row["rule"]]) < EXAMPLES:
-                    examples[row["rule"]].append(row["key"])
-            if rows:
-                w.write_table(pa.Table.from_pylist(rows, schema=DROPPED_SCHEMA))
-    tmp.replace(path)
-    return dropped, examples

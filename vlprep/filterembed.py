@@ -10,12 +10,15 @@ import json
 import math
 import os
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 
 from vlprep import VlprepError
 from vlprep.dataset import image_ext, iter_samples, open_dataset
-from vlprep.filterscan import image_attributes, input_signature, read_scan
+from vlprep.filterphash import eval_matches
+from vlprep.filterscan import decode_image, input_signature, perceptual_hash, read_scan, rgb_hash
 from vlprep.filtervec import (EMBED_DIR, QUERY_BATCH, Alive, Source, Vectors, check_embed_output, embed_under,
                               index_over, near_dup_greedy, places, range_hits)
 from vlprep.output import write_json_atomic
@@ -49,16 +52,24 @@ class NearDup:
                 self.pairs.append((keys[int(alive.rows[j])].as_py(), other, c))
 
 
-def eval_hashes(evals: list[str]) -> dict[bytes, tuple[int, str]]:
-    """Every eval image's pixel hash (as --dedup image computes it) -> (which eval set, its key); the first kept."""
+def eval_hashes(evals: list[str], phash: bool = False) -> tuple[dict[bytes, tuple[int, str]], list]:
+    """Every eval image's pixel hash (as --dedup image computes it) -> (which eval set, its key), the first kept;
+    and per eval set the keys of its images that decode, with their pHashes (uint64; empty without `phash`)."""
     found = {}
+    perceptual = []
     for e, path in enumerate(evals):
+        hashes = []
+        keys = []
         for raw in iter_samples(open_eval(path), decode=False):
             ext = image_ext(raw)
-            _, _, why, full = image_attributes(raw[ext] if ext else None, True)
+            _, _, why, rgb = decode_image(raw[ext] if ext else None, True)
             if why is None:
-                found.setdefault(full, (e, raw["__key__"]))
-    return found
+                found.setdefault(rgb_hash(rgb), (e, raw["__key__"]))
+                keys.append(raw["__key__"])
+                if phash:
+                    hashes.append(perceptual_hash(rgb))
+        perceptual.append((np.array(hashes, np.uint64), keys))
+    return found, perceptual
 
 
 def open_eval(path):
@@ -70,23 +81,27 @@ def open_eval(path):
 
 
 class Exclude:
-    """--exclude DATASET...: drop a sample whose pixels equal an eval image's, or (with --near-dup T) within T of
-    one; every pair is kept for the report."""
+    """--exclude DATASET...: drop a sample whose pixels equal an eval image's, or (with --phash D) whose pHash is
+    within D of one's, or (with --near-dup T) within cosine T of one; every pair is kept for the report."""
 
     name = "exclude"
-    scan = ("image",)
 
-    def __init__(self, evals: list[str], threshold: float | None, images: Source | None, encoder, workers: int):
+    def __init__(self, evals: list[str], threshold: float | None, images: Source | None, encoder, workers: int,
+                 phash: int | None = None, vectors: list | None = None):
         self.evals = evals
         self.shown = [redact(e) for e in evals]  # as the report, meta.json and dropped.parquet name them
         self.threshold = threshold
         self.images = images
         self.encoder = encoder
         self.workers = workers
-        self.pairs: list[dict] = []  # every (train key, eval set, eval key, cosine) dropped, for the report
+        self.phash = phash
+        self.vectors = vectors  # --exclude-embeddings: each eval set's `vlprep embed` output, else None
+        self.scan = ("image", "phash") if phash is not None else ("image",)
+        self.hold = ("phash",) if phash is not None else ()
+        self.pairs: list[dict] = []  # every (train key, eval set, eval key, cosine, distance) dropped, for the report
 
     def run(self, d, code: int) -> None:
-        exact = eval_hashes(self.evals)
+        exact, perceptual = eval_hashes(self.evals, self.phash is not None)
         for i, shard in enumerate(d.shards):
             alive = np.flatnonzero(d.codes[i] == 0)
             if not alive.size:
@@ -98,20 +113,28 @@ class Exclude:
                 if hit is not None:
                     self._drop(d, code, i, r, table.column(0)[r].as_py(), hit[0], hit[1], None)
         del exact
+        if self.phash is not None:
+            for (i, r), key, e, eval_key, h in eval_matches(d, perceptual, self.phash):
+                self._drop(d, code, i, r, key, e, eval_key, None, h)
         if self.threshold is not None:
-            self._near(d, code)
+            self._near(d, code, [keys for _, keys in perceptual])
 
-    def _near(self, d, code: int) -> None:
+    def _near(self, d, code: int, eval_keys: list[list[str]]) -> None:
         vec = self.images.open(d.out, d.progress)
         alive = Alive(d, vec)
         where = {}  # alive position -> (eval set, eval row, cosine): the first eval set that has a match
         names = []
         for e, path in enumerate(self.evals):
             name = "exclude-" + hashlib.blake2b(str(path).encode(), digest_size=6).hexdigest()  # by path, not place
-            ev = Vectors(embed_under(d.out, path, self.encoder, "image", name, self.workers, d.progress),
-                         f"--exclude {redact(str(path))}")
-            names.append(ev.keys)
-            index = index_over(ev, np.arange(len(ev.keys)), "auto")
+            if self.vectors is not None:  # only the eval set's rows: a folder may hold other rows too
+                ev = Vectors(self.vectors[e], "--exclude-embeddings")
+                rows = check_covers(ev, eval_keys[e], path)
+            else:
+                ev = Vectors(embed_under(d.out, path, self.encoder, "image", name, self.workers, d.progress),
+                             f"--exclude {redact(str(path))}")
+                rows = np.arange(len(ev.keys))
+            names.append(ev.keys.take(pa.array(rows)))
+            index = index_over(ev, rows, "auto")
             for owner, ids, dist in range_hits(index, vec, alive.rows, self.threshold):
                 for j in np.unique(owner).tolist():
                     m = owner == j
@@ -123,12 +146,14 @@ class Exclude:
             e, k, c = where[j]
             self._drop(d, code, i, r, vec.keys[int(alive.rows[j])].as_py(), e, names[e][k].as_py(), c)
 
-    def _drop(self, d, code, i, r, key, e, eval_key, cos) -> None:
+    def _drop(self, d, code, i, r, key, e, eval_key, cos, distance=None) -> None:
         d.codes[i][r] = code
         how = "same pixels as" if cos is None else f"cosine {cos:.4f} with"
+        how = how if distance is None else f"phash distance {distance} with"
         d.details[(i, r)] = {"detail": f"{how} {eval_key} of {self.shown[e]}", "match_key": eval_key,
-                             "match_dataset": self.shown[e], "cosine": cos}
-        self.pairs.append({"key": key, "eval": self.shown[e], "eval_key": eval_key, "cosine": cos})
+                             "match_dataset": self.shown[e], "cosine": cos, "distance": distance}
+        self.pairs.append({"key": key, "eval": self.shown[e], "eval_key": eval_key, "cosine": cos,
+                           "distance": distance})
 
 
 class ClipScore:
@@ -223,6 +248,48 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (np.einsum("ij,ij->i", a, b) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))).astype(np.float32)
 
 
+def check_covers(ev: Vectors, keys: list[str], path) -> np.ndarray:
+    """The rows of an --exclude-embeddings output for the eval images that decode; a one-line error unless it has
+    every one."""
+    rows = ev.rows(pa.array(keys, pa.string())) if keys else np.zeros(0, np.int64)
+    missing = int((rows < 0).sum())
+    if missing:
+        raise VlprepError(f"{ev.flag}: no embedding for {missing} of the {len(keys)} images of --exclude "
+                          f"{redact(str(path))} (make it with `vlprep embed` over that eval set)")
+    return rows
+
+
+def encoder_record(folder, flag: str):
+    """The encoder a `vlprep embed` output's meta.json records (its checkpoint and model), or a one-line error."""
+    meta = Path(folder) / "meta.json"
+    record = json.loads(meta.read_text()).get("encoder") if meta.is_file() else None
+    if record is None:
+        raise VlprepError(f"{flag} {redact(str(folder))}: no meta.json naming its encoder (a `vlprep embed` output "
+                          "has one)")
+    return record
+
+
+def check_exclude_embeddings(cfg, encoder) -> None:
+    """--exclude-embeddings: one per --exclude, with --near-dup and --embeddings made by the same checkpoint."""
+    given = cfg.exclude_embeddings
+    if not given:
+        return
+    if len(given) != len(cfg.exclude):
+        raise VlprepError(f"--exclude-embeddings is one per --exclude, in the same order: got {len(given)} for "
+                          f"{len(cfg.exclude)} --exclude")
+    if cfg.near_dup is None or cfg.embeddings is None or encoder is not None:
+        raise VlprepError("--exclude-embeddings goes with --near-dup and --embeddings (with --checkpoint the eval "
+                          "sets are embedded by it)")
+    want = encoder_record(cfg.embeddings, "--embeddings")
+    for folder in given:
+        check_embed_output(folder, "--exclude-embeddings")
+        have = encoder_record(folder, "--exclude-embeddings")
+        if have != want:
+            name = lambda r: r.get("checkpoint", r) if isinstance(r, dict) else r  # noqa: E731
+            raise VlprepError(f"--exclude-embeddings {redact(str(folder))} was made by {name(have)}, --embeddings "
+                              f"{redact(str(cfg.embeddings))} by {name(want)}: both must come from one checkpoint")
+
+
 def build_embed_rules(cfg, encoder) -> tuple[list, dict]:
     """The embedding rules in their fixed order (near_dup, exclude, clip_score) and the options meta.json records."""
     t = cfg.near_dup
@@ -243,9 +310,10 @@ def build_embed_rules(cfg, encoder) -> tuple[list, dict]:
     if clip and encoder is None and (cfg.embeddings is None or cfg.text_embeddings is None):
         raise VlprepError("--clip-score-min/--clip-score-top need --checkpoint CKPT, or --embeddings and "
                           "--text-embeddings (`vlprep embed --modality image` and `--modality text` over SRC)")
-    if cfg.exclude and t is not None and encoder is None:
+    check_exclude_embeddings(cfg, encoder)
+    if cfg.exclude and t is not None and encoder is None and not cfg.exclude_embeddings:
         raise VlprepError("--exclude with --near-dup embeds the eval images, so it needs --checkpoint (the encoder "
-                          "that made --embeddings)")
+                          "that made --embeddings), or their `vlprep embed` outputs as --exclude-embeddings")
     for path in cfg.exclude:
         open_eval(path)
     for folder, flag in ((cfg.embeddings, "--embeddings"), (cfg.text_embeddings, "--text-embeddings")):
@@ -258,11 +326,13 @@ def build_embed_rules(cfg, encoder) -> tuple[list, dict]:
     if t is not None:
         rules.append(NearDup(t, images))
     if cfg.exclude:
-        rules.append(Exclude([str(p) for p in cfg.exclude], t, images, encoder, cfg.workers))
+        rules.append(Exclude([str(p) for p in cfg.exclude], t, images, encoder, cfg.workers, cfg.phash,
+                             [Path(p) for p in cfg.exclude_embeddings] or None))
     if clip:
         rules.append(ClipScore(cfg.clip_score_min, cfg.clip_score_top, images, texts))
     options = {"near_dup": t, "exclude": [redact(str(p)) for p in cfg.exclude], "clip_score_min": cfg.clip_score_min,
-               "clip_score_top": cfg.clip_score_top}
+               "clip_score_top": cfg.clip_score_top,
+               "exclude_embeddings": [redact(str(p)) for p in cfg.exclude_embeddings] or None}
     if images is not None and rules:
         options["image_vectors"] = images.identity()
     if texts is not None:

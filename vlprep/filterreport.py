@@ -3,15 +3,22 @@
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from vlprep.filterembed import ClipScore, Exclude, NearDup
+from vlprep.filterphash import PHash
+
+EXAMPLES = 5  # example keys per rule in report.json and the terminal table
 
 
 def embed_report(report: dict, out, ds, rules: list) -> None:
     """The embedding rules' part of the report, and OUT/clip_score.png, near_dup.png, clip_score_low.png."""
     for rule in rules:
-        if isinstance(rule, NearDup):
+        if isinstance(rule, PHash):
+            report["phash"] = {"distance": rule.distance,
+                               "pairs": [{"key": a, "kept": b, "distance": h} for a, b, h in rule.pairs]}
+        elif isinstance(rule, NearDup):
             report["near_dup"] = {"threshold": rule.threshold,
                                   "pairs": [{"key": a, "kept": b, "cosine": c} for a, b, c in rule.pairs]}
             if rule.pairs:
@@ -108,3 +115,27 @@ def print_filter_report(r: dict, console) -> None:
                       highlight=False)
     extra = f", {r['shards_resumed']} shard(s) resumed" if r["shards_resumed"] else ""
     console.print(f"{r['elapsed_s']:.1f}s{extra}; every dropped key: dropped.parquet", highlight=False)
+
+
+DROPPED_SCHEMA = pa.schema([("key", pa.string()), ("shard", pa.string()), ("rule", pa.string()),
+                            ("detail", pa.string()), ("match_dataset", pa.string()), ("match_key", pa.string()),
+                            ("cosine", pa.float32()), ("distance", pa.int32())])
+
+
+def write_dropped(out, d) -> tuple[dict[str, int], dict[str, list[str]]]:
+    """OUT/dropped.parquet, a shard at a time in dataset order; (dropped per rule, up to 5 example keys each)."""
+    dropped = {r.name: 0 for r in d.rules}
+    examples = {r.name: [] for r in d.rules}
+    path = out.root / "dropped.parquet"
+    tmp = path.with_name(path.name + ".tmp")
+    with pq.ParquetWriter(tmp, DROPPED_SCHEMA) as w:
+        for i in range(len(d.shards)):
+            rows = d.dropped_rows(i)
+            for row in rows:
+                dropped[row["rule"]] += 1
+                if len(examples[row["rule"]]) < EXAMPLES:
+                    examples[row["rule"]].append(row["key"])
+            if rows:
+                w.write_table(pa.Table.from_pylist(rows, schema=DROPPED_SCHEMA))
+    tmp.replace(path)
+    return dropped, examples

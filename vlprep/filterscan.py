@@ -3,7 +3,8 @@
 docs/FILTER.md is the contract. A worker reads one input shard and writes OUT/_scan/SHARD.parquet: per sample its
 key, the image's width and height from its header (PIL opens lazily: no decode), why it is a bad sample (no image,
 a header that does not open, pixels that do not decode), its caption's word count, and for each hash the scan was
-asked for a 64-bit hash (what the driver holds per sample) beside the full 256-bit one (what settles a collision).
+asked for a 64-bit hash (what the driver holds per sample) beside the full 256-bit one (what settles a collision),
+and with --phash the image's 64-bit perceptual hash (`phash_h64`, nothing beside it: near is not equal).
 A table is complete when its parquet is there and holds the shard's fingerprint, so a stopped scan resumes.
 """
 
@@ -28,6 +29,7 @@ from vlprep.text import words
 
 SCAN_DIR = "_scan"
 HASHES = ("image", "caption", "pair")  # what `--dedup` compares
+SCAN_KINDS = HASHES + ("phash",)  # what a scan may be asked for, in its columns' order
 _ASCII_PUNCT = frozenset(string.punctuation)  # symbols such as + = $ too: "a+b" is "a b"
 
 
@@ -49,10 +51,17 @@ def short_hash(full: bytes) -> int:
     return int.from_bytes(full[:8], "little")
 
 
-def pixel_hash(image: Image.Image) -> bytes:
+def rgb_hash(rgb: Image.Image) -> bytes:
     """full_hash of 'WxH:' and the decoded RGB pixels (transparency on white, as every stage decodes)."""
-    rgb = as_rgb(image)
     return full_hash(f"{rgb.width}x{rgb.height}:".encode() + rgb.tobytes())
+
+
+def perceptual_hash(rgb: Image.Image) -> int:
+    """imagehash.phash of the decoded RGB image as a 64-bit integer: its 8x8 bits row by row, the first the highest."""
+    import imagehash  # imported here: it brings scipy, which only --phash needs
+
+    bits = imagehash.phash(rgb).hash.reshape(-1)
+    return int.from_bytes(np.packbits(bits).tobytes(), "big")
 
 
 def caption_hash(text: str) -> bytes:
@@ -65,6 +74,12 @@ def pair_hash(image_full: bytes, caption_full: bytes) -> bytes:
 
 def image_attributes(data: bytes | None, pixels: bool) -> tuple[int, int, str | None, bytes | None]:
     """(width, height, why it is bad or None, the pixel hash when `pixels`) of one image member."""
+    width, height, why, rgb = decode_image(data, pixels)
+    return width, height, why, None if rgb is None else rgb_hash(rgb)
+
+
+def decode_image(data: bytes | None, pixels: bool) -> tuple[int, int, str | None, Image.Image | None]:
+    """(width, height, why it is bad or None, the decoded RGB image when `pixels`) of one image member."""
     if data is None:
         return -1, -1, "no_image", None
     try:
@@ -76,7 +91,7 @@ def image_attributes(data: bytes | None, pixels: bool) -> tuple[int, int, str | 
         return width, height, None, None
     try:
         im.load()
-        return width, height, None, pixel_hash(im)
+        return width, height, None, as_rgb(im)
     except Exception:
         return width, height, "undecodable", None
 
@@ -89,7 +104,7 @@ def scan_schema(hashes: tuple[str, ...]) -> pa.Schema:
     fields = [("key", pa.string()), ("width", pa.int32()), ("height", pa.int32()), ("bad", pa.string()),
               ("words", pa.int32())]
     for name in hashes:
-        fields += [(f"{name}_h64", pa.uint64()), (f"{name}_full", pa.binary(32))]
+        fields += [(f"{name}_h64", pa.uint64())] + ([] if name == "phash" else [(f"{name}_full", pa.binary(32))])
     return pa.schema(fields)
 
 
@@ -98,12 +113,13 @@ def scan_shard(out: Out, src: Path, shard: str, hashes: tuple[str, ...], fp: str
     side = pq.ParquetFile(src / sidecar_name(shard)).read(columns=["key", "caption"])
     keys = side.column("key").to_pylist()
     captions = side.column("caption").to_pylist()
-    pixels = "image" in hashes or "pair" in hashes
+    pixels = "image" in hashes or "pair" in hashes or "phash" in hashes
     cols: dict[str, list] = {f.name: [] for f in scan_schema(hashes)}
     bad = Counter()
     for i, raw in iter_aligned(src / shard, keys):
         ext = image_ext(raw)
-        width, height, why, image_full = image_attributes(raw[ext] if ext else None, pixels)
+        width, height, why, rgb = decode_image(raw[ext] if ext else None, pixels)
+        image_full = None if rgb is None else rgb_hash(rgb)
         if why is not None:
             bad[why] += 1
         caption = captions[i] or ""
@@ -115,7 +131,9 @@ def scan_shard(out: Out, src: Path, shard: str, hashes: tuple[str, ...], fp: str
         cols["words"].append(len(words(caption)))
         found = {"image": image_full, "caption": caption_full,
                  "pair": pair_hash(image_full, caption_full) if image_full else None}
-        for name in hashes:
+        if "phash" in hashes:  # a bad sample's placeholder 0: the driver drops it before the rule runs
+            cols["phash_h64"].append(0 if rgb is None else perceptual_hash(rgb))
+        for name in (h for h in hashes if h != "phash"):
             full = found[name] or bytes(32)  # a bad sample's placeholder: the driver drops it before any dedup
             cols[f"{name}_h64"].append(short_hash(full))
             cols[f"{name}_full"].append(full)

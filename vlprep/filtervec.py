@@ -205,9 +205,17 @@ def near_dup_greedy(vec: Vectors, rows: np.ndarray, threshold: float, kind: str 
     if n == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float32)
     index = index_over(vec, rows, kind)
+    dropped, partner, cos = greedy(n, range_hits(index, vec, rows, threshold))
+    return dropped, partner, cos.astype(np.float32)
+
+
+def greedy(n: int, batches) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The greedy rule over positions 0..n-1, fed batches of near pairs (query position, other position, score;
+    higher is nearer) whose query positions ascend from batch to batch: j is dropped when a near i < j is still
+    kept. Returns (dropped positions, the nearest such i, the earliest on equal scores; its score)."""
     keep = np.ones(n, bool)
     found = ([], [], [])
-    for owner, ids, dist in range_hits(index, vec, rows, threshold):
+    for owner, ids, dist in batches:
         hit = ids < owner
         owner = owner[hit]
         ids = ids[hit]
@@ -229,4 +237,4 @@ def near_dup_greedy(vec: Vectors, rows: np.ndarray, threshold: float, kind: str 
                 found[0].append(j)
                 found[1].append(int(ids[best]))
                 found[2].append(float(dist[best]))
-    return (np.array(found[0], np.int64), np.array(found[1], np.int64), np.array(found[2], np.float32))
+    return (np.array(found[0], np.int64), np.array(found[1], np.int64), np.array(found[2], np.float64))

@@ -272,7 +272,8 @@ def test_an_undecodable_image_is_a_counted_bad_sample(tmp_path):
     assert rep["bad"] == {"undecodable": 1} and rep["dropped"]["bad_image"] == 1 and rep["kept"] == 5
     row = pq.read_table(tmp_path / "o" / "dropped.parquet").to_pylist()
     assert row == [{"key": samples[1]["__key__"], "shard": "shard-000001.tar", "rule": "bad_image",
-                    "detail": "undecodable", "match_dataset": None, "match_key": None, "cosine": None}]
+                    "detail": "undecodable", "match_dataset": None, "match_key": None, "cosine": None,
+                    "distance": None}]
 
 
 # --- user mistakes: one line, nothing written ----------------------------------------------------------------------
@@ -309,6 +310,8 @@ def test_the_cli_prints_the_table_and_its_help_gives_the_order(data, tmp_path):
     assert "wrote " in r.stderr
     h = cli("--help")
     assert h.returncode == 0 and "1 keys, 2 drop-keys" in " ".join(h.stdout.split())
+    assert "11 phash, 12 near-dup, 13 exclude, 14 clip score" in " ".join(h.stdout.split())
+    assert "--phash" in h.stdout and "--exclude-embeddings" in h.stdout
 
 
 def test_out_that_is_the_input_is_refused(data):
