@@ -213,7 +213,7 @@ def embed(cfg: EmbedConfig, enc, progress=None) -> dict:
                   "per_s": round(n / elapsed, 2) if elapsed > 0 else None,
                   "outputs": [str(out.root / "embeddings.npy"), str(out.root / "keys.parquet")]}
         write_json_atomic(out.root / "meta.json", {"stage": "embed", "options": options, "dim": enc.dim, "count": n,
-                                              "encoder": enc.info})
+                                              "encoder": enc.info, "encoder_fingerprint": enc.fingerprint})
         write_json_atomic(out.root / "report.json", report)
     return report
 

@@ -259,14 +259,16 @@ def check_covers(ev: Vectors, keys: list[str], path) -> np.ndarray:
     return rows
 
 
-def encoder_record(folder, flag: str):
-    """The encoder a `vlprep embed` output's meta.json records (its checkpoint and model), or a one-line error."""
+def encoder_record(folder, flag: str) -> tuple[object, str | None]:
+    """The encoder a `vlprep embed` output's meta.json records (its checkpoint and model) and the checkpoint file's
+    fingerprint (None in outputs written before it was recorded), or a one-line error."""
     meta = Path(folder) / "meta.json"
-    record = json.loads(meta.read_text()).get("encoder") if meta.is_file() else None
+    data = json.loads(meta.read_text()) if meta.is_file() else {}
+    record = data.get("encoder")
     if record is None:
         raise VlprepError(f"{flag} {redact(str(folder))}: no meta.json naming its encoder (a `vlprep embed` output "
                           "has one)")
-    return record
+    return record, data.get("encoder_fingerprint")
 
 
 def check_exclude_embeddings(cfg, encoder) -> None:
@@ -280,12 +282,17 @@ def check_exclude_embeddings(cfg, encoder) -> None:
     if cfg.near_dup is None or cfg.embeddings is None or encoder is not None:
         raise VlprepError("--exclude-embeddings goes with --near-dup and --embeddings (with --checkpoint the eval "
                           "sets are embedded by it)")
-    want = encoder_record(cfg.embeddings, "--embeddings")
+    want, want_fp = encoder_record(cfg.embeddings, "--embeddings")
     for folder in given:
         check_embed_output(folder, "--exclude-embeddings")
-        have = encoder_record(folder, "--exclude-embeddings")
-        if have != want:
+        have, have_fp = encoder_record(folder, "--exclude-embeddings")
+        # the fingerprint (the checkpoint file's size and mtime) tells a checkpoint retrained in place from itself
+        if have != want or None not in (have_fp, want_fp) and have_fp != want_fp:
             name = lambda r: r.get("checkpoint", r) if isinstance(r, dict) else r  # noqa: E731
+            if have == want:
+                raise VlprepError(f"--exclude-embeddings {redact(str(folder))} and --embeddings "
+                                  f"{redact(str(cfg.embeddings))} were made by {name(want)} as it was at two times "
+                                  "(the file changed in between): embed both with it as it is now")
             raise VlprepError(f"--exclude-embeddings {redact(str(folder))} was made by {name(have)}, --embeddings "
                               f"{redact(str(cfg.embeddings))} by {name(want)}: both must come from one checkpoint")
 

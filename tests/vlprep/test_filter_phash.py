@@ -246,12 +246,16 @@ def test_exclude_embeddings_mismatches_are_one_line_errors(evals_emb, tmp_path):
     other = FakeEncoder({c: v for c, v in zip(e["enc"].by_colour, e["enc"].by_colour.values())}, {})
     other.info = {"checkpoint": "/elsewhere/other.pt"}
     embed(EmbedConfig(src=e["eval"], out=tmp_path / "other", modality="image", workers=1), other)
+    later = FakeEncoder(dict(e["enc"].by_colour), {})  # the same checkpoint file, changed after the first embed
+    later.fingerprint = e["enc"].fingerprint + ":retrained"
+    embed(EmbedConfig(src=e["eval"], out=tmp_path / "later", modality="image", workers=1), later)
     bare = write_embeddings(tmp_path / "bare", e["eval_keys"], basis(1)[:len(e["eval_keys"])])
     common = dict(near_dup=T, embeddings=tmp / "emb-ds", exclude=[e["eval"], e["eval2"]])
     cases = [
         (dict(exclude_embeddings=[tmp / "emb-eval"]), "one per --exclude, in the same order: got 1 for 2"),
         (dict(exclude_embeddings=[tmp_path / "other", tmp / "emb-eval2"]),
          "was made by /elsewhere/other.pt, --embeddings"),
+        (dict(exclude_embeddings=[tmp_path / "later", tmp / "emb-eval2"]), "as it was at two times"),
         (dict(exclude_embeddings=[bare, tmp / "emb-eval2"]), "no meta.json naming its encoder"),
         (dict(exclude_embeddings=[tmp / "emb-eval2", tmp / "emb-eval"]), "no embedding for 4 of the 6 images"),
     ]
