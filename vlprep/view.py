@@ -1,0 +1,188 @@
+"""`vlprep view`: a static HTML page of N samples of a dataset, drawn across its shards by a seeded, stratified draw
+and read alone (member headers are scanned up to the last drawn sample of a shard; no other payload is read)."""
+
+import hashlib
+import http.server
+import io
+import json
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from vlprep import VlprepError, urls
+from vlprep.dataset import IMAGE_EXTS, _META, Dataset, _check_member, as_rgb, open_dataset, short_shard
+from vlprep.tario import TarReader
+from vlprep.viewpage import lineage, render_page, sample_record
+
+MAX_SAMPLES = 100_000  # every drawn sample is a card and a thumbnail in one page
+READ_EXTS = frozenset(("txt", "json") + IMAGE_EXTS)
+MARKER = ".vlprep-view"  # marks a folder `vlprep view` wrote, which a later view may replace
+
+
+@dataclass
+class ViewConfig:
+    dataset: Path | str
+    out: Path | None = None  # default: DATASET/view (a URL DATASET needs one)
+    samples: int = 200
+    seed: int = 0
+    thumb: int = 256  # the longer side of a thumbnail, in pixels
+    port: int | None = None  # --serve's port, checked before anything is written
+
+    def validate(self) -> None:
+        if not 1 <= self.samples <= MAX_SAMPLES:
+            raise VlprepError(f"--samples must be between 1 and {MAX_SAMPLES:,}, not {self.samples}")
+        if self.seed < 0:
+            raise VlprepError(f"--seed must be >= 0, not {self.seed}")
+        if self.port is not None and not 0 <= self.port <= 65535:
+            raise VlprepError(f"--port must be between 0 and 65535, not {self.port}")
+        if self.out is None and not isinstance(self.dataset, Path):
+            raise VlprepError(f"DATASET {urls.redact(str(self.dataset))} is a URL: give --out, a local folder for the "
+                              "page")
+
+
+def allocate(sizes: list[int], n: int, rng: np.random.Generator) -> list[int]:
+    """Samples to draw from each shard: n split in proportion to the sizes by largest remainder, ties broken at
+    random (so that 200 of 1,000 equal shards are a random 200, not the first ones); every sample when n >= total."""
+    total = sum(sizes)
+    if n >= total:
+        return list(sizes)
+    base = [n * s // total for s in sizes]
+    rest = [n * s % total for s in sizes]
+    tie = rng.permutation(len(sizes))
+    order = sorted(range(len(sizes)), key=lambda i: (-rest[i], tie[i]))
+    for i in order[: n - sum(base)]:
+        base[i] += 1
+    return base
+
+
+def draw(ds: Dataset, n: int, seed: int) -> dict[str, list[int]]:
+    """{shard: sorted sample positions} of a seeded stratified draw of n samples (shards drawing none left out)."""
+    rng = np.random.default_rng(seed)
+    counts = allocate([ds.sizes[s] for s in ds.shards], n, rng)
+    picks = {}
+    for shard, k in zip(ds.shards, counts):
+        if k:
+            picks[shard] = sorted(int(i) for i in rng.choice(ds.sizes[shard], size=k, replace=False))
+    return picks
+
+
+def read_picked(tar_path, positions: list[int], expected: int) -> Iterator[tuple[int, dict]]:
+    """(position, raw sample) for the drawn positions of one shard: the tar's member headers are scanned up to the
+    last of them, and only their txt, json and image members are read (the reading rules of iter_tar)."""
+    want = set(positions)
+    last = positions[-1]
+    index = -1
+    key = None
+    sample: dict = {}
+    buffering = 1 << 16 if isinstance(tar_path, str) else 1 << 12  # local: a page per header, not 64 KiB of payload
+    with TarReader(tar_path, buffering=buffering) as tar:
+        for name, offset, size in tar:
+            _check_member(name)
+            dirname, _, base = name.rpartition("/")
+            stem, dot, ext = base.partition(".")
+            if not dot or _META.match(name):
+                continue
+            k = f"{dirname}/{stem}" if dirname else stem
+            if k != key:
+                if index in want:
+                    yield index, sample
+                index += 1
+                key = k
+                sample = {"__key__": k}
+                if index > last:
+                    return
+            if index in want and ext.lower() in READ_EXTS:
+                sample[ext.lower()] = tar.read(offset, size)
+    if index in want:
+        yield index, sample
+    if index < last:
+        raise short_shard(tar_path, index + 1, "sizes.json says", expected)
+
+
+def thumb_name(key: str) -> str:
+    """A thumbnail's file name: a hash of the key, never the key (a key may look like a path)."""
+    return hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=10).hexdigest() + ".jpg"
+
+
+def write_thumb(data: bytes, path: Path, side: int) -> tuple[int, int] | None:
+    """Save a JPEG thumbnail of image bytes (longer side at most `side`); its (width, height), None if undecodable."""
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            im.thumbnail((side, side))
+            rgb = as_rgb(im)
+    except (OSError, ValueError, Image.DecompressionBombError):
+        return None
+    rgb.save(path, format="JPEG", quality=85)
+    return rgb.size
+
+
+def prepare_out(out: Path, ds: Dataset) -> None:
+    """Make OUT ready: new, empty, or a page `vlprep view` wrote (its thumbnails are replaced); never the dataset."""
+    root = ds.root.resolve()
+    if not ds.url and (out.resolve() == root or root.is_relative_to(out.resolve())):
+        raise VlprepError(f"--out {out} is (or holds) the dataset folder; give another folder")
+    if out.exists() and not out.is_dir():
+        raise VlprepError(f"--out {out} is a file, not a folder")
+    if out.exists() and any(out.iterdir()) and not (out / MARKER).exists():
+        raise VlprepError(f"--out {out} holds files that `vlprep view` did not write; give an empty or new folder")
+    if (out / "thumbs").is_dir():
+        shutil.rmtree(out / "thumbs")
+    (out / "thumbs").mkdir(parents=True, exist_ok=True)
+    (out / MARKER).write_text("written by vlprep view\n")
+
+
+def read_json(path: Path) -> dict:
+    """A small JSON file of the dataset as a dict; {} when it is missing or not an object."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def build_view(cfg: ViewConfig) -> dict:
+    """Write OUT/index.html and OUT/thumbs/ for a draw of cfg.samples samples; the summary (counts, OUT)."""
+    cfg.validate()
+    ds = open_dataset(cfg.dataset)
+    out = Path(cfg.out) if cfg.out is not None else Path(cfg.dataset) / "view"
+    prepare_out(out, ds)
+    meta = read_json(ds.root / "meta.json")
+    onto = read_json(ds.root / "ontology.json") if meta.get("stage") == "ontology" else {}
+    records = []
+    undecodable = 0
+    for shard, positions in draw(ds, cfg.samples, cfg.seed).items():
+        for index, raw in read_picked(ds.tar(shard), positions, ds.sizes[shard]):
+            ext = next((e for e in IMAGE_EXTS if e in raw), None)
+            thumb = None
+            if ext is not None:
+                name = thumb_name(raw["__key__"])
+                thumb = write_thumb(raw[ext], out / "thumbs" / name, cfg.thumb)
+                thumb = thumb and {"src": f"thumbs/{name}", "w": thumb[0], "h": thumb[1]}
+            undecodable += thumb is None
+            records.append(sample_record(raw, shard, index, thumb, onto.get("noun_to_class") or {}))
+    info = {"dataset": ds.location, "stage": meta.get("stage", ""), "total": ds.num_samples,
+            "shown": len(records), "seed": cfg.seed, "shards": len(ds.shards),
+            "lineage": lineage(ds.location, meta, ds.url is None), "report": read_json(ds.root / "report.json")}
+    (out / "index.html").write_text(render_page(info, records), encoding="utf-8")
+    return {"out": str(out), "samples": len(records), "total": ds.num_samples, "no_image": undecodable}
+
+
+class QuietHandler(http.server.SimpleHTTPRequestHandler):
+    """http.server's file handler without a log line per request."""
+
+    def log_message(self, format, *args) -> None:  # noqa: A002 (http.server's name)
+        pass
+
+
+def make_server(out: Path, port: int) -> http.server.ThreadingHTTPServer:
+    """An http.server on 127.0.0.1 serving the folder `out` (port 0: any free port)."""
+    try:
+        return http.server.ThreadingHTTPServer(("127.0.0.1", port), partial(QuietHandler, directory=str(out)))
+    except OSError as e:
+        raise VlprepError(f"cannot serve on 127.0.0.1:{port} ({e.strerror or e}); give another --port, or --port 0 "
+                          "for any free one") from None
