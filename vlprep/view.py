@@ -1,6 +1,7 @@
 """`vlprep view`: a static HTML page of N samples of a dataset, drawn across its shards by a seeded, stratified draw
 and read alone (member headers are scanned up to the last drawn sample of a shard; no other payload is read)."""
 
+import contextlib
 import hashlib
 import http.server
 import io
@@ -12,9 +13,10 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 from PIL import Image
 
-from vlprep import VlprepError, urls
+from vlprep import VlprepError, objstore, urls
 from vlprep.dataset import IMAGE_EXTS, _META, Dataset, _check_member, as_rgb, open_dataset, short_shard
 from vlprep.tario import TarReader
 from vlprep.viewpage import lineage, render_page, sample_record
@@ -145,6 +147,48 @@ def read_json(path: Path) -> dict:
     return value if isinstance(value, dict) else {}
 
 
+def small_file(ds: Dataset, name: str) -> dict:
+    """A small JSON file beside the shards (report.json, ontology.json) as a dict, fetched into a remote dataset's
+    mirror first; {} when there is none."""
+    if ds.url and not (ds.root / name).exists():
+        with contextlib.suppress(objstore.RemoteNotFound):
+            objstore.get_file(objstore.join(ds.url, name), ds.root / name)
+    return read_json(ds.root / name)
+
+
+def neighbour_captions(aligned, keys: set[str]) -> dict[str, str]:
+    """{key: caption} of the aligned samples named in `keys`, read from the sidecars whose key range (the Parquet
+    footer's statistics) can hold one of them: the pseudo-captions' neighbours. {} when the folder cannot be read."""
+    try:
+        ds = open_dataset(aligned)
+    except VlprepError:
+        return {}
+    found = {}
+    for shard in ds.shards:
+        if len(found) == len(keys):
+            break
+        side = ds.sidecar(shard)
+        if not side.exists():
+            continue
+        pf = pq.ParquetFile(side)
+        if not any(key_range_may_hold(pf, i, keys) for i in range(pf.metadata.num_row_groups)):
+            continue
+        table = pf.read(columns=["key", "caption"])
+        for key, caption in zip(table.column(0).to_pylist(), table.column(1).to_pylist()):
+            if key in keys:
+                found[key] = caption
+    return found
+
+
+def key_range_may_hold(pf: pq.ParquetFile, group: int, keys: set[str]) -> bool:
+    """Whether row group `group`'s key column may hold one of `keys` (True without statistics)."""
+    column = pf.metadata.row_group(group).column(pf.schema_arrow.get_field_index("key"))
+    stats = column.statistics
+    if stats is None or not stats.has_min_max:
+        return True
+    return any(stats.min <= k <= stats.max for k in keys)
+
+
 def build_view(cfg: ViewConfig) -> dict:
     """Write OUT/index.html and OUT/thumbs/ for a draw of cfg.samples samples; the summary (counts, OUT)."""
     cfg.validate()
@@ -152,7 +196,7 @@ def build_view(cfg: ViewConfig) -> dict:
     out = Path(cfg.out) if cfg.out is not None else Path(cfg.dataset) / "view"
     prepare_out(out, ds)
     meta = read_json(ds.root / "meta.json")
-    onto = read_json(ds.root / "ontology.json") if meta.get("stage") == "ontology" else {}
+    onto = small_file(ds, "ontology.json") if meta.get("stage") == "ontology" else {}
     records = []
     undecodable = 0
     for shard, positions in draw(ds, cfg.samples, cfg.seed).items():
@@ -165,9 +209,14 @@ def build_view(cfg: ViewConfig) -> dict:
                 thumb = thumb and {"src": f"thumbs/{name}", "w": thumb[0], "h": thumb[1]}
             undecodable += thumb is None
             records.append(sample_record(raw, shard, index, thumb, onto.get("noun_to_class") or {}))
+    wanted = {k for r in records for k in r.get("neighbours") or () if isinstance(k, str)}
+    if wanted and isinstance(meta.get("aligned"), str):
+        captions = neighbour_captions(meta["aligned"], wanted)
+        for r in records:
+            r["neighbour_captions"] = [captions.get(k) for k in r.get("neighbours") or ()]
     info = {"dataset": ds.location, "stage": meta.get("stage", ""), "total": ds.num_samples,
             "shown": len(records), "seed": cfg.seed, "shards": len(ds.shards),
-            "lineage": lineage(ds.location, meta, ds.url is None), "report": read_json(ds.root / "report.json")}
+            "lineage": lineage(ds.location, meta, ds.url is None), "report": small_file(ds, "report.json")}
     (out / "index.html").write_text(render_page(info, records), encoding="utf-8")
     return {"out": str(out), "samples": len(records), "total": ds.num_samples, "no_image": undecodable}
 

@@ -256,3 +256,62 @@ def test_every_sample_has_a_card_when_n_exceeds_the_total(three_shards, tmp_path
     build_view(ViewConfig(dataset=three_shards, out=tmp_path / "out", samples=1000))
     keys = [c["key"] for c in page_data(tmp_path / "out")["samples"]]
     assert keys == [s["__key__"] for s in iter_samples(three_shards)] and Counter(keys).most_common(1)[0][1] == 1
+
+
+# --- pseudolabel's neighbours, and a dataset at a URL ---------------------------------------------------------------
+
+
+def test_pseudo_cards_hold_their_neighbours_captions(tmp_path):
+    from tests.conftest import COLOURS, THINGS, tiny_checkpoint
+    from vlprep.pseudolabel import PseudolabelConfig, pseudolabel
+    from vltrain.checkpoint_encoder import CheckpointEncoder
+
+    caps = [f"A {COLOURS[i % 6]} {THINGS[i % 8]} and the {THINGS[(i * 3 + 1) % 8]}, number {i}" for i in range(12)]
+    aligned = make_dataset(tmp_path / "aligned", caps, 4, prefix="al")
+    unaligned = make_dataset(tmp_path / "unaligned", ["x"] * 4, 2, seed=500, prefix="un")
+    enc = CheckpointEncoder(tiny_checkpoint(tmp_path / "ckpt.pt"), "cpu")
+    pseudolabel(PseudolabelConfig(aligned=aligned, unaligned=unaligned, out=tmp_path / "pl", k=3, crops=2,
+                                  batch_size=4, device="cpu", workers=1), enc)
+    build_view(ViewConfig(dataset=tmp_path / "pl", out=tmp_path / "out"))
+    truth = {s["__key__"]: s["txt"] for s in iter_samples(aligned)}
+    pseudo = {s["__key__"]: s for s in iter_samples(tmp_path / "pl")}
+    cards = page_data(tmp_path / "out")["samples"]
+    assert len(cards) == 4
+    for card in cards:
+        assert card["pseudo"] is True and card["captions"] == [pseudo[card["key"]]["txt"]]
+        assert card["neighbours"] == pseudo[card["key"]]["json"]["neighbours"] and len(card["neighbours"]) == 3
+        assert card["neighbour_captions"] == [truth[k] for k in card["neighbours"]]
+
+
+def test_neighbour_lookup_reads_only_sidecars_whose_key_range_holds_one(tmp_path, monkeypatch):
+    import pyarrow.parquet as pq
+
+    from vlprep.view import neighbour_captions
+
+    aligned = make_dataset(tmp_path / "al", [f"caption {i}" for i in range(12)], 4, prefix="al")
+    read = []
+    original = pq.ParquetFile.read
+
+    def counting(self, *a, **kw):
+        read.append(1)
+        return original(self, *a, **kw)
+
+    monkeypatch.setattr(pq.ParquetFile, "read", counting)
+    found = neighbour_captions(aligned, {"al_000000005", "al_000000006", "nope"})
+    assert found == {"al_000000005": "caption 5", "al_000000006": "caption 6"} and len(read) == 1
+    assert neighbour_captions(tmp_path / "missing", {"al_000000005"}) == {}
+
+
+def test_a_dataset_at_an_http_url_gives_the_same_cards(three_shards, tmp_path):
+    from tests.integration.servers import http_server, need
+
+    need("fsspec", "aiohttp")
+    build_view(ViewConfig(dataset=three_shards, out=tmp_path / "local", samples=6, seed=2))
+    with http_server(three_shards.parent) as (base, _):
+        build_view(ViewConfig(dataset=f"{base}/ds/", out=tmp_path / "remote", samples=6, seed=2))
+    local = page_data(tmp_path / "local")
+    remote = page_data(tmp_path / "remote")
+    assert remote["samples"] == local["samples"] and remote["info"]["dataset"].startswith("http://127.0.0.1:")
+    for card in remote["samples"]:
+        src = card["thumb"]["src"]
+        assert (tmp_path / "remote" / src).read_bytes() == (tmp_path / "local" / src).read_bytes()

@@ -105,8 +105,12 @@
     if (s.pseudo) {
       box.appendChild(el("div", "label", "pseudo-caption (" + (s.strategy || "") + ")"));
       if (Array.isArray(s.neighbours)) {
-        box.appendChild(el("div", "label", "neighbours"));
-        box.appendChild(list("neighbours", all ? s.neighbours : s.neighbours.slice(0, 3)));
+        var caps = s.neighbour_captions || [];
+        var items = s.neighbours.map(function (k, i) {
+          return typeof caps[i] === "string" ? k + ": " + caps[i] : String(k);
+        });
+        box.appendChild(el("div", "label", "neighbours (" + items.length + ")"));
+        box.appendChild(list("neighbours", all ? items : items.slice(0, 3)));
       }
     }
     if (typeof s.clip_score === "number") {
