@@ -189,6 +189,64 @@ def key_range_may_hold(pf: pq.ParquetFile, group: int, keys: set[str]) -> bool:
     return any(stats.min <= k <= stats.max for k in keys)
 
 
+def drawn_drops(path: Path, n: int, seed: int) -> list[dict]:
+    """A seeded draw of up to n rows of a filter's dropped.parquet ({key, shard, rule, detail}, in file order),
+    streamed a batch at a time."""
+    pf = pq.ParquetFile(path)
+    total = pf.metadata.num_rows
+    picks = set(int(i) for i in np.random.default_rng(seed).choice(total, size=min(n, total), replace=False))
+    rows = []
+    start = 0
+    for batch in pf.iter_batches(batch_size=1 << 16, columns=["key", "shard", "rule", "detail"]):
+        for i in sorted(p - start for p in picks if start <= p < start + batch.num_rows):
+            rows.append({c: batch.column(c)[i].as_py() for c in ("key", "shard", "rule", "detail")})
+        start += batch.num_rows
+    return rows
+
+
+def dropped_records(ds: Dataset, src, n: int, seed: int, out: Path, side: int) -> list[dict]:
+    """Cards of a draw of the samples a filter dropped, read from its input `src` (without thumbnails when the input
+    cannot be opened), each with its `dropped` rule and detail."""
+    if ds.url and not (ds.root / "dropped.parquet").exists():
+        with contextlib.suppress(objstore.RemoteNotFound):
+            objstore.get_file(objstore.join(ds.url, "dropped.parquet"), ds.root / "dropped.parquet")
+    if not (ds.root / "dropped.parquet").is_file():
+        return []
+    rows = drawn_drops(ds.root / "dropped.parquet", n, seed)
+    try:
+        source = open_dataset(src) if isinstance(src, str) else None
+    except VlprepError:
+        source = None
+    samples = {}
+    for shard in dict.fromkeys(r["shard"] for r in rows):
+        if source is None or shard not in source.sizes:
+            continue
+        wanted = {r["key"] for r in rows if r["shard"] == shard}
+        keys = source.column(shard, "key")
+        positions = [i for i, k in enumerate(keys) if k in wanted]
+        for index, raw in read_picked(source.tar(shard), positions, source.sizes[shard]) if positions else ():
+            samples[raw["__key__"]] = (shard, index, raw)
+    records = []
+    for r in rows:
+        shard, index, raw = samples.get(r["key"], (r["shard"], -1, {"__key__": r["key"]}))
+        rec = card(raw, shard, index, out, side, {})
+        rec["dropped"] = {"rule": r["rule"], "detail": r["detail"]}
+        records.append(rec)
+    return records
+
+
+def card(raw: dict, shard: str, index: int, out: Path, side: int, noun_class: dict) -> dict:
+    """A sample's record for the page, its thumbnail written to OUT/thumbs/ (`thumb` None when it has no image
+    that decodes)."""
+    ext = next((e for e in IMAGE_EXTS if e in raw), None)
+    thumb = None
+    if ext is not None:
+        name = thumb_name(raw["__key__"])
+        size = write_thumb(raw[ext], out / "thumbs" / name, side)
+        thumb = size and {"src": f"thumbs/{name}", "w": size[0], "h": size[1]}
+    return sample_record(raw, shard, index, thumb, noun_class)
+
+
 def build_view(cfg: ViewConfig) -> dict:
     """Write OUT/index.html and OUT/thumbs/ for a draw of cfg.samples samples; the summary (counts, OUT)."""
     cfg.validate()
@@ -201,24 +259,22 @@ def build_view(cfg: ViewConfig) -> dict:
     undecodable = 0
     for shard, positions in draw(ds, cfg.samples, cfg.seed).items():
         for index, raw in read_picked(ds.tar(shard), positions, ds.sizes[shard]):
-            ext = next((e for e in IMAGE_EXTS if e in raw), None)
-            thumb = None
-            if ext is not None:
-                name = thumb_name(raw["__key__"])
-                thumb = write_thumb(raw[ext], out / "thumbs" / name, cfg.thumb)
-                thumb = thumb and {"src": f"thumbs/{name}", "w": thumb[0], "h": thumb[1]}
-            undecodable += thumb is None
-            records.append(sample_record(raw, shard, index, thumb, onto.get("noun_to_class") or {}))
+            records.append(card(raw, shard, index, out, cfg.thumb, onto.get("noun_to_class") or {}))
+            undecodable += records[-1]["thumb"] is None
     wanted = {k for r in records for k in r.get("neighbours") or () if isinstance(k, str)}
     if wanted and isinstance(meta.get("aligned"), str):
         captions = neighbour_captions(meta["aligned"], wanted)
         for r in records:
             r["neighbour_captions"] = [captions.get(k) for k in r.get("neighbours") or ()]
+    shown = len(records)
+    if meta.get("stage") == "filter":
+        records += dropped_records(ds, meta.get("input"), cfg.samples, cfg.seed, out, cfg.thumb)
     info = {"dataset": ds.location, "stage": meta.get("stage", ""), "total": ds.num_samples,
-            "shown": len(records), "seed": cfg.seed, "shards": len(ds.shards),
+            "shown": shown, "dropped_shown": len(records) - shown, "seed": cfg.seed, "shards": len(ds.shards),
             "lineage": lineage(ds.location, meta, ds.url is None), "report": small_file(ds, "report.json")}
     (out / "index.html").write_text(render_page(info, records), encoding="utf-8")
-    return {"out": str(out), "samples": len(records), "total": ds.num_samples, "no_image": undecodable}
+    return {"out": str(out), "samples": shown, "dropped": len(records) - shown, "total": ds.num_samples,
+            "no_image": undecodable}
 
 
 class QuietHandler(http.server.SimpleHTTPRequestHandler):

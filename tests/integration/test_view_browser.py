@@ -14,6 +14,7 @@ import pytest
 from tests.conftest import detected_dataset, make_dataset
 from vlprep.bow import BowConfig, bow
 from vlprep.dataset import iter_samples
+from vlprep.filter import FilterConfig, filter_dataset
 from vlprep.view import ViewConfig, build_view
 
 CHROMIUM = os.environ.get("VLPREP_CHROMIUM", "/usr/bin/chromium")
@@ -56,11 +57,12 @@ def pages(tmp_path_factory):
     raw = make_dataset(tmp / "bowraw", BOW_CAPTIONS, per_shard=2)
     bow(BowConfig(src=raw, out=tmp / "bow", ops="rmstop", deform_base=True, workers=1))
     many = make_dataset(tmp / "many", [f"sample {i} {'even' if i % 2 == 0 else 'odd'}" for i in range(60)], 20)
+    filter_dataset(FilterConfig(src=many, out=tmp / "filtered", caption_words=":2", workers=1))
     out = {}
-    for name, ds in (("det", det), ("bow", tmp / "bow"), ("many", many)):
+    for name, ds in (("det", det), ("bow", tmp / "bow"), ("many", many), ("filtered", tmp / "filtered")):
         build_view(ViewConfig(dataset=ds, out=tmp / f"view-{name}"))
         out[name] = tmp / f"view-{name}"
-    out["datasets"] = {"det": det, "bow": tmp / "bow", "many": many}
+    out["datasets"] = {"det": det, "bow": tmp / "bow", "many": many, "filtered": tmp / "filtered"}
     return out
 
 
@@ -170,3 +172,14 @@ def test_the_served_page_is_the_same_page(browser, pages, tmp_path):
     finally:
         proc.terminate()
         proc.communicate(timeout=60)
+
+
+def test_a_filter_page_marks_its_dropped_samples_with_the_rule(browser, pages):
+    d = open_page(browser, (pages["filtered"] / "index.html").as_uri())
+    # every caption has 3 words ("sample i even"), so --caption-words :2 dropped all 60: the page shows 60 of them
+    dropped = js(d, """return [...document.querySelectorAll('.card.dropped')].map(c => [c.dataset.key,
+        c.querySelector('.dropped-why').textContent, c.querySelector('img').naturalWidth])""")
+    assert len(dropped) == 48 and js(d, "return document.querySelectorAll('.card').length") == 48
+    assert all(why.startswith("dropped by caption_words: 3 words") and w > 0 for _, why, w in dropped)
+    assert "then 60 of the samples the filter dropped" in js(d, "return document.getElementById('summary').textContent")
+    no_console_errors(d)

@@ -315,3 +315,24 @@ def test_a_dataset_at_an_http_url_gives_the_same_cards(three_shards, tmp_path):
     for card in remote["samples"]:
         src = card["thumb"]["src"]
         assert (tmp_path / "remote" / src).read_bytes() == (tmp_path / "local" / src).read_bytes()
+
+
+def test_a_filter_output_shows_a_draw_of_its_dropped_samples_with_the_rule(tmp_path):
+    from vlprep.filter import FilterConfig, filter_dataset
+
+    captions = [("one two three four" if i % 3 else "short") + f" {i}" for i in range(24)]
+    raw = make_dataset(tmp_path / "raw", captions, per_shard=8)
+    filter_dataset(FilterConfig(src=raw, out=tmp_path / "clean", caption_words="3:", workers=1))
+    report = build_view(ViewConfig(dataset=tmp_path / "clean", out=tmp_path / "out", samples=5, seed=4))
+    data = page_data(tmp_path / "out")
+    kept = [c for c in data["samples"] if "dropped" not in c]
+    drops = [c for c in data["samples"] if "dropped" in c]
+    truth = {s["__key__"]: s for s in iter_samples(raw)}
+    assert report["samples"] == len(kept) == 5 and report["dropped"] == len(drops) == 5
+    assert data["info"]["dropped_shown"] == 5
+    assert all(len(c["captions"][0].split()) >= 3 for c in kept)
+    for card in drops:  # each read from the filter's input, with its rule and the detail the filter wrote
+        assert card["captions"] == [truth[card["key"]]["txt"]] and card["captions"][0].startswith("short")
+        assert card["dropped"]["rule"] == "caption_words" and card["dropped"]["detail"].startswith("2 words")
+        assert (tmp_path / "out" / card["thumb"]["src"]).is_file()
+    assert len({c["key"] for c in drops}) == 5

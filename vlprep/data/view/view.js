@@ -118,11 +118,16 @@
     }
   }
 
+  function droppedLine(s) {
+    return el("div", "dropped-why", "dropped by " + s.dropped.rule + (s.dropped.detail ? ": " + s.dropped.detail : ""));
+  }
+
   function card(s) {
-    var c = el("article", "card");
+    var c = el("article", s.dropped ? "card dropped" : "card");
     c.setAttribute("data-key", s.key);
     c.appendChild(figure(s, false));
     c.appendChild(el("div", "key", s.key));
+    if (s.dropped) { c.appendChild(droppedLine(s)); }
     fields(s, c, false);
     c.addEventListener("click", function () { openDetail(s); });
     return c;
@@ -134,6 +139,7 @@
     body.appendChild(el("h2", "key", s.key));
     body.appendChild(el("div", "label", s.shard + " #" + s.index));
     body.appendChild(figure(s, true));
+    if (s.dropped) { body.appendChild(droppedLine(s)); }
     fields(s, body, true);
     body.appendChild(el("div", "label", "json"));
     body.appendChild(el("pre", "", JSON.stringify(s.json, null, 2)));
@@ -146,6 +152,7 @@
 
   function matches(s, q) {
     if (s.key.toLowerCase().indexOf(q) >= 0) { return true; }
+    if (s.dropped && String(s.dropped.rule).toLowerCase() === q) { return true; }
     return s.captions.concat(s.caption_raw ? [s.caption_raw] : []).some(function (c) {
       return c.toLowerCase().split(/[^\p{L}\p{N}]+/u).indexOf(q) >= 0;
     });
@@ -175,7 +182,8 @@
   function header() {
     document.getElementById("title").textContent = "vlprep view: " + info.dataset;
     document.getElementById("summary").textContent = (info.stage ? "stage " + info.stage + ", " : "") +
-      info.shown + " of " + info.total + " samples from " + info.shards + " shards (seed " + info.seed + ")";
+      info.shown + " of " + info.total + " samples from " + info.shards + " shards (seed " + info.seed + ")" +
+      (info.dropped_shown ? ", then " + info.dropped_shown + " of the samples the filter dropped" : "");
     var ol = document.getElementById("lineage");
     info.lineage.forEach(function (step) {
       var text = (step.stage ? step.stage + ": " : "source: ") + step.location;
