@@ -6,6 +6,7 @@ import hashlib
 import http.server
 import io
 import json
+import re
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,7 +24,9 @@ from vlprep.viewpage import lineage, render_page, sample_record
 
 MAX_SAMPLES = 100_000  # every drawn sample is a card and a thumbnail in one page
 READ_EXTS = frozenset(("txt", "json") + IMAGE_EXTS)
-MARKER = ".vlprep-view"  # marks a folder `vlprep view` wrote, which a later view may replace
+MARKER = ".vlprep-view"
+FIGURE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*\.png")
+MAX_FIGURE_BYTES = 32 << 20  # marks a folder `vlprep view` wrote, which a later view may replace
 
 
 @dataclass
@@ -132,8 +135,9 @@ def prepare_out(out: Path, ds: Dataset) -> None:
         raise VlprepError(f"--out {out} is a file, not a folder")
     if out.exists() and any(out.iterdir()) and not (out / MARKER).exists():
         raise VlprepError(f"--out {out} holds files that `vlprep view` did not write; give an empty or new folder")
-    if (out / "thumbs").is_dir():
-        shutil.rmtree(out / "thumbs")
+    for old in ("thumbs", "figures"):
+        if (out / old).is_dir():
+            shutil.rmtree(out / old)
     (out / "thumbs").mkdir(parents=True, exist_ok=True)
     (out / MARKER).write_text("written by vlprep view\n")
 
@@ -247,6 +251,23 @@ def card(raw: dict, shard: str, index: int, out: Path, side: int, noun_class: di
     return sample_record(raw, shard, index, thumb, noun_class)
 
 
+def copy_figures(ds: Dataset, out: Path) -> list[dict]:
+    """The stages' PNG figures of a local dataset (pmi_heatmap.png, clip_score.png, ...) and `vlprep stats`' default
+    stats/stats.png, copied into OUT/figures/: [{src, name}] for the page."""
+    if ds.url:
+        return []
+    found = sorted(ds.root.glob("*.png")) + [ds.root / "stats" / "stats.png"]
+    figures = []
+    (out / "figures").mkdir(exist_ok=True)
+    for path in found:
+        name = "stats.png" if path.parent.name == "stats" else path.name
+        if not FIGURE_NAME.fullmatch(name) or not path.is_file() or path.stat().st_size > MAX_FIGURE_BYTES:
+            continue
+        shutil.copyfile(path, out / "figures" / name)
+        figures.append({"src": f"figures/{name}", "name": str(path.relative_to(ds.root))})
+    return figures
+
+
 def build_view(cfg: ViewConfig) -> dict:
     """Write OUT/index.html and OUT/thumbs/ for a draw of cfg.samples samples; the summary (counts, OUT)."""
     cfg.validate()
@@ -271,7 +292,8 @@ def build_view(cfg: ViewConfig) -> dict:
         records += dropped_records(ds, meta.get("input"), cfg.samples, cfg.seed, out, cfg.thumb)
     info = {"dataset": ds.location, "stage": meta.get("stage", ""), "total": ds.num_samples,
             "shown": shown, "dropped_shown": len(records) - shown, "seed": cfg.seed, "shards": len(ds.shards),
-            "lineage": lineage(ds.location, meta, ds.url is None), "report": small_file(ds, "report.json")}
+            "lineage": lineage(ds.location, meta, ds.url is None), "report": small_file(ds, "report.json"),
+            "figures": copy_figures(ds, out)}
     (out / "index.html").write_text(render_page(info, records), encoding="utf-8")
     return {"out": str(out), "samples": shown, "dropped": len(records) - shown, "total": ds.num_samples,
             "no_image": undecodable}

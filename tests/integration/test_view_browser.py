@@ -15,6 +15,7 @@ from tests.conftest import detected_dataset, make_dataset
 from vlprep.bow import BowConfig, bow
 from vlprep.dataset import iter_samples
 from vlprep.filter import FilterConfig, filter_dataset
+from vlprep.stats import dataset_stats
 from vlprep.view import ViewConfig, build_view
 
 CHROMIUM = os.environ.get("VLPREP_CHROMIUM", "/usr/bin/chromium")
@@ -57,6 +58,7 @@ def pages(tmp_path_factory):
     raw = make_dataset(tmp / "bowraw", BOW_CAPTIONS, per_shard=2)
     bow(BowConfig(src=raw, out=tmp / "bow", ops="rmstop", deform_base=True, workers=1))
     many = make_dataset(tmp / "many", [f"sample {i} {'even' if i % 2 == 0 else 'odd'}" for i in range(60)], 20)
+    dataset_stats(many)  # stats/stats.png, a figure of the page
     filter_dataset(FilterConfig(src=many, out=tmp / "filtered", caption_words=":2", workers=1))
     out = {}
     for name, ds in (("det", det), ("bow", tmp / "bow"), ("many", many), ("filtered", tmp / "filtered")):
@@ -151,6 +153,9 @@ def test_search_paging_and_detail_view(browser, pages):
     assert js(d, "const i = document.querySelector('#detail-body img'); return i.complete && i.naturalWidth") > 0
     d.find_element("id", "detail-close").click()
     assert js(d, "return document.getElementById('detail').hidden")
+    d.find_element("css selector", "#figures-box summary").click()
+    figures = js(d, "return [...document.querySelectorAll('#figures img')].map(i => [i.alt, i.naturalWidth])")
+    assert len(figures) == 1 and figures[0][0] == "stats/stats.png" and figures[0][1] > 0
     no_console_errors(d)
 
 

@@ -336,3 +336,18 @@ def test_a_filter_output_shows_a_draw_of_its_dropped_samples_with_the_rule(tmp_p
         assert card["dropped"]["rule"] == "caption_words" and card["dropped"]["detail"].startswith("2 words")
         assert (tmp_path / "out" / card["thumb"]["src"]).is_file()
     assert len({c["key"] for c in drops}) == 5
+
+
+def test_the_dataset_s_figures_are_copied_for_the_page(three_shards, tmp_path):
+    from vlprep.stats import dataset_stats
+
+    dataset_stats(three_shards, out=None)  # its default: DATASET/stats/{report.json,stats.png}
+    (three_shards / "clip_score.png").write_bytes((three_shards / "stats" / "stats.png").read_bytes()[:100])
+    (three_shards / "odd name.png").write_bytes(b"x")
+    build_view(ViewConfig(dataset=three_shards, out=tmp_path / "out", samples=2))
+    figures = page_data(tmp_path / "out")["info"]["figures"]
+    assert figures == [{"src": "figures/clip_score.png", "name": "clip_score.png"},
+                       {"src": "figures/stats.png", "name": "stats/stats.png"}]
+    for f, source in zip(figures, ("clip_score.png", "stats/stats.png")):
+        assert (tmp_path / "out" / f["src"]).read_bytes() == (three_shards / source).read_bytes()
+    assert sorted(p.name for p in (tmp_path / "out" / "figures").iterdir()) == ["clip_score.png", "stats.png"]

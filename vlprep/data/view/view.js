@@ -193,6 +193,17 @@
       }
       ol.appendChild(li);
     });
+    var figures = document.getElementById("figures");
+    (info.figures || []).forEach(function (f) {
+      var fig = el("figure", "figure");
+      var img = el("img");
+      img.src = f.src;
+      img.alt = f.name;
+      fig.appendChild(img);
+      fig.appendChild(el("figcaption", "", f.name));
+      figures.appendChild(fig);
+    });
+    document.getElementById("figures-box").hidden = !(info.figures || []).length;
     var report = document.getElementById("report");
     if (info.report && Object.keys(info.report).length) {
       report.textContent = JSON.stringify(info.report, null, 2);
