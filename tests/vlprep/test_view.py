@@ -351,3 +351,18 @@ def test_the_dataset_s_figures_are_copied_for_the_page(three_shards, tmp_path):
     for f, source in zip(figures, ("clip_score.png", "stats/stats.png")):
         assert (tmp_path / "out" / f["src"]).read_bytes() == (three_shards / source).read_bytes()
     assert sorted(p.name for p in (tmp_path / "out" / "figures").iterdir()) == ["clip_score.png", "stats.png"]
+
+
+def test_memory_does_not_grow_with_the_dataset(tmp_path):
+    """A view of 20 samples holds a per-shard amount (sizes.json's entries, the allocation), never a structure with an
+    entry per sample of the dataset."""
+    from tests.memrule import growth_per_sample
+
+    made = {}
+
+    def run(m: int) -> None:
+        if m not in made:
+            made[m] = make_dataset(tmp_path / f"ds{m}", [f"caption {i}" for i in range(m)], per_shard=50)
+        build_view(ViewConfig(dataset=made[m], out=tmp_path / f"out{m}", samples=20))
+
+    assert growth_per_sample(run, 250) < 100
