@@ -440,8 +440,11 @@ def view(
     cfg = ViewConfig(dataset=dataset, out=out, samples=samples, seed=seed, port=port if serve else None)
     with writing(out or Path(str(dataset)) / "view"):
         report = build_view(cfg)
+    if report["no_image"]:
+        console.print(f"warning: {report['no_image']:,} of the drawn samples have no image that decodes; their cards "
+                      "show none", style="yellow", highlight=False, markup=False, soft_wrap=True)
     console.print(f"wrote {report['out']}/index.html ({report['samples']:,} of {report['total']:,} samples)",
-                  highlight=False, markup=False)
+                  highlight=False, markup=False, soft_wrap=True)
     if serve:
         server = make_server(Path(report["out"]), port)
         print(f"serving http://127.0.0.1:{server.server_address[1]}/index.html (Ctrl-C stops)", flush=True)

@@ -18,15 +18,17 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from vlprep import VlprepError, objstore, urls
-from vlprep.dataset import IMAGE_EXTS, _META, Dataset, _check_member, as_rgb, open_dataset, short_shard
+from vlprep.dataset import (IMAGE_EXTS, _META, Dataset, _check_member, as_rgb, local_or_url, open_dataset,
+                            short_shard)
 from vlprep.tario import TarReader
 from vlprep.viewpage import lineage, render_page, sample_record
 
 MAX_SAMPLES = 100_000  # every drawn sample is a card and a thumbnail in one page
 READ_EXTS = frozenset(("txt", "json") + IMAGE_EXTS)
-MARKER = ".vlprep-view"
-FIGURE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*\.png")
-MAX_FIGURE_BYTES = 32 << 20  # marks a folder `vlprep view` wrote, which a later view may replace
+MARKER = ".vlprep-view"  # marks a folder `vlprep view` wrote, which a later view may replace
+FIGURE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*\.png")  # a plain file name, safe in a URL and a folder
+MAX_FIGURE_BYTES = 32 << 20
+DROPPED_COLUMNS = ("key", "shard", "rule", "detail")  # of a filter's dropped.parquet (docs/FILTER.md)
 
 
 @dataclass
@@ -45,7 +47,7 @@ class ViewConfig:
             raise VlprepError(f"--seed must be >= 0, not {self.seed}")
         if self.port is not None and not 0 <= self.port <= 65535:
             raise VlprepError(f"--port must be between 0 and 65535, not {self.port}")
-        if self.out is None and not isinstance(self.dataset, Path):
+        if self.out is None and isinstance(local_or_url(self.dataset), str):
             raise VlprepError(f"DATASET {urls.redact(str(self.dataset))} is a URL: give --out, a local folder for the "
                               "page")
 
@@ -197,13 +199,15 @@ def drawn_drops(path: Path, n: int, seed: int) -> list[dict]:
     """A seeded draw of up to n rows of a filter's dropped.parquet ({key, shard, rule, detail}, in file order),
     streamed a batch at a time."""
     pf = pq.ParquetFile(path)
+    if not set(DROPPED_COLUMNS) <= set(pf.schema_arrow.names):
+        return []
     total = pf.metadata.num_rows
     picks = set(int(i) for i in np.random.default_rng(seed).choice(total, size=min(n, total), replace=False))
     rows = []
     start = 0
-    for batch in pf.iter_batches(batch_size=1 << 16, columns=["key", "shard", "rule", "detail"]):
+    for batch in pf.iter_batches(batch_size=1 << 16, columns=list(DROPPED_COLUMNS)):
         for i in sorted(p - start for p in picks if start <= p < start + batch.num_rows):
-            rows.append({c: batch.column(c)[i].as_py() for c in ("key", "shard", "rule", "detail")})
+            rows.append({c: batch.column(c)[i].as_py() for c in DROPPED_COLUMNS})
         start += batch.num_rows
     return rows
 
@@ -272,7 +276,7 @@ def build_view(cfg: ViewConfig) -> dict:
     """Write OUT/index.html and OUT/thumbs/ for a draw of cfg.samples samples; the summary (counts, OUT)."""
     cfg.validate()
     ds = open_dataset(cfg.dataset)
-    out = Path(cfg.out) if cfg.out is not None else Path(cfg.dataset) / "view"
+    out = Path(cfg.out) if cfg.out is not None else local_or_url(cfg.dataset) / "view"
     prepare_out(out, ds)
     meta = read_json(ds.root / "meta.json")
     onto = small_file(ds, "ontology.json") if meta.get("stage") == "ontology" else {}

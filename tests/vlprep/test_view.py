@@ -366,3 +366,21 @@ def test_memory_does_not_grow_with_the_dataset(tmp_path):
         build_view(ViewConfig(dataset=made[m], out=tmp_path / f"out{m}", samples=20))
 
     assert growth_per_sample(run, 250) < 100
+
+
+def test_an_image_that_does_not_decode_is_a_card_without_one_and_a_warning(tmp_path):
+    from tests.conftest import replace_member
+
+    ds = make_dataset(tmp_path / "ds", ["a", "b", "c"], per_shard=3)
+    replace_member(ds, "shard_000000001.png", b"\x89PNG not really")
+    r = vlprep("view", str(ds), "--out", tmp_path / "out")
+    assert r.returncode == 0, r.stderr
+    assert "warning: 1 of the drawn samples have no image that decodes; their cards show none" in r.stderr
+    assert f"wrote {tmp_path / 'out'}/index.html (3 of 3 samples)" in r.stderr
+    cards = page_data(tmp_path / "out")["samples"]
+    assert [c["thumb"] is None for c in cards] == [False, True, False] and cards[1]["captions"] == ["b"]
+    assert len(list((tmp_path / "out" / "thumbs").iterdir())) == 2
+
+
+def test_a_local_dataset_given_as_a_string_defaults_out_beside_it(three_shards):
+    assert build_view(ViewConfig(dataset=str(three_shards), samples=1))["out"] == str(three_shards / "view")
