@@ -2,6 +2,7 @@
 from --serve, checked for what a user sees (thumbnails, cards, bow words, boxes, search, paging, the detail view),
 for console errors, and for a caption payload that must not run."""
 
+import json
 import os
 import re
 import shutil
@@ -187,4 +188,29 @@ def test_a_filter_page_marks_its_dropped_samples_with_the_rule(browser, pages):
     assert len(dropped) == 48 and js(d, "return document.querySelectorAll('.card').length") == 48
     assert all(why.startswith("dropped by caption_words: 3 words") and w > 0 for _, why, w in dropped)
     assert "then 60 of the samples the filter dropped" in js(d, "return document.getElementById('summary').textContent")
+    no_console_errors(d)
+
+
+def test_ontology_page_maps_each_noun_to_its_class(browser, tmp_path):
+    """The real stage (spaCy's nouns, the PMI map) on the ontology tests' detections: each card lists the caption's
+    nouns with the class ontology.json maps them to, and the PMI heatmap is a figure."""
+    from tests.vlprep.test_ontology import CAPTIONS, OBJECTS
+    from vlprep.ontology import OntologyConfig, ontology
+
+    det = detected_dataset(tmp_path, CAPTIONS, OBJECTS)
+    ontology(OntologyConfig(src=det, out=tmp_path / "onto", min_cooccur=1, min_instances=2, workers=1))
+    build_view(ViewConfig(dataset=tmp_path / "onto", out=tmp_path / "view"))
+    mapping = json.loads((tmp_path / "onto" / "ontology.json").read_text())["noun_to_class"]
+    d = open_page(browser, (tmp_path / "view" / "index.html").as_uri())
+    shown = js(d, """return Object.fromEntries([...document.querySelectorAll('.card')].map(c => [c.dataset.key,
+        [...c.querySelectorAll('.nouns li')].map(li => li.textContent)]))""")
+    samples = list(iter_samples(tmp_path / "onto"))
+    assert len(shown) == len(samples) == len(CAPTIONS)
+    for s in samples:
+        nouns = [n[0] for n in s["json"]["nouns"]]
+        assert shown[s["__key__"]] == [f"{n} \u2192 {mapping[n]}" if n in mapping else n for n in nouns]
+    assert shown["shard_000000001"][:2] == ["dog \u2192 dog", "man \u2192 person"]  # the ontology tests' mapping
+    d.find_element("css selector", "#figures-box summary").click()
+    assert js(d, "return [...document.querySelectorAll('#figures img')].map(i => [i.alt, i.naturalWidth > 0])") == \
+        [["pmi_heatmap.png", True]]
     no_console_errors(d)

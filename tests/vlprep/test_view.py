@@ -222,6 +222,16 @@ def test_bad_options_are_one_line(three_shards, tmp_path, args, says):
     assert (foreign / "notes.txt").read_text() == "mine" and not (three_shards / "view").exists()
 
 
+def test_urls_are_refused_where_only_a_folder_can_go(three_shards, tmp_path):
+    r = vlprep("view", three_shards, "--out", "s3://bucket/view")
+    assert error_line(r) == ("error: --out s3://bucket/view: only dataset folders may be URLs (s3://, gs://, "
+                             "http(s)://); give a local path")
+    r = vlprep("view", "ftp://host/ds", "--out", tmp_path / "out")
+    assert error_line(r) == ("error: DATASET ftp://host/ds: unsupported URL scheme ftp://; use s3://, gs://, "
+                             "http(s):// or file://")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_url_dataset_needs_out(tmp_path):
     with pytest.raises(VlprepError, match="is a URL: give --out"):
         build_view(ViewConfig(dataset="s3://bucket/ds"))
