@@ -100,9 +100,10 @@ def test_detect_page_from_file_shows_every_card_its_boxes_and_no_payload_runs(br
         const r = c.querySelector('rect'); const img = c.querySelector('img').getBoundingClientRect();
         const box = r.getBoundingClientRect();
         return {attrs: ['x', 'y', 'width', 'height'].map(a => Number(r.getAttribute(a))), label: r.dataset.label,
-                text: c.querySelector('svg text').textContent, img: [img.left, img.top, img.width, img.height],
+                text: c.querySelector('.box-label').textContent, img: [img.left, img.top, img.width, img.height],
                 box: [box.left, box.top, box.width, box.height]};""")
-    w = h = 16
+    w = 16
+    h = 16
     assert dog["attrs"] == [0 * w, 0 * h, (0.5 - 0) * w, (1 - 0) * h] and dog["label"] == "dog"
     assert dog["text"] == "dog 0.90"
     left, top, width, height = dog["img"]

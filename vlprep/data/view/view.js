@@ -41,17 +41,21 @@
       var w = s.thumb.w;
       var h = s.thumb.h;
       var svg = svgEl("svg", { viewBox: "0 0 " + w + " " + h, preserveAspectRatio: "none" });
+      var labels = [];
       s.objects.forEach(function (o) {
         if (!o || !Array.isArray(o.box) || o.box.length !== 4) { return; }
         var b = o.box;
         var rect = svgEl("rect", { x: b[0] * w, y: b[1] * h, width: (b[2] - b[0]) * w, height: (b[3] - b[1]) * h });
         rect.setAttribute("data-label", String(o.label));
         svg.appendChild(rect);
-        var t = svgEl("text", { x: b[0] * w + 1, y: b[1] * h + 9 });
-        t.textContent = String(o.label) + " " + score(o.score);
-        svg.appendChild(t);
+        // the label is HTML placed in percent of the image: in the SVG it would scale with the thumbnail
+        var t = el("span", "box-label", String(o.label) + " " + score(o.score));
+        t.style.left = (100 * b[0]) + "%";
+        t.style.top = (100 * b[1]) + "%";
+        labels.push(t);
       });
       fig.appendChild(svg);
+      labels.forEach(function (t) { fig.appendChild(t); });
     }
     return fig;
   }
@@ -137,7 +141,7 @@
     var body = document.getElementById("detail-body");
     body.textContent = "";
     body.appendChild(el("h2", "key", s.key));
-    body.appendChild(el("div", "label", s.shard + " #" + s.index));
+    body.appendChild(el("div", "where", s.shard + ", sample " + s.index));
     body.appendChild(figure(s, true));
     if (s.dropped) { body.appendChild(droppedLine(s)); }
     fields(s, body, true);
