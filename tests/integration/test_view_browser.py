@@ -215,3 +215,16 @@ def test_ontology_page_maps_each_noun_to_its_class(browser, tmp_path):
     assert js(d, "return [...document.querySelectorAll('#figures img')].map(i => [i.alt, i.naturalWidth > 0])") == \
         [["pmi_heatmap.png", True]]
     no_console_errors(d)
+
+
+def test_the_page_policy_blocks_markup_that_reached_the_page_anyway(browser, pages, tmp_path):
+    """Defence in depth: were a payload ever written into the page as markup, its Content-Security-Policy (the
+    page's own script alone, by its hash) keeps an inline handler and an inline script from running."""
+    shutil.copytree(pages["det"], tmp_path / "copy")
+    page = tmp_path / "copy" / "index.html"
+    injected = '<img src=x onerror="window.__pwned=1"><script>window.__pwned=2</script>'
+    page.write_text(page.read_text().replace('<main id="cards"></main>', f'<main id="cards"></main>{injected}'))
+    d = open_page(browser, page.as_uri())
+    assert js(d, "return window.__pwned === undefined") and js(d, "return document.querySelectorAll('.card').length") == 3
+    blocked = [e["message"] for e in d.get_log("browser") if "Content Security Policy" in e["message"]]
+    assert len(blocked) == 2, blocked
