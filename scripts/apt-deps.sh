@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Installs the Debian packages the demo and the real-data tests use, when run as root.
+# Installs the Debian packages the demo, the real-data tests and the browser tests use, when run as root.
 # Otherwise prints the apt-get line to run; with --required that is an error (exit 1).
 set -euo pipefail
-PACKAGES=(openclipart-png openclipart-svg)
+PACKAGES=(openclipart-png openclipart-svg chromium chromium-driver)  # chromium: the `vlprep view` browser tests
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")

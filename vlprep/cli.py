@@ -433,11 +433,43 @@ def stats(
     console.print(f"wrote {', '.join(report['outputs'])}")
 
 
+@app.command()
+def view(
+    dataset: Path = typer.Argument(..., help="A shard dataset folder or URL (s3://, gs://, http(s)://)."),
+    out: Optional[Path] = typer.Option(None, help="Where to write index.html and thumbs/ \\[default: DATASET/view]."),
+    samples: int = typer.Option(200, help="Samples to show, drawn across the shards in proportion to their sizes."),
+    seed: int = typer.Option(0, help="Seed of the draw (the same seed shows the same samples)."),
+    serve: bool = typer.Option(False, "--serve", help="Serve the page on 127.0.0.1 until Ctrl-C."),
+    port: int = typer.Option(8000, help="The port for --serve (0: any free port)."),
+) -> None:
+    """A static HTML page of a sample of a dataset: thumbnails, captions and what each stage added (docs/VIEW.md)."""
+    from vlprep.view import ViewConfig, build_view, make_server
+
+    cfg = ViewConfig(dataset=dataset, out=out, samples=samples, seed=seed, port=port if serve else None)
+    with writing(out or Path(str(dataset)) / "view"):
+        report = build_view(cfg)
+    if report["no_image"]:
+        console.print(f"warning: {report['no_image']:,} of the drawn samples have no image that decodes; their cards "
+                      "show none", style="yellow", highlight=False, markup=False, soft_wrap=True)
+    console.print(f"wrote {report['out']}/index.html ({report['samples']:,} of {report['total']:,} samples)",
+                  highlight=False, markup=False, soft_wrap=True)
+    if serve:
+        server = make_server(Path(report["out"]), port)
+        print(f"serving http://127.0.0.1:{server.server_address[1]}/index.html (Ctrl-C stops)", flush=True)
+        try:
+            server.serve_forever()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            server.server_close()
+
+
 # Dataset folders may be URLs (s3://, gs://, http(s)://; OUT s3:// or gs://, docs/SCALE.md); every other Path argument
 # refuses one in one line, never the folder ./s3:/...
 refuse_urls(app, {"shards": ("out",), "bow": ("src", "out"), "detect": ("src", "out"), "features": ("src", "out"),
                   "ontology": ("src", "out"), "embed": ("dataset", "out"), "pseudolabel": ("aligned", "unaligned", "out"),
-                  "stats": ("dataset",), "filter": ("src", "out", "exclude")})
+                  "stats": ("dataset",), "filter": ("src", "out", "exclude"),
+                  "view": ("dataset",)})
 
 
 def main() -> None:

@@ -1,0 +1,114 @@
+"""The page of `vlprep view`: per-sample records for the page's JSON, the lineage, and the one self-contained HTML
+file (template, CSS and JS from vlprep/data/view; every text reaches the page as JSON and is shown as text)."""
+
+import base64
+import hashlib
+import html
+import json
+import math
+import re
+from collections import Counter
+from pathlib import Path
+
+from vlprep import urls
+from vlprep.text import tokenize
+
+ASSETS = Path(__file__).parent / "data" / "view"
+SLOT = re.compile(r"/\*@(TITLE|CSS|JS|DATA|HASH)@\*/")
+JSON_FIELDS = ("caption_raw", "captions_raw", "bow", "objects", "nouns", "nodes", "pseudo", "strategy", "neighbours",
+               "clip_score", "uid", "source", "width", "height")
+MAX_LINEAGE = 32  # stages followed back through meta.json inputs (a loop of folders stops here too)
+
+
+def finite(value):
+    """`value` with every NaN or infinity replaced by None: JSON.parse refuses them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [finite(v) for v in value]
+    return value
+
+
+def bow_words(raw: str, deformed: str) -> list[list]:
+    """The original caption's tokens as [token, kept]: kept when the deformed caption still holds it (as a
+    multiset, since the deformation may shuffle), so the page can strike out the removed ones."""
+    left = Counter(tokenize(deformed))
+    out = []
+    for tok in tokenize(raw):
+        kept = left[tok] > 0
+        left[tok] -= kept
+        out.append([tok, kept])
+    return out
+
+
+def decode_json(data: bytes | None) -> dict:
+    """A sample's json member as a dict ({} when absent or unreadable: the page shows what there is)."""
+    try:
+        value = json.loads(data) if data is not None else {}
+    except (ValueError, UnicodeDecodeError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def sample_record(raw: dict, shard: str, index: int, thumb: dict | None, noun_class: dict) -> dict:
+    """What the page shows of one raw sample: key, thumbnail, captions and the fields the stages added."""
+    meta = decode_json(raw.get("json"))
+    txt = raw.get("txt", b"").decode("utf-8", "replace")
+    captions = meta.get("captions") if isinstance(meta.get("captions"), list) else [txt]
+    rec = {"key": raw["__key__"], "shard": shard, "index": index, "thumb": thumb,
+           "captions": [str(c) for c in captions]}
+    rec.update({f: meta[f] for f in JSON_FIELDS if f in meta})
+    if isinstance(meta.get("caption_raw"), str):
+        rec["bow_words"] = bow_words(meta["caption_raw"], rec["captions"][0] if rec["captions"] else "")
+    if isinstance(meta.get("nouns"), list):
+        rec["noun_classes"] = {str(n[0]): noun_class[n[0]] for n in meta["nouns"]
+                               if isinstance(n, list) and n and isinstance(n[0], str) and n[0] in noun_class}
+    rec["json"] = meta
+    return finite(rec)
+
+
+def lineage(location: str, meta: dict, local: bool) -> list[dict]:
+    """The chain of stages back to the source: [{location, stage, options}, ...], newest first, following each
+    meta.json's `input` while it is a local folder with a meta.json; the last entry is the first input."""
+    chain = [{"location": location, "stage": meta.get("stage", ""), "options": meta.get("options", {})}]
+    seen = {location}
+    where = meta.get("input")
+    while isinstance(where, str) and len(chain) < MAX_LINEAGE:
+        entry = {"location": urls.redact(where), "stage": "", "options": {}}
+        chain.append(entry)
+        folder = Path(where)
+        if not local or where in seen or not (folder / "meta.json").is_file():
+            break
+        seen.add(where)
+        try:
+            up = json.loads((folder / "meta.json").read_text())
+        except (OSError, ValueError):
+            break
+        if not isinstance(up, dict):
+            break
+        entry["stage"] = up.get("stage", "")
+        entry["options"] = up.get("options", {})
+        where = up.get("input")
+    return chain
+
+
+def script_json(value) -> str:
+    """JSON for a <script type="application/json"> block: `<`, `>` and `&` escaped as \\u00XX, so no text in it can
+    close the block (`</script>`) or open a comment; U+2028/2029 are escaped by ensure_ascii."""
+    text = json.dumps(finite(value), ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def render_page(info: dict, records: list[dict]) -> str:
+    """The whole index.html: the template with its CSS, JS, title and data put in, in one pass (so nothing inserted
+    is searched for slots again)."""
+    js = (ASSETS / "view.js").read_text(encoding="utf-8")
+    # the page's Content-Security-Policy lets only this script run: no inline handler, no other script
+    digest = base64.b64encode(hashlib.sha256(js.encode("utf-8")).digest()).decode()
+    parts = {"TITLE": html.escape(f"vlprep view: {info['dataset']}"),
+             "CSS": (ASSETS / "view.css").read_text(encoding="utf-8"),
+             "JS": js, "HASH": f"sha256-{digest}",
+             "DATA": script_json({"info": info, "samples": records})}
+    return SLOT.sub(lambda m: parts[m.group(1)], (ASSETS / "page.html").read_text(encoding="utf-8"))
