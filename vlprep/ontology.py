@@ -216,12 +216,16 @@ def ontology(cfg: OntologyConfig, progress=None) -> dict:
         counts = triplet_counts(every, detected, kept, cfg.triplets)
         n_triplets = sum(per_class[c] for c in kept)
         mapping = {n: c for n, c in mapping.items() if c in kept}
+        # each mapped noun's PMI with its class (None for an override the pairs never tie together)
+        pmi = {n: float(v) for n, label, v in zip(table["noun"], table["label"], table["pmi"])
+               if mapping.get(n) == label}
 
         nodes = []
         for cls in sorted(kept, key=lambda c: (-per_class[c], c)):
             nodes.append({"class": cls, "nouns": sorted(n for n, c in mapping.items() if c == cls),
                           "instances": per_class[cls], "instances_detected": detected[cls]})
         onto = {"root": {"name": "entity", "instances": ds.num_samples}, "nodes": nodes, "noun_to_class": mapping,
+                "noun_pmi": {n: pmi.get(n) for n in mapping},
                 "params": {"min_instances": min_inst, "min_cooccur": min_cooccur, "min_score": cfg.min_score,
                            "pairs_with_objects": table.attrs["pairs"], "triplets": n_triplets,
                            "triplet_rule": cfg.triplets}}

@@ -243,16 +243,16 @@ def dropped_records(ds: Dataset, src, n: int, seed: int, out: Path, side: int) -
     return records
 
 
-def card(raw: dict, shard: str, index: int, out: Path, side: int, noun_class: dict) -> dict:
+def card(raw: dict, shard: str, index: int, out: Path, side: int, onto: dict) -> dict:
     """A sample's record for the page, its thumbnail written to OUT/thumbs/ (`thumb` None when it has no image
-    that decodes)."""
+    that decodes); `onto` is an ontology stage's ontology.json, else {}."""
     ext = next((e for e in IMAGE_EXTS if e in raw), None)
     thumb = None
     if ext is not None:
         name = thumb_name(raw["__key__"])
         size = write_thumb(raw[ext], out / "thumbs" / name, side)
         thumb = size and {"src": f"thumbs/{name}", "w": size[0], "h": size[1]}
-    return sample_record(raw, shard, index, thumb, noun_class)
+    return sample_record(raw, shard, index, thumb, onto)
 
 
 def copy_figures(ds: Dataset, out: Path) -> list[dict]:
@@ -284,7 +284,7 @@ def build_view(cfg: ViewConfig) -> dict:
     undecodable = 0
     for shard, positions in draw(ds, cfg.samples, cfg.seed).items():
         for index, raw in read_picked(ds.tar(shard), positions, ds.sizes[shard]):
-            records.append(card(raw, shard, index, out, cfg.thumb, onto.get("noun_to_class") or {}))
+            records.append(card(raw, shard, index, out, cfg.thumb, onto))
             undecodable += records[-1]["thumb"] is None
     wanted = {k for r in records for k in r.get("neighbours") or () if isinstance(k, str)}
     if wanted and isinstance(meta.get("aligned"), str):

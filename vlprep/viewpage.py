@@ -52,8 +52,9 @@ def decode_json(data: bytes | None) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def sample_record(raw: dict, shard: str, index: int, thumb: dict | None, noun_class: dict) -> dict:
-    """What the page shows of one raw sample: key, thumbnail, captions and the fields the stages added."""
+def sample_record(raw: dict, shard: str, index: int, thumb: dict | None, onto: dict) -> dict:
+    """What the page shows of one raw sample: key, thumbnail, captions and the fields the stages added; `onto` is an
+    ontology stage's ontology.json (each noun's class and PMI), else {}."""
     meta = decode_json(raw.get("json"))
     txt = raw.get("txt", b"").decode("utf-8", "replace")
     captions = meta.get("captions") if isinstance(meta.get("captions"), list) else [txt]
@@ -63,8 +64,11 @@ def sample_record(raw: dict, shard: str, index: int, thumb: dict | None, noun_cl
     if isinstance(meta.get("caption_raw"), str):
         rec["bow_words"] = bow_words(meta["caption_raw"], rec["captions"][0] if rec["captions"] else "")
     if isinstance(meta.get("nouns"), list):
+        noun_class = onto.get("noun_to_class") or {}
+        noun_pmi = onto.get("noun_pmi") or {}  # absent in ontologies written before it was recorded
         rec["noun_classes"] = {str(n[0]): noun_class[n[0]] for n in meta["nouns"]
                                if isinstance(n, list) and n and isinstance(n[0], str) and n[0] in noun_class}
+        rec["noun_pmi"] = {n: noun_pmi[n] for n in rec["noun_classes"] if isinstance(noun_pmi.get(n), (int, float))}
     rec["json"] = meta
     return finite(rec)
 

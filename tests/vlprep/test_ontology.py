@@ -80,6 +80,11 @@ def test_ontology_end_to_end(detected, tmp_path):
     # nouns: dog(0,1,4) grass(0) man(1,2) park(1) hat(2) cat(3,4) car(5); pairs with objects: 0..4
     assert onto["noun_to_class"]["dog"] == "dog" and onto["noun_to_class"]["cat"] == "cat"
     assert onto["noun_to_class"]["man"] == "person"
+    # each mapped noun's PMI with its class, by hand: log(c(n, o) N / (c(n) c(o))) over the N = 5 pairs with objects
+    assert onto["noun_pmi"]["dog"] == pytest.approx(math.log(3 * 5 / (3 * 3)), rel=1e-12)  # pairs 0, 1, 4
+    assert onto["noun_pmi"]["man"] == pytest.approx(math.log(2 * 5 / (2 * 2)), rel=1e-12)  # pairs 1, 2
+    assert onto["noun_pmi"]["cat"] == pytest.approx(math.log(2 * 5 / (2 * 2)), rel=1e-12)  # pairs 3, 4
+    assert set(onto["noun_pmi"]) == set(onto["noun_to_class"])
     assert onto["root"] == {"name": "entity", "instances": 6}
     trip = pq.read_table(tmp_path / "onto" / "triplets.parquet").to_pylist()
     dog = [t for t in trip if t["class"] == "dog" and t["noun"] == "dog"]

@@ -119,10 +119,10 @@ def test_records_carry_each_stage_s_fields():
            "json": json.dumps({"captions": ["a dog", "the dog runs"], "caption_raw": "a dog",
                                "objects": [{"label": "dog", "score": float("nan"), "box": [0, 0, 1, 1]}],
                                "nouns": [["dog", 2, 5]], "pseudo": True, "neighbours": ["al_1"]}).encode()}
-    rec = sample_record(raw, "s.tar", 3, None, {"dog": "animal"})
+    rec = sample_record(raw, "s.tar", 3, None, {"noun_to_class": {"dog": "animal"}, "noun_pmi": {"dog": 1.5}})
     assert rec["captions"] == ["a dog", "the dog runs"] and rec["bow_words"] == [["a", True], ["dog", True]]
     assert rec["objects"][0]["score"] is None  # NaN has no JSON form; JSON.parse would refuse the page
-    assert rec["noun_classes"] == {"dog": "animal"} and rec["pseudo"] is True and rec["neighbours"] == ["al_1"]
+    assert rec["noun_classes"] == {"dog": "animal"} and rec["noun_pmi"] == {"dog": 1.5} and rec["pseudo"] is True and rec["neighbours"] == ["al_1"]
     assert sample_record({"__key__": "k", "json": b"{bad"}, "s.tar", 0, None, {})["captions"] == [""]
 
 

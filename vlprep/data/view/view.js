@@ -97,9 +97,12 @@
     if (Array.isArray(s.nouns) && s.nouns.length) {
       box.appendChild(el("div", "label", "nouns"));
       var classes = s.noun_classes || {};
+      var pmi = s.noun_pmi || {};
       box.appendChild(list("nouns", s.nouns.map(function (n) {
         var noun = Array.isArray(n) ? n[0] : n;
-        return classes[noun] ? noun + " \u2192 " + classes[noun] : String(noun);
+        if (!classes[noun]) return String(noun);
+        var shown = noun + " \u2192 " + classes[noun];
+        return typeof pmi[noun] === "number" ? shown + " (PMI " + pmi[noun].toFixed(2) + ")" : shown;
       })));
     }
     if (Array.isArray(s.nodes) && s.nodes.length) {
