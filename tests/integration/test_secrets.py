@@ -1,6 +1,6 @@
 """Credentials in a dataset URL never reach a file, a log line or an error (vlprep.urls): every vlprep stage
-(filter's --exclude eval sets too), a `vltrain run` (and its resume), `vltrain eval` and `vltrain export` read
-datasets from an HTTP server on 127.0.0.1 that wants a secret (basic auth's password in the URL, or a ?token=
+(filter's --exclude eval sets too, and `vlprep view`'s pages), a `vltrain run` (and its resume), `vltrain eval` and
+`vltrain export` read datasets from an HTTP server on 127.0.0.1 that wants a secret (basic auth's password in the URL, or a ?token=
 query), then every byte they wrote (inside checkpoints too: the zip's members, and the config torch.load gives back)
 and every byte they printed is searched for the secret."""
 
@@ -90,7 +90,9 @@ def test_no_byte_written_or_printed_holds_the_secret(tmp_path):
              "cpu"),
             ("vlprep.cli", "stats", token("ds"), "--out", out / "stats"),
             ("vlprep.cli", "filter", basic("ds"), out / "filt", "--dedup", "image", "--exclude", token("ds"),
-             "--near-dup", "0.99", "--checkpoint", ckpt, "--device", "cpu"),
+             "--near-dup", "0.99", "--phash", "4", "--checkpoint", ckpt, "--device", "cpu"),
+            ("vlprep.cli", "view", token("out/pl"), "--out", out / "view-pl", "--samples", "6"),
+            ("vlprep.cli", "view", basic("out/onto"), "--out", out / "view-onto", "--samples", "6"),
             ("vltrain", "run", basic("ds"), "--out", out / "run", "--steps", "2", "--batch-size", "4", "--device",
              "cpu", "--preset", "clip", *[x for s in TINY for x in ("--set", s)]),
             ("vltrain", "run", basic("ds"), "--out", out / "run", "--steps", "3", "--batch-size", "4", "--device",
@@ -115,6 +117,7 @@ def test_no_byte_written_or_printed_holds_the_secret(tmp_path):
     assert json.loads((out / "bow" / "meta.json").read_text())["input"] == f"http://{host}/ds"
     assert json.loads((out / "det" / "meta.json").read_text())["input"] == f"{base}/ds?token=***"
     assert (out / "export" / "config.json").exists() and (out / "feat" / "sizes.json").exists()
+    assert f"{base}/out/pl?token=***" in (out / "view-pl" / "index.html").read_text()  # the page names it, redacted
     assert json.loads((out / "filt" / "meta.json").read_text())["options"]["exclude"] == [f"{base}/ds?token=***"]
     for r in printed:
         assert not leaks(r.stdout + r.stderr), (r.args, (r.stdout + r.stderr).decode()[-3000:])
