@@ -1,8 +1,8 @@
 """Credentials in a dataset URL never reach a file, a log line or an error (vlprep.urls): every vlprep stage
 (filter's --exclude eval sets too, and `vlprep view`'s pages), a `vltrain run` (and its resume), `vltrain eval` and
-`vltrain export` read datasets from an HTTP server on 127.0.0.1 that wants a secret (basic auth's password in the URL, or a ?token=
-query), then every byte they wrote (inside checkpoints too: the zip's members, and the config torch.load gives back)
-and every byte they printed is searched for the secret."""
+`vltrain export` read datasets from an HTTP server on 127.0.0.1 that wants a secret (basic auth's password in the
+URL, or a ?token= query), then every byte they wrote (inside checkpoints too: the zip's members, and the config
+torch.load gives back) and every byte they printed is searched for the secret."""
 
 import base64
 import json
