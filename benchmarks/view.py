@@ -122,12 +122,15 @@ def dataset(n: int, data_dir: Path, group: int) -> Path:
         return ds
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
-    make_source(n, folder / "source.parquet", group)
-    cmd = [sys.executable, "-m", "vlprep.cli", "shards", str(folder / "source.parquet"), str(ds), "-n", str(group),
-           "--workers", "2"]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    if r.returncode != 0:
-        raise SystemExit(f"error: vlprep shards failed:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
+    # the source is made in a child process too: this process stays small (see run_side)
+    source = [sys.executable, str(Path(__file__).resolve()), "--make-source", str(n), str(folder / "source.parquet"),
+              "--shard-size", str(group)]
+    shards = [sys.executable, "-m", "vlprep.cli", "shards", str(folder / "source.parquet"), str(ds), "-n", str(group),
+              "--workers", "2"]
+    for cmd in (source, shards):
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        if r.returncode != 0:
+            raise SystemExit(f"error: {cmd[1]} {cmd[2]} failed:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
     (folder / "source.parquet").unlink()
     return ds
 
@@ -181,36 +184,72 @@ def thumbnail(data: bytes, path: Path) -> dict | None:
     return {"src": f"thumbs/{path.name}", "w": rgb.size[0], "h": rgb.size[1]}
 
 
-def read_shard(path: Path, positions: list[int]):
-    """(position, key, {ext: bytes}) of the drawn samples of one tar: members iterated up to the last drawn one."""
+def tarfile_members(path: Path):
+    """(name, read) of each member of a tar, read with `tarfile` (read() gives the member's bytes)."""
+    with tarfile.open(path, "r:") as tar:
+        for m in tar:
+            yield m.name, lambda m=m: tar.extractfile(m).read()
+
+
+def header_members(path: Path):
+    """(name, read) of each regular member of a ustar tar, by a walk over its 512-byte headers: a header read, its
+    name and size parsed, a seek past the data (4 KiB buffer, as the view's local reads)."""
+    with open(path, "rb", buffering=4096) as f:
+        pos = 0
+        while True:
+            f.seek(pos)
+            hdr = f.read(512)
+            if len(hdr) < 512 or hdr == bytes(512):
+                return
+            size = int(hdr[124:136].rstrip(b"\0 ") or b"0", 8)
+            data = pos + 512
+            pos = data + (size + 511) // 512 * 512
+            if hdr[156:157] not in (b"0", b"\0"):
+                continue  # not a regular file (a directory, a pax header)
+            name = hdr[:100].split(b"\0", 1)[0]
+            prefix = hdr[345:500].split(b"\0", 1)[0]
+            yield (prefix + b"/" + name if prefix else name).decode(), lambda at=data, n=size: read_at(f, at, n)
+
+
+def read_at(f, offset: int, size: int) -> bytes:
+    f.seek(offset)
+    return f.read(size)
+
+
+READERS = {"tarfile": tarfile_members, "headers": header_members}
+
+
+def read_shard(members, positions: list[int]):
+    """(position, key, {ext: bytes}) of the drawn samples among a tar's members, iterated up to the last drawn one."""
     want = set(positions)
     index = -1
     key = None
-    members: dict = {}
-    with tarfile.open(path, "r:") as tar:
-        for m in tar:
-            stem, _, ext = m.name.rpartition("/")[2].partition(".")
-            if stem != key:
-                if index in want:
-                    yield index, key, members
-                index += 1
-                key = stem
-                members = {}
-                if index > positions[-1]:
-                    return
-            if index in want and ext in ("txt", "json", *IMAGE_EXTS):
-                members[ext] = tar.extractfile(m).read()
+    got: dict = {}
+    for name, read in members:
+        stem, _, ext = name.rpartition("/")[2].partition(".")
+        if stem != key:
+            if index in want:
+                yield index, key, got
+            index += 1
+            key = stem
+            got = {}
+            if index > positions[-1]:
+                members.close()
+                return
+        if index in want and ext in ("txt", "json", *IMAGE_EXTS):
+            got[ext] = read()
     if index in want:
-        yield index, key, members
+        yield index, key, got
 
 
-def baseline(ds: Path, out: Path, samples: int, seed: int) -> None:
-    """The baseline side: the same draw, reads, thumbnails, records, small files and figures as the view."""
+def baseline(ds: Path, out: Path, samples: int, seed: int, reader: str) -> None:
+    """A baseline side: the same draw, reads, thumbnails, records, small files and figures as the view; the tars
+    read through READERS[reader]."""
     sizes = json.loads((ds / "sizes.json").read_text())
     (out / "thumbs").mkdir(parents=True)
     records = []
     for shard, positions in draw(sizes, samples, seed).items():
-        for index, key, members in read_shard(ds / shard, positions):
+        for index, key, members in read_shard(READERS[reader](ds / shard), positions):
             image = next((members[e] for e in IMAGE_EXTS if e in members), None)
             name = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=10).hexdigest() + ".jpg"
             thumb = thumbnail(image, out / "thumbs" / name) if image is not None else None
@@ -234,7 +273,11 @@ def baseline(ds: Path, out: Path, samples: int, seed: int) -> None:
 
 
 def run_side(cmd: list[str]) -> dict:
-    """Run cmd in a fresh process: wall and CPU seconds, peak RSS in bytes (os.wait4's ru_maxrss)."""
+    """Run cmd in a fresh process: wall and CPU seconds, peak RSS in bytes (os.wait4's ru_maxrss).
+
+    Linux counts into a child's ru_maxrss the resident set of the parent it was forked from, so this process's own
+    peak is a floor under the sides' figures: it imports the standard library alone (no numpy, no pyarrow), and
+    `own_peak` is printed for comparison."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -248,6 +291,14 @@ def run_side(cmd: list[str]) -> dict:
     return {"wall": wall, "cpu": usage.ru_utime + usage.ru_stime, "rss": usage.ru_maxrss * 1024}
 
 
+def own_peak() -> int:
+    """This process's peak RSS in bytes since its exec (VmHWM; its ru_maxrss would count its own parent's too)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def page_keys(out: Path) -> list[str]:
     """The keys of the samples in a view's index.html, from its JSON block."""
     text = (out / "index.html").read_text(encoding="utf-8")
@@ -259,22 +310,26 @@ def thumbs(out: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted((out / "thumbs").iterdir())}
 
 
+SIDES = ("view", "headers", "tarfile")
+BASELINES = ("headers", "tarfile")
+
+
 def commands(ds: Path, out: Path, args) -> dict[str, list[str]]:
     opts = ["--samples", str(args.samples), "--seed", str(args.seed)]
+    me = [sys.executable, str(Path(__file__).resolve()), "--baseline-run", str(ds), str(out), *opts]
     return {"view": [sys.executable, "-m", "vlprep.cli", "view", str(ds), "--out", str(out), *opts],
-            "baseline": [sys.executable, str(Path(__file__).resolve()), "--baseline-run", str(ds), str(out), *opts]}
+            **{b: [*me, "--reader", b] for b in BASELINES}}
 
 
 def time_size(ds: Path, scratch: Path, args) -> dict:
-    """Both sides at one size: the untimed first round, then `repeats` alternating rounds, each output checked."""
-    names = ["view", "baseline"]
-    got = {n: {"wall": [], "cpu": [], "rss": []} for n in names}
+    """Every side at one size: the untimed first round, then `repeats` alternating rounds, each output checked."""
+    got = {n: {"wall": [], "cpu": [], "rss": []} for n in SIDES}
     first = {}
     same_keys = True
     same_thumbs = True
     for r in range(-1, args.repeats):
         outs = {}
-        for n in (names if r % 2 == 0 else names[::-1]):
+        for n in (SIDES if r % 2 == 0 else SIDES[::-1]):
             outs[n] = scratch / f"{n}-{r + 1}"
             shutil.rmtree(outs[n], ignore_errors=True)
             m = run_side(commands(ds, outs[n], args)[n])
@@ -283,24 +338,30 @@ def time_size(ds: Path, scratch: Path, args) -> dict:
             else:
                 for k, v in m.items():
                     got[n][k].append(v)
-        base_keys = [s["key"] for s in json.loads((outs["baseline"] / "records.json").read_text())["samples"]]
         keys = page_keys(outs["view"])
-        same_keys &= keys == base_keys and len(keys) == min(args.samples, args.n)
-        same_thumbs &= thumbs(outs["view"]) == thumbs(outs["baseline"])
+        view_thumbs = thumbs(outs["view"])
+        same_keys &= len(keys) == min(args.samples, args.n)
+        for b in BASELINES:
+            same_keys &= keys == [s["key"] for s in json.loads((outs[b] / "records.json").read_text())["samples"]]
+            same_thumbs &= view_thumbs == thumbs(outs[b])
         for out in outs.values():
             shutil.rmtree(out)
         label = "first run (untimed)" if r < 0 else f"round {r + 1}/{args.repeats}"
-        m = first if r < 0 else {n: {k: v[-1] for k, v in got[n].items()} for n in names}
-        print(f"  {label}: " + ", ".join(f"{n} {m[n]['wall']:.3f} s ({m[n]['rss'] / 2**20:.0f} MB)" for n in names),
+        m = first if r < 0 else {n: {k: v[-1] for k, v in got[n].items()} for n in SIDES}
+        print(f"  {label}: " + ", ".join(f"{n} {m[n]['wall']:.3f} s ({m[n]['rss'] / 2**20:.0f} MB)" for n in SIDES),
               flush=True)
     return {**got, "first": first, "same_keys": same_keys, "same_thumbs": same_thumbs, "drawn": len(keys)}
 
 
 def rows_for(results: dict[int, dict]) -> list[dict]:
+    """Per size the verdict against the header walk (the faster plain reader), tarfile's ratio for information,
+    and at 1M the view's median wall seconds against SECONDS_TARGET."""
     rows = []
     for n, r in results.items():
-        rows.append(common.ratio_row(f"view / baseline {size_name(n)}", r["baseline"], r["view"], RATIO_TARGET,
-                                     note="" if r["same_keys"] and r["same_thumbs"] else "OUTPUTS DIFFER"))
+        note = "" if r["same_keys"] and r["same_thumbs"] else "OUTPUTS DIFFER"
+        rows.append(common.ratio_row(f"view / headers {size_name(n)}", r["headers"], r["view"], RATIO_TARGET,
+                                     note=note))
+        rows.append(common.ratio_row(f"view / tarfile {size_name(n)}", r["tarfile"], r["view"], None, note=note))
         if n == TARGET_N:
             rows.append(common.value_row(f"view {size_name(n)} wall", common.median(r["view"]["wall"]),
                                          SECONDS_TARGET, "s, median", higher_is_better=False))
@@ -308,15 +369,15 @@ def rows_for(results: dict[int, dict]) -> list[dict]:
 
 
 def print_sizes(results: dict[int, dict]) -> None:
-    print(f"\n{'N':>6} {'shards':>6} {'view s':>8} {'base s':>8} {'ratio':>6} {'view cpu':>8} {'base cpu':>8} "
-          f"{'view MB':>8} {'base MB':>8} {'1st view':>8} {'1st base':>8}  same keys, thumbs")
+    """Per size: each side's median wall and CPU seconds and peak RSS, its first (untimed) run, the output checks."""
+    print(f"\n{'N':>6} {'shards':>6} {'side':>8} {'wall s':>8} {'cpu s':>8} {'peak MB':>8} {'1st run s':>9}  "
+          "same keys, thumbs")
     for n, r in results.items():
-        v = {k: common.median(r["view"][k]) for k in ("wall", "cpu", "rss")}
-        b = {k: common.median(r["baseline"][k]) for k in ("wall", "cpu", "rss")}
-        print(f"{size_name(n):>6} {r['shards']:>6} {v['wall']:>8.3f} {b['wall']:>8.3f} {v['wall'] / b['wall']:>5.2f}x "
-              f"{v['cpu']:>8.3f} {b['cpu']:>8.3f} {v['rss'] / 2**20:>8.0f} {b['rss'] / 2**20:>8.0f} "
-              f"{r['first']['view']['wall']:>8.3f} {r['first']['baseline']['wall']:>8.3f}  "
-              f"{r['same_keys']}, {r['same_thumbs']}")
+        for side in SIDES:
+            med = {k: common.median(r[side][k]) for k in ("wall", "cpu", "rss")}
+            print(f"{size_name(n):>6} {r['shards']:>6} {side:>8} {med['wall']:>8.3f} {med['cpu']:>8.3f} "
+                  f"{med['rss'] / 2**20:>8.0f} {r['first'][side]['wall']:>9.3f}"
+                  + (f"  {r['same_keys']}, {r['same_thumbs']}" if side == "view" else ""))
 
 
 def main() -> None:
@@ -330,9 +391,14 @@ def main() -> None:
                     help="where the datasets are made (kept and reused) and the outputs written")
     ap.add_argument("--json", type=Path, default=None, help="also write every measurement here")
     ap.add_argument("--baseline-run", nargs=2, type=Path, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--make-source", nargs=2, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--reader", choices=BASELINES, default="headers", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.baseline_run:
-        baseline(*args.baseline_run, args.samples, args.seed)
+        baseline(*args.baseline_run, args.samples, args.seed, args.reader)
+        return
+    if args.make_source:
+        make_source(int(args.make_source[0]), Path(args.make_source[1]), args.shard_size)
         return
     sizes = sorted(parse_size(s) for s in args.sizes.split(","))
     load_start = common.load_line("start")
@@ -348,6 +414,8 @@ def main() -> None:
         scratch.mkdir(parents=True, exist_ok=True)
         results[n] = {**time_size(ds, scratch, args), "shards": shards}
     print_sizes(results)
+    own = own_peak()
+    print(f"this script's own peak RSS {own / 2**20:.0f} MB: a floor under the sides' peaks (see run_side)")
     rows = rows_for(results)
     common.print_table(rows, candidate="view")
     load_end = common.load_line("end")
@@ -355,7 +423,7 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({"sizes": sizes, "samples": args.samples, "seed": args.seed,
                                          "repeats": args.repeats, "shard_size": args.shard_size,
-                                         "load": [load_start, load_end],
+                                         "load": [load_start, load_end], "own_peak": own,
                                          "results": {str(n): r for n, r in results.items()}, "rows": rows}, indent=1))
 
 
