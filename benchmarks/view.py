@@ -8,28 +8,32 @@ samples (1,000 shards at 1M); the source is deleted once the shards are written.
 words, Zipf-distributed over a 20,000-word made-up vocabulary. (The pool is scale.py's `image_pool`, copied: the
 scripts do not import each other; the captions are drawn a row group at a time, without scale.py's nouns.)
 
-Both sides are a fresh Python process started by this script, timed from outside (wall seconds from start to exit,
+Every side is a fresh Python process started by this script, timed from outside (wall seconds from start to exit,
 Python start-up and imports included; CPU seconds and peak RSS from os.wait4's rusage), each with a new OUT folder:
 - view: `python -m vlprep.cli view DS --out OUT --samples S --seed SEED`, the command a user runs: it opens DS
   (sizes.json, a stat of every shard), draws S samples (stratified over the shards, seeded), scans each drawn shard's
-  member headers up to its last drawn sample and reads the drawn samples' txt, json and image members, writes a JPEG
-  thumbnail of each (longer side 256 px at most, quality 85, named by a blake2b hash of the key), reads meta.json,
-  report.json and the lineage, copies the dataset's PNG figures, and writes OUT/index.html (the page template, its
-  CSS and JS, and every record as JSON).
-- baseline: this script with a hidden option (its imports: the standard library, numpy, PIL): reads sizes.json,
-  computes the same draw (vlprep.view's `allocate` and `draw`, which docs/API.md does not list, copied below with the
-  same numpy generator calls), opens each drawn shard with `tarfile`, iterates its members up to the last drawn
-  sample and reads the drawn samples' txt, json and image members, writes the same thumbnails (same size, format,
-  quality, names and RGB conversion: byte-identical files, checked), reads meta.json and report.json, copies the
-  same PNG figures, and writes OUT/records.json (the same records: key, shard, position, thumbnail, captions, the
-  sample's json; with meta.json and report.json) and a minimal OUT/index.html (one <img> and the html.escape'd key
-  and caption per sample). No page template, no lineage chain, no CSS or JS.
-Both sides' drawn keys are compared (the keys in the view's page against the baseline's records.json) and their
-thumbnails byte for byte, every round.
+  member headers up to its last drawn sample (checksums and member names checked) and reads the drawn samples' txt,
+  json and image members, writes a JPEG thumbnail of each (longer side 256 px at most, quality 85, named by a blake2b
+  hash of the key), reads meta.json, report.json and the lineage, copies the dataset's PNG figures (these datasets
+  have none), and writes OUT/index.html (the page template, its CSS and JS, and every record as JSON).
+- headers and tarfile, the two baselines: this script with a hidden option (imports: the standard library, numpy,
+  PIL). Each reads sizes.json, computes the same draw (vlprep.view's `allocate` and `draw`, which docs/API.md does not
+  list, copied below with the same numpy generator calls), reads each drawn shard's members up to its last drawn
+  sample and the drawn samples' txt, json and image members, writes the same thumbnails (same size, format, quality,
+  names and RGB conversion: byte-identical files, checked), reads meta.json and report.json, copies the same PNG
+  figures, and writes OUT/records.json (the same records: key, shard, position, thumbnail, captions, the sample's
+  json; with meta.json and report.json) and a minimal OUT/index.html (one <img> and the html.escape'd key and
+  caption per sample). No page template, no lineage chain, no CSS or JS, no checks of the members' names.
+  `headers` walks the tar itself: a 512-byte header read, its name and size parsed, a seek past the data (no
+  checksum check), the fastest plain reader here and the verdict's baseline; `tarfile` iterates `tarfile.open(path)`
+  and reads members with `extractfile` (the standard library's way; its ratio is shown for information).
+Every round, the keys in the view's page are compared with each baseline's records.json, and the thumbnails byte for
+byte.
 
-Rounds alternate the order (view first, then baseline first, ...) after one untimed round of each side (so both
-find the shards' headers in the page cache; that round's times are printed as "first run"). The machine is shared
-with other jobs (training runs): quote the load average printed at the start and the end.
+Rounds alternate the order (view, headers, tarfile; then reversed; ...) after one untimed round of every side (so
+all find the shards' headers in the page cache; that round's times are printed as "1st run"). The machine is shared
+with other jobs (training runs): quote the load average printed at the start and the end; CPU seconds are the
+steadier figure when the load is above the 2 cores.
 
     .venv/bin/python benchmarks/view.py [--sizes 10k,100k,1m] [--repeats 3] [--samples 200] [--seed 0]
                                         [--data-dir DIR] [--json FILE]
