@@ -116,3 +116,28 @@ def test_scale_runs_its_stages_measures_each_process_and_prints_verdicts(tmp_pat
                            capture_output=True, text=True, timeout=300)  # the tables again, nothing run
     assert again.returncode == 0 and "shards driver RSS 2k / 1k" in again.stdout, again.stderr[-2000:]
     assert "load average" not in again.stdout  # nothing was run
+
+
+@pytest.mark.slow
+def test_view_benchmark_times_both_sides_on_the_same_draw(tmp_path):
+    """benchmarks/view.py at a tiny size: its dataset (`vlprep shards`), `vlprep view` and the two plain baselines
+    (a header walk, tarfile) in fresh processes; all drew the same keys and wrote the same thumbnails, and the ratios
+    are finite numbers."""
+    import json
+    import math
+
+    r = subprocess.run([sys.executable, str(BENCH / "view.py"), "--sizes", "300", "--shard-size", "50",
+                        "--samples", "20", "--repeats", "1", "--data-dir", str(tmp_path / "d"),
+                        "--json", str(tmp_path / "view.json")], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    got = json.loads((tmp_path / "view.json").read_text())
+    res = got["results"]["300"]
+    assert res["shards"] == 6 and res["drawn"] == 20
+    assert res["same_keys"] and res["same_thumbs"]
+    assert all(len(res[side]["wall"]) == 1 for side in ("view", "headers", "tarfile"))
+    assert all(res[side]["rss"][0] > got["own_peak"] for side in ("view", "headers", "tarfile"))
+    verdict, info = got["rows"]  # no 1M row at this size
+    assert verdict["name"] == "view / headers 300" and verdict["result"] in ("PASS", "FAIL")
+    assert info["name"] == "view / tarfile 300" and info["result"] == "info"
+    assert all(math.isfinite(row["ratio"]) and row["ratio"] > 0 for row in (verdict, info))
+    assert "load average at end" in r.stdout
