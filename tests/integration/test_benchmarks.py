@@ -116,3 +116,27 @@ def test_scale_runs_its_stages_measures_each_process_and_prints_verdicts(tmp_pat
                            capture_output=True, text=True, timeout=300)  # the tables again, nothing run
     assert again.returncode == 0 and "shards driver RSS 2k / 1k" in again.stdout, again.stderr[-2000:]
     assert "load average" not in again.stdout  # nothing was run
+
+
+@pytest.mark.slow
+def test_the_filter_benchmark_runs_both_rules_and_both_sides_agree(tmp_path):
+    """benchmarks/filter.py at a tiny size: its data (planted triples, eval copies), each side in a fresh process,
+    both sides dropping exactly the planted samples with the same matches, finite ratios in its record."""
+    import json
+    import math
+
+    r = subprocess.run([sys.executable, str(BENCH / "filter.py"), "--n", "2000", "--eval", "300", "--topics", "50",
+                        "--per-shard", "700", "--repeats", "1", "--work", str(tmp_path),
+                        "--json", str(tmp_path / "filter.json")], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    got = json.loads((tmp_path / "filter.json").read_text())
+    assert got["near"]["planted"] == 40 and got["near"]["dropped"] == [40] and got["near"]["agree"]
+    assert got["exclude"]["planted"] == 30 and got["exclude"]["dropped"] == [30] and got["exclude"]["agree"]
+    for part in ("near", "exclude"):
+        sides = got[part]["sides"]
+        assert set(sides) == {f"{part}-bare", f"{part}-stage"}
+        assert all(s["peak_mb"][0] > 0 and len(s["wall"]) == 1 for s in sides.values())
+    rows = got["rows"]
+    assert len(rows) == 4 and all(row["result"] in ("PASS", "FAIL") for row in rows)
+    assert all(math.isfinite(row["ratio"] if "ratio" in row else row["value"]) for row in rows)
+    assert "load average at end" in r.stdout and not list(tmp_path.glob("bench-filter-*"))  # its data removed
