@@ -246,6 +246,8 @@ def exclude_bare(root: Path, info: dict) -> dict:
         lims, dist, ids = index.range_search(unit_rows(x, rows[s:s + BATCH]), radius(t))
         q = s + np.repeat(np.arange(len(lims) - 1), np.diff(lims).astype(np.int64))
         ok = dist >= np.float32(t)
+        if not ok.any():
+            continue
         q = q[ok]
         ids = ids[ok]
         dist = dist[ok]
@@ -373,8 +375,9 @@ def main() -> None:
               f"made in {time.perf_counter() - t0:.0f} s (not timed); index for near-dup: {kind}, nprobe "
               f"{NPROBE}; threshold {args.threshold}; faiss threads {__import__('faiss').omp_get_max_threads()}",
               flush=True)
+        record["index"] = kind
         rows = []
-        for part in ("near", "exclude"):
+        for part in ("exclude", "near"):  # the shorter first
             if part in args.skip.split(","):
                 continue
             print(f"{part}: {args.repeats} rounds of alternating order, each call a fresh process", flush=True)

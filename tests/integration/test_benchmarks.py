@@ -2,6 +2,7 @@
 helper) is only found when someone needs its figure. The benchmarks themselves run outside the suite; their
 shared helper (benchmarks/common.py) is tested here."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -127,7 +128,8 @@ def test_the_filter_benchmark_runs_both_rules_and_both_sides_agree(tmp_path):
 
     r = subprocess.run([sys.executable, str(BENCH / "filter.py"), "--n", "2000", "--eval", "300", "--topics", "50",
                         "--per-shard", "700", "--repeats", "1", "--work", str(tmp_path),
-                        "--json", str(tmp_path / "filter.json")], capture_output=True, text=True, timeout=600)
+                        "--json", str(tmp_path / "filter.json")], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHONPATH": str(BENCH.parent)})  # this checkout's vlprep, children too
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     got = json.loads((tmp_path / "filter.json").read_text())
     assert got["near"]["planted"] == 40 and got["near"]["dropped"] == [40] and got["near"]["agree"]
