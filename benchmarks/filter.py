@@ -35,7 +35,9 @@ included, the memory map's resident pages included):
   normalised, range_search'ed at the same radius, the best match per hit.
 Rounds alternate the sides' order (benchmarks/common.py); medians of wall and CPU time decide. Targets: stage /
 bare <= 1.2x in wall time and in peak RSS, for each rule. Prints throughput (vectors/s), the load average at start
-and end, and a PASS/FAIL table; --json FILE writes the record.
+and end, and a PASS/FAIL table; --json FILE writes the record (each call's figures too, among them the mapped
+files' resident pages at the call's end). At 1M on 2 cores one near-dup call takes about 15 minutes (IVF's k-means,
+its add, and a million range queries of about 8,500 vectors each), so a 1M run is best given --repeats 1.
 
     .venv/bin/python benchmarks/filter.py [--n 1000000] [--dim 384] [--eval 10000] [--repeats 3] [--json F]
     .venv/bin/python benchmarks/filter.py --quick   # 20,000 vectors: a smoke test of the script
@@ -135,11 +137,18 @@ def peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
+def file_mb() -> float:
+    """The resident pages of mapped files now (Linux' RssFile: a memory map's pages count in RSS), 0 elsewhere."""
+    status = Path("/proc/self/status")
+    lines = status.read_text().splitlines() if status.is_file() else []
+    return next((int(line.split()[1]) / 1024 for line in lines if line.startswith("RssFile:")), 0.0)
+
+
 def result(pairs: list[tuple[int, str, float]]) -> dict:
     """A side's figures: its peak RSS, how many it dropped, and a digest of (position, matched key) per drop."""
     pairs = sorted(pairs)
     text = ";".join(f"{p}:{k}" for p, k, _ in pairs).encode()
-    return {"peak_mb": peak_mb(), "dropped": len(pairs),
+    return {"peak_mb": peak_mb(), "file_mb": file_mb(), "dropped": len(pairs),
             "digest": int.from_bytes(hashlib.blake2b(text, digest_size=6).digest(), "little")}
 
 
