@@ -47,7 +47,6 @@ import argparse
 import hashlib
 import json
 import math
-import os
 import resource
 import shutil
 import sys
@@ -81,7 +80,8 @@ def clustered(rng, n: int, d: int, centres: np.ndarray, noise: float) -> np.ndar
     out = np.empty((n, d), dtype=np.float32)
     for lo in range(0, n, 100_000):
         m = min(100_000, n - lo)
-        x = centres[rng.integers(0, len(centres), m)] + rng.standard_normal((m, d), dtype=np.float32) * (noise / d ** 0.5)
+        picked = centres[rng.integers(0, len(centres), m)]
+        x = picked + rng.standard_normal((m, d), dtype=np.float32) * (noise / d ** 0.5)
         out[lo:lo + m] = x / np.linalg.norm(x, axis=1, keepdims=True)
     return out
 
