@@ -2,6 +2,7 @@
 helper) is only found when someone needs its figure. The benchmarks themselves run outside the suite; their
 shared helper (benchmarks/common.py) is tested here."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -141,3 +142,28 @@ def test_view_benchmark_times_both_sides_on_the_same_draw(tmp_path):
     assert info["name"] == "view / tarfile 300" and info["result"] == "info"
     assert all(math.isfinite(row["ratio"]) and row["ratio"] > 0 for row in (verdict, info))
     assert "load average at end" in r.stdout
+
+
+@pytest.mark.slow
+def test_the_filter_benchmark_runs_both_rules_and_both_sides_agree(tmp_path):
+    """benchmarks/filter.py at a tiny size: its data (planted triples, eval copies), each side in a fresh process,
+    both sides dropping exactly the planted samples with the same matches, finite ratios in its record."""
+    import json
+    import math
+
+    r = subprocess.run([sys.executable, str(BENCH / "filter.py"), "--n", "2000", "--eval", "300", "--topics", "50",
+                        "--per-shard", "700", "--repeats", "1", "--work", str(tmp_path),
+                        "--json", str(tmp_path / "filter.json")], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHONPATH": str(BENCH.parent)})  # this checkout's vlprep, children too
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    got = json.loads((tmp_path / "filter.json").read_text())
+    assert got["near"]["planted"] == 40 and got["near"]["dropped"] == [40] and got["near"]["agree"]
+    assert got["exclude"]["planted"] == 30 and got["exclude"]["dropped"] == [30] and got["exclude"]["agree"]
+    for part in ("near", "exclude"):
+        sides = got[part]["sides"]
+        assert set(sides) == {f"{part}-bare", f"{part}-stage"}
+        assert all(s["peak_mb"][0] > 0 and len(s["wall"]) == 1 for s in sides.values())
+    rows = got["rows"]
+    assert len(rows) == 4 and all(row["result"] in ("PASS", "FAIL") for row in rows)
+    assert all(math.isfinite(row["ratio"] if "ratio" in row else row["value"]) for row in rows)
+    assert "load average at end" in r.stdout and not list(tmp_path.glob("bench-filter-*"))  # its data removed
