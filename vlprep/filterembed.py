@@ -136,9 +136,7 @@ class Exclude:
             names.append(ev.keys.take(pa.array(rows)))
             index = index_over(ev, rows, "auto")
             for owner, ids, dist in range_hits(index, vec, alive.rows, self.threshold):
-                for j in np.unique(owner).tolist():
-                    m = owner == j
-                    best = np.flatnonzero(m)[np.argmax(dist[m])]
+                for j, best in best_per_query(owner, dist):
                     where.setdefault(j, (e, int(ids[best]), float(dist[best])))
         # every eval set searched before any drop: the positions map to rows through the codes as Alive saw them
         positions = np.array(sorted(where), np.int64)
@@ -239,6 +237,16 @@ class ClipScore:
             os.replace(cache.with_name(cache.name + ".tmp"), cache)
             write_json_atomic(cache.with_suffix(".json"), {"fingerprint": fp})
         return every
+
+
+def best_per_query(owner: np.ndarray, dist: np.ndarray) -> list[tuple[int, int]]:
+    """(query, hit index) of each query's most similar hit, the first in hit order on equal cosines: one sort, not a
+    pass over every hit per query (a heavily contaminated batch has thousands of queries with hits)."""
+    order = np.lexsort((np.arange(len(owner)), -dist, owner))
+    if not len(order):
+        return []
+    lead = order[np.r_[True, owner[order][1:] != owner[order][:-1]]]
+    return list(zip(owner[lead].tolist(), lead.tolist()))
 
 
 def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -458,3 +458,21 @@ def test_near_dup_driver_memory_per_sample(tmp_path):
 
     per = growth_per_sample(go, 5000)  # at least QUERY_BATCH: a batch's buffers are the same size at n and 4n
     assert per < 80, per
+
+
+def test_each_query_keeps_its_most_similar_hit_the_first_on_ties():
+    from vlprep.filterembed import best_per_query
+
+    rng = np.random.default_rng(0)
+    owner = np.sort(rng.integers(0, 50, 2000))
+    dist = rng.choice(np.float32([0.95, 0.96, 0.97]), 2000)  # three values: ties in almost every query
+    expected = []
+    for j in np.unique(owner).tolist():  # the plain per-query pass
+        hits = np.flatnonzero(owner == j)
+        expected.append((j, int(hits[np.argmax(dist[hits])])))
+    assert best_per_query(owner, dist) == expected
+    shuffled = rng.permutation(2000)  # hits in any order: the first in that order wins a tie
+    o, d = owner[shuffled], dist[shuffled]
+    firsts = {j: int(np.flatnonzero(o == j)[np.argmax(d[o == j])]) for j in np.unique(o).tolist()}
+    assert dict(best_per_query(o, d)) == firsts
+    assert best_per_query(np.zeros(0, np.int64), np.zeros(0, np.float32)) == []
