@@ -140,6 +140,8 @@ def dataset(n: int, data_dir: Path, group: int) -> Path:
 
 
 # --- the baseline (run in its own process) ----------------------------------------------------------------------
+# The draw is copied from vlprep.view rather than imported: importing vlprep would charge the baseline vlprep's own
+# start-up (typer, rich, pyarrow), the very cost the comparison measures. The run checks both draw the same keys.
 
 
 def allocate(sizes: list[int], n: int, rng) -> list[int]:
