@@ -23,7 +23,7 @@ import verdicts  # noqa: E402
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 README = HERE / "README.md"
-ORDER = ("fistful", "grit", "fistful-pseudo", "tonics", "softmask", "combined", "mechanisms")
+ORDER = ("fistful", "grit", "fistful-pseudo", "tonics", "softmask", "combined", "clipscore", "mechanisms")
 COUNTED = ("agrees", verdicts.SMALLER, verdicts.LARGER, "disagrees", "rules out the paper's effect",
            verdicts.EQUIVALENT, verdicts.NOT_EQUIVALENT, "inconclusive", verdicts.NAN_METRIC, verdicts.NO_VARIANCE)
 SHORT = {verdicts.SMALLER: "agrees in direction, smaller", verdicts.LARGER: "agrees in direction, larger",
@@ -49,7 +49,8 @@ def blocks(results_dir: Path = RESULTS) -> dict[str, str]:
     """{marker name: the text between its markers}, from the results files."""
     out = {}
     loaded = {}
-    for name in ORDER:
+    others = sorted(p.stem for p in results_dir.glob("*.json") if p.stem not in ORDER)  # a new recipe's, after
+    for name in (*ORDER, *others):
         md, js = results_dir / f"{name}.md", results_dir / f"{name}.json"
         if md.is_file() and js.is_file():
             out[f"results/{name}.md"] = md.read_text()
