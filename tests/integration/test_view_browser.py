@@ -194,14 +194,15 @@ def test_a_filter_page_marks_its_dropped_samples_with_the_rule(browser, pages):
 
 def test_ontology_page_maps_each_noun_to_its_class(browser, tmp_path):
     """The real stage (spaCy's nouns, the PMI map) on the ontology tests' detections: each card lists the caption's
-    nouns with the class ontology.json maps them to, and the PMI heatmap is a figure."""
+    nouns with the class ontology.json maps them to and its PMI, and the PMI heatmap is a figure."""
     from tests.vlprep.test_ontology import CAPTIONS, OBJECTS
     from vlprep.ontology import OntologyConfig, ontology
 
     det = detected_dataset(tmp_path, CAPTIONS, OBJECTS)
     ontology(OntologyConfig(src=det, out=tmp_path / "onto", min_cooccur=1, min_instances=2, workers=1))
     build_view(ViewConfig(dataset=tmp_path / "onto", out=tmp_path / "view"))
-    mapping = json.loads((tmp_path / "onto" / "ontology.json").read_text())["noun_to_class"]
+    onto = json.loads((tmp_path / "onto" / "ontology.json").read_text())
+    mapping = onto["noun_to_class"]
     d = open_page(browser, (tmp_path / "view" / "index.html").as_uri())
     shown = js(d, """return Object.fromEntries([...document.querySelectorAll('.card')].map(c => [c.dataset.key,
         [...c.querySelectorAll('.nouns li')].map(li => li.textContent)]))""")
@@ -209,8 +210,16 @@ def test_ontology_page_maps_each_noun_to_its_class(browser, tmp_path):
     assert len(shown) == len(samples) == len(CAPTIONS)
     for s in samples:
         nouns = [n[0] for n in s["json"]["nouns"]]
-        assert shown[s["__key__"]] == [f"{n} \u2192 {mapping[n]}" if n in mapping else n for n in nouns]
-    assert shown["shard_000000001"][:2] == ["dog \u2192 dog", "man \u2192 person"]  # the ontology tests' mapping
+        items = shown[s["__key__"]]
+        assert len(items) == len(nouns)
+        for n, text in zip(nouns, items):
+            if n not in mapping:
+                assert text == n
+                continue
+            # "noun → class (PMI x.xx)": the PMI to 2 decimals, read back as a number (toFixed's rounding aside)
+            m = re.fullmatch(rf"{re.escape(n)} \u2192 {re.escape(mapping[n])} \(PMI (-?\d+\.\d\d)\)", text)
+            assert m and abs(float(m.group(1)) - onto["noun_pmi"][n]) <= 0.005 + 1e-9, (text, onto["noun_pmi"][n])
+    assert [t.split(" (PMI")[0] for t in shown["shard_000000001"][:2]] == ["dog \u2192 dog", "man \u2192 person"]
     d.find_element("css selector", "#figures-box summary").click()
     assert js(d, "return [...document.querySelectorAll('#figures img')].map(i => [i.alt, i.naturalWidth > 0])") == \
         [["pmi_heatmap.png", True]]
