@@ -9,6 +9,8 @@ Needs Debian's chromium and chromium-driver (scripts/apt-deps.sh) and selenium (
 
 import argparse
 import io
+import os
+import tempfile
 from pathlib import Path
 
 from PIL import Image
@@ -28,15 +30,18 @@ def main() -> None:
     options.binary_location = "/usr/bin/chromium"
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", f"--window-size={args.size}"):
         options.add_argument(arg)
-    driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
-    try:
-        driver.get(args.page.resolve().as_uri())
-        # every thumbnail on screen loaded before the picture is taken
-        WebDriverWait(driver, 30).until(lambda d: d.execute_script(
-            "return [...document.images].every(i => i.complete && i.naturalWidth > 0)"))
-        png = driver.get_screenshot_as_png()
-    finally:
-        driver.quit()
+    # chromium leaves its singleton socket's folder in TMPDIR after quitting: a temporary one, removed after
+    with tempfile.TemporaryDirectory() as tmp:
+        service = Service("/usr/bin/chromedriver", env={**os.environ, "TMPDIR": tmp})
+        driver = webdriver.Chrome(service=service, options=options)
+        try:
+            driver.get(args.page.resolve().as_uri())
+            # every thumbnail on screen loaded before the picture is taken
+            WebDriverWait(driver, 30).until(lambda d: d.execute_script(
+                "return [...document.images].every(i => i.complete && i.naturalWidth > 0)"))
+            png = driver.get_screenshot_as_png()
+        finally:
+            driver.quit()
     Image.open(io.BytesIO(png)).convert("RGB").quantize(256).save(args.png, optimize=True)
     print(f"wrote {args.png}")
 

@@ -30,7 +30,7 @@ BOW_CAPTIONS = ["the dog is on the grass", "a cat sleeps in the sun", "the man a
 
 
 @pytest.fixture(scope="module")
-def browser():
+def browser(tmp_path_factory):
     """A headless chromium; a missing browser, driver or selenium fails (never skips) with how to install them."""
     missing = [p for p in (CHROMIUM, CHROMEDRIVER) if not shutil.which(p)]
     if missing:
@@ -46,7 +46,10 @@ def browser():
                 "--window-size=1280,1000"):
         options.add_argument(arg)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    # chromium leaves its singleton socket's folder (org.chromium.Chromium.*) in TMPDIR after quitting: keep it in
+    # pytest's temporary folder, not the machine's /tmp
+    env = {**os.environ, "TMPDIR": str(tmp_path_factory.mktemp("chromium-tmp"))}
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER, env=env), options=options)
     yield driver
     driver.quit()
 
