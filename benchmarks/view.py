@@ -5,8 +5,8 @@ The data (seeded, made once per N under --data-dir and kept; a dataset whose siz
 a Parquet source of N (image, caption) rows, cut by `vlprep shards -n 1000 --workers 2` into shards of 1,000
 samples (1,000 shards at 1M); the source is deleted once the shards are written. Images: a pool of 1,000 distinct
 32-64 px JPEG and PNG images of about 1 KB (random colour blocks), sample i taking image i mod 1,000; captions: 8-20
-words, Zipf-distributed over a 20,000-word made-up vocabulary. (The pool is scale.py's `image_pool`, copied: the
-scripts do not import each other; the captions are drawn a row group at a time, without scale.py's nouns.)
+words, Zipf-distributed over a 20,000-word made-up vocabulary. (The pool is scale.py's `image_pool`; the captions
+are drawn a row group at a time, without scale.py's nouns.)
 
 Every side is a fresh Python process started by this script, timed from outside (wall seconds from start to exit,
 Python start-up and imports included; CPU seconds and peak RSS from os.wait4's rusage), each with a new OUT folder:
@@ -56,7 +56,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-POOL = 1000  # distinct images
 VOCAB = 20_000
 SECONDS_TARGET = 10.0  # the view of a 1M-sample dataset, wall seconds
 RATIO_TARGET = 1.5  # view / baseline, median wall seconds
@@ -80,27 +79,13 @@ def size_name(n: int) -> str:
 # --- the data ---------------------------------------------------------------------------------------------------
 
 
-def image_pool(rng) -> list[bytes]:
-    """POOL small images: random 4x4 colour blocks scaled to 32-64 px, alternately JPEG and PNG (scale.py's)."""
-    import numpy as np
-    from PIL import Image
-
-    out = []
-    for i in range(POOL):
-        w, h = (int(v) for v in rng.integers(32, 65, size=2))
-        blocks = rng.integers(0, 256, size=(4, 4, 3), dtype=np.uint8)
-        img = Image.fromarray(blocks).resize((w, h), Image.NEAREST)
-        buf = io.BytesIO()
-        img.save(buf, "JPEG" if i % 2 == 0 else "PNG", **({"quality": 85} if i % 2 == 0 else {}))
-        out.append(buf.getvalue())
-    return out
-
-
 def make_source(n: int, path: Path, group: int, seed: int = 0) -> None:
     """A Parquet file of n (image, caption) rows in row groups of `group`."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
+
+    from scale import image_pool  # the sibling script's pool (imported here: numpy only, for the data)
 
     rng = np.random.default_rng(seed)
     pool = image_pool(rng)
@@ -113,7 +98,7 @@ def make_source(n: int, path: Path, group: int, seed: int = 0) -> None:
             lengths = rng.integers(8, 21, size=m)
             toks = words[np.minimum(rng.zipf(1.2, size=int(lengths.sum())), VOCAB) - 1]
             caps = ["a " + " ".join(t) for t in np.split(toks, np.cumsum(lengths)[:-1])]
-            images = [pool[i % POOL] for i in range(start, start + m)]
+            images = [pool[i % len(pool)] for i in range(start, start + m)]
             table.write_table(pa.table({"image": images, "caption": caps}, schema=schema), row_group_size=group)
 
 
