@@ -162,7 +162,7 @@ class Dedup:
                 kept = first.setdefault(fulls[r], (i, r, keys[r]))
                 if kept[:2] != (i, r):
                     d.codes[i][r] = code
-                    d.details[(i, r)] = f"duplicate of {kept[2]}"
+                    d.details[(i, r)] = {"detail": f"duplicate of {kept[2]}", "match_key": kept[2]}
 
 
 # --- the decision --------------------------------------------------------------------------------------------------

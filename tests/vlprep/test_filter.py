@@ -99,6 +99,7 @@ def dropped(out: Path, uids: dict[str, str]) -> dict[str, tuple[str, str]]:
     for r in rows:
         detail = r["detail"]
         if detail.startswith("duplicate of "):
+            assert r["match_key"] == detail.removeprefix("duplicate of ")  # the kept copy, as a column too
             detail = "duplicate of " + uids[detail.removeprefix("duplicate of ")]
         res[uids[r["key"]]] = (r["rule"], detail)
         assert key_of[uids[r["key"]]] == r["key"]
