@@ -218,7 +218,7 @@ def detect(cfg: DetectConfig, progress=None) -> dict:
         raise VlprepError("--batch-size must be at least 1")
     check_engine(cfg.distributor, cfg.workers)
     t0 = time.perf_counter()
-    ds, out = open_derived(cfg.src, cfg.out, cfg.skip_bad_shards)
+    ds, out = open_derived(cfg.src, cfg.out, cfg.skip_bad_shards, (cfg.weights, cfg.from_file))
     with contextlib.ExitStack() as stack:
         index = None
         if cfg.from_file is not None:

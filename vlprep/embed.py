@@ -171,7 +171,7 @@ def embed(cfg: EmbedConfig, enc, progress=None) -> dict:
     if cfg.modality == "image":
         check_images(enc)
     t0 = time.perf_counter()
-    ds, out = open_derived(cfg.src, cfg.out, cfg.skip_bad_shards)
+    ds, out = open_derived(cfg.src, cfg.out, cfg.skip_bad_shards, (getattr(enc, "path", None),))
     options = {"src": ds.location, "encoder": enc.name, "modality": cfg.modality, "deformed": cfg.deformed}
     with writing_output(out, "embed", options, cfg.overwrite) as out:
         for name in ("embeddings.npy", "keys.parquet"):  # a stale pair must not outlive a failed run

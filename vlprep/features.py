@@ -243,7 +243,7 @@ def _features(cfg: FeaturesConfig, progress) -> dict:
         raise VlprepError("--decode-threads must be 0 (decode in the worker's main thread) or more")
     check_engine(cfg.distributor, cfg.workers)
     t0 = time.perf_counter()
-    ds, out = open_derived(cfg.src, cfg.out, cfg.skip_bad_shards)
+    ds, out = open_derived(cfg.src, cfg.out, cfg.skip_bad_shards, (cfg.weights,))
     # Each worker's calls run side by side on this many threads of one intra-op thread each: the cores, shared.
     encode_threads = max(1, (os.cpu_count() or 1) // cfg.workers)
     initargs = (cfg.image_model, cfg.weights, cfg.size, cfg.device, cfg.decode_threads, encode_threads)

@@ -337,7 +337,9 @@ def filter_dataset(cfg: FilterConfig, encoder=None, progress=None) -> dict:
     sample_rules, dataset_rules, options = build_rules(cfg, encoder)
     check_engine(cfg.distributor, cfg.workers)
     t0 = time.perf_counter()
-    ds, out = open_derived(cfg.src, cfg.out, cfg.skip_bad_shards)
+    inputs = (cfg.keys, cfg.drop_keys, cfg.embeddings, cfg.text_embeddings, *cfg.exclude, *cfg.exclude_embeddings,
+              getattr(encoder, "path", None))  # --overwrite must not clear any of them
+    ds, out = open_derived(cfg.src, cfg.out, cfg.skip_bad_shards, inputs)
     fps, signature = input_signature(ds)
     options["src"] = ds.location
     if cfg.exclude:

@@ -187,7 +187,7 @@ def ontology(cfg: OntologyConfig, progress=None) -> dict:
         raise VlprepError(f"unknown --triplets {cfg.triplets!r}; use {' or '.join(TRIPLET_RULES)}")
     check_engine(cfg.distributor, cfg.workers)
     t0 = time.perf_counter()
-    ds, out = open_derived(cfg.src, cfg.out, cfg.skip_bad_shards)
+    ds, out = open_derived(cfg.src, cfg.out, cfg.skip_bad_shards, (cfg.overrides,))
     check_detections(ds)
     overrides = load_overrides(cfg.overrides, detected_labels(ds, cfg.min_score) if cfg.overrides else set())
     options = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()

@@ -65,10 +65,11 @@ def check_out(out, *inputs) -> Out:
     """OUT as an `Out`; a one-line error when it is an input, holds one, or lies inside one.
 
     `--overwrite` clears vlprep's files in OUT and a run removes its stale `*.tmp`, so an OUT that overlaps an
-    input could delete that input (`vlprep shards imgdir imgdir --overwrite` once deleted every image). Both sides
-    are compared in their canonical form (vlprep.urls: s3a:// is s3://, file:///x is /x, symlinks and `..`
-    resolved); an input may be a `Dataset` (a remote one stands for its URL). A URL OUT (s3://, gs://) is written in
-    its local staging folder.
+    input could delete that input (`vlprep shards imgdir imgdir --overwrite` once deleted every image). Every input
+    a stage reads is given (datasets, embeddings folders, keys and detections files, checkpoints; None for an option
+    not given). Both sides are compared in their canonical form (vlprep.urls: s3a:// is s3://, file:///x is /x,
+    symlinks and `..` resolved); an input may be a `Dataset` (a remote one stands for its URL). A URL OUT (s3://,
+    gs://) is written in its local staging folder.
     """
     remote = isinstance(out, str) and "://" in out and objstore.scheme(out) != "file"
     if remote and objstore.scheme(out) not in objstore.WRITABLE:
@@ -78,6 +79,8 @@ def check_out(out, *inputs) -> Out:
     if not remote:
         out = local_or_url(out)  # file:///x is the folder /x
     for src in inputs:
+        if src is None:
+            continue
         if isinstance(src, Dataset):
             src = src.url or src.root
         shown = urls.redact(str(out))
@@ -95,10 +98,11 @@ def check_out(out, *inputs) -> Out:
     return Out(out)
 
 
-def open_derived(src, out, skip_bad_shards: bool = False) -> tuple[Dataset, Out]:
-    """A derived stage's input dataset (its bad shards left out when asked) and output, kept apart."""
+def open_derived(src, out, skip_bad_shards: bool = False, inputs: Iterable = ()) -> tuple[Dataset, Out]:
+    """A derived stage's input dataset (its bad shards left out when asked) and output, kept apart from it and from
+    the stage's other `inputs` (check_out)."""
     ds = open_dataset(src)
-    place = check_out(out, ds)
+    place = check_out(out, ds, *inputs)
     return (check_shards(ds) if skip_bad_shards else ds), place
 
 

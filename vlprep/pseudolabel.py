@@ -322,7 +322,7 @@ def pseudolabel(cfg: PseudolabelConfig, enc, progress=None) -> dict:
         ds = open_dataset(cfg.unaligned)
     except VlprepError as e:
         raise VlprepError(f"UNALIGNED: {e}") from None
-    out = check_out(cfg.out, aligned, ds)
+    out = check_out(cfg.out, aligned, ds, getattr(enc, "path", None))  # the checkpoint: an input too
     if cfg.skip_bad_shards:  # ALIGNED is read through its sidecars only, so only UNALIGNED's tars matter
         ds = check_shards(ds)
     _need_sidecars(aligned, "ALIGNED")

@@ -322,7 +322,7 @@ def build_shards(cfg: ShardsConfig, progress=None) -> dict:
     """Run the stage (plan source chunks -> map_shards -> summarise); returns the report (also OUT/report.json)."""
     cfg.validate()
     t0 = time.perf_counter()
-    out = check_out(cfg.out, cfg.src)
+    out = check_out(cfg.out, cfg.src, cfg.image_root)
     source = open_source(cfg.src, cfg.image_col, cfg.caption_col, cfg.uid_col, cfg.image_root, cfg.split,
                          cfg.follow_symlinks)
     options = {k: v for k, v in asdict(cfg).items() if k not in ("src", "out", "workers", "distributor", "overwrite")}

@@ -82,6 +82,9 @@ def dataset_stats(path, out: Path | None = None, top: int = 20) -> dict:
     """Counts, caption-length and image-size distributions, vocabulary; writes report.json + stats.png."""
     # the samples stream into counters (vocabulary- and size-sized), never a list with an entry per sample
     ds = open_dataset(path)
+    if out is not None and urls.overlap(out, ds.url or ds.root) == "same":  # DATASET/stats (the default) is fine
+        raise VlprepError(f"--out {urls.redact(str(out))} is the dataset: its report.json would be replaced; choose "
+                          "another folder (the default is DATASET/stats)")
     cols = sidecar_columns(ds)
     # image formats come from the sidecars' image_ext column only (a tar read leaves them out)
     formats_known = {"caption", "width", "height", "image_ext"} <= cols
