@@ -245,7 +245,7 @@ def filter_(
                        overwrite=overwrite, skip_bad_shards=skip_bad_shards)
     run_stage(cfg, workers, distributor, filter_dataset, print_filter_report, out,
               "report.json and dropped.parquet say what was dropped", empty="every sample was dropped",
-              encoder=checkpoint_encoder(checkpoint, device) if checkpoint is not None else None)
+              early_warnings=True, encoder=checkpoint_encoder(checkpoint, device) if checkpoint is not None else None)
 
 
 @app.command()

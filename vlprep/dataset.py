@@ -13,6 +13,7 @@ import os
 import re
 import stat
 import tarfile
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -363,7 +364,11 @@ def batches(it: Iterable, n: int) -> Iterator[list]:
 
 def decode_rgb(data: bytes) -> Image.Image:
     """Decode image bytes to RGB for a model; transparency is composited on white (clip art is mostly transparent)."""
-    return as_rgb(Image.open(io.BytesIO(data)))
+    with warnings.catch_warnings():
+        # as vlprep.shards: Pillow warns above 89M pixels (printed raw, with its source line) and refuses above 179M;
+        # every caller counts the refusal as a skip, the warning says nothing more
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        return as_rgb(Image.open(io.BytesIO(data)))
 
 
 def as_rgb(im: Image.Image) -> Image.Image:

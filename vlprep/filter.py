@@ -24,8 +24,8 @@ from vlprep.engine import Work, check_engine, default_workers, map_shards
 from vlprep.filterembed import build_embed_rules, exclude_signatures, vectors_identity
 from vlprep.filterphash import PHash, check_distance
 from vlprep.filterreport import embed_report, write_dropped
-from vlprep.filterscan import (HASHES, SCAN_DIR, SCAN_KINDS, h64_column, input_signature, read_scan, scan_done,
-                               scan_shard)
+from vlprep.filterscan import (HASHES, SCAN_DIR, SCAN_KINDS, check_sidecars, check_unique_keys, h64_column,
+                               input_signature, read_scan, scan_done, scan_shard)
 from vlprep.output import Out, finish_dataset, open_derived, write_json_atomic, write_shard, writing_output
 from vlprep.urls import redact
 from vlprep.userfile import read_user_file
@@ -278,7 +278,7 @@ def read_keys(path: Path, flag: str) -> tuple[frozenset[str], str]:
     return keys, hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
-def build_rules(cfg: FilterConfig, encoder=None) -> tuple[list, list, dict]:
+def build_rules(cfg: FilterConfig, encoder=None, warn=lambda line: None) -> tuple[list, list, dict]:
     """(sample rules, dataset rules, the options meta.json records), in the fixed order; one-line errors."""
     sample = []
     options = {}
@@ -302,7 +302,7 @@ def build_rules(cfg: FilterConfig, encoder=None) -> tuple[list, list, dict]:
     sample += [BadImage()] + [r for r in image_rules if r is not None]
     if words is not None:
         sample.append(CaptionWords(*words))
-    embed_rules, embed_options = build_embed_rules(cfg, encoder)
+    embed_rules, embed_options = build_embed_rules(cfg, encoder, warn)
     dataset = [Dedup(k) for k in kinds] + ([PHash(cfg.phash)] if cfg.phash is not None else []) + embed_rules
     if len(sample) == 1 and not dataset:
         raise VlprepError("no rule given: give at least one of --keys, --drop-keys, --min-side, --max-aspect, "
@@ -332,14 +332,24 @@ def copy_shard(out: Out, src: Path, shard: str, keep: bytes, n: int, scores: byt
     return stats
 
 
-def filter_dataset(cfg: FilterConfig, encoder=None, progress=None) -> dict:
-    """Run the stage (the encoder object embeds for the embedding rules); returns the report (also OUT/report.json)."""
-    sample_rules, dataset_rules, options = build_rules(cfg, encoder)
+def filter_dataset(cfg: FilterConfig, encoder=None, progress=None, warn=None) -> dict:
+    """Run the stage (the encoder object embeds for the embedding rules); returns the report (also OUT/report.json,
+    with its `warnings`, each also given to `warn` as it is found)."""
+    warnings = []
+
+    def note(line: str) -> None:
+        warnings.append(line)
+        if warn is not None:
+            warn(line)
+
+    sample_rules, dataset_rules, options = build_rules(cfg, encoder, note)
     check_engine(cfg.distributor, cfg.workers)
     t0 = time.perf_counter()
     inputs = (cfg.keys, cfg.drop_keys, cfg.embeddings, cfg.text_embeddings, *cfg.exclude, *cfg.exclude_embeddings,
               getattr(encoder, "path", None))  # --overwrite must not clear any of them
     ds, out = open_derived(cfg.src, cfg.out, cfg.skip_bad_shards, inputs)
+    check_sidecars(ds)
+    check_unique_keys(ds)  # before OUT is touched: a repeated key makes every key-based rule ambiguous
     fps, signature = input_signature(ds)
     options["src"] = ds.location
     if cfg.exclude:
@@ -376,7 +386,7 @@ def filter_dataset(cfg: FilterConfig, encoder=None, progress=None) -> dict:
                   "bad": _bad_counts(scanned),
                   "shards": len(ds.shards), "shards_resumed": len(resumed), "scan_resumed": len(scan_resumed),
                   "bad_shards": ds.bad, "elapsed_s": round(time.perf_counter() - t0, 3),
-                  "outputs": ["report.json", "dropped.parquet"]}
+                  "outputs": ["report.json", "dropped.parquet"], "warnings": warnings}
         embed_report(report, out, ds, dataset_rules)
         write_json_atomic(out.root / "report.json", report)
     return report

@@ -9,6 +9,7 @@ import hashlib
 import json
 import math
 import os
+from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
 
@@ -19,8 +20,8 @@ from vlprep import VlprepError
 from vlprep.dataset import image_ext, iter_samples, open_dataset
 from vlprep.filterphash import eval_matches
 from vlprep.filterscan import decode_image, input_signature, perceptual_hash, read_scan, rgb_hash
-from vlprep.filtervec import (EMBED_DIR, QUERY_BATCH, Alive, Source, Vectors, check_embed_output, embed_under,
-                              index_over, near_dup_greedy, places, range_hits)
+from vlprep.filtervec import (EMBED_DIR, QUERY_BATCH, Alive, Source, Vectors, check_embed_output, embed_meta,
+                              embed_under, embeddings_dim, index_over, near_dup_greedy, places, range_hits)
 from vlprep.output import write_json_atomic
 from vlprep.urls import redact, redact_text
 
@@ -270,13 +271,28 @@ def check_covers(ev: Vectors, keys: list[str], path) -> np.ndarray:
 def encoder_record(folder, flag: str) -> tuple[object, str | None]:
     """The encoder a `vlprep embed` output's meta.json records (its checkpoint and model) and the checkpoint file's
     fingerprint (None in outputs written before it was recorded), or a one-line error."""
-    meta = Path(folder) / "meta.json"
-    data = json.loads(meta.read_text()) if meta.is_file() else {}
+    data = embed_meta(folder)
     record = data.get("encoder")
     if record is None:
         raise VlprepError(f"{flag} {redact(str(folder))}: no meta.json naming its encoder (a `vlprep embed` output "
                           "has one)")
     return record, data.get("encoder_fingerprint")
+
+
+def same_encoder(folder, flag: str, ref, ref_flag: str) -> None:
+    """A one-line error unless two `vlprep embed` outputs' meta.json record one encoder (and, where both have it,
+    one checkpoint fingerprint)."""
+    have, have_fp = encoder_record(folder, flag)
+    want, want_fp = encoder_record(ref, ref_flag)
+    # the fingerprint (the checkpoint file's size and mtime) tells a checkpoint retrained in place from itself
+    if have != want or None not in (have_fp, want_fp) and have_fp != want_fp:
+        name = lambda r: r.get("checkpoint", r) if isinstance(r, dict) else r  # noqa: E731
+        if have == want:
+            raise VlprepError(f"{flag} {redact(str(folder))} and {ref_flag} {redact(str(ref))} were made by "
+                              f"{name(want)} as it was at two times (the file changed in between): embed both with "
+                              "it as it is now")
+        raise VlprepError(f"{flag} {redact(str(folder))} was made by {name(have)}, {ref_flag} {redact(str(ref))} by "
+                          f"{name(want)}: both must come from one checkpoint")
 
 
 def check_exclude_embeddings(cfg, encoder) -> None:
@@ -290,22 +306,47 @@ def check_exclude_embeddings(cfg, encoder) -> None:
     if cfg.near_dup is None or cfg.embeddings is None or encoder is not None:
         raise VlprepError("--exclude-embeddings goes with --near-dup and --embeddings (with --checkpoint the eval "
                           "sets are embedded by it)")
-    want, want_fp = encoder_record(cfg.embeddings, "--embeddings")
     for folder in given:
         check_embed_output(folder, "--exclude-embeddings")
-        have, have_fp = encoder_record(folder, "--exclude-embeddings")
-        # the fingerprint (the checkpoint file's size and mtime) tells a checkpoint retrained in place from itself
-        if have != want or None not in (have_fp, want_fp) and have_fp != want_fp:
-            name = lambda r: r.get("checkpoint", r) if isinstance(r, dict) else r  # noqa: E731
-            if have == want:
-                raise VlprepError(f"--exclude-embeddings {redact(str(folder))} and --embeddings "
-                                  f"{redact(str(cfg.embeddings))} were made by {name(want)} as it was at two times "
-                                  "(the file changed in between): embed both with it as it is now")
-            raise VlprepError(f"--exclude-embeddings {redact(str(folder))} was made by {name(have)}, --embeddings "
-                              f"{redact(str(cfg.embeddings))} by {name(want)}: both must come from one checkpoint")
+        same_encoder(folder, "--exclude-embeddings", cfg.embeddings, "--embeddings")
 
 
-def build_embed_rules(cfg, encoder) -> tuple[list, dict]:
+def check_given_vectors(cfg, warn: Callable[[str], None]) -> None:
+    """The `vlprep embed` outputs given: each of the modality its option takes, one dimension for all, and the image
+    and text vectors of the CLIP score from one encoder. An output whose meta.json records no modality or encoder (an
+    older or hand-made one) cannot be checked: a warning says so."""
+    given = [(cfg.embeddings, "--embeddings", "image"), (cfg.text_embeddings, "--text-embeddings", "text")]
+    given += [(folder, "--exclude-embeddings", "image") for folder in cfg.exclude_embeddings]
+    dims = []
+    for folder, flag, want in given:
+        if folder is None:
+            continue
+        check_embed_output(folder, flag)
+        shown = f"{flag} {redact(str(folder))}"
+        have = (embed_meta(folder).get("options") or {}).get("modality")
+        if have is None:
+            warn(f"{shown}: its meta.json records no modality (an older or hand-made output); its vectors are taken "
+                 f"as {want} embeddings unchecked")
+        elif have != want:
+            raise VlprepError(f"{shown} holds {have} embeddings (its meta.json says so); {flag} takes a `vlprep embed "
+                              f"--modality {want}` output")
+        dims.append((embeddings_dim(folder, flag), shown))
+    for dim, shown in dims[1:]:
+        if dim != dims[0][0]:
+            raise VlprepError(f"{shown} has {dim}-dimensional vectors, {dims[0][1]} {dims[0][0]}-dimensional: they "
+                              "must come from one encoder")
+    if cfg.embeddings is None or cfg.text_embeddings is None:
+        return
+    unrecorded = [f for f, folder in (("--embeddings", cfg.embeddings), ("--text-embeddings", cfg.text_embeddings))
+                  if embed_meta(folder).get("encoder") is None]
+    if unrecorded:
+        warn(f"{' and '.join(unrecorded)}: meta.json records no encoder, so nothing checks that the image and text "
+             "vectors come from one checkpoint (a CLIP score of two encoders' vectors means nothing)")
+        return
+    same_encoder(cfg.text_embeddings, "--text-embeddings", cfg.embeddings, "--embeddings")
+
+
+def build_embed_rules(cfg, encoder, warn: Callable[[str], None] = lambda line: None) -> tuple[list, dict]:
     """The embedding rules in their fixed order (near_dup, exclude, clip_score) and the options meta.json records."""
     t = cfg.near_dup
     if t is not None and not 0 < t <= 1:
@@ -331,9 +372,7 @@ def build_embed_rules(cfg, encoder) -> tuple[list, dict]:
                           "that made --embeddings), or their `vlprep embed` outputs as --exclude-embeddings")
     for path in cfg.exclude:
         open_eval(path)
-    for folder, flag in ((cfg.embeddings, "--embeddings"), (cfg.text_embeddings, "--text-embeddings")):
-        if folder is not None:
-            check_embed_output(folder, flag)
+    check_given_vectors(cfg, warn)
     src = cfg.src
     images = Source("image", cfg.embeddings, encoder, src, cfg.workers) if (cfg.embeddings or encoder) else None
     texts = Source("text", cfg.text_embeddings, encoder, src, cfg.workers) if clip else None

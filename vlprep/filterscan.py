@@ -14,6 +14,7 @@ import json
 import os
 import string
 import unicodedata
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
 
+from vlprep import VlprepError
 from vlprep.dataset import as_rgb, image_ext, iter_aligned, sidecar_name
 from vlprep.engine import Work
 from vlprep.output import Out, publish, pull
@@ -82,18 +84,22 @@ def decode_image(data: bytes | None, pixels: bool) -> tuple[int, int, str | None
     """(width, height, why it is bad or None, the decoded RGB image when `pixels`) of one image member."""
     if data is None:
         return -1, -1, "no_image", None
-    try:
-        im = Image.open(io.BytesIO(data))  # reads the header only
-        width, height = im.size
-    except Exception:  # any failure to open is a counted bad sample, never fatal
-        return -1, -1, "undecodable", None
-    if not pixels:
-        return width, height, None, None
-    try:
-        im.load()
-        return width, height, None, as_rgb(im)
-    except Exception:
-        return width, height, "undecodable", None
+    with warnings.catch_warnings():
+        # as vlprep.shards: Pillow warns above 89M pixels (printed raw, with its source line) and refuses above
+        # 179M; the refusal is a counted bad sample below, the warning says nothing more
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        try:
+            im = Image.open(io.BytesIO(data))  # reads the header only
+            width, height = im.size
+        except Exception:  # any failure to open is a counted bad sample, never fatal
+            return -1, -1, "undecodable", None
+        if not pixels:
+            return width, height, None, None
+        try:
+            im.load()
+            return width, height, None, as_rgb(im)
+        except Exception:
+            return width, height, "undecodable", None
 
 
 def scan_path(out: Out, shard: str) -> Path:
@@ -172,6 +178,52 @@ def read_scan(out: Out, shard: str, columns: list[str]) -> pa.Table:
 def h64_column(table: pa.Table, name: str) -> np.ndarray:
     """A scan table's 64-bit hash column as a uint64 array."""
     return table.column(f"{name}_h64").to_numpy().astype(np.uint64, copy=False)
+
+
+def check_sidecars(ds) -> None:
+    """A one-line error unless every shard has its sidecar, with the columns the scan reads (a WebDataset from another
+    tool has sizes.json and tars, but no sidecars)."""
+    for shard in ds.shards:
+        side = ds.sidecar(shard)
+        if not side.exists():
+            raise VlprepError(f"SRC {ds.location}: missing sidecar {side.name} (every vlprep stage writes one; "
+                              "re-shard it with `vlprep shards`)")
+        try:
+            names = pq.read_schema(side).names
+        except Exception:  # any Arrow failure: not a Parquet file
+            raise VlprepError(f"SRC {ds.location}: sidecar {side.name} is not a readable Parquet file") from None
+        lacking = [c for c in ("key", "caption") if c not in names]
+        if lacking:
+            raise VlprepError(f"SRC {ds.location}: sidecar {side.name} has no {lacking[0]!r} column (every vlprep "
+                              "stage writes one; re-shard it with `vlprep shards`)")
+
+
+def check_unique_keys(ds) -> None:
+    """A one-line error naming a key that two of the dataset's samples share, and the shards that hold them (keys are
+    unique: a repeated one would get another sample's vector, and --keys would keep both). Reads the sidecars' key
+    columns; holds 8 bytes a sample while it runs (a 64-bit hash of each key), and reads the keys of colliding hashes
+    back from the sidecars to compare them in full."""
+    from vlprep.shards import uid_hashes
+
+    hashes = [uid_hashes(ds.column(s, "key")) for s in ds.shards]
+    every = np.sort(np.concatenate(hashes)) if hashes else np.zeros(0, np.uint64)
+    suspect = np.unique(every[1:][every[1:] == every[:-1]])
+    del every
+    if not suspect.size:
+        return
+    first: dict[str, str] = {}
+    for shard, h in zip(ds.shards, hashes):
+        rows = np.flatnonzero(np.isin(h, suspect))
+        if not rows.size:
+            continue
+        keys = ds.column(shard, "key")
+        for r in rows.tolist():
+            if keys[r] in first:
+                where = f"twice in shard {shard}" if first[keys[r]] == shard else \
+                    f"in shards {first[keys[r]]} and {shard}"
+                raise VlprepError(f"SRC {ds.location}: key {keys[r]!r} is {where}; a dataset's keys are "
+                                  "unique (re-shard it with `vlprep shards`, which numbers them)")
+            first[keys[r]] = shard
 
 
 def input_signature(ds) -> tuple[dict[str, str], str]:

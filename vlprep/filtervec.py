@@ -42,6 +42,27 @@ def check_embed_output(folder, flag: str) -> None:
         raise VlprepError(f"{flag} {folder}: not a `vlprep embed` output (needs embeddings.npy and keys.parquet)")
 
 
+def embed_meta(folder) -> dict:
+    """A `vlprep embed` output's meta.json (its options, encoder record and fingerprint); {} when it has none that
+    reads as a JSON object (an older or hand-made output)."""
+    try:
+        data = json.loads((Path(folder) / "meta.json").read_text())
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def embeddings_dim(folder, flag: str) -> int:
+    """The dimension of a `vlprep embed` output's vectors (from embeddings.npy's header), or a one-line error."""
+    try:
+        x = np.load(Path(folder) / "embeddings.npy", mmap_mode="r")
+    except (OSError, ValueError) as e:
+        raise VlprepError(f"{flag} {redact(str(folder))}: embeddings.npy does not read as a .npy array ({e})") from None
+    if x.ndim != 2:
+        raise VlprepError(f"{flag} {redact(str(folder))}: embeddings.npy has shape {x.shape}, not (N, E)")
+    return int(x.shape[1])
+
+
 class Vectors:
     """A `vlprep embed` output opened for lookups: keys (Arrow), rows memory-mapped, key hashes sorted."""
 
@@ -58,15 +79,30 @@ class Vectors:
         self.order = np.argsort(hashes, kind="stable")
         hashes.sort()  # in place: equal hashes are equal values, so this is hashes[order] without a second array
         self.sorted = hashes
-        meta = folder / "meta.json"
-        info = json.loads(meta.read_text()) if meta.is_file() else {}
+        self._check_unique()
+        info = embed_meta(folder)
         self.identity = {"folder": str(folder), "rows": len(self.keys), "dim": int(self.x.shape[1]),
                          "keys_blake2b": hashlib.blake2b((folder / "keys.parquet").read_bytes(),
                                                          digest_size=16).hexdigest(),
                          "encoder": info.get("encoder"), "modality": (info.get("options") or {}).get("modality")}
 
+    def _check_unique(self) -> None:
+        """A one-line error naming a key that keys.parquet lists twice (a sample would get another's vector); only
+        the rows whose 64-bit hash another row shares are compared in full."""
+        same = np.flatnonzero(self.sorted[1:] == self.sorted[:-1])
+        if not same.size:
+            return
+        seen: dict[str, int] = {}
+        for r in np.sort(self.order[np.union1d(same, same + 1)]).tolist():
+            key = self.keys[r].as_py()
+            if key in seen:
+                raise VlprepError(f"{self.flag}: key {key!r} is in keys.parquet twice (rows {seen[key]} and {r}); "
+                                  "keys are unique, so a `vlprep embed` output has one row per key")
+            seen[key] = r
+
     def rows(self, keys: pa.Array) -> np.ndarray:
-        """Each key's row (the first if repeated), -1 where it has none; a 64-bit hash match is checked in full."""
+        """Each key's row (keys are unique: _check_unique), -1 where it has none; a 64-bit hash match is checked in
+        full."""
         if not len(self.sorted):
             return np.full(len(keys), -1, np.int64)
         h = key_hashes(keys)
