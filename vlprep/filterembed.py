@@ -20,8 +20,8 @@ from vlprep import VlprepError
 from vlprep.dataset import image_ext, iter_samples, open_dataset
 from vlprep.filterphash import eval_matches
 from vlprep.filterscan import decode_image, input_signature, perceptual_hash, read_scan, rgb_hash
-from vlprep.filtervec import (EMBED_DIR, QUERY_BATCH, Alive, Source, Vectors, check_embed_output, embed_meta,
-                              embed_under, embeddings_dim, index_over, near_dup_greedy, places, range_hits)
+from vlprep.filtervec import (EMBED_DIR, QUERY_BATCH, Alive, Source, Vectors, check_exclude_embeddings,
+                              check_given_vectors, embed_under, index_over, near_dup_greedy, places, range_hits)
 from vlprep.output import write_json_atomic
 from vlprep.urls import redact, redact_text
 
@@ -266,84 +266,6 @@ def check_covers(ev: Vectors, keys: list[str], path) -> np.ndarray:
         raise VlprepError(f"{ev.flag}: no embedding for {missing} of the {len(keys)} images of --exclude "
                           f"{redact(str(path))} (make it with `vlprep embed` over that eval set)")
     return rows
-
-
-def encoder_record(folder, flag: str) -> tuple[object, str | None]:
-    """The encoder a `vlprep embed` output's meta.json records (its checkpoint and model) and the checkpoint file's
-    fingerprint (None in outputs written before it was recorded), or a one-line error."""
-    data = embed_meta(folder)
-    record = data.get("encoder")
-    if record is None:
-        raise VlprepError(f"{flag} {redact(str(folder))}: no meta.json naming its encoder (a `vlprep embed` output "
-                          "has one)")
-    return record, data.get("encoder_fingerprint")
-
-
-def same_encoder(folder, flag: str, ref, ref_flag: str) -> None:
-    """A one-line error unless two `vlprep embed` outputs' meta.json record one encoder (and, where both have it,
-    one checkpoint fingerprint)."""
-    have, have_fp = encoder_record(folder, flag)
-    want, want_fp = encoder_record(ref, ref_flag)
-    # the fingerprint (the checkpoint file's size and mtime) tells a checkpoint retrained in place from itself
-    if have != want or None not in (have_fp, want_fp) and have_fp != want_fp:
-        name = lambda r: r.get("checkpoint", r) if isinstance(r, dict) else r  # noqa: E731
-        if have == want:
-            raise VlprepError(f"{flag} {redact(str(folder))} and {ref_flag} {redact(str(ref))} were made by "
-                              f"{name(want)} as it was at two times (the file changed in between): embed both with "
-                              "it as it is now")
-        raise VlprepError(f"{flag} {redact(str(folder))} was made by {name(have)}, {ref_flag} {redact(str(ref))} by "
-                          f"{name(want)}: both must come from one checkpoint")
-
-
-def check_exclude_embeddings(cfg, encoder) -> None:
-    """--exclude-embeddings: one per --exclude, with --near-dup and --embeddings made by the same checkpoint."""
-    given = cfg.exclude_embeddings
-    if not given:
-        return
-    if len(given) != len(cfg.exclude):
-        raise VlprepError(f"--exclude-embeddings is one per --exclude, in the same order: got {len(given)} for "
-                          f"{len(cfg.exclude)} --exclude")
-    if cfg.near_dup is None or cfg.embeddings is None or encoder is not None:
-        raise VlprepError("--exclude-embeddings goes with --near-dup and --embeddings (with --checkpoint the eval "
-                          "sets are embedded by it)")
-    for folder in given:
-        check_embed_output(folder, "--exclude-embeddings")
-        same_encoder(folder, "--exclude-embeddings", cfg.embeddings, "--embeddings")
-
-
-def check_given_vectors(cfg, warn: Callable[[str], None]) -> None:
-    """The `vlprep embed` outputs given: each of the modality its option takes, one dimension for all, and the image
-    and text vectors of the CLIP score from one encoder. An output whose meta.json records no modality or encoder (an
-    older or hand-made one) cannot be checked: a warning says so."""
-    given = [(cfg.embeddings, "--embeddings", "image"), (cfg.text_embeddings, "--text-embeddings", "text")]
-    given += [(folder, "--exclude-embeddings", "image") for folder in cfg.exclude_embeddings]
-    dims = []
-    for folder, flag, want in given:
-        if folder is None:
-            continue
-        check_embed_output(folder, flag)
-        shown = f"{flag} {redact(str(folder))}"
-        have = (embed_meta(folder).get("options") or {}).get("modality")
-        if have is None:
-            warn(f"{shown}: its meta.json records no modality (an older or hand-made output); its vectors are taken "
-                 f"as {want} embeddings unchecked")
-        elif have != want:
-            raise VlprepError(f"{shown} holds {have} embeddings (its meta.json says so); {flag} takes a `vlprep embed "
-                              f"--modality {want}` output")
-        dims.append((embeddings_dim(folder, flag), shown))
-    for dim, shown in dims[1:]:
-        if dim != dims[0][0]:
-            raise VlprepError(f"{shown} has {dim}-dimensional vectors, {dims[0][1]} {dims[0][0]}-dimensional: they "
-                              "must come from one encoder")
-    if cfg.embeddings is None or cfg.text_embeddings is None:
-        return
-    unrecorded = [f for f, folder in (("--embeddings", cfg.embeddings), ("--text-embeddings", cfg.text_embeddings))
-                  if embed_meta(folder).get("encoder") is None]
-    if unrecorded:
-        warn(f"{' and '.join(unrecorded)}: meta.json records no encoder, so nothing checks that the image and text "
-             "vectors come from one checkpoint (a CLIP score of two encoders' vectors means nothing)")
-        return
-    same_encoder(cfg.text_embeddings, "--text-embeddings", cfg.embeddings, "--embeddings")
 
 
 def build_embed_rules(cfg, encoder, warn: Callable[[str], None] = lambda line: None) -> tuple[list, dict]:

@@ -1,4 +1,5 @@
-"""`vlprep filter`'s vectors: `vlprep embed` outputs looked up by key, and the greedy near-duplicate search.
+"""`vlprep filter`'s vectors: `vlprep embed` outputs checked (modality, encoder, dimension, unique keys) and looked up by
+key, and the greedy near-duplicate search.
 
 docs/FILTER.md is the contract. Vectors come from `vlprep embed` outputs (embeddings.npy, memory-mapped, and
 keys.parquet), given or made under OUT/_embed/ with an encoder object. Per sample the driver holds a 64-bit hash of
@@ -9,6 +10,7 @@ vectors themselves are in the memory map and in FAISS' index (CPU: FAISS' GPU in
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +63,84 @@ def embeddings_dim(folder, flag: str) -> int:
     if x.ndim != 2:
         raise VlprepError(f"{flag} {redact(str(folder))}: embeddings.npy has shape {x.shape}, not (N, E)")
     return int(x.shape[1])
+
+
+def encoder_record(folder, flag: str) -> tuple[object, str | None]:
+    """The encoder a `vlprep embed` output's meta.json records (its checkpoint and model) and the checkpoint file's
+    fingerprint (None in outputs written before it was recorded), or a one-line error."""
+    data = embed_meta(folder)
+    record = data.get("encoder")
+    if record is None:
+        raise VlprepError(f"{flag} {redact(str(folder))}: no meta.json naming its encoder (a `vlprep embed` output "
+                          "has one)")
+    return record, data.get("encoder_fingerprint")
+
+
+def same_encoder(folder, flag: str, ref, ref_flag: str) -> None:
+    """A one-line error unless two `vlprep embed` outputs' meta.json record one encoder (and, where both have it,
+    one checkpoint fingerprint)."""
+    have, have_fp = encoder_record(folder, flag)
+    want, want_fp = encoder_record(ref, ref_flag)
+    # the fingerprint (the checkpoint file's size and mtime) tells a checkpoint retrained in place from itself
+    if have != want or None not in (have_fp, want_fp) and have_fp != want_fp:
+        name = lambda r: r.get("checkpoint", r) if isinstance(r, dict) else r  # noqa: E731
+        if have == want:
+            raise VlprepError(f"{flag} {redact(str(folder))} and {ref_flag} {redact(str(ref))} were made by "
+                              f"{name(want)} as it was at two times (the file changed in between): embed both with "
+                              "it as it is now")
+        raise VlprepError(f"{flag} {redact(str(folder))} was made by {name(have)}, {ref_flag} {redact(str(ref))} by "
+                          f"{name(want)}: both must come from one checkpoint")
+
+
+def check_exclude_embeddings(cfg, encoder) -> None:
+    """--exclude-embeddings: one per --exclude, with --near-dup and --embeddings made by the same checkpoint."""
+    given = cfg.exclude_embeddings
+    if not given:
+        return
+    if len(given) != len(cfg.exclude):
+        raise VlprepError(f"--exclude-embeddings is one per --exclude, in the same order: got {len(given)} for "
+                          f"{len(cfg.exclude)} --exclude")
+    if cfg.near_dup is None or cfg.embeddings is None or encoder is not None:
+        raise VlprepError("--exclude-embeddings goes with --near-dup and --embeddings (with --checkpoint the eval "
+                          "sets are embedded by it)")
+    for folder in given:
+        check_embed_output(folder, "--exclude-embeddings")
+        same_encoder(folder, "--exclude-embeddings", cfg.embeddings, "--embeddings")
+
+
+def check_given_vectors(cfg, warn: Callable[[str], None]) -> None:
+    """The `vlprep embed` outputs given: each of the modality its option takes, one dimension for all, and the image
+    and text vectors of the CLIP score from one encoder. An output whose meta.json records no modality or encoder (an
+    older or hand-made one) cannot be checked: a warning says so."""
+    given = [(cfg.embeddings, "--embeddings", "image"), (cfg.text_embeddings, "--text-embeddings", "text")]
+    given += [(folder, "--exclude-embeddings", "image") for folder in cfg.exclude_embeddings]
+    dims = []
+    for folder, flag, want in given:
+        if folder is None:
+            continue
+        check_embed_output(folder, flag)
+        shown = f"{flag} {redact(str(folder))}"
+        have = (embed_meta(folder).get("options") or {}).get("modality")
+        if have is None:
+            warn(f"{shown}: its meta.json records no modality (an older or hand-made output); its vectors are taken "
+                 f"as {want} embeddings unchecked")
+        elif have != want:
+            raise VlprepError(f"{shown} holds {have} embeddings (its meta.json says so); {flag} takes a `vlprep embed "
+                              f"--modality {want}` output")
+        dims.append((embeddings_dim(folder, flag), shown))
+    for dim, shown in dims[1:]:
+        if dim != dims[0][0]:
+            raise VlprepError(f"{shown} has {dim}-dimensional vectors, {dims[0][1]} {dims[0][0]}-dimensional: they "
+                              "must come from one encoder")
+    if cfg.embeddings is None or cfg.text_embeddings is None:
+        return
+    unrecorded = [f for f, folder in (("--embeddings", cfg.embeddings), ("--text-embeddings", cfg.text_embeddings))
+                  if embed_meta(folder).get("encoder") is None]
+    if unrecorded:
+        warn(f"{' and '.join(unrecorded)}: meta.json records no encoder, so nothing checks that the image and text "
+             "vectors come from one checkpoint (a CLIP score of two encoders' vectors means nothing)")
+        return
+    same_encoder(cfg.text_embeddings, "--text-embeddings", cfg.embeddings, "--embeddings")
 
 
 class Vectors:
