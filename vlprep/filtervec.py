@@ -1,5 +1,5 @@
-"""`vlprep filter`'s vectors: `vlprep embed` outputs checked (modality, encoder, dimension, unique keys) and looked up by
-key, and the greedy near-duplicate search.
+"""`vlprep filter`'s vectors: `vlprep embed` outputs checked (modality, encoder, dimension, unique keys) and looked
+up by key, and the greedy near-duplicate search.
 
 docs/FILTER.md is the contract. Vectors come from `vlprep embed` outputs (embeddings.npy, memory-mapped, and
 keys.parquet), given or made under OUT/_embed/ with an encoder object. Per sample the driver holds a 64-bit hash of
