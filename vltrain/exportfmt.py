@@ -116,6 +116,11 @@ def read_export(path, what: str = "export") -> dict:
     for key, value in (("source", source), ("tied", tied)):
         if not isinstance(value, dict):
             raise CheckpointError(f"{meta_path}: \"{key}\" is a {type(value).__name__}, not a mapping")
+    if hfclip.is_clip(config["model"].get("text_model")):  # the export's copy of a CLIP tower's tokenizer
+        try:
+            hfclip.check_tokenizer(None, path if hf else path / TOKENIZER)
+        except ValueError as e:
+            raise CheckpointError(f"{what} {path}: {e}") from None
     if meta.get("layout") == "open_clip":
         weights_path = path / openclip.WEIGHTS
     weights = _safetensors(weights_path)

@@ -57,15 +57,55 @@ def read_json(path: Path) -> dict:
 
 
 def clip_config(path: Path):
-    """The folder's CLIPConfig or SiglipConfig; a one-line ValueError for another model type."""
+    """The folder's CLIPConfig or SiglipConfig; a one-line ValueError for another model type, or for values out of
+    range or of the wrong type (check_sizes, then transformers' own validation)."""
     from transformers import CLIPConfig, SiglipConfig
 
-    raw = read_json(path / "config.json")
+    file = path / "config.json"
+    raw = read_json(file)
     kind = raw.get("model_type")
     if kind not in MODEL_TYPES:
         raise ValueError(f"{cut(str(path))}: model_type {cut(repr(kind))}; clip: reads a CLIPModel or SiglipModel "
                          f"folder (model_type {' or '.join(MODEL_TYPES)})")
-    return (CLIPConfig if kind == "clip" else SiglipConfig).from_dict(raw)
+    for side in ("text_config", "vision_config"):
+        section = raw.get(side, {})
+        if section is not None and not isinstance(section, dict):
+            raise ValueError(f"{cut(str(file))}: {side} is a {type(section).__name__}, not a mapping")
+        check_sizes(section or {}, side, file)
+    check_sizes(raw, "", file, TOP_SIZES if kind == "clip" else ())
+    return strict(CLIPConfig if kind == "clip" else SiglipConfig, raw, file)
+
+
+# The keys that size a tower (and CLIP's projections): a positive integer each, as transformers reads them.
+TOWER_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+               "max_position_embeddings", "image_size", "patch_size", "num_channels", "projection_size")
+TOP_SIZES = ("projection_dim",)
+
+
+def check_sizes(section: dict, name: str, file, keys=TOWER_SIZES) -> None:
+    """A one-line ValueError naming the key unless each size key present is a positive integer and the width splits
+    evenly into the attention heads (transformers' own check says neither which tower nor which file)."""
+    where = f"{name}." if name else ""
+    for key in keys:
+        value = section.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{cut(str(file))}: {where}{key} is {cut(repr(value), 40)}; expected a positive integer")
+    width, heads = section.get("hidden_size"), section.get("num_attention_heads")
+    if isinstance(width, int) and isinstance(heads, int) and width % heads:
+        raise ValueError(f"{cut(str(file))}: {where}hidden_size {width} is not a multiple of {where}"
+                         f"num_attention_heads {heads}")
+
+
+def strict(cls, raw: dict, file):
+    """cls.from_dict(raw), with transformers' validation errors (huggingface_hub's StrictDataclassError: a value of
+    the wrong type, an architecture that does not hold) as a one-line ValueError naming the file."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    try:
+        return cls.from_dict(raw)
+    except (StrictDataclassError, TypeError, ValueError) as e:
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+        raise ValueError(f"{cut(str(file))}: {cut(lines[-1], 160)}") from None
 
 
 def projection_width(conf) -> int:
@@ -123,6 +163,7 @@ def record(spec: str, side: str) -> dict:
     rec = {"source": spec, "model_type": conf.model_type, "projection_dim": projection_width(conf),
            "config": json.loads(json.dumps(tower.to_dict()))}  # as JSON has it (an export's copy): string keys
     if side == "text":
+        check_tokenizer(spec, path)
         rec["max_len"] = int(conf.text_config.max_position_embeddings)
         if conf.model_type == "siglip":  # SigLIP reads every caption padded to its full length, unmasked
             rec["pad_to"] = rec["max_len"]
@@ -130,6 +171,36 @@ def record(spec: str, side: str) -> dict:
     else:
         rec["preprocess"] = preprocess(path, conf.vision_config, conf.model_type)
     return rec
+
+
+# Two captions a usable tokenizer encodes to word tokens, and to different ones.
+PROBES = ("a photo of a dog", "two red cars on a street")
+
+
+def check_tokenizer(spec: str | None, path: Path) -> None:
+    """A one-line ValueError unless the tokenizer in the folder `path` loads and is usable (usable_tokenizer): the
+    text tower's of `spec` (clip:PATH, as a run loads it), or with spec None the folder's own (an export's copy)."""
+    from vltrain.model import _tokenizer_at, tokenizer_for
+
+    try:
+        tok = tokenizer_for(spec) if spec else _tokenizer_at(str(path))
+    except Exception as e:  # transformers raises many types for missing or broken tokenizer files
+        raise ValueError(f"{cut(str(path))}: its tokenizer does not load ({type(e).__name__}: "
+                         f"{cut(str(e).strip().splitlines()[0] if str(e).strip() else '', 100)})") from None
+    usable_tokenizer(tok, path)
+
+
+def usable_tokenizer(tok, path) -> None:
+    """A one-line ValueError unless `tok` encodes a caption to more than its special tokens and two captions to
+    different ids: a folder without tokenizer files gets an empty 2-token tokenizer from transformers, which maps
+    every caption to the same ids, and every text to the same embedding."""
+    special = set(tok.all_special_ids)
+    first, second = (list(tok(text)["input_ids"]) for text in PROBES)
+    if first == second or all(i in special for i in first):
+        raise ValueError(f"{cut(str(path))}: no usable tokenizer: it encodes {PROBES[0]!r} as {cut(str(first), 40)} "
+                         f"(special tokens only, {len(tok)} in its vocabulary), every caption alike; the folder needs "
+                         "the tokenizer files save_pretrained writes (tokenizer.json, vocab.json and merges.txt, or "
+                         "spiece.model)")
 
 
 def tower_record(cfg, side: str) -> dict:
@@ -153,7 +224,11 @@ def build_tower(cfg, side: str, pretrained: bool = True):
     checkpoint's weights replace them)."""
     rec = tower_record(cfg, side)
     cls, conf = tower_classes(rec["model_type"], side)
-    tower = cls(conf.from_dict(rec["config"]))
+    where = f"model.towers.{side}.config"  # a checkpoint's or an export's copy of the folder's tower config
+    if not isinstance(rec.get("config"), dict):
+        raise ValueError(f"{where}: not a mapping")
+    check_sizes(rec["config"], "", where)
+    tower = cls(strict(conf, rec["config"], where))
     if pretrained:
         prefix = "text_model." if side == "text" else "vision_model."
         weights = {k[len(prefix):]: v for k, v in folder_weights(folder(rec["source"]), prefix).items()}

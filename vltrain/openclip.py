@@ -76,18 +76,31 @@ def builtin_config(arch: str) -> dict | None:
 
 def _weights(path: Path) -> dict:
     """A state dict from .safetensors, or from a torch file with weights_only=True (no code runs); a checkpoint
-    holding {"state_dict": ...} (open_clip's training checkpoints, "module."-prefixed under DDP) is unwrapped."""
+    holding {"state_dict": ...} (open_clip's training checkpoints, "module."-prefixed under DDP) is unwrapped. Any
+    other file (text, parquet, a pickle of other objects, a truncated zip) is a one-line ValueError."""
+    import warnings
+
     from safetensors import SafetensorError
+
+    def refuse(why: str):
+        return ValueError(f"{cut(str(path))}: not an open_clip checkpoint ({why})")
 
     try:
         if path.suffix == ".safetensors":
             return _safe(path)
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError, ValueError, SafetensorError) as e:
-        raise ValueError(f"{cut(str(path))}: not readable weights ({type(e).__name__})") from None
+        with warnings.catch_warnings():  # the weights-only unpickler's notes on pickle protocols: the error says it
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, SafetensorError) as e:
+        raise refuse(f"not readable weights: {type(e).__name__}") from None
+    except Exception as e:  # weights_only=True refuses what is no tensor file, with whatever error it meets first
+        raise refuse(f"not readable weights: {type(e).__name__}, not a torch or safetensors file of tensors") from None
     state = state.get("state_dict", state) if isinstance(state, dict) else state
     if not isinstance(state, dict):
-        raise ValueError(f"{cut(str(path))}: not a state dict")
+        raise refuse(f"holds a {type(state).__name__}, not a state dict")
+    bad = next((k for k, v in state.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)), None)
+    if bad is not None:
+        raise refuse(f"{cut(repr(bad), 40)} is a {type(state[bad]).__name__}, not a tensor")
     return {k[len("module."):] if k.startswith("module.") else k: v for k, v in state.items()}
 
 
