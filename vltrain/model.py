@@ -266,6 +266,46 @@ class Backbone(nn.Module):
         return tokens.mean(dim=1)
 
 
+def check_input_size(cfg: ModelConfig, size: int) -> None:
+    """A one-line ConfigError when a named backbone (torchvision:ARCH, timm:NAME) cannot read size x size pixels: a
+    ViT of one fixed input size (torchvision's, or timm's with a strict patch embedding) read at another, or a network
+    whose layers shrink such images to nothing. The tower is built with random weights and reads one zero image on the
+    CPU (a few milliseconds at these sizes); when it fails, the smallest multiple of 32 it reads is the size named."""
+    from vlprep import MAX_SIZE
+    from vltrain.config import ConfigError
+
+    name = cfg.image_model
+    if not (isinstance(name, str) and name.startswith(BACKBONES)):
+        return
+    enc = Backbone(name, "", pretrained=False).eval()
+    patch = getattr(getattr(enc.net, "net", None), "patch_embed", None)
+    fixed = (enc.net.vit.image_size if enc.vit else
+             patch.img_size[0] if getattr(patch, "strict_img_size", False) and getattr(patch, "img_size", None)
+             and not getattr(patch, "dynamic_img_size", False) else None)
+    if fixed is not None:
+        if size != fixed:
+            raise ConfigError(f"model.image_model {name} reads {fixed} x {fixed} images only, and data.image_size="
+                              f"{size}: set data.image_size={fixed}")
+        return
+    why = _unreadable(enc, size)
+    if why is None:
+        return
+    need = next((s for s in range(size - size % 32 + 32, MAX_SIZE + 1, 32) if _unreadable(enc, s) is None), None)
+    wants = f"it needs at least {need}: set data.image_size={need} or more" if need else "no size up to " \
+        f"{MAX_SIZE} works"
+    raise ConfigError(f"model.image_model {name} cannot read data.image_size={size} images ({why}); {wants}")
+
+
+def _unreadable(enc: nn.Module, size: int) -> str | None:
+    """Why the backbone `enc` cannot turn one size x size image into tokens, in a few words; None when it can."""
+    try:
+        with torch.no_grad():
+            out = enc(torch.zeros(1, 3, size, size))
+    except (RuntimeError, ValueError, AssertionError, IndexError) as e:
+        return cut(next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__), 100)
+    return None if out.numel() else "no tokens left"
+
+
 def _build_image_encoder(cfg: ModelConfig, pretrained: bool = True) -> tuple[nn.Module, int]:
     """(module giving (B, C, h, w) maps or (B, N, D) tokens, token width D)."""
     if cfg.image_model == "efficientnet-lite0":

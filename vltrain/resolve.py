@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from vltrain import hfclip
 from vltrain.config import Config, ConfigError, freeze
+from vltrain.model import check_input_size
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ def resolve(cfg: Config, device, facts: DataFacts) -> tuple[Config, list[str]]:
     notes = []
     if facts.features is None:
         out.data.input = "pixels"
+        check_input_size(out.model, out.data.image_size)  # a named backbone too small for the size: one line now
     else:
         out.data.input = "features"
         out.model.image_model = "features"
