@@ -429,11 +429,15 @@ def validate(cfg: Config) -> None:
 def report_to(names: list[str]) -> list[str]:
     """train.report_to as a list of TRACKERS without repeats ("wandb,mlflow" from --set is two; none is none)."""
     found = []
-    for name in (part.strip() for item in names for part in item.split(",")):
+    given = [part.strip() for item in names for part in item.split(",")]
+    for name in given:
         if name not in TRACKERS + ("none", ""):
             raise ConfigError(f"train.report_to: unknown tracker {shown(name)}; use {', '.join(TRACKERS)} or none")
         if name not in found + ["none", ""]:
             found.append(name)
+    if "none" in given and found:  # "none,wandb" would report to W&B: none means no tracker at all
+        raise ConfigError(f"train.report_to: none cannot be combined with a tracker ({', '.join(found)}); give none "
+                          "alone, or the trackers alone")
     return found
 
 
