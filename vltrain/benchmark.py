@@ -202,6 +202,7 @@ def run(checkpoint, dataset: str, root: str, task: str = "auto", out=None, split
     out = Path(out)
     model = load(checkpoint)  # before CLIP_benchmark starts: a file that is not a model is our one-line error
     workers = _workers(dataset, root, split, workers)
+    before = _folders(root)  # a download creates ROOT (and folders in it); a failed one must not leave them empty
     # a fresh feature cache: the linear probe reuses any cache it finds under the model's name, which a checkpoint
     # retrained at the same path keeps
     with tempfile.TemporaryDirectory(prefix="vltrain-benchmark-") as features, \
@@ -221,6 +222,7 @@ def run(checkpoint, dataset: str, root: str, task: str = "auto", out=None, split
             # the failed loop's frames hold its DataLoader iterator in a reference cycle: collected now, it shuts its
             # worker processes down before this returns rather than at some later collection
             gc.collect()
+            _remove_empty(root, before)
             raise TrainError(f"CLIP_benchmark on {dataset} ({task}): {failure}")
     return json.loads(out.read_text())
 
@@ -234,6 +236,33 @@ def _workers(dataset: str, root: str, split: str, workers: int) -> int:
         return max(0, min(workers, int(counts.read_text().strip())))
     except ValueError:  # CLIP_benchmark reads the file too and says what is wrong with it
         return workers
+
+
+def _folders(root: str) -> set[Path] | None:
+    """The folders that exist now on the way to a local ROOT, ROOT and those directly in it (None for a URL): what
+    a run did not create."""
+    if "://" in str(root):
+        return None
+    path = Path(root).absolute()
+    found = {p for p in (path, *path.parents) if p.is_dir()}
+    return found | ({p for p in path.iterdir() if p.is_dir()} if path.is_dir() else set())
+
+
+def _remove_empty(root: str, before: set[Path] | None) -> None:
+    """After a failed run: remove the folders it created (ROOT and the folders above it up to the first that was
+    there, new folders in ROOT and everything under those) that it left empty, deepest first. Files, and the
+    folders holding any, stay: a download that failed later, in the evaluation, keeps its data."""
+    if before is None:
+        return
+    path = Path(root).absolute()
+    made = [p for p in (path, *path.parents) if p not in before]
+    for new in [p for p in path.iterdir() if p.is_dir() and p not in before] if path.is_dir() else []:
+        made += [new, *(p for p in new.rglob("*") if p.is_dir())]
+    for folder in sorted(made, key=lambda p: len(p.parts), reverse=True):
+        try:
+            folder.rmdir()  # only an empty folder goes
+        except OSError:
+            pass
 
 
 def _literal(path) -> str:
