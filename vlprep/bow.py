@@ -8,7 +8,6 @@ sidecars, then the shards rewritten under the same names and keys).
 """
 
 import hashlib
-import json
 import random
 import struct
 import time
@@ -24,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from vlprep import VlprepError
-from vlprep.dataset import carried_features, iter_aligned, sidecar_name
+from vlprep.dataset import BadJson, bad_json_warning, carried_features, decode_json, iter_aligned, sidecar_name
 from vlprep.engine import Work, check_engine, default_workers, map_shards
 from vlprep.output import Out, finish_dataset, open_derived, write_json_atomic, write_shard, writing_output
 from vlprep.text import stop_words, tokenize, words
@@ -458,12 +457,18 @@ def bow_shard(out: Out, src: Path, shard: str, fp: str = "") -> dict:
     all_captions = []
     dropped = 0
     dropped_extra = 0
+    bad_json = 0
     deform_base = w["deform_base"]
     for i, raw in iter_aligned(src / shard, side.column("key").to_pylist()):
         key = raw["__key__"]
         text = raw["txt"].decode("utf-8")
-        # decode_sample's work, without copying the sample; every json is parsed, so a bad one still raises
-        meta = (json.loads(raw["json"]) if "json" in raw else None) or {}
+        # decode_sample's work, without copying the sample; a json member that is no strict JSON object (malformed,
+        # NaN, 100,000 deep) makes a counted bad sample, left out
+        try:
+            meta = decode_json(raw["json"]) if "json" in raw else {}
+        except BadJson:
+            bad_json += 1
+            continue
         caption = text
         deform_it = deform_base or not in_base(key)
         if deform_it:
@@ -510,6 +515,8 @@ def bow_shard(out: Out, src: Path, shard: str, fp: str = "") -> dict:
              "removed": deformer.take_removed(), "fingerprint": fp}
     if dropped_extra:
         stats["captions_dropped_empty"] = dropped_extra
+    if bad_json:
+        stats["bad_json"] = bad_json
     write_shard(out, shard, samples, table, stats=stats)
     # The 'after' statistics of the kept captions travel back with the counts but are not stored with them (a
     # resumed shard's are read from its sidecar): counting them here saves reading every new sidecar again.
@@ -569,6 +576,7 @@ def bow(cfg: BowConfig, progress=None, warn: Callable[[str], None] = lambda line
         deformed = sum(stats[s]["deformed"] for s in ds.shards)
         dropped = sum(stats[s]["dropped_empty"] for s in ds.shards)
         dropped_extra = sum(stats[s].get("captions_dropped_empty", 0) for s in ds.shards)
+        bad_json = sum(stats[s].get("bad_json", 0) for s in ds.shards)
         finish_dataset(out, sizes, {
             "stage": "bow", "input": redact(str(cfg.src)), "options": options,
             "counts": {"in": n_in, "written": written, "deformed": deformed, "dropped_empty": dropped},
@@ -577,7 +585,7 @@ def bow(cfg: BowConfig, progress=None, warn: Callable[[str], None] = lambda line
         report = {
             "stage": "bow", "source": redact(str(cfg.src)), "ops": spec, "base_frac": cfg.base_frac, "seed": cfg.seed,
             "deform_base": cfg.deform_base, "samples_in": n_in, "base_samples": before["base"], "written": written,
-            "dropped_empty": dropped, "captions_dropped_empty": dropped_extra,
+            "dropped_empty": dropped, "captions_dropped_empty": dropped_extra, "bad_json": bad_json,
             "size_change_pct": round(100 * (written - n_in) / n_in, 2) if n_in else 0.0,
             "deformed_fraction": round(deformed / written, 4) if written else 0.0,
             "avg_words_before": _mean(before["lengths"]), "avg_words_after": _mean(after_lengths),
@@ -591,7 +599,7 @@ def bow(cfg: BowConfig, progress=None, warn: Callable[[str], None] = lambda line
             "length_hist_before": _hist(before["lengths"]), "length_hist_after": _hist(after_lengths),
             "shards": len(ds.shards), "shards_resumed": len(resumed), "bad_shards": ds.bad,
             "elapsed_s": round(time.perf_counter() - t0, 3),
-            "warnings": emptying_warnings(cascade, ctx, deformed, dropped),
+            "warnings": emptying_warnings(cascade, ctx, deformed, dropped) + bad_json_warning(bad_json),
         }
         from vlprep.report import plot_bow
 

@@ -379,13 +379,72 @@ def as_rgb(im: Image.Image) -> Image.Image:
     return im.convert("RGB")
 
 
+class BadJson(VlprepError, ValueError):
+    """A sample's `json` member that is not a strict JSON object; stages count the sample as `bad_json`."""
+
+
+MAX_JSON_DEPTH = 64  # far above any stage's metadata (json.objects is 4 deep); JSON libraries recurse per level
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if value - value != 0:  # 1e400 parses as an infinity
+        raise ValueError(f"{text} is not a finite number")
+    return value
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _depth(value) -> int:
+    """How deep lists and dicts nest in a parsed value (1 for a flat one), counted without recursion, up to just past
+    MAX_JSON_DEPTH."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack and deepest <= MAX_JSON_DEPTH:
+        v, d = stack.pop()
+        deepest = max(deepest, d)
+        inner = v.values() if isinstance(v, dict) else v
+        stack.extend((c, d + 1) for c in inner if isinstance(c, (dict, list)))
+    return deepest
+
+
+def decode_json(data: bytes) -> dict:
+    """A sample's `json` member as a dict, or BadJson (one line) when it is no strict JSON object: not UTF-8,
+    malformed, NaN or an infinity (which strict parsers refuse, and vlprep never writes), or nested deeper than
+    MAX_JSON_DEPTH (a 100,000-deep one is a RecursionError in any recursive reader or writer)."""
+    try:
+        value = json.loads(data, parse_constant=_no_constant, parse_float=_finite)
+    except RecursionError:
+        raise BadJson("json member: nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, a 5,000-digit integer, NaN/Infinity
+        raise BadJson(f"json member: malformed ({str(e).splitlines()[0][:120]})") from None
+    if not isinstance(value, dict):
+        raise BadJson(f"json member: not a JSON object but {type(value).__name__}")
+    # bytes.count runs in C: only a member with many brackets is walked
+    if data.count(b"[") + data.count(b"{") > MAX_JSON_DEPTH and _depth(value) > MAX_JSON_DEPTH:
+        raise BadJson(f"json member: nested more than {MAX_JSON_DEPTH} deep")
+    return value
+
+
+def bad_json_warning(n: int, outcome: str = "they were left out") -> list[str]:
+    """The report's warning line for n samples whose json member is no strict JSON object (none when n is 0)."""
+    return [f"{n:,} samples' json member is not strict JSON (malformed, NaN or Infinity, or nested too deeply): "
+            f"{outcome} (report.json: bad_json)"] if n else []
+
+
 def decode_sample(raw: dict) -> dict:
-    """Decode `txt` to str and `json` to a dict; leave image and other payloads as bytes."""
+    """Decode `txt` to str and `json` to a dict (decode_json: BadJson naming the sample when it is no strict JSON
+    object); leave image and other payloads as bytes."""
     sample = dict(raw)
     if "txt" in sample:
         sample["txt"] = sample["txt"].decode("utf-8")
     if "json" in sample:
-        sample["json"] = json.loads(sample["json"])
+        try:
+            sample["json"] = decode_json(sample["json"])
+        except BadJson as e:
+            raise BadJson(f"{sample.get('__key__')}: {e}") from None
     return sample
 
 

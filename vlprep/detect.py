@@ -27,8 +27,8 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from vlprep import VlprepError
-from vlprep.dataset import (Dataset, batches, carried_features, decode_rgb, decode_sample, image_ext, iter_aligned,
-                            sidecar_name)
+from vlprep.dataset import (BadJson, Dataset, bad_json_warning, batches, carried_features, decode_json, decode_rgb,
+                            image_ext, iter_aligned, sidecar_name)
 from vlprep.detfile import DetectionIndex, detection_index
 from vlprep.engine import Work, check_engine, map_shards
 from vlprep.output import Out, finish_dataset, open_derived, write_json_atomic, write_shard, writing_output
@@ -195,11 +195,15 @@ def detect_shard(out: Out, src: Path, shard: str, imported: dict | None, min_sco
                 results[i] = objs
             counts["undecodable"] += len(batch) - len(ok)
         for raw, row, objs in zip(batch, batch_rows, results):
-            s = decode_sample(raw)
+            try:
+                meta = decode_json(raw["json"]) if "json" in raw else {}
+            except BadJson:  # no strict JSON object (malformed, NaN, 100,000 deep): a counted bad sample, left out
+                counts["bad_json"] += 1
+                continue
             counts["objects"] += len(objs)
             counts["with_objects"] += bool(objs)
             samples.append({**{k: v for k, v in raw.items() if k not in ("json", "__url__")},
-                            "json": {**(s.get("json") or {}), "objects": objs}})
+                            "json": {**meta, "objects": objs}})
             rows.append({**row, "objects": objs})
     schema = side.schema.remove_metadata()
     if "objects" in schema.names:
@@ -276,10 +280,12 @@ def _run(cfg: DetectConfig, ds: Dataset, out: Out, backend: str, index: Detectio
         report = {
             "stage": "detect", "source": redact(str(cfg.src)), "backend": backend, "min_score": cfg.min_score,
             "samples": total["written"], "with_objects": total["with_objects"], "objects": total["objects"],
-            "undecodable": total["undecodable"], "images_per_label": dict(labels.most_common()),
+            "undecodable": total["undecodable"], "bad_json": total["bad_json"],
+            "images_per_label": dict(labels.most_common()),
             "shards": len(ds.shards), "shards_resumed": len(resumed), "bad_shards": ds.bad,
             "elapsed_s": round(elapsed, 3),
             "images_per_s": round(processed / (time.perf_counter() - t_work), 2) if processed else None,
+            "warnings": bad_json_warning(total["bad_json"]),
         }
         write_json_atomic(out.root / "report.json", report)
     return report

@@ -10,6 +10,7 @@ whatever the size of the dataset (a sorted file with bisection would need an ext
 import contextlib
 import hashlib
 import json
+import math
 import sqlite3
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -40,8 +41,21 @@ def _row(line: bytes, where: str) -> dict:
     return row
 
 
+def _finite(v) -> float | None:
+    """A JSON number as a finite float; None for anything else: a bool, a string, NaN or an infinity (which json
+    parses from `NaN`, `Infinity` and `1e400`), an integer no float holds."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
 def _clean_objects(objs, where: str) -> list[dict]:
-    """A line's objects checked and rounded as the shards store them, or a one-line error naming the line."""
+    """A line's objects checked and rounded as the shards store them, or a one-line error naming the line: every
+    number finite (the sample's json must stay strict JSON), every box inside the image and not inverted."""
     if not isinstance(objs, list):
         raise VlprepError(f"{where}: 'objects' must be a list")
     clean = []
@@ -49,13 +63,16 @@ def _clean_objects(objs, where: str) -> list[dict]:
         if not isinstance(o, dict) or not {"label", "score", "box"} <= set(o):
             raise VlprepError(f"{where}: object {j} needs fields label, score and box")
         box = o["box"]
-        if (not isinstance(box, list) or len(box) != 4 or not all(isinstance(v, (int, float)) for v in box)
-                or not all(0 <= v <= 1 for v in box)):
+        xy = [_finite(v) for v in box] if isinstance(box, list) and len(box) == 4 else [None]
+        if None in xy or not all(0 <= v <= 1 for v in xy):
             raise VlprepError(f"{where}: object {j}: box must be 4 numbers in [0, 1] (x0, y0, x1, y1)")
-        if not isinstance(o["score"], (int, float)) or not isinstance(o["label"], str):
-            raise VlprepError(f"{where}: object {j}: label must be a string and score a number")
-        clean.append({"label": o["label"], "score": round(float(o["score"]), 4),
-                      "box": [round(float(v), 4) for v in box]})
+        if xy[2] < xy[0] or xy[3] < xy[1]:
+            raise VlprepError(f"{where}: object {j}: box {cut(repr(box), 60)} is inverted: (x0, y0, x1, y1) needs "
+                              "x0 <= x1 and y0 <= y1")
+        score = _finite(o["score"])
+        if score is None or not isinstance(o["label"], str):
+            raise VlprepError(f"{where}: object {j}: label must be a string and score a finite number")
+        clean.append({"label": o["label"], "score": round(score, 4), "box": [round(v, 4) for v in xy]})
     return clean
 
 
@@ -103,7 +120,7 @@ def _add(con: sqlite3.Connection, line: bytes, where: str) -> None:
         raise VlprepError(f"{where}: unknown key {cut(repr(key), 60)} (not in the dataset)")
     if _has(con, "SELECT 1 FROM det WHERE key = ?", key):
         raise VlprepError(f"{where}: key {key!r} appears twice")
-    objects = json.dumps(_clean_objects(row["objects"], where), separators=(",", ":"))
+    objects = json.dumps(_clean_objects(row["objects"], where), separators=(",", ":"), allow_nan=False)
     con.execute("INSERT INTO det VALUES (?, ?)", (key, objects))
 
 

@@ -143,7 +143,7 @@ def embed_shard(out: Out, src: Path, shard: str, modality: str, deformed: bool, 
         np.save(f, x, allow_pickle=False)
     os.replace(part.with_suffix(".npy.tmp"), part.with_suffix(".npy"))
     stats = {"in": len(keys), "written": len(kept), "skipped": dict(skipped)}
-    meta = {b"fingerprint": fp.encode(), b"stats": json.dumps(stats).encode()}
+    meta = {b"fingerprint": fp.encode(), b"stats": json.dumps(stats, allow_nan=False).encode()}
     pq.write_table(table.replace_schema_metadata(meta), part.with_name(part.name + ".tmp"))
     os.replace(part.with_name(part.name + ".tmp"), part)  # last: a part is complete when its parquet is there
     names = [f"_parts/{part.stem}.npy", f"_parts/{part.name}"]

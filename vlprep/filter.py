@@ -290,8 +290,9 @@ def build_rules(cfg: FilterConfig, encoder=None, warn=lambda line: None) -> tupl
     for value, name, least in ((cfg.min_side, "min_side", 1), (cfg.max_pixels, "max_pixels", 1)):
         if value is not None and value < least:
             raise VlprepError(f"--{name.replace('_', '-')} must be at least {least}, got {value}")
-    if cfg.max_aspect is not None and not cfg.max_aspect >= 1:
-        raise VlprepError(f"--max-aspect is long side / short side, so at least 1; got {cfg.max_aspect:g}")
+    if cfg.max_aspect is not None and not 1 <= cfg.max_aspect < float("inf"):  # meta.json holds no Infinity
+        raise VlprepError(f"--max-aspect is long side / short side, a finite number of at least 1; got "
+                          f"{cfg.max_aspect:g}")
     words = parse_words(cfg.caption_words) if cfg.caption_words is not None else None
     kinds = parse_dedup(cfg.dedup)
     if cfg.phash is not None:

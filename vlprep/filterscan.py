@@ -145,7 +145,7 @@ def scan_shard(out: Out, src: Path, shard: str, hashes: tuple[str, ...], fp: str
             cols[f"{name}_full"].append(full)
     stats = {"in": len(keys), "bad": dict(sorted(bad.items()))}
     table = pa.table(cols, schema=scan_schema(hashes))
-    table = table.replace_schema_metadata({b"fingerprint": fp.encode(), b"stats": json.dumps(stats).encode()})
+    table = table.replace_schema_metadata({b"fingerprint": fp.encode(), b"stats": json.dumps(stats, allow_nan=False).encode()})
     path = scan_path(out, shard)
     tmp = path.with_name(path.name + ".tmp")
     pq.write_table(table, tmp)

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from vlprep import VlprepError
-from vlprep.dataset import carried_features, decode_sample, iter_aligned, sidecar_name
+from vlprep.dataset import BadJson, bad_json_warning, carried_features, decode_json, iter_aligned, sidecar_name
 from vlprep.engine import Work, check_engine, map_shards
 from vlprep.ontology_scan import (check_detections, detected_labels, labels_of, make_triplets, noun_label_pairs,
                                   nouns_file, read_nouns, tally_triplets, write_triplets)
@@ -244,6 +244,7 @@ def ontology(cfg: OntologyConfig, progress=None) -> dict:
         plan = [Work(s, (ds.source, s, mapping, cfg.min_score, cfg.triplets), ds.fingerprint(s, salt), ds.sizes[s])
                 for s in ds.shards]
         stats, resumed = map_shards(out, plan, annotate_shard, label="annotate", total=ds.num_samples, **engine)
+        bad_json = sum(st.get("bad_json", 0) for st in stats.values())
         finish_dataset(out, {s: stats[s]["written"] for s in ds.shards},
                        {"stage": "ontology", "input": redact(str(cfg.src)), "options": options,
                         "counts": {"pairs": ds.num_samples, "triplets": n_triplets, "classes": len(nodes),
@@ -256,6 +257,8 @@ def ontology(cfg: OntologyConfig, progress=None) -> dict:
             "dropped_classes": {c: per_class[c] for c in sorted(set(per_class) - kept)},
             "nodes": nodes, "shards_resumed": len(resumed), "bad_shards": ds.bad,
             "elapsed_s": round(time.perf_counter() - t0, 3), "plots": plots,
+            "bad_json": bad_json,
+            "warnings": bad_json_warning(bad_json, "they were kept, their json holding only nouns and nodes"),
         }
         write_json_atomic(out.root / "report.json", report)
     return report
@@ -269,12 +272,17 @@ def annotate_shard(out: Out, src: Path, shard: str, mapping: dict[str, str], min
     nouns = read_nouns(out, shard)
     samples = []
     rows = []
+    bad_json = 0
     for i, raw in iter_aligned(src / shard, [r["key"] for r in rows_in]):
-        s = decode_sample(raw)
+        try:
+            meta = decode_json(raw["json"]) if "json" in raw else {}
+        except BadJson:  # kept (its triplets name it), counted, with only the fields this stage adds
+            meta = {}
+            bad_json += 1
         labels = labels_of(rows_in[i]["objects"], min_score) if rule == "detected" else None
         nodes = sorted({t[3] for t in make_triplets(nouns[i], mapping, labels)})
         samples.append({**{k: v for k, v in raw.items() if k not in ("json", "__url__")},
-                        "json": {**(s.get("json") or {}), "nouns": [list(n) for n in nouns[i]], "nodes": nodes}})
+                        "json": {**meta, "nouns": [list(n) for n in nouns[i]], "nodes": nodes}})
         rows.append({**rows_in[i], "nouns": [n for n, _, _ in nouns[i]], "nodes": nodes})
     schema = side.schema.remove_metadata()
     for name in ("nouns", "nodes"):
@@ -282,5 +290,7 @@ def annotate_shard(out: Out, src: Path, shard: str, mapping: dict[str, str], min
             schema = schema.remove(schema.get_field_index(name))
         schema = schema.append(pa.field(name, pa.list_(pa.string())))
     stats = {"in": len(rows_in), "written": len(samples), "fingerprint": fp}
+    if bad_json:
+        stats["bad_json"] = bad_json
     write_shard(out, shard, samples, rows, schema=schema, stats=stats)
     return stats

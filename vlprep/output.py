@@ -274,7 +274,7 @@ def write_shard(out: Out, shard: str, samples: Iterable[dict], rows: list[dict] 
             tw.write_sample(sample)
             n += 1
     table = rows if isinstance(rows, pa.Table) else pa.Table.from_pylist(rows, schema=schema)
-    meta = {b"vlprep": json.dumps({"shard": shard, "stats": stats or {}}).encode()}
+    meta = {b"vlprep": json.dumps({"shard": shard, "stats": stats or {}}, allow_nan=False).encode()}
     table = table.replace_schema_metadata({**(table.schema.metadata or {}), **meta})
     sidecar = sidecar_name(shard)
     tmp_pq = root / (sidecar + ".tmp")
@@ -315,8 +315,10 @@ def remove_extra_shards(out: Out, prefix: str, keep: set[str]) -> None:
 
 
 def write_json_atomic(path: Path, obj) -> None:
+    """`obj` as strict JSON (a NaN or an infinity is a ValueError, never `NaN` in the file), written atomically."""
+    text = json.dumps(obj, indent=2, ensure_ascii=False, sort_keys=False, allow_nan=False)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False, sort_keys=False) + "\n")
+    tmp.write_text(text + "\n")
     os.replace(tmp, path)
 
 

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 from vlprep import VlprepError
 from vlprep import knn
 from vlprep.bow import rmstop, top_tokens
-from vlprep.dataset import batches, check_shards, decode_sample, iter_aligned, open_dataset, sidecar_name
+from vlprep.dataset import BadJson, batches, check_shards, decode_json, iter_aligned, open_dataset, sidecar_name
 from vlprep.embed import check_images, crop_views, decode, intact_captions
 from vlprep.engine import Work, check_engine, map_shards, merged_skips
 from vlprep.output import Out, check_out, finish_dataset, write_json_atomic, write_shard, writing_output
@@ -263,8 +263,13 @@ def pseudolabel_shard(out: Out, src: Path, shard: str, fp: str) -> dict:
     for batch in batches(iter_aligned(src / shard, side.column("key").to_pylist()), p["batch_size"]):
         ok = []
         views = []
+        metas = {}
         for i, raw in batch:
-            image, why = decode(raw)
+            try:  # a json member that is no strict JSON object (malformed, NaN, 100,000 deep): a counted skip
+                metas[i] = decode_json(raw["json"]) if "json" in raw else {}
+                image, why = decode(raw)
+            except BadJson:
+                image, why = None, "bad_json"
             if image is None:
                 skipped[why] += 1
                 if len(examples.setdefault(why, [])) < 5:
@@ -283,7 +288,7 @@ def pseudolabel_shard(out: Out, src: Path, shard: str, fp: str) -> dict:
             if not words:
                 dropped += 1
                 continue
-            meta = {k: v for k, v in (decode_sample(raw).get("json") or {}).items() if k not in DROP_META}
+            meta = {k: v for k, v in metas[i].items() if k not in DROP_META}
             nbrs = neighbour_keys(rows, scores[n * c:(n + 1) * c], w["table"].keys, p["k"])
             caption = " ".join(words)
             samples.append({**{k: v for k, v in raw.items() if k not in ("txt", "json", "__url__")}, "txt": caption,

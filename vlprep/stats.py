@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from vlprep import VlprepError, urls
-from vlprep.dataset import iter_samples, open_dataset
+from vlprep.dataset import BadJson, decode_json, iter_samples, open_dataset
 from vlprep.output import write_json_atomic
 from vlprep.text import words
 
@@ -73,9 +73,14 @@ def sample_fields(ds, cols: set[str]) -> Iterator[tuple]:
             yield from zip(*(t.column(c).to_pylist() if c in t.column_names else [None] * t.num_rows
                              for c in SIDECAR_COLUMNS))
     else:  # sidecars from another tool: read the tars instead
-        for s in iter_samples(ds):
-            meta = s.get("json") or {}
-            yield s.get("txt", ""), meta.get("width"), meta.get("height"), None
+        for s in iter_samples(ds, decode=False):
+            try:
+                meta = decode_json(s["json"]) if "json" in s else {}
+            except BadJson:  # malformed, NaN, 100,000 deep: the sample's size is unknown, its caption still counts
+                meta = {}
+            size = [v if isinstance(v, int) and not isinstance(v, bool) else None
+                    for v in (meta.get("width"), meta.get("height"))]
+            yield s.get("txt", b"").decode("utf-8", "replace"), *size, None
 
 
 def dataset_stats(path, out: Path | None = None, top: int = 20) -> dict:

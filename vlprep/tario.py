@@ -37,8 +37,9 @@ TAR_MTIME = 0
 
 
 # json.dumps(v, ensure_ascii=False, sort_keys=True) builds a new JSONEncoder per call (about half of its cost on
-# our 4-key metadata); one encoder with the same options writes the same text.
-_json_encode = json.JSONEncoder(ensure_ascii=False, sort_keys=True).encode
+# our 4-key metadata); one encoder with the same options writes the same text. allow_nan=False: a NaN or an infinity
+# would be written as `NaN` / `Infinity`, which is no JSON (strict parsers refuse the sample): a ValueError instead.
+_json_encode = json.JSONEncoder(ensure_ascii=False, sort_keys=True, allow_nan=False).encode
 
 
 def _payload(v):
