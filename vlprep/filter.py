@@ -26,7 +26,7 @@ from vlprep.filterphash import PHash, check_distance
 from vlprep.filterreport import embed_report, write_dropped
 from vlprep.filterscan import (HASHES, SCAN_DIR, SCAN_KINDS, check_sidecars, check_unique_keys, h64_column,
                                input_signature, read_scan, scan_done, scan_shard)
-from vlprep.output import Out, finish_dataset, open_derived, write_json_atomic, write_shard, writing_output
+from vlprep.output import Out, check_out, finish_dataset, open_derived, write_json_atomic, write_shard, writing_output
 from vlprep.urls import redact
 from vlprep.userfile import read_user_file
 
@@ -343,11 +343,12 @@ def filter_dataset(cfg: FilterConfig, encoder=None, progress=None, warn=None) ->
         if warn is not None:
             warn(line)
 
+    inputs = (cfg.keys, cfg.drop_keys, cfg.embeddings, cfg.text_embeddings, *cfg.exclude, *cfg.exclude_embeddings,
+              getattr(encoder, "path", None))  # --overwrite must not clear any of them
+    check_out(cfg.out, cfg.src, *inputs)  # first: the rules' checks read these inputs (and may warn about them)
     sample_rules, dataset_rules, options = build_rules(cfg, encoder, note)
     check_engine(cfg.distributor, cfg.workers)
     t0 = time.perf_counter()
-    inputs = (cfg.keys, cfg.drop_keys, cfg.embeddings, cfg.text_embeddings, *cfg.exclude, *cfg.exclude_embeddings,
-              getattr(encoder, "path", None))  # --overwrite must not clear any of them
     ds, out = open_derived(cfg.src, cfg.out, cfg.skip_bad_shards, inputs)
     check_sidecars(ds)
     check_unique_keys(ds)  # before OUT is touched: a repeated key makes every key-based rule ambiguous

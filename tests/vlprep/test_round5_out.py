@@ -32,6 +32,7 @@ def world(tmp_path_factory) -> Path:
     enc = CheckpointEncoder(ckpt, "cpu")
     for src, out, modality in ((ds, "emb", "image"), (ds, "embt", "text"), (w / "ev", "embev", "image")):
         embed(EmbedConfig(src=src, out=w / out, modality=modality), enc)
+    shutil.copytree(w / "emb", w / "embraw", ignore=shutil.ignore_patterns("*.json"))  # hand-made: no meta.json
     keys = [f"shard_{i:09d}" for i in range(8)]
     (w / "keys.txt").write_text("\n".join(keys[:5]) + "\n")
     lines = [json.dumps({"key": k, "objects": [{"label": "dog", "score": 0.9, "box": [0, 0, 0.5, 1]}]}) for k in keys]
@@ -64,6 +65,9 @@ CASES = {
     "filter-drop-keys": (["filter", "{ds}", "OUT", "--drop-keys", "{keys.txt}"], "keys.txt"),
     "filter-exclude": (["filter", "{ds}", "OUT", "--exclude", "{ev}"], "ev"),
     "filter-embeddings": (["filter", "{ds}", "OUT", "--near-dup", "0.9", "--embeddings", "{emb}"], "emb"),
+    # (its warning about the missing meta.json would come before the error: the OUT check comes first)
+    "filter-embeddings-handmade": (["filter", "{ds}", "OUT", "--near-dup", "0.9", "--embeddings", "{embraw}"],
+                                   "embraw"),
     "filter-text-embeddings": (["filter", "{ds}", "OUT", "--clip-score-min", "0", "--embeddings", "{emb}",
                                 "--text-embeddings", "{embt}"], "embt"),
     "filter-exclude-embeddings": (["filter", "{ds}", "OUT", "--near-dup", "0.9", "--embeddings", "{emb}",
