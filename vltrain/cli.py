@@ -337,8 +337,9 @@ def export_(
                                "README.md."),
     onnx: bool = typer.Option(False, "--onnx", help="Also image_encoder.onnx and text_encoder.onnx (ITC embeddings; "
                               "needs the \\[onnx] extra)."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Write into a non-empty OUT that is not an export "
-                                   "(only the export's files are replaced)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an export of another checkpoint, or write "
+                                   "into a non-empty OUT that is not an export (only the export's files are "
+                                   "replaced). The export is written beside OUT and swapped in when complete."),
     fmt: str = typer.Option("vltrain", "--format", help="vltrain (the layout above); hf: a transformers CLIPModel "
                             "(VisionTextDualEncoderModel for CLIP towers of two sources) with its tokenizer and image "
                             "processor; open_clip: open_clip's `local-dir:` layout. hf and open_clip load without "

@@ -7,14 +7,16 @@ import torch
 from torch import nn
 
 from vlprep import VlprepError
+from vlprep.output import check_out
 from vlprep.urls import redact
 from vltrain.checkpoint import load, model_from
 from vltrain.errors import TrainError
-from vltrain import openclip
+from vltrain import hfclip, hub, openclip
 from vltrain.export_hf import FORMATS, check_hf, hf_meta, hf_readme, write_hf, write_meta, write_open_clip
 from vltrain.exportfmt import (CONFIG, EXPORT_DROPS, HEADS, IMAGE_ONNX, IMAGE_TOKENS_ONNX, META, README, TEXT_ONNX,
-                               TOKENIZER, WEIGHTS, export_config, prepare_out, write_config, write_weights)
-from vltrain.model import model_tokenizer
+                               TOKENIZER, WEIGHTS, check_replace, export_config, export_source, staged,
+                               swap_in, write_config, write_weights)
+from vltrain.model import _tokenizer_at, model_tokenizer
 
 # `vltrain.load(OUT)` and every command that takes a checkpoint read the folder (vltrain.checkpoint.load).
 # docs/TRAINING.md, "Export".
@@ -28,48 +30,72 @@ def export(checkpoint, out, onnx: bool = False, overwrite: bool = False, fmt: st
     layout (fmt "vltrain"), or as transformers' CLIPModel / VisionTextDualEncoderModel with vltrain's other heads
     beside it (fmt "hf", vltrain.export_hf).
 
-    Refuses a non-empty `out` that holds anything but a previous export unless `overwrite` (which replaces only an
-    export's files, EXPORT_FILES). Returns {"out", "files", "dropped": the state-dict names left out, "onnx"}."""
+    The export is written in a folder beside `out` and swapped in when complete (vltrain.exportfmt.swap_in), so
+    `out` holds the earlier export or the new one at every moment. Refuses an `out` that overlaps what the export
+    reads, and unless `overwrite` one that holds something other than an export, or the export of another checkpoint
+    (`overwrite` replaces only an export's files, EXPORT_FILES). Returns {"out", "files", "dropped": the state-dict
+    names left out, "onnx"}."""
     checkpoint = Path(checkpoint)
     out = Path(out)
+    out = out.resolve() if out.is_symlink() else out  # the folder it names is the one replaced, not the link
+    check_apart(out, [checkpoint])  # before reading: OUT itself may be the export given as CKPT
     ckpt = load(checkpoint)
     kept = {k: v for k, v in ckpt["model"].items() if not k.startswith(EXPORT_DROPS)}
     dropped = sorted(set(ckpt["model"]) - set(kept))
     # The model an export rebuilds (no EMA copy, no queues), with the checkpoint's weights checked by name and shape.
     net = model_from({**ckpt, "model": kept, "export": True}, checkpoint).eval()
+    check_apart(out, [checkpoint, *tower_folders(net)])  # a CLIP tower's folder: its tokenizer is read
     tokenizer = model_tokenizer(net)
     onnx_info = None
     if fmt not in FORMATS:
         raise TrainError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}"[:160])
     if fmt != "vltrain":
         check_hf(net, fmt)  # before OUT is touched: a model the library cannot hold is one line, OUT as it was
-
-    prepare_out(out, overwrite)
-    if fmt != "vltrain":
-        hf = write_hf(net, tokenizer, out) if fmt == "hf" else write_open_clip(net, tokenizer, out)
-        tied = hf["tied"]
-    else:
-        tied = write_weights(net, out)
-        tokenizer.save_pretrained(str(out / TOKENIZER))
+    source = export_source(ckpt, checkpoint, net)
+    previous = check_replace(out, overwrite, source)
     warnings_ = []
-    if onnx:
-        onnx_info = write_onnx(net, ckpt["config"], tokenizer, out)
-        if not itc_trained(ckpt["config"]):
-            onnx_info["itc_trained"] = False
-            warnings_.append(UNTRAINED_ITC)
-    meta = export_config(ckpt, checkpoint, net, tied, dropped, onnx_info)
-    if fmt != "vltrain":
-        meta = hf_meta(meta, hf, fmt)
-        (out / README).write_text(hf_readme(readme(meta, out), meta, out), encoding="utf-8")
-        write_meta(meta, out)  # last: from now on the folder is a complete export
-        files = ([CONFIG, WEIGHTS, "tokenizer and image processor files"] if fmt == "hf"
-                 else [openclip.CONFIG, openclip.WEIGHTS]) + [HEADS, META, README]
-    else:
-        (out / README).write_text(readme(meta, out), encoding="utf-8")
-        write_config(meta, out)  # last: from now on the folder is a complete export
-        files = [WEIGHTS, CONFIG, TOKENIZER + "/", README]
+    with staged(out) as tmp:  # every file goes here first; OUT is untouched until the swap
+        if fmt != "vltrain":
+            hf = write_hf(net, tokenizer, tmp) if fmt == "hf" else write_open_clip(net, tokenizer, tmp)
+            tied = hf["tied"]
+        else:
+            tied = write_weights(net, tmp)
+            tokenizer.save_pretrained(str(tmp / TOKENIZER))
+        if onnx:
+            onnx_info = write_onnx(net, ckpt["config"], tokenizer, tmp)
+            if not itc_trained(ckpt["config"]):
+                onnx_info["itc_trained"] = False
+                warnings_.append(UNTRAINED_ITC)
+        meta = export_config(ckpt, checkpoint, net, tied, dropped, onnx_info, source)
+        if fmt != "vltrain":
+            meta = hf_meta(meta, hf, fmt)
+            (tmp / README).write_text(hf_readme(readme(meta, out), meta, out), encoding="utf-8")
+            write_meta(meta, tmp)
+            files = ([CONFIG, WEIGHTS, "tokenizer and image processor files"] if fmt == "hf"
+                     else [openclip.CONFIG, openclip.WEIGHTS]) + [HEADS, META, README]
+        else:
+            (tmp / README).write_text(readme(meta, out), encoding="utf-8")
+            write_config(meta, tmp)
+            files = [WEIGHTS, CONFIG, TOKENIZER + "/", README]
+        swap_in(tmp, out, previous)
+    _tokenizer_at.cache_clear()  # a tokenizer read from an earlier export at OUT is not this one's
     files += [v["file"] for v in (onnx_info or {}).values() if isinstance(v, dict) and "file" in v]
     return {"out": str(out), "files": files, "dropped": dropped, "onnx": onnx_info, "warnings": warnings_}
+
+
+def check_apart(out: Path, inputs: list) -> None:
+    """A one-line error when OUT is an input of the export, holds one, or lies inside one (vlprep.output.check_out):
+    the swap would move it aside, or the export would write into what it reads."""
+    try:
+        check_out(out, *inputs)
+    except VlprepError as e:
+        raise TrainError(str(e)) from None
+
+
+def tower_folders(net) -> list[Path]:
+    """The local folders of the model's clip:PATH towers (hf-hub: ones live in the hub's cache)."""
+    specs = {net.cfg.text_model, net.cfg.image_model}
+    return [Path(s[len(hfclip.PREFIX):]) for s in specs if hfclip.is_clip(s) and not hub.is_hub(s[len(hfclip.PREFIX):])]
 
 
 UNTRAINED_ITC = ("the ONNX graphs hold the ITC towers (image_proj, text_proj), and this model was trained with "

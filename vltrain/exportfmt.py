@@ -1,14 +1,23 @@
 """The `vltrain export` folder's format: its files, config.json and weights, written and read."""
 
+import contextlib
+import ctypes
+import errno
+import glob
+import hashlib
 import json
 import os
+import secrets
 import shutil
 from pathlib import Path
+
+import torch
 
 from safetensors import SafetensorError
 from safetensors.torch import load_file as load_safetensors
 from safetensors.torch import save_file
 
+from vlprep import cut
 from vlprep.urls import redact
 from vltrain import hfclip, openclip
 from vltrain.errors import CheckpointError, TrainError, check_version
@@ -16,9 +25,9 @@ from vltrain.errors import CheckpointError, TrainError, check_version
 # An export holds model.safetensors (the weights inference reads: no optimiser state, RNG states, EMA copy
 # or queues), config.json (format, the run's config, preprocessing, tokenizer, provenance, eval numbers),
 # tokenizer/ (the Hugging Face tokenizer files), README.md and, with --onnx, image_encoder.onnx and
-# text_encoder.onnx (and a features model's image_tokens_encoder.onnx). config.json is written last: a folder
-# without it is an unfinished export, which read_export refuses, so a failure never leaves a half export that
-# claims to be complete.
+# text_encoder.onnx (and a features model's image_tokens_encoder.onnx). Everything is written into a folder beside
+# OUT, config.json last, and that folder is swapped in when complete (swap_in): a failure or a kill never leaves a
+# half export at OUT. A folder without config.json is an unfinished export, which read_export refuses.
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 TOKENIZER = "tokenizer"
@@ -33,7 +42,7 @@ HEADS = "vltrain_heads.safetensors"
 META = "vltrain.json"
 HF_FILES = ("open_clip_config.json", "open_clip_model.safetensors", "tokenizer.json", "tokenizer_config.json",
             "special_tokens_map.json", "vocab.json", "merges.txt", "added_tokens.json", "preprocessor_config.json",
-            "processor_config.json", "generation_config.json")
+            "processor_config.json", "generation_config.json", "spiece.model")
 
 # Every name an export writes (config.json's temporary file included): all that exporting again replaces.
 EXPORT_FILES = (CONFIG, CONFIG + ".tmp", WEIGHTS, TOKENIZER, README, IMAGE_ONNX, TEXT_ONNX, IMAGE_TOKENS_ONNX, META,
@@ -166,23 +175,137 @@ def previous_export(out: Path) -> bool:
         return False
 
 
-def prepare_out(out: Path, overwrite: bool) -> None:
-    """Refuse an `out` that holds something other than an export unless `overwrite`; remove a previous export's files,
-    config.json first (the folder is an unfinished export from then on), and create the folder."""
+def weights_sha256(state: dict) -> str:
+    """The identity of the weights an export holds: sha256 over each tensor's name, dtype, shape and bytes, in name
+    order (a tied tensor once), whatever the layout they are written in."""
+    digest = hashlib.sha256()
+    tensors, _ = untie(state)
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous().reshape(-1)
+        digest.update(f"{name}\0{t.dtype}\0{tuple(tensors[name].shape)}\0".encode())
+        digest.update(t.view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def other_checkpoint(out: Path, source: dict) -> str | None:
+    """How the finished export in `out` names its checkpoint when that is another one than `source` (export_config's
+    record of this export's); None for the same one, or an unfinished export. Exports that record their weights'
+    sha256 are the same when it is; older ones when their checkpoint path and step are."""
+    record = out / (META if (out / META).is_file() else CONFIG)
+    try:
+        theirs = json.loads(record.read_text(encoding="utf-8")).get("source") or {}
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return None  # previous_export read it; a record gone since is an unfinished export
+    if not isinstance(theirs, dict):
+        return "an unknown checkpoint"
+    if theirs.get("weights_sha256") and source.get("weights_sha256"):
+        same = theirs["weights_sha256"] == source["weights_sha256"]
+    else:
+        same = (theirs.get("checkpoint"), theirs.get("step")) == (source.get("checkpoint"), source.get("step"))
+    return None if same else f"{cut(str(theirs.get('checkpoint')))}, step {theirs.get('step')}"
+
+
+def check_replace(out: Path, overwrite: bool, source: dict) -> bool:
+    """Refuse an `out` that is a file, holds something other than an export, or holds the export of another
+    checkpoint, unless `overwrite`; or that an interrupted swap left without its earlier export (swap_in). Returns
+    whether `out` holds a previous export, whose eval.json then goes with it (it scored the weights replaced)."""
     if out.exists() and not out.is_dir():
         raise TrainError(f"{out} is a file; the export is a folder: give a new or empty folder")
-    previous = out.is_dir() and any(out.iterdir()) and previous_export(out)
-    if out.is_dir() and any(out.iterdir()) and not previous and not overwrite:
-        raise TrainError(f"{out} is not empty and is not a vltrain export; choose another OUT, or add --overwrite "
-                         f"(which replaces only the export's files: "
-                         f"{', '.join(n for n in EXPORT_FILES if not n.endswith('.tmp'))})")
-    for name in EXPORT_FILES + ((EVAL,) if previous else ()):  # anything else in the folder is the user's
-        target = out / name
-        if target.is_dir() and not target.is_symlink():
-            shutil.rmtree(target)
-        elif target.exists() or target.is_symlink():
-            target.unlink()
-    out.mkdir(parents=True, exist_ok=True)
+    if not out.is_dir() or not any(out.iterdir()):
+        where = out.absolute()
+        aside = sorted(where.parent.glob(f".{glob.escape(where.name)}.old-*")) if where.parent.is_dir() else []
+        if aside and not out.exists():
+            raise TrainError(f"an export into {out} was interrupted while it replaced an earlier one, which is in "
+                             f"{aside[0]}: rename that back to {out.name} (or delete it), then export again")
+        return False
+    if not previous_export(out):
+        if not overwrite:
+            raise TrainError(f"{out} is not empty and is not a vltrain export; choose another OUT, or add --overwrite "
+                             f"(which replaces only the export's files: "
+                             f"{', '.join(n for n in EXPORT_FILES if not n.endswith('.tmp'))})")
+        return False
+    other = other_checkpoint(out, source)
+    if other and not overwrite:
+        raise TrainError(f"{out} holds the export of another checkpoint ({other}); add --overwrite to replace it, "
+                         "or choose another OUT")
+    return True
+
+
+@contextlib.contextmanager
+def staged(out: Path):
+    """A new folder beside `out` (.OUT.tmp-XXXXXXXX: the same filesystem, so swap_in renames) to write the export
+    in; on a failure its export files are removed (and the folder, when nothing else is left in it). An OSError on it
+    names `out`, the folder the user gave (a full disk: "cannot write OUT"). A killed export leaves the folder behind,
+    never a half export at OUT."""
+    out = out.absolute()  # "." has no name to put beside it
+    if out.parent.exists() and not out.parent.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(out))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{secrets.token_hex(4)}"
+    try:
+        tmp.mkdir()
+        yield tmp
+    except BaseException as e:
+        for name in EXPORT_FILES:  # only what the export wrote: a user's file swap_in could not put back stays
+            path = tmp / name
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.rmdir()
+        where = Path(os.fsdecode(e.filename)) if isinstance(e, OSError) and e.filename else None
+        if where is not None and (where.name.startswith(f".{out.name}.") or tmp in where.parents):
+            raise OSError(e.errno, e.strerror, str(out)) from None
+        raise
+
+
+def swap_in(tmp: Path, out: Path, previous: bool) -> None:
+    """Make the complete export in `tmp` the folder `out`. The user's other files in `out` (an --overwrite of a
+    folder that was not only an export) move into it first; then one atomic exchange of the two folders (Linux's
+    renameat2), or where there is none `out` renamed aside to .OUT.old-XXXXXXXX and `tmp` renamed to `out`; then the
+    earlier export is deleted. So `out` holds the earlier export or the new one at every moment (with the rename
+    pair, for the instant between the two renames, the earlier one lies in .OUT.old-*, which check_replace points
+    to). A failure puts the user's files back and leaves `out` as it was."""
+    out = out.absolute()
+    if not out.is_dir():
+        os.rename(tmp, out)
+        return
+    ours = set(EXPORT_FILES) | {p.name for p in tmp.iterdir()} | ({EVAL} if previous else set())
+    moved = []
+    try:
+        for entry in list(out.iterdir()):
+            if entry.name not in ours:
+                os.rename(entry, tmp / entry.name)
+                moved.append(entry.name)
+        old = tmp
+        if not exchange(tmp, out):
+            old = out.parent / f".{out.name}.old-{secrets.token_hex(4)}"
+            os.rename(out, old)
+            try:
+                os.rename(tmp, out)
+            except OSError:
+                os.rename(old, out)
+                raise
+    except OSError:
+        for name in moved:
+            os.rename(tmp / name, out / name)
+        raise
+    shutil.rmtree(old, ignore_errors=True)  # the earlier export; a part left by a failure is only a stale copy
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths in one step (Linux renameat2 with RENAME_EXCHANGE); False where the C library or the
+    filesystem has no such call, and nothing happened."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2  # <fcntl.h>, <linux/fs.h>
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
 
 
 def sidecar(path: Path) -> dict:
@@ -238,16 +361,24 @@ def preprocessing(net, config: dict) -> dict:
             **{k: v if pixels else None for k, v in image.items()}, **text}
 
 
-def export_config(ckpt: dict, path: Path, net, tied: dict, dropped: list, onnx_info: dict | None) -> dict:
+def export_source(ckpt: dict, path: Path, net) -> dict:
+    """config.json's "source": the checkpoint (its path, step and the sha256 of the weights exported, which says
+    whether a later export into the same OUT is of the same checkpoint), the data and the preset."""
+    config = ckpt["config"]
+    result = sidecar((path if path.is_dir() else path.parent) / "result.json")
+    return {"checkpoint": str(path.resolve()), "step": ckpt.get("step", result.get("step")),
+            "weights_sha256": weights_sha256(net.state_dict()),
+            "data": ckpt.get("data") or result.get("data"), "preset": config.get("preset"),
+            "shards": [redact(s) for s in config.get("shards") or []] or None}
+
+
+def export_config(ckpt: dict, path: Path, net, tied: dict, dropped: list, onnx_info: dict | None,
+                  source: dict) -> dict:
     """config.json: format, the checkpoint's whole config, preprocessing, tokenizer, provenance, eval numbers."""
     config = ckpt["config"]
     folder = path if path.is_dir() else path.parent
-    result = sidecar(folder / "result.json")
     ev = sidecar(folder / "eval.json")
     mc = net.cfg
-    source = {"checkpoint": str(path.resolve()), "step": ckpt.get("step", result.get("step")),
-              "data": ckpt.get("data") or result.get("data"), "preset": config.get("preset"),
-              "shards": [redact(s) for s in config.get("shards") or []] or None}
     return {"format": EXPORT_FORMAT, "version": EXPORT_VERSION, "config": config,
             "preprocessing": preprocessing(net, config), "tokenizer": mc.text_model, "tokenizer_files": TOKENIZER,
             "feature_encoder": (mc.feature_encoder or None) if mc.image_model == "features" else None,
