@@ -26,7 +26,7 @@ from vlprep.filterphash import PHash, check_distance
 from vlprep.filterreport import embed_report, write_dropped
 from vlprep.filterscan import (HASHES, SCAN_DIR, SCAN_KINDS, check_sidecars, check_unique_keys, h64_column,
                                input_signature, read_scan, scan_done, scan_shard)
-from vlprep.output import Out, check_out, finish_dataset, open_derived, write_json_atomic, write_shard, writing_output
+from vlprep.output import Out, finish_dataset, open_derived, write_json_atomic, write_shard, writing_output
 from vlprep.urls import redact
 from vlprep.userfile import read_user_file
 
@@ -335,23 +335,18 @@ def copy_shard(out: Out, src: Path, shard: str, keep: bytes, n: int, scores: byt
 
 def filter_dataset(cfg: FilterConfig, encoder=None, progress=None, warn=None) -> dict:
     """Run the stage (the encoder object embeds for the embedding rules); returns the report (also OUT/report.json,
-    with its `warnings`, each also given to `warn` as it is found)."""
-    warnings = []
-
-    def note(line: str) -> None:
-        warnings.append(line)
-        if warn is not None:
-            warn(line)
-
-    inputs = (cfg.keys, cfg.drop_keys, cfg.embeddings, cfg.text_embeddings, *cfg.exclude, *cfg.exclude_embeddings,
-              getattr(encoder, "path", None))  # --overwrite must not clear any of them
-    check_out(cfg.out, cfg.src, *inputs)  # first: the rules' checks read these inputs (and may warn about them)
-    sample_rules, dataset_rules, options = build_rules(cfg, encoder, note)
+    with its `warnings`, each also given to `warn` before the long passes)."""
+    warnings = []  # said once the input has passed every check: an error is then the only line
+    sample_rules, dataset_rules, options = build_rules(cfg, encoder, warnings.append)
     check_engine(cfg.distributor, cfg.workers)
     t0 = time.perf_counter()
+    inputs = (cfg.keys, cfg.drop_keys, cfg.embeddings, cfg.text_embeddings, *cfg.exclude, *cfg.exclude_embeddings,
+              getattr(encoder, "path", None))  # --overwrite must not clear any of them
     ds, out = open_derived(cfg.src, cfg.out, cfg.skip_bad_shards, inputs)
     check_sidecars(ds)
     check_unique_keys(ds)  # before OUT is touched: a repeated key makes every key-based rule ambiguous
+    for line in warnings if warn is not None else ():
+        warn(line)
     fps, signature = input_signature(ds)
     options["src"] = ds.location
     if cfg.exclude:
