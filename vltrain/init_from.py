@@ -5,7 +5,7 @@ from collections import Counter
 
 import torch
 
-from vltrain.errors import CheckpointError
+from vltrain.errors import CheckpointError, TrainError
 from vltrain.exportfmt import untie
 from vltrain.config import ModelConfig
 from vltrain.model import VLModel, text_layers
@@ -134,3 +134,29 @@ def _input_notes(saved: dict, cfg: ModelConfig, path, dropped: list, new: list) 
     how = ", the frozen encoder it was trained with" if same else ", which its loaded layers were not trained on"
     return [f"note: {path} read pixels through its own {pixel_model} image encoder ({n} tensors, dropped); this run "
             f"reads {_image_side(vars(cfg))}{how}"]
+
+
+def check_out_apart(out, shards: list, init_from) -> None:
+    """A run's OUT checked against every input it reads, before anything is written: it may not be a dataset folder
+    or lie inside one (the run's files would land in the data), nor be or lie inside the --init-from folder or file
+    (an export, a clip: or open_clip: source). A one-line TrainError naming both; a URL never overlaps a local OUT."""
+    from vlprep.urls import overlap, redact
+
+    from vltrain import hfclip, hub, openclip
+
+    spec = "" if init_from is None else str(init_from)
+    if hfclip.is_clip(spec):
+        spec = spec[len(hfclip.PREFIX):]
+        spec = "" if hub.is_hub(spec) else spec
+    elif openclip.is_open_clip(spec):
+        rest = spec[len(openclip.PREFIX):]
+        spec = rest[len("local-dir:"):] if rest.startswith("local-dir:") else rest.partition(":")[2]
+    inputs = [(s, "the dataset") for s in shards] + ([(spec, "the --init-from source")] if spec else [])
+    for src, what in inputs:
+        try:
+            relation = overlap(str(out), str(src))
+        except (OSError, RuntimeError, ValueError):  # a path that cannot be resolved is no folder OUT could be
+            continue
+        if relation in ("same", "inside"):
+            where = "is" if relation == "same" else "lies inside"
+            raise TrainError(f"OUT {redact(str(out))} {where} {what} {redact(str(src))}; choose a folder outside it")

@@ -24,7 +24,7 @@ from vltrain.data.feed import Feed
 from vltrain.data.shards import data_signature
 from vltrain.distributed import RankSlice, broadcast, init_from_env, world
 from vltrain.errors import TrainError
-from vltrain.init_from import init_weights
+from vltrain.init_from import check_out_apart, init_weights
 from vltrain.model import autocast, bf16_supported, build_model, resolve_device
 from vltrain.optim import build_optimizer
 from vltrain.resolve import resolve_towers
@@ -340,6 +340,7 @@ def setup(cfg: Config, resume: bool = False, overwrite: bool = False, init_from=
     if device.type == "cpu":
         keep_freed_memory()
     check_installed(cfg.train.report_to)  # a missing extra stops the run before OUT is touched
+    check_out_apart(out, cfg.shards, init_from)  # OUT in a dataset or an --init-from folder: one line, nothing written
     # --init-from is read before OUT is touched: an unreadable source leaves OUT as it was
     source = init_source(init_from, out, resume, overwrite)
     if not resume:  # --init-from clip:PATH names the towers; an unreadable clip: folder is one line, OUT untouched
