@@ -230,6 +230,10 @@ def eval_(
     out = out or (checkpoint if checkpoint.is_dir() else checkpoint.parent) / "eval.json"  # an export: inside it
     with user_errors():
         writable_file(out)
+        from vltrain.init_from import result_apart
+
+        result_apart(out, checkpoint, [*(shards or []), *([zeroshot_folder] if zeroshot_folder else [])],
+                     [zeroshot, templates])
         result = evaluate_checkpoint(checkpoint, shards or [], zeroshot=zeroshot, itm_rerank_k=itm_rerank_k,
                                      device=device, zeroshot_folder=zeroshot_folder, templates=templates,
                                      skip_bad_shards=skip_bad_shards)
@@ -300,6 +304,9 @@ def benchmark_(
     with user_errors():
         if output is not None:
             writable_file(output)
+            from vltrain.init_from import result_apart
+
+            result_apart(output, checkpoint, [dataset_root] if "://" not in dataset_root else [])
         result = run_benchmark(checkpoint, dataset, dataset_root, task=task, out=output, split=split,
                                batch_size=batch_size, workers=num_workers, recall_k=recall_k)
     table = Table(title=f"CLIP_benchmark {result['task']} on {result['dataset']} (fractions)")

@@ -1,7 +1,9 @@
-"""`--init-from`: a new run's model takes a checkpoint's (or an export's) weights by name."""
+"""`--init-from`: a new run's model takes a checkpoint's (or an export's) weights by name; and the checks that keep
+a command's output apart from the inputs it reads (a run's OUT, a result file)."""
 
 import copy
 from collections import Counter
+from pathlib import Path
 
 import torch
 
@@ -160,3 +162,28 @@ def check_out_apart(out, shards: list, init_from) -> None:
         if relation in ("same", "inside"):
             where = "is" if relation == "same" else "lies inside"
             raise TrainError(f"OUT {redact(str(out))} {where} {what} {redact(str(src))}; choose a folder outside it")
+
+
+def result_apart(out: Path, checkpoint: Path, folders=(), files=()) -> None:
+    """Before the work: a result file may not be the checkpoint or a file of an export given as one (its eval.json,
+    or another new name at its top, is fine), lie in a dataset folder the command reads, or be an input file."""
+    from vlprep.urls import overlap
+
+    from vltrain.exportfmt import EXPORT_FILES
+
+    def relation(a, b):
+        try:
+            return overlap(str(a), str(b))
+        except (OSError, RuntimeError, ValueError):  # unresolvable: no file the command reads
+            return None
+
+    where = relation(out, checkpoint)
+    if where == "same" or (where == "inside" and (out.name in EXPORT_FILES or out.parent.resolve() !=
+                                                  Path(checkpoint).resolve())):
+        raise TrainError(f"--out {out} would overwrite the model it scores ({checkpoint}); choose another file")
+    for folder in folders:
+        if relation(out, folder) in ("same", "inside"):
+            raise TrainError(f"--out {out} lies in the dataset {folder}; choose a file outside it")
+    for file in files:
+        if file is not None and relation(out, file) == "same":
+            raise TrainError(f"--out {out} is the input {file}; choose another file")

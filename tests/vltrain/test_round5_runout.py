@@ -76,3 +76,20 @@ def test_a_failed_benchmark_download_leaves_no_folder(tmp_path, monkeypatch):
     error_line(CliRunner().invoke(app, ["benchmark", str(ckpt), "--dataset", "cifar10", "--dataset-root",
                                         str(root), "--num-workers", "0"]))
     assert sorted(p.name for p in root.iterdir()) == ["keep.txt"]
+
+
+def test_eval_out_may_not_be_the_checkpoint_or_lie_in_a_dataset(pairs, tmp_path):
+    ckpt = tiny_checkpoint(tmp_path / "c.pt")
+    before = ckpt.read_bytes()
+    shards = listing(pairs)
+    for out in (ckpt, pairs / "eval.json", pairs / "sizes.json"):
+        line = error_line(CliRunner().invoke(app, ["eval", str(ckpt), str(pairs), "--device", "cpu", "--out",
+                                                   str(out)]))
+        assert "--out" in line, line
+    assert ckpt.read_bytes() == before and listing(pairs) == shards
+    exported = tmp_path / "export"
+    export(ckpt, exported)
+    weights = (exported / "model.safetensors").read_bytes()
+    line = error_line(CliRunner().invoke(app, ["eval", str(exported), str(pairs), "--device", "cpu", "--out",
+                                               str(exported / "model.safetensors")]))
+    assert "--out" in line and (exported / "model.safetensors").read_bytes() == weights
