@@ -322,9 +322,10 @@ def build_shards(cfg: ShardsConfig, progress=None) -> dict:
     """Run the stage (plan source chunks -> map_shards -> summarise); returns the report (also OUT/report.json)."""
     cfg.validate()
     t0 = time.perf_counter()
-    out = check_out(cfg.out, cfg.src, cfg.image_root)
+    out = check_out(cfg.out, cfg.src)
     source = open_source(cfg.src, cfg.image_col, cfg.caption_col, cfg.uid_col, cfg.image_root, cfg.split,
                          cfg.follow_symlinks)
+    check_out(cfg.out, cfg.image_root)  # after open_source, which says first when --image-root does not apply
     options = {k: v for k, v in asdict(cfg).items() if k not in ("src", "out", "workers", "distributor", "overwrite")}
     options["src"] = str(Path(cfg.src).resolve())
     # Karpathy options are recorded only when given, so every other source's options stay what they were.
