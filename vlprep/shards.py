@@ -33,8 +33,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from vlprep import VlprepError
-from vlprep.dataset import KEY_RE, sidecar_name
+from vlprep import VlprepError, urls
+from vlprep.dataset import KEY_RE, local_or_url, sidecar_name
 from vlprep.engine import Work, check_engine, default_workers, map_shards, merged_skips
 from vlprep.imagecheck import looks_complete, png_chunks_ok, probe  # noqa: F401 (png_chunks_ok: API)
 from vlprep.karpathy import parse_splits
@@ -325,7 +325,10 @@ def build_shards(cfg: ShardsConfig, progress=None) -> dict:
     out = check_out(cfg.out, cfg.src)
     source = open_source(cfg.src, cfg.image_col, cfg.caption_col, cfg.uid_col, cfg.image_root, cfg.split,
                          cfg.follow_symlinks)
-    check_out(cfg.out, cfg.image_root)  # after open_source, which says first when --image-root does not apply
+    # After open_source, which says first when --image-root does not apply. OUT may lie inside the image root
+    # (`coco/shards` beside `coco/images`): the stage reads only the files the split names, never lists the root.
+    if cfg.image_root is not None and urls.overlap(local_or_url(cfg.out), cfg.image_root) != "inside":
+        check_out(cfg.out, cfg.image_root)
     options = {k: v for k, v in asdict(cfg).items() if k not in ("src", "out", "workers", "distributor", "overwrite")}
     options["src"] = str(Path(cfg.src).resolve())
     # Karpathy options are recorded only when given, so every other source's options stay what they were.
