@@ -225,13 +225,14 @@ def eval_(
     """Retrieval R@1/5/10 both ways (optionally ITM re-ranked) and zero-shot top-1/top-5 of a checkpoint, scored
     as the papers do (docs/EVALUATION.md); a TOnICS aligner checkpoint is scored on noun-to-image retrieval over the
     triplets of the first folder (vlprep ontology output)."""
-    from vltrain.evaluate import evaluate_checkpoint
+    from vltrain.evaluate import check_eval_args, evaluate_checkpoint
 
     out = out or (checkpoint if checkpoint.is_dir() else checkpoint.parent) / "eval.json"  # an export: inside it
     with user_errors():
         writable_file(out)
         from vltrain.init_from import result_apart
 
+        check_eval_args(checkpoint, shards or [])  # swapped arguments first: OUT's default derives from CHECKPOINT
         result_apart(out, checkpoint, [*(shards or []), *([zeroshot_folder] if zeroshot_folder else [])],
                      [zeroshot, templates])
         result = evaluate_checkpoint(checkpoint, shards or [], zeroshot=zeroshot, itm_rerank_k=itm_rerank_k,

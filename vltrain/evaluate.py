@@ -317,7 +317,7 @@ def _class_label(caption: str, patterns: list[re.Pattern]) -> int | None:
     return max(hits)[1] if hits else None
 
 
-def _check_eval_args(path: Path, shards) -> None:
+def check_eval_args(path: Path, shards) -> None:
     """Catch `vltrain eval DATA CKPT` (arguments swapped) with a line that says which argument is wrong."""
     for s in map(Path, shards):
         if s.is_file() and s.suffix in (".pt", ".pth"):
@@ -362,7 +362,7 @@ def evaluate_checkpoint(path, shards=(), zeroshot=None, itm_rerank_k: int = 0, d
 
     path = Path(path)
     shards = [str(s) for s in shards or ()]
-    _check_eval_args(path, shards)
+    check_eval_args(path, shards)
     if zeroshot is not None and zeroshot_folder is not None:
         raise TrainError("give --zeroshot (class names found in captions) or --zeroshot-folder, not both")
     if zeroshot is not None and not shards:

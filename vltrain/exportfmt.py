@@ -127,7 +127,7 @@ def read_export(path, what: str = "export") -> dict:
             raise CheckpointError(f"{meta_path}: \"{key}\" is a {type(value).__name__}, not a mapping")
     if hfclip.is_clip(config["model"].get("text_model")):  # the export's copy of a CLIP tower's tokenizer
         try:
-            hfclip.check_tokenizer(None, path if hf else path / TOKENIZER)
+            hfclip.check_tokenizer(path if hf else path / TOKENIZER)
         except ValueError as e:
             raise CheckpointError(f"{what} {path}: {e}") from None
     if meta.get("layout") == "open_clip":

@@ -163,7 +163,7 @@ def record(spec: str, side: str) -> dict:
     rec = {"source": spec, "model_type": conf.model_type, "projection_dim": projection_width(conf),
            "config": json.loads(json.dumps(tower.to_dict()))}  # as JSON has it (an export's copy): string keys
     if side == "text":
-        check_tokenizer(spec, path)
+        check_tokenizer(path)
         rec["max_len"] = int(conf.text_config.max_position_embeddings)
         if conf.model_type == "siglip":  # SigLIP reads every caption padded to its full length, unmasked
             rec["pad_to"] = rec["max_len"]
@@ -177,13 +177,13 @@ def record(spec: str, side: str) -> dict:
 PROBES = ("a photo of a dog", "two red cars on a street")
 
 
-def check_tokenizer(spec: str | None, path: Path) -> None:
-    """A one-line ValueError unless the tokenizer in the folder `path` loads and is usable (usable_tokenizer): the
-    text tower's of `spec` (clip:PATH, as a run loads it), or with spec None the folder's own (an export's copy)."""
-    from vltrain.model import _tokenizer_at, tokenizer_for
+def check_tokenizer(path: Path) -> None:
+    """A one-line ValueError unless the tokenizer in the folder `path` (a CLIP folder, or an export's copy of its
+    tokenizer) loads as a run loads it and is usable (usable_tokenizer)."""
+    from transformers import AutoTokenizer
 
     try:
-        tok = tokenizer_for(spec) if spec else _tokenizer_at(str(path))
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as e:  # transformers raises many types for missing or broken tokenizer files
         raise ValueError(f"{cut(str(path))}: its tokenizer does not load ({type(e).__name__}: "
                          f"{cut(str(e).strip().splitlines()[0] if str(e).strip() else '', 100)})") from None
