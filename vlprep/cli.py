@@ -441,16 +441,32 @@ def view(
     seed: int = typer.Option(0, help="Seed of the draw (the same seed shows the same samples)."),
     serve: bool = typer.Option(False, "--serve", help="Serve the page on 127.0.0.1 until Ctrl-C."),
     port: int = typer.Option(8000, help="The port for --serve (0: any free port)."),
+    input_: Optional[Path] = typer.Option(None, "--input", help="A filter output's input dataset: its dropped "
+                                          "samples' images and captions (never read from where meta.json says)."),
+    aligned: Optional[Path] = typer.Option(None, help="A pseudolabel output's aligned dataset: its neighbours' "
+                                           "captions (never read from where meta.json says)."),
 ) -> None:
     """A static HTML page of a sample of a dataset: thumbnails, captions and what each stage added (docs/VIEW.md)."""
+    from vlprep.dataset import MAX_JSON_DEPTH
     from vlprep.view import ViewConfig, build_view, make_server
 
-    cfg = ViewConfig(dataset=dataset, out=out, samples=samples, seed=seed, port=port if serve else None)
+    cfg = ViewConfig(dataset=dataset, out=out, samples=samples, seed=seed, port=port if serve else None,
+                     input=input_, aligned=aligned)
     with writing(out or Path(str(dataset)) / "view"):
         report = build_view(cfg)
+    warnings = []
     if report["no_image"]:
-        console.print(f"warning: {report['no_image']:,} of the drawn samples have no image that decodes; their cards "
-                      "show none", style="yellow", highlight=False, markup=False, soft_wrap=True)
+        warnings.append(f"{report['no_image']:,} of the drawn samples have no image that decodes; their cards show "
+                        "none")
+    if report["bad_json"]:
+        warnings.append(f"{report['bad_json']:,} of the drawn samples' json member is not a JSON object nested at "
+                        f"most {MAX_JSON_DEPTH} deep; their cards show none of its fields")
+    if report["not_read"]:
+        warnings.append(f"files of the dataset left out: {', '.join(report['not_read'])}")
+    for line in warnings:
+        console.print(f"warning: {line}", style="yellow", highlight=False, markup=False, soft_wrap=True)
+    for line in report["notes"]:
+        console.print(f"note: {line}", highlight=False, markup=False, soft_wrap=True)
     console.print(f"wrote {report['out']}/index.html ({report['samples']:,} of {report['total']:,} samples)",
                   highlight=False, markup=False, soft_wrap=True)
     if serve:
@@ -469,7 +485,7 @@ def view(
 refuse_urls(app, {"shards": ("out",), "bow": ("src", "out"), "detect": ("src", "out"), "features": ("src", "out"),
                   "ontology": ("src", "out"), "embed": ("dataset", "out"), "pseudolabel": ("aligned", "unaligned", "out"),
                   "stats": ("dataset",), "filter": ("src", "out", "exclude"),
-                  "view": ("dataset",)})
+                  "view": ("dataset", "input_", "aligned")})
 
 
 def main() -> None:

@@ -3,14 +3,11 @@ and read alone (member headers are scanned up to the last drawn sample of a shar
 
 import contextlib
 import hashlib
-import http.server
 import io
-import json
 import re
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -19,15 +16,19 @@ from PIL import Image
 
 from vlprep import VlprepError, objstore, urls
 from vlprep.dataset import (IMAGE_EXTS, _META, Dataset, _check_member, as_rgb, local_or_url, open_dataset,
-                            short_shard)
+                            short_shard, sidecar_name)
 from vlprep.tario import TarReader
-from vlprep.viewpage import lineage, render_page, sample_record
+from vlprep.viewfiles import NotRegular, make_server, open_regular, refuse_links, write_file
+from vlprep.viewpage import MAX_JSON_DEPTH, lineage, load_json, render_page, sample_record, shown
+
+__all__ = ["ViewConfig", "build_view", "make_server"]  # the command's entry points (make_server: vlprep.viewfiles)
 
 MAX_SAMPLES = 100_000  # every drawn sample is a card and a thumbnail in one page
 READ_EXTS = frozenset(("txt", "json") + IMAGE_EXTS)
 MARKER = ".vlprep-view"  # marks a folder `vlprep view` wrote, which a later view may replace
 FIGURE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*\.png")  # a plain file name, safe in a URL and a folder
 MAX_FIGURE_BYTES = 32 << 20
+MAX_JSON_BYTES = 64 << 20  # meta.json, report.json, ontology.json: far above any stage's
 DROPPED_COLUMNS = ("key", "shard", "rule", "detail")  # of a filter's dropped.parquet (docs/FILTER.md)
 
 
@@ -39,6 +40,8 @@ class ViewConfig:
     seed: int = 0
     thumb: int = 256  # the longer side of a thumbnail, in pixels
     port: int | None = None  # --serve's port, checked before anything is written
+    input: Path | str | None = None  # --input: the filter's input, for its dropped samples (and the lineage)
+    aligned: Path | str | None = None  # --aligned: the pseudolabel's aligned dataset, for the neighbours' captions
 
     def validate(self) -> None:
         if not 1 <= self.samples <= MAX_SAMPLES:
@@ -129,46 +132,94 @@ def write_thumb(data: bytes, path: Path, side: int) -> tuple[int, int] | None:
 
 
 def prepare_out(out: Path, ds: Dataset) -> None:
-    """Make OUT ready: new, empty, or a page `vlprep view` wrote (its thumbnails are replaced); never the dataset."""
+    """Make OUT ready: new, empty, or a page `vlprep view` wrote (its thumbnails are replaced); never the dataset, and
+    never a link inside it (the default DATASET/view may have come with a downloaded dataset)."""
     root = ds.root.resolve()
     if not ds.url and (out.resolve() == root or root.is_relative_to(out.resolve())):
         raise VlprepError(f"--out {out} is (or holds) the dataset folder; give another folder")
+    if not ds.url and out.absolute().is_relative_to(ds.root.absolute()):
+        step = ds.root
+        for part in out.absolute().relative_to(ds.root.absolute()).parts:
+            step = step / part
+            if step.is_symlink():
+                raise VlprepError(f"--out {out} is a symbolic link inside the dataset (or lies under one); give "
+                                  "another folder")
     if out.exists() and not out.is_dir():
         raise VlprepError(f"--out {out} is a file, not a folder")
     if out.exists() and any(out.iterdir()) and not (out / MARKER).exists():
         raise VlprepError(f"--out {out} holds files that `vlprep view` did not write; give an empty or new folder")
-    for old in ("thumbs", "figures"):
-        if (out / old).is_dir():
-            shutil.rmtree(out / old)
+    for old in (out / "thumbs", out / "figures"):
+        if old.is_symlink() or old.is_file():  # a link is removed, never followed
+            old.unlink()
+        elif old.is_dir():
+            shutil.rmtree(old)
     (out / "thumbs").mkdir(parents=True, exist_ok=True)
-    (out / MARKER).write_text("written by vlprep view\n")
+    write_file(out / MARKER, b"written by vlprep view\n")
 
 
-def read_json(path: Path) -> dict:
-    """A small JSON file of the dataset as a dict; {} when it is missing or not an object."""
+def open_file(root: Path, parts: tuple[str, ...], not_read: list[str]):
+    """The dataset's file root/parts opened for reading (open_regular: no link followed); None when it is missing,
+    or, with `name (why)` added to `not_read`, when it is a link, no regular file or unreadable."""
     try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
+        return open_regular(root, *parts)
+    except NotRegular as e:
+        not_read.append(f"{'/'.join(parts)} ({e})")
+    except OSError as e:
+        not_read.append(f"{'/'.join(parts)} ({(e.strerror or type(e).__name__).lower()})")
+    return None
+
+
+def read_json(root: Path, name: str, not_read: list[str]) -> dict:
+    """A small JSON file of the dataset folder (meta.json, report.json, ontology.json) as a dict; {} when it is
+    missing, and {} with `name (why)` added to `not_read` when it is a link, too large or no JSON object."""
+    f = open_file(root, (name,), not_read)
+    if f is None:
         return {}
-    return value if isinstance(value, dict) else {}
+    with f:
+        data = f.read(MAX_JSON_BYTES + 1)
+    value = load_json(data) if len(data) <= MAX_JSON_BYTES else None
+    if value is None:
+        why = f"over {MAX_JSON_BYTES >> 20} MiB" if len(data) > MAX_JSON_BYTES else \
+            f"not a JSON object nested at most {MAX_JSON_DEPTH} deep"
+        not_read.append(f"{name} ({why})")
+    return value or {}
 
 
-def small_file(ds: Dataset, name: str) -> dict:
+def small_file(ds: Dataset, name: str, not_read: list[str]) -> dict:
     """A small JSON file beside the shards (report.json, ontology.json) as a dict, fetched into a remote dataset's
-    mirror first; {} when there is none."""
+    mirror first; {} when there is none (read_json)."""
     if ds.url and not (ds.root / name).exists():
         with contextlib.suppress(objstore.RemoteNotFound):
             objstore.get_file(objstore.join(ds.url, name), ds.root / name)
-    return read_json(ds.root / name)
+    return read_json(ds.root, name, not_read)
 
 
-def neighbour_captions(aligned, keys: set[str]) -> dict[str, str]:
-    """{key: caption} of the aligned samples named in `keys`, read from the sidecars whose key range (the Parquet
-    footer's statistics) can hold one of them: the pseudo-captions' neighbours. {} when the folder cannot be read."""
+def given(where, flag: str, out: Path) -> Dataset | None:
+    """A dataset the user named (--input, --aligned), opened; a one-line error when it cannot be, when its shards or
+    sidecars hold a link, or when OUT is it or holds it (OUT's thumbnails are replaced)."""
+    if where is None:
+        return None
     try:
-        ds = open_dataset(aligned)
-    except VlprepError:
-        return {}
+        ds = open_dataset(where)
+    except VlprepError as e:
+        raise VlprepError(f"{flag}: {e}") from None
+    if urls.overlap(out, ds.url or ds.root) in ("same", "contains"):
+        raise VlprepError(f"--out {out} is (or holds) the {flag} dataset {ds.location}; give another folder")
+    if not ds.url:
+        refuse_links(ds.root, ["sizes.json", *ds.shards, *map(sidecar_name, ds.shards)])
+    return ds
+
+
+def neighbour_captions(aligned: Dataset | Path | str, keys: set[str]) -> dict[str, str]:
+    """{key: caption} of the aligned samples named in `keys`, read from the sidecars whose key range (the Parquet
+    footer's statistics) can hold one of them: the pseudo-captions' neighbours. `aligned` is the dataset the user
+    gave (--aligned); {} when a folder given by path cannot be opened."""
+    if not isinstance(aligned, Dataset):
+        try:
+            aligned = open_dataset(aligned)
+        except VlprepError:
+            return {}
+    ds = aligned
     found = {}
     for shard in ds.shards:
         if len(found) == len(keys):
@@ -195,10 +246,10 @@ def key_range_may_hold(pf: pq.ParquetFile, group: int, keys: set[str]) -> bool:
     return any(stats.min <= k <= stats.max for k in keys)
 
 
-def drawn_drops(path: Path, n: int, seed: int) -> list[dict]:
-    """A seeded draw of up to n rows of a filter's dropped.parquet ({key, shard, rule, detail}, in file order),
-    streamed a batch at a time."""
-    pf = pq.ParquetFile(path)
+def drawn_drops(source, n: int, seed: int) -> list[dict]:
+    """A seeded draw of up to n rows of a filter's dropped.parquet (`source`: its path or open file; {key, shard,
+    rule, detail}, in file order), streamed a batch at a time."""
+    pf = pq.ParquetFile(source)
     if not set(DROPPED_COLUMNS) <= set(pf.schema_arrow.names):
         return []
     total = pf.metadata.num_rows
@@ -212,22 +263,21 @@ def drawn_drops(path: Path, n: int, seed: int) -> list[dict]:
     return rows
 
 
-def dropped_records(ds: Dataset, src, n: int, seed: int, out: Path, side: int) -> list[dict]:
-    """Cards of a draw of the samples a filter dropped, read from its input `src` (without thumbnails when the input
-    cannot be opened), each with its `dropped` rule and detail."""
+def dropped_records(ds: Dataset, source: Dataset | None, n: int, seed: int, out: Path, side: int,
+                    not_read: list[str]) -> list[dict]:
+    """Cards of a draw of the samples a filter dropped, each with its `dropped` rule and detail, read from `source`,
+    the filter's input as the user gave it (--input; None: cards without image or caption)."""
     if ds.url and not (ds.root / "dropped.parquet").exists():
         with contextlib.suppress(objstore.RemoteNotFound):
             objstore.get_file(objstore.join(ds.url, "dropped.parquet"), ds.root / "dropped.parquet")
-    if not (ds.root / "dropped.parquet").is_file():
+    f = open_file(ds.root, ("dropped.parquet",), not_read)
+    if f is None:
         return []
-    rows = drawn_drops(ds.root / "dropped.parquet", n, seed)
-    try:
-        source = open_dataset(src) if isinstance(src, str) else None
-    except VlprepError:
-        source = None
+    with f:
+        rows = drawn_drops(f, n, seed)
     samples = {}
     for shard in dict.fromkeys(r["shard"] for r in rows):
-        if source is None or shard not in source.sizes:
+        if source is None or shard not in source.sizes:  # a shard name of the given dataset, never a path of the rows
             continue
         wanted = {r["key"] for r in rows if r["shard"] == shard}
         keys = source.column(shard, "key")
@@ -255,65 +305,85 @@ def card(raw: dict, shard: str, index: int, out: Path, side: int, onto: dict) ->
     return sample_record(raw, shard, index, thumb, onto)
 
 
-def copy_figures(ds: Dataset, out: Path) -> list[dict]:
+def copy_figures(ds: Dataset, out: Path, not_read: list[str]) -> list[dict]:
     """The stages' PNG figures of a local dataset (pmi_heatmap.png, clip_score.png, ...) and `vlprep stats`' default
-    stats/stats.png, copied into OUT/figures/: [{src, name}] for the page."""
+    stats/stats.png, copied into OUT/figures/ when they are regular files reached through no link (the others named in
+    `not_read`): [{src, name}] for the page."""
     if ds.url:
         return []
-    found = sorted(ds.root.glob("*.png")) + [ds.root / "stats" / "stats.png"]
+    found = [(p.name,) for p in sorted(ds.root.glob("*.png"))] + [("stats", "stats.png")]
     figures = []
     (out / "figures").mkdir(exist_ok=True)
-    for path in found:
-        name = "stats.png" if path.parent.name == "stats" else path.name
-        if not FIGURE_NAME.fullmatch(name) or not path.is_file() or path.stat().st_size > MAX_FIGURE_BYTES:
+    for parts in found:
+        name = parts[-1]
+        if not FIGURE_NAME.fullmatch(name) or (out / "figures" / name).exists():
             continue
-        shutil.copyfile(path, out / "figures" / name)
-        figures.append({"src": f"figures/{name}", "name": str(path.relative_to(ds.root))})
+        f = open_file(ds.root, parts, not_read)
+        if f is None:
+            continue
+        with f:
+            data = f.read(MAX_FIGURE_BYTES + 1)
+        if len(data) > MAX_FIGURE_BYTES:
+            not_read.append(f"{'/'.join(parts)} (over {MAX_FIGURE_BYTES >> 20} MiB)")
+            continue
+        write_file(out / "figures" / name, data)
+        figures.append({"src": f"figures/{name}", "name": "/".join(parts)})
     return figures
 
 
+def named(meta: dict, field: str) -> str:
+    """What meta.json names as `field` (a location, never opened), as shown."""
+    return shown(meta[field]) if isinstance(meta.get(field), str) else "none"
+
+
 def build_view(cfg: ViewConfig) -> dict:
-    """Write OUT/index.html and OUT/thumbs/ for a draw of cfg.samples samples; the summary (counts, OUT)."""
+    """Write OUT/index.html and OUT/thumbs/ for a draw of cfg.samples samples; the summary (counts, OUT, and what was
+    left out: `not_read`, the dataset's files not read as `name (why)`, and `notes`, the options that would show
+    more)."""
     cfg.validate()
     ds = open_dataset(cfg.dataset)
     out = Path(cfg.out) if cfg.out is not None else local_or_url(cfg.dataset) / "view"
+    if not ds.url:
+        refuse_links(ds.root, ["sizes.json", *ds.shards])
+    upstream = given(cfg.input, "--input", out)
+    aligned = given(cfg.aligned, "--aligned", out)
+    not_read: list[str] = []
+    meta = read_json(ds.root, "meta.json", not_read)
+    stage = meta.get("stage", "")
+    if aligned is not None and stage != "pseudolabel":
+        what = f"a {shown(stage)} output" if isinstance(stage, str) and stage else "of no known stage"
+        raise VlprepError(f"--aligned is for a pseudolabel output; {ds.location} is {what}")
     prepare_out(out, ds)
-    meta = read_json(ds.root / "meta.json")
-    onto = small_file(ds, "ontology.json") if meta.get("stage") == "ontology" else {}
+    onto = small_file(ds, "ontology.json", not_read) if stage == "ontology" else {}
     records = []
     undecodable = 0
     for shard, positions in draw(ds, cfg.samples, cfg.seed).items():
         for index, raw in read_picked(ds.tar(shard), positions, ds.sizes[shard]):
             records.append(card(raw, shard, index, out, cfg.thumb, onto))
             undecodable += records[-1]["thumb"] is None
+    bad_json = sum(1 for r in records if r.get("bad_json"))
+    notes = []
     wanted = {k for r in records for k in r.get("neighbours") or () if isinstance(k, str)}
-    if wanted and isinstance(meta.get("aligned"), str):
-        captions = neighbour_captions(meta["aligned"], wanted)
+    if wanted and aligned is not None:
+        captions = neighbour_captions(aligned, wanted)
         for r in records:
             r["neighbour_captions"] = [captions.get(k) for k in r.get("neighbours") or ()]
-    shown = len(records)
-    if meta.get("stage") == "filter":
-        records += dropped_records(ds, meta.get("input"), cfg.samples, cfg.seed, out, cfg.thumb)
-    info = {"dataset": ds.location, "stage": meta.get("stage", ""), "total": ds.num_samples,
-            "shown": shown, "dropped_shown": len(records) - shown, "seed": cfg.seed, "shards": len(ds.shards),
-            "lineage": lineage(ds.location, meta, ds.url is None), "report": small_file(ds, "report.json"),
-            "figures": copy_figures(ds, out)}
-    (out / "index.html").write_text(render_page(info, records), encoding="utf-8")
-    return {"out": str(out), "samples": shown, "dropped": len(records) - shown, "total": ds.num_samples,
-            "no_image": undecodable}
-
-
-class QuietHandler(http.server.SimpleHTTPRequestHandler):
-    """http.server's file handler without a log line per request."""
-
-    def log_message(self, format, *args) -> None:  # noqa: A002 (http.server's name)
-        pass
-
-
-def make_server(out: Path, port: int) -> http.server.ThreadingHTTPServer:
-    """An http.server on 127.0.0.1 serving the folder `out` (port 0: any free port)."""
-    try:
-        return http.server.ThreadingHTTPServer(("127.0.0.1", port), partial(QuietHandler, directory=str(out)))
-    except OSError as e:
-        raise VlprepError(f"cannot serve on 127.0.0.1:{port} ({e.strerror or e}); give another --port, or --port 0 "
-                          "for any free one") from None
+    elif wanted:
+        notes.append("the neighbours' captions are not shown: pass --aligned DATASET, the pseudolabel's aligned "
+                     f"dataset (meta.json names {named(meta, 'aligned')})")
+    shown_n = len(records)
+    if stage == "filter":
+        records += dropped_records(ds, upstream, cfg.samples, cfg.seed, out, cfg.thumb, not_read)
+        if upstream is None and len(records) > shown_n:
+            notes.append("the dropped samples are shown without image or caption: pass --input DATASET, the "
+                         f"filter's input (meta.json names {named(meta, 'input')})")
+    figures = copy_figures(ds, out, not_read)
+    report = small_file(ds, "report.json", not_read)
+    up = (upstream.location, read_json(upstream.root, "meta.json", [])) if upstream is not None else None
+    info = {"dataset": ds.location, "stage": stage, "total": ds.num_samples,
+            "shown": shown_n, "dropped_shown": len(records) - shown_n, "seed": cfg.seed, "shards": len(ds.shards),
+            "lineage": lineage(ds.location, meta, up), "report": report, "figures": figures,
+            "notes": ([f"left out: {', '.join(not_read)}"] if not_read else []) + notes}
+    write_file(out / "index.html", render_page(info, records).encode("utf-8"))
+    return {"out": str(out), "samples": shown_n, "dropped": len(records) - shown_n, "total": ds.num_samples,
+            "no_image": undecodable, "bad_json": bad_json, "not_read": not_read, "notes": notes}

@@ -10,14 +10,14 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from vlprep import urls
+from vlprep import cut, urls
+from vlprep.dataset import MAX_JSON_DEPTH, _depth
 from vlprep.text import tokenize
 
 ASSETS = Path(__file__).parent / "data" / "view"
 SLOT = re.compile(r"/\*@(TITLE|CSS|JS|DATA|HASH)@\*/")
 JSON_FIELDS = ("caption_raw", "captions_raw", "bow", "objects", "nouns", "nodes", "pseudo", "strategy", "neighbours",
                "clip_score", "uid", "source", "width", "height")
-MAX_LINEAGE = 32  # stages followed back through meta.json inputs (a loop of folders stops here too)
 
 
 def finite(value):
@@ -43,19 +43,34 @@ def bow_words(raw: str, deformed: str) -> list[list]:
     return out
 
 
-def decode_json(data: bytes | None) -> dict:
-    """A sample's json member as a dict ({} when absent or unreadable: the page shows what there is)."""
+def load_json(data: bytes) -> dict | None:
+    """JSON bytes as a dict; None when they are not JSON, not an object, or nested deeper than MAX_JSON_DEPTH (the page
+    walks values recursively, and 100,000 levels are a RecursionError in json itself)."""
     try:
-        value = json.loads(data) if data is not None else {}
-    except (ValueError, UnicodeDecodeError):
-        return {}
-    return value if isinstance(value, dict) else {}
+        value = json.loads(data)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        return None
+    if not isinstance(value, dict):
+        return None
+    # bytes.count runs in C: only a value with many brackets is walked
+    if data.count(b"[") + data.count(b"{") > MAX_JSON_DEPTH and _depth(value) > MAX_JSON_DEPTH:
+        return None
+    return value
+
+
+def shown(value) -> str:
+    """A location a dataset's meta.json names, as the page and the terminal show it (never open it): redacted, cut,
+    its control characters as `?`."""
+    text = cut(urls.redact(str(value)), 200)
+    return "".join(c if c.isprintable() else "?" for c in text)
 
 
 def sample_record(raw: dict, shard: str, index: int, thumb: dict | None, onto: dict) -> dict:
     """What the page shows of one raw sample: key, thumbnail, captions and the fields the stages added; `onto` is an
     ontology stage's ontology.json (each noun's class and PMI), else {}."""
-    meta = decode_json(raw.get("json"))
+    meta = load_json(raw["json"]) if "json" in raw else {}
+    bad = meta is None
+    meta = meta or {}
     txt = raw.get("txt", b"").decode("utf-8", "replace")
     captions = meta.get("captions") if isinstance(meta.get("captions"), list) else [txt]
     rec = {"key": raw["__key__"], "shard": shard, "index": index, "thumb": thumb,
@@ -70,31 +85,22 @@ def sample_record(raw: dict, shard: str, index: int, thumb: dict | None, onto: d
                                if isinstance(n, list) and n and isinstance(n[0], str) and n[0] in noun_class}
         rec["noun_pmi"] = {n: noun_pmi[n] for n in rec["noun_classes"] if isinstance(noun_pmi.get(n), (int, float))}
     rec["json"] = meta
+    if bad:
+        rec["bad_json"] = True  # counted in the terminal's report; the card shows what there is
     return finite(rec)
 
 
-def lineage(location: str, meta: dict, local: bool) -> list[dict]:
-    """The chain of stages back to the source: [{location, stage, options}, ...], newest first, following each
-    meta.json's `input` while it is a local folder with a meta.json; the last entry is the first input."""
+def lineage(location: str, meta: dict, upstream: tuple[str, dict] | None) -> list[dict]:
+    """[{location, stage, options}, ...]: the dataset, then (with --input, `upstream`: its location and meta.json) the
+    input's stage and options, then the input last named, as text: a location a meta.json names is never opened."""
     chain = [{"location": location, "stage": meta.get("stage", ""), "options": meta.get("options", {})}]
-    seen = {location}
-    where = meta.get("input")
-    while isinstance(where, str) and len(chain) < MAX_LINEAGE:
-        entry = {"location": urls.redact(where), "stage": "", "options": {}}
-        chain.append(entry)
-        folder = Path(where)
-        if not local or where in seen or not (folder / "meta.json").is_file():
-            break
-        seen.add(where)
-        try:
-            up = json.loads((folder / "meta.json").read_text())
-        except (OSError, ValueError):
-            break
-        if not isinstance(up, dict):
-            break
-        entry["stage"] = up.get("stage", "")
-        entry["options"] = up.get("options", {})
-        where = up.get("input")
+    named = meta.get("input")
+    if upstream is not None:
+        where, up = upstream
+        chain.append({"location": where, "stage": up.get("stage", ""), "options": up.get("options", {})})
+        named = up.get("input")
+    if isinstance(named, str):
+        chain.append({"location": shown(named), "stage": "", "options": {}})
     return chain
 
 

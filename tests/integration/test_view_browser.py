@@ -66,7 +66,8 @@ def pages(tmp_path_factory):
     filter_dataset(FilterConfig(src=many, out=tmp / "filtered", caption_words=":2", workers=1))
     out = {}
     for name, ds in (("det", det), ("bow", tmp / "bow"), ("many", many), ("filtered", tmp / "filtered")):
-        build_view(ViewConfig(dataset=ds, out=tmp / f"view-{name}"))
+        # the filter's dropped samples come from its input as the user gives it (--input), never from meta.json
+        build_view(ViewConfig(dataset=ds, out=tmp / f"view-{name}", input=many if name == "filtered" else None))
         out[name] = tmp / f"view-{name}"
     out["datasets"] = {"det": det, "bow": tmp / "bow", "many": many, "filtered": tmp / "filtered"}
     return out

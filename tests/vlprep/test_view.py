@@ -282,7 +282,7 @@ def test_pseudo_cards_hold_their_neighbours_captions(tmp_path):
     enc = CheckpointEncoder(tiny_checkpoint(tmp_path / "ckpt.pt"), "cpu")
     pseudolabel(PseudolabelConfig(aligned=aligned, unaligned=unaligned, out=tmp_path / "pl", k=3, crops=2,
                                   batch_size=4, device="cpu", workers=1), enc)
-    build_view(ViewConfig(dataset=tmp_path / "pl", out=tmp_path / "out"))
+    build_view(ViewConfig(dataset=tmp_path / "pl", out=tmp_path / "out", aligned=aligned))
     truth = {s["__key__"]: s["txt"] for s in iter_samples(aligned)}
     pseudo = {s["__key__"]: s for s in iter_samples(tmp_path / "pl")}
     cards = page_data(tmp_path / "out")["samples"]
@@ -333,7 +333,7 @@ def test_a_filter_output_shows_a_draw_of_its_dropped_samples_with_the_rule(tmp_p
     captions = [("one two three four" if i % 3 else "short") + f" {i}" for i in range(24)]
     raw = make_dataset(tmp_path / "raw", captions, per_shard=8)
     filter_dataset(FilterConfig(src=raw, out=tmp_path / "clean", caption_words="3:", workers=1))
-    report = build_view(ViewConfig(dataset=tmp_path / "clean", out=tmp_path / "out", samples=5, seed=4))
+    report = build_view(ViewConfig(dataset=tmp_path / "clean", out=tmp_path / "out", samples=5, seed=4, input=raw))
     data = page_data(tmp_path / "out")
     kept = [c for c in data["samples"] if "dropped" not in c]
     drops = [c for c in data["samples"] if "dropped" in c]

@@ -191,6 +191,9 @@
     document.getElementById("summary").textContent = (info.stage ? "stage " + info.stage + ", " : "") +
       info.shown + " of " + info.total + " samples from " + info.shards + " shards (seed " + info.seed + ")" +
       (info.dropped_shown ? ", then " + info.dropped_shown + " of the samples the filter dropped" : "");
+    var notes = document.getElementById("notes");
+    (info.notes || []).forEach(function (note) { notes.appendChild(el("li", "", note)); });
+    notes.hidden = !(info.notes || []).length;
     var ol = document.getElementById("lineage");
     info.lineage.forEach(function (step) {
       var text = (step.stage ? step.stage + ": " : "source: ") + step.location;
