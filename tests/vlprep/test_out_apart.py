@@ -22,7 +22,7 @@ def world(tmp_path_factory) -> Path:
     from vlprep.embed import EmbedConfig, embed
     from vltrain.checkpoint_encoder import CheckpointEncoder
 
-    tmp = tmp_path_factory.mktemp("round5-out")
+    tmp = tmp_path_factory.mktemp("out-apart")
     w = tmp / "w"
     w.mkdir()
     ds = colour_pairs(w, 8)  # w/src (images and captions) and w/ds
