@@ -113,9 +113,13 @@ def _init_worker(image_model: str, weights: Path | None, size: int | None, devic
     if _worker.get("key") == key:
         return
     dev = resolve_device(device)
+    # forget the old state before the new encoder loads: a load that fails must not leave the old key beside pools
+    # that are shut down (the next call with that key would find them and fail)
+    old = dict(_worker)
+    _worker.clear()
     for pool in ("pool", "encode_pool"):
-        if _worker.get(pool) is not None:
-            _worker[pool].shutdown()
+        if old.get(pool) is not None:
+            old[pool].shutdown()
     # On a CPU every call runs on one intra-op thread (the module docstring says why); threads run calls side by
     # side. On CUDA one thread feeds the device.
     encode_pool = (ThreadPoolExecutor(encode_threads, thread_name_prefix="features-encode",

@@ -403,3 +403,15 @@ def test_encoder_from_spec_refuses_other_weights(resnet18_weights, tmp_path):
         encoder_from_spec({**spec, "weights": str(tmp_path / "gone.pt")})
     with pytest.raises(VlprepError, match="lacks tokens"):
         encoder_from_spec({k: v for k, v in spec.items() if k != "tokens"})
+
+
+def test_a_refused_encoder_does_not_break_the_next_run_in_the_same_process(raw, tmp_path):
+    """A run whose encoder cannot load (after one that loaded) leaves no shut-down decode pool behind: the same
+    process runs the first configuration again (an in-process caller, or a test session, does)."""
+    first = run(raw, tmp_path / "a", decode_threads=1)
+    (tmp_path / "junk.pt").write_bytes(b"not a torch file")
+    with pytest.raises(VlprepError, match="cannot read weights"):
+        run(raw, tmp_path / "o", image_model="torchvision:resnet18", weights=tmp_path / "junk.pt", decode_threads=1)
+    again = run(raw, tmp_path / "b", decode_threads=1)
+    assert again["written"] == first["written"] == 12
+    assert dataset_bytes(tmp_path / "b") == dataset_bytes(tmp_path / "a")
