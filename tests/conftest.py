@@ -10,14 +10,20 @@ import torch
 from PIL import Image
 
 from tests.leakguard import MARK, guard
+from tests.slowest import Slowest
 
 # --- the leak guard (tests/leakguard.py): every test, module and the session must leave the process as they found it
 
 
 def pytest_configure(config) -> None:
     # the session's mark, inherited by every process a test starts (leakguard.started_here); a pytest that a test
-    # runs inside this one keeps its parent's
-    os.environ.setdefault(MARK, uuid.uuid4().hex)
+    # runs inside this one keeps its parent's. An xdist worker (`-n 2`) takes a mark of its own in place of the one
+    # it inherits from the controller, so that one worker's children are never counted as another worker's leaks.
+    if hasattr(config, "workerinput"):
+        os.environ[MARK] = uuid.uuid4().hex
+    else:
+        os.environ.setdefault(MARK, uuid.uuid4().hex)
+    config.pluginmanager.register(Slowest(), "slowest")
 
 
 def pytest_runtest_setup(item) -> None:
