@@ -6,6 +6,7 @@ import os
 import statistics
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -357,9 +358,11 @@ def rescore_cli(path) -> subprocess.CompletedProcess:
 
 def test_rescore_of_a_fifo_or_a_device_is_one_line(tmp_path):
     os.mkfifo(tmp_path / "fifo.json")
-    for path, kind in ((tmp_path / "fifo.json", "a FIFO"), (Path("/dev/zero"), "a character device"),
-                       (tmp_path, "a folder")):
-        r = rescore_cli(path)
+    cases = ((tmp_path / "fifo.json", "a FIFO"), (Path("/dev/zero"), "a character device"), (tmp_path, "a folder"))
+    # the three child processes run side by side (each pays the script's imports); each still has its own timeout
+    with ThreadPoolExecutor(len(cases)) as pool:
+        results = list(pool.map(rescore_cli, [path for path, _ in cases]))
+    for (path, kind), r in zip(cases, results):
         assert r.returncode == 2 and r.stderr.strip().splitlines() == [
             f"error: {path}: cannot rescore (the results file: {kind}, not a regular file)"], r.stderr
 
