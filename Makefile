@@ -8,6 +8,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 LOCK := requirements.lock
 PYTEST_ARGS ?=
+# `make test` and `make test-fast` run the tests in JOBS processes (pytest-xdist), a test file per process at a time
+# (so a module's fixtures are built once), each process with its share of the cores; JOBS=1 runs them in this one.
+JOBS ?= $(shell nproc 2>/dev/null || echo 1)
+XDIST = $(if $(filter 1,$(JOBS)),,-n $(JOBS) --dist loadfile)
 
 .PHONY: install apt lock test test-fast test-kernels demo ablation learns gpu-wheels gpu-check clean
 
@@ -27,17 +31,17 @@ lock:
 	PYTHON=$(PYTHON) LOCK=$(LOCK) bash scripts/lock.sh
 
 test: apt install
-	$(PY) -m pytest -q $(PYTEST_ARGS)
-	PY=$(PY) bash scripts/test-kernels.sh
+	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
+	PY=$(PY) bash scripts/test-kernels.sh $(XDIST)
 
 # The numeric tests again with an older CPU's kernels (SSE4.1 instead of AVX): a test that holds only on the CPU it
 # was written on fails here too (about 1 minute; part of `make test`).
 test-kernels: install
-	PY=$(PY) bash scripts/test-kernels.sh
+	PY=$(PY) bash scripts/test-kernels.sh $(XDIST)
 
 # Under 3 minutes on 2 CPU cores.
 test-fast: install
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
 demo: install
 	bash scripts/apt-deps.sh --required

@@ -21,6 +21,12 @@ def pytest_configure(config) -> None:
     # it inherits from the controller, so that one worker's children are never counted as another worker's leaks.
     if hasattr(config, "workerinput"):
         os.environ[MARK] = uuid.uuid4().hex
+        # each worker its share of the cores, for torch in this process and (OMP_NUM_THREADS) in the processes its
+        # tests start, unless the caller chose: workers with a thread per core each oversubscribe the machine, and
+        # OpenMP's spinning threads then cost more than the second worker gains
+        share = max(1, len(os.sched_getaffinity(0)) // int(config.workerinput["workercount"]))
+        os.environ.setdefault("OMP_NUM_THREADS", str(share))
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     else:
         os.environ.setdefault(MARK, uuid.uuid4().hex)
     config.pluginmanager.register(Slowest(), "slowest")
