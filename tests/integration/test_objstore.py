@@ -50,6 +50,15 @@ def train(data: str, out: Path, *extra: str):
                                     "2", "--preset", "clip", *[x for s in TINY for x in ("--set", s)], *extra])
 
 
+@pytest.fixture(scope="module")
+def local_run(served, tmp_path_factory) -> Path:
+    """OUT of `train` on the served dataset's local folder (read only): the numbers the URL runs must give."""
+    out = tmp_path_factory.mktemp("local") / "run"
+    r = train(str(served[0]), out)
+    assert r.exit_code == 0, r.output
+    return out
+
+
 def losses(out: Path) -> list[dict]:
     """Each metrics.jsonl row without its timing and its remote-read counts."""
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -74,18 +83,18 @@ def error_line(result) -> str:
 # --- HTTP: vltrain reads shards from a URL --------------------------------------------------------------------------
 
 
-def test_run_and_eval_from_http_give_the_local_numbers(served, tmp_path, fast_retries):
+def test_run_and_eval_from_http_give_the_local_numbers(served, local_run, tmp_path, fast_retries):
     """`vltrain run http://127.0.0.1:PORT/ds/` trains 2 steps with the losses of the same data on disk, and `vltrain
     eval` of the checkpoint scores the URL exactly as the folder."""
     from vltrain.cli import app
 
     ds, url, faults = served
-    local, remote = train(str(ds), tmp_path / "local"), train(url, tmp_path / "http")
-    assert local.exit_code == 0 and remote.exit_code == 0, (local.output, remote.output)
-    assert losses(tmp_path / "http") == losses(tmp_path / "local") and len(losses(tmp_path / "local")) == 2
+    remote = train(url, tmp_path / "http")
+    assert remote.exit_code == 0, remote.output
+    assert losses(tmp_path / "http") == losses(local_run) and len(losses(local_run)) == 2
     scores = {}
     for name, data in (("local", str(ds)), ("http", url)):
-        r = CliRunner().invoke(app, ["eval", str(tmp_path / "local" / "last.pt"), data, "--out",
+        r = CliRunner().invoke(app, ["eval", str(local_run / "last.pt"), data, "--out",
                                      str(tmp_path / f"{name}.json"), "--device", "cpu"])
         assert r.exit_code == 0, r.output
         scores[name] = json.loads((tmp_path / f"{name}.json").read_text())
@@ -94,17 +103,17 @@ def test_run_and_eval_from_http_give_the_local_numbers(served, tmp_path, fast_re
     assert "read_retries" not in scores["http"]  # nothing was retried
 
 
-def test_a_connection_dropped_mid_shard_is_retried_and_the_numbers_do_not_change(served, tmp_path, fast_retries):
+def test_a_connection_dropped_mid_shard_is_retried_and_the_numbers_do_not_change(served, local_run, tmp_path,
+                                                                                  fast_retries):
     """The server cuts its answer for each tar once, halfway through the body: the reads resume at their offset,
     each retry is counted in metrics.jsonl, and the losses are those of the local run."""
     ds, url, faults = served
-    assert train(str(ds), tmp_path / "local").exit_code == 0
     before = faults.dropped
     faults.drop.update({"shard-000000.tar": 1, "shard-000001.tar": 1})
     r = train(url, tmp_path / "http")
     assert r.exit_code == 0, r.output
     assert faults.dropped - before == 2 and not any(faults.drop.values())
-    assert losses(tmp_path / "http") == losses(tmp_path / "local")
+    assert losses(tmp_path / "http") == losses(local_run)
     assert io_counts(tmp_path / "http") == {"read_retries": 2, "shards_skipped": 0}
 
 
@@ -163,9 +172,33 @@ def s3(tmp_path_factory):
                     os.environ[k] = v
 
 
-def vlprep(*args, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
+def vlprep_process(*args, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m vlprep.cli ARGS`, a process of its own (with the variables `env` set)."""
     return subprocess.run([sys.executable, "-m", "vlprep.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)}, **kw)
+                          timeout=300, env={**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)})
+
+
+@pytest.fixture
+def vlprep(capfd, monkeypatch):
+    """`vlprep ARGS` (with the variables `env` set) in this process, as `python -m vlprep.cli` runs it: its main()
+    under capfd, which sees all that reaches fds 1 and 2 (its pool workers' too); a CompletedProcess of it."""
+    from vlprep.cli import main
+
+    def run(*args, env: dict | None = None) -> subprocess.CompletedProcess:
+        capfd.readouterr()
+        with monkeypatch.context() as m:
+            for k, v in (env or {}).items():
+                m.setenv(k, v)
+            m.setattr(sys, "argv", ["vlprep", *map(str, args)])
+            try:
+                main()
+                code = 0
+            except SystemExit as e:  # typer exits 0 on success too
+                code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        out, err = capfd.readouterr()
+        return subprocess.CompletedProcess(args, code, out, err)
+
+    return run
 
 
 def s3_objects(prefix: str) -> dict[str, bytes]:
@@ -199,7 +232,7 @@ def source(tmp_path_factory) -> Path:
 BOW = ["--ops", "shuffle,rmstop,keep:3", "--base-frac", "0.5"]
 
 
-def test_shards_and_bow_to_s3_are_byte_identical_to_local_and_vltrain_trains_from_s3(s3, source, tmp_path):
+def test_shards_and_bow_to_s3_are_byte_identical_to_local_and_vltrain_trains_from_s3(s3, source, tmp_path, vlprep):
     r = vlprep("shards", source, "s3://bkt/raw/", "-n", "2", "--workers", "1")
     assert r.returncode == 0 and "wrote s3://bkt/raw/" in r.stderr, r.stderr
     r = vlprep("bow", "s3://bkt/raw/", "s3://bkt/bow/", "--workers", "2", *BOW)
@@ -215,7 +248,7 @@ def test_shards_and_bow_to_s3_are_byte_identical_to_local_and_vltrain_trains_fro
     # --distributor ray: the actors fetch their input shards and upload their own output shards (a local Ray, started
     # by the stage in its own process, with the AWS_* variables of its environment)
     if os.environ.get("CI") or __import__("importlib").util.find_spec("ray"):
-        r = vlprep("bow", "s3://bkt/raw/", "s3://bkt/bow-ray/", "--workers", "2", "--distributor", "ray", *BOW)
+        r = vlprep_process("bow", "s3://bkt/raw/", "s3://bkt/bow-ray/", "--workers", "2", "--distributor", "ray", *BOW)
         assert r.returncode == 0, r.stderr
         assert digests(s3_objects("bow-ray")) == digests(local_files(tmp_path / "bow"))
     out = tmp_path / "run"
@@ -224,7 +257,7 @@ def test_shards_and_bow_to_s3_are_byte_identical_to_local_and_vltrain_trains_fro
     assert [row["step"] for row in losses(out)] == [1, 2]
 
 
-def test_a_stage_killed_mid_run_leaves_no_partial_object_and_a_rerun_ends_identical(s3, source, tmp_path):
+def test_a_stage_killed_mid_run_leaves_no_partial_object_and_a_rerun_ends_identical(s3, source, tmp_path, vlprep):
     """kill -9 of `vlprep bow` to s3:// once its first shard is up, the listing polled throughout: every final-named
     object ever seen holds the bytes of the local run's file, sizes.json appears only with the re-run, which resumes
     (past the stale lock of the killed process) and ends byte-identical to the local run."""
@@ -273,7 +306,7 @@ def test_a_stage_killed_mid_run_leaves_no_partial_object_and_a_rerun_ends_identi
     assert report["shards_resumed"] >= 1  # resumed by fingerprint from the listing
 
 
-def test_the_lock_object_refuses_a_second_writer_in_one_line_and_a_dead_holders_lock_is_replaced(s3, source):
+def test_the_lock_object_refuses_a_second_writer_in_one_line_and_a_dead_holders_lock_is_replaced(s3, source, vlprep):
     import s3fs
 
     fs = s3fs.S3FileSystem()
@@ -296,7 +329,7 @@ def test_the_lock_object_refuses_a_second_writer_in_one_line_and_a_dead_holders_
     assert "sizes.json" in s3_objects("locked") and ".vlprep.lock" not in s3_objects("locked")
 
 
-def test_an_alias_of_the_input_url_as_out_is_refused_and_the_input_is_kept(s3, source):
+def test_an_alias_of_the_input_url_as_out_is_refused_and_the_input_is_kept(s3, source, vlprep):
     """s3a:// (and s3n://, a trailing slash, a `..` segment, a percent-escape) names the input's own folder: with
     --overwrite it once deleted the input. Refused in one line; nothing under the input changes."""
     assert vlprep("shards", source, "s3://bkt/raw2/", "-n", "4", "--workers", "1").returncode == 0
@@ -314,10 +347,11 @@ def test_an_alias_of_the_input_url_as_out_is_refused_and_the_input_is_kept(s3, s
 
 
 def test_credentials_in_an_s3_url_are_one_line_at_once_and_never_echoed(s3, source):
+    """A process of its own: whatever it prints, warnings and log lines included, up to its exit, is searched."""
     for args in (("bow", "s3://AKIAXX:T0PS3CRET@bkt/raw2/", "s3://bkt/o"),
                  ("bow", "s3://bkt/raw2", "s3a://k:T0PS3CRET@bkt/o")):
         t = time.monotonic()
-        r = vlprep(*args, env={"VLPREP_REMOTE_BACKOFF": "2"})
+        r = vlprep_process(*args, env={"VLPREP_REMOTE_BACKOFF": "2"})
         lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
         assert r.returncode == 2 and len(lines) == 1 and "AWS_ACCESS_KEY_ID" in lines[0], lines
         assert "T0PS3CRET" not in r.stdout + r.stderr and "AKIAXX" not in r.stdout + r.stderr
@@ -340,7 +374,7 @@ def test_missing_s3_credentials_are_one_line_without_retries(s3, tmp_path):
 
 
 @pytest.mark.parametrize("body", [b"[1, 2]", b'"taken"'])
-def test_a_lock_object_that_is_a_list_or_a_string_is_one_line_saying_how_to_remove_it(s3, source, body):
+def test_a_lock_object_that_is_a_list_or_a_string_is_one_line_saying_how_to_remove_it(s3, source, vlprep, body):
     import s3fs
 
     s3fs.S3FileSystem().pipe_file("bkt/oddlock/.vlprep.lock", body)
@@ -411,7 +445,7 @@ def test_two_stages_in_one_process_write_a_local_and_an_s3_out_at_once_as_each_a
     assert ".vlprep.lock" not in s3_objects("two-s3")
 
 
-def test_filter_from_and_to_s3_is_byte_identical_to_local_and_resumes(s3, source, tmp_path):
+def test_filter_from_and_to_s3_is_byte_identical_to_local_and_resumes(s3, source, tmp_path, vlprep):
     assert vlprep("shards", source, "s3://bkt/fraw/", "-n", "2", "--workers", "1").returncode == 0
     assert vlprep("shards", source, tmp_path / "raw", "-n", "2", "--workers", "1").returncode == 0
     rules = ["--dedup", "image,caption", "--max-aspect", "1", "--workers", "2"]
