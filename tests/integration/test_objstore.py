@@ -124,7 +124,8 @@ def test_a_server_that_always_fails_is_one_line_naming_the_url(served, tmp_path,
         line = error_line(train(url, tmp_path / "run"))
     finally:
         faults.fail.clear()
-    assert line.startswith(f"error: {url}shard-000001.tar: cannot read it after 3 tries (ClientResponseError: 503"), line
+    assert line.startswith(f"error: {url}shard-000001.tar: cannot read it after 3 tries (ClientResponseError: 503"), \
+        line
 
 
 def test_a_shard_whose_reads_always_break_is_one_line_or_with_skip_bad_shards_a_counted_skip(served, tmp_path,
