@@ -113,33 +113,40 @@ def single_process(case: str) -> dict:
         torch.set_default_dtype(before)
 
 
-def _rank(rank: int, size: int, init: str, case: str, results) -> None:
+def _ranks(rank: int, size: int, init: str, folder: Path) -> None:
+    """Every case on this rank, one after another in one process group (a process start per case cost ~10 s)."""
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=size)
     try:
-        cfg = config(case)
         torch.set_default_dtype(torch.float64)
-        torch.manual_seed(0)  # every rank builds the same model, as train() does from the run seed
-        model = build_model(cfg.model).eval()
-        local = rank_batch(global_batch(cfg, case), rank, size)
-        n = B // size
-        out = one_step(step_mod.wrap_ddp(model, cfg.loss, torch.device("cpu")), model, local, cfg)
-        order, ranked = gather(torch.arange(n) + rank * n, False)
-        out["order"] = (order.tolist(), ranked.tolist())
-        results[rank] = out
+        for case in CASES:
+            try:
+                cfg = config(case)
+                torch.manual_seed(0)  # every rank builds the same model, as train() does from the run seed
+                model = build_model(cfg.model).eval()
+                local = rank_batch(global_batch(cfg, case), rank, size)
+                n = B // size
+                out = one_step(step_mod.wrap_ddp(model, cfg.loss, torch.device("cpu")), model, local, cfg)
+                order, ranked = gather(torch.arange(n) + rank * n, False)
+                out["order"] = (order.tolist(), ranked.tolist())
+            except Exception as e:
+                e.add_note(f"case {case}, rank {rank}")
+                raise
+            torch.save(out, folder / f"{case}-{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def ddp(case: str, tmp_path) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Manager().dict()
-    mp.spawn(_rank, args=(2, f"file://{tmp_path / 'rdzv'}", case, results), nprocs=2, join=True)
-    return [results[0], results[1]]
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory) -> dict[str, list[dict]]:
+    """Each case's results on ranks 0 and 1, from one pair of spawned gloo ranks for all the cases."""
+    folder = tmp_path_factory.mktemp("ddp")
+    mp.spawn(_ranks, args=(2, f"file://{folder / 'rdzv'}", folder), nprocs=2, join=True)
+    return {case: [torch.load(folder / f"{case}-{r}.pt", weights_only=True) for r in (0, 1)] for case in CASES}
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_two_gloo_ranks_equal_one_process_on_the_global_batch(case, tmp_path):
-    ranks, one = ddp(case, tmp_path), single_process(case)
+def test_two_gloo_ranks_equal_one_process_on_the_global_batch(case, ddp):
+    ranks, one = ddp[case], single_process(case)
     # Each rank's loss is the mean over its rows against every rank's keys, so their mean is the global loss.
     assert (ranks[0]["itc"] + ranks[1]["itc"]) / 2 == pytest.approx(one["itc"], rel=1e-6, abs=1e-7)
     assert ranks[0]["itc"] != pytest.approx(ranks[1]["itc"], rel=1e-6)  # the ranks did see different rows
