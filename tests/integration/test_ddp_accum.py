@@ -7,6 +7,8 @@ tests/vltrain/test_accum.py: REL = 1e-10 of a gradient plus ATOL = 1e-12, and lr
 differences / eps for the AdamW step).
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,35 +25,52 @@ REL = 1e-10
 ATOL = 1e-12
 
 
-def _rank(rank: int, size: int, init: str, case: str, k: int, results) -> None:
+CASES = ["clip", "momentum"]
+
+
+def _ranks(rank: int, size: int, init: str, folder: Path) -> None:
+    """Every case with K = 1 and K = 2 on this rank, in one process group (a process start per run cost ~10 s)."""
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=size)
     try:
-        cfg = config(case)
         torch.set_default_dtype(torch.float64)
-        torch.manual_seed(0)
-        model = build_model(cfg.model).eval()
-        local = rank_batch(global_batch(cfg, case), rank, size)
-        cpu = torch.device("cpu")
-        ddp = wrap_ddp(model, cfg.loss, cpu)
-        optimizer, params = build_optimizer(model, cfg.optim, cpu)
-        step = ddp if k == 1 else AccumStep(model, k, ddp)
-        update = optimizer_step if k == 1 else step.optimizer_step
-        losses = step(local, cfg.loss, torch.Generator().manual_seed(0), None, cfg.loss.distill_alpha)
-        update(model, optimizer, params, losses["total"], 0.0, losses.pop("queue_feats"))
-        results[(k, rank)] = {"total": float(losses["total"].detach()),
-                              "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
-                              "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-                              "queue_ptr": int(model.queue_ptr) if model.cfg.queue_size else None}
+        for case in CASES:
+            for k in (1, 2):
+                try:
+                    cfg = config(case)
+                    torch.manual_seed(0)
+                    model = build_model(cfg.model).eval()
+                    local = rank_batch(global_batch(cfg, case), rank, size)
+                    cpu = torch.device("cpu")
+                    ddp = wrap_ddp(model, cfg.loss, cpu)
+                    optimizer, params = build_optimizer(model, cfg.optim, cpu)
+                    step = ddp if k == 1 else AccumStep(model, k, ddp)
+                    update = optimizer_step if k == 1 else step.optimizer_step
+                    losses = step(local, cfg.loss, torch.Generator().manual_seed(0), None, cfg.loss.distill_alpha)
+                    update(model, optimizer, params, losses["total"], 0.0, losses.pop("queue_feats"))
+                except Exception as e:
+                    e.add_note(f"case {case}, K = {k}, rank {rank}")
+                    raise
+                grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+                torch.save({"total": float(losses["total"].detach()), "grads": grads,
+                            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+                            "queue_ptr": int(model.queue_ptr) if model.cfg.queue_size else None},
+                           folder / f"{case}-{k}-{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("case", ["clip", "momentum"])
-def test_two_gloo_ranks_with_accum_steps_2_equal_accum_steps_1(case, tmp_path):
-    ctx = mp.get_context("spawn")
-    results = ctx.Manager().dict()
-    for k in (1, 2):
-        mp.spawn(_rank, args=(2, f"file://{tmp_path / f'rdzv{k}'}", case, k, results), nprocs=2, join=True)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, dict]:
+    """Each case's results by (K, rank), from one pair of spawned gloo ranks for every case and K."""
+    folder = tmp_path_factory.mktemp("accum")
+    mp.spawn(_ranks, args=(2, f"file://{folder / 'rdzv'}", folder), nprocs=2, join=True)
+    return {case: {(k, r): torch.load(folder / f"{case}-{k}-{r}.pt", weights_only=True)
+                   for k in (1, 2) for r in (0, 1)} for case in CASES}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_two_gloo_ranks_with_accum_steps_2_equal_accum_steps_1(case, runs):
+    results = runs[case]
     lr = config(case).optim.lr
     for rank in (0, 1):
         one = results[(1, rank)]
