@@ -24,8 +24,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from typer.testing import CliRunner
 
 from vltrain import step as step_mod
+from vltrain.cli import app
 from vltrain.config_load import load_config
 from vltrain.distributed import RankSlice, gather
 from vltrain.model import build_model, tokenizer_for
@@ -201,34 +203,45 @@ def metric_rows(out: Path) -> list[dict]:
     return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "total" in r]
 
 
-def test_torchrun_two_processes_train_and_write_one_checkpoint(shards, tmp_path):
+@pytest.fixture(scope="module")
+def four_steps(shards, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """One `torchrun --nproc_per_node=2` run of 4 steps, its folder and process (read-only: two tests check it)."""
+    out = tmp_path_factory.mktemp("four") / "full"
+    return out, torchrun(shards, out, *COMMON, "--steps", "4")
+
+
+def test_torchrun_two_processes_train_and_write_one_checkpoint(four_steps):
     """`torchrun --nproc_per_node=2 -m vltrain run`: rank 0 writes one checkpoint holding both ranks' states, and
     alone logs and reports."""
-    r = torchrun(shards, tmp_path / "full", *COMMON, "--steps", "4")
+    full, r = four_steps
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    ckpt = torch.load(tmp_path / "full" / "last.pt", weights_only=True)
+    ckpt = torch.load(full / "last.pt", weights_only=True)
     assert ckpt["step"] == 4 and len(ckpt["ranks"]) == 2
     assert not torch.equal(ckpt["ranks"][0]["rng"]["generator"], ckpt["ranks"][1]["rng"]["generator"])
-    assert sorted(p.name for p in (tmp_path / "full").glob("*.pt*")) == ["best.pt", "last.pt"]
-    assert [r["step"] for r in metric_rows(tmp_path / "full")] == [1, 2, 3, 4]  # rank 0 alone logs
+    assert sorted(p.name for p in full.glob("*.pt*")) == ["best.pt", "last.pt"]
+    assert [r["step"] for r in metric_rows(full)] == [1, 2, 3, 4]  # rank 0 alone logs
     assert r.stderr.count("vltrain run: preset albef") == 1  # and reports
-    assert json.loads((tmp_path / "full" / "result.json").read_text())["step"] == 4
+    assert json.loads((full / "result.json").read_text())["step"] == 4
 
 
 def test_torchrun_one_process_trains_through_ddp_as_a_plain_run_does(shards, tmp_path):
     """`torchrun --nproc_per_node=1` joins a process group and wraps the step in DDP (the path a one-GPU check
     exercises on NCCL), and its losses are a plain run's bit for bit: DDP's all-reduce over one rank averages one
-    gradient (a division by 1), and both processes run with one intra-op thread, so their kernels add alike."""
+    gradient (a division by 1), and both runs use one intra-op thread, so their kernels add alike."""
     r = torchrun(shards, tmp_path / "ddp", *COMMON, "--steps", "3", nproc=1)
     assert r.returncode == 0, r.stderr[-4000:]
     assert "x 1 process (DDP, global batch 4)" in r.stderr
+    # The plain run in this process (the process boundary is not the claim), with the worker's one thread.
     sets = [x for s in TINY for x in ("--set", s)]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]), "OMP_NUM_THREADS": "1"}
-    plain = subprocess.run([sys.executable, "-m", "vltrain", "run", str(shards), "--out", str(tmp_path / "plain"),
-                            "--batch-size", "4", "--device", "cpu", *sets, *COMMON, "--steps", "3"],
-                           env=env, capture_output=True, text=True, timeout=300)
-    assert plain.returncode == 0, plain.stderr[-4000:]
-    assert "DDP" not in plain.stderr
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        plain = CliRunner().invoke(app, ["run", str(shards), "--out", str(tmp_path / "plain"), "--batch-size", "4",
+                                         "--device", "cpu", *sets, *COMMON, "--steps", "3"])
+    finally:
+        torch.set_num_threads(threads)
+    assert plain.exit_code == 0, plain.output[-4000:]
+    assert "vltrain run: preset albef" in plain.output and "DDP" not in plain.output
     ddp_rows = metric_rows(tmp_path / "ddp")
     plain_rows = metric_rows(tmp_path / "plain")
     assert [r["step"] for r in ddp_rows] == [1, 2, 3]
@@ -346,16 +359,16 @@ def test_a_config_error_under_torchrun_is_printed_once(shards, tmp_path):
 
 
 @pytest.mark.slow
-def test_torchrun_resume_continues_exactly(shards, tmp_path):
+def test_torchrun_resume_continues_exactly(shards, four_steps, tmp_path):
     """Under torchrun, 4 steps and 2 + 2 with --resume give the same losses bit for bit (each rank restores its
     own RNG states and data position); a resume with another process count is a one-line error."""
-    r = torchrun(shards, tmp_path / "full", *COMMON, "--steps", "4")
+    full, r = four_steps
     assert r.returncode == 0, r.stderr[-4000:]
     r = torchrun(shards, tmp_path / "part", *COMMON, "--steps", "2")
     assert r.returncode == 0, r.stderr[-4000:]
     r = torchrun(shards, tmp_path / "part", *COMMON, "--steps", "4", "--resume")
     assert r.returncode == 0, r.stderr[-4000:]
-    full, part = metric_rows(tmp_path / "full"), metric_rows(tmp_path / "part")
+    full, part = metric_rows(full), metric_rows(tmp_path / "part")
     assert [r["step"] for r in part] == [1, 2, 3, 4]
     for key in ("total", "itc_loss", "itm_loss", "mlm_loss"):
         assert [r[key] for r in part] == [r[key] for r in full], key  # bit for bit
