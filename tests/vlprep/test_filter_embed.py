@@ -378,14 +378,31 @@ def cli(*args) -> subprocess.CompletedProcess:
                           env=env, cwd=ROOT)
 
 
-def test_a_real_checkpoint_through_the_cli_equals_vlprep_embed(world, tmp_path):
+def cli_in_process(capfd, *args) -> subprocess.CompletedProcess:
+    """`python -m vlprep.cli ARGS` as its `main()` in this process: exit status and what reached fds 1 and 2."""
+    from vlprep.cli import main
+
+    capfd.readouterr()
+    argv, sys.argv = sys.argv, ["vlprep.cli", *map(str, args)]
+    try:
+        main()
+        code = 0
+    except SystemExit as e:  # typer exits 0 on success too
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+    finally:
+        sys.argv = argv
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
+def test_a_real_checkpoint_through_the_cli_equals_vlprep_embed(world, tmp_path, capfd):
     from vlprep.embed import load_embeddings
 
-    # the reference through the CLI too: the same process set-up (torch's threads) as the filter's embed pass, so
-    # the same float reductions and the same bytes
+    # the reference through the CLI too, in this same process: the same set-up (torch's threads) as the filter's
+    # embed pass, so the same float reductions and the same bytes
     for folder, modality in (("i", "image"), ("t", "text")):
-        r = cli("embed", world["aligned"], tmp_path / folder, "--checkpoint", world["ckpt"], "--device", "cpu",
-                "--modality", modality, "--workers", "1")
+        r = cli_in_process(capfd, "embed", world["aligned"], tmp_path / folder, "--checkpoint", world["ckpt"],
+                           "--device", "cpu", "--modality", modality, "--workers", "1")
         assert r.returncode == 0, r.stderr
     keys, x = load_embeddings(tmp_path / "i")
     _, y = load_embeddings(tmp_path / "t")
@@ -394,8 +411,8 @@ def test_a_real_checkpoint_through_the_cli_equals_vlprep_embed(world, tmp_path):
     lo = len(upper) // 2
     gap = lo + int(np.argmax(np.diff(upper[lo:])))  # the threshold in the widest gap of the top 10% of cosines
     t = float((upper[gap] + upper[gap + 1]) / 2)
-    r = cli("filter", world["aligned"], tmp_path / "o", "--near-dup", t, "--checkpoint", world["ckpt"],
-            "--device", "cpu", "--clip-score-top", "0.5", "--workers", "1")
+    r = cli_in_process(capfd, "filter", world["aligned"], tmp_path / "o", "--near-dup", t, "--checkpoint",
+                       world["ckpt"], "--device", "cpu", "--clip-score-top", "0.5", "--workers", "1")
     assert r.returncode == 0, r.stderr
     assert "near_dup" in r.stderr and "clip_score" in r.stderr and "clip score: threshold" in r.stderr
     made = tmp_path / "o" / "_embed" / "image" / "embeddings.npy"
