@@ -2,7 +2,7 @@
 paired difference over seeds against the paper's own effect.
 
     .venv/bin/python pipelines/ablation.py pipelines/NAME.yaml [--quick] [--seeds 3 | 0,1,2] [--steps N]
-                                           [--demo DIR] [--out DIR] [--arms a,b]
+                                           [--demo DIR] [--out DIR] [--arms a,b] [--inputs FILE]
     .venv/bin/python pipelines/ablation.py --rescore RESULTS.json [--update-findings]
     .venv/bin/python pipelines/ablation.py --list
 
@@ -14,8 +14,9 @@ and the same keys as `common`, overriding them), `eval` (`retrieval`: an input w
 the paper's better-minus-other difference in the metric's points, or null for a finding of our own; optionally
 `paper_than`, the paper's level of the `than` arm, and `tie_margin`, which makes the claim a tie within ±margin
 points), `seeds` (a count or a list: declared before the run) and `quick` (steps, seeds and arms of the smoke
-version). Input names refer to pipelines/inputs.yaml; a missing input is built
-first with the stage that makes it (the demo itself when that is missing).
+version). Input names refer to pipelines/inputs.yaml (or --inputs FILE, the same format: smaller held-out sets
+for a smoke test, say); a missing input is built first with the stage that makes it (the demo itself when that is
+missing).
 
 The seeds are recorded in OUT/plan.json before the first arm runs; a later invocation in the same OUT with more
 seeds is a run extended after a look at its table, and its table says so. Every arm trains once per seed into
@@ -118,8 +119,15 @@ def load_recipe(path: Path) -> dict:
     return recipe
 
 
-def load_inputs() -> dict:
-    return yaml.safe_load((HERE / "inputs.yaml").read_text())
+def load_inputs(path: Path = HERE / "inputs.yaml") -> dict:
+    """The named inputs of pipelines/inputs.yaml, or of another file in its format."""
+    if not path.is_file():
+        raise RecipeError(f"--inputs {path}: no such file")
+    inputs = yaml.safe_load(path.read_text())
+    if not isinstance(inputs, dict) or not all(isinstance(v, dict) and "path" in v for v in inputs.values()):
+        raise RecipeError(f"--inputs {path}: not an inputs file (NAME: {{path: ..., build: [...]}} entries, as "
+                          "pipelines/inputs.yaml)")
+    return inputs
 
 
 def fill(text: str, demo: Path, path: str = "") -> str:
@@ -706,6 +714,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--demo", default=str(DEFAULT_DEMO), help=f"the demo's folder (default {DEFAULT_DEMO})")
     ap.add_argument("--out", help="results folder (default DEMO/ablation/NAME, DEMO/ablation/NAME-quick)")
     ap.add_argument("--arms", help="comma-separated subset of the arms")
+    ap.add_argument("--inputs", default=str(HERE / "inputs.yaml"),
+                    help="the named inputs and how to build them (default pipelines/inputs.yaml)")
     ap.add_argument("--rescore", metavar="RESULTS.json",
                     help="recompute the summary, findings, table and chart from a results file's rows (no training) "
                     "and write them back beside it")
@@ -718,7 +728,7 @@ def main(argv: list[str] | None = None) -> int:
             raise RecipeError(f"--steps {args.steps}: give at least 1 (or leave it out for the recipe's steps)")
         if args.seeds is not None:
             parse_seeds(args.seeds, 1)
-        for flag in ("recipe", "demo", "out", "rescore"):
+        for flag in ("recipe", "demo", "out", "rescore", "inputs"):
             value = getattr(args, flag)
             if value is not None:
                 setattr(args, flag, Path(check_local(value, "RECIPE" if flag == "recipe" else "--" + flag)))
@@ -751,7 +761,7 @@ def main(argv: list[str] | None = None) -> int:
         steps = args.steps or quick.get("steps")
         demo = args.demo.resolve()
         out = args.out or demo / "ablation" / (name + ("-quick" if args.quick else ""))
-        inputs = load_inputs()
+        inputs = load_inputs(args.inputs)
         logs = demo / "recipes" / "logs"
         ev = recipe["eval"]
         retrieval = None if ev.get("retrieval", "heldout") == "heldout" else ensure(ev["retrieval"], inputs, demo,

@@ -10,7 +10,9 @@
 #      SEEDS (default "0 1 2"): seeds of the bow-only vs bow + pseudo comparison (mean and spread over them).
 #      UNALIGNED (default LIMIT/4) and EVAL (default LIMIT/8): images held out from the LIMIT subset, to be
 #      pseudo-captioned and to score retrieval on; CROPS (default 3): crops per unaligned image; PSEUDO=0 skips
-#      that part (it trains 2 x SEEDS more short runs).
+#      that part (it trains 2 x SEEDS more short runs). ZEROSHOT_PER_CLASS (default 30): images of each of the
+#      zero-shot folder's 10 classes.
+#      UNTIL=STEP stops after the step of that name (a `== STEP:` line), e.g. UNTIL=ontology.
 # Re-runnable: every stage resumes; shards whose input changed are rebuilt.
 set -euo pipefail
 
@@ -44,6 +46,10 @@ step() {  # step NAME CMD...: run CMD and print its wall time
     t0=$(date +%s.%N)
     "$@"
     awk -v name="$name" -v t0="$t0" -v t1="$(date +%s.%N)" 'BEGIN { printf "== %s: %.1f s\n", name, t1 - t0 }'
+    if [ "$name" = "${UNTIL:-}" ]; then
+        echo "== stopped after $name (UNTIL=$UNTIL)"
+        exit 0
+    fi
 }
 
 # --overwrite on the vlprep stages: the same options resume; changed ones (another RMTOP, a new version's
@@ -110,7 +116,8 @@ step karpathy "$PY" "$HERE/make_karpathy.py" --eval "$OUT/eval.parquet" --out "$
 step karpathy-shards "$VLPREP" shards "$KARPATHY" "$OUT/karpathy-shards" --image-root /usr/share/openclipart/png \
     --split test --resize 256 -n 1000 --prefix karpathy "${V[@]}"
 step zeroshot-folder "$PY" "$HERE/zeroshot.py" --all "$OUT/captions-all.parquet" --exclude "$OUT/captions.parquet" \
-    "$OUT/unaligned.parquet" "$OUT/eval.parquet" "$KARPATHY" --folder "$OUT/zeroshot-folder"
+    "$OUT/unaligned.parquet" "$OUT/eval.parquet" "$KARPATHY" --per-class "${ZEROSHOT_PER_CLASS:-30}" \
+    --folder "$OUT/zeroshot-folder"
 # The features-trained checkpoint reads the unaligned images' pixels through the same frozen encoder.
 step pseudolabel "$VLPREP" pseudolabel "$OUT/bow" "$OUT/unaligned" "$OUT/pseudo" --checkpoint "$OUT/run/last.pt" \
     --strategy weighted --crops "${CROPS:-3}" --k 10 --words 4 --batch-size 24 "${V[@]}"

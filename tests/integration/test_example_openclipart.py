@@ -1,5 +1,6 @@
 """The demo pipeline on real data: Debian's openclipart, a 150-image subset (`make test` installs it as root)."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -12,6 +13,12 @@ import torch
 from vlprep.dataset import iter_samples, open_dataset
 
 ROOT = Path(__file__).parents[2]
+spec = importlib.util.spec_from_file_location("ablation", ROOT / "pipelines" / "ablation.py")
+ablation = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(ablation)
+# The recipes' held-out sets at smoke size (pipelines/inputs.yaml builds 1,200 retrieval images and up to 200 a class
+# for zero-shot, about 3 minutes of `vlprep shards` + `features`): the same build commands, fewer images.
+SMALL_SETS = {"--size 1200": "--size 40", '--per-class, "200"': '--per-class, "3"'}
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not Path("/usr/share/openclipart/svg").is_dir(),
@@ -19,11 +26,11 @@ pytestmark = [
 ]
 
 
-def test_run_sh_on_a_subset(tmp_path):
+def test_run_sh_on_a_subset(tmp_path, capfd):
     bindir = Path(sys.executable).parent
     env = {**os.environ, "PY": sys.executable, "VLPREP": str(bindir / "vlprep"), "OUT": str(tmp_path), "LIMIT": "150",
            "VLTRAIN": str(bindir / "vltrain"), "TRAIN_STEPS": "2", "UNALIGNED": "12", "EVAL": "10", "CROPS": "2",
-           "SEEDS": "0 1"}
+           "SEEDS": "0 1", "ZEROSHOT_PER_CLASS": "2"}
     r = subprocess.run(["bash", str(ROOT / "examples/openclipart/run.sh")], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     ds = open_dataset(tmp_path / "shards")
@@ -58,8 +65,8 @@ def test_run_sh_on_a_subset(tmp_path):
         vals = [e["retrieval"]["i2t_r1"] for e in evals]
         assert summary["arms"][name]["i2t_r1"]["values"] == vals
         assert summary["arms"][name]["i2t_r1"]["mean"] == round(sum(vals) / 2, 2)
-    env["PSEUDO"] = "0"  # the resume check below is about the earlier stages; pseudolabel's resume is tested apart
-    # a second run resumes every stage
+    # a second run resumes every stage checked below; it stops there (the later stages' resume is tested apart)
+    env["UNTIL"] = "ontology"
     r = subprocess.run(["bash", str(ROOT / "examples/openclipart/run.sh")], env=env, capture_output=True, text=True)
     assert r.returncode == 0
     assert json.loads((tmp_path / "shards" / "report.json").read_text())["shards_resumed"] == 1
@@ -68,9 +75,15 @@ def test_run_sh_on_a_subset(tmp_path):
 
     # `make ablation RECIPE=fistful QUICK=1` on this demo folder: builds the inputs it lacks (the intact tokens, two
     # BoW variants, the zero-shot set) with the demo's stages and tabulates both arms with the paper beside them.
-    r = subprocess.run([sys.executable, str(ROOT / "pipelines" / "ablation.py"), "fistful", "--quick", "--demo",
-                        str(tmp_path)], env=env, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
+    # In-process; its held-out sets are built by pipelines/inputs.yaml's own commands at smoke size (--inputs).
+    text = (ROOT / "pipelines" / "inputs.yaml").read_text()
+    for big, small in SMALL_SETS.items():
+        assert text.count(big) == 1, big
+        text = text.replace(big, small)
+    (tmp_path / "inputs-small.yaml").write_text(text)
+    capfd.readouterr()
+    rc = ablation.main(["fistful", "--quick", "--demo", str(tmp_path), "--inputs", str(tmp_path / "inputs-small.yaml")])
+    assert rc == 0, capfd.readouterr().err[-3000:]
     res = json.loads((tmp_path / "ablation" / "fistful-quick" / "results.json").read_text())
     assert [row["arm"] for row in res["rows"]] == ["intact", "bow"]
     # the recipe scores on its own held-out sets (pipelines/inputs.yaml), not the demo's 10-pair check
@@ -81,3 +94,14 @@ def test_run_sh_on_a_subset(tmp_path):
     assert json.loads((tmp_path / "recipes" / "bow-default" / "meta.json").read_text())["features"] == feat
     table = (tmp_path / "ablation" / "fistful-quick" / "table.md").read_text()
     assert "Table 3" in table and "Table 8" in table and "inconclusive" in table  # one seed is never a verdict
+
+
+def test_ablation_inputs_file_is_checked(tmp_path, capfd):
+    """--inputs: a missing file or one that is no inputs mapping is one line and exit 2, before anything is built."""
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    for f in (tmp_path / "none.yaml", tmp_path / "list.yaml"):
+        capfd.readouterr()
+        assert ablation.main(["fistful", "--quick", "--demo", str(tmp_path / "demo"), "--inputs", str(f)]) == 2
+        err = capfd.readouterr().err
+        assert err.startswith(f"error: --inputs {f}") and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "demo").exists()
