@@ -1,6 +1,8 @@
 import io
 import json
 import os
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -242,3 +244,20 @@ def replace_member(folder: Path, name: str, data: bytes) -> Path:
                 tar.addfile(m, io.BytesIO(body))
         return shard
     raise FileNotFoundError(f"no member {name} in {folder}")
+
+
+def cli_in_process(capfd, *args) -> subprocess.CompletedProcess:
+    """`python -m vlprep.cli ARGS` as its `main()` in this process: exit status and what reached fds 1 and 2."""
+    from vlprep.cli import main
+
+    capfd.readouterr()
+    argv, sys.argv = sys.argv, ["vlprep.cli", *map(str, args)]
+    try:
+        main()
+        code = 0
+    except SystemExit as e:  # typer exits 0 on success too
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+    finally:
+        sys.argv = argv
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)

@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
+from tests.conftest import cli_in_process
 from tests.memrule import growth_per_sample
 from vlprep import VlprepError
 from vlprep.dataset import iter_tar, open_dataset, read_sidecars
@@ -376,23 +377,6 @@ def cli(*args) -> subprocess.CompletedProcess:
     env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-m", "vlprep.cli", *map(str, args)], capture_output=True, text=True,
                           env=env, cwd=ROOT)
-
-
-def cli_in_process(capfd, *args) -> subprocess.CompletedProcess:
-    """`python -m vlprep.cli ARGS` as its `main()` in this process: exit status and what reached fds 1 and 2."""
-    from vlprep.cli import main
-
-    capfd.readouterr()
-    argv, sys.argv = sys.argv, ["vlprep.cli", *map(str, args)]
-    try:
-        main()
-        code = 0
-    except SystemExit as e:  # typer exits 0 on success too
-        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-    finally:
-        sys.argv = argv
-    out, err = capfd.readouterr()
-    return subprocess.CompletedProcess(args, code, out, err)
 
 
 def test_a_real_checkpoint_through_the_cli_equals_vlprep_embed(world, tmp_path, capfd):

@@ -3,8 +3,6 @@ import json
 import random
 import re
 import shutil
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -13,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from tests.conftest import COLOURS, THINGS, image_bytes, make_dataset, tiny_checkpoint
+from tests.conftest import COLOURS, THINGS, cli_in_process, image_bytes, make_dataset, tiny_checkpoint
 from vlprep import VlprepError, knn
 from vlprep.dataset import iter_samples, open_dataset, read_sidecars
 from vlprep.output import Out, finish_dataset, write_shard
@@ -353,23 +351,6 @@ def test_nonempty_out_is_never_clobbered(world, tmp_path):
     with pytest.raises(VlprepError, match="not empty and was not written by vlprep"):
         run(world, out, overwrite=True)
     assert (out / "notes.tar").read_bytes() == b"mine"
-
-
-def cli_in_process(capfd, *args) -> subprocess.CompletedProcess:
-    """`python -m vlprep.cli ARGS` as its `main()` in this process: exit status and what reached fds 1 and 2."""
-    from vlprep.cli import main
-
-    capfd.readouterr()
-    argv, sys.argv = sys.argv, ["vlprep.cli", *map(str, args)]
-    try:
-        main()
-        code = 0
-    except SystemExit as e:  # typer exits 0 on success too
-        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-    finally:
-        sys.argv = argv
-    out, err = capfd.readouterr()
-    return subprocess.CompletedProcess(args, code, out, err)
 
 
 def test_cli_errors_are_one_line_with_exit_2(world, tmp_path, capfd):
