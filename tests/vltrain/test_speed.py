@@ -151,7 +151,9 @@ def test_precision_is_chosen_said_recorded_and_kept_on_resume(varied, tmp_path, 
     from vltrain import session
 
     common = ["--preset", "clip", "--set", "data.val_frac=0", "--set", "data.image_size=32"]
-    # auto on the tiny (32-wide) text tower: fp32 without any timing, whatever the CPU
+    # auto on the tiny (32-wide) text tower: fp32 without any timing, even where the CPU has bf16 arithmetic (on
+    # one without, auto says so before the width is looked at)
+    monkeypatch.setattr(session, "bf16_supported", lambda device: True)
     r = run(varied, tmp_path / "auto", *common, "--steps", "1")
     assert r.exit_code == 0 and "float32, auto: a 32-wide text tower is too small to gain from bf16" in r.output
     assert torch.load(tmp_path / "auto" / "last.pt", weights_only=True)["precision"] == "fp32"
@@ -203,10 +205,15 @@ def faults():
 # whose pattern varies with Python's hash seed, between them), and the steady state is what a run lives in.
 for _ in range(6):
     torch.zeros(16 * 2 ** 20).sum()
-before = faults()
+# The fewest faults of three rounds of three tensors: a round in which something outside the process (a memory
+# reclaimer such as the kernel's DAMON) took pages back shows more, and the claim is about the allocator.
+rounds = []
 for _ in range(3):
-    torch.zeros(16 * 2 ** 20).sum()
-print(faults() - before)
+    before = faults()
+    for _ in range(3):
+        torch.zeros(16 * 2 ** 20).sum()
+    rounds.append(faults() - before)
+print(min(rounds))
 """
 
 
@@ -214,7 +221,8 @@ print(faults() - before)
 def test_freed_memory_is_reused_without_page_faults():
     """keep_freed_memory: a large tensor made again after one was freed reuses the process's pages. glibc's default
     maps each block over 32 MB afresh, and zeroing 64 MB of new pages costs 16,384 minor page faults (4 KiB pages)
-    per tensor; reused pages cost none, so three tensors stay far under one tensor's worth."""
+    per tensor; reused pages cost none, so three tensors stay far under one tensor's worth (the fewest of three rounds:
+    a round in which the kernel reclaimed the kept pages faults them in again, which is not the allocator's doing)."""
     import subprocess
     import sys
 
