@@ -1,23 +1,30 @@
 """`vlprep` refuses what it cannot do in one line, before it creates anything: URLs where no URL can go, an unbounded --size,
-an OUT it cannot write and a --weights file of pickled objects."""
+an OUT it cannot write and a --weights file of pickled objects.
 
-import os
+Each command runs as the CLI's main() in this process (tests/conftest.py's cli_in_process): the exit status and every
+line that reaches fds 1 and 2 are what a subprocess would give, and none of these claims is about the process itself;
+a process per command cost a torch import each (about a second apiece, 15 commands)."""
+
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import colour_pairs
+from tests.conftest import cli_in_process, colour_pairs
 
 LOCAL_ONLY = "only dataset folders may be URLs (s3://, gs://, http(s)://); give a local path"
 SCHEMES = "use s3://, gs://, http(s):// or file://"
 
 
-def vlprep(*args, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "vlprep.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=300, cwd=cwd, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+@pytest.fixture
+def vlprep(capfd, monkeypatch):
+    """vlprep(*ARGS, cwd=None): `vlprep ARGS` run in `cwd` (this process's, restored after the test)."""
+    def run(*args, cwd=None) -> subprocess.CompletedProcess:
+        if cwd is not None:
+            monkeypatch.chdir(cwd)
+        return cli_in_process(capfd, *args)
+    return run
 
 
 def error_line(r: subprocess.CompletedProcess) -> str:
@@ -31,7 +38,7 @@ def ds(tmp_path_factory) -> Path:
     return colour_pairs(tmp_path_factory.mktemp("bounds"), 8)
 
 
-def test_urls_are_refused_where_no_url_can_go_before_anything_is_created(ds, tmp_path):
+def test_urls_are_refused_where_no_url_can_go_before_anything_is_created(ds, tmp_path, vlprep):
     """Before: `vlprep shards SRC s3://b2/raw` created ./s3:/b2/raw/ with a lock, a run file and .tar.tmp files, then
     died with a pyarrow traceback. Dataset folders may be URLs now (tests/integration/test_objstore.py); a source
     table, weights, a checkpoint or a stats folder may not, an http(s) OUT is read-only, and an unknown scheme is
@@ -52,7 +59,7 @@ def test_urls_are_refused_where_no_url_can_go_before_anything_is_created(ds, tmp
     assert r.returncode == 0 and (tmp_path / "C:" / "stats" / "report.json").is_file(), r.stderr
 
 
-def test_features_size_is_bounded(ds, tmp_path):
+def test_features_size_is_bounded(ds, tmp_path, vlprep):
     """Before: --size 100000 tried a 120 GB allocation for the probe image."""
     for size in (100000, 16):
         assert error_line(vlprep("features", ds, tmp_path / "f", "--size", size)) == \
@@ -61,7 +68,7 @@ def test_features_size_is_bounded(ds, tmp_path):
     assert not (tmp_path / "f").exists()
 
 
-def test_an_out_that_cannot_be_written_is_one_line(ds, tmp_path):
+def test_an_out_that_cannot_be_written_is_one_line(ds, tmp_path, vlprep):
     """OUT lies under a regular file, so creating it fails with NotADirectoryError even for root (tests run as root,
     where a chmod'ed read-only folder would still be writable). Before: an OSError traceback."""
     blocker = tmp_path / "file"
@@ -73,7 +80,7 @@ def test_an_out_that_cannot_be_written_is_one_line(ds, tmp_path):
     assert blocker.read_text() == "x" and list(tmp_path.iterdir()) == [blocker]
 
 
-def test_a_pickled_weights_file_is_refused_with_the_safe_way_to_resave_it(ds, tmp_path):
+def test_a_pickled_weights_file_is_refused_with_the_safe_way_to_resave_it(ds, tmp_path, vlprep):
     """Before: the message quoted torch's "This file can still be loaded ... two options", the weights_only=False
     route that runs the file's code."""
     import torchvision

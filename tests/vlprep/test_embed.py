@@ -1,25 +1,20 @@
 """vlprep embed and the views of pseudolabel, with an encoder object (vltrain.checkpoint_encoder.CheckpointEncoder)."""
 
 import hashlib
-import subprocess
-import sys
 
 import numpy as np
 import pyarrow as pa
 import pytest
 import torch
 
+from tests.conftest import cli_in_process
 from vlprep import VlprepError
 from vlprep.dataset import iter_samples
 from vlprep.embed import EmbedConfig, crop_seed, crop_views, embed, intact_captions
 from vltrain.checkpoint_encoder import CheckpointEncoder
 
 
-def cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "vlprep.cli", *map(str, args)], capture_output=True, text=True)
-
-
-def test_embed_text_and_image(world, tmp_path):
+def test_embed_text_and_image(world, tmp_path, capfd):
     from vlprep.embed import EmbedConfig, embed, load_embeddings
     from vltrain.checkpoint import load_checkpoint
 
@@ -49,17 +44,27 @@ def test_embed_text_and_image(world, tmp_path):
     np.testing.assert_allclose(x[0], ref[0].numpy(), atol=1e-5)
     with pytest.raises(VlprepError, match="--modality must be image or text"):
         embed(EmbedConfig(src=world["aligned"], out=tmp_path / "z", modality="audio"), encoder)
-    r = cli("embed", world["aligned"], tmp_path / "z", "--checkpoint", tmp_path / "nope.pt", "--device", "cpu")
+    r = cli_in_process(capfd, "embed", world["aligned"], tmp_path / "z", "--checkpoint", tmp_path / "nope.pt", "--device", "cpu")
     assert r.returncode == 2 and "checkpoint not found" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
-def test_embed_resumes_per_shard_and_workers_give_the_same_bytes(world, tmp_path):
+def test_embed_resumes_per_shard(world, tmp_path):
     enc = CheckpointEncoder(world["ckpt"], "cpu")
     a = embed(EmbedConfig(src=world["unaligned"], out=tmp_path / "a", batch_size=4), enc)
     assert a["shards_resumed"] == 0 and a["written"] == 14
     (tmp_path / "a" / "_parts" / "un-000001.parquet").unlink()  # as if stopped before that shard finished
     again = embed(EmbedConfig(src=world["unaligned"], out=tmp_path / "a", batch_size=4), enc)
     assert again["shards_resumed"] == 2
+
+
+@pytest.mark.slow  # two spawned worker processes, each importing torch and vltrain and loading the checkpoint
+def test_workers_give_the_same_bytes(world, tmp_path):
+    """(Split from the resume test, which runs inline in the fast tier: this half is the spawned pool's cost.) A
+    resumed inline run (one shard redone) and a fresh run on two workers write the same bytes."""
+    enc = CheckpointEncoder(world["ckpt"], "cpu")
+    embed(EmbedConfig(src=world["unaligned"], out=tmp_path / "a", batch_size=4), enc)
+    (tmp_path / "a" / "_parts" / "un-000001.parquet").unlink()  # as if stopped before that shard finished
+    assert embed(EmbedConfig(src=world["unaligned"], out=tmp_path / "a", batch_size=4), enc)["shards_resumed"] == 2
     b = embed(EmbedConfig(src=world["unaligned"], out=tmp_path / "b", batch_size=4, workers=2), enc)
     assert b["shards_resumed"] == 0
     for name in ("embeddings.npy", "keys.parquet"):
