@@ -197,12 +197,23 @@ def test_tonics_instances_are_the_former_codes(tmp_path, triplets):
 GROWTH = {"tonics": 128, "triplets": 160, "grit": 64}
 
 
+N_GROWTH = 2000
+
+
+@pytest.fixture(scope="module")
+def growth_folders(tmp_path_factory):
+    """The 2,000- and 8,000-sample folders (shards of 50), written once for the three kinds: index_data only reads
+    them."""
+    tmp = tmp_path_factory.mktemp("growth")
+    return {m: write_folder(tmp / str(m), [50] * (m // 50), members=False) for m in (N_GROWTH, 4 * N_GROWTH)}
+
+
 @pytest.mark.parametrize("kind", list(GROWTH))
-def test_the_index_samplers_set_up_holds_a_few_numpy_bytes_per_sample(tmp_path, kind):
+def test_the_index_samplers_set_up_holds_a_few_numpy_bytes_per_sample(growth_folders, kind):
     """The memory rule: index_data's peak grows by less than GROWTH[kind] bytes per extra sample from 2,000 to
     8,000 samples in shards of 50 (the former code: about twice to four times as much, see GROWTH)."""
-    n = 2000
-    data = {m: write_folder(tmp_path / str(m), [50] * (m // 50), members=False) for m in (n, 4 * n)}
+    n = N_GROWTH
+    data = growth_folders
 
     def run(m: int):
         cfg = Config(shards=[str(data[m])], batch_size=4,
