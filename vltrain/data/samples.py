@@ -8,13 +8,12 @@ import random
 import numpy as np
 import torch
 from torch.utils.data import get_worker_info
-from torchvision.transforms import v2
 
 from vlprep.dataset import decode_rgb, image_ext
 
 
 def train_transform(size: int, mean, std, min_scale: float = 0.5, augment: str = "none",
-                    interpolation: str = "bilinear") -> v2.Compose:
+                    interpolation: str = "bilinear") -> "v2.Compose":
     """Training view of an image: augment none (crop at scale min_scale..1 + flip, resized with `interpolation`,
     the model's: bicubic for a CLIP tower), albef or softmask (MMDA).
 
@@ -22,6 +21,10 @@ def train_transform(size: int, mean, std, min_scale: float = 0.5, augment: str =
     (torchvision's op set, not ALBEF's hand-written one). softmask adds TCL's colour recipe, which SoftMask++'s MMDA
     takes: ColorJitter(0.4, 0.4, 0.4, 0.1) at p 0.8, grayscale at p 0.2, Gaussian blur (sigma 0.1..2) at p 0.5.
     """
+    # imported here: `import torchvision` loads its models and, through them, torch._dynamo (about 3 s), which a run
+    # on cached features, an evaluation or `vltrain --help` never needs
+    from torchvision.transforms import v2
+
     if augment == "none":
         how = v2.InterpolationMode(interpolation)
         return v2.Compose([v2.ToImage(), v2.RandomResizedCrop(size, scale=(min_scale, 1.0), antialias=True,
