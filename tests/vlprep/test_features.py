@@ -209,24 +209,44 @@ def test_another_batch_size_agrees_within_rounding(raw, packaged, tmp_path):
 # --- resume -----------------------------------------------------------------------------------------
 
 
+def interrupted(folder: Path) -> Path:
+    """`folder` as a run stopped part-way leaves it: one shard gone, a half-written one left behind, no index files."""
+    (folder / "shard-000001.tar").unlink()
+    (folder / "shard-000002.tar.tmp").write_bytes(b"half")
+    for name in ("sizes.json", "index.json", "meta.json"):
+        (folder / name).unlink()
+    return folder
+
+
 def test_rerun_and_resume_are_byte_identical(raw, packaged, tmp_path):
+    """The resume runs inline with other decode threads; the same resume on two worker processes (spawned, each
+    loading EfficientNet) is test_a_resume_on_two_workers_is_byte_identical in the slow tier."""
     out, _ = packaged
     want = dataset_bytes(out)
     again = tmp_path / "again"
     run(raw, again)
     assert dataset_bytes(again) == want
-    # an interrupted run: one shard gone, a half-written one left behind, no index files yet
-    (again / "shard-000001.tar").unlink()
-    (again / "shard-000002.tar.tmp").write_bytes(b"half")
-    for name in ("sizes.json", "index.json", "meta.json"):
-        (again / name).unlink()
-    report = run(raw, again, workers=2, decode_threads=2)  # workers and threads are not options of the result
+    report = run(raw, interrupted(again), decode_threads=2)  # threads are not an option of the result
     assert report["shards_resumed"] == 2 and not list(again.glob("*.tmp"))
     assert dataset_bytes(again) == want
     assert run(raw, again)["shards_resumed"] == 3
     for other in ({"dtype": "float32"}, {"batch_size": 3}):
         with pytest.raises(VlprepError, match="other options"):
             run(raw, again, **other)
+
+
+@pytest.mark.slow  # two spawned worker processes, each importing torch and loading the packaged EfficientNet-Lite0
+def test_a_resume_on_two_workers_is_byte_identical(raw, packaged, tmp_path):
+    """(Split from test_rerun_and_resume_are_byte_identical: this is its worker-process half.) The packaged run's
+    output, interrupted, resumed on 2 workers with 2 decode threads: workers are not an option of the result."""
+    import shutil
+
+    out, _ = packaged
+    want = dataset_bytes(out)
+    again = interrupted(Path(shutil.copytree(out, tmp_path / "again")))
+    report = run(raw, again, workers=2, decode_threads=2)
+    assert report["shards_resumed"] == 2 and not list(again.glob("*.tmp"))
+    assert dataset_bytes(again) == want
 
 
 # --- bad input ---------------------------------------------------------------------------------------
