@@ -318,6 +318,7 @@ def test_bad_arguments_are_one_line_errors(data, args, message):
     assert "vltrain" not in models.TYPE2FUNC and "vltrain" not in models.MODEL_TYPES  # taken out after a failure too
 
 
+@pytest.mark.slow  # two loader worker processes (one fails while the other may still run): the workers are the point
 def test_a_loader_workers_error_is_its_last_line_and_leaves_no_worker(data, tmp_path):
     """nshards.txt promises 2 shards and only 0.tar exists: the second worker fails reading 1.tar; the error is the
     worker's own last line, not its traceback, and (the leak guard checks) no worker process outlives the command.
