@@ -137,8 +137,12 @@ def test_output_does_not_depend_on_the_aligned_sharding(world, tmp_path):
     assert got == want
 
 
-def test_a_missing_or_stale_table_is_rebuilt(world, tmp_path):
-    """The index is reused only with a caption table of its fingerprint (an OUT of an older vlprep has none)."""
+def test_a_missing_or_stale_table_is_rebuilt(world, tmp_path, monkeypatch):
+    """The index is reused only with a caption table of its fingerprint (an OUT of an older vlprep has none).
+
+    The report's figures (report.json's "plots", drawn after every output file is written) are left out of these four
+    runs: nothing here reads them, and matplotlib cost about half of each run; the other pseudolabel tests draw them."""
+    monkeypatch.setattr("vlprep.report.pseudolabel_figures", lambda *args: {})
     first = run_stage(world, world["aligned"], tmp_path / "o")
     before = files(tmp_path / "o")
     (tmp_path / "o" / knn.VOCAB).unlink()
