@@ -3,9 +3,6 @@
 import contextlib
 import io
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -358,15 +355,16 @@ def test_a_state_dict_of_another_model_is_refused(raw, tmp_path):
     assert "\n" not in str(e.value)
 
 
-def test_cli_bad_weights_is_one_line_with_exit_2(raw, tmp_path):
-    env = {**os.environ, "COLUMNS": "200"}
-    r = subprocess.run([sys.executable, "-m", "vlprep.cli", "features", str(raw), str(tmp_path / "o"),
-                        "--image-model", "torchvision:resnet18", "--weights", str(tmp_path / "nope.pt")],
-                       capture_output=True, text=True, env=env)
+def test_cli_bad_weights_is_one_line_with_exit_2(raw, tmp_path, capfd, monkeypatch):
+    """`vlprep` as its main() in this process (tests/conftest.py's cli_in_process): the same exit status and output."""
+    from tests.conftest import cli_in_process
+
+    monkeypatch.setenv("COLUMNS", "200")
+    r = cli_in_process(capfd, "features", raw, tmp_path / "o", "--image-model", "torchvision:resnet18", "--weights",
+                       tmp_path / "nope.pt")
     assert r.returncode == 2 and r.stderr.strip() == f"error: weights file not found: {tmp_path / 'nope.pt'}"
     assert not (tmp_path / "o").exists()
-    r = subprocess.run([sys.executable, "-m", "vlprep.cli", "features", "--help"], capture_output=True, text=True,
-                       env=env)
+    r = cli_in_process(capfd, "features", "--help")
     assert r.returncode == 0 and all(o in r.stdout for o in ("--image-model", "--weights", "--size", "--dtype",
                                                              "--workers", "[default: 224]"))
 
