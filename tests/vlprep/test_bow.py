@@ -3,14 +3,12 @@ import json
 import random
 import re
 import shutil
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import image_bytes
+from tests.conftest import cli_in_process, image_bytes
 from vlprep import VlprepError
 from vlprep.bow import (BowConfig, BowContext, SampleRng, basevocab, bow, deform, is_base, keep, parse_ops, rmstop,
                         rmtop, shuffle)
@@ -100,10 +98,10 @@ def test_bad_ops_are_one_line_errors_with_the_grammar(spec, why):
     assert why in msg and "grammar:" in msg and "shuffle, rmstop, basevocab, rmtop:T" in msg and "\n" not in msg
 
 
-def test_bad_ops_from_the_cli(tmp_path):
+def test_bad_ops_from_the_cli(tmp_path, capfd):
+    """`vlprep bow` as its main() in this process (cli_in_process): the exit status and the one line are a child's."""
     ds = make_dataset(tmp_path, ["a cat"] * 3)
-    r = subprocess.run([sys.executable, "-m", "vlprep.cli", "bow", str(ds), str(tmp_path / "o"), "--ops", "keep:0"],
-                       capture_output=True, text=True)
+    r = cli_in_process(capfd, "bow", ds, tmp_path / "o", "--ops", "keep:0")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "grammar:" in r.stderr
     assert not (tmp_path / "o").exists()
 

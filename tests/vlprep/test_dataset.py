@@ -1,14 +1,13 @@
 import io
 import json
 import os
-import subprocess
-import sys
 import tarfile
 from pathlib import Path
 
 import pytest
 import webdataset as wds
 
+from tests.conftest import cli_in_process
 from vlprep import VlprepError
 from vlprep.dataset import ShardFormatError, iter_samples, iter_tar, open_dataset
 from vlprep.shards import ShardsConfig, build_shards
@@ -81,15 +80,14 @@ def test_wids_reads_our_shards_through_index_json(dataset, tmp_path):
     assert index["wids_version"] == 1 and [e["nsamples"] for e in index["shardlist"]] == [5, 5, 2]
 
 
-def test_cli_user_errors_are_one_line(tmp_path):
-    env = {**os.environ, "COLUMNS": "200"}
-    r = subprocess.run([sys.executable, "-m", "vlprep.cli", "shards", str(tmp_path / "nope.csv"), str(tmp_path / "o")],
-                       capture_output=True, text=True, env=env)
+def test_cli_user_errors_are_one_line(tmp_path, capfd):
+    """`vlprep shards` run as its main() in this process (cli_in_process): the exit status and the one error line are
+    a child's; an uncaught exception would raise here instead of printing a traceback, a failure either way."""
+    r = cli_in_process(capfd, "shards", tmp_path / "nope.csv", tmp_path / "o")
     assert r.returncode == 2
     assert r.stderr.strip() == f"error: source not found: {tmp_path / 'nope.csv'}"
     (tmp_path / "t.csv").write_text("path,label\na.png,1\n")
-    r = subprocess.run([sys.executable, "-m", "vlprep.cli", "shards", str(tmp_path / "t.csv"), str(tmp_path / "o")],
-                       capture_output=True, text=True, env=env)
+    r = cli_in_process(capfd, "shards", tmp_path / "t.csv", tmp_path / "o")
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert "no caption column found" in r.stderr and "columns are: path, label" in r.stderr
 

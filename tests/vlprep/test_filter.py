@@ -1,10 +1,7 @@
 import hashlib
 import io
 import json
-import os
 import shutil
-import subprocess
-import sys
 import unicodedata
 from pathlib import Path
 
@@ -13,14 +10,13 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from tests.conftest import COLOURS, THINGS, image_bytes
+from tests.conftest import COLOURS, THINGS, cli_in_process, image_bytes
 from vlprep import VlprepError, filterscan
 from vlprep.dataset import iter_tar, open_dataset, read_sidecars
 from vlprep.filter import FilterConfig, filter_dataset
 from vlprep.shards import ShardsConfig, build_shards
 from vlprep.tario import ShardTarWriter
 
-ROOT = Path(__file__).resolve().parents[2]
 N_BASE = 30
 
 
@@ -280,10 +276,12 @@ def test_an_undecodable_image_is_a_counted_bad_sample(tmp_path):
 # --- user mistakes: one line, nothing written ----------------------------------------------------------------------
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "vlprep.cli", "filter", *args], capture_output=True, text=True,
-                          env=env, cwd=ROOT)
+@pytest.fixture
+def cli(capfd):
+    """cli(*ARGS): `vlprep filter ARGS` as its main() in this process (tests/conftest.py's cli_in_process): the exit
+    status, the one error line and the help text are a child's, without a fresh interpreter's imports per run; an
+    uncaught exception raises in the test instead of printing a traceback, a failure either way."""
+    return lambda *args: cli_in_process(capfd, "filter", *args)
 
 
 @pytest.mark.parametrize("args, why", [
@@ -296,7 +294,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     (["--keys", "{tmp}"], "a folder, not a regular file"),
     ([], "no rule given: give at least one of --keys"),
 ])
-def test_user_mistakes_are_one_line_errors(data, tmp_path, args, why):
+def test_user_mistakes_are_one_line_errors(data, tmp_path, args, why, cli):
     out = tmp_path / "o"
     r = cli(str(data["ds"]), str(out), *[a.format(tmp=tmp_path) for a in args])
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
@@ -304,7 +302,7 @@ def test_user_mistakes_are_one_line_errors(data, tmp_path, args, why):
     assert not out.exists()
 
 
-def test_the_cli_prints_the_table_and_its_help_gives_the_order(data, tmp_path):
+def test_the_cli_prints_the_table_and_its_help_gives_the_order(data, tmp_path, cli):
     r = cli(str(data["ds"]), str(tmp_path / "o"), "--dedup", "image", "--min-side", "10", "--workers", "1")
     assert r.returncode == 0, r.stderr
     assert "39 of 45 kept" in r.stderr and "dedup_image" in r.stderr and "min_side" in r.stderr
@@ -315,7 +313,7 @@ def test_the_cli_prints_the_table_and_its_help_gives_the_order(data, tmp_path):
     assert "--phash" in h.stdout and "--exclude-embeddings" in h.stdout
 
 
-def test_out_that_is_the_input_is_refused(data):
+def test_out_that_is_the_input_is_refused(data, cli):
     with pytest.raises(VlprepError, match="is the input"):
         run(data["ds"], data["ds"], dedup=["caption"])
     r = cli(str(data["ds"]), str(data["ds"]), "--dedup", "caption")

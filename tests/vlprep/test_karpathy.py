@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import image_bytes
+from tests.conftest import cli_in_process, image_bytes
 from vlprep import VlprepError
 from vlprep.dataset import iter_samples, open_dataset, read_sidecars
 from vlprep.shards import SIDECAR_SCHEMA, ShardsConfig, build_shards, fingerprint
@@ -207,10 +207,9 @@ def test_bad_split_and_karpathy_options_on_other_sources(coco, tmp_path, image_f
     json.dumps({"images": [], "dataset": "coco"}),
     json.dumps({"image": "a.png", "caption": "pretty-printed"}, indent=2),  # one object over several lines
 ])
-def test_a_json_object_that_is_not_a_karpathy_file_is_a_one_line_cli_error(tmp_path, content):
+def test_a_json_object_that_is_not_a_karpathy_file_is_a_one_line_cli_error(tmp_path, content, capfd):
     (tmp_path / "x.json").write_text(content)
-    r = subprocess.run([sys.executable, "-m", "vlprep.cli", "shards", str(tmp_path / "x.json"), str(tmp_path / "o")],
-                       capture_output=True, text=True, env={**os.environ, "COLUMNS": "300"})
+    r = cli_in_process(capfd, "shards", tmp_path / "x.json", tmp_path / "o")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines() == [
         "error: x.json: a JSON object without an 'images' list of entries with 'sentences': not a Karpathy split "
@@ -218,14 +217,11 @@ def test_a_json_object_that_is_not_a_karpathy_file_is_a_one_line_cli_error(tmp_p
     assert not (tmp_path / "o").exists()
 
 
-def test_cli_split_option_repeated_and_bad(coco, tmp_path):
-    cli = [sys.executable, "-m", "vlprep.cli", "shards", str(coco)]
-    r = subprocess.run(cli + [str(tmp_path / "o"), "--split", "test", "--split", "val", "--workers", "1"],
-                       capture_output=True, text=True)
+def test_cli_split_option_repeated_and_bad(coco, tmp_path, capfd):
+    r = cli_in_process(capfd, "shards", coco, tmp_path / "o", "--split", "test", "--split", "val", "--workers", "1")
     assert r.returncode == 0, r.stderr
     assert [s["json"]["split"] for s in iter_samples(tmp_path / "o")] == ["test", "val", "test"]
-    r = subprocess.run(cli + [str(tmp_path / "o2"), "--split", "dev"], capture_output=True, text=True,
-                       env={**os.environ, "COLUMNS": "300"})
+    r = cli_in_process(capfd, "shards", coco, tmp_path / "o2", "--split", "dev")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "error: unknown --split 'dev'; splits are: train, restval, val, test"]
 
@@ -480,8 +476,17 @@ def karpathy(root: Path, entries: list[dict], name: str = "k.json") -> Path:
     return root / name
 
 
-def cli(*args, timeout: float = 120) -> subprocess.CompletedProcess:
-    """`vlprep ARGS` in a child process: a stage that blocks on a FIFO fails the test on the timeout, never hangs it."""
+@pytest.fixture
+def cli(capfd):
+    """cli(*ARGS): `vlprep ARGS` as its main() in this process (tests/conftest.py's cli_in_process): the exit status and
+    the one error line are what a child process gives, without a fresh interpreter's ~1 s of imports per run. An
+    uncaught exception raises in the test here instead of printing a traceback: a failure either way."""
+    return lambda *args: cli_in_process(capfd, *args)
+
+
+def cli_child(*args, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`vlprep ARGS` in a child process, where the point is that a stage that blocks on a FIFO or reads /dev/zero
+    without end fails the test on the timeout (and is killed) instead of hanging or filling the test process."""
     return subprocess.run([sys.executable, "-m", "vlprep.cli", *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "COLUMNS": "300",
                                                 "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
@@ -531,7 +536,7 @@ def test_special_files_are_refused_without_a_blocking_read(tmp_path):
     os.symlink("/dev/zero", root / "zero.png")
     path = karpathy(root, [{"filename": "fifo.png"}, {"filename": "folder.png"}, {"filename": "zero.png"},
                            {"filepath": "/dev", "filename": "zero"}])
-    r = cli("shards", path, tmp_path / "out", "--workers", "1", "--follow-symlinks")
+    r = cli_child("shards", path, tmp_path / "out", "--workers", "1", "--follow-symlinks")
     assert r.returncode == 0 and "Traceback" not in r.stderr and "no sample was written" in r.stderr
     assert "pass --follow-symlinks to read through symlinks you trust" in r.stdout + r.stderr  # the skip's hint
     rep = json.loads((tmp_path / "out" / "report.json").read_text())
@@ -564,7 +569,7 @@ def test_an_image_file_over_the_size_cap_is_a_counted_skip(tmp_path, monkeypatch
     ({"filename": "a.png", "cocoid": 7.0}, "images[1].cocoid: expected an integer, not a number 7.0"),
     ({"filename": "b\ud800.png"}, "images[1].filename: holds a lone surrogate, not text"),
 ])
-def test_a_malformed_entry_is_one_line_naming_it(tmp_path, entry, line):
+def test_a_malformed_entry_is_one_line_naming_it(tmp_path, entry, line, cli):
     path = karpathy(tmp_path / "k", [{"filename": "a.png", "cocoid": 1}, entry])
     for split in ([], ["--split", "test"]):
         r = cli("shards", path, tmp_path / "out", *split)
@@ -584,7 +589,7 @@ def test_an_entry_that_is_not_an_object_is_one_line(tmp_path):
                                   "[" * 200_000 + "]" * 200_000,
                                   '{"images": [{"filename": "a.png", "sentences": ' + "[" * 200_000 + "]" * 200_000
                                   + "}]}"])
-def test_deeply_nested_json_is_one_line(tmp_path, text):
+def test_deeply_nested_json_is_one_line(tmp_path, text, cli):
     (tmp_path / "k.json").write_text(text)
     for split in ([], ["--split", "test"]):
         r = cli("shards", tmp_path / "k.json", tmp_path / "out", *split)
@@ -603,7 +608,7 @@ def test_a_bom_prefixed_karpathy_file_is_read(coco, tmp_path):
     (b'{"images": [{"filename": "a.png",\n "sentences": [{"raw": "caf\xe9"}]}]}', "malformed JSON: not UTF-8 text "
      "(byte 0xe9 at offset 61)"),
 ])
-def test_a_malformed_karpathy_file_with_split_names_its_json_error(tmp_path, content, said):
+def test_a_malformed_karpathy_file_with_split_names_its_json_error(tmp_path, content, said, cli):
     (tmp_path / "k.json").write_bytes(content)
     r = cli("shards", tmp_path / "k.json", tmp_path / "out", "--split", "test")
     assert r.returncode == 2 and r.stderr.strip().splitlines()[0].startswith(f"error: k.json: {said}"), r.stderr
@@ -613,18 +618,18 @@ def test_a_malformed_karpathy_file_with_split_names_its_json_error(tmp_path, con
 def test_a_special_file_as_source_or_detections_file_is_one_line(tmp_path, coco_ds):
     os.mkfifo(tmp_path / "fifo.json")
     os.chmod(tmp_path / "fifo.json", 0o777)  # (executable: no "cannot read folder" on the way)
-    r = cli("shards", tmp_path / "fifo.json", tmp_path / "out")
+    r = cli_child("shards", tmp_path / "fifo.json", tmp_path / "out")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         f"error: source {tmp_path / 'fifo.json'}: a FIFO, not a file or folder"]
-    r = cli("detect", coco_ds, tmp_path / "det", "--from-file", tmp_path / "fifo.json")
+    r = cli_child("detect", coco_ds, tmp_path / "det", "--from-file", tmp_path / "fifo.json")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         f"error: detections file {tmp_path / 'fifo.json'}: a FIFO, not a regular file"]
-    r = cli("detect", coco_ds, tmp_path / "det", "--from-file", "/dev/zero")
+    r = cli_child("detect", coco_ds, tmp_path / "det", "--from-file", "/dev/zero")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "error: detections file /dev/zero: a character device, not a regular file"]
 
 
-def test_json_past_pythons_integer_digit_limit_or_with_a_lone_surrogate_path_is_handled(tmp_path):
+def test_json_past_pythons_integer_digit_limit_or_with_a_lone_surrogate_path_is_handled(tmp_path, cli):
     """A 5,000-digit integer is a ValueError from json (not a JSONDecodeError); a "\\ud800" path cannot be stat'ed."""
     big = "9" * 5000
     (tmp_path / "a.png").write_bytes(image_bytes())

@@ -1,8 +1,5 @@
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +7,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import detected_dataset
+from tests.conftest import cli_in_process, detected_dataset
 from vlprep import VlprepError
 from vlprep.dataset import iter_samples
 from vlprep.ontology import OntologyConfig, default_min_instances, make_triplets, map_nouns, ontology, pmi_table
@@ -214,10 +211,10 @@ def test_cooccur_rate_raises_the_count_by_the_pairs_with_objects(detected, tmp_p
     assert low["mapped_nouns"] == by_count["mapped_nouns"]
 
 
-def test_the_cli_refuses_a_bad_cooccur_rate_in_one_line(detected, tmp_path):
-    r = subprocess.run([sys.executable, "-m", "vlprep.cli", "ontology", str(detected), str(tmp_path / "o"),
-                        "--min-cooccur-rate", "2"], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+def test_the_cli_refuses_a_bad_cooccur_rate_in_one_line(detected, tmp_path, capfd):
+    """`vlprep ontology` as its main() in this process (cli_in_process): the exit status and the one line are a
+    child's, without a fresh interpreter's imports."""
+    r = cli_in_process(capfd, "ontology", detected, tmp_path / "o", "--min-cooccur-rate", "2")
     lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
     assert r.returncode == 2 and lines == ["error: --min-cooccur-rate must be at least 0 and below 1"], lines
     assert not (tmp_path / "o").exists()

@@ -18,6 +18,7 @@ import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
+from tests.conftest import cli_in_process
 from tests.leakguard import started_here
 from vlprep import VlprepError
 from vlprep.bow import BowConfig, bow
@@ -93,8 +94,11 @@ def one_line(text: str) -> str:
     return lines[0]
 
 
-def vlprep_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "vlprep.cli", *args], capture_output=True, text=True, timeout=300)
+@pytest.fixture
+def vlprep_cli(capfd):
+    """vlprep_cli(*ARGS): `vlprep ARGS` as its main() in this process (tests/conftest.py's cli_in_process): the exit
+    status and what reaches stderr are a child's, without a fresh interpreter's imports per run."""
+    return lambda *args: cli_in_process(capfd, *args)
 
 
 def vltrain_run(shards, out, *args):
@@ -127,7 +131,7 @@ def test_short_shard_stops_bow_naming_it_and_both_counts(damaged, tmp_path, work
         assert (out / "shard-000000.tar").exists()
 
 
-def test_skip_bad_shards_leaves_it_out_counted_and_reported(damaged, tmp_path):
+def test_skip_bad_shards_leaves_it_out_counted_and_reported(damaged, tmp_path, vlprep_cli):
     out = tmp_path / "bow"
     r = vlprep_cli("bow", str(damaged), str(out), "--ops", "shuffle", "--workers", "1", "--skip-bad-shards")
     assert r.returncode == 0, r.stderr
@@ -346,7 +350,7 @@ def test_vlprep_shards_counts_a_cut_png_by_default(tmp_path):
 # --- 7. duplicate uids -----------------------------------------------------------------------------------------------
 
 
-def test_duplicate_uids_are_kept_counted_and_warned(tmp_path):
+def test_duplicate_uids_are_kept_counted_and_warned(tmp_path, vlprep_cli):
     import pyarrow as pa
     import pyarrow.parquet as pq
 

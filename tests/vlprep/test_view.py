@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from tests.conftest import detected_dataset, image_bytes, make_dataset
-from tests.vlprep.test_cli_bounds import error_line, vlprep
+from tests.conftest import cli_in_process
+from tests.vlprep.test_cli_bounds import error_line
 from vlprep import VlprepError
 from vlprep.dataset import ShardFormatError, iter_samples, open_dataset
 from vlprep.tario import TarReader
@@ -204,6 +205,13 @@ def test_default_out_is_dataset_view(three_shards):
     assert open_dataset(three_shards).num_samples == 30  # the dataset still opens
 
 
+@pytest.fixture
+def vlprep(capfd):
+    """vlprep(*ARGS): `vlprep ARGS` as its main() in this process (tests/conftest.py's cli_in_process): the exit status
+    and the lines on stderr are a child's, without a fresh interpreter's imports per run."""
+    return lambda *args: cli_in_process(capfd, *args)
+
+
 @pytest.mark.parametrize("args,says", [
     (["--samples", "0"], "error: --samples must be between 1 and 100,000, not 0"),
     (["--seed", "-1"], "error: --seed must be >= 0, not -1"),
@@ -212,7 +220,7 @@ def test_default_out_is_dataset_view(three_shards):
     (["--out", "{foreign}"], "error: --out {foreign} holds files that `vlprep view` did not write; give an empty or "
                              "new folder"),
 ])
-def test_bad_options_are_one_line(three_shards, tmp_path, args, says):
+def test_bad_options_are_one_line(three_shards, tmp_path, args, says, vlprep):
     foreign = tmp_path / "mine"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
@@ -222,7 +230,7 @@ def test_bad_options_are_one_line(three_shards, tmp_path, args, says):
     assert (foreign / "notes.txt").read_text() == "mine" and not (three_shards / "view").exists()
 
 
-def test_urls_are_refused_where_only_a_folder_can_go(three_shards, tmp_path):
+def test_urls_are_refused_where_only_a_folder_can_go(three_shards, tmp_path, vlprep):
     r = vlprep("view", three_shards, "--out", "s3://bucket/view")
     assert error_line(r) == ("error: --out s3://bucket/view: only dataset folders may be URLs (s3://, gs://, "
                              "http(s)://); give a local path")
@@ -378,7 +386,7 @@ def test_memory_does_not_grow_with_the_dataset(tmp_path):
     assert growth_per_sample(run, 250) < 100
 
 
-def test_an_image_that_does_not_decode_is_a_card_without_one_and_a_warning(tmp_path):
+def test_an_image_that_does_not_decode_is_a_card_without_one_and_a_warning(tmp_path, vlprep):
     from tests.conftest import replace_member
 
     ds = make_dataset(tmp_path / "ds", ["a", "b", "c"], per_shard=3)
