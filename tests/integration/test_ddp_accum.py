@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.integration.test_ddp import ADAM_EPS, B, COMMON, config, global_batch, metric_rows, rank_batch, torchrun
+from tests.integration.test_ddp import (ADAM_EPS, B, COMMON, RANKS_TIMEOUT, config, global_batch, metric_rows,
+                                       rank_batch, torchrun, two_ranks)
 from tests.vltrain.test_train import shards  # noqa: F401  (the module-scoped shard fixture)
 from vltrain.accum import AccumStep
 from vltrain.model import build_model
@@ -30,7 +30,7 @@ CASES = ["clip", "momentum"]
 
 def _ranks(rank: int, size: int, init: str, folder: Path) -> None:
     """Every case with K = 1 and K = 2 on this rank, in one process group (a process start per run cost ~10 s)."""
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=size)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=size, timeout=RANKS_TIMEOUT)
     try:
         torch.set_default_dtype(torch.float64)
         for case in CASES:
@@ -61,9 +61,10 @@ def _ranks(rank: int, size: int, init: str, folder: Path) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict]:
-    """Each case's results by (K, rank), from one pair of spawned gloo ranks for every case and K."""
+    """Each case's results by (K, rank), from one pair of gloo ranks (this process and one spawned:
+    tests.integration.test_ddp.two_ranks) for every case and K."""
     folder = tmp_path_factory.mktemp("accum")
-    mp.spawn(_ranks, args=(2, f"file://{folder / 'rdzv'}", folder), nprocs=2, join=True)
+    two_ranks(_ranks, folder)
     return {case: {(k, r): torch.load(folder / f"{case}-{k}-{r}.pt", weights_only=True)
                    for k in (1, 2) for r in (0, 1)} for case in CASES}
 
