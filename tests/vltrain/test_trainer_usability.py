@@ -229,13 +229,17 @@ def test_refuses_to_overwrite_a_run_unless_told(shards, trained, tmp_path):
     assert r.exit_code == 0 and "resumed from step 3 of 5" in r.output
 
 
-@pytest.mark.slow  # three `vltrain run` processes, one stopped by SIGINT
+@pytest.mark.slow  # two `vltrain run` processes, one stopped by SIGINT
 def test_ctrl_c_saves_a_checkpoint_that_resumes_exactly(shards, tmp_path):
+    """The uninterrupted reference runs in-process (CliRunner): what is compared is the metrics of a fresh run, which
+    depend on the seed only (test_fresh_runs_are_a_function_of_the_seed compares an in-process run with a fresh
+    process), so only the run that is stopped by SIGINT and its resume need processes of their own."""
     base = [*VLTRAIN, "run", str(shards), "--preset", "clip", "--batch-size", "4", "--device", "cpu",
             "--steps", "40", *tiny_args("--set", "data.val_frac=0")]
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     ref = tmp_path / "ref"
-    subprocess.run([*base, "--out", str(ref)], check=True, capture_output=True, env=env)
+    r = run(shards, ref, "--preset", "clip", "--steps", "40", "--set", "data.val_frac=0")
+    assert r.exit_code == 0, r.output
     out = tmp_path / "int"
     proc = subprocess.Popen([*base, "--out", str(out), "--set", "log_every=1"], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
@@ -395,13 +399,17 @@ def test_loading_the_packaged_text_model_is_quiet(capfd):
     assert "LOAD REPORT" not in out + err and "Loading weights" not in out + err and "\x1b[" not in out + err
 
 
-@pytest.mark.slow  # three `vltrain run` processes, each with 2 loader workers
+@pytest.mark.slow  # a `vltrain run` process and two runs in this one, each with 2 loader workers
 def test_fresh_runs_are_a_function_of_the_seed(shards, tmp_path):
-    cmd = [*VLTRAIN, "run", str(shards), "--preset", "albef", "--batch-size", "4", "--device", "cpu", "--steps", "6",
-           *tiny_args("--set", "model.queue_size=8", "--set", "data.workers=2",
-                     "--set", "model.fusion_layers=1")]
-    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
-        subprocess.run([*cmd, "--out", str(tmp_path / name), "--set", f"seed={seed}"], check=True,
-                       capture_output=True)
+    """Run a (seed 0) and run c (seed 1) in this process, run b (seed 0) in a fresh one: a == b holds across processes
+    (another PYTHONHASHSEED, other global RNG states, other loader worker processes), and a != c says the seed is
+    what changes a run. c runs after a in the same process, whose global RNGs a's run has moved on."""
+    args = ["--preset", "albef", "--steps", "6", "--set", "model.queue_size=8", "--set", "data.workers=2",
+            "--set", "model.fusion_layers=1"]
+    for name, seed in (("a", 0), ("c", 1)):
+        r = run(shards, tmp_path / name, *args, "--set", f"seed={seed}")
+        assert r.exit_code == 0, r.output
+    subprocess.run([*VLTRAIN, "run", str(shards), "--out", str(tmp_path / "b"), "--batch-size", "4", "--device", "cpu",
+                    *tiny_args(*args, "--set", "seed=0")], check=True, capture_output=True)
     a, b, c = (metric_rows(tmp_path / n) for n in "abc")
     assert a == b and a != c
