@@ -4,8 +4,6 @@ import io
 import json
 import math
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +20,6 @@ from vlprep.filter import FilterConfig, filter_dataset
 from vlprep.filterembed import Vectors, near_dup_greedy
 from vlprep.shards import ShardsConfig, build_shards
 
-ROOT = Path(__file__).resolve().parents[2]
 DIM = 64
 T = 0.9
 A = math.acos(0.92)  # the chain's step: cos(A) = 0.92 >= T, cos(2A) = 0.6928 < T
@@ -296,6 +293,15 @@ def clip(tmp_path_factory):
             "enc": FakeEncoder({colour(i): img[i] for i in range(20)}, dict(zip(caps, txt)))}
 
 
+@pytest.fixture
+def no_figures(monkeypatch):
+    """The filter's figures (clip_score.png, clip_score_low.png, near_dup.png) named in the report but not drawn: for
+    the tests that read none of them, where matplotlib was most of a run on 20 samples; test_clip_score_min_equals_a_
+    re_derivation and the real-checkpoint test draw them."""
+    monkeypatch.setattr("vlprep.filterreport.histogram_png", lambda path, *args, **kw: path.name)
+    monkeypatch.setattr("vlprep.filterreport.image_grid", lambda path, *args, **kw: path.name)
+
+
 def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Row-wise cosine in float64 of the float32 vectors, rounded to float32."""
     a = a.astype(np.float64)
@@ -326,7 +332,7 @@ def test_clip_score_min_equals_a_re_derivation(clip):
 
 
 @pytest.mark.parametrize("top, expected_kept", [(0.5, 10), (0.3, 6), (1.0, 20), (0.04, 0)])
-def test_clip_score_top_keeps_the_top_fraction_ties_in_dataset_order(clip, top, expected_kept):
+def test_clip_score_top_keeps_the_top_fraction_ties_in_dataset_order(clip, top, expected_kept, no_figures):
     out = clip["tmp"] / f"top{top}"
     rep = run(clip["ds"], out, clip_score_top=top, embeddings=clip["img"], text_embeddings=clip["txt"])
     keys = clip["keys"]
@@ -336,7 +342,7 @@ def test_clip_score_top_keeps_the_top_fraction_ties_in_dataset_order(clip, top, 
     assert set(sidecar_scores(out)) == {keys[i] for i in order[:expected_kept]}
 
 
-def test_clip_score_top_cuts_through_a_tie_by_dataset_order(clip):
+def test_clip_score_top_cuts_through_a_tie_by_dataset_order(clip, no_figures):
     ref = clip["ref"]
     assert ref[4] == ref[5] == ref[6]
     above = int((ref > ref[4]).sum())
@@ -347,7 +353,7 @@ def test_clip_score_top_cuts_through_a_tie_by_dataset_order(clip):
     assert {4, 5} <= kept and 6 not in kept
 
 
-def test_clip_score_from_an_encoder_and_a_rerun_reuses_the_vectors(clip, tmp_path, monkeypatch):
+def test_clip_score_from_an_encoder_and_a_rerun_reuses_the_vectors(clip, tmp_path, monkeypatch, no_figures):
     out = tmp_path / "o"
     first = run(clip["ds"], out, clip["enc"], clip_score_min=0.2)
     assert first["clip_score"]["cached"] is False and (out / "_embed" / "clip_score.npy").exists()
@@ -371,12 +377,6 @@ def test_clip_score_from_an_encoder_and_a_rerun_reuses_the_vectors(clip, tmp_pat
 
 
 # --- a real checkpoint -------------------------------------------------------------------------------------------
-
-
-def cli(*args) -> subprocess.CompletedProcess:
-    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "vlprep.cli", *map(str, args)], capture_output=True, text=True,
-                          env=env, cwd=ROOT)
 
 
 def test_a_real_checkpoint_through_the_cli_equals_vlprep_embed(world, tmp_path, capfd):
@@ -416,7 +416,9 @@ def test_a_real_checkpoint_through_the_cli_equals_vlprep_embed(world, tmp_path, 
 # --- user mistakes -----------------------------------------------------------------------------------------------
 
 
-def test_one_line_errors(near, clip, tmp_path):
+def test_one_line_errors(near, clip, tmp_path, capfd):
+    """The stage's errors and the CLI's (exit 2, one line on stderr; the CLI in this process: the claim is the message
+    and the status main() exits with, not the process boundary)."""
     cases = [
         (dict(near_dup=T), "--near-dup needs image embeddings"),
         (dict(near_dup=0.0, embeddings=near["emb"]), "in (0, 1]"),
@@ -433,9 +435,9 @@ def test_one_line_errors(near, clip, tmp_path):
         with pytest.raises(VlprepError, match=re.escape(message)) as e:
             run(near["ds"], tmp_path / f"o{i}", **kw)
         assert "\n" not in str(e.value)
-    r = cli("filter", near["ds"], tmp_path / "c", "--near-dup", "0.9")
+    r = cli_in_process(capfd, "filter", near["ds"], tmp_path / "c", "--near-dup", "0.9")
     assert r.returncode == 2 and "--near-dup needs" in r.stderr and len(r.stderr.strip().splitlines()) == 1
-    r = cli("filter", near["ds"], tmp_path / "c2", "--exclude", tmp_path / "nope")
+    r = cli_in_process(capfd, "filter", near["ds"], tmp_path / "c2", "--exclude", tmp_path / "nope")
     assert r.returncode == 2 and "not a vlprep dataset" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
@@ -445,8 +447,9 @@ def test_one_line_errors(near, clip, tmp_path):
 def test_near_dup_driver_memory_per_sample(tmp_path):
     """The vectors (32 floats: 128 bytes a sample) live in the memory map and FAISS' index, outside Python's heap
     and not counted here; the driver's own arrays are the key hashes, their order and the rows (8 bytes each) and one
-    byte of state; about 62 bytes a sample are measured in all (the rest: numpy's sort scratch and FAISS' result
-    buffers, not attributed further), under the 100-byte bar with room to spare."""
+    byte of state; about 35 bytes a sample are measured in all (at n = QUERY_BATCH and at n = 5000 alike; the rest:
+    numpy's sort scratch and FAISS' result buffers, not attributed further), under the bar with room to spare, and
+    a copy of the vectors in the driver (128 bytes a sample) measures about 163: caught."""
     dim = 32
     made = {}
 
@@ -457,7 +460,11 @@ def test_near_dup_driver_memory_per_sample(tmp_path):
         vec = Vectors(made[m], "--embeddings")
         near_dup_greedy(vec, np.arange(m), 0.99)
 
-    per = growth_per_sample(go, 5000)  # at least QUERY_BATCH: a batch's buffers are the same size at n and 4n
+    # n = QUERY_BATCH, the least n at which a batch's buffers are the same size at n and 4n (one full batch, then
+    # four): the flat range search is quadratic in n, and 5000 cost half again as much for no other claim
+    from vlprep.filtervec import QUERY_BATCH
+
+    per = growth_per_sample(go, QUERY_BATCH)
     assert per < 80, per
 
 
