@@ -287,7 +287,8 @@ def test_sigterm_ends_a_run_blocked_on_a_read_at_once(shards, tmp_path, workers)
     proc = subprocess.Popen([sys.executable, "-c", HANGING_RUN, "run", str(shards), "--out", str(out), "--preset",
                              "clip", "--batch-size", "4", "--device", "cpu", "--steps", "1000",
                              *tiny_args("--set", f"data.workers={workers}", "--set", "data.val_frac=0")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)  # its own process group: a failed run's loader worker is killed too
     try:
         deadline = time.monotonic() + 120
         while not mark.exists():
@@ -299,8 +300,11 @@ def test_sigterm_ends_a_run_blocked_on_a_read_at_once(shards, tmp_path, workers)
         text, _ = proc.communicate(timeout=60)
         took = time.monotonic() - t0
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # nothing left in the group after a clean exit
+        except ProcessLookupError:
+            pass
+        proc.wait()
     # workers=0 ends in about a second; a loader worker costs the DataLoader's 5 s join before it is terminated
     assert took < (10 if workers == 0 else 20), (took, text)
     assert proc.returncode == 143, text
