@@ -235,7 +235,13 @@ def test_end_to_end_equals_a_re_derivation(world, tmp_path, strategy):
     assert meta["stage"] == "pseudolabel" and meta["counts"]["written"] == 14
 
 
-def test_deterministic_resumable_and_index_reused(world, tmp_path):
+def test_deterministic_resumable_and_index_reused(world, tmp_path, monkeypatch):
+    """Same seed, other batches: the same bytes; a resume rebuilds only the missing shards and reuses the index.
+
+    The report's figures are left out of these four runs: nothing here reads them (the compared files are the shards
+    and sidecars) and matplotlib was a large part of each run; test_end_to_end_equals_a_re_derivation and
+    test_vltrain_checkpoint_pseudolabel_then_train_on_both draw them."""
+    monkeypatch.setattr("vlprep.report.pseudolabel_figures", lambda *args: {})
     files = lambda d: {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.suffix in (".tar", ".parquet")}  # noqa
     run(world, tmp_path / "a", seed=1)
     run(world, tmp_path / "b", seed=1, batch_size=3)  # other batches: same crops (seeded per key), same bytes
@@ -258,8 +264,12 @@ def test_forced_ivf_index_is_used_and_saved(world, tmp_path):
     assert rep["written"] == 14
 
 
-def test_bow_aligned_uses_caption_raw_and_rmtop(world, tmp_path):
+def test_bow_aligned_uses_caption_raw_and_rmtop(world, tmp_path, monkeypatch):
+    """The report's figures are left out of these five runs: nothing here reads them (the checks are the counts, the
+    warnings, the caption table and the shards) and matplotlib was a large part of each run; other tests draw them."""
     from vlprep.bow import BowConfig, bow
+
+    monkeypatch.setattr("vlprep.report.pseudolabel_figures", lambda *args: {})
 
     bow(BowConfig(src=world["aligned"], out=tmp_path / "bow", ops="rmstop,keep:1", base_frac=0.0, workers=1))
     w = {**world, "aligned": tmp_path / "bow"}
