@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from scipy import integrate, stats
+from scipy import integrate, special, stats
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "pipelines"))  # verdicts.py is a sibling script of the pipelines, not a package
@@ -17,14 +17,20 @@ import verdicts  # noqa: E402
 
 
 def reference_power(n: int, sd: float, effect: float, alpha: float) -> float:
-    """P(|T| > crit) for T = (Z + ncp) / sqrt(V / df), V ~ chi2(df): integrated over V, with no noncentral t."""
+    """P(|T| > crit) for T = (Z + ncp) / sqrt(V / df), V ~ chi2(df): integrated over V, with no noncentral t.
+
+    The integrand takes scipy.stats' own formulas from scipy.special (norm.cdf is ndtr; chi2.pdf is exp of
+    xlogy(df/2 - 1, v) - v/2 - gammaln(df/2) - df log(2)/2, as chi2._logpdf), without the distribution objects'
+    argument handling, ~0.3 ms per call of the ~300 a quad makes."""
     df = n - 1
     ncp = abs(effect) * math.sqrt(n) / sd
     crit = stats.t.ppf(1 - alpha / 2, df)
+    log_norm = special.gammaln(df / 2) + math.log(2) * df / 2
 
     def given_v(v):
         scale = crit * math.sqrt(v / df)
-        return (stats.norm.cdf(ncp - scale) + stats.norm.cdf(-ncp - scale)) * stats.chi2.pdf(v, df)
+        return (special.ndtr(ncp - scale) + special.ndtr(-ncp - scale)) * math.exp(
+            special.xlogy(df / 2 - 1, v) - v / 2 - log_norm)
 
     return integrate.quad(given_v, 0, math.inf, epsabs=1e-12, epsrel=1e-10, limit=200)[0]
 
@@ -218,17 +224,29 @@ def tie(margin, effect=-0.3):
 
 
 def test_tost_p_values_equal_scipy_one_sided_tests_and_the_interval_duality():
+    """The same 200 random cases as one loop drew them; scipy's ttest_1samp runs once per sample size on the cases of
+    that size (axis=1: the same test on each row, ~2 ms per call either way), not four times per case."""
     rng = np.random.default_rng(3)
+    cases = []
     for _ in range(200):
         n = int(rng.integers(2, 9))
         d = list(rng.normal(rng.normal(0, 1), rng.uniform(0.1, 2), n))
-        m = float(rng.uniform(0.1, 3))
+        cases.append((d, float(rng.uniform(0.1, 3))))
+    scipy_p = {}  # case index -> (lower, upper, above, below): the four one-sided p-values
+    for n in {len(d) for d, _ in cases}:
+        at = [i for i, (d, _) in enumerate(cases) if len(d) == n]
+        x = np.array([cases[i][0] for i in at])
+        m = np.array([cases[i][1] for i in at])[:, None]
+        ps = [stats.ttest_1samp(x + m, 0, axis=1, alternative="greater").pvalue,  # against mean <= -m
+              stats.ttest_1samp(x - m, 0, axis=1, alternative="less").pvalue,  # against mean >= +m
+              stats.ttest_1samp(x - m, 0, axis=1, alternative="greater").pvalue,
+              stats.ttest_1samp(x + m, 0, axis=1, alternative="less").pvalue]
+        scipy_p.update({i: tuple(float(p[j]) for p in ps) for j, i in enumerate(at)})
+    for i, (d, m) in enumerate(cases):
+        lower, upper, above, below = scipy_p[i]
         p_equiv, p_apart = verdicts.tost_pvalues(d, m)
-        lower = stats.ttest_1samp(np.array(d) + m, 0, alternative="greater").pvalue  # against mean <= -m
-        upper = stats.ttest_1samp(np.array(d) - m, 0, alternative="less").pvalue  # against mean >= +m
         assert p_equiv == pytest.approx(max(lower, upper), rel=1e-9, abs=1e-12)
-        outside = min(stats.ttest_1samp(np.array(d) - m, 0, alternative="greater").pvalue,
-                      stats.ttest_1samp(np.array(d) + m, 0, alternative="less").pvalue)
+        outside = min(above, below)
         assert p_apart == pytest.approx(min(1.0, 2 * outside), rel=1e-9, abs=1e-12)
         mean, lo90, hi90 = verdicts.t_interval(d, 0.90)
         inside = -m < lo90 and hi90 < m
@@ -240,18 +258,22 @@ def test_tost_p_values_equal_scipy_one_sided_tests_and_the_interval_duality():
 
 
 def test_a_tie_claim_reads_equivalent_not_equivalent_or_inconclusive():
+    """judge(power=False): the verdict is taken from the Holm-adjusted p-values before judge's power block runs, and
+    that block only adds seeds_needed / seeds_range (a TOST power integral per bisection step: ~3 s of the ~3 s this
+    test took). The tie's power path through judge runs in test_a_tie_claim_brings_two_tests_into_the_holm_family,
+    and tost_power and seeds_needed(margin=) are checked in test_tost_power_matches_a_monte_carlo_and_seeds_...."""
     base = [0.0] * 4
     close = [-0.1, 0.1, 0.0, 0.05]  # the 90% interval well inside ±1
-    (f,) = verdicts.judge([tie(1.0)], rows_of({"b": close, "c": base}))
+    (f,) = verdicts.judge([tie(1.0)], rows_of({"b": close, "c": base}), power=False)
     assert f["verdict"] == "equivalent within ±1" and "p_zero" not in f and "p_equiv" in f
     far = [-3.1, -2.9, -3.0, -3.05]  # the 95% interval well below -1
-    (f,) = verdicts.judge([tie(1.0)], rows_of({"b": far, "c": base}))
+    (f,) = verdicts.judge([tie(1.0)], rows_of({"b": far, "c": base}), power=False)
     assert f["verdict"] == verdicts.NOT_EQUIVALENT
     wide = [-3.0, 2.0, -1.0, 1.5]
-    (f,) = verdicts.judge([tie(1.0)], rows_of({"b": wide, "c": base}))
+    (f,) = verdicts.judge([tie(1.0)], rows_of({"b": wide, "c": base}), power=False)
     assert f["verdict"] == "inconclusive"
     # a significant -3 used to "agree" with the paper's -0.3 read as a direction
-    (f,) = verdicts.judge([finding(-0.3)], rows_of({"b": far, "c": base}))
+    (f,) = verdicts.judge([finding(-0.3)], rows_of({"b": far, "c": base}), power=False)
     assert f["verdict"] == "agrees in direction, larger than the paper's"
 
 
