@@ -432,6 +432,10 @@ def _outcome(data: bytes, **kw):
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # Pillow warns about the deliberately damaged files
 def test_probe_answers_as_pillow_does_on_valid_damaged_and_odd_images(monkeypatch):
+    """prepare_image with the probe and with Pillow's path alone give the same outcome on every case. Where the probe
+    does not answer (None: about 2,800 of the 3,187 cases), prepare_image takes Pillow's path either way, so the
+    reference is computed only for the cases it answers, where the two paths differ (a pure function of the bytes:
+    the same call twice would compare Pillow's path with itself); it was half of this test's time."""
     from vlprep import shards as stage
     from vlprep.imagecheck import probe
 
@@ -446,8 +450,11 @@ def test_probe_answers_as_pillow_does_on_valid_damaged_and_odd_images(monkeypatc
         if head is not None:  # whenever the probe answers, Pillow agrees on the format and size
             with Image.open(io.BytesIO(data)) as im:
                 assert (im.format, *im.size) == head, name
+    answered = {name for name, data in cases.items() if probe(data) is not None}
+    assert 300 < len(answered) < len(cases) - 2000  # both kinds, in numbers (379 of 3,187 when written)
     monkeypatch.setattr(stage, "probe", lambda data: None)  # the reference: Pillow's path for every image
-    for name, data in cases.items():
+    for name in answered:  # elsewhere the fast outcome above was Pillow's path already
+        data = cases[name]
         ref = [_outcome(data), _outcome(data, resize=16), _outcome(data, fmt="png")]
         assert fast[name] == ref, name
     # the fast path is taken for the common files (else it would be correct but useless) and not for the others
