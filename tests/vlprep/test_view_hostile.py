@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import image_bytes, make_dataset
-from tests.vlprep.test_cli_bounds import error_line, vlprep
+from tests.vlprep.test_cli_bounds import error_line, vlprep  # noqa: F401 (vlprep: a fixture)
 from tests.vlprep.test_view import page_data
 from vlprep import VlprepError
 from vlprep.view import ViewConfig, build_view, make_server
@@ -329,7 +329,7 @@ def test_json_nested_100000_deep_is_a_counted_skip(tmp_path, where):
         assert report["not_read"] == [f"{where} (not a JSON object nested at most 64 deep)"]
 
 
-def test_the_terminal_says_what_was_left_out_in_a_line_each(tmp_path):
+def test_the_terminal_says_what_was_left_out_in_a_line_each(tmp_path, vlprep):
     ds = hand_dataset(tmp_path / "ds", [("a", "a dog", DEEP), ("b", "a cat", b"{}")],
                       {"stage": "filter", "input": "s3://bucket/raw"})
     write_dropped(ds, [("r_1", "r-000000.tar")])
