@@ -14,7 +14,7 @@ from vltrain.session import setup
 from vltrain.train import train
 
 TINY = ["model.text_model=tiny", "model.image_model=tiny", "model.embed_dim=16", "data.image_size=32",
-        "data.max_len=16", "data.val_frac=0.25", "eval_every=3", "ckpt_every=3", "optim.warmup_steps=1"]
+        "data.workers=0", "data.max_len=16", "data.val_frac=0.25", "eval_every=3", "ckpt_every=3", "optim.warmup_steps=1"]
 PER_PRESET = {  # the tiny BERT has 2 layers: split 1 + 1; queues and GRIT's search space sized for 36 pairs
     "albef": ["model.fusion_layers=1", "model.queue_size=16"],
     "albef-base": ["model.fusion_layers=1"],
