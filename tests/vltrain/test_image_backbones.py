@@ -22,9 +22,12 @@ def tiny_vit(arch, weights=None):
     return VisionTransformer(image_size=32, patch_size=8, num_layers=1, num_heads=2, hidden_dim=16, mlp_dim=32)
 
 
-@pytest.fixture
-def data(tmp_path):
-    return make_dataset(tmp_path / "data", [f"a {c} picture number {i}" for i, c in enumerate("abcdefgh" * 2)], 8)
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """16 pairs in 2 shards, built once for the module: training, export and load only read them (each run writes
+    under its own tmp_path)."""
+    return make_dataset(tmp_path_factory.mktemp("backbones") / "data",
+                        [f"a {c} picture number {i}" for i, c in enumerate("abcdefgh" * 2)], 8)
 
 
 @pytest.mark.parametrize("image_model, size", [("torchvision:resnet18", 32), ("torchvision:vit_b_16", 32),
