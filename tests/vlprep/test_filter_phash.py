@@ -11,9 +11,10 @@ import pytest
 import scipy.fft
 from PIL import Image
 
+from tests.conftest import cli_in_process
 from tests.memrule import growth_per_sample
 from tests.vlprep.test_filter import files
-from tests.vlprep.test_filter_embed import T, FakeEncoder, basis, cli, dataset, keys_of, write_embeddings
+from tests.vlprep.test_filter_embed import T, FakeEncoder, basis, dataset, keys_of, write_embeddings
 from tests.vlprep.test_filter_embed import evals  # noqa: F401 (a fixture: the decontamination data)
 from vlprep import VlprepError
 from vlprep.dataset import as_rgb
@@ -270,11 +271,11 @@ def test_exclude_embeddings_mismatches_are_one_line_errors(evals_emb, tmp_path):
 # --- user mistakes -----------------------------------------------------------------------------------------------
 
 
-def test_a_bad_distance_is_a_one_line_error(planted, tmp_path):
+def test_a_bad_distance_is_a_one_line_error(planted, tmp_path, capfd):
     for i, bad in enumerate([-1, 33, 2.5, True]):
         with pytest.raises(VlprepError, match=re.escape("--phash is a Hamming distance")) as err:
             run(planted["ds"], tmp_path / f"o{i}", phash=bad)
         assert "\n" not in str(err.value)
-    r = cli("filter", planted["ds"], tmp_path / "c", "--phash", "40")
+    r = cli_in_process(capfd, "filter", planted["ds"], tmp_path / "c", "--phash", "40")
     assert r.returncode == 2 and "--phash is a Hamming distance" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
