@@ -105,7 +105,10 @@ def test_run_overfits_and_eval_writes_json(shards, tmp_path, preset):
     assert ("itm_rerank" in res) == (preset == "albef")
 
 
-def test_resume_continues_exactly(shards, tmp_path):
+def test_resume_continues_exactly(shards, tmp_path, monkeypatch):
+    """The held-out evaluations run (eval_every=2: one after the part run's last checkpoint, before the resume) but
+    draw no learning curve: nothing here reads it (test_trainer_usability does), and matplotlib was most of each."""
+    monkeypatch.setattr("vltrain.runlog.plot_learning_curve", lambda rows, path: None)
     # A constant lr makes the K-step run's schedule the same as the N-step run's.
     common = ["--preset", "albef", "--set", "model.fusion_layers=1", "--set", "model.queue_size=16",
               "--set", "optim.warmup_steps=0", "--set",
