@@ -557,7 +557,10 @@ def test_augment_recipes():
 # --- a tiny run ----------------------------------------------------------------------------------------------------
 
 
-def test_tiny_softmask_run_resumes_exactly(shards, tmp_path):  # noqa: F811
+def test_tiny_softmask_run_resumes_exactly(shards, tmp_path, monkeypatch):  # noqa: F811
+    """The held-out evaluations run (eval_every=2) but draw no learning curve: nothing here reads it
+    (test_trainer_usability does), and matplotlib was most of each evaluation."""
+    monkeypatch.setattr("vltrain.runlog.plot_learning_curve", lambda rows, path: None)
     common = ["--preset", "softmask", "--set", "model.fusion_layers=1", "--set", "model.queue_size=16",
               "--set", "optim.warmup_steps=0", "--set", "optim.min_lr_ratio=1.0", "--set", "data.val_frac=0.2",
               "--set", "eval_every=2"]
