@@ -13,6 +13,9 @@
 #      that part (it trains 2 x SEEDS more short runs). ZEROSHOT_PER_CLASS (default 30): images of each of the
 #      zero-shot folder's 10 classes.
 #      UNTIL=STEP stops after the step of that name (a `== STEP:` line), e.g. UNTIL=ontology.
+#      BATCH=1 (default 0) runs pseudolabel with the three `features` calls after it, and the comparison's
+#      trainings and evals, in one Python process each (inprocess.py; steps pseudolabel+features and compare):
+#      the same commands and outputs without a torch start-up per call, most of a call's time on a small subset.
 # Re-runnable: every stage resumes; shards whose input changed are rebuilt.
 set -euo pipefail
 
@@ -27,6 +30,7 @@ OUT="${OUT:-$ROOT/demo-out/openclipart}"
 LIMIT="${LIMIT-2000}"
 [ "$LIMIT" = all ] && LIMIT=""
 MIN_SCORE="${MIN_SCORE:-0.3}"
+BATCH="${BATCH:-0}"
 
 if [ ! -d /usr/share/openclipart/png ] || [ ! -d /usr/share/openclipart/svg ]; then
     echo "openclipart not found in /usr/share/openclipart: sudo apt-get install openclipart-png openclipart-svg" >&2
@@ -119,14 +123,23 @@ step zeroshot-folder "$PY" "$HERE/zeroshot.py" --all "$OUT/captions-all.parquet"
     "$OUT/unaligned.parquet" "$OUT/eval.parquet" "$KARPATHY" --per-class "${ZEROSHOT_PER_CLASS:-30}" \
     --folder "$OUT/zeroshot-folder"
 # The features-trained checkpoint reads the unaligned images' pixels through the same frozen encoder.
-step pseudolabel "$VLPREP" pseudolabel "$OUT/bow" "$OUT/unaligned" "$OUT/pseudo" --checkpoint "$OUT/run/last.pt" \
-    --strategy weighted --crops "${CROPS:-3}" --k 10 --words 4 --batch-size 24 "${V[@]}"
-step features-pseudo "$VLPREP" features "$OUT/pseudo" "$OUT/pseudo-feat" "${V[@]}"
-step features-eval "$VLPREP" features "$OUT/eval" "$OUT/eval-feat" "${V[@]}"
+PSEUDOLABEL=(pseudolabel "$OUT/bow" "$OUT/unaligned" "$OUT/pseudo" --checkpoint "$OUT/run/last.pt" --strategy weighted
+             --crops "${CROPS:-3}" --k 10 --words 4 --batch-size 24 "${V[@]}")
 # `features` keeps each sample's json member, so all captions of an image survive; the evals read cached tokens.
-step features-karpathy "$VLPREP" features "$OUT/karpathy-shards" "$OUT/karpathy-feat" "${V[@]}"
+if [ "$BATCH" = 1 ]; then  # the same four calls in one process
+    step pseudolabel+features "$PY" "$HERE/inprocess.py" vlprep "${PSEUDOLABEL[@]}" \
+        ";" vlprep features "$OUT/pseudo" "$OUT/pseudo-feat" "${V[@]}" \
+        ";" vlprep features "$OUT/eval" "$OUT/eval-feat" "${V[@]}" \
+        ";" vlprep features "$OUT/karpathy-shards" "$OUT/karpathy-feat" "${V[@]}"
+else
+    step pseudolabel "$VLPREP" "${PSEUDOLABEL[@]}"
+    step features-pseudo "$VLPREP" features "$OUT/pseudo" "$OUT/pseudo-feat" "${V[@]}"
+    step features-eval "$VLPREP" features "$OUT/eval" "$OUT/eval-feat" "${V[@]}"
+    step features-karpathy "$VLPREP" features "$OUT/karpathy-shards" "$OUT/karpathy-feat" "${V[@]}"
+fi
 # Two arms, the same runs but for the data: bow only, and bow + pseudo; each over SEEDS, scored on the eval set,
 # then on the multi-caption split and the zero-shot folder (summary.py's second and third tables).
+batch=()  # BATCH=1: the same trainings and evals, in this order, in one process after the loop
 for seed in $SEEDS; do
     for arm in bow pseudo; do
         run="$OUT/cmp/$arm-s$seed"
@@ -137,12 +150,25 @@ for seed in $SEEDS; do
         else
             again "$run" "${data[@]}"  # a re-run of the demo keeps finished runs (same options, same data)
             mkdir -p "$OUT/cmp"
-            step "train-$arm-s$seed" quiet "$run.log" "$VLTRAIN" run "${data[@]}" "${TRAIN[@]}" \
-                --set eval_every=100000 --set seed="$seed" --out "$run" "${again[@]}"
+            train=(run "${data[@]}" "${TRAIN[@]}" --set eval_every=100000 --set seed="$seed" --out "$run" "${again[@]}")
+            if [ "$BATCH" = 1 ]; then
+                batch+=(vltrain "${train[@]}" ";")
+            else
+                step "train-$arm-s$seed" quiet "$run.log" "$VLTRAIN" "${train[@]}"
+            fi
         fi
-        quiet "$run.eval.log" "$VLTRAIN" eval "$run/last.pt" "$OUT/eval-feat" --out "$run/eval-heldout.json"
-        quiet "$run.eval-karpathy.log" "$VLTRAIN" eval "$run/last.pt" "$OUT/karpathy-feat" \
-            --zeroshot-folder "$OUT/zeroshot-folder" --out "$run/eval-karpathy.json"
+        heldout=(eval "$run/last.pt" "$OUT/eval-feat" --out "$run/eval-heldout.json")
+        karpathy=(eval "$run/last.pt" "$OUT/karpathy-feat" --zeroshot-folder "$OUT/zeroshot-folder"
+                  --out "$run/eval-karpathy.json")
+        if [ "$BATCH" = 1 ]; then
+            batch+=(vltrain "${heldout[@]}" ";" vltrain "${karpathy[@]}" ";")
+        else
+            quiet "$run.eval.log" "$VLTRAIN" "${heldout[@]}"
+            quiet "$run.eval-karpathy.log" "$VLTRAIN" "${karpathy[@]}"
+        fi
     done
 done
+if [ ${#batch[@]} -gt 0 ]; then
+    step compare quiet "$OUT/cmp/batch.log" "$PY" "$HERE/inprocess.py" "${batch[@]}"
+fi
 "$PY" "$HERE/summary.py" "$OUT"

@@ -27,10 +27,17 @@ pytestmark = [
 
 
 def test_run_sh_on_a_subset(tmp_path, capfd):
+    """run.sh at smoke size, then a resume run and the quick ablation on its folder.
+
+    Sizes: one training step per run (the checks are about what each stage writes, not what training learns) and
+    BATCH=1, which runs pseudolabel with the `features` calls after it, and the comparison's 3 trainings and 8 evals,
+    in one Python process each instead of 12 (inprocess.py: the same commands, outputs bit for bit the same; the
+    torch start-up of each call was most of the test's time). The ablation trains 1 step (`--steps 1`) instead of
+    the quick recipe's 6: its checks are the arms, the held-out sets scored and the table."""
     bindir = Path(sys.executable).parent
     env = {**os.environ, "PY": sys.executable, "VLPREP": str(bindir / "vlprep"), "OUT": str(tmp_path), "LIMIT": "150",
-           "VLTRAIN": str(bindir / "vltrain"), "TRAIN_STEPS": "2", "UNALIGNED": "12", "EVAL": "10", "CROPS": "2",
-           "SEEDS": "0 1", "ZEROSHOT_PER_CLASS": "2"}
+           "VLTRAIN": str(bindir / "vltrain"), "TRAIN_STEPS": "1", "UNALIGNED": "12", "EVAL": "10", "CROPS": "2",
+           "SEEDS": "0 1", "ZEROSHOT_PER_CLASS": "2", "BATCH": "1"}
     r = subprocess.run(["bash", str(ROOT / "examples/openclipart/run.sh")], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     ds = open_dataset(tmp_path / "shards")
@@ -73,16 +80,17 @@ def test_run_sh_on_a_subset(tmp_path, capfd):
     for stage in ("bow", "det", "onto"):
         assert json.loads((tmp_path / stage / "report.json").read_text())["shards_resumed"] == 1
 
-    # `make ablation RECIPE=fistful QUICK=1` on this demo folder: builds the inputs it lacks (the intact tokens, two
-    # BoW variants, the zero-shot set) with the demo's stages and tabulates both arms with the paper beside them.
-    # In-process; its held-out sets are built by pipelines/inputs.yaml's own commands at smoke size (--inputs).
+    # `make ablation RECIPE=fistful QUICK=1 STEPS=1` on this demo folder: builds the inputs it lacks (the intact
+    # tokens, two BoW variants, the zero-shot set) with the demo's stages and tabulates both arms with the paper beside
+    # them. In-process; its held-out sets are built by pipelines/inputs.yaml's own commands at smoke size (--inputs).
     text = (ROOT / "pipelines" / "inputs.yaml").read_text()
     for big, small in SMALL_SETS.items():
         assert text.count(big) == 1, big
         text = text.replace(big, small)
     (tmp_path / "inputs-small.yaml").write_text(text)
     capfd.readouterr()
-    rc = ablation.main(["fistful", "--quick", "--demo", str(tmp_path), "--inputs", str(tmp_path / "inputs-small.yaml")])
+    rc = ablation.main(["fistful", "--quick", "--steps", "1", "--demo", str(tmp_path),
+                        "--inputs", str(tmp_path / "inputs-small.yaml")])
     assert rc == 0, capfd.readouterr().err[-3000:]
     res = json.loads((tmp_path / "ablation" / "fistful-quick" / "results.json").read_text())
     assert [row["arm"] for row in res["rows"]] == ["intact", "bow"]
