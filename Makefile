@@ -39,7 +39,7 @@ test: apt install
 test-kernels: install
 	PY=$(PY) bash scripts/test-kernels.sh $(XDIST)
 
-# About 4 minutes on 2 CPU cores.
+# About 2.5 minutes on 2 CPU cores.
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
