@@ -261,3 +261,14 @@ def cli_in_process(capfd, *args) -> subprocess.CompletedProcess:
         sys.argv = argv
     out, err = capfd.readouterr()
     return subprocess.CompletedProcess(args, code, out, err)
+
+
+@pytest.fixture
+def vlprep(capfd, monkeypatch):
+    """vlprep(*ARGS, cwd=None): `vlprep ARGS` as its main() in this process (cli_in_process), run in `cwd` (this
+    process's, restored after the test)."""
+    def run(*args, cwd=None) -> subprocess.CompletedProcess:
+        if cwd is not None:
+            monkeypatch.chdir(cwd)
+        return cli_in_process(capfd, *args)
+    return run

@@ -11,20 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import cli_in_process, colour_pairs
+from tests.conftest import colour_pairs
 
 LOCAL_ONLY = "only dataset folders may be URLs (s3://, gs://, http(s)://); give a local path"
 SCHEMES = "use s3://, gs://, http(s):// or file://"
-
-
-@pytest.fixture
-def vlprep(capfd, monkeypatch):
-    """vlprep(*ARGS, cwd=None): `vlprep ARGS` run in `cwd` (this process's, restored after the test)."""
-    def run(*args, cwd=None) -> subprocess.CompletedProcess:
-        if cwd is not None:
-            monkeypatch.chdir(cwd)
-        return cli_in_process(capfd, *args)
-    return run
 
 
 def error_line(r: subprocess.CompletedProcess) -> str:

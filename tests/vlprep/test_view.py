@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from tests.conftest import detected_dataset, image_bytes, make_dataset
-from tests.conftest import cli_in_process
 from tests.vlprep.test_cli_bounds import error_line
 from vlprep import VlprepError
 from vlprep.dataset import ShardFormatError, iter_samples, open_dataset
@@ -203,13 +202,6 @@ def test_default_out_is_dataset_view(three_shards):
     report = build_view(ViewConfig(dataset=three_shards, samples=1))
     assert report["out"] == str(three_shards / "view") and (three_shards / "view" / "index.html").is_file()
     assert open_dataset(three_shards).num_samples == 30  # the dataset still opens
-
-
-@pytest.fixture
-def vlprep(capfd):
-    """vlprep(*ARGS): `vlprep ARGS` as its main() in this process (tests/conftest.py's cli_in_process): the exit status
-    and the lines on stderr are a child's, without a fresh interpreter's imports per run."""
-    return lambda *args: cli_in_process(capfd, *args)
 
 
 @pytest.mark.parametrize("args,says", [

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import image_bytes, make_dataset
-from tests.vlprep.test_cli_bounds import error_line, vlprep  # noqa: F401 (vlprep: a fixture)
+from tests.vlprep.test_cli_bounds import error_line
 from tests.vlprep.test_view import page_data
 from vlprep import VlprepError
 from vlprep.view import ViewConfig, build_view, make_server
