@@ -1,6 +1,7 @@
 """`vltrain` command line: `run` trains, `eval` scores a checkpoint; the work lives in vltrain.train."""
 
 import json
+import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -383,12 +384,33 @@ def export_(
 refuse_urls(app, {"run": ("shards",), "eval": ("shards",)})
 
 
+def exit_status(code) -> int:
+    """sys.exit's argument as a process exit status: None is 0, a message is printed and 1 (as Python does)."""
+    if code is None or isinstance(code, int):
+        return code or 0
+    print(code, file=sys.stderr)
+    return 1
+
+
 def main() -> None:
     try:
-        app()
+        app()  # click ends with SystemExit, success included
+        status = 0
+    except SystemExit as e:
+        status = exit_status(e.code)
     except KeyboardInterrupt:  # a second Ctrl-C during a step, or one outside the loop
         console.print("interrupted: OUT/last.pt (if any) holds the last checkpoint; add --resume to continue")
-        sys.exit(130)
+        status = 130
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # A torchrun rank leaves without the interpreter's final clean-up. Its work is done and closed by now (the
+        # loader's workers stopped, metrics, trackers and checkpoints closed, the process group left), but the
+        # clean-up still destroys the process group's C++ objects in whatever order the last references go, and
+        # with gloo that can end in std::terminate ("terminate called without an active exception", SIGABRT),
+        # which torchrun reports as a failed job after a run that succeeded (seen on a rank leaving a resumed run).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)
 
 
 if __name__ == "__main__":
