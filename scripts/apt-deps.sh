@@ -1,8 +1,19 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the demo, the real-data tests and the browser tests use, when run as root.
-# Otherwise prints the apt-get line to run; with --required that is an error (exit 1).
+# Otherwise prints the apt-get line to run; with --required that is an error (exit 1). With --demo only the demo's
+# packages (the openclipart clip art: PNGs and the SVGs whose metadata become captions); the demo opens no browser,
+# so `make demo` does not ask for chromium.
 set -euo pipefail
-PACKAGES=(openclipart-png openclipart-svg chromium chromium-driver)  # chromium: the `vlprep view` browser tests
+required=0 demo=0
+for arg in "$@"; do
+  case "$arg" in
+    --required) required=1 ;;
+    --demo) demo=1 ;;
+    *) echo "usage: scripts/apt-deps.sh [--required] [--demo]" >&2; exit 2 ;;
+  esac
+done
+PACKAGES=(openclipart-png openclipart-svg)
+[ "$demo" = 1 ] || PACKAGES+=(chromium chromium-driver)  # chromium: the `vlprep view` browser tests
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
@@ -15,5 +26,5 @@ if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
   exit 0
 fi
 echo "missing Debian packages; run: sudo apt-get install -y ${missing[*]}"
-[ "${1:-}" = "--required" ] && exit 1
+[ "$required" = 1 ] && exit 1
 exit 0
