@@ -206,7 +206,8 @@ def config_(
 
 @app.command("eval")
 def eval_(
-    checkpoint: Path = typer.Argument(..., help="A checkpoint from `vltrain run` (last.pt or best.pt)."),
+    checkpoint: Path = typer.Argument(..., help="A checkpoint from `vltrain run` (last.pt or best.pt), or a "
+                                      "`vltrain export` folder."),
     shards: Optional[list[Path]] = typer.Argument(None, help="Shard folders: retrieval over every image and every "
                                                   "caption in them (several captions per image: docs/FORMAT.md)."),
     zeroshot_folder: Optional[Path] = typer.Option(None, "--zeroshot-folder", help="Zero-shot benchmark ROOT/CLASS/"

@@ -6,9 +6,9 @@ eval-karpathy.json (`vltrain eval` on the multi-caption split from make_karpathy
 tables follow: multi-caption retrieval in the papers' layout (TR = text retrieval = image→text, IR = image
 retrieval = text→image; an image→text query is a hit when any of its captions ranks in the top K) and zero-shot
 classification on the image folder (top-1, top-5, mean per-class accuracy; chance 100/classes and 500/classes).
-Each table uses the runs that have its results. Writes OUT/summary.json and OUT/summary.md (the first table as
-before, the new ones under the keys "karpathy" and "zeroshot" and after it). The learning curve of the first run is
-OUT/learning_curve.png.
+Each table uses the runs that have its results. Writes OUT/summary.json and OUT/summary.md (each table under its
+title; the first table's keys as before, the new ones under the keys "karpathy" and "zeroshot" and after it). The
+learning curve of the first run is OUT/learning_curve.png.
 """
 
 import json
@@ -71,8 +71,9 @@ def main() -> int:
     summary = {"n_pairs": n, "chance": chance, "arms": {}}
     summary["arms"], rows, md = table({ARMS[arm]: [r["retrieval"] for r in rs] for arm, rs in res.items()}, COLS,
                                       chance)
-    lines = [f"held-out retrieval (%) on {n} eval pairs, mean ± sd over {len(res['bow'])} seeds (vltrain eval)",
-             *rows]
+    title = f"held-out retrieval (%) on {n} eval pairs, mean ± sd over {seeds_text(res)} (vltrain eval)"
+    lines = [title, *rows]
+    md = [f"**{title}**", "", *md]
 
     extra = {ARMS[arm]: [json.loads(p.read_text()) for p in sorted((out / "cmp").glob(f"{arm}-s*/eval-karpathy.json"))]
              for arm in ARMS}
