@@ -1,5 +1,6 @@
 """`vlprep stats`: sample count, caption lengths, vocabulary, top words and image sizes of a dataset, counted a shard
-at a time (value -> count), so memory grows with the vocabulary and the distinct sizes, not with the samples."""
+at a time (value -> count), so memory grows with the vocabulary and the distinct sizes, not with the samples. The
+caption figures count every caption of a multi-caption sample (docs/FORMAT.md), not only its first (`txt`)."""
 
 import bisect
 import math
@@ -18,7 +19,7 @@ from vlprep.output import write_json_atomic
 from vlprep.text import words
 
 QUANTILES = (0.0, 0.05, 0.25, 0.5, 0.75, 0.95, 1.0)
-SIDECAR_COLUMNS = ("caption", "width", "height", "image_ext")
+SIDECAR_COLUMNS = ("caption", "width", "height", "image_ext", "captions")
 
 
 def distribution(counts: Mapping) -> dict:
@@ -62,16 +63,25 @@ def sidecar_columns(ds) -> set[str]:
     return names
 
 
+def every_caption(first, captions) -> list:
+    """A multi-caption sample's list of captions (whose first is `first`), else [first]."""
+    if isinstance(captions, list) and captions and all(isinstance(c, str) for c in captions):
+        return captions
+    return [first]
+
+
 def sample_fields(ds, cols: set[str]) -> Iterator[tuple]:
-    """(caption, width, height, image_ext) per sample, in shard order, one shard's sidecar in memory at a time."""
+    """(captions, width, height, image_ext) per sample, in shard order, one shard's sidecar in memory at a time;
+    captions: every caption of a multi-caption sample (the sidecar's `captions` column, json.captions), else [txt]."""
     if {"caption", "width", "height"} <= cols:
         for shard in ds.shards:
             side = ds.sidecar(shard)
             names = pq.read_schema(side).names
             t = pq.read_table(side, columns=[c for c in SIDECAR_COLUMNS if c in names])
             # a column that only other shards have reads as nulls, as when the sidecars are concatenated
-            yield from zip(*(t.column(c).to_pylist() if c in t.column_names else [None] * t.num_rows
-                             for c in SIDECAR_COLUMNS))
+            for caption, w, h, ext, captions in zip(*(t.column(c).to_pylist() if c in t.column_names
+                                                      else [None] * t.num_rows for c in SIDECAR_COLUMNS)):
+                yield every_caption(caption, captions), w, h, ext
     else:  # sidecars from another tool: read the tars instead
         for s in iter_samples(ds, decode=False):
             try:
@@ -80,11 +90,13 @@ def sample_fields(ds, cols: set[str]) -> Iterator[tuple]:
                 meta = {}
             size = [v if isinstance(v, int) and not isinstance(v, bool) else None
                     for v in (meta.get("width"), meta.get("height"))]
-            yield s.get("txt", b"").decode("utf-8", "replace"), *size, None
+            yield every_caption(s.get("txt", b"").decode("utf-8", "replace"), meta.get("captions")), *size, None
 
 
 def dataset_stats(path, out: Path | None = None, top: int = 20) -> dict:
-    """Counts, caption-length and image-size distributions, vocabulary; writes report.json + stats.png."""
+    """Counts, caption-length and image-size distributions, vocabulary; writes report.json + stats.png. The caption
+    figures (caption_words, whose count is the number of captions, vocabulary, tokens, top words) count every
+    caption of a multi-caption sample."""
     # the samples stream into counters (vocabulary- and size-sized), never a list with an entry per sample
     ds = open_dataset(path)
     if out is not None and urls.overlap(out, ds.url or ds.root) == "same":  # DATASET/stats (the default) is fine
@@ -99,10 +111,11 @@ def dataset_stats(path, out: Path | None = None, top: int = 20) -> dict:
     heights = Counter()
     shorter = Counter()
     exts = Counter()
-    for caption, w, h, ext in sample_fields(ds, cols):
-        ws = words(caption or "")
-        lengths[len(ws)] += 1
-        vocab.update(ws)
+    for captions, w, h, ext in sample_fields(ds, cols):
+        for caption in captions:
+            ws = words(caption or "")
+            lengths[len(ws)] += 1
+            vocab.update(ws)
         if w is not None and h is not None:
             widths[w] += 1
             heights[h] += 1
@@ -160,8 +173,12 @@ def print_stats(report: dict, console: Console) -> None:
     t = Table(title=f"vlprep stats: {report['dataset']}", show_header=True)
     t.add_column("measure")
     t.add_column("value", overflow="fold")
-    t.add_row("samples / shards", f"{report['samples']:,} / {report['shards']}")
     cw = report["caption_words"]
+    if cw["count"] > report["samples"]:  # multi-caption samples: the caption rows count every caption
+        t.add_row("samples / captions / shards", f"{report['samples']:,} / {cw['count']:,} / {report['shards']} "
+                  "(every caption counted below)")
+    else:
+        t.add_row("samples / shards", f"{report['samples']:,} / {report['shards']}")
     if cw["count"]:
         t.add_row("caption words", f"mean {cw['mean']:.1f}, median {cw['p50']:g}, p5-p95 {cw['p5']:g}-{cw['p95']:g}, "
                   f"max {cw['p100']:g}")
