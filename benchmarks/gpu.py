@@ -6,14 +6,23 @@ split from the 12 (ALBEF's 6 + 6), about 210M parameters with the fusion encoder
 32 px (a CPU dry run). No weights are downloaded: only the packaged MiniLM's tokenizer and, for small, Lite0's weights.
 Each row is one (size, preset, batch, train.grad_checkpointing, train.compile) built by `vltrain.session.setup` with
 the trainer's GPU options (TF32, channels_last, fused AdamW) and run on one batch of random pixels and captions (they
-time the same as real ones): --warmup untimed steps, then --steps timed ones; medians. A step is timed in four parts
-with a device synchronisation between them (so the CPU's launch of one part cannot overlap the GPU's work on the
-last, and the parts' sum is a little above an unsynchronised step): data (the batch moved to the device), forward
-(`TrainStep`, the named losses, under the run's precision), backward (backward and gradient clipping) and optimiser
-(AdamW, momentum update, enqueue). Peak memory: torch.cuda.max_memory_allocated, reset per row (n/a on a CPU). FLOPs:
-3x the forward counted by torch's FlopCounterMode (eager; compiled rows reuse their eager row's count). MFU: FLOP/s
-over the dense matmul peak measured at the start (bf16 8192^3 matmuls on CUDA; float32 1024^3 on a CPU), with a
-table's spec peak beside it for reference. An out-of-memory row says so and the next row runs. --max-batch: for each
+time the same as real ones). A step: the batch moved to the device, the losses (`TrainStep` under the run's
+precision), backward and gradient clipping, the optimiser (AdamW, momentum update, enqueue).
+Headline (samples_per_s, step_ms): --warmup untimed steps, then --runs runs of --timed-steps steps each with no
+synchronisation between steps (as `vltrain run` steps: the CPU queues the next step's work while the GPU runs this
+one), timed with CUDA events around each run (the wall clock on a CPU); the median run's time per step.
+Parts (data_ms / forward_ms / backward_ms / optimizer_ms, and their sum sync_step_ms): --steps further steps timed
+in those four parts with a device synchronisation between them (so the CPU's launch of one part cannot overlap the
+GPU's work on the last; their sum is above the headline step); medians. Peak memory:
+torch.cuda.max_memory_allocated, reset per row (n/a on a CPU).
+FLOPs (gflop_per_sample, tflops): counted by torch's FlopCounterMode over one step's forward and backward (eager;
+compiled rows reuse their eager row's count), so each forward is counted as often as it runs: a forward that carries
+gradients once plus its backward as it runs (about twice the forward: gradients of inputs and of weights, fewer
+where nothing needs them, e.g. a frozen tower), a no-grad forward (ALBEF's momentum model) once, and an extra
+backward (SoftMask++'s Grad-CAM pass) as it runs. The optimiser has no matmuls. MFU: FLOP/s over the card's dense
+bf16 peak from its vendor's data sheet (SPEC_BF16_TFLOPS; the figure every public MFU quotes), and mfu_measured over
+the dense matmul peak measured at the start (bf16 8192^3 matmuls on CUDA; float32 1024^3 on a CPU, which has no
+vendor figure: there mfu is the measured one). An out-of-memory row says so and the next row runs. --max-batch: for each
 (size, preset, ckpt), the largest batch of 32, 64, 128, ... that steps (up to --max-batch-limit, within
 --max-batch-seconds). --json FILE appends one header object and one object per row (so several calls can fill one
 file); --table prints a markdown table at the end. Without CUDA (and without --device cpu) it prints "no CUDA device"
@@ -21,7 +30,8 @@ and exits 0.
 
     python benchmarks/gpu.py [--size small,base] [--presets clip,albef,grit,softmask] [--batches 64,128]
         [--compile off,on] [--ckpt off,on] [--max-batch] [--json F] [--table]
-    python benchmarks/gpu.py --device cpu --size tiny --presets clip,albef --batches 4 --steps 1 --json F
+    python benchmarks/gpu.py --device cpu --size tiny --presets clip,albef --batches 4 --steps 1 --timed-steps 2 \
+        --runs 1 --json F
 """
 
 import argparse
@@ -142,44 +152,83 @@ def build(size: str, preset: str, batch: int, device: torch.device, shards: Path
     return s, b
 
 
-def timed_step(s, cpu_batch: dict, gen: torch.Generator) -> dict:
-    """One training step in four synchronised parts: seconds per part."""
+def one_step(s, cpu_batch: dict, gen: torch.Generator, mark=None) -> None:
+    """One training step as the trainer takes it; `mark()` (a synchronise and a clock reading) after each part."""
     from vltrain.model import autocast
     from vltrain.optim import apply_gradients
 
     cfg = s.cfg
-    sync(s.device)
-    t = [time.perf_counter()]
     b = {k: v.to(s.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in cpu_batch.items()}
-    sync(s.device)
-    t.append(time.perf_counter())
+    mark and mark()
     with autocast(s.device, s.precision):
         losses = s.step_fn(b, cfg.loss, gen, s.data.tokenizer, cfg.loss.distill_alpha)
-    sync(s.device)
-    t.append(time.perf_counter())
+    mark and mark()
     feats = losses.pop("queue_feats")
     s.optimizer.zero_grad(set_to_none=True)
     losses["total"].backward()
     if cfg.optim.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(s.params, cfg.optim.grad_clip)
-    sync(s.device)
-    t.append(time.perf_counter())
+    mark and mark()
     apply_gradients(s.model, s.optimizer, s.params, 0.0, feats)  # clipped above: the optimiser part alone
-    sync(s.device)
-    t.append(time.perf_counter())
+    mark and mark()
+
+
+def timed_step(s, cpu_batch: dict, gen: torch.Generator) -> dict:
+    """One training step in four synchronised parts: seconds per part."""
+    t = []
+
+    def mark():
+        sync(s.device)
+        t.append(time.perf_counter())
+
+    mark()
+    one_step(s, cpu_batch, gen, mark)
     return {p: t[i + 1] - t[i] for i, p in enumerate(PARTS)}
 
 
-def forward_flops(s, cpu_batch: dict, gen: torch.Generator) -> float:
+def timed_run(s, cpu_batch: dict, gen: torch.Generator, steps: int) -> float:
+    """Seconds per step over `steps` steps with no synchronisation between them: CUDA events around the run on a
+    GPU (the queue drained before the first and after the last), the wall clock on a CPU."""
+    if s.device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            one_step(s, cpu_batch, gen)
+        return (time.perf_counter() - t0) / steps
+    sync(s.device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        one_step(s, cpu_batch, gen)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / steps
+
+
+def count_flops(run) -> float:
+    """FLOPs of the matmuls and convolutions that `run()` executes, its backward included when it calls one
+    (torch's FlopCounterMode)."""
     from torch.utils.flop_counter import FlopCounterMode
 
+    counter = FlopCounterMode(display=False)
+    with counter:
+        run()
+    return float(counter.get_total_flops())
+
+
+def step_flops(s, cpu_batch: dict, gen: torch.Generator) -> float:
+    """One step's forward and backward FLOPs, as each pass runs (see the module's docstring)."""
     from vltrain.model import autocast
 
     b = {k: v.to(s.device) if torch.is_tensor(v) else v for k, v in cpu_batch.items()}
-    counter = FlopCounterMode(display=False)
-    with counter, autocast(s.device, s.precision):
-        s.step_fn(b, s.cfg.loss, gen, s.data.tokenizer, s.cfg.loss.distill_alpha)
-    return float(counter.get_total_flops())
+
+    def run():
+        with autocast(s.device, s.precision):
+            losses = s.step_fn(b, s.cfg.loss, gen, s.data.tokenizer, s.cfg.loss.distill_alpha)
+        s.optimizer.zero_grad(set_to_none=True)
+        losses["total"].backward()
+        s.optimizer.zero_grad(set_to_none=True)  # counted, not applied
+
+    return count_flops(run)
 
 
 def free(device: torch.device) -> None:
@@ -191,7 +240,7 @@ def free(device: torch.device) -> None:
 
 
 def measure(args, key: dict, device: torch.device, shards: Path, out: Path, steps: int, warmup: int,
-            flops_cache: dict | None) -> dict:
+            flops_cache: dict | None, n_runs: int | None = None, timed_steps: int | None = None) -> dict:
     """One row: {**key, status, samples_per_s, step_ms, PART_ms, peak_mem_gib, tflops, mfu, params_m}."""
     from vltrain.config import ConfigError
 
@@ -202,11 +251,14 @@ def measure(args, key: dict, device: torch.device, shards: Path, out: Path, step
         sets = config_sets(key["size"], key["preset"], args.precision, key["compile"] == "on", key["ckpt"] == "on")
         s, cpu_batch = build(key["size"], key["preset"], key["batch"], device, shards, out, sets)
         gen = torch.Generator(device=device).manual_seed(0)
-        parts = [timed_step(s, cpu_batch, gen) for _ in range(warmup + steps)][warmup:]
+        for _ in range(warmup):
+            one_step(s, cpu_batch, gen)
+        runs = [timed_run(s, cpu_batch, gen, timed_steps or args.timed_steps) for _ in range(n_runs or args.runs)]
+        parts = [timed_step(s, cpu_batch, gen) for _ in range(steps)]
         peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
         fkey = (key["size"], key["preset"], key["batch"])
         if flops_cache is not None and fkey not in flops_cache and key["compile"] == "off":
-            flops_cache[fkey] = 3 * forward_flops(s, cpu_batch, gen)
+            flops_cache[fkey] = step_flops(s, cpu_batch, gen)
         flops = (flops_cache or {}).get(fkey)
         params = sum(p.numel() for p in s.model.parameters() if p.requires_grad)
     except torch.cuda.OutOfMemoryError:
@@ -219,12 +271,16 @@ def measure(args, key: dict, device: torch.device, shards: Path, out: Path, step
         del s
         free(device)
         return row
-    sec = statistics.median(sum(p.values()) for p in parts)
+    sec = statistics.median(runs)
+    spec = args.spec or args.peak  # no vendor figure (a CPU, an unknown card): the measured peak
     row.update(samples_per_s=round(key["batch"] / sec, 2), step_ms=round(sec * 1e3, 2),
                **{f"{p}_ms": round(statistics.median(x[p] for x in parts) * 1e3, 2) for p in PARTS},
+               sync_step_ms=round(statistics.median(sum(x.values()) for x in parts) * 1e3, 2),
                peak_mem_gib=None if peak is None else round(peak, 3), params_m=round(params / 1e6, 2),
+               gflop_per_sample=None if flops is None else float(f"{flops / key['batch'] / 1e9:.4g}"),
                tflops=None if flops is None else float(f"{flops / sec / 1e12:.4g}"),
-               mfu=None if flops is None else float(f"{flops / sec / (args.peak * 1e12):.4g}"))
+               mfu=None if flops is None else float(f"{flops / sec / (spec * 1e12):.4g}"),
+               mfu_measured=None if flops is None else float(f"{flops / sec / (args.peak * 1e12):.4g}"))
     del s
     free(device)
     return row
@@ -239,7 +295,8 @@ def max_batch(args, key: dict, device: torch.device, shards: Path, out: Path) ->
         if time.perf_counter() - start > args.max_batch_seconds:
             row["stopped"] = "time"
             break
-        r = measure(args, {**key, "batch": batch}, device, shards, out, steps=2, warmup=1, flops_cache=None)
+        r = measure(args, {**key, "batch": batch}, device, shards, out, steps=1, warmup=1, flops_cache=None,
+                    n_runs=1, timed_steps=2)
         if r["status"] != "ok":
             row["stopped"] = r["status"]
             break
@@ -251,22 +308,25 @@ def max_batch(args, key: dict, device: torch.device, shards: Path, out: Path) ->
 
 def table(rows: list[dict]) -> str:
     """A markdown table of the rows."""
-    lines = ["| size | preset | batch | ckpt | compile | samples/s | ms/step (data / fwd / bwd / opt) | peak GiB | "
-             "TFLOP/s | MFU |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| size | preset | batch | ckpt | compile | samples/s | ms/step | synchronised parts, ms (data / fwd / bwd / "
+             "opt) | peak GiB | GFLOP/sample | TFLOP/s | MFU (vendor peak) | MFU (measured peak) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"  # noqa: E731
+    na = lambda v: "n/a" if v is None else v  # noqa: E731
     for r in rows:
         if r.get("kind") == "max_batch":
             lines.append(f"| {r['size']} | {r['preset']} | max {r['max_batch']} ({r['stopped']}) | {r['ckpt']} | off | "
-                         f"{r.get('samples_per_s', '–')} | | {r.get('peak_mem_gib', '–')} | | |")
+                         f"{r.get('samples_per_s', '–')} | | | {r.get('peak_mem_gib', '–')} | | | | |")
         elif r["status"] != "ok":
             lines.append(f"| {r['size']} | {r['preset']} | {r['batch']} | {r['ckpt']} | {r['compile']} | "
-                         f"{r['status']} | | | | |")
+                         f"{r['status']} | | | | | | | |")
         else:
             parts = " / ".join(f"{r[p + '_ms']:.1f}" for p in PARTS)
-            mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
             mem = "n/a" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.2f}"
             lines.append(f"| {r['size']} | {r['preset']} | {r['batch']} | {r['ckpt']} | {r['compile']} | "
-                         f"{r['samples_per_s']:.1f} | {r['step_ms']:.1f} ({parts}) | {mem} | "
-                         f"{'n/a' if r['tflops'] is None else r['tflops']} | {mfu} |")
+                         f"{r['samples_per_s']:.1f} | {r['step_ms']:.1f} | {r['sync_step_ms']:.1f} ({parts}) | {mem} | "
+                         f"{na(r['gflop_per_sample'])} | {na(r['tflops'])} | {pct(r['mfu'])} | "
+                         f"{pct(r['mfu_measured'])} |")
     return "\n".join(lines)
 
 
@@ -286,7 +346,9 @@ def parse_args(argv=None):
     ap.add_argument("--compile", default="off", help="off, on or off,on (train.compile)")
     ap.add_argument("--ckpt", default="off", help="off, on or off,on (train.grad_checkpointing)")
     ap.add_argument("--precision", default=None, choices=["bf16", "fp32"], help="default: bf16 on CUDA, fp32 on CPU")
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=10, help="synchronised steps timed in parts")
+    ap.add_argument("--timed-steps", type=int, default=30, help="unsynchronised steps per headline run")
+    ap.add_argument("--runs", type=int, default=3, help="headline runs (their median is the row's step time)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--max-batch", action="store_true", help="also find the largest batch per (size, preset, ckpt)")
@@ -300,6 +362,9 @@ def parse_args(argv=None):
     args.sizes = csv(args.size, SIZES)
     args.preset_list = csv(args.presets, ("clip", "albef", "albef-base", "grit", "softmask", "fistful"))
     args.batch_list = [int(b) for b in csv(args.batches)]
+    for name in ("steps", "timed_steps", "runs"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"error: --{name.replace('_', '-')} {getattr(args, name)}: give 1 or more")
     args.compile_list = csv(args.compile, ("off", "on"))
     args.ckpt_list = csv(args.ckpt, ("off", "on"))
     return args
@@ -317,10 +382,12 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     args.peak = matmul_peak(device)
     spec = next((v for k, v in SPEC_BF16_TFLOPS.items() if k in name), None) if device.type == "cuda" else None
+    args.spec = spec
     header = {"kind": "header", "device": name, "torch": torch.__version__, "precision": args.precision,
               "peak_tflops_measured": float(f"{args.peak:.4g}"),
               "peak_dtype": "bf16" if device.type == "cuda" else "fp32",
-              "peak_tflops_spec": spec, "steps": args.steps, "warmup": args.warmup,
+              "peak_tflops_spec": spec, "mfu_against": "vendor" if spec else "measured", "steps": args.steps,
+              "timed_steps": args.timed_steps, "runs": args.runs, "warmup": args.warmup,
               "memory_gib": round(torch.cuda.get_device_properties(device).total_memory / 2 ** 30, 1)
               if device.type == "cuda" else None}
     print(f"{name}, torch {torch.__version__}, {args.precision}; measured matmul peak {args.peak:.4g} TFLOP/s "

@@ -3,7 +3,7 @@
 # slot (about 8 minutes on an H200, each step under its own time limit, so one that hangs costs only its share):
 #   env          the device, the driver, the Python and its torch, and that vltrain and vlprep import;
 #   cuda-tests   the tests marked `cuda` (they must run: VLTRAIN_REQUIRE_CUDA=1 makes a skip a failure);
-#   bench-*      benchmarks/gpu.py: sizes small and base, presets clip, albef, grit, softmask, batches 64 and 128,
+#   bench-*      benchmarks/gpu.py: sizes small and base, presets clip, albef, grit, softmask, batch 128,
 #                bf16; then base clip with train.compile; then the largest batch that fits with and without
 #                gradient checkpointing;
 #   ddp          a one-process torchrun run on NCCL for 20 steps (the DDP path, one GPU);
@@ -44,7 +44,7 @@ if [ "$DRY" = 1 ]; then
   export PYTHONPATH=$ROOT
   DEVICE=cpu
   STEPS=3
-  BENCH_EAGER=(--device cpu --size tiny --presets clip,albef --batches 4 --steps 1 --warmup 1)
+  BENCH_EAGER=(--device cpu --size tiny --presets clip,albef --batches 4 --steps 1 --timed-steps 2 --runs 1 --warmup 1)
   BENCH_COMPILE=()
   BENCH_MAX=()
   MEMORY=()
@@ -61,11 +61,14 @@ else
   export VLTRAIN_REQUIRE_CUDA=1
   DEVICE=cuda
   STEPS=20
-  # Sized from two runs on an H200 (2026-11-27): a row takes about 7 s; a compiled base row needs over 70 s with
-  # a cold inductor cache (both runs were cut there; about 30 s warm); the two batch-size searches to 1024 and the
-  # rows before them over 110 s. The whole check about 8 minutes, 10 at the steps' limits.
-  BENCH_EAGER=(--size small,base --presets clip,albef,grit,softmask --batches 64,128 --steps 5 --warmup 2)
-  BENCH_COMPILE=(--size base --presets clip --batches 128 --compile on --steps 5 --warmup 2)
+  # Sized from two runs on an H200 (2026-11-27): a row of 7 steps took about 7 s; a compiled base row needs over
+  # 70 s with a cold inductor cache (both runs were cut there; about 30 s warm); the two batch-size searches to 1024
+  # and the rows before them over 110 s. The headline rows now time 3 runs of 30 unsynchronised steps (about 100
+  # steps a row, 0.03-0.25 s each at batch 128): one batch per row, and more time (not yet run on a GPU).
+  BENCH_EAGER=(--size small,base --presets clip,albef,grit,softmask --batches 128 --steps 3 --timed-steps 30
+               --runs 3 --warmup 2)
+  BENCH_COMPILE=(--size base --presets clip --batches 128 --compile on --steps 3 --timed-steps 30 --runs 3
+                 --warmup 2)
   BENCH_MAX=(--size base --presets albef --batches 64 --ckpt off,on --max-batch --max-batch-seconds 40 --steps 3
              --warmup 1)
   MEMORY=(--device cuda --presets clip,albef --batch 128 --text random:bert-base --image timm:vit_base_patch16_224
@@ -119,7 +122,7 @@ step env 40 env_report
 step cuda-tests 90 "$PY" -m pytest -q -p no:cacheprovider -m cuda --junitxml="$CHECK/cuda-tests.xml" $CUDA_TESTS
 # one data folder for the three calls: the shards the benchmark times its setup with are made once
 BENCH=(--json "$CHECK/bench.jsonl" --data-dir "$CHECK/bench-data")
-step bench-eager 150 "$PY" benchmarks/gpu.py "${BENCH_EAGER[@]}" "${BENCH[@]}"
+step bench-eager 240 "$PY" benchmarks/gpu.py "${BENCH_EAGER[@]}" "${BENCH[@]}"
 if [ ${#BENCH_COMPILE[@]} -gt 0 ]; then
   step bench-compile 130 "$PY" benchmarks/gpu.py "${BENCH_COMPILE[@]}" "${BENCH[@]}"
 fi
