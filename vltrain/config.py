@@ -89,7 +89,9 @@ class DataConfig(Section):
     val_max: int = 1000             # held-out samples scored at each evaluation (the first in shard order; the size
                                     # of Flickr30K's 1K test split), so its cost does not grow with the dataset; 0 = all
     input: str = "auto"             # auto (features when every folder has `vlprep features` tokens), features, pixels
-    workers: int = -1               # DataLoader workers; -1 = auto: 0 on cached tokens on a CPU, else 2
+    workers: int = -1               # DataLoader workers; -1 = auto: the CPUs this process may use / the node's
+                                    # torchrun ranks - 1, at most 16, at least 1; 0 on cached tokens on a CPU
+    prefetch: int = -1              # batches each loader worker prepares ahead (prefetch_factor); -1 = torch's (2)
     min_crop_scale: float = 0.5     # RandomResizedCrop scale lower bound of augment=none (ALBEF fine-tuning: 0.5)
     triplets: bool = False          # TOnICS triplet mode: instances are (caption, image, noun span) triplets
     augment: str = "none"           # training images: none (crop + flip), albef (+ RandAugment), softmask (+ colour)
@@ -286,6 +288,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "data.val_frac": ("[0, 1)", "a share of the samples"),
     "data.val_max": ("[0, inf)", "held-out samples scored per evaluation; 0 = all"),
     "data.workers": ("[-1, inf)", "-1 = auto"),
+    "data.prefetch": ("[-1, inf)", "batches per loader worker; -1 = torch's default (2); not 0"),
     "data.min_crop_scale": ("(0, 1]", "a share of the image area"),
     "data.bucket": ("[0, 1000]", "batches per length-sorted window; 0 = off"),
     "loss.itc": ("[0, inf)", "a loss weight"),
@@ -358,6 +361,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError("steps must be at least 1 (or set epochs > 0)")
     if not 0 < cfg.loss.mlm_prob < 1 and cfg.loss.mlm > 0:
         raise ConfigError("loss.mlm_prob must be in (0, 1) when loss.mlm > 0")
+    if cfg.data.prefetch == 0:
+        raise ConfigError("data.prefetch=0 would have the loader workers prepare no batch; give the batches each "
+                          "worker prepares ahead (>= 1), or -1 for torch's default (2)")
     if cfg.data.input not in INPUTS:
         raise ConfigError(f"unknown data.input {shown(cfg.data.input)}; use one of {', '.join(INPUTS)}")
     if cfg.loss.distill_alpha > 0 and not cfg.model.momentum:

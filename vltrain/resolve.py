@@ -3,6 +3,7 @@ it changed and why. What it needs from the data comes in `DataFacts`, read from 
 
 import copy
 import math
+import os
 from dataclasses import dataclass
 
 from vltrain import hfclip
@@ -36,9 +37,11 @@ def resolve(cfg: Config, device, facts: DataFacts) -> tuple[Config, list[str]]:
         out.model.feature_dim = int(facts.features["dim"])
         out.model.feature_encoder = facts.features
     if out.data.workers < 0:
-        # auto: 0 for cached tokens on a CPU, where loading is light and worker processes only compete with torch's
-        # threads (and are forked anew each epoch), 2 otherwise
-        out.data.workers = 0 if out.data.input == "features" and device.type == "cpu" else 2
+        out.data.workers, note = auto_workers(node_cpus(), local_ranks(), out.data.input, device.type)
+        notes.append(note)
+    if out.data.workers == 0 and out.data.prefetch > 0:  # torch refuses prefetch_factor without workers
+        notes.append(f"note: data.prefetch {out.data.prefetch} is ignored: data.workers is 0 (batches are loaded in "
+                     "the main process when the step asks)")
     if facts.streamed is not None:
         note = fit_workers(out, *facts.streamed)
         notes += [note] if note else []
@@ -49,6 +52,43 @@ def resolve(cfg: Config, device, facts: DataFacts) -> tuple[Config, list[str]]:
     note = clamp_queue(out, facts.n_train)
     notes += [note] if note else []
     return freeze(out), notes
+
+
+MAX_AUTO_WORKERS = 16  # past this a loader's workers mostly add start-up time and memory (one forked copy each)
+
+
+def node_cpus() -> int:
+    """The CPUs this process may run on (its affinity set: a container's or a job's share, not the machine's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS has no affinity call
+        return os.cpu_count() or 1
+
+
+def local_ranks() -> int:
+    """The processes torchrun started on this node (LOCAL_WORLD_SIZE), which share its CPUs; 1 outside torchrun."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def auto_workers(cpus: int, ranks: int, input_kind: str, device_type: str) -> tuple[int, str]:
+    """data.workers auto: (workers, the note saying why). Each of the node's `ranks` processes gets an equal share of
+    its `cpus`, less one for the process itself (it runs the step), capped at MAX_AUTO_WORKERS, at least 1; 0 for
+    cached tokens on a CPU, where loading is light and worker processes only compete with torch's threads."""
+    if input_kind == "features" and device_type == "cpu":
+        return 0, ("note: data.workers auto: 0 (cached tokens on a CPU load in the main process; workers would only "
+                   "compete with torch's threads)")
+    share = cpus // ranks - 1
+    workers = max(1, min(MAX_AUTO_WORKERS, share))
+    rank_word = "local rank" if ranks == 1 else "local ranks"
+    why = f"{cpus} CPUs for this process / {ranks} {rank_word} - 1 for the main process"
+    if share > MAX_AUTO_WORKERS:
+        why += f", capped at {MAX_AUTO_WORKERS}"
+    elif share < 1:
+        why += ", at least 1"
+    return workers, f"note: data.workers auto: {workers} ({why})"
 
 
 def fit_workers(cfg: Config, n_train: int, n_shards: int) -> str | None:

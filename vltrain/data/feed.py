@@ -41,8 +41,9 @@ def _ignore_sigint(worker_id: int) -> None:
 
 
 def make_loader(seed: int, dataset, sampler, collate, batch_size: int, workers: int,
-                device: torch.device) -> DataLoader:
-    """The run's one DataLoader, its workers forked once and kept across epochs (persistent_workers)."""
+                device: torch.device, prefetch: int = -1) -> DataLoader:
+    """The run's one DataLoader, its workers forked once and kept across epochs (persistent_workers), each preparing
+    `prefetch` batches ahead (-1: torch's default; no workers: none, as torch allows no prefetch_factor then)."""
     # A fork per epoch made every epoch's first step pay copy-on-write faults on the weights and AdamW
     # state. The workers learn the epoch through shared memory and reseed at its start
     # (samples.reseed_worker), so an epoch's samples and augmentations are a function of (seed, epoch)
@@ -50,6 +51,8 @@ def make_loader(seed: int, dataset, sampler, collate, batch_size: int, workers: 
     common = dict(collate_fn=collate, num_workers=workers, pin_memory=device.type == "cuda",
                   generator=torch.Generator().manual_seed(seed * 100_003), worker_init_fn=_ignore_sigint,
                   persistent_workers=workers > 0)
+    if workers > 0 and prefetch > 0:
+        common["prefetch_factor"] = prefetch
     if sampler is not None:  # index samplers: an epoch is a GRIT pass over the data or a TOnICS curriculum period
         return DataLoader(dataset, batch_sampler=sampler, **common)
     return DataLoader(dataset, batch_size=batch_size, drop_last=True, **common)
@@ -78,8 +81,8 @@ class Feed:
     `next(state)` returns (batch, None) or (None, the fault), advancing state.epoch / state.consumed."""
 
     def __init__(self, data, batch_sampler, seed: int, batch_size: int, workers: int, device: torch.device,
-                 preloaded=None):
-        self.data, self.batch_sampler, self.seed = data, batch_sampler, seed
+                 preloaded=None, prefetch: int = -1):
+        self.data, self.batch_sampler, self.seed, self.prefetch = data, batch_sampler, seed, prefetch
         self.preloaded = preloaded  # an iterable of collated batches standing in for the loader, one pass an epoch
         self.batch_size, self.workers, self.device = batch_size, workers, device
         self.bad = 0  # bad (skipped) samples so far
@@ -91,7 +94,7 @@ class Feed:
             self.loader = self.preloaded
         elif self.loader is None:
             self.loader = make_loader(self.seed, self.data.train, self.batch_sampler, self.data.collate,
-                                      self.batch_size, self.workers, self.device)
+                                      self.batch_size, self.workers, self.device, self.prefetch)
         self.batches, self.rng = epoch_batches(self.loader, epoch, self.seed, self.data.train, self.batch_sampler)
 
     def close(self) -> None:
