@@ -186,19 +186,19 @@ def timed_step(s, cpu_batch: dict, gen: torch.Generator) -> dict:
     return {p: t[i + 1] - t[i] for i, p in enumerate(PARTS)}
 
 
-def timed_run(s, cpu_batch: dict, gen: torch.Generator, steps: int) -> float:
-    """Seconds per step over `steps` steps with no synchronisation between them: CUDA events around the run on a
+def timed_run(step, device: torch.device, steps: int) -> float:
+    """Seconds per `step()` over `steps` calls with no synchronisation between them: CUDA events around the run on a
     GPU (the queue drained before the first and after the last), the wall clock on a CPU."""
-    if s.device.type != "cuda":
+    if device.type != "cuda":
         t0 = time.perf_counter()
         for _ in range(steps):
-            one_step(s, cpu_batch, gen)
+            step()
         return (time.perf_counter() - t0) / steps
-    sync(s.device)
+    sync(device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(steps):
-        one_step(s, cpu_batch, gen)
+        step()
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / 1e3 / steps
@@ -253,7 +253,8 @@ def measure(args, key: dict, device: torch.device, shards: Path, out: Path, step
         gen = torch.Generator(device=device).manual_seed(0)
         for _ in range(warmup):
             one_step(s, cpu_batch, gen)
-        runs = [timed_run(s, cpu_batch, gen, timed_steps or args.timed_steps) for _ in range(n_runs or args.runs)]
+        runs = [timed_run(lambda: one_step(s, cpu_batch, gen), device, timed_steps or args.timed_steps)
+                for _ in range(n_runs or args.runs)]
         parts = [timed_step(s, cpu_batch, gen) for _ in range(steps)]
         peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
         fkey = (key["size"], key["preset"], key["batch"])

@@ -6,6 +6,7 @@
 #   bench-*      benchmarks/gpu.py: sizes small and base, presets clip, albef, grit, softmask, batch 128,
 #                bf16; then base clip with train.compile; then the largest batch that fits with and without
 #                gradient checkpointing;
+#   peer         benchmarks/peer.py: vltrain against open_clip's own step on the same ViT-B-16 towers, batch 256;
 #   ddp          a one-process torchrun run on NCCL for 20 steps (the DDP path, one GPU);
 #   memory-accum peak memory of a base-size step at train.accum_steps 1, 2, 4 (benchmarks/accum_memory.py);
 #   report       CHECK_DIR/gpu-check.json and gpu-check.md, the table printed at the end.
@@ -48,6 +49,7 @@ if [ "$DRY" = 1 ]; then
   BENCH_COMPILE=()
   BENCH_MAX=()
   MEMORY=()
+  PEER=()  # its CPU dry run is a test of its own (tests/vltrain/test_peer_benchmark.py)
   DDP_ARGS="--device cpu --batch-size 4 --set model.image_model=tiny --set model.text_model=tiny"
 else
   PY=${PY:-python3}
@@ -71,6 +73,9 @@ else
                  --warmup 2)
   BENCH_MAX=(--size base --presets albef --batches 64 --ckpt off,on --max-batch --max-batch-seconds 40 --steps 3
              --warmup 1)
+  # vltrain against open_clip on the same ViT-B-16 towers (benchmarks/peer.py): one batch here, eager and compiled
+  # (four processes; a compiled side needs about 70 s with a cold inductor cache); the full grid is a call of its own
+  PEER=(--size base --batches 256 --compile off,on --worker-seconds 130)
   MEMORY=(--device cuda --presets clip,albef --batch 128 --text random:bert-base --image timm:vit_base_patch16_224
           --image-size 224)
   DDP_ARGS="--device cuda --batch-size 32 --set model.image_model=tiny --set model.text_model=random:minilm"
@@ -128,6 +133,9 @@ if [ ${#BENCH_COMPILE[@]} -gt 0 ]; then
 fi
 if [ ${#BENCH_MAX[@]} -gt 0 ]; then
   step bench-max-batch 130 "$PY" benchmarks/gpu.py "${BENCH_MAX[@]}" "${BENCH[@]}"
+fi
+if [ ${#PEER[@]} -gt 0 ]; then
+  step peer 300 "$PY" benchmarks/peer.py "${PEER[@]}" --json "$CHECK/peer.jsonl"
 fi
 step ddp 60 ddp_run
 if [ ${#MEMORY[@]} -gt 0 ]; then

