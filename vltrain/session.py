@@ -401,7 +401,8 @@ def setup(cfg: Config, resume: bool = False, overwrite: bool = False, init_from=
     # --- resume (the data position is replayed: this epoch's batches already trained on are drawn again)
     state, rng = restore(ckpt, run, rank, size) if ckpt is not None else (RunState(), None)
     rows = earlier_rows(out / "metrics.jsonl", state.step) if ckpt is not None else []
-    feed = Feed(data, batch_sampler, rank_seed, cfg.batch_size, cfg.data.workers, device, batches)
+    feed = Feed(data, batch_sampler, rank_seed, cfg.batch_size, cfg.data.workers, device, batches,
+                prefetch=cfg.data.prefetch)
     feed.start(state)
     if ckpt is not None:
         set_rng_states(rng, generator)

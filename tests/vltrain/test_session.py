@@ -95,3 +95,17 @@ def test_a_quiet_setup_prints_nothing_and_feeds_the_batches_it_is_given(onto, tm
     s = setup(cfg, overwrite=True, batches=[batch])  # quiet belongs to that session: the next one reports again
     s.close()
     assert "clip" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # two set-ups that start a loader worker each
+def test_data_prefetch_reaches_the_runs_loader(onto, tmp_path):
+    """data.prefetch is the loader's prefetch_factor in the run setup builds (torch's default 2 when -1)."""
+    sets = [x for x in TINY if not x.startswith("data.workers")] + ["data.workers=1"]
+    for value, expected in (("3", 3), ("-1", 2)):
+        cfg = load_config("clip", None, sets + [f"data.prefetch={value}"], shards=[str(onto)],
+                          out=str(tmp_path / value), steps=2, batch_size=4, device="cpu")
+        s = setup(cfg, quiet=True)
+        try:
+            assert s.feed.loader.prefetch_factor == expected
+        finally:
+            s.close()
