@@ -15,7 +15,7 @@ from rich.text import Text
 
 from vlprep import VlprepError
 from vlprep.urls import redact, redact_text
-from vlprep.cliargs import refuse_urls, version_option, writing
+from vlprep.cliargs import refuse_urls, tidy_help, version_option, writing
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Prepare image-caption WebDataset shards for vision-language alignment.")
@@ -42,8 +42,8 @@ def skip_bad_option():
 
 def distributor_option():
     return typer.Option("local", help="Where the shards are processed: local (this machine: a process pool, or this "
-                        "process with --workers 1) or ray (Ray actors; RAY_ADDRESS or a local Ray; needs the "
-                        "\\[ray] extra, docs/SCALE.md).")
+                        "process with --workers 1) or ray (needs the \\[ray] extra: Ray actors on RAY_ADDRESS or a "
+                        "local Ray; docs/SCALE.md).")
 
 
 def workers_option(default: str):
@@ -486,6 +486,7 @@ refuse_urls(app, {"shards": ("out",), "bow": ("src", "out"), "detect": ("src", "
                   "ontology": ("src", "out"), "embed": ("dataset", "out"), "pseudolabel": ("aligned", "unaligned", "out"),
                   "stats": ("dataset",), "filter": ("src", "out", "exclude"),
                   "view": ("dataset", "input_", "aligned")})
+tidy_help(app)
 
 
 def main() -> None:

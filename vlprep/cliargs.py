@@ -1,6 +1,7 @@
-"""The arguments both CLIs share: the paths they take and write, and `--version`. A dataset folder argument may be a URL (s3://, gs://, http(s)://, and
-file:// for a local path; vlprep.objstore reads and writes them); every other path (a config, a checkpoint, weights,
-a run folder) stays local, and a URL there is one line. An OSError on an output folder is one line (`writing`).
+"""The arguments both CLIs share: the paths they take and write, `--version` and the help's layout. A dataset folder
+argument may be a URL (s3://, gs://, http(s)://, and file:// for a local path; vlprep.objstore reads and writes
+them); every other path (a config, a checkpoint, weights, a run folder) stays local, and a URL there is one line. An
+OSError on an output folder is one line (`writing`).
 
 The check reads the raw argument: `Path("s3://b/x")` is the local folder `s3:/b/x`, so a Path is too late to tell."""
 
@@ -95,6 +96,49 @@ def refuse_urls(app, datasets: dict[str, tuple[str, ...]] | None = None) -> None
                     info.parser = functools.partial(local_path, what=what)
 
 
+def tidy_help(app) -> None:
+    """Help that reads as a usage line should (call after the last command is defined, as refuse_urls): a bool flag
+    shows `--flag` (off by default) or `--flag/--no-flag` (on by default) without typer's `<bool>` type beside it,
+    and the usage line names the arguments in capitals, `vlprep view [OPTIONS] DATASET`, instead of typer's
+    `{dataset}`. Without the `--no-flag` column of the flags that are off anyway, the help text keeps most of an
+    80-column terminal (`vlprep filter --help` wrapped it into a column 26 wide). Parsing and errors are typer's."""
+    import typer
+    from typer.core import TyperCommand, TyperGroup
+
+    class FlagHelp:
+        def get_help_option(self, ctx):
+            option = super().get_help_option(ctx)
+            if option is not None:
+                option.metavar = ""  # --help is a flag too
+            return option
+
+    class Group(FlagHelp, TyperGroup):
+        pass
+
+    class Command(FlagHelp, TyperCommand):
+        def collect_usage_pieces(self, ctx) -> list[str]:
+            pieces = [self.options_metavar] if self.options_metavar else []
+            for param in self.get_params(ctx):
+                if param.param_type_name == "argument":
+                    name = param.metavar or param.name.upper()
+                    pieces.append((name if param.required else f"[{name}]") + ("..." if param.nargs != 1 else ""))
+            return pieces
+
+    if isinstance(app.info.cls, typer.models.DefaultPlaceholder) or app.info.cls in (None, TyperGroup):
+        app.info.cls = Group  # typer's default group; an app's own class is left alone
+    for command in app.registered_commands:
+        if command.cls in (None, TyperCommand):  # typer's default; a command's own class is left alone
+            command.cls = Command
+        hints = get_type_hints(command.callback)
+        for name, param in inspect.signature(command.callback).parameters.items():
+            info = param.default
+            if isinstance(info, typer.models.OptionInfo) and hints.get(name) is bool:
+                if info.metavar is None:
+                    info.metavar = ""  # no type column: the flag says it all
+                if info.default is False and not info.param_decls:  # off unless given: `--flag`, no `--no-flag`
+                    info.param_decls = ("--" + name.replace("_", "-"),)
+
+
 def _touches(filename, out: Path) -> bool:
     if is_url(str(out)):
         return False
@@ -124,5 +168,5 @@ def version_option(tool: str):
             print(version_line(tool))
             raise typer.Exit()
 
-    return typer.Option(False, "--version", callback=show, is_eager=True,
+    return typer.Option(False, "--version", callback=show, is_eager=True, metavar="",
                         help="Print the version (and torch's and transformers') and exit.")

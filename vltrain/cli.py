@@ -13,7 +13,7 @@ from rich.table import Table
 
 from vlprep import VlprepError
 from vlprep.urls import redact_text
-from vlprep.cliargs import refuse_urls, version_option, writing as remote_writing
+from vlprep.cliargs import refuse_urls, tidy_help, version_option, writing as remote_writing
 from vltrain.config import Config
 
 
@@ -93,6 +93,25 @@ COLUMNS = [("i2t_r1", "TR@1"), ("i2t_r5", "TR@5"), ("i2t_r10", "TR@10"),
            ("t2i_r1", "IR@1"), ("t2i_r5", "IR@5"), ("t2i_r10", "IR@10"), ("mean_recall", "mean")]
 
 
+def preset_note(cfg: Config, cuda: bool) -> str | None:
+    """What `vltrain run` without --preset trains, said before its first step: the default preset and its input; on
+    a CPU with pixels, the cached-token path (`vlprep features`, then --preset clip) that trains in minutes. None
+    when the folders mix inputs (the run's own check says so in one line)."""
+    from vltrain.data.shards import feature_input
+
+    try:
+        features = feature_input(cfg.shards, cfg.data.input) is not None
+    except (ValueError, VlprepError):
+        return None
+    line = (f"no --preset: training {cfg.preset} (the default) on "
+            f"{'cached image tokens (vlprep features)' if features else 'pixels'}")
+    if features or cuda:
+        return line
+    return (f"{line}, on a CPU: both encoders end to end, hours of training (docs/TRAINING.md, \"On a CPU\"). The "
+            "fast CPU path caches the frozen image tower once and trains the rest: `vlprep features DATA DATA-feat`, "
+            "then `vltrain run DATA-feat --preset clip`")
+
+
 def _recall_table(title: str, rows: dict[str, dict]) -> Table:
     """R@1/5/10 image→text and text→image (and their mean), one row per result dict (ITC, ITM re-rank, chance)."""
     table = Table(title=title, caption="TR: text retrieval (an image finds one of its captions, image→text); "
@@ -166,6 +185,13 @@ def run(
                              "data.skip_bad_shards": skip_bad_shards or None})
         if resume and overwrite:
             raise ConfigError("give --resume or --overwrite, not both")
+        if preset is None and os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 says it once
+            import torch
+
+            cuda = cfg.device != "cpu" and torch.cuda.is_available()
+            note = preset_note(cfg, cuda)
+            if note:
+                console.print(note, highlight=False, markup=False)
         with writing(Path(cfg.out)):
             result = train(cfg, resume=resume, overwrite=overwrite, init_from=init_from)
     if result["rank"] > 0:  # under torchrun rank 0 reports
@@ -383,6 +409,7 @@ def export_(
 # SHARDS may be URLs (s3://, gs://, http(s)://; docs/SCALE.md); every other Path argument refuses one in one line,
 # never the folder ./s3:/...
 refuse_urls(app, {"run": ("shards",), "eval": ("shards",)})
+tidy_help(app)
 
 
 def exit_status(code) -> int:
