@@ -21,7 +21,8 @@ tokenises the captions with the same tokenizer, padding to the longest: the same
 
 Each measure is one epoch (every image once) from a fresh DataLoader, workers started included; rounds alternate
 the order of the sides (benchmarks/common.py); medians of --repeats runs. Also printed: bytes per sample through the
-worker queue (the collated image tensor's bytes / batch size) and the CPU-time ratio (workers included). Load
+worker queue (the collated image tensor's bytes / batch size), the CPU-time ratio and samples per CPU-second
+(workers and main process together: what one busy core delivers, the figure to size a node's cores by). Load
 averages are printed at start and end; the table is written to --json (default benchmarks/results/loader.json;
 with --quick only when --json is given).
 
@@ -239,21 +240,27 @@ def row(augment: str, workers: int, times: dict) -> dict:
     """One table row: each side's median samples/s over the runs, their ratio, bytes per sample and CPU ratio."""
     rate = {s: common.median([n / w for n, w in zip(t["samples"], t["wall"])]) for s, t in times.items()}
     cpu = {s: common.median(t["cpu"]) for s, t in times.items()}
+    t_vl, t_bl = times["vltrain"], times["baseline"]
     return {"augment": augment, "workers": workers, "vltrain_per_s": rate["vltrain"],
             "baseline_per_s": rate["baseline"], "ratio": rate["vltrain"] / rate["baseline"],
             "vltrain_bytes_per_sample": common.median(times["vltrain"]["bytes"]),
             "baseline_bytes_per_sample": common.median(times["baseline"]["bytes"]),
             "cpu_ratio": cpu["vltrain"] / cpu["baseline"] if cpu["baseline"] > 0 else float("nan"),
+            # samples per CPU-second (workers and main process together): what one busy core delivers, steadier
+            # than samples/s on a shared machine
+            "vltrain_per_cpu_s": common.median([n / c for n, c in zip(t_vl["samples"], t_vl["cpu"])]),
+            "baseline_per_cpu_s": common.median([n / c for n, c in zip(t_bl["samples"], t_bl["cpu"])]),
             "samples": int(times["vltrain"]["samples"][0]), "baseline_samples": int(times["baseline"]["samples"][0]),
             "runs": len(times["vltrain"]["wall"])}
 
 
 def print_rows(rows: list[dict]) -> None:
     print(f"\n{'augment':<9} {'workers':>7} {'vltrain/s':>10} {'baseline/s':>11} {'ratio':>7} {'cpu ratio':>9} "
-          f"{'bytes/sample vltrain':>21} {'baseline':>9}")
+          f"{'vltrain/CPU-s':>13} {'baseline/CPU-s':>14} {'bytes/sample vltrain':>21} {'baseline':>9}")
     for r in rows:
         print(f"{r['augment']:<9} {r['workers']:>7} {r['vltrain_per_s']:>10.1f} {r['baseline_per_s']:>11.1f} "
-              f"{r['ratio']:>6.2f}x {r['cpu_ratio']:>8.2f}x {r['vltrain_bytes_per_sample']:>21,.0f} "
+              f"{r['ratio']:>6.2f}x {r['cpu_ratio']:>8.2f}x {r['vltrain_per_cpu_s']:>13.1f} "
+              f"{r['baseline_per_cpu_s']:>14.1f} {r['vltrain_bytes_per_sample']:>21,.0f} "
               f"{r['baseline_bytes_per_sample']:>9,.0f}")
 
 
