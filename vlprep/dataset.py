@@ -362,13 +362,25 @@ def batches(it: Iterable, n: int) -> Iterator[list]:
         yield batch
 
 
-def decode_rgb(data: bytes) -> Image.Image:
-    """Decode image bytes to RGB for a model; transparency is composited on white (clip art is mostly transparent)."""
+def decode_rgb(data: bytes, draft: Callable[[int, int], int] | None = None) -> Image.Image:
+    """Decode image bytes to RGB for a model; transparency is composited on white (clip art is mostly transparent).
+
+    `draft` (width, height) -> k in 1, 2, 4, 8: a JPEG is decoded at 1/k of its size by libjpeg's scaled inverse DCT
+    (PIL's Image.draft), ceil(width / k) x ceil(height / k), much cheaper than a full decode and a resize; other
+    formats, and every caller that gives no `draft`, decode at full size.
+    """
     with warnings.catch_warnings():
         # as vlprep.shards: Pillow warns above 89M pixels (printed raw, with its source line) and refuses above 179M;
         # every caller counts the refusal as a skip, the warning says nothing more
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-        return as_rgb(Image.open(io.BytesIO(data)))
+        im = Image.open(io.BytesIO(data))
+        if draft is not None and im.format == "JPEG":
+            k = draft(*im.size)
+            if k > 1:
+                # draft picks the largest DCT scale (8, 4, 2) whose result is at least the requested size, and
+                # width // (width // k) lies in [k, 2k): the request below gets exactly k
+                im.draft("RGB", (max(1, im.width // k), max(1, im.height // k)))
+        return as_rgb(im)
 
 
 def as_rgb(im: Image.Image) -> Image.Image:

@@ -149,7 +149,8 @@ def training_data(cfg: Config, use_features: bool, ckpt: dict | None, rank: int,
         how = image_interpolation(cfg.model)
         tf_train = train_transform(cfg.data.image_size, mean, std, cfg.data.min_crop_scale, cfg.data.augment, how)
         tf_eval = eval_transform(cfg.data.image_size, mean, std, how, image_squash(cfg.model))
-    collate = Collate(tok, cfg.data.max_len, use_features)
+    # the training views are uint8, normalised on the device (to_device); the held-out views are float already
+    collate = Collate(tok, cfg.data.max_len, use_features, tf_train.norm if tf_train is not None else None)
     common = dict(tokenizer=tok, collate=collate, use_features=use_features)
     if cfg.sampler.kind != "random" or cfg.data.triplets:
         # TOnICS / GRIT / triplets: positions from a batch sampler, samples read through wids.

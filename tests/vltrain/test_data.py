@@ -10,7 +10,7 @@ from tests.conftest import image_bytes
 from vlprep.shards import ShardsConfig, build_shards
 from vlprep.dataset import decode_rgb
 from vlprep.encoders import eval_transform
-from vltrain.data.collate import Collate
+from vltrain.data.collate import Collate, to_device
 from vltrain.data.samples import train_transform
 from vltrain.data.shards import count_split, in_val, shard_paths
 from vltrain.data.stream import ShardStream
@@ -60,12 +60,15 @@ def test_mixing_folders_and_epoch_shuffles(tmp_path):
 
 def test_transforms_and_collate(tmp_path):
     ds = make(tmp_path, "a", 6)
-    s = ShardStream([ds], "train", 0.0, train_transform(24, MEAN, STD), shuffle=False)
-    dl = DataLoader(s, batch_size=4, collate_fn=Collate(FakeTokenizer(), max_len=5), num_workers=2)
+    tf = train_transform(24, MEAN, STD)
+    s = ShardStream([ds], "train", 0.0, tf, shuffle=False)
+    dl = DataLoader(s, batch_size=4, collate_fn=Collate(FakeTokenizer(), max_len=5, norm=tf.norm), num_workers=2)
     batches = list(dl)
     assert sum(len(b["keys"]) for b in batches) == 6
     b = batches[0]
-    assert b["images"].shape[1:] == (3, 24, 24) and b["images"].dtype == torch.float32
+    # uint8 through the workers' queue, float32 normalised once on the device
+    assert b["images"].shape[1:] == (3, 24, 24) and b["images"].dtype == torch.uint8
+    assert to_device(b, torch.device("cpu"))["images"].dtype == torch.float32
     assert b["input_ids"].shape[1] <= 5 and b["attention_mask"].shape == b["input_ids"].shape
     # eval: resize + centre crop + the encoder's normalisation, computed by hand
     x = eval_transform(8, MEAN, STD)(Image.new("RGB", (16, 8), (255, 0, 128)))

@@ -32,10 +32,11 @@ class Collate:
     'keys', 'captions'[, 'index'[, 'noun_mask']]}; noun_mask (B, L) marks the word pieces of each span.
 
     Samples loaded with every caption (a tuple each, for evaluation) give one row of input_ids per caption and
-    'caption_owner' (T,): the batch position of each caption's image."""
+    'caption_owner' (T,): the batch position of each caption's image. uint8 images (train_transform's) stay uint8,
+    and the batch carries 'pixel_norm' (2, 3): the `norm` (mean, std) that `to_device` applies on the device."""
 
-    def __init__(self, tokenizer, max_len: int, use_features: bool = False):
-        self.tokenizer, self.max_len, self.use_features = tokenizer, max_len, use_features
+    def __init__(self, tokenizer, max_len: int, use_features: bool = False, norm: tuple | None = None):
+        self.tokenizer, self.max_len, self.use_features, self.norm = tokenizer, max_len, use_features, norm
 
     def __call__(self, batch: list[tuple | None]) -> dict | None:
         batch = [b for b in batch if b is not None]  # undecodable samples (counted where they were read)
@@ -50,8 +51,14 @@ class Collate:
         extra_args = {"return_offsets_mapping": True} if spans else {}  # fast tokenizers only: triplets need it
         tok = self.tokenizer(list(captions), padding="longest", truncation=True, max_length=self.max_len,
                              return_tensors="pt", **extra_args)
-        out = {"features" if self.use_features else "images": torch.stack(xs), "input_ids": tok["input_ids"],
+        x = torch.stack(xs)
+        out = {"features" if self.use_features else "images": x, "input_ids": tok["input_ids"],
                "attention_mask": tok["attention_mask"], "keys": list(keys), "captions": list(captions)}
+        if x.dtype == torch.uint8:
+            if self.norm is None:
+                raise ValueError("uint8 images and no normalisation to apply on the device: give Collate "
+                                 "norm=(mean, std) (train_transform's .norm)")
+            out["pixel_norm"] = torch.tensor(self.norm, dtype=torch.float32)
         if owner is not None:
             out["caption_owner"] = owner
         if extra:
@@ -62,5 +69,12 @@ class Collate:
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
-    """The batch's tensors on `device` (non-blocking from pinned memory); other entries as they are."""
-    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+    """The batch's tensors on `device` (non-blocking from pinned memory); other entries as they are. uint8 images
+    with a 'pixel_norm' (mean, std) become float32 (x / 255 - mean) / std there, the batch without 'pixel_norm'."""
+    out = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+    norm = out.pop("pixel_norm", None)
+    if norm is not None and out["images"].dtype == torch.uint8:
+        # torchvision's ToDtype(float32, scale=True) then Normalize, op for op: the CPU path's numbers exactly
+        mean, std = norm[0].view(-1, 1, 1), norm[1].view(-1, 1, 1)
+        out["images"] = out["images"].to(torch.float32).mul_(1.0 / 255).sub_(mean).div_(std)
+    return out

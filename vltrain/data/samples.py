@@ -1,5 +1,6 @@
 """One sample decoded: captions, `npy` tokens, image transforms, bad-sample counts, worker seeds."""
 
+import functools
 import hashlib
 import io
 import json
@@ -12,14 +13,44 @@ from torch.utils.data import get_worker_info
 from vlprep.dataset import decode_rgb, image_ext
 
 
+# RandomResizedCrop's default aspect ratios: the crops the draft rule allows for
+CROP_RATIO = (3 / 4, 4 / 3)
+DRAFT_SCALES = (8, 4, 2)
+
+
+def draft_scale(width: int, height: int, size: int, min_scale: float) -> int:
+    """The JPEG DCT scale k (1, 2, 4 or 8) a width x height image can be decoded at for RandomResizedCrop(size,
+    scale=(min_scale, 1), ratio=(3/4, 4/3)): the largest k at which every crop the transform can draw from the
+    ceil(width / k) x ceil(height / k) draft still has `size` pixels or more per side, so no crop is upsampled.
+
+    On a w x h draft a crop of area fraction s and aspect ratio r is sqrt(s r w h) x sqrt(s w h / r) (before
+    rounding), and fits when it lies inside the image; after ten draws that do not fit torchvision takes the centre
+    crop of ratio clamped to 3/4..4/3, whose short side is min(w, h). The shortest side is therefore
+    min(min(w, h), sqrt(min_scale * 3/4 * w * h)) (s = min_scale, r = 3/4 or 4/3, whichever fits the image's
+    orientation; the centre crop when it does not fit): k is safe when both are >= size. With min_scale above 3/4
+    the extreme crop may not fit a near-square image, and the rule is then a lower bound (it never picks a larger k
+    than the exact one).
+    """
+    for k in DRAFT_SCALES:
+        w, h = -(-width // k), -(-height // k)
+        if min(w, h) >= size and min_scale * CROP_RATIO[0] * w * h >= size * size:
+            return k
+    return 1
+
+
 def train_transform(size: int, mean, std, min_scale: float = 0.5, augment: str = "none",
                     interpolation: str = "bilinear") -> "v2.Compose":
-    """Training view of an image: augment none (crop at scale min_scale..1 + flip, resized with `interpolation`,
-    the model's: bicubic for a CLIP tower), albef or softmask (MMDA).
+    """Training view of an image, uint8 (3, size, size): augment none (crop at scale min_scale..1 + flip, resized with
+    `interpolation`, the model's: bicubic for a CLIP tower), albef or softmask (MMDA).
 
     albef is ALBEF's pre-training recipe: crop at scale 0.2..1, flip, RandAugment with 2 ops at magnitude 7
     (torchvision's op set, not ALBEF's hand-written one). softmask adds TCL's colour recipe, which SoftMask++'s MMDA
     takes: ColorJitter(0.4, 0.4, 0.4, 0.1) at p 0.8, grayscale at p 0.2, Gaussian blur (sigma 0.1..2) at p 0.5.
+
+    Every op runs on uint8 (as it always did: ToImage gives uint8), and the view stays uint8 through the DataLoader
+    queue and the host-to-device copy, a quarter of float32's bytes: `.norm` is the (mean, std) that `Collate` puts
+    on the batch and `to_device` applies there, (x / 255 - mean) / std. `.draft` (width, height) -> k is the JPEG
+    draft scale the crop allows (`draft_scale`), for `decode_rgb`.
     """
     # imported here: `import torchvision` loads its models and, through them, torch._dynamo (about 3 s), which a run
     # on cached features, an evaluation or `vltrain --help` never needs
@@ -27,17 +58,21 @@ def train_transform(size: int, mean, std, min_scale: float = 0.5, augment: str =
 
     if augment == "none":
         how = v2.InterpolationMode(interpolation)
-        return v2.Compose([v2.ToImage(), v2.RandomResizedCrop(size, scale=(min_scale, 1.0), antialias=True,
-                                                              interpolation=how),
-                           v2.RandomHorizontalFlip(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
-    steps = [v2.ToImage(), v2.RandomResizedCrop(size, scale=(0.2, 1.0), antialias=True,
-                                                interpolation=v2.InterpolationMode.BICUBIC),
-             v2.RandomHorizontalFlip(), v2.RandAugment(num_ops=2, magnitude=7)]
+        steps = [v2.ToImage(), v2.RandomResizedCrop(size, scale=(min_scale, 1.0), antialias=True, interpolation=how),
+                 v2.RandomHorizontalFlip()]
+    else:
+        min_scale = 0.2
+        steps = [v2.ToImage(), v2.RandomResizedCrop(size, scale=(min_scale, 1.0), antialias=True,
+                                                    interpolation=v2.InterpolationMode.BICUBIC),
+                 v2.RandomHorizontalFlip(), v2.RandAugment(num_ops=2, magnitude=7)]
     if augment == "softmask":
         kernel = 2 * max(1, round(0.05 * size)) + 1  # SimCLR's blur kernel: about a tenth of the image side, odd
         steps += [v2.RandomApply([v2.ColorJitter(0.4, 0.4, 0.4, 0.1)], p=0.8), v2.RandomGrayscale(p=0.2),
                   v2.RandomApply([v2.GaussianBlur(kernel, sigma=(0.1, 2.0))], p=0.5)]
-    return v2.Compose(steps + [v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
+    tf = v2.Compose(steps)
+    tf.norm = (tuple(float(m) for m in mean), tuple(float(s) for s in std))
+    tf.draft = functools.partial(draft_scale, size=size, min_scale=min_scale)
+    return tf
 
 
 class BadSample(ValueError):
@@ -200,7 +235,8 @@ def load_sample(raw: dict, transform, use_features: bool, captions=FIRST, shape=
             raise BadSample("npy_missing", f"{raw.get('__url__', '')}: sample {raw['__key__']} has no npy features")
         x = load_tokens(raw["npy"], shape)
     else:
-        x = transform(decode_rgb(raw[image_ext(raw)]))
+        # a training view decodes a JPEG only as large as its crops need (train_transform's .draft)
+        x = transform(decode_rgb(raw[image_ext(raw)], getattr(transform, "draft", None)))
     return x, caption, raw["__key__"]
 
 
