@@ -186,10 +186,13 @@ def run(
         if resume and overwrite:
             raise ConfigError("give --resume or --overwrite, not both")
         if preset is None and os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 says it once
-            import torch
+            from vltrain.session import RUN_FILES, train_device
 
-            cuda = cfg.device != "cpu" and torch.cuda.is_available()
-            note = preset_note(cfg, cuda)
+            cuda = train_device(cfg.device).type == "cuda"  # a device this machine lacks: its one line, first
+            run_dir = Path(cfg.out)
+            refused = (not (run_dir / "last.pt").exists() if resume
+                       else not overwrite and any((run_dir / name).exists() for name in RUN_FILES))
+            note = None if refused else preset_note(cfg, cuda)  # a refused OUT is train()'s one line, alone
             if note:
                 console.print(note, highlight=False, markup=False)
         with writing(Path(cfg.out)):

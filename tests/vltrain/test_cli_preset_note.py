@@ -34,7 +34,8 @@ def test_the_note_names_the_default_and_the_cpu_path(folders):
 
 
 def test_run_prints_it_before_training(folders, tmp_path, monkeypatch):
-    """Printed before train() is called; not printed when --preset is given."""
+    """Printed before train() is called; not printed when --preset is given, nor when train() is about to refuse
+    OUT in one line (it holds another run), which then stays the only line."""
     calls = []
 
     def fake_train(cfg, **kw):
@@ -49,3 +50,9 @@ def test_run_prints_it_before_training(folders, tmp_path, monkeypatch):
     assert "no --preset: training albef (the default) on pixels, on a CPU" in r.output and calls == ["albef"]
     r = CliRunner().invoke(app, ["run", str(pixels), "--preset", "albef", "--out", str(tmp_path / "run")])
     assert r.exit_code == 0 and "no --preset" not in r.output and calls == ["albef", "albef"]
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "last.pt").write_bytes(b"")
+    r = CliRunner().invoke(app, ["run", str(pixels), "--out", str(tmp_path / "run")])
+    assert r.exit_code == 0 and "no --preset" not in r.output and len(calls) == 3
+    r = CliRunner().invoke(app, ["run", str(pixels), "--out", str(tmp_path / "run"), "--overwrite"])
+    assert r.exit_code == 0 and "no --preset: training albef" in r.output and len(calls) == 4
