@@ -47,8 +47,9 @@ def set_rng_state(state: tuple, device: torch.device) -> None:
 
 
 def _rows(args: tuple, rows: slice) -> tuple:
-    """The tensor arguments cut to `rows` (along dim 0); anything else as it is."""
-    return tuple(a[rows] if isinstance(a, torch.Tensor) else a for a in args)
+    """The tensor and list arguments (the captions' host lengths) cut to `rows` (along dim 0); anything else as it
+    is."""
+    return tuple(a[rows] if isinstance(a, (torch.Tensor, list)) else a for a in args)
 
 
 def _chunks(n: int, k: int) -> list[slice]:

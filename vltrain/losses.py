@@ -189,13 +189,19 @@ def sample_hard_negatives(weights: torch.Tensor, generator: torch.Generator | No
     b, width = _negative_weights_shape(weights)
     # Re-mask so that weights from anywhere (not only hard_negative_weights) can never yield the positive.
     w = upcast(weights.detach()).masked_fill(torch.eye(b, width, dtype=torch.bool, device=weights.device), 0.0)
-    if not bool((w >= 0).all() & (w.sum(dim=-1) > 0).all()):
-        raise ValueError("every row of weights needs a positive off-diagonal entry and no negative ones")
+    # Checked on the device (a CPU raises at once, a GPU fails the step's kernels): an `if` on the check's value
+    # would wait for the whole step on a GPU, every step
+    ok = (w >= 0).all() & (w.sum(dim=-1) > 0).all()
+    try:
+        torch._assert_async(ok, "every row of weights needs a positive off-diagonal entry and no negative ones")
+    except RuntimeError as e:
+        raise ValueError(str(e)) from None
     return torch.multinomial(w, 1, generator=generator).squeeze(1)
 
 
 def itm_loss(itm_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy over B positives and 2B hard negatives (label 1 = match): (3B, 2), (3B,) -> ()."""
+    """Cross-entropy over B positives and 2B hard negatives (label 1 = match; -100: a row left out, as a row without
+    a negative is): (3B, 2), (3B,) -> (), the mean over the rows not left out."""
     return F.cross_entropy(upcast(itm_logits), labels)
 
 
@@ -229,16 +235,18 @@ def mlm_loss(logits: torch.Tensor, labels: torch.Tensor, soft_targets: torch.Ten
     also (N, V), (N,)[, (N, V)] for logits already taken at the masked positions (what train_step passes)."""
     if alpha > 0 and soft_targets is None:
         raise ValueError("mlm_loss with alpha > 0 needs soft_targets")
+    # Fixed-size ops over every position given, the unmasked ones zeroed out of the sums: no read of how many were
+    # masked (a sync per step on a GPU). train_step passes the masked positions only (all picked), where the sums
+    # and the count are the mean's own, bit for bit. Nothing masked gives 0 with the graph still connected.
     picked = labels != -100
-    if not bool(picked.any()):
-        # Keep the graph connected so a step with nothing masked can still call backward().
-        return upcast(logits).sum() * 0.0
-    # Softmax over V only at masked positions: (N, V) instead of (B, L, V) in float32.
-    logp = upcast(logits[picked]).log_softmax(dim=-1)
-    ce = -logp.gather(1, labels[picked].unsqueeze(1)).squeeze(1).mean()
+    n = picked.sum().clamp(min=1)
+    logp = upcast(logits).log_softmax(dim=-1)
+    nll = -logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    ce = torch.where(picked, nll, torch.zeros_like(nll)).sum() / n
     if soft_targets is None or alpha == 0:
         return ce
-    soft = -(soft_targets[picked].detach().to(logp.dtype) * logp).sum(dim=-1).mean()
+    soft = -(soft_targets.detach().to(logp.dtype) * logp).sum(dim=-1)
+    soft = torch.where(picked, soft, torch.zeros_like(soft)).sum() / n
     return (1 - alpha) * ce + alpha * soft
 
 

@@ -8,6 +8,7 @@ import itertools
 import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -337,8 +338,21 @@ def _build_image_encoder(cfg: ModelConfig, pretrained: bool = True) -> tuple[nn.
 # --- the model --------------------------------------------------------------------------------------------------
 
 
-def length_groups(mask: torch.Tensor, groups: int, row_cost: int = 64,
-                  min_saving: float = 0.1) -> list[tuple[torch.Tensor, int]] | None:
+def row_ends(mask: torch.Tensor) -> list[int]:
+    """Each row's last attended position + 1 (at least 1) of a (B, L) attention mask, as host ints: (B, L) -> [B].
+
+    A host read: the trainer takes it from the batch's CPU mask before the batch goes to the device (`text_ends`)."""
+    return (mask.bool() * torch.arange(1, mask.shape[1] + 1, device=mask.device)).amax(dim=1).clamp(min=1).tolist()
+
+
+def host_ends(mask: torch.Tensor) -> list[int]:
+    """`row_ends` of a mask the host holds (the batch before it goes to the device), through numpy: (B, L) -> [B]."""
+    m = mask.cpu().numpy().astype(bool)
+    return (m * np.arange(1, m.shape[1] + 1)).max(axis=1, initial=0).clip(min=1).tolist()
+
+
+def length_groups(mask: torch.Tensor, groups: int, row_cost: int = 64, min_saving: float = 0.1,
+                  ends: list[int] | None = None) -> list[tuple[torch.Tensor, int]] | None:
     """The rows of a (B, L) attention mask in at most `groups` groups of similar length, each with the length it
     needs (its rows' last attended position + 1): [(row indices, length), ...], or None when they would not save
     `min_saving` of the batch's positions as it comes (below that, the extra calls cost more than they save:
@@ -349,11 +363,14 @@ def length_groups(mask: torch.Tensor, groups: int, row_cost: int = 64,
     The groups are contiguous runs of the rows sorted by length, chosen to minimise the positions computed plus
     `row_cost` per group (a group's fixed cost of kernel launches and small matmuls, in positions' worth):
     an exact dynamic programme over the distinct lengths (at most L of them), so it costs microseconds per batch.
+
+    `ends`: the rows' `row_ends`, known on the host (the trainer's come from the batch's CPU mask), so that nothing
+    is read back from the device; None reads them from `mask` (a device sync on a GPU).
     """
     B, L = mask.shape
     if B == 0 or L == 0:
         return None
-    ends = (mask.bool() * torch.arange(1, L + 1, device=mask.device)).amax(dim=1).clamp(min=1).tolist()
+    ends = row_ends(mask) if ends is None else [min(max(int(e), 1), L) for e in ends]
     tally = collections.Counter(ends)
     values = sorted(tally)
     count = [0, *itertools.accumulate(tally[v] for v in values)]  # count[j]: rows among the first j lengths
@@ -379,12 +396,15 @@ def length_groups(mask: torch.Tensor, groups: int, row_cost: int = 64,
         bounds.append((values[i - 1] if i else 0, values[j - 1]))
         j = i
         g = g - 1
-    lengths = torch.tensor(ends)
-    out = []
-    for low, high in reversed(bounds):
-        rows = torch.nonzero((lengths > low) & (lengths <= high)).flatten().to(mask.device)
-        out.append((rows, high))
-    return out
+    # The row indices are built on the host and copied to the device (from pinned memory on a GPU, so that the copy
+    # does not wait for the device's queue either): nothing is read back
+    return [(_to_device(torch.tensor([i for i, e in enumerate(ends) if low < e <= high], dtype=torch.long),
+                        mask.device), high) for low, high in reversed(bounds)]
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor copied to `device` without waiting for the device: through pinned memory on CUDA."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 def regroup(parts: list[torch.Tensor], groups: list[tuple[torch.Tensor, int]], length: int) -> torch.Tensor:
@@ -571,12 +591,14 @@ class VLModel(nn.Module):
         if self.momentum is not None:
             self.momentum.unpad_groups = groups
 
-    def encode_text(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode_text(self, ids: torch.Tensor, mask: torch.Tensor,
+                    ends: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """ids, mask (B, L) -> hidden (B, L, D_txt), ITC embeds (B, E) L2-normed of [CLS] or the token mean.
 
         With unpad_groups, each length group runs cut to its own longest caption: the attended positions come out
         the same up to float rounding; past a row's mask (positions nothing reads) hidden holds what its group
-        computed there, and zeros past the group's length."""
+        computed there, and zeros past the group's length. `ends`: the rows' `row_ends` known on the host (a
+        training step passes them, so nothing is read back from the device); None reads them from the mask."""
         if self.text_pad is not None:  # SigLIP reads captions padded to its full length, unmasked, and pools the last
             full, pad = self.text_pad
             out = self.text_encoder(input_ids=F.pad(ids, (0, full - ids.shape[1]), value=pad))
@@ -584,15 +606,16 @@ class VLModel(nn.Module):
         if self.clip_text:  # CLIP's own pooling: the (final-LayerNorm) state of each caption's end-of-text token
             out = self.text_encoder(input_ids=ids, attention_mask=mask)
             return out.last_hidden_state, F.normalize(self.text_proj(out.pooler_output), dim=-1)
-        groups = length_groups(mask, self.unpad_groups) if self.unpad_groups else None
+        groups = length_groups(mask, self.unpad_groups, ends=ends) if self.unpad_groups else None
         if groups is None:
-            hidden = self.text_encoder(input_ids=ids, attention_mask=mask).last_hidden_state
+            hidden = self.text_encoder(input_ids=ids, attention_mask=self._bert_mask(mask)).last_hidden_state
         else:
             # The word embeddings once for the whole batch: every lookup's backward fills a vocabulary-sized dense
             # gradient (47 MB for MiniLM), which per group cost more than the padding saved at batch 32.
             words = self.text_encoder.get_input_embeddings()(ids)
-            hidden = regroup([self.text_encoder(inputs_embeds=words[rows, :n], attention_mask=mask[rows, :n])
-                              .last_hidden_state for rows, n in groups], groups, ids.shape[1])
+            hidden = regroup([self.text_encoder(inputs_embeds=words[rows, :n],
+                                                attention_mask=self._bert_mask(mask[rows, :n])).last_hidden_state
+                              for rows, n in groups], groups, ids.shape[1])
         if self.cfg.pooling == "mean":
             # Over every attended token, [CLS] and [SEP] included, as sentence-transformers pools (MiniLM's training).
             m = mask.to(hidden.dtype).unsqueeze(-1)
@@ -601,14 +624,28 @@ class VLModel(nn.Module):
             pooled = hidden[:, 0]
         return hidden, F.normalize(self.text_proj(pooled), dim=-1)
 
+    def _bert_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """A BERT text encoder's padding mask (B, L) as the 4-D mask (B, 1, 1, L) its attention applies, which
+        transformers takes as it is: given the 2-D mask, it asks whether any position is padding (`mask.all()`) to
+        drop the mask when none is, a read back from the device on every call. The same mask: SDPA's boolean
+        (True = attend), eager attention's additive (0 or the dtype's lowest); other encoders get the 2-D mask."""
+        tc = self.text_encoder.config
+        impl = getattr(tc, "_attn_implementation", None)
+        if tc.model_type != "bert" or impl not in ("sdpa", "eager"):
+            return mask
+        keep = mask.bool()[:, None, None, :]
+        if impl == "sdpa":
+            return keep
+        dtype = self.text_encoder.get_input_embeddings().weight.dtype
+        return torch.zeros(keep.shape, dtype=dtype, device=mask.device).masked_fill(~keep, torch.finfo(dtype).min)
+
     def temperature(self) -> torch.Tensor:
         """The ITC temperature, kept in [0.001, 0.5]: () scalar; divide the cosine similarities by it."""
-        # ALBEF clamps the parameter itself, so it never sits outside the range with a dead gradient. Doing it
-        # only when out of range means a second call in the same step never bumps the version counter of a
-        # tensor autograd has already saved.
-        if not TEMP_MIN <= float(self.temp.detach()) <= TEMP_MAX:
-            with torch.no_grad():
-                self.temp.clamp_(TEMP_MIN, TEMP_MAX)
+        # ALBEF clamps the parameter itself, so it never sits outside the range with a dead gradient. On the
+        # device, without reading the value back (a sync per step on a GPU); through .data, whose in-place change
+        # does not bump the version counter autograd checks: a second call in the same step changes nothing (the
+        # first one clamped), so the value a backward saved stays what it was.
+        self.temp.data.clamp_(TEMP_MIN, TEMP_MAX)
         return self.temp.clamp(TEMP_MIN, TEMP_MAX)
 
     # --- multimodal ---
@@ -623,19 +660,20 @@ class VLModel(nn.Module):
             raise RuntimeError("this model has no fusion encoder (fusion_layers=0): ITM and MLM are unavailable")
 
     def fuse(self, text_hidden: torch.Tensor, text_mask: torch.Tensor, image_tokens: torch.Tensor,
-             patch_weights: torch.Tensor | None = None, return_attn: bool = False):
+             patch_weights: torch.Tensor | None = None, return_attn: bool = False, ends: list[int] | None = None):
         """Text hidden (B, L, D_txt) with mask (B, L) over image tokens (B, N, D_img) -> fused (B, L, D_txt).
 
         patch_weights (B, N): SoftMask++'s M, multiplied into the image tokens as cross-attention reads them (after
         the projection and its LayerNorm, which would otherwise undo it). return_attn: also every fusion layer's
-        cross-attention probabilities, a list of (B, H, L, N).
+        cross-attention probabilities, a list of (B, H, L, N). `ends`: the rows' `row_ends` (or bounds above them)
+        known on the host, for the length groups; None reads them from the mask.
         """
         self._need_fusion()
         image = self.image_to_text(image_tokens)
         if patch_weights is not None:
             image = image * patch_weights.to(image.dtype).unsqueeze(-1)
         keep = text_mask.bool()
-        groups = length_groups(keep, self.unpad_groups) if self.unpad_groups and not return_attn else None
+        groups = length_groups(keep, self.unpad_groups, ends=ends) if self.unpad_groups and not return_attn else None
         if groups is not None:  # every row is its own sequence: each group runs cut to its longest caption
             parts = []
             for rows, n in groups:
@@ -721,11 +759,11 @@ class VLModel(nn.Module):
         image_feat = image_feat.detach()[-q:]
         text_feat = text_feat.detach()[-q:]
         b = image_feat.shape[0]
-        ptr = int(self.queue_ptr)
-        idx = (ptr + torch.arange(b, device=self.image_queue.device)) % q
+        # The pointer stays on the device (reading it back would wait for the whole step on a GPU)
+        idx = (self.queue_ptr + torch.arange(b, device=self.image_queue.device)) % q
         self.image_queue[:, idx] = image_feat.T.to(self.image_queue.dtype)
         self.text_queue[:, idx] = text_feat.T.to(self.text_queue.dtype)
-        self.queue_ptr[0] = (ptr + b) % q
+        self.queue_ptr.copy_((self.queue_ptr + b) % q)
 
 
 def build_model(cfg: ModelConfig, pretrained: bool = True) -> VLModel:

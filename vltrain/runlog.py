@@ -8,6 +8,7 @@ import os
 import time
 from pathlib import Path
 
+import torch
 from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
@@ -172,6 +173,7 @@ class RunLog:
                                  TimeRemainingColumn(), console=console, disable=not console.is_terminal)
         self.task = self.progress.add_task("train", total=cfg.steps, completed=step, rate="")
         self.start_step, self.losses, self.last_eval = step, {}, None
+        self.pending = []  # steps recorded since the last flush: (step, loss names, loss tensors, row fields, time)
         self.report_every = max(1, cfg.steps // 10)  # without a terminal (no bar), a progress line every 10%
         self.t_start = self.t0 = time.perf_counter()
         self.seen = 0
@@ -195,18 +197,49 @@ class RunLog:
 
     def step(self, step: int, losses: dict, lr: float, alpha: float, bad: int, samples: int,
              io: dict | None = None) -> None:
-        """After an optimiser step: the ETA note after 10 steps, a row every log_every steps, the progress; `io`
-        (remote data: read_retries, shards_skipped) joins the row."""
+        """After an optimiser step: its losses (0-d tensors, detached here) kept on their device with the row's other
+        fields and the time, until `flush` reads every pending step in one transfer and reports them. Reading a
+        loss every step would make the host wait for the device's queue to drain each step."""
+        self.pending.append((step, list(losses), [v.detach() for v in losses.values()], (lr, alpha, bad, samples, io),
+                             time.perf_counter()))
+
+    def due(self, step: int) -> bool:
+        """Whether `step` writes something (a metrics row, the ETA note, a progress line without a terminal), so the
+        loop flushes after it; every rank answers alike (the loop's other flushes come before checkpoints,
+        evaluations and TOnICS checks)."""
+        return (step % self.cfg.log_every == 0 or step == self.cfg.steps or step - self.start_step == 10
+                or (self.progress.disable and step % self.report_every == 0))
+
+    def read_pending(self) -> list[tuple[int, dict]]:
+        """Every pending step's (step, {name: float}), in step order, read from the device in one transfer."""
+        if not self.pending:
+            return []
+        flat = iter(torch.stack([v for p in self.pending for v in p[2]]).tolist())
+        return [(p[0], {k: next(flat) for k in p[1]}) for p in self.pending]
+
+    def flush(self, values: list[tuple[int, dict]], until: int | None = None) -> None:
+        """Report the pending steps before step `until` (None: all of them) with `read_pending`'s `values` (rows,
+        progress, ETA note, at the times the steps ended); the pending ones are dropped."""
+        for (step, names, _, (lr, alpha, bad, samples, io), now), (_, losses) in zip(self.pending, values):
+            if until is not None and step >= until:
+                break
+            self._report(step, losses, lr, alpha, bad, samples, io, now)
+        self.pending = []
+
+    def _report(self, step: int, losses: dict, lr: float, alpha: float, bad: int, samples: int, io: dict | None,
+                now: float) -> None:
+        """One optimiser step's report, as of `now` (when it ended): the ETA note after 10 steps, a row every
+        log_every steps, the progress; `io` (remote data: read_retries, shards_skipped) joins the row."""
         cfg = self.cfg
         self.losses, self.seen = losses, self.seen + samples
         done = step - self.start_step
-        elapsed = time.perf_counter() - self.t_start
+        elapsed = now - self.t_start
         sec_per_step = elapsed / done
         if done == 10 and cfg.steps - step > 0:
             self._eta_note(done, elapsed, step)
         if step % cfg.log_every == 0 or step == cfg.steps:
-            rate = self.seen / max(time.perf_counter() - self.t0, 1e-9)
-            self.t0, self.seen = time.perf_counter(), 0
+            rate = self.seen / max(now - self.t0, 1e-9)
+            self.t0, self.seen = now, 0
             row = {"step": step, **losses, "lr": lr, "samples_per_s": round(rate, 2), "bad_samples": bad, **(io or {})}
             if cfg.loss.distill_alpha > 0:
                 row["distill_alpha"] = alpha

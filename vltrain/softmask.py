@@ -136,11 +136,12 @@ def caption_gradcam(model, pixels: torch.Tensor, ids: torch.Tensor, mask: torch.
 
 def soft_itm_loss(model, source: tuple[str, float], pos_logits: torch.Tensor, maps: list | None,
                   text_hidden: torch.Tensor, mask: torch.Tensor, image_tokens: torch.Tensor,
-                  generator: torch.Generator) -> torch.Tensor:
+                  generator: torch.Generator, ends: list[int] | None = None) -> torch.Tensor:
     """Eq. 12: the positive pairs again, image tokens multiplied by this step's mask M, labelled match.
 
     pos_logits (B, 2) are the positives' ITM logits and `maps` the ITM pass's cross-attention probabilities (rows
-    0..B-1 are the positives; None for random masks); M carries no gradient.
+    0..B-1 are the positives; None for random masks); M carries no gradient. `ends`: the captions' lengths known on
+    the host (`VLModel.fuse`).
     """
     b = pos_logits.shape[0]
     grads = None
@@ -153,4 +154,4 @@ def soft_itm_loss(model, source: tuple[str, float], pos_logits: torch.Tensor, ma
             grads = [g[:b].detach() for g in torch.autograd.grad(s_pos, maps, retain_graph=True)]
         maps = [a[:b].detach() for a in maps]
     m = masks_for(source, maps, grads, mask.bool(), image_tokens.shape[1], generator)
-    return softmask_itm_loss(model.itm_logits(model.fuse(text_hidden, mask, image_tokens, patch_weights=m)))
+    return softmask_itm_loss(model.itm_logits(model.fuse(text_hidden, mask, image_tokens, patch_weights=m, ends=ends)))

@@ -35,12 +35,15 @@ def encode(model, batch: dict, w, generator: torch.Generator, tokenizer=None) ->
         mlm_masked = mlm_mask(ids, w.mlm_prob, tok.all_special_ids, mask_token_id(tok),
                               model.text_encoder.config.vocab_size, generator)
     text_ids = ids if mlm_masked is None else mlm_masked[0]
+    # The captions' lengths as the host knows them (the trainer reads the CPU mask before the batch goes to the
+    # device), so that the length groups read nothing back from the device; None: read from the mask
+    ends = batch.get("text_ends")
     image_tokens, image_feat = model.encode_image(images)
-    text_hidden, text_feat = model.encode_text(text_ids, mask)
-    f = Forward(images, ids, mask, text_ids, mlm_masked, image_tokens, image_feat, text_hidden, text_feat)
+    text_hidden, text_feat = model.encode_text(text_ids, mask, ends)
+    f = Forward(images, ids, mask, text_ids, mlm_masked, image_tokens, image_feat, text_hidden, text_feat, ends=ends)
     if model.momentum is not None:
         with torch.no_grad():
-            f.momentum = (*model.momentum.encode_image(images), *model.momentum.encode_text(text_ids, mask))
+            f.momentum = (*model.momentum.encode_image(images), *model.momentum.encode_text(text_ids, mask, ends))
     return f
 
 

@@ -19,9 +19,9 @@ from vltrain.data.feed import Feed, StopFetch
 from vltrain.resume import Run, RunState, interrupted, save_checkpoint
 from vltrain.heldout import curriculum_check, evaluate_heldout
 from vltrain.data.collate import to_device
-from vltrain.distributed import any_flags, broadcast, gather
+from vltrain.distributed import any_flags, broadcast, gather, max_over_ranks
 from vltrain.errors import PeerFailed, TrainError
-from vltrain.model import autocast
+from vltrain.model import autocast, host_ends
 from vltrain.optim import lr_at, optimizer_step, set_lr
 from vltrain.runlog import RunLog
 from vltrain.samplers import GritSampler
@@ -61,6 +61,7 @@ def loop(s: Session, report: RunLog) -> None:
         failed, stopping, save_due = any_flags([fault is not None, run.stop_signal is not None,
                                                 time.monotonic() - last_save >= 60 * cfg.ckpt_minutes])
         if stopping:  # the batch just fetched is not counted: a resume draws it again
+            _flush(report, run)  # before the checkpoint interrupted() saves
             raise interrupted(run, state)
         if failed:
             kept = f"; the last checkpoint {run.last_path} is kept" if run.last_path.exists() else ""
@@ -71,13 +72,16 @@ def loop(s: Session, report: RunLog) -> None:
         lr = lr_at(state.step, cfg.optim.lr, cfg.optim.warmup_steps, cfg.steps, cfg.optim.min_lr_ratio)
         alpha = distill_alpha_at(state.step, cfg)
         set_lr(s.optimizer, lr)
+        if "attention_mask" in batch:  # the captions' lengths from the host's copy: no read back from the device
+            batch["text_ends"] = host_ends(batch["attention_mask"])
         batch = to_device(batch, s.device)
         if s.channels_last:
             batch["images"] = batch["images"].contiguous(memory_format=torch.channels_last)
         with autocast(s.device, s.precision):
             losses = s.step_fn(batch, cfg.loss, s.generator, data.tokenizer, alpha)
         queue_feats = losses.pop("queue_feats")
-        losses_f = _finite(losses, state.step, run)
+        if s.scaler is not None:  # fp16 (CUDA only): the check at once, see _finite
+            _finite(losses, state.step, run)
         stepped = update(s.model, s.optimizer, s.params, losses["total"], cfg.optim.grad_clip, queue_feats, s.scaler)
         if isinstance(data.sampler, GritSampler):  # phase 1: this step's ITC features, no extra forward pass
             data.sampler.collect(gather(batch["index"], False)[1], *queue_feats)  # the global batch, rank order
@@ -87,15 +91,19 @@ def loop(s: Session, report: RunLog) -> None:
             continue
         in_a_row = 0
         io = {**(s.feed.io() or {}), **({"skipped_steps": state.skipped} if s.scaler is not None else {})}
-        report.step(state.step, losses_f, lr, alpha, s.feed.bad, cfg.batch_size * s.size, io or None)
+        report.step(state.step, losses, lr, alpha, s.feed.bad, cfg.batch_size * s.size, io or None)
         # TOnICS at the end of a period, so that a refreshed P_S starts with the next period
-        if data.heldout is not None and state.step % cfg.sampler.refresh_every == 0:
-            report.curriculum(state.step, curriculum_check(run, state, data, s.rank, s.device, report.console))
+        curriculum = data.heldout is not None and state.step % cfg.sampler.refresh_every == 0
         saved = state.step % cfg.ckpt_every == 0 or state.step == cfg.steps or save_due
+        evaluating = state.step % cfg.eval_every == 0 or state.step == cfg.steps
+        if curriculum or saved or evaluating or report.due(state.step):  # the losses read, checked, reported
+            _flush(report, run)
+        if curriculum:
+            report.curriculum(state.step, curriculum_check(run, state, data, s.rank, s.device, report.console))
         if saved:  # before the evaluation: an evaluation that fails never costs the steps trained
             save_checkpoint(run.last_path, run, state)
             last_save = time.monotonic()
-        if state.step % cfg.eval_every == 0 or state.step == cfg.steps:
+        if evaluating:
             _evaluate(run, state, data, report, s.device, s.rank, saved)
     if s.resumed and start >= cfg.steps:
         # resumed at the end (a run stopped in or before its final evaluation): evaluate, train nothing again
@@ -142,20 +150,47 @@ def _skipped(state: RunState, in_a_row: int) -> int:
     return in_a_row
 
 
+NO_BAD_STEP = 1 << 62  # _flush: no non-finite step on this rank
+
+
+def _flush(report: RunLog, run: Run) -> None:
+    """The steps since the last flush: their losses read from the device in one transfer, checked, reported.
+
+    The non-finite rule: a TrainError (PeerFailed on the other ranks, every rank at the same flush) naming the first
+    step whose total is not finite on any rank, with the steps before it reported. The loop flushes before every
+    checkpoint save, evaluation and TOnICS check, so no checkpoint holds parameters a non-finite step updated."""
+    values = report.read_pending()
+    mine = next(((step, losses) for step, losses in values if not math.isfinite(losses["total"])), None)
+    first = -max_over_ranks(-(mine[0] if mine else NO_BAD_STEP))  # one all-reduce: the earliest on any rank
+    if first == NO_BAD_STEP:
+        report.flush(values)
+        return
+    report.flush(values, until=first)
+    raise _non_finite(first, mine[1] if mine and mine[0] == first else None, run)
+
+
 def _finite(losses: dict, step: int, run: Run) -> dict:
-    """The step's losses as floats; a TrainError on every rank at the same step when one rank's total is not finite."""
+    """The step's losses read at once as floats; a TrainError on every rank at the same step when one rank's total
+    is not finite. fp16's loop reads each step's losses so (it reads whether the loss scaler stepped, a sync per step
+    whatever it does): a non-finite forward gives inf gradients, which would otherwise be skipped unseen."""
     losses_f = {k: float(v.detach()) for k, v in losses.items()}
     finite = math.isfinite(losses_f["total"])
     if any_flags([not finite])[0]:
-        kept = f"; the last good checkpoint {run.last_path} is kept" if run.last_path.exists() else ""
-        where = "" if finite else " (" + ", ".join(f"{k}={v:.4g}" for k, v in losses_f.items()) + ")"
-        # fp16 does not skip such a step as it does inf gradients: the loss scale multiplies the backward only, so
-        # backing it off cannot cure a forward that overflowed
-        hint = "; under fp16 autocast the forward may have overflowed: try train.precision=bf16 or fp32" \
-            if run.precision == "fp16" and not finite else ""
-        raise (PeerFailed if finite else TrainError)(f"non-finite loss at step {step}{where or ' on another rank'}"
-                                                     f"{kept}{hint}")
+        raise _non_finite(step, None if finite else losses_f, run)
     return losses_f
+
+
+def _non_finite(step: int, losses: dict | None, run: Run) -> Exception:
+    """The non-finite rule's error for `step`: a TrainError with this rank's losses, or PeerFailed (`losses` None)
+    when another rank's total was the non-finite one."""
+    kept = f"; the last good checkpoint {run.last_path} is kept" if run.last_path.exists() else ""
+    where = " (" + ", ".join(f"{k}={v:.4g}" for k, v in losses.items()) + ")" if losses else ""
+    # fp16 does not skip such a step as it does inf gradients: the loss scale multiplies the backward only, so
+    # backing it off cannot cure a forward that overflowed
+    hint = "; under fp16 autocast the forward may have overflowed: try train.precision=bf16 or fp32" \
+        if run.precision == "fp16" and losses else ""
+    return (PeerFailed if losses is None else TrainError)(f"non-finite loss at step {step}"
+                                                         f"{where or ' on another rank'}{kept}{hint}")
 
 
 def _on_signal(run: Run, feed: Feed, console, signum, frame) -> None:

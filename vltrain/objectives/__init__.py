@@ -28,6 +28,7 @@ class Forward:
     text_hidden: torch.Tensor            # (B, L, E_text)
     text_feat: torch.Tensor              # (B, E)
     momentum: tuple | None = None        # the momentum model's (image_tokens, image_feat, text_hidden, text_feat)
+    ends: list | None = None             # each caption's length as host ints (row_ends), for the length groups
     # contrastive_logits fills these in:
     temp: torch.Tensor | None = None
     logits_i2t: torch.Tensor | None = None   # (B, B_global + Q)

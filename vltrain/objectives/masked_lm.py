@@ -11,13 +11,13 @@ def masked_lm_loss(model, f, w, generator: torch.Generator, tokenizer, alpha: fl
     mask = f.mask
     if f.mlm_masked is not None:  # the text was encoded masked already; ITM's positive rows are this fusion
         masked, labels = f.mlm_masked
-        fused = f.fused[:f.ids.shape[0]] if w.itm > 0 else model.fuse(f.text_hidden, mask, f.image_tokens)
+        fused = f.fused[:f.ids.shape[0]] if w.itm > 0 else model.fuse(f.text_hidden, mask, f.image_tokens, ends=f.ends)
     else:
         tok = tokenizer or model_tokenizer(model)
         masked, labels = mlm_mask(f.ids, w.mlm_prob, tok.all_special_ids, mask_token_id(tok),
                                   model.text_encoder.config.vocab_size, generator)
-        hidden, _ = model.encode_text(masked, mask)
-        fused = model.fuse(hidden, mask, f.image_tokens)
+        hidden, _ = model.encode_text(masked, mask, f.ends)
+        fused = model.fuse(hidden, mask, f.image_tokens, ends=f.ends)
     # The vocabulary head runs on the masked positions only (about 15% of them): the loss reads nothing else,
     # and over MiniLM's 30,522 words the full (B, L, V) logits were the largest matmul of an ALBEF step.
     picked = labels != -100
@@ -27,6 +27,6 @@ def masked_lm_loss(model, f, w, generator: torch.Generator, tokenizer, alpha: fl
         mom = model.momentum
         image_tokens_m, _, text_hidden_m, _ = f.momentum
         with torch.no_grad():
-            hidden_m = text_hidden_m if f.mlm_masked is not None else mom.encode_text(masked, mask)[0]
-            soft = upcast(mom.mlm_logits(mom.fuse(hidden_m, mask, image_tokens_m)[picked])).softmax(dim=-1)
+            hidden_m = text_hidden_m if f.mlm_masked is not None else mom.encode_text(masked, mask, f.ends)[0]
+            soft = upcast(mom.mlm_logits(mom.fuse(hidden_m, mask, image_tokens_m, ends=f.ends)[picked])).softmax(dim=-1)
     return {"mlm_loss": mlm_loss(logits, labels[picked], soft, alpha if distill else 0.0)}

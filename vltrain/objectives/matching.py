@@ -48,22 +48,30 @@ def matching_losses(model, f, w, generator: torch.Generator) -> dict:
         pool_text, pool_mask, pool_image = (gather(text_p, True)[0], gather(mask_p, False)[0],
                                             gather(f.image_tokens, True)[0])
     neg_text, neg_image, has_t, has_i = hard_negatives(f, w, pool_text.shape[0], generator)
-    # Rows: B positives, caption i with its negative image, image i with its negative caption.
+    # Rows: B positives, caption i with its negative image, image i with its negative caption. Every row is fused,
+    # a row without a negative (has_i / has_t False: it drew from placeholder weights) too, and left out of the loss
+    # by its label: a fixed 3B rows, so nothing waits for the count of negatives (a sync per step on a GPU).
     want_maps = w.softmask_itm > 0 and w.softmask[0] != "random"
-    fused = model.fuse(torch.cat([text_p, text_p[has_i], pool_text[neg_text][has_t]]),
-                       torch.cat([mask_p, mask_p[has_i], pool_mask[neg_text][has_t]]),
-                       torch.cat([f.image_tokens, pool_image[neg_image][has_i], f.image_tokens[has_t]]),
-                       return_attn=want_maps)
+    # The length groups from the host's caption lengths: the negative captions' rows (drawn on the device) at the
+    # pool's padded length
+    ends = None if f.ends is None else [*f.ends, *f.ends, *[mask_p.shape[1]] * b]
+    fused = model.fuse(torch.cat([text_p, text_p, pool_text[neg_text]]),
+                       torch.cat([mask_p, mask_p, pool_mask[neg_text]]),
+                       torch.cat([f.image_tokens, pool_image[neg_image], f.image_tokens]),
+                       return_attn=want_maps, ends=ends)
     fused, maps = fused if want_maps else (fused, None)
     if text_p is not f.text_hidden:  # back to this rank's caption length (MLM reads the positive rows)
         fused = fused[:, :mask.shape[1]]
         maps = None if maps is None else [m[..., :mask.shape[1], :] for m in maps]
     f.fused = fused
-    n_neg = int(has_i.sum()) + int(has_t.sum())
-    labels = torch.cat([torch.ones(b, dtype=torch.long), torch.zeros(n_neg, dtype=torch.long)]).to(f.ids.device)
+    dev = f.ids.device
+    skip = torch.full((b,), -100, dtype=torch.long, device=dev)  # cross_entropy's ignore_index
+    zeros = torch.zeros(b, dtype=torch.long, device=dev)
+    labels = torch.cat([torch.ones(b, dtype=torch.long, device=dev), torch.where(has_i, zeros, skip),
+                        torch.where(has_t, zeros, skip)])
     itm_out = model.itm_logits(fused)
     losses = {"itm_loss": itm_loss(itm_out, labels)}
     if w.softmask_itm > 0:
         losses["softmask_itm_loss"] = soft_itm_loss(model, w.softmask, itm_out[:b], maps, f.text_hidden, mask,
-                                                    f.image_tokens, generator)
+                                                    f.image_tokens, generator, f.ends)
     return losses
