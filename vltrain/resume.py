@@ -42,8 +42,8 @@ def set_rng_states(rng: dict, generator: torch.Generator) -> None:
 # Keys added with a default that is not the behaviour from before them: a checkpoint older than the key ran as this.
 BEFORE_KEY = {"data.bucket": 0, "train.precision": "fp32", "train.unpad": False, "data.val_max": 0}
 RESUMABLE = {"steps", "epochs", "out", "device", "log_every", "eval_every", "ckpt_every", "ckpt_minutes",
-             "data.workers", "train.tf32", "train.channels_last", "train.compile", "train.grad_checkpointing",
-             "train.report_to"}
+             "data.workers", "data.prefetch", "train.tf32", "train.channels_last", "train.compile",
+             "train.grad_checkpointing", "train.report_to"}
 
 
 def config_diff(saved: dict, now: dict, prefix: str = "", defaults: dict | None = None) -> list[str]:
