@@ -42,7 +42,7 @@ import vltrain.train as vt  # noqa: E402
 from vltrain.config import ModelConfig  # noqa: E402
 from vltrain.config_load import load_config
 from vlprep.dataset import decode_rgb  # noqa: E402
-from vltrain.data.collate import Collate  # noqa: E402
+from vltrain.data.collate import Collate, to_device  # noqa: E402
 from vltrain.data.samples import train_transform  # noqa: E402
 from vltrain.data.stream import ShardStream  # noqa: E402
 from vltrain.model import IMAGE_STATS, autocast, build_tokenizer  # noqa: E402
@@ -100,10 +100,11 @@ def small_config(shards: Path, out: Path, steps: int):
 def preload(cfg) -> list[dict]:
     """N_BATCHES training batches (B=16, 3x32x32) read once through vltrain's own pipeline, kept in memory."""
     stats = IMAGE_STATS["tiny"]
-    stream = ShardStream(cfg.shards, "train", cfg.data.val_frac,
-                         train_transform(cfg.data.image_size, stats["mean"], stats["std"], cfg.data.min_crop_scale))
+    tf = train_transform(cfg.data.image_size, stats["mean"], stats["std"], cfg.data.min_crop_scale)
+    stream = ShardStream(cfg.shards, "train", cfg.data.val_frac, tf)
     tok = build_tokenizer(ModelConfig(text_model="tiny"))
-    loader = DataLoader(stream, batch_size=cfg.batch_size, drop_last=True, collate_fn=Collate(tok, cfg.data.max_len))
+    loader = DataLoader(stream, batch_size=cfg.batch_size, drop_last=True,
+                        collate_fn=Collate(tok, cfg.data.max_len, norm=tf.norm))
     return list(itertools.islice(loader, N_BATCHES))
 
 
@@ -145,6 +146,7 @@ def run_bare(cfg, batches: list[dict]) -> dict:
     stamps = []
     for step, batch in enumerate(itertools.islice(itertools.cycle(batches), s.cfg.steps), 1):
         stamps.append((time.perf_counter(), cpu_now()))
+        batch = to_device(batch, s.device)  # as the loop: uint8 views normalised on the device
         with autocast(s.device, s.precision):
             losses = s.step_fn(batch, s.cfg.loss, s.generator, s.data.tokenizer, distill_alpha_at(step, s.cfg))
         queue_feats = losses.pop("queue_feats")
@@ -207,7 +209,7 @@ def loader_sides(shards: Path, workers: int = 2, batch: int = 32) -> dict:
     stats = IMAGE_STATS["efficientnet-lite0"]
     tf = train_transform(224, stats["mean"], stats["std"])
     tok = build_tokenizer(ModelConfig())
-    collate = Collate(tok, 32)
+    collate = Collate(tok, 32, norm=tf.norm)
     urls = [str(p) for p in sorted(shards.glob("*.tar"))]
     return {"webdataset": lambda out: drain(lambda: wds_loader(urls, tf, collate, workers, batch)),
             "vltrain-loader": lambda out: drain(lambda: vltrain_loader(shards, tf, collate, workers, batch))}
