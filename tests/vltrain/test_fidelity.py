@@ -139,7 +139,7 @@ def leaf_features(model, batch, seed: int = 0) -> tuple[torch.Tensor, torch.Tens
     v = torch.nn.functional.normalize(torch.randn(B, 16, generator=g), dim=-1).requires_grad_()
     enc_i, enc_t = model.encode_image, model.encode_text
     model.encode_image = lambda images: (enc_i(images)[0], u)
-    model.encode_text = lambda ids, mask: (enc_t(ids, mask)[0], v)
+    model.encode_text = lambda ids, mask, ends=None: (enc_t(ids, mask, ends)[0], v)
     return u, v
 
 
@@ -289,9 +289,16 @@ def test_dedupe_caption_rows_without_any_negative_sit_out_of_itm():
     run_step(model, batch, cfg, torch.Generator())
     assert calls[0][0].shape[0] == 3 * B
     calls.clear()
-    batch = make_batch(["same"] * B)  # nothing but duplicates: no negative at all, only the B positives
+    batch = make_batch(["same"] * B)  # nothing but duplicates: no negative at all, only the B positives count
+    logits = []
+    itm_logits = model.itm_logits
+    model.itm_logits = lambda fused: logits.append(itm_logits(fused)) or logits[-1]
     out = run_step(model, batch, cfg, torch.Generator())
-    assert calls[0][0].shape[0] == B and torch.isfinite(out["itm_loss"])
+    # every row is fused (a fixed 3B: no read of how many have a negative); the negative rows sit out of the loss
+    assert calls[0][0].shape[0] == 3 * B and torch.isfinite(out["itm_loss"])
+    positives = logits[0][:B].detach().double()
+    want = sum(-positives[i].log_softmax(dim=0)[1] for i in range(B)) / B  # CE of the positives, label match
+    assert out["itm_loss"].item() == pytest.approx(want.item(), rel=1e-5)  # float32 logits, 2-way softmax
 
 
 @pytest.mark.parametrize("masked_all", [False, True])
