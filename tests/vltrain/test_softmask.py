@@ -442,10 +442,11 @@ def test_gradcam_step_mask_follows_the_recomputed_cam(monkeypatch):
     seen = {}
     real_fuse, real_words = model.fuse, sm.sample_words
 
-    def fuse(text_hidden, text_mask, image_tokens, patch_weights=None, return_attn=False):
+    def fuse(text_hidden, text_mask, image_tokens, patch_weights=None, return_attn=False, ends=None):
         if patch_weights is not None:
             seen["mask"] = patch_weights.detach()
-        out = real_fuse(text_hidden, text_mask, image_tokens, patch_weights=patch_weights, return_attn=return_attn)
+        out = real_fuse(text_hidden, text_mask, image_tokens, patch_weights=patch_weights, return_attn=return_attn,
+                        ends=ends)
         if return_attn:
             seen["maps"], seen["logits"] = out[1], model.itm_logits(out[0])
         return out
@@ -524,7 +525,7 @@ def test_masked_text_all_encodes_the_masked_caption_once(monkeypatch):
     model = model_for(cfg).train()
     seen = []
     real = model.encode_text
-    model.encode_text = lambda ids, mask: (seen.append(ids.clone()), real(ids, mask))[1]
+    model.encode_text = lambda ids, mask, ends=None: (seen.append(ids.clone()), real(ids, mask, ends))[1]
     batch = make_batch(CAPTIONS)
     run_step(model, batch, cfg, torch.Generator().manual_seed(0))
     assert len(seen) == 1  # one text pass (the momentum copy has its own)
