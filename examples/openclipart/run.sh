@@ -2,9 +2,12 @@
 # Debian's openclipart clip art -> captions.parquet -> shards -> stats -> bow -> vltrain; detect -> ontology;
 # held-out images -> pseudolabel -> vltrain on bow + pseudo, both runs scored on the same held-out eval set, on a
 # multi-caption split of it (Karpathy format, make_karpathy.py) and on a zero-shot image folder (zeroshot.py).
+# Each step ends with one progress line: `== STEP: N s [K/TOTAL, M:SS elapsed, about M:SS left]`; the run ends with
+# the disk OUT uses (du -sh). The comparison's checkpoints (cmp/, 264 MB a run) are deleted once scored: the tables
+# read only their eval JSONs, and a re-run keeps a run whose scores are of the current data and eval sets.
 # Env: PY, VLPREP (default: the repo's .venv), OUT (default: demo-out/openclipart in the repo),
-#      LIMIT (default 2000 evenly spaced files, about 6 minutes in all; LIMIT=all for all 8,121 images,
-#      about 20 minutes, most of it object detection at ~8 images/s).
+#      LIMIT (default 2000 evenly spaced files; LIMIT=all for all 8,121 images, most of its time object detection
+#      at ~8 images/s).
 #      RMTOP (default 15): t of the bow stage's rmtop:t. MIN_SCORE (default 0.3): detection score threshold.
 #      TRAIN_STEPS (default 120): steps of each vltrain run (clip preset, batch 32, on `vlprep features` tokens).
 #      SEEDS (default "0 1 2"): seeds of the bow-only vs bow + pseudo comparison (mean and spread over them).
@@ -37,6 +40,55 @@ if [ ! -d /usr/share/openclipart/png ] || [ ! -d /usr/share/openclipart/svg ]; t
     exit 1
 fi
 mkdir -p "$OUT"
+T0=$(date +%s.%N)
+trap '[ $? -eq 0 ] && echo "disk: $(du -sh "$OUT" | cut -f1) in $OUT (du -sh)"' EXIT
+
+# The steps of this run, in order (the progress line's K/TOTAL): the same conditions as the steps below.
+SEED_LIST=($SEEDS)
+PLAN=(captions shards stats bow detect ontology features train)
+if [ "${PSEUDO:-1}" != 0 ] && [ -n "$LIMIT" ]; then
+    PLAN+=(captions-all heldout unaligned-shards eval-shards karpathy karpathy-shards zeroshot-folder)
+    if [ "$BATCH" = 1 ]; then
+        PLAN+=(pseudolabel+features)
+    else
+        PLAN+=(pseudolabel features-pseudo features-eval features-karpathy)
+    fi
+    for seed in "${SEED_LIST[@]}"; do
+        for arm in bow pseudo; do
+            [ "$BATCH" = 1 ] && continue
+            { [ "$arm" = bow ] && [ "$seed" = 0 ]; } || PLAN+=("train-$arm-s$seed")
+            PLAN+=("score-$arm-s$seed")
+        done
+    done
+    [ "$BATCH" = 1 ] && PLAN+=(compare)
+    PLAN+=(summary)
+fi
+# Each step's share of a default run's time (LIMIT=2000, BATCH=0, SEEDS="0 1 2"), in seconds of one run on 2 CPU
+# cores shared with other work (load 6-9), so the shares, not the seconds, are what counts. Measured: captions to
+# features. Estimated, not yet measured (the run was cut short): the later steps, from their sizes relative to
+# the measured ones (train: `make learns`' 100 steps took 312 s beside it), the BATCH=1 steps as the sums of the
+# steps they replace less a few seconds of start-up each; train-ARM and score-ARM are per seed. The estimate of
+# what is left is the elapsed time times the shares to come over the shares done: a guide, not a promise.
+declare -A SHARE=([captions]=6 [shards]=42 [stats]=4 [bow]=18 [detect]=971 [ontology]=114 [features]=323
+    [train]=380 [captions-all]=25 [heldout]=2 [unaligned-shards]=12 [eval-shards]=8 [karpathy]=1
+    [karpathy-shards]=8 [zeroshot-folder]=2 [pseudolabel]=150 [features-pseudo]=80 [features-eval]=45
+    [features-karpathy]=45 [pseudolabel+features]=300 [train-bow]=360 [train-pseudo]=400 [score-bow]=100
+    [score-pseudo]=100 [compare]=1900 [summary]=2)
+DONE=0
+
+progress() {  # progress NAME T_STEP: the step's time, its place in PLAN and the time elapsed and left
+    local name="$1" dt="$2" done=0 left=0 i key
+    DONE=$((DONE + 1))
+    for i in "${!PLAN[@]}"; do
+        key="${PLAN[$i]%-s[0-9]*}"
+        if [ "$i" -lt "$DONE" ]; then done=$(awk -v a="$done" -v b="${SHARE[$key]:-1}" 'BEGIN { print a + b }')
+        else left=$(awk -v a="$left" -v b="${SHARE[$key]:-1}" 'BEGIN { print a + b }'); fi
+    done
+    awk -v name="$name" -v dt="$dt" -v k="$DONE" -v n="${#PLAN[@]}" -v t="$(date +%s.%N)" -v t0="$T0" \
+        -v done="$done" -v left="$left" 'function mmss(x) { return sprintf("%d:%02d", int(x / 60), int(x % 60)) }
+        BEGIN { e = t - t0; printf "== %s: %.1f s [%d/%d, %s elapsed, about %s left]\n", name, dt, k, n, mmss(e),
+                mmss(done > 0 ? e * left / done : 0) }'
+}
 
 quiet() {  # quiet LOG CMD...: run CMD with its output in LOG, shown only if CMD fails
     local log="$1"
@@ -44,12 +96,12 @@ quiet() {  # quiet LOG CMD...: run CMD with its output in LOG, shown only if CMD
     "$@" >"$log" 2>&1 || { cat "$log" >&2; return 1; }
 }
 
-step() {  # step NAME CMD...: run CMD and print its wall time
+step() {  # step NAME CMD...: run CMD and print its progress line
     local name="$1" t0
     shift
     t0=$(date +%s.%N)
     "$@"
-    awk -v name="$name" -v t0="$t0" -v t1="$(date +%s.%N)" 'BEGIN { printf "== %s: %.1f s\n", name, t1 - t0 }'
+    progress "$name" "$(awk -v t0="$t0" -v t1="$(date +%s.%N)" 'BEGIN { print t1 - t0 }')"
     if [ "$name" = "${UNTIL:-}" ]; then
         echo "== stopped after $name (UNTIL=$UNTIL)"
         exit 0
@@ -89,6 +141,21 @@ from vltrain.data.shards import data_signature
 sys.exit(json.load(open(sys.argv[1])).get("data") != data_signature(sys.argv[2:]))' "$run/result.json" "$@"; }; then
         again=(--resume)
     fi
+}
+# scored RESULT RUN DATA...: RUN's two evals are of the current eval sets and RESULT (its training's result.json)
+# is a TRAIN_STEPS-step training on DATA's current contents: a re-run keeps the run without its checkpoint.
+scored() {
+    local result="$1" run="$2"
+    shift 2
+    [ -f "$result" ] && [ -f "$run/eval-heldout.json" ] && [ -f "$run/eval-karpathy.json" ] || return 1
+    "$PY" -c 'import json, sys
+from vltrain.data.shards import data_signature
+result, run, steps, ev, kar, *data = sys.argv[1:]
+sig = lambda p: json.load(open(p)).get("data")
+sys.exit(not (sig(result) == data_signature(data) and json.load(open(result)).get("step") == int(steps)
+              and sig(run + "/eval-heldout.json") == data_signature([ev])
+              and sig(run + "/eval-karpathy.json") == data_signature([kar])))' \
+        "$result" "$run" "$TRAIN_STEPS" "$OUT/eval-feat" "$OUT/karpathy-feat" "$@"
 }
 again "$OUT/run" "$OUT/bow-feat"
 step train "$VLTRAIN" run "$OUT/bow-feat" "${TRAIN[@]}" --out "$OUT/run" "${again[@]}"
@@ -139,14 +206,30 @@ else
 fi
 # Two arms, the same runs but for the data: bow only, and bow + pseudo; each over SEEDS, scored on the eval set,
 # then on the multi-caption split and the zero-shot folder (summary.py's second and third tables).
+score() {  # score RUN: its held-out and multi-caption + zero-shot evals (heldout and karpathy, set in the loop)
+    quiet "$1.eval.log" "$VLTRAIN" "${heldout[@]}"
+    quiet "$1.eval-karpathy.log" "$VLTRAIN" "${karpathy[@]}"
+}
 batch=()  # BATCH=1: the same trainings and evals, in this order, in one process after the loop
 for seed in $SEEDS; do
     for arm in bow pseudo; do
         run="$OUT/cmp/$arm-s$seed"
         data=("$OUT/bow-feat")
         [ "$arm" = pseudo ] && data+=("$OUT/pseudo-feat")
+        first=0 result="$run/result.json"
         if [ "$arm" = bow ] && [ "$seed" = 0 ]; then
-            mkdir -p "$run" && cp "$OUT/run/last.pt" "$run/last.pt"  # the run above is this arm's seed 0
+            first=1 result="$OUT/run/result.json"  # the run above is this arm's seed 0
+        fi
+        if scored "$result" "$run" "${data[@]}"; then
+            if [ "$BATCH" != 1 ]; then
+                [ "$first" = 1 ] || progress "train-$arm-s$seed" 0
+                progress "score-$arm-s$seed" 0
+            fi
+            echo "   $arm-s$seed: scored before on the current data, kept"
+            continue
+        fi
+        if [ "$first" = 1 ]; then
+            mkdir -p "$run" && cp "$OUT/run/last.pt" "$run/last.pt"
         else
             again "$run" "${data[@]}"  # a re-run of the demo keeps finished runs (same options, same data)
             mkdir -p "$OUT/cmp"
@@ -163,12 +246,15 @@ for seed in $SEEDS; do
         if [ "$BATCH" = 1 ]; then
             batch+=(vltrain "${heldout[@]}" ";" vltrain "${karpathy[@]}" ";")
         else
-            quiet "$run.eval.log" "$VLTRAIN" "${heldout[@]}"
-            quiet "$run.eval-karpathy.log" "$VLTRAIN" "${karpathy[@]}"
+            step "score-$arm-s$seed" score "$run"
         fi
     done
 done
 if [ ${#batch[@]} -gt 0 ]; then
     step compare quiet "$OUT/cmp/batch.log" "$PY" "$HERE/inprocess.py" "${batch[@]}"
+elif [ "$BATCH" = 1 ]; then
+    progress compare 0
 fi
-"$PY" "$HERE/summary.py" "$OUT"
+# Scored: the tables read only the eval JSONs, so the checkpoints go (the training's result.json and log stay).
+rm -f "$OUT"/cmp/*/last.pt "$OUT"/cmp/*/best.pt
+step summary "$PY" "$HERE/summary.py" "$OUT"
