@@ -65,15 +65,16 @@ if [ "${PSEUDO:-1}" != 0 ] && [ -n "$LIMIT" ]; then
 fi
 # Each step's share of a default run's time (LIMIT=2000, BATCH=0, SEEDS="0 1 2"), in seconds of one run on 2 CPU
 # cores shared with other work (load 6-9), so the shares, not the seconds, are what counts. Measured: captions to
-# features. Estimated, not yet measured (the run was cut short): the later steps, from their sizes relative to
-# the measured ones (train: `make learns`' 100 steps took 312 s beside it), the BATCH=1 steps as the sums of the
-# steps they replace less a few seconds of start-up each; train-ARM and score-ARM are per seed. The estimate of
-# what is left is the elapsed time times the shares to come over the shares done: a guide, not a promise.
+# zeroshot-folder. Estimated, not yet measured (that run was stopped at pseudolabel): the later steps, from their
+# sizes against the measured ones (train-ARM: train's 120 steps without its 6 held-out evals), the BATCH=1 steps
+# as the sums of the steps they replace less a few seconds of start-up each; train-ARM and score-ARM are per seed.
+# The estimate of what is left is the elapsed time times the shares to come over the shares done: a guide, not a
+# promise.
 declare -A SHARE=([captions]=6 [shards]=42 [stats]=4 [bow]=18 [detect]=971 [ontology]=114 [features]=323
-    [train]=380 [captions-all]=25 [heldout]=2 [unaligned-shards]=12 [eval-shards]=8 [karpathy]=1
-    [karpathy-shards]=8 [zeroshot-folder]=2 [pseudolabel]=150 [features-pseudo]=80 [features-eval]=45
-    [features-karpathy]=45 [pseudolabel+features]=300 [train-bow]=360 [train-pseudo]=400 [score-bow]=100
-    [score-pseudo]=100 [compare]=1900 [summary]=2)
+    [train]=817 [captions-all]=32 [heldout]=3 [unaligned-shards]=67 [eval-shards]=5 [karpathy]=2
+    [karpathy-shards]=12 [zeroshot-folder]=4 [pseudolabel]=300 [features-pseudo]=160 [features-eval]=60
+    [features-karpathy]=60 [pseudolabel+features]=560 [train-bow]=700 [train-pseudo]=800 [score-bow]=150
+    [score-pseudo]=150 [compare]=3900 [summary]=2)
 DONE=0
 
 progress() {  # progress NAME T_STEP: the step's time, its place in PLAN and the time elapsed and left
