@@ -139,6 +139,7 @@ def embed_shard(out: Out, src: Path, shard: str, modality: str, deformed: bool, 
     if modality == "text":
         table = table.append_column("caption", pa.array(captions, pa.string()))
     part = _part(out, shard)
+    part.parent.mkdir(exist_ok=True)  # a worker on another machine than the driver's: its staging folder has none
     with open(part.with_suffix(".npy.tmp"), "wb") as f:  # a file object: np.save would append .npy to the name
         np.save(f, x, allow_pickle=False)
     os.replace(part.with_suffix(".npy.tmp"), part.with_suffix(".npy"))

@@ -202,6 +202,19 @@ def _probe_ray_address(address: str) -> None:
                           "start it, fix RAY_ADDRESS, or unset it to start a Ray here") from None
 
 
+def _token_refused(e: BaseException) -> bool:
+    """Whether ray.init failed because the cluster wants an authentication token (what `ray start` turns on by
+    default in recent Ray, 2.60 here): ray.init raises "ConnectionError: Failed to connect ..." from Ray's
+    AuthenticationError, whose text is the cause ("Authentication token is missing or incorrect")."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if type(e).__name__ == "AuthenticationError" or "Authentication token is missing" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def ray_connect():
     """The ray module, connected: to RAY_ADDRESS when set, else to a Ray started here; ray.init runs at most once."""
     ray = _import_ray()
@@ -214,6 +227,11 @@ def ray_connect():
         except Exception as e:  # ConnectionError, RuntimeError, ValueError, a Ray Client module that is not there...
             lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
             why = f"{type(e).__name__}: {cut(lines[0], 200)}" if lines else type(e).__name__
+            if address and _token_refused(e):
+                raise VlprepError(f"cannot connect to the Ray cluster at RAY_ADDRESS={cut(address)}: it uses token "
+                                  "authentication and this driver's token is missing or wrong; copy the cluster's "
+                                  "token into ~/.ray/auth_token (or set RAY_AUTH_TOKEN) and set RAY_AUTH_MODE=token"
+                                  ) from None
             if address:
                 raise VlprepError(f"cannot connect to the Ray cluster at RAY_ADDRESS={cut(address)} ({why}); start "
                                   "it, fix RAY_ADDRESS, or unset it to start a Ray here") from None

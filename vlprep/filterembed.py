@@ -296,8 +296,9 @@ def build_embed_rules(cfg, encoder, warn: Callable[[str], None] = lambda line: N
         open_eval(path)
     check_given_vectors(cfg, warn)
     src = cfg.src
-    images = Source("image", cfg.embeddings, encoder, src, cfg.workers) if (cfg.embeddings or encoder) else None
-    texts = Source("text", cfg.text_embeddings, encoder, src, cfg.workers) if clip else None
+    images = (Source("image", cfg.embeddings, encoder, src, cfg.workers, cfg.distributor)
+              if (cfg.embeddings or encoder) else None)
+    texts = Source("text", cfg.text_embeddings, encoder, src, cfg.workers, cfg.distributor) if clip else None
     rules = []
     if t is not None:
         rules.append(NearDup(t, images))

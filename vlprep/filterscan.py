@@ -147,6 +147,7 @@ def scan_shard(out: Out, src: Path, shard: str, hashes: tuple[str, ...], fp: str
     table = pa.table(cols, schema=scan_schema(hashes))
     table = table.replace_schema_metadata({b"fingerprint": fp.encode(), b"stats": json.dumps(stats, allow_nan=False).encode()})
     path = scan_path(out, shard)
+    path.parent.mkdir(exist_ok=True)  # a worker on another machine than the driver's: its staging folder has none
     tmp = path.with_name(path.name + ".tmp")
     pq.write_table(table, tmp)
     os.replace(tmp, path)

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from vlprep import VlprepError
+from vlprep import VlprepError, objstore
 from vlprep.filterscan import read_scan
 from vlprep.urls import redact
 
@@ -205,12 +205,13 @@ class Vectors:
 class Source:
     """Where a modality's vectors come from: a given folder, or made under OUT/_embed/ by the encoder (once)."""
 
-    def __init__(self, modality: str, folder: Path | None, encoder, src, workers: int):
+    def __init__(self, modality: str, folder: Path | None, encoder, src, workers: int, distributor: str = "local"):
         self.modality = modality
         self.folder = folder
         self.encoder = encoder
         self.src = src
         self.workers = workers
+        self.distributor = distributor
         self.vectors: Vectors | None = None
 
     def open(self, out, progress=None) -> Vectors:
@@ -218,7 +219,8 @@ class Source:
             folder = self.folder
             flag = "--embeddings" if self.modality == "image" else "--text-embeddings"
             if folder is None:
-                folder = embed_under(out, self.src, self.encoder, self.modality, self.modality, self.workers, progress)
+                folder = embed_under(out, self.src, self.encoder, self.modality, self.modality, self.workers, progress,
+                                     self.distributor)
                 flag = "--checkpoint"
             self.vectors = Vectors(folder, flag)
         return self.vectors
@@ -236,18 +238,24 @@ class Source:
         return {"checkpoint": self.encoder.name, "fingerprint": self.encoder.fingerprint}
 
 
-def embed_under(out, src, encoder, modality: str, name: str, workers: int, progress=None) -> Path:
-    """`vlprep embed` of SRC into OUT/_embed/NAME with the encoder (a re-run resumes there: nothing encoded twice)."""
+def embed_under(out, src, encoder, modality: str, name: str, workers: int, progress=None,
+                distributor: str = "local") -> Path:
+    """`vlprep embed` of SRC into OUT/_embed/NAME with the encoder (a re-run resumes there: nothing encoded twice);
+    the local folder that holds its output. For a URL OUT the embed output is OUT/_embed/NAME in object storage (its
+    workers may run on other machines; its per-shard parts there are the cache a re-run resumes from), and its
+    three files are then downloaded into the driver's staging folder, which the driver alone reads."""
     from vlprep.embed import EmbedConfig, embed
 
-    if out.url is not None:
-        raise VlprepError("--checkpoint embeds into OUT/_embed/, which needs a local OUT; run `vlprep embed` and "
-                          "give --embeddings (and --text-embeddings) instead")
     folder = out.root / EMBED_DIR / name
     folder.parent.mkdir(exist_ok=True)
+    target = folder if out.url is None else objstore.join(out.url, f"{EMBED_DIR}/{name}")
     # overwrite: the folder is this stage's cache; other options (another encoder) replace it, equal ones resume
-    embed(EmbedConfig(src=src, out=folder, modality=modality, workers=workers, overwrite=True), encoder,
-          progress=progress)
+    embed(EmbedConfig(src=src, out=target, modality=modality, workers=workers, distributor=distributor,
+                      overwrite=True), encoder, progress=progress)
+    if out.url is not None:
+        folder.mkdir(exist_ok=True)
+        for file in ("embeddings.npy", "keys.parquet", "meta.json"):
+            objstore.get_file(objstore.join(target, file), folder / file)
     return folder
 
 

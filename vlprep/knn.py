@@ -169,6 +169,9 @@ WORD_OFFSETS = "knn_word_offsets.npy"
 KEY_BYTES = "knn_key_bytes.npy"
 KEY_OFFSETS = "knn_key_offsets.npy"
 VOCAB = "knn_vocab.json"
+# What a pseudolabel worker opens, in the order a worker on another machine fetches them from a URL OUT: the
+# vocabulary (which holds the fingerprint) last, so a matching fingerprint there means every file is whole.
+INDEX_FILES = ("knn.faiss", WORD_IDS, WORD_OFFSETS, KEY_BYTES, KEY_OFFSETS, VOCAB)
 
 
 class NpyAppender:

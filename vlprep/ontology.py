@@ -162,6 +162,7 @@ def nouns_shard(out: Out, src: Path, shard: str, fp: str) -> dict:
     table = pa.table({"nouns": pa.array([[{"noun": n, "start": s, "end": e} for n, s, e in row] for row in nouns],
                                         type=NOUN_TYPE)})
     path = nouns_file(out, shard)
+    path.parent.mkdir(exist_ok=True)  # a worker on another machine than the driver's: its staging folder has none
     pq.write_table(table.replace_schema_metadata({b"fingerprint": fp.encode()}), path.with_name(path.name + ".tmp"))
     path.with_name(path.name + ".tmp").replace(path)
     publish(out, [f"_nouns/{path.name}"], keep=[f"_nouns/{path.name}"])  # a URL OUT (vlprep.output)

@@ -39,12 +39,15 @@ class Out:
     """Where a stage writes: `root`, a local folder (a URL OUT's staging folder), and `url` (None for a local OUT).
 
     Workers get this much (`portable`). The driver's Out, from `writing_output`, also holds OUT's `lock` and, for a
-    URL OUT, `listed`: its remote entries when the stage began, from which a re-run resumes."""
+    URL OUT, `listed`: its remote entries when the stage began, from which a re-run resumes. `sent` records the
+    files `publish` uploaded and kept in the staging folder (name -> size and mtime), so the final upload skips those
+    unchanged since (pseudolabel's index, uploaded early for the workers, is not sent twice)."""
 
     root: Path
     url: str | None = None
     lock: OutLock | None = field(default=None, compare=False, repr=False)
     listed: dict[str, dict] | None = field(default=None, compare=False, repr=False)
+    sent: dict[str, tuple[int, int]] = field(default_factory=dict, compare=False, repr=False)
 
     def portable(self) -> "Out":
         """The picklable part a worker needs: the folder and the URL, without the lock and the listing."""
@@ -214,6 +217,8 @@ def _upload_rest(out: Out) -> None:
             continue
         if p.suffix == ".parquet" and p.with_suffix(".tar").name in listed and not p.with_suffix(".tar").exists():
             continue  # a shard's sidecar, uploaded with its tar
+        if out.sent.get(p.name) == _stamp(p):
+            continue  # uploaded during the stage and not changed since
         (summary if p.name in SUMMARY_FILES else rest).append(p.name)
     publish(out, rest + sorted(summary, key=SUMMARY_FILES.index), keep=rest + summary)
 
@@ -227,12 +232,21 @@ def publish(out: Out, names: Iterable[str], keep: Iterable[str] = ()) -> None:
     if out.url is None:
         return
     names = list(names)
+    keep = set(keep)
     for name in names:
         sys.audit("vlprep.upload", name)  # vlprep.lifeline: a worker whose driver is gone exits instead
+        stamp = _stamp(out.root / name)
         objstore.put_file(out.root / name, objstore.join(out.url, name))
+        if name in keep:
+            out.sent[name] = stamp
     for name in names:
-        if name not in set(keep):
+        if name not in keep:
             (out.root / name).unlink(missing_ok=True)
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns
 
 
 def pull(out: Out, name: str) -> bool:

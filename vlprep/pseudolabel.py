@@ -5,7 +5,9 @@ docs/PSEUDOLABEL.md is the contract: S_a and its FAISS index (vlprep.knn), the c
 and counted, the output shards and sidecars, and when the saved index is reused.
 """
 
+import fcntl
 import hashlib
+import os
 import random
 import time
 from collections import Counter
@@ -18,12 +20,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from vlprep import VlprepError
-from vlprep import knn
+from vlprep import knn, objstore
 from vlprep.bow import rmstop, top_tokens
 from vlprep.dataset import BadJson, batches, check_shards, decode_json, iter_aligned, open_dataset, sidecar_name
 from vlprep.embed import check_images, crop_views, decode, intact_captions
 from vlprep.engine import Work, check_engine, map_shards, merged_skips
-from vlprep.output import Out, check_out, finish_dataset, write_json_atomic, write_shard, writing_output
+from vlprep.output import Out, check_out, finish_dataset, publish, write_json_atomic, write_shard, writing_output
 from vlprep.text import tokenize
 from vlprep.urls import redact
 
@@ -211,6 +213,33 @@ def caption_index(ds, columns: list[str], enc, out: Out, kind: str, progress=Non
     return False, fp
 
 
+def _index_is_here(root: Path, index_fp: str) -> bool:
+    return knn.table_fingerprint(root) == index_fp and all((root / name).exists() for name in knn.INDEX_FILES)
+
+
+def fetch_index(out: Out, index_fp: str) -> None:
+    """OUT's index and caption table (fingerprint `index_fp`) in `out.root` on this machine.
+
+    The driver builds them in its folder and, for a URL OUT, uploads them before any shard runs; a worker on another
+    machine (whose staging folder of the same name is its own) downloads them from OUT, once per machine: the first
+    of its workers under a lock, each file under a temporary name then renamed, the vocabulary last; the others find
+    the fingerprint in place and reuse them, as does the next run with the same index."""
+    if out.url is None or _index_is_here(out.root, index_fp):
+        return
+    out.root.mkdir(parents=True, exist_ok=True)
+    with open(out.root / ".knn-fetch.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if _index_is_here(out.root, index_fp):
+            return
+        for name in knn.INDEX_FILES:
+            tmp = out.root / f"{name}.{os.getpid()}.tmp"
+            objstore.get_file(objstore.join(out.url, name), tmp)
+            os.replace(tmp, out.root / name)
+    if not _index_is_here(out.root, index_fp):
+        raise VlprepError(f"{redact(out.url)}: its caption index is not the one this run built (another run wrote "
+                          "OUT meanwhile?)")
+
+
 _worker: dict = {}
 
 
@@ -218,10 +247,12 @@ def _init_worker(enc, out: Out, index_fp: str, params: dict) -> None:
     """Per worker, once: the encoder (unpickled here, so it loads here), the saved index, ALIGNED's caption table.
 
     Everything comes from OUT/knn.faiss and the caption table's files (paths travel, not the index; the table is
-    memory-mapped, its pages shared by the workers); in the driver the state is reused when the index is the same.
+    memory-mapped, its pages shared by the workers); a worker on a machine without them fetches them from a URL OUT
+    first (`fetch_index`). In the driver the state is reused when the index is the same.
     """
     if _worker.get("index_fp") == index_fp and _worker.get("params") == params and _worker.get("enc") is enc:
         return
+    fetch_index(out, index_fp)
     index = knn.load_index(out.root / "knn.faiss")
     kind = knn.kind_of(index)  # asked of the CPU index: nothing reads it back from a GPU
     n_lists = knn.nlist(index) if kind == "ivf" else None
@@ -342,6 +373,7 @@ def pseudolabel(cfg: PseudolabelConfig, enc, progress=None) -> dict:
         # --- plan: the caption index (saved in OUT for the workers) and one Work per UNALIGNED shard
         t_index = time.perf_counter()
         reused, index_fp = caption_index(aligned, columns, enc, out, cfg.index, progress)
+        publish(out, knn.INDEX_FILES, keep=knn.INDEX_FILES)  # a URL OUT: there for workers on other machines
         params = {k: getattr(cfg, k) for k in ("strategy", "k", "crops", "words", "rmtop", "seed", "batch_size",
                                                "device")}
         params["nprobe"] = cfg.nprobe or knn.DEFAULT_NPROBE
