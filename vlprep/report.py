@@ -14,9 +14,11 @@ def print_shards_report(report: dict, console: Console) -> None:
     t = Table(title=f"vlprep shards -> {report['written']:,} samples in {report['shards']} shards", show_header=True)
     t.add_column("count")
     t.add_column("samples", justify="right")
-    t.add_column("e.g.", overflow="fold")
-    t.add_row("read", f"{report['samples_in']:,}", "")
-    t.add_row("written", f"{report['written']:,}", "")
+    examples = bool(report["skipped"])  # the column names skipped samples: none skipped, no column
+    if examples:
+        t.add_column("examples", overflow="fold")
+    t.add_row("read", f"{report['samples_in']:,}", *[""] * examples)
+    t.add_row("written", f"{report['written']:,}", *[""] * examples)
     for reason, n in report["skipped"].items():
         t.add_row(f"skipped: {reason}", f"{n:,}", ", ".join(report["skipped_examples"].get(reason, [])[:3]))
     console.print(t)
@@ -94,7 +96,7 @@ def print_bow_report(r: dict, console: Console) -> None:
               ", ".join(w for w, _ in r["top_words_after"]))
     if r.get("rmtop_ranked_after") is not None:  # the set rmtop removes, ranked after the ops before it
         after = f" (ranked after {r['rmtop_ranked_after']})" if r["rmtop_ranked_after"] else ""
-        t.add_row(f"rmtop set{after}", f"{r['rmtop_candidates']:,} ranked",
+        t.add_row(f"rmtop set{after}", f"top {len(r['rmtop_tokens']):,} of {r['rmtop_candidates']:,} words",
                   ", ".join(r["rmtop_tokens"][:20]) + (", ..." if len(r["rmtop_tokens"]) > 20 else ""))
     console.print(t)
     extra = f", {r['shards_resumed']} shard(s) resumed" if r["shards_resumed"] else ""

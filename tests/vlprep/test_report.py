@@ -34,3 +34,18 @@ def test_distribution_matches_numpy_quantiles():
     assert d["count"] == 5 and d["mean"] == 22.0 and d["p50"] == 3.0 and d["p0"] == 1 and d["p100"] == 100
     assert d["p25"] == 2.0 and d["p75"] == 4.0
     assert distribution(Counter()) == {"count": 0}
+
+
+def test_the_shards_table_has_an_examples_column_only_when_samples_were_skipped():
+    from rich.console import Console
+
+    from vlprep.report import print_shards_report
+
+    base = {"written": 5, "shards": 1, "samples_in": 5, "skipped": {}, "skipped_examples": {}, "shards_resumed": 0,
+            "elapsed_s": 1.0, "samples_per_s": 5.0}
+    for skipped, shown in (({}, False), ({"undecodable": 2}, True)):
+        console = Console(record=True, width=100)
+        print_shards_report({**base, "skipped": skipped, "skipped_examples": {"undecodable": ["a.png", "b.png"]}},
+                            console)
+        text = console.export_text()
+        assert ("examples" in text) is shown and ("a.png, b.png" in text) is shown and "e.g." not in text, text
