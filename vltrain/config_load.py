@@ -162,13 +162,15 @@ def parse_set(items: list[str]) -> dict[str, Any]:
 
 def load_config(preset: str | None = None, config_file: str | Path | None = None, sets: list[str] | None = None,
                 **explicit) -> Config:
-    """Build the run config; `explicit` holds CLI flags the user actually gave (None values are ignored)."""
+    """Build the run config; `explicit` holds CLI flags the user actually gave (None values are ignored). The config
+    records the keys the file, --set and the flags gave (user_set), so a derived default never overrides them."""
     cfg = Config()
     preset = preset or cfg.preset
     if preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
     cfg.preset = preset
     apply_overrides(cfg, PRESETS[preset])
+    data = {}
     if config_file is not None:
         path = Path(config_file)
         data = _load_yaml(read_config_file(path), str(path)) or {}
@@ -177,10 +179,46 @@ def load_config(preset: str | None = None, config_file: str | Path | None = None
         if "preset" in data and data["preset"] != preset:
             raise ConfigError(f"{path} sets preset {shown(data['preset'])}; pass it with --preset instead")
         apply_overrides(cfg, data)
-    apply_overrides(cfg, parse_set(sets or []))
-    apply_overrides(cfg, {k: v for k, v in explicit.items() if v is not None})
+    sets = parse_set(sets or [])
+    apply_overrides(cfg, sets)
+    flags = {k: v for k, v in explicit.items() if v is not None}
+    apply_overrides(cfg, flags)
     validate(cfg)
+    given = set_keys(cfg, data) | set_keys(cfg, sets) | set_keys(cfg, flags)
+    cfg.__dict__[USER_KEYS] = frozenset(given)  # not a field: no checkpoint or printed config holds it
     return cfg
+
+
+USER_KEYS = "_user_keys"  # a loaded Config's record of the dotted keys the user gave (user_set)
+
+
+def set_keys(cfg, overrides: dict[str, Any], where: str = "") -> set[str]:
+    """The dotted keys ('data.max_len') that `overrides` (dotted or nested, as apply_overrides takes them) sets."""
+    keys = set()
+    for dotted, value in upgrade(overrides).items():
+        head, _, rest = str(dotted).partition(".")
+        path = f"{where}.{head}" if where else head
+        current = getattr(cfg, head, None)
+        if is_dataclass(current) and (rest or isinstance(value, dict)):
+            keys |= set_keys(current, {rest: value} if rest else value, path)
+        else:
+            keys.add(path)
+    return keys
+
+
+def user_set(cfg, dotted: str) -> bool:
+    """Whether the user chose `dotted` ('data.max_len'): load_config saw it in --config, --set or a flag, or its value
+    is not its preset's (a Config built or changed in code). A preset's value is no user's choice: a value a run
+    derives (a CLIP tower's context length) may replace it."""
+    if dotted in cfg.__dict__.get(USER_KEYS, ()):
+        return True
+    preset = Config()
+    apply_overrides(preset, PRESETS.get(cfg.preset, {}), "")
+    section, _, key = dotted.rpartition(".")
+    now = cfg
+    for name in section.split(".") if section else ():
+        now, preset = getattr(now, name), getattr(preset, name)
+    return getattr(now, key) != getattr(preset, key)
 
 
 CONFIG_BYTES = 1 << 20  # a config file is a few KB

@@ -14,8 +14,8 @@ from vltrain.errors import TrainError
 from vltrain import hfclip, hub, openclip
 from vltrain.export_hf import FORMATS, check_hf, hf_meta, hf_readme, write_hf, write_meta, write_open_clip
 from vltrain.exportfmt import (CONFIG, EXPORT_DROPS, HEADS, IMAGE_ONNX, IMAGE_TOKENS_ONNX, META, README, TEXT_ONNX,
-                               TOKENIZER, WEIGHTS, check_replace, export_config, export_source, staged,
-                               swap_in, write_config, write_weights)
+                               TOKENIZER, WEIGHTS, check_replace, export_config, export_source, export_tokenizer,
+                               staged, swap_in, write_config, write_weights)
 from vltrain.model import _tokenizer_at, model_tokenizer
 
 # `vltrain.load(OUT)` and every command that takes a checkpoint read the folder (vltrain.checkpoint.load).
@@ -45,7 +45,8 @@ def export(checkpoint, out, onnx: bool = False, overwrite: bool = False, fmt: st
     # The model an export rebuilds (no EMA copy, no queues), with the checkpoint's weights checked by name and shape.
     net = model_from({**ckpt, "model": kept, "export": True}, checkpoint).eval()
     check_apart(out, [checkpoint, *tower_folders(net)])  # a CLIP tower's folder: its tokenizer is read
-    tokenizer = model_tokenizer(net)
+    # its model_max_length the length the model was trained with: other libraries' truncation=True cuts there too
+    tokenizer = export_tokenizer(model_tokenizer(net), net, ckpt["config"]["data"]["max_len"])
     onnx_info = None
     if fmt not in FORMATS:
         raise TrainError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}"[:160])
@@ -96,6 +97,16 @@ def tower_folders(net) -> list[Path]:
     """The local folders of the model's clip:PATH towers (hf-hub: ones live in the hub's cache)."""
     specs = {net.cfg.text_model, net.cfg.image_model}
     return [Path(s[len(hfclip.PREFIX):]) for s in specs if hfclip.is_clip(s) and not hub.is_hub(s[len(hfclip.PREFIX):])]
+
+
+def max_length_note(pre: dict) -> str:
+    """The README's words on the tokenizer's model_max_length (exportfmt.export_length), for `preprocessing` `pre`."""
+    longest = pre.get("model_max_length", pre["max_len"])
+    if longest == pre["max_len"]:
+        return " (its `model_max_length`, which `truncation=True` cuts at)"
+    return (f" (a SigLIP text tower reads every caption padded to {longest} tokens, its `model_max_length`: cut a "
+            f"caption at {pre['max_len']} with `truncation=True, max_length={pre['max_len']}`, then pad it to "
+            f"{longest})")
 
 
 UNTRAINED_ITC = ("the ONNX graphs hold the ITC towers (image_proj, text_proj), and this model was trained with "
@@ -336,7 +347,8 @@ def readme(meta: dict, out: Path) -> str:
               "- `model.safetensors`: the weights inference reads (no optimiser, RNG, momentum copy or queues)",
               "- `config.json`: format, the run's config, preprocessing, provenance, eval numbers",
               "- `tokenizer/`: the Hugging Face tokenizer (`AutoTokenizer.from_pretrained`, or `tokenizers` "
-              f"with tokenizer.json), captions padded to the longest and truncated to {pre['max_len']} tokens"]
+              f"with tokenizer.json), captions padded to the longest and truncated to {pre['max_len']} tokens, the "
+              f"length the model was trained and is evaluated with{max_length_note(pre)}"]
     if onnx and onnx.get("itc_trained") is False:
         lines += [f"- note: {UNTRAINED_ITC}; use `vltrain.load` and the aligner, not the ONNX graphs"]
     for key in ("image", "image_tokens") if onnx else ():

@@ -149,25 +149,45 @@ def hf_readme(text: str, meta: dict, out: Path) -> str:
     heads = (f"- `{HEADS}`: the tensors the other library does not hold (fusion encoder, ITM and MLM heads, aligner) "
              "and the exact temperature, under vltrain's names")
     record = f"- `{META}`: the run's config, preprocessing, provenance and eval numbers"
+    pre = meta["preprocessing"]
+    max_len = pre["max_len"]  # what the model was trained and is evaluated with
+    context = meta["config"]["model"]["towers"]["text"]["max_len"]  # the text tower's positions
     if kind == "open_clip":
+        # open_clip's tokenizer pads and cuts at the tower's context length, which its model reads in full
+        tokenize = ([f"text = tokenizer(['a dog'], context_length={max_len})  # cut where vltrain cuts",
+                f"text = torch.nn.functional.pad(text, (0, {context - max_len}))  # to the {context} positions"]
+               if max_len < context else ["text = tokenizer(['a dog'])"])
         files = [f"- `{openclip.CONFIG}`, `{openclip.WEIGHTS}`: open_clip's CLIP (towers, projections, logit scale) "
-                 "and its preprocessing", heads, record]
-        loading = ["```python", "import open_clip", "",
+                 "and its preprocessing", heads, record,
+                 f"- captions: trained and evaluated cut at {max_len} tokens" + (
+                     f" (open_clip's tokenizer cuts at the tower's {context}: cut them as below)"
+                     if max_len < context else " (open_clip's tokenizer cuts there too)")]
+        loading = ["```python", "import open_clip", *(["import torch"] if max_len < context else []), "",
                    f'model, _, preprocess = open_clip.create_model_and_transforms("local-dir:{out.name}")',
                    f'tokenizer = open_clip.get_tokenizer("local-dir:{out.name}")',
-                   "img = model.encode_image(preprocess(image)[None])  # L2-normalise both",
-                   'txt = model.encode_text(tokenizer(["a dog"]))', "```"]
+                   "img = model.encode_image(preprocess(image)[None])  # L2-normalise both", *tokenize,
+                   "txt = model.encode_text(text)", "```"]
     else:
+        siglip = kind == "SiglipModel"
+        padding = '"max_length"' if siglip else "True"  # SigLIP reads every caption padded to its full length
+        longest = pre.get("model_max_length", max_len)
+        length = (f"its `model_max_length` {max_len}, the length the model was trained and is evaluated with, which "
+                  "`truncation=True` cuts at" if longest == max_len else
+                  f"its `model_max_length` {longest}, the length a SigLIP text tower reads every caption padded to; "
+                  f"the model was trained cut at {max_len} tokens: tokenize with `truncation=True, max_length="
+                  f"{max_len}`, then pad to {longest}")
         files = [f"- `config.json`, `model.safetensors`: a transformers `{kind}` (towers, projections, logit scale)",
-                 "- the tokenizer and `preprocessor_config.json` (CLIPImageProcessor: vltrain's eval transform)",
-                 heads, record]
+                 "- the tokenizer and `preprocessor_config.json` (CLIPImageProcessor: vltrain's eval transform); the "
+                 f"tokenizer's (and the processor's) {length}", heads, record]
         loading = ["```python", f"from transformers import {kind}, AutoProcessor", "",
                    f'model = {kind}.from_pretrained("{out.name}")',
                    f'processor = AutoProcessor.from_pretrained("{out.name}")',
-                   'inputs = processor(text=["a dog"], images=[image], return_tensors="pt", padding=True)',
+                   'inputs = processor(text=["a dog"], images=[image], return_tensors="pt", '
+                   f'padding={padding}, truncation=True)',
                    "img = model.get_image_features(pixel_values=inputs.pixel_values).pooler_output  # L2-normalise",
-                   "txt = model.get_text_features(input_ids=inputs.input_ids, "
-                   "attention_mask=inputs.attention_mask).pooler_output", "```"]
+                   "txt = model.get_text_features(input_ids=inputs.input_ids" + (
+                       ").pooler_output  # SigLIP reads the padded caption unmasked" if siglip else
+                       ", attention_mask=inputs.attention_mask).pooler_output"), "```"]
     library = "open_clip" if kind == "open_clip" else "transformers"
     return "\n".join([head, "", "## Files", "", *files, "", "## Loading", "", f"With {library} alone (no vltrain):",
                       "", *loading, "", "With vltrain (the whole model, heads included):", "", "```python",

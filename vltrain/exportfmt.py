@@ -1,6 +1,7 @@
 """The `vltrain export` folder's format: its files, config.json and weights, written and read."""
 
 import contextlib
+import copy
 import ctypes
 import errno
 import glob
@@ -354,11 +355,38 @@ def preprocessing(net, config: dict) -> dict:
     tokenizer = model_tokenizer(net)
     text = {"tokenizer_files": TOKENIZER, "padding": "longest", "pad_token": tokenizer.pad_token,
             "pad_id": tokenizer.pad_token_id, "truncation": True,
-            "max_length": config["data"]["max_len"], "text_inputs": {"input_ids": "int64", "attention_mask": "int64"}}
+            "max_length": config["data"]["max_len"], "model_max_length": export_length(net, config["data"]["max_len"]),
+            "text_inputs": {"input_ids": "int64", "attention_mask": "int64"}}
     return {"image_input": "pixels" if pixels else "tokens", "image_size": size,
             "mean": list(net.image_mean) if pixels else None, "std": list(net.image_std) if pixels else None,
             "resize": RESIZE if pixels else None, "max_len": config["data"]["max_len"],
             **{k: v if pixels else None for k, v in image.items()}, **text}
+
+
+def export_length(net, max_len: int) -> int:
+    """The tokenizer's model_max_length in an export: data.max_len, the length the model was trained and is
+    evaluated with, so that transformers' (and a processor's) truncation=True cuts a caption where vltrain.load does;
+    a SigLIP text tower's full length instead, which it reads every caption padded to (padding="max_length" pads to
+    model_max_length; data.max_len is at most that, and equal to it unless the user set it)."""
+    pad = getattr(net, "text_pad", None)
+    return int(pad[0]) if pad is not None else int(max_len)
+
+
+def export_tokenizer(tokenizer, net, max_len: int):
+    """A copy of the run's tokenizer (model_tokenizer's is shared: it stays as it is) whose model_max_length is
+    export_length's, with no truncation or padding state in its tokenizer.json.
+
+    A fast tokenizer keeps the truncation and padding of its last call in its Rust backend, and save_pretrained
+    writes them into tokenizer.json, where transformers' truncation=True then still cuts at that call's length
+    (the last training batch's data.max_len, whichever run of the process that was): the export would depend on
+    what the process tokenized before."""
+    tok = copy.deepcopy(tokenizer)
+    tok.model_max_length = export_length(net, max_len)
+    backend = getattr(tok, "backend_tokenizer", None) if getattr(tok, "is_fast", False) else None
+    if backend is not None:
+        backend.no_truncation()
+        backend.no_padding()
+    return tok
 
 
 def export_source(ckpt: dict, path: Path, net) -> dict:

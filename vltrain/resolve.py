@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from vltrain import hfclip
 from vltrain.config import Config, ConfigError, freeze
+from vltrain.config_load import user_set
 from vltrain.model import check_input_size
 
 
@@ -120,10 +121,12 @@ def clamp_queue(cfg: Config, n_train: int) -> str | None:
 
 def resolve_towers(cfg: Config) -> tuple[Config, list[str]]:
     """A copy of cfg whose clip: towers are recorded in model.towers (so a checkpoint rebuilds them without their
-    folder) and whose sizes follow them: data.image_size the vision tower's, data.max_len at most its text positions,
-    model.embed_dim the towers' embedding width, and a fusion encoder over a CLIP or SigLIP text tower fresh
-    (fusion_from=new: a causal CLIP layer is no donor for a bidirectional fusion layer); and the notes saying what
-    changed. cfg itself when neither tower is pretrained. An unreadable folder is a one-line ConfigError."""
+    folder) and whose sizes follow them: data.image_size the vision tower's, data.max_len its text positions (its
+    context length, so captions are read as the source model reads them) unless the user set it
+    (config_load.user_set), and never more, model.embed_dim the towers' embedding width, and a fusion encoder over a
+    CLIP or SigLIP text tower fresh (fusion_from=new: a causal CLIP layer is no donor for a bidirectional fusion
+    layer); and the notes saying what changed. cfg itself when neither tower is pretrained. An unreadable folder is a
+    one-line ConfigError."""
     m = cfg.model
     sides = {side: name for side, name in (("text", m.text_model), ("image", m.image_model)) if hfclip.is_clip(name)}
     if not sides:
@@ -144,8 +147,15 @@ def resolve_towers(cfg: Config) -> tuple[Config, list[str]]:
 
     if "image" in towers:
         follow(out.data, "image_size", towers["image"]["preprocess"]["size"], "the pretrained vision tower's input size")
-    if "text" in towers and out.data.max_len > towers["text"]["max_len"]:
-        follow(out.data, "max_len", towers["text"]["max_len"], "the pretrained text tower's positions")
+    if "text" in towers:
+        context = towers["text"]["max_len"]  # the tower's positions: CLIP's 77, SigLIP's 64
+        if not user_set(cfg, "data.max_len"):  # captions as long as the source model reads them
+            out.data.max_len = context
+            kind = "SigLIP" if towers["text"]["model_type"] == "siglip" else "CLIP"
+            notes.append(f"note: data.max_len {context}: the {kind} tower's context length (set data.max_len to "
+                         "cut captions shorter)")
+        elif out.data.max_len > context:
+            follow(out.data, "max_len", context, "the pretrained text tower's positions")
     dims = sorted({t["projection_dim"] for t in towers.values()})
     if len(dims) > 1:
         raise ConfigError(f"the pretrained text and image towers embed in {dims[0]} and {dims[1]} dimensions; take "
