@@ -44,8 +44,31 @@ def init_from_env(device: str) -> tuple[bool, str]:
                              "give --device cuda (or auto)")
         torch.cuda.set_device(local)
         device = f"cuda:{local}"
-    dist.init_process_group("nccl" if cuda else "gloo")
+    store = attempt_store()
+    if store is None:
+        dist.init_process_group("nccl" if cuda else "gloo")
+    else:
+        dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=int(os.environ["RANK"]), world_size=size)
     return True, device
+
+
+def attempt_store():
+    """The process group's store under torchrun: the agent's store under a prefix of this restart, or None where
+    torchrun gives each restart a store of its own (env:// then finds it).
+
+    torchrun's agent keeps one key-value store for the whole job (it shares its rendezvous store, the default since
+    torch 2.4) and env:// uses it without a per-restart prefix, so after `--max-restarts` restarted the ranks the
+    store still holds the failed attempt's keys: gloo's full-mesh connect (NCCL's unique id alike) can read a dead
+    rank's address and then waits on it or fails ("Connection refused"; seen in about 1 restart in 3 here). A
+    prefix per TORCHELASTIC_RESTART_COUNT keeps each attempt's keys apart, as torchrun's own env:// did before the
+    store was shared."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    from torch.distributed.constants import default_pg_timeout
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=default_pg_timeout)
+    return dist.PrefixStore(f"vltrain/attempt/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def gather(x: torch.Tensor, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:

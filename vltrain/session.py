@@ -24,6 +24,7 @@ from vltrain.data.feed import Feed
 from vltrain.data.shards import data_signature
 from vltrain.distributed import RankSlice, broadcast, init_from_env, world
 from vltrain.errors import TrainError
+from vltrain.exportfmt import is_export
 from vltrain.init_from import check_out_apart, init_weights
 from vltrain.model import autocast, bf16_supported, build_model, resolve_device
 from vltrain.optim import build_optimizer
@@ -42,50 +43,63 @@ RUN_FILES = ("last.pt", "best.pt", "metrics.jsonl", "result.json", "curriculum.j
 # --- the output folder, seeds, device ------------------------------------------------------------------------
 
 
-def prepare_out(out: Path, resume: bool, overwrite: bool) -> None:
-    """Refuse to train into a folder that holds another run unless told to resume it or to overwrite it."""
-    if resume:
-        if not (out / "last.pt").exists():
-            raise TrainError(f"--resume: no checkpoint at {out / 'last.pt'}")
-        return
+def prepare_out(out: Path, resume: bool, overwrite: bool) -> tuple[bool, list[str]]:
+    """Refuse to train into a folder that holds another run unless told to resume it or to overwrite it; returns
+    (whether the run resumes OUT/last.pt, the files of an earlier run it deleted).
+
+    --resume on an OUT without last.pt starts the run (open_clip's `--resume latest`), so that one command line
+    serves the first start and every restart (torchrun --max-restarts). The files of a start that left no
+    checkpoint (killed before its first one: metrics.jsonl, tb/, ...) are deleted as --overwrite deletes them, since
+    starting over is what a restart needs; a checkpoint never is: best.pt without last.pt is a one-line refusal, and
+    so is a `vltrain export` folder, which has no optimiser state to resume."""
+    if resume and (out / "last.pt").exists():
+        return True, []
     found = [name for name in RUN_FILES if (out / name).exists()]
-    if found and not overwrite:
+    if resume:
+        if "best.pt" in found:
+            raise TrainError(f"--resume: {out} holds best.pt but no last.pt (a run stopped after an evaluation and "
+                             "before its first checkpoint), so there is nothing to resume and starting over would "
+                             "replace best.pt; move best.pt elsewhere, or choose another --out")
+        if out.is_dir() and is_export(out):
+            raise TrainError(f"--resume: {out} is a `vltrain export` folder and holds no last.pt: an export has no "
+                             "optimiser state to resume; start a new run from it with --init-from and another --out")
+    elif found and not overwrite:
         raise TrainError(f"{out} already holds a run ({', '.join(found)}); add --resume to continue it or "
                          "--overwrite to start over (or choose another --out)")
     for name in found:  # only the files a run writes: anything else in the folder is the user's
         target = out / name
         shutil.rmtree(target) if target.is_dir() else target.unlink()
     out.mkdir(parents=True, exist_ok=True)
+    return False, found
 
 
-def open_output(out: Path, resume: bool, overwrite: bool, rank: int) -> OutLock | None:
-    """Rank 0 locks OUT and prepares it, returning the lock (None on other ranks); under torchrun every rank stops on
-    rank 0's error instead of waiting."""
+def open_output(out: Path, resume: bool, overwrite: bool, rank: int) -> tuple[OutLock | None, bool, list[str]]:
+    """Rank 0 locks OUT and prepares it (`prepare_out`), returning (the lock, None on other ranks; whether the run
+    resumes OUT/last.pt, and the files of an earlier start deleted, on every rank); under torchrun every rank stops
+    on rank 0's error instead of waiting."""
     error = None
     lock = None
+    resuming, removed = False, []
     if rank == 0:
         try:  # one run per OUT: a second `--resume` on the same folder would interleave two runs' checkpoints
             lock = lock_output(out, "vltrain")
-            prepare_out(out, resume, overwrite)
+            resuming, removed = prepare_out(out, resume, overwrite)
         except (VlprepError, TrainError) as e:
             error = str(e)
-    error = broadcast(error)
+    error, resuming, removed = broadcast((error, resuming, removed))
     if error is not None:
         if lock is not None:
             lock.release()
         raise TrainError(error)
-    return lock
+    return lock, resuming, removed
 
 
-def init_source(init_from, out: Path, resume: bool, overwrite: bool) -> dict | None:
-    """--init-from's checkpoint or export, read (CheckpointError: one line), or None without it; refused with --resume,
-    whose run goes on from its own weights, and when it is OUT's own checkpoint, which --overwrite would delete."""
-    if init_from is None:
+def init_source(init_from, out: Path, resuming: bool, overwrite: bool) -> dict | None:
+    """--init-from's checkpoint or export, read (CheckpointError: one line), or None without it, and when the run
+    resumes OUT/last.pt, which holds the weights already (`same_init` checks the source against its record);
+    refused when it is OUT's own checkpoint, which --overwrite would delete."""
+    if init_from is None or resuming:
         return None
-    if resume:
-        raise TrainError("give --resume or --init-from, not both: --resume continues OUT/last.pt with its optimiser "
-                         "and step, --init-from starts a new run from other weights (a resumed run that began with "
-                         "--init-from keeps them: its checkpoint has everything)")
     try:
         if hfclip.is_clip(str(init_from)):  # a pretrained CLIP folder: its weights under vltrain's names
             return hfclip.init_source(str(init_from))
@@ -101,6 +115,26 @@ def init_source(init_from, out: Path, resume: bool, overwrite: bool) -> dict | N
     source = load(path, "--init-from")
     check_config(source, f"--init-from {path}")  # its config is read for notes: checked as every reader checks it
     return source
+
+
+def same_init(given, ckpt: dict, path: Path) -> None:
+    """--resume with --init-from X: a one-line TrainError unless X is the source OUT/last.pt's run began from (the
+    same string, or the same file or folder once resolved, clip:/open_clip:local-dir: prefixes alike)."""
+    recorded = (ckpt.get("init_from") or {}).get("path")
+    if recorded is None:
+        raise TrainError(f"--resume: {path} is a run that did not begin from --init-from; drop --init-from {given}, "
+                         "or choose another --out")
+    a, b = str(given), str(recorded)
+    if a == b:
+        return
+    prefix = next((p for p in (hfclip.PREFIX, f"{openclip.PREFIX}local-dir:") if a.startswith(p)), "")
+    try:
+        same = b.startswith(prefix) and Path(a[len(prefix):]).resolve() == Path(b[len(prefix):]).resolve()
+    except (OSError, RuntimeError):  # a link loop: not the recorded source
+        same = False
+    if not same:
+        raise TrainError(f"--resume: the run in {path} began from --init-from {b}, not {a}; give the same "
+                         "--init-from (or none: the checkpoint holds the weights), or choose another --out")
 
 
 def clip_spec(init_from, out: Path) -> str | None:
@@ -341,23 +375,36 @@ def setup(cfg: Config, resume: bool = False, overwrite: bool = False, init_from=
         keep_freed_memory()
     check_installed(cfg.train.report_to)  # a missing extra stops the run before OUT is touched
     check_out_apart(out, cfg.shards, init_from)  # OUT in a dataset or an --init-from folder: one line, nothing written
+    # --resume continues OUT/last.pt, and starts the run where there is none yet (a first start and every restart
+    # are one command line). Rank 0 looks, for every rank; prepare_out looks again under OUT's lock.
+    resuming = resume and broadcast((out / "last.pt").exists() if rank == 0 else None)
     # --init-from is read before OUT is touched: an unreadable source leaves OUT as it was
-    source = init_source(init_from, out, resume, overwrite)
-    if not resume:  # --init-from clip:PATH names the towers; an unreadable clip: folder is one line, OUT untouched
+    source = init_source(init_from, out, resuming, overwrite)
+    if not resuming:  # --init-from clip:PATH names the towers; an unreadable clip: folder is one line, OUT untouched
         cfg = clip_start(cfg, clip_spec(init_from, out))
         if not openclip.is_open_clip(str(init_from)):  # (an open_clip source was checked by init_source)
             resolve_towers(cfg)
-    lock = open_output(out, resume, overwrite, rank)
-    if not resume:
+    lock, resumed, removed = open_output(out, resume, overwrite, rank)
+    if resumed != resuming:  # another process wrote or removed last.pt between the look and the lock
+        if lock is not None:
+            lock.release()
+        raise TrainError(f"--resume: {out / 'last.pt'} {'appeared' if resumed else 'went away'} while this run "
+                         "started (another process writes OUT); run the command again")
+    if resume and not resuming:
+        again = f" (deleted an earlier start's {', '.join(removed)})" if removed else ""
+        console.print(f"--resume: no checkpoint in {out} yet, starting the run{again}", highlight=False, markup=False)
+    if not resuming:
         source = convert_open_clip(init_from, out, rank) or source
-    ckpt = load(out / "last.pt", "--resume checkpoint") if resume else None
+    ckpt = load(out / "last.pt", "--resume checkpoint") if resuming else None
     if ckpt is not None:
         check_ranks(ckpt, out / "last.pt", size)
+        if init_from is not None:
+            same_init(init_from, ckpt, out / "last.pt")
     rank_seed = cfg.seed + 1_000_003 * rank
     seed_everything(cfg.seed, device)
 
     # --- data, then the config resolved against it (read-only from here on)
-    if resume:  # a run begun from --init-from clip:PATH finds the name in its checkpoint's record
+    if resuming:  # a run begun from --init-from clip:PATH finds the name in its checkpoint's record
         cfg = clip_start(cfg, clip_spec(((ckpt or {}).get("init_from") or {}).get("path"), out))
     cfg, data, notes = prepare(cfg, device, ckpt, rank, size)
     data_sig = data_signature(cfg.shards)

@@ -306,8 +306,10 @@ def test_eval_reads_an_export_and_resume_refuses_one(runs, tmp_path):
         result = json.loads((tmp_path / f"{name}.json").read_text())
         scores[name] = (result["retrieval"], result["itm_rerank"]["mean_recall"])
     assert scores["export"] == scores["ckpt"]
-    # --resume reads OUT/last.pt: an export has none (and no optimiser state to resume)
+    # --resume reads OUT/last.pt: an export has none (and no optimiser state to resume), and --resume does not start
+    # a run in it as it starts one in an OUT without a checkpoint
     sets = [x for s in TINY + ALBEF for x in ("--set", s)]
     r = invoke("run", runs["shards"], "--out", out, "--preset", "albef", "--steps", 4, "--batch-size", 4,
                "--device", "cpu", "--resume", *sets)
-    one_line_error(r, r"--resume: no checkpoint at .*last\.pt")
+    one_line_error(r, r"--resume: .* is a `vltrain export` folder and holds no last\.pt")
+    assert not (out / "last.pt").exists() and not (out / "metrics.jsonl").exists()

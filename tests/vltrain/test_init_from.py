@@ -111,12 +111,13 @@ def test_a_shape_mismatch_is_one_line_naming_the_parameter_and_both_shapes(shard
 
 def test_refusals_are_one_line(shards, source, tmp_path):  # noqa: F811
     out = tmp_path / "run"
-    one_line_error(run(shards, out, "--steps", "1", "--init-from", str(source), "--resume"),
-                   "give --resume or --init-from, not both")
     junk = tmp_path / "notes.txt"
     junk.write_text("not a checkpoint")
-    one_line_error(run(shards, out, "--steps", "1", "--init-from", str(junk)), "not a vltrain checkpoint")
-    one_line_error(run(shards, out, "--steps", "1", "--init-from", str(tmp_path / "nope.pt")), "--init-from not found")
+    # --preset given: without it the run says first which preset it trains (a note line before the error)
+    one_line_error(run(shards, out, "--preset", "clip", "--steps", "1", "--init-from", str(junk)),
+                   "not a vltrain checkpoint")
+    one_line_error(run(shards, out, "--preset", "clip", "--steps", "1", "--init-from", str(tmp_path / "nope.pt")),
+                   "--init-from not found")
     # into an OUT that holds a run: --overwrite, as for any fresh run; never over the checkpoint it starts from
     ok(run(shards, out, "--preset", "clip", "--steps", "1"))
     one_line_error(run(shards, out, "--preset", "clip", "--steps", "1", "--init-from", str(source)),
@@ -125,6 +126,34 @@ def test_refusals_are_one_line(shards, source, tmp_path):  # noqa: F811
     one_line_error(run(shards, out, "--preset", "clip", "--steps", "1", "--init-from", str(out / "last.pt"),
                        "--overwrite"), "which --overwrite deletes")
     assert (out / "last.pt").exists()
+
+
+def test_init_from_with_resume_starts_from_the_source_then_resumes_its_checkpoint(shards, source,  # noqa: F811
+                                                                                 tmp_path):
+    """--init-from X --resume is one command line for the first start and every restart: on an empty OUT the run
+    starts from X; with OUT/last.pt it resumes that (X is not read again: it may be gone) once X is checked against
+    the source the checkpoint records (the same path, or the same file under another name). Another source, or
+    --init-from for a run that began without one, is one line."""
+    out = tmp_path / "run"
+    r = ok(run(shards, out, "--preset", "clip", "--steps", "1", "--init-from", str(source), "--resume", *FROZEN))
+    assert f"--resume: no checkpoint in {out} yet, starting the run" in r.output and init_line(r.output)
+    ckpt, src = torch.load(out / "last.pt", weights_only=True), load(source)
+    assert ckpt["init_from"]["path"] == str(source)
+    assert all(torch.equal(ckpt["model"][k], v) for k, v in src["model"].items())  # lr 0: the source's weights
+    alias = source.parent / ".." / source.parent.name / "last.pt"
+    for given, steps in ((source, 2), (alias, 3)):
+        r = ok(run(shards, out, "--preset", "clip", "--steps", str(steps), "--init-from", str(given), "--resume",
+                   *FROZEN))
+        assert f"resumed from step {steps - 1} of {steps}" in r.output, r.output
+        assert f"the run began from --init-from {source}" in r.output
+        assert not any(ln.startswith("init-from ") for ln in r.output.splitlines())  # nothing loaded again
+    one_line_error(run(shards, out, "--preset", "clip", "--steps", "4", "--init-from", str(tmp_path / "gone.pt"),
+                       "--resume", *FROZEN), f"began from --init-from {source}, not {tmp_path / 'gone.pt'}")
+    plain = tmp_path / "plain"
+    ok(run(shards, plain, "--preset", "clip", "--steps", "1", *FROZEN))
+    one_line_error(run(shards, plain, "--preset", "clip", "--steps", "2", "--init-from", str(source), "--resume",
+                       *FROZEN), "did not begin from --init-from")
+    assert torch.load(plain / "last.pt", weights_only=True)["step"] == 1
 
 
 def test_a_link_into_out_is_refused_with_overwrite_by_resolved_path(shards, source, tmp_path):  # noqa: F811
