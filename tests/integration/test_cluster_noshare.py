@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import colour_pairs, tiny_checkpoint
+from tests.conftest import colour_pairs, image_bytes, tiny_checkpoint
 from tests.integration.servers import free_port, moto_s3, need, s3_env
 
 pytestmark = pytest.mark.slow
@@ -329,3 +329,56 @@ def test_filter_on_the_cluster_is_byte_identical_to_local_and_its_embedding_cach
     assert cluster.actors_on_node() == before and again["shards_resumed"] == again["scan_resumed"] == 6
     assert digests(s3_files("ray/filter")) == digests(ray_files)
 
+
+
+def test_detect_from_a_file_and_ontology_on_the_cluster_are_byte_identical_to_local(cluster):
+    """detect --from-file: the driver reads the detections file and each shard's detections travel with its work item.
+    ontology: the nouns pass's tables go through OUT/_nouns/, the annotate pass gets the noun mapping with its work
+    items and reads the nouns from OUT."""
+    import json
+
+    from vlprep.detect import DetectConfig, detect
+    from vlprep.ontology import OntologyConfig, ontology
+    from vlprep.shards import ShardsConfig, build_shards
+
+    captions = ["A dog runs on the grass.", "Two dogs and a man in a park.", "A man with a hat.", "The cat sleeps.",
+                "A dog and a cat.", "A red car.", "A cat on a car.", "A man and his dog."]
+    objects = [["dog"], ["dog", "person"], ["person"], ["cat"], ["dog", "cat"], [], ["cat", "car"], ["person", "dog"]]
+    src = cluster.local / "captions"
+    src.mkdir()
+    for i, c in enumerate(captions):
+        (src / f"{i}.png").write_bytes(image_bytes(16, 16, seed=i))
+        (src / f"{i}.txt").write_text(c)
+    build_shards(ShardsConfig(src=src, out="s3://bkt/captions", samples_per_shard=2, workers=1))
+    dets = cluster.local / "dets.jsonl"
+    dets.write_text("".join(json.dumps({"key": f"shard_{i:09d}", "objects": [
+        {"label": o, "score": 0.9, "box": [0, 0, 0.5, 1]} for o in objs]}) + "\n" for i, objs in enumerate(objects)))
+
+    def run_detect(out, distributor, workers):
+        detect(DetectConfig(src="s3://bkt/captions", out=out, from_file=dets, min_score=0.3, workers=workers,
+                            distributor=distributor))
+
+    local, ray_files, placed = on_both(cluster, run_detect, "detect")
+    assert digests(local) == digests(ray_files) and placed == 2
+
+    def run_ontology(out, distributor, workers):
+        rep = ontology(OntologyConfig(src="s3://bkt/local/detect", out=out, min_cooccur=1, min_instances=2,
+                                      workers=workers, distributor=distributor))
+        assert rep["triplets"] > 0
+
+    local, ray_files, placed = on_both(cluster, run_ontology, "ontology")
+    assert digests(local) == digests(ray_files) and "triplets.parquet" in local and "ontology.json" in local
+    assert placed == 4 and cluster.actors_elsewhere() == 0  # nouns, annotate: 2 actors each
+
+
+def test_features_on_the_cluster_is_byte_identical_to_local(cluster, raw):
+    """The packaged encoder's weights are part of the installed package, on every node."""
+    from vlprep.features import FeaturesConfig, features
+
+    def run(out, distributor, workers):
+        features(FeaturesConfig(src=raw, out=out, size=64, decode_threads=1, device="cpu", workers=workers,
+                                distributor=distributor))
+
+    local, ray_files, placed = on_both(cluster, run, "features")
+    assert digests(local) == digests(ray_files) and sum(n.endswith(".tar") for n in local) == 6
+    assert placed == 2 and cluster.actors_elsewhere() == 0
