@@ -185,18 +185,15 @@ def run(
                              "data.skip_bad_shards": skip_bad_shards or None})
         if resume and overwrite:
             raise ConfigError("give --resume or --overwrite, not both")
-        if preset is None and os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 says it once
-            from vltrain.session import RUN_FILES, train_device
+        note = None
+        if preset is None:
+            from vltrain.session import train_device
 
             cuda = train_device(cfg.device).type == "cuda"  # a device this machine lacks: its one line, first
-            run_dir = Path(cfg.out)
-            refused = (not (run_dir / "last.pt").exists() if resume
-                       else not overwrite and any((run_dir / name).exists() for name in RUN_FILES))
-            note = None if refused else preset_note(cfg, cuda)  # a refused OUT is train()'s one line, alone
-            if note:
-                console.print(note, highlight=False, markup=False)
+            note = preset_note(cfg, cuda)
         with writing(Path(cfg.out)):
-            result = train(cfg, resume=resume, overwrite=overwrite, init_from=init_from)
+            # the note is said once the run is set up: an error before then stays the only line
+            result = train(cfg, resume=resume, overwrite=overwrite, init_from=init_from, note=note)
     if result["rank"] > 0:  # under torchrun rank 0 reports
         return
     ev = result["eval"]

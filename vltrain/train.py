@@ -30,16 +30,18 @@ from vltrain.step import distill_alpha_at
 
 
 def train(cfg, resume: bool = False, overwrite: bool = False, init_from=None, quiet: bool = False,
-          batches=None) -> dict:
+          batches=None, note: str | None = None) -> dict:
     """Train as cfg says, writing OUT/{metrics.jsonl, tb/, last.pt, best.pt}; returns the final metrics.
 
     Refuses an OUT holding another run unless `resume` (continue from OUT/last.pt) or `overwrite` (start over).
     `init_from` (a checkpoint or an export folder) starts a new run from its weights only: fresh optimiser, schedule
     and step 0, the architecture from cfg (vltrain.init_from.init_weights); a resume of it re-loads nothing.
-    `quiet` and `batches` go to `setup`. Ctrl-C / SIGTERM finish the current step, write last.pt and raise
-    `vltrain.resume.Interrupted`.
+    `quiet` and `batches` go to `setup`; `note`, a line said once the run is set up (before its first step).
+    Ctrl-C / SIGTERM finish the current step, write last.pt and raise `vltrain.resume.Interrupted`.
     """
     s = setup(cfg, resume, overwrite, init_from, quiet, batches)
+    if note:
+        s.console.print(note, highlight=False, markup=False)
     with s.open_report() as report, _running(s.run, s.feed, s.console):
         loop(s, report)
     return end(s, report)
