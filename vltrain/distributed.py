@@ -56,12 +56,12 @@ def attempt_store():
     """The process group's store under torchrun: the agent's store under a prefix of this restart, or None where
     torchrun gives each restart a store of its own (env:// then finds it).
 
-    torchrun's agent keeps one key-value store for the whole job (it shares its rendezvous store, the default since
-    torch 2.4) and env:// uses it without a per-restart prefix, so after `--max-restarts` restarted the ranks the
-    store still holds the failed attempt's keys: gloo's full-mesh connect (NCCL's unique id alike) can read a dead
-    rank's address and then waits on it or fails ("Connection refused"; seen in about 1 restart in 3 here). A
-    prefix per TORCHELASTIC_RESTART_COUNT keeps each attempt's keys apart, as torchrun's own env:// did before the
-    store was shared."""
+    torchrun's agent keeps one key-value store for the whole job (it shares its rendezvous store with the ranks, as
+    torch does by default now) and env:// uses it without a per-restart prefix, so after `--max-restarts` restarted
+    the ranks the store still holds the failed attempt's keys: gloo's full-mesh connect (NCCL's unique id alike)
+    can read a dead rank's address and then waits on it or fails ("Connection refused"; 3 of 5 restarts here, none
+    of 5 with the prefix). A prefix per TORCHELASTIC_RESTART_COUNT keeps each attempt's keys apart, as torchrun's
+    own env:// did before the store was shared."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     from torch.distributed.constants import default_pg_timeout
