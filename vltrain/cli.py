@@ -164,7 +164,8 @@ def run(
                                              "the architecture, tensors are matched by name (those the model adds "
                                              "start as built, the momentum copy as the loaded online weights; those "
                                              "it lacks are dropped; a shape mismatch stops the run), and the run "
-                                             "prints the counts. Not with --resume."),
+                                             "prints the counts. With --resume: the start of a run that restarts "
+                                             "from OUT/last.pt once it has one."),
 ) -> None:
     """Train on the shards (ITC / ITM / MLM or the TOnICS aligner; random, TOnICS or GRIT batches), evaluating
     retrieval on the held-out split as it goes.
