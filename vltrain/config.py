@@ -20,6 +20,9 @@ class ConfigError(ValueError):
 
 TEMP_MIN = 0.001  # ALBEF's clamp on the learnable ITC temperature
 TEMP_MAX = 0.5
+# SigLIP's fresh sigmoid head (Zhai et al. 2023, 3.1 and Algorithm 1): t' = log 10 (t = 10, model.temp 0.1), b = -10
+SIGLIP_TEMP = 0.1
+SIGLIP_BIAS = -10.0
 FUSION_FROM = ("copy", "split", "new")
 POOLING = ("cls", "mean")
 
@@ -68,6 +71,9 @@ class ModelConfig(Section):
     freeze_image: bool = False
     temp: float = 0.07  # initial ITC temperature
     temp_learnable: bool = True  # false: tau stays at `temp` (A Fistful of Words: fixed 0.02)
+    # a learnable ITC bias b (SigLIP's sigmoid loss; SIGLIP_BIAS for a fresh head, a SigLIP folder's own from
+    # --init-from): follows loss.itc_kind, set when the config is checked and resolved, not by hand
+    itc_bias: bool = False
     pooling: str = "cls"  # text ITC embedding from the [CLS] state (ALBEF) or the masked mean of all states (Fistful)
     momentum: bool = False  # keep an EMA copy (ALBEF momentum distillation)
     momentum_m: float = 0.995
@@ -115,6 +121,9 @@ class LossConfig(Section):
     itm_negatives: str = "sample"   # ITM hard negatives: sample (ALBEF: drawn by in-batch similarity) or hardest (GRIT)
     itm_global_negatives: bool = False  # under torchrun: ITM negatives from every rank's batch (BLIP), not the local one
     itc_detach_keys: bool = False   # no momentum model: keys are sg(features), gradient via queries only (GRIT code)
+    # softmax: ITC as InfoNCE over each row (CLIP, ALBEF); sigmoid: SigLIP's pairwise loss (Zhai et al. 2023, 3.1),
+    # every image-text pair a binary match with a learnt bias. Towers from a SigLIP folder default to sigmoid
+    itc_kind: str = "softmax"
     dedupe: str = "none"            # caption: in-batch byte-identical captions are ITC positives, never ITM negatives
     softmask_itm: float = 0.0       # SoftMask++ soft ITM: positives with soft-masked image tokens are still matches
     softmask_source: str = "gradcam"  # the mask: gradcam (SoftMask++), attention (Table 9), random:R (RandMask)
@@ -264,6 +273,7 @@ INPUTS = ("auto", "features", "pixels")
 AUGMENTS = ("none", "albef", "softmask")
 ITM_NEGATIVES = ("sample", "hardest")
 DEDUPE = ("none", "caption")
+ITC_KINDS = ("softmax", "sigmoid")
 
 
 # Every numeric key's valid values: [a, b] includes its ends, (a, b) excludes them; docs/TRAINING.md lists the same.
@@ -383,6 +393,13 @@ def validate(cfg: Config) -> None:
     if cfg.loss.dedupe != "none" and cfg.loss.focal_gamma > 0:
         raise ConfigError("loss.dedupe=caption needs plain or distilled ITC: focal ITC (loss.focal_gamma > 0) has one "
                           "positive per row")
+    if cfg.loss.itc_kind not in ITC_KINDS:
+        raise ConfigError(f"unknown loss.itc_kind {shown(cfg.loss.itc_kind)}; use one of {', '.join(ITC_KINDS)}")
+    if cfg.loss.itc_kind == "sigmoid" and sigmoid_conflict(cfg):
+        raise ConfigError(f"loss.itc_kind=sigmoid (SigLIP's loss) does not combine with {sigmoid_conflict(cfg)}: "
+                          "SigLIP has no momentum model, queue, distillation or softmax-based ITC variant; use "
+                          "preset clip (or albef-base), or loss.itc_kind=softmax")
+    cfg.model.itc_bias = cfg.loss.itc_kind == "sigmoid"
     if cfg.data.augment not in AUGMENTS:
         raise ConfigError(f"unknown data.augment {shown(cfg.data.augment)}; use one of {', '.join(AUGMENTS)}")
     if cfg.loss.focal_gamma > 0 and cfg.loss.distill_alpha > 0:
@@ -430,6 +447,40 @@ def validate(cfg: Config) -> None:
     m, queue = grit_sizes(cfg)
     if s.kind == "grit" and (m < 2 or queue < m):
         raise ConfigError("GRIT needs sampler.search_space >= 2 and sampler.queue_size >= sampler.search_space")
+
+
+def sigmoid_conflict(cfg: Config) -> str | None:
+    """The first key that rules out the sigmoid ITC (SigLIP's loss has none of these), as 'key=value'; None if none."""
+    m, w = cfg.model, cfg.loss
+    for key, on in (("model.momentum", m.momentum), ("model.queue_size", m.queue_size > 0),
+                    ("loss.distill_alpha", w.distill_alpha > 0), ("loss.focal_gamma", w.focal_gamma > 0),
+                    ("loss.consistency", w.consistency > 0), ("loss.itc_detach_keys", w.itc_detach_keys)):
+        if on:
+            return f"{key}={functools.reduce(getattr, key.split('.'), cfg)}"
+    return None
+
+
+def itc_defaults(cfg: Config, chose_kind: bool, chose_temp: bool) -> list[str]:
+    """loss.itc_kind filled in on `cfg` (in place; its towers already recorded in model.towers): sigmoid when a tower
+    comes from a SigLIP folder, unless the user chose the kind (chose_kind) or the config rules it out (then softmax,
+    said in the note); a fresh sigmoid head (no pretrained tower brings a temperature) starts at SigLIP's t = 10
+    unless the user chose model.temp. Returns the notes to print."""
+    notes = []
+    siglip = any(t.get("model_type") == "siglip" for t in cfg.model.towers.values())
+    if siglip and not chose_kind and cfg.loss.itc_kind != "sigmoid":
+        conflict = sigmoid_conflict(cfg)
+        if conflict is None:
+            cfg.loss.itc_kind = "sigmoid"
+            notes.append("note: loss.itc_kind sigmoid: SigLIP's own loss for its towers, its temperature and bias "
+                         "trained (set loss.itc_kind=softmax for the softmax ITC)")
+        else:
+            notes.append(f"note: loss.itc_kind softmax, not SigLIP's sigmoid loss: {conflict} needs the softmax ITC")
+    cfg.model.itc_bias = cfg.loss.itc_kind == "sigmoid"
+    if cfg.model.itc_bias and not cfg.model.towers and not chose_temp and cfg.model.temp != SIGLIP_TEMP:
+        notes.append(f"note: model.temp {cfg.model.temp} -> {SIGLIP_TEMP}: SigLIP's initial t = 10 for a fresh "
+                     f"sigmoid head (its bias starts at {SIGLIP_BIAS:g})")
+        cfg.model.temp = SIGLIP_TEMP
+    return notes
 
 
 def report_to(names: list[str]) -> list[str]:

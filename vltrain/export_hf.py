@@ -67,7 +67,9 @@ def hf_model(net, kind: str):
         config = VisionTextDualEncoderConfig.from_vision_text_configs(vision, text, projection_dim=net.cfg.embed_dim,
                                                                      logit_scale_init_value=scale)
         model = VisionTextDualEncoderModel(config)
-    model.load_state_dict(hfclip.to_clip(net.state_dict()), strict=True)
+    # a sigmoid-ITC bias (loss.itc_kind=sigmoid) has no place in a CLIPModel: vltrain_heads keeps it (write_heads)
+    model.load_state_dict({k: v for k, v in hfclip.to_clip(net.state_dict()).items() if k != "logit_bias"},
+                          strict=True)
     return model.eval()
 
 
@@ -134,6 +136,8 @@ def write_heads(net, out: Path) -> dict:
     state = net.state_dict()
     _, tied = untie(state)  # the MLM decoder's weight is the text tower's word embeddings: stored once, there
     held = set(hfclip.to_vltrain(hfclip.to_clip(state)))  # what transformers' model.safetensors holds
+    if "siglip" not in net.kinds.values():  # only a SiglipModel holds the sigmoid ITC's bias
+        held.discard("logit_bias")
     # the temperature too, exactly: logit_scale = log(1 / temp) and back would round it in float32
     rest, _ = untie({k: v for k, v in state.items() if (k not in held or k == "temp") and k not in tied})
     save_file(rest, str(out / HEADS), metadata={"format": "pt"})

@@ -1,4 +1,4 @@
-"""Pure loss and sampling functions for ITC (plain, distilled, focal, consistency), ITM, MLM and TOnICS."""
+"""Pure loss and sampling functions for ITC (plain, distilled, focal, sigmoid, consistency), ITM, MLM and TOnICS."""
 
 import math
 from collections.abc import Iterable
@@ -78,6 +78,22 @@ def itc_loss(logits_i2t: torch.Tensor, logits_t2i: torch.Tensor,
              targets_i2t: torch.Tensor | None = None, targets_t2i: torch.Tensor | None = None) -> torch.Tensor:
     """ALBEF ITC: mean over both directions of the row-mean soft cross-entropy: (B, B+Q) x2 [+ targets] -> ()."""
     return (_soft_xent(logits_i2t, targets_i2t) + _soft_xent(logits_t2i, targets_t2i)) / 2
+
+
+def sigmoid_itc_loss(logits: torch.Tensor, positives: torch.Tensor | None = None) -> torch.Tensor:
+    """SigLIP's loss (Zhai et al. 2023, 3.1 and Algorithm 1): -(1/B) sum over all (i, j) of log sigmoid(z_ij l_ij),
+    z = +1 for row i's positives (column i, and `positives`' True entries) and -1 elsewhere: (B, G) logits
+    l = t x_i.y_j + b (G >= B in-batch columns, row i's pair at column i)[, (B, G) bool] -> ().
+
+    The 1/B (rows, not pairs) is SigLIP's, as transformers' SiglipModel(return_loss=True) takes it. Under torchrun the
+    rows are this rank's images and the columns every rank's texts: the ranks' mean is the loss of the global batch."""
+    _check_itc(logits)
+    b, g = logits.shape
+    pos = torch.eye(b, g, dtype=torch.bool, device=logits.device)
+    if positives is not None:
+        pos = pos | positives.bool()
+    x = upcast(logits)
+    return -F.logsigmoid(torch.where(pos, x, -x)).sum() / b
 
 
 @torch.no_grad()

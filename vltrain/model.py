@@ -16,7 +16,7 @@ from torch import nn
 from vlprep import cut
 from vlprep.encoders import resolve_device  # noqa: F401  (one device resolver for vlprep and vltrain)
 from vltrain import hfclip
-from vltrain.config import FUSION_FROM, POOLING, TEMP_MAX, TEMP_MIN, ModelConfig
+from vltrain.config import FUSION_FROM, POOLING, SIGLIP_BIAS, TEMP_MAX, TEMP_MIN, ModelConfig
 from vltrain.layers import FusionLayer, NounAligner, bert_init
 from vltrain.recompute import (checkpointed, image_blocks, recomputing, set_dropout, set_image_checkpointing,
                                set_text_checkpointing)
@@ -450,8 +450,12 @@ class VLModel(nn.Module):
                            nn.Linear(d_img, cfg.embed_dim, bias=not hfclip.is_clip(cfg.image_model)))
         self.text_proj = (nn.Identity() if self.kinds.get("text") == "siglip" else
                           nn.Linear(d_txt, cfg.embed_dim, bias=not hfclip.is_clip(cfg.text_model)))
-        if "siglip" in self.kinds.values():  # SigLIP's sigmoid-loss bias: kept (never trained) so it exports back
-            self.register_buffer("logit_bias", torch.zeros(1))
+        # The sigmoid ITC's bias b (SigLIP 3.1), (1,) as SigLIP holds it: trained under loss.itc_kind=sigmoid (from
+        # SIGLIP_BIAS, or a SigLIP folder's own with --init-from); with SigLIP towers under the softmax ITC kept, never
+        # trained, so that the export is a whole SiglipModel again. Absent otherwise.
+        self.logit_bias = None
+        if cfg.itc_bias or "siglip" in self.kinds.values():
+            self.logit_bias = nn.Parameter(torch.full((1,), SIGLIP_BIAS), requires_grad=cfg.itc_bias)
         # A fixed temperature stays a (frozen) parameter so that checkpoints hold it under the same name either way.
         self.temp = nn.Parameter(torch.tensor(float(cfg.temp)), requires_grad=cfg.temp_learnable)
         if cfg.pooling not in POOLING:

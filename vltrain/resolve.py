@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 
 from vltrain import hfclip
-from vltrain.config import Config, ConfigError, freeze
+from vltrain.config import Config, ConfigError, freeze, itc_defaults
 from vltrain.config_load import user_set
 from vltrain.model import check_input_size
 
@@ -26,7 +26,8 @@ class DataFacts:
 
 def resolve(cfg: Config, device, facts: DataFacts) -> tuple[Config, list[str]]:
     """A new, read-only Config with the input kind (and the model keys it implies), loader workers, steps, the
-    distillation warm-up and the queue size filled in; and the lines to print about what changed."""
+    distillation warm-up, the queue size and the ITC kind (config.itc_defaults) filled in; and the lines to print
+    about what changed."""
     out = copy.deepcopy(cfg)
     notes = []
     if facts.features is None:
@@ -52,6 +53,7 @@ def resolve(cfg: Config, device, facts: DataFacts) -> tuple[Config, list[str]]:
         out.loss.distill_warmup_steps = facts.per_epoch
     note = clamp_queue(out, facts.n_train)
     notes += [note] if note else []
+    notes += itc_defaults(out, user_set(cfg, "loss.itc_kind"), user_set(cfg, "model.temp"))  # SigLIP's own loss
     return freeze(out), notes
 
 

@@ -1,15 +1,17 @@
 """Image-text contrastive learning: the logits (CLIP / ALBEF 3.2, with ALBEF's queue and momentum keys), plain,
-distilled (ALBEF 3.3) and focal (SoftMask++ 3.3) ITC, and GRIT-VLP's ITC consistency loss (4.2)."""
+distilled (ALBEF 3.3), focal (SoftMask++ 3.3) and sigmoid (SigLIP 3.1) ITC, and GRIT-VLP's ITC consistency loss
+(4.2)."""
 
 import torch
 
 from vltrain.distributed import gather, gather_objects, world
 from vltrain.losses import (dedupe_targets, distill_targets, focal_itc_loss, itc_consistency_loss, itc_logits,
-                            itc_loss)
+                            itc_loss, sigmoid_itc_loss)
 
 
 def contrastive_logits(model, f, w, captions: list[str]) -> None:
-    """Fill in f's temperature, keys, logits (B, B_global + Q) x2 and, with loss.dedupe=caption, the duplicate map."""
+    """Fill in f's temperature, keys, logits (B, B_global + Q) x2 (SigLIP's, with its bias, under loss.itc_kind=
+    sigmoid) and, with loss.dedupe=caption, the duplicate map."""
     f.temp = model.temperature()
     mom = model.momentum
     f.queues = (model.image_queue, model.text_queue) if model.cfg.queue_size > 0 else (None, None)
@@ -23,6 +25,9 @@ def contrastive_logits(model, f, w, captions: list[str]) -> None:
     f.enqueue = (queue_img.detach(), queue_txt.detach())
     f.logits_i2t, f.logits_t2i = itc_logits(f.image_feat, f.text_feat, f.image_keys, f.text_keys, f.temp, *f.queues,
                                             w.itc_detach_keys)
+    if w.itc_kind == "sigmoid":
+        # SigLIP's logits t x.y + b (its bias b learnt); the ITM negatives' row softmax is the same without b
+        f.logits_i2t, f.logits_t2i = f.logits_i2t + model.logit_bias, f.logits_t2i + model.logit_bias
     # loss.dedupe=caption: pairs whose captions are byte-identical (str equality of the decoded UTF-8) are not
     # negatives of each other: extra ITC positives, never ITM negatives. Token ids would not do: the tokenizer
     # lowercases and truncates, so different captions can share ids. Under torchrun the columns are every rank's
@@ -38,10 +43,14 @@ def contrastive_logits(model, f, w, captions: list[str]) -> None:
 
 
 def contrastive_losses(f, w, alpha: float, distill: bool) -> dict:
-    """itc_loss (focal, distilled or plain, as the config says) and itc_consistency_loss, where weighted."""
+    """itc_loss (sigmoid, focal, distilled or plain, as the config says) and itc_consistency_loss, where weighted."""
     losses = {}
     if w.itc > 0:
-        if w.focal_gamma > 0:
+        if w.itc_kind == "sigmoid":
+            # SigLIP: this rank's images against every rank's texts (gathered with gradient, this rank's first): the
+            # B x B_global block of the pairs, every block of the global B_global x B_global once over the ranks
+            losses["itc_loss"] = sigmoid_itc_loss(f.logits_i2t, f.same)
+        elif w.focal_gamma > 0:
             losses["itc_loss"] = focal_itc_loss(f.logits_i2t, f.logits_t2i, w.focal_gamma)
         elif distill:
             with torch.no_grad():
