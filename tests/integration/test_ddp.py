@@ -59,10 +59,14 @@ CASES = {
                                   "loss.itm_global_negatives=true", "loss.dedupe=caption"]),
     # caption dedupe alone: ITC positives across ranks
     "dedupe": ("clip", ["loss.dedupe=caption"]),
+    # SigLIP's sigmoid loss: this rank's images against every rank's texts (gathered with gradient), its bias trained;
+    # with caption dedupe, duplicates within and across ranks are positive pairs
+    "sigmoid": ("clip", ["loss.itc_kind=sigmoid"]),
+    "sigmoid-dedupe": ("clip", ["loss.itc_kind=sigmoid", "loss.dedupe=caption"]),
 }
 # Duplicates within a rank (2, 3) and across ranks (1 on rank 0, 5 on rank 1), and one longer caption on rank 0.
 DUPLICATES = {"itm-global": {3: CAPTIONS[2], 5: CAPTIONS[1], 0: "a red number 0 on a long white table"},
-              "dedupe": {3: CAPTIONS[2], 5: CAPTIONS[1]}}
+              "dedupe": {3: CAPTIONS[2], 5: CAPTIONS[1]}, "sigmoid-dedupe": {3: CAPTIONS[2], 5: CAPTIONS[1]}}
 
 
 def config(case: str):

@@ -30,7 +30,9 @@ from vltrain.model import build_model
 from vltrain.optim import build_optimizer, optimizer_step
 from vltrain.step import train_step
 
-PRESETS = ["clip", "albef", "grit", "softmask", "tonics"]
+PRESETS = ["clip", "albef", "grit", "softmask", "tonics", "sigmoid"]
+# "sigmoid": SigLIP's loss (loss.itc_kind=sigmoid) on the clip preset, its bias a trained parameter
+SIGMOID = ("clip", ["loss.itc_kind=sigmoid"])
 TINY = ["model.text_model=tiny", "model.image_model=tiny", "model.embed_dim=16", "data.max_len=12",
         "optim.lr=0.01"]
 B = 8
@@ -49,8 +51,10 @@ def set_dropout(model, p: float) -> None:
 
 
 def cfg_for(preset: str, *sets: str):
+    if preset == "sigmoid":
+        preset, sets = SIGMOID[0], (*SIGMOID[1], *sets)
     fusion = ["model.fusion_layers=1"] if load_config(preset).model.fusion_layers else []
-    return load_config(preset, sets=[*TINY, *fusion, *PER_PRESET[preset], *sets])
+    return load_config(preset, sets=[*TINY, *fusion, *PER_PRESET.get(preset, []), *sets])
 
 
 def batch_for(cfg) -> dict:
