@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check: everything this project can only prove on a CUDA device, in one call that fits a short offline GPU
-# slot (about 8 minutes on an H200, each step under its own time limit, so one that hangs costs only its share):
+# slot (about 10 minutes on an H200, each step under its own time limit, so one that hangs costs only its share):
 #   env          the device, the driver, the Python and its torch, and that vltrain and vlprep import;
 #   cuda-tests   the tests marked `cuda` (they must run: VLTRAIN_REQUIRE_CUDA=1 makes a skip a failure);
 #   bench-*      benchmarks/gpu.py: sizes small and base, presets clip, albef, grit, softmask, batch 128,
@@ -8,6 +8,11 @@
 #                gradient checkpointing;
 #   peer         benchmarks/peer.py: vltrain against open_clip's own step on the same ViT-B-16 towers, batch 256;
 #   ddp          a one-process torchrun run on NCCL for 20 steps (the DDP path, one GPU);
+#   e2e-data     2,000 photograph-like JPEGs (benchmarks/loader.py's generator, on all cores), each written 4 times
+#                under its own key into shards by vlprep's shard writer (scripts/gpu_e2e.py shards);
+#   e2e-clip, e2e-albef   `vltrain run` from those shards with bench-eager's base towers, bf16, batch 128, 40 steps,
+#                data.workers auto: samples/s over steps 11-40 against the synthetic-batch row of bench-eager, and the
+#                share of those steps' time the main process waited for data (scripts/gpu_e2e.py run, gpu_check.py e2e);
 #   memory-accum peak memory of a base-size step at train.accum_steps 1, 2, 4 (benchmarks/accum_memory.py);
 #   report       CHECK_DIR/gpu-check.json and gpu-check.md, the table printed at the end.
 # The node needs a Python with torch, torchvision, transformers, timm, typer, pandas, pyarrow, safetensors, rich,
@@ -28,7 +33,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1; shift ;;
     --out) CHECK=${2:?--out needs a folder}; shift 2 ;;
-    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "error: unknown argument $1 (usage: scripts/gpu-check.sh [--dry-run] [--out CHECK_DIR])" >&2; exit 2 ;;
   esac
 done
@@ -51,6 +56,10 @@ if [ "$DRY" = 1 ]; then
   MEMORY=()
   PEER=()  # its CPU dry run is a test of its own (tests/vltrain/test_peer_benchmark.py)
   DDP_ARGS="--device cpu --batch-size 4 --set model.image_model=tiny --set model.text_model=tiny"
+  # the end-to-end rows at the bench rows' tiny size: 40 small photographs, 6 steps of 4, the first 2 untimed
+  E2E_DATA="40 --small"
+  E2E_SIZE=tiny E2E_BATCH=4 E2E_WARMUP=2
+  E2E_RUN="--steps 6 --log-every 2 --device cpu --precision fp32"
 else
   PY=${PY:-python3}
   if ! ls .gpu/wheels/*.whl >/dev/null 2>&1; then
@@ -79,6 +88,13 @@ else
   MEMORY=(--device cuda --presets clip,albef --batch 128 --text random:bert-base --image timm:vit_base_patch16_224
           --image-size 224)
   DDP_ARGS="--device cuda --batch-size 32 --set model.image_model=tiny --set model.text_model=random:minilm"
+  # End to end (not yet run on a GPU; estimated): 2,000 photos at about 50 ms each on 16 processes and 8,000 samples
+  # (640 MB) through the shard writer, 10-20 s; a run starts in about 20-30 s (imports, towers, 15 loader workers
+  # forked), steps 40 x 0.1 s (clip) or 0.25 s (albef), then writes last.pt (2.5 / 3.5 GB): 40-60 s each.
+  # 4 copies of each photo: 62 batches of 128 in an epoch, so the 40 steps never wait on an epoch's start.
+  E2E_DATA="2000 --copies 4"
+  E2E_SIZE=base E2E_BATCH=128 E2E_WARMUP=10
+  E2E_RUN="--steps 40 --log-every 5 --device cuda --precision bf16"
 fi
 
 # step NAME SECONDS CMD...: run CMD under a time limit, its output into CHECK/NAME.log and on the terminal; record
@@ -121,8 +137,20 @@ ddp_run() {
   "$PY" scripts/gpu_check.py ddp "$CHECK/ddp-run" "$STEPS" "$CHECK/ddp-train.log"
 }
 
-export -f env_report ddp_run
-export PY CHECK STEPS DDP_ARGS
+# e2e_run PRESET: `vltrain run` from the e2e-data shards, then its row into CHECK/e2e.jsonl (written when the run
+# failed too, saying so); the checkpoints it wrote are deleted (gigabytes nobody reads)
+e2e_run() {
+  local preset=$1 rc
+  "$PY" scripts/gpu_e2e.py run "$CHECK/e2e-data/shards" "$CHECK/e2e-$preset" --size "$E2E_SIZE" --preset "$preset" \
+    --batch "$E2E_BATCH" $E2E_RUN
+  rc=$?
+  rm -f "$CHECK/e2e-$preset"/*.pt
+  "$PY" scripts/gpu_check.py e2e "$CHECK/e2e-$preset" "$CHECK" "$E2E_SIZE" "$preset" "$E2E_BATCH" "$E2E_WARMUP" &&
+  return $rc
+}
+
+export -f env_report ddp_run e2e_run
+export PY CHECK STEPS DDP_ARGS E2E_SIZE E2E_BATCH E2E_WARMUP E2E_RUN
 step env 40 env_report
 step cuda-tests 90 "$PY" -m pytest -q -p no:cacheprovider -m cuda --junitxml="$CHECK/cuda-tests.xml" $CUDA_TESTS
 # one data folder for the three calls: the shards the benchmark times its setup with are made once
@@ -138,6 +166,10 @@ if [ ${#PEER[@]} -gt 0 ]; then
   step peer 300 "$PY" benchmarks/peer.py "${PEER[@]}" --json "$CHECK/peer.jsonl"
 fi
 step ddp 60 ddp_run
+step e2e-data 60 "$PY" scripts/gpu_e2e.py shards "$CHECK/e2e-data" $E2E_DATA
+step e2e-clip 90 e2e_run clip
+step e2e-albef 100 e2e_run albef
+rm -rf "$CHECK/e2e-data"  # 640 MB of shards on the GPU node
 if [ ${#MEMORY[@]} -gt 0 ]; then
   step memory-accum 60 "$PY" benchmarks/accum_memory.py "${MEMORY[@]}"
 fi

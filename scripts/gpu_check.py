@@ -1,9 +1,11 @@
 """The pieces of scripts/gpu-check.sh that are easier in Python: the check's small dataset, the verdict on its
-one-process DDP run, and the report (gpu-check.json and gpu-check.md) built from what the steps left in the output
-folder. Standard library only (the report runs even where the project's imports would not).
+one-process DDP run, the end-to-end rows, and the report (gpu-check.json and gpu-check.md) built from what the
+steps left in the output folder. Standard library only (the report runs even where the project's imports would not).
 
     python scripts/gpu_check.py data OUT_DIR N          # N captioned 48 px images as a source folder
     python scripts/gpu_check.py ddp RUN_DIR STEPS LOG   # the DDP run trained STEPS steps through DDP, finite losses
+    python scripts/gpu_check.py e2e RUN_DIR CHECK_DIR SIZE PRESET BATCH WARMUP
+        # a `scripts/gpu_e2e.py run` from JPEG shards: one row into CHECK_DIR/e2e.jsonl (see `e2e_row`)
     python scripts/gpu_check.py report CHECK_DIR        # gpu-check.json + gpu-check.md, and print the table
 """
 
@@ -16,8 +18,12 @@ from pathlib import Path
 
 WORDS = "red green blue cat dog bird tree car boat house sun moon star arrow icon shape".split()
 # The benchmark's columns, in this order when a row has them (benchmarks/gpu.py writes the rows).
-COLUMNS = ["size", "preset", "params_m", "batch", "precision", "compile", "ckpt", "samples_per_s", "step_ms", "data_ms",
-           "forward_ms", "backward_ms", "optimizer_ms", "peak_mem_gib", "tflops", "mfu", "status"]
+COLUMNS = ["size", "preset", "params_m", "batch", "precision", "compile", "ckpt", "samples_per_s", "step_ms",
+           "sync_step_ms", "data_ms", "forward_ms", "backward_ms", "optimizer_ms", "peak_mem_gib", "gflop_per_sample",
+           "tflops", "mfu", "mfu_measured", "status"]
+# Headings that say what a column is measured against (benchmarks/gpu.py's docstring); the rest print their key.
+HEADINGS = {"mfu": "mfu (vendor peak)", "mfu_measured": "mfu (measured peak)",
+            "sync_step_ms": "sync_step_ms (parts)"}
 
 
 def make_data(out: Path, n: int) -> None:
@@ -67,9 +73,17 @@ def junit_counts(path: Path) -> dict:
 
 
 def read_jsonl(path: Path) -> list[dict]:
+    """The JSON objects of a JSON-lines file; none when it is missing, and a line that does not parse (a step killed
+    while writing it) left out."""
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return [r for r in rows if isinstance(r, dict)]
 
 
 def cell(v) -> str:
@@ -78,14 +92,119 @@ def cell(v) -> str:
     return "" if v is None else str(v)
 
 
-def bench_table(rows: list[dict]) -> list[str]:
+def bench_table(rows: list[dict], against: str = "vendor") -> list[str]:
+    """benchmarks/gpu.py's rows as a markdown table; `against`: what the header says `mfu` divides by (vendor, or
+    measured where the card has no vendor figure)."""
     if not rows:
         return ["(no benchmark rows)"]
     cols = [c for c in COLUMNS if any(c in r for r in rows)]
     cols += sorted({k for r in rows for k in r} - set(cols) - {"kind"})
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    heads = {**HEADINGS, **({} if against == "vendor" else {"mfu": "mfu (no vendor peak: measured)"})}
+    lines = ["| " + " | ".join(heads.get(c, c) for c in cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(cell(r.get(c)) for c in cols) + " |" for r in rows]
     return lines
+
+
+def pct(v) -> str:
+    return "n/a" if v is None else f"{100 * v:.1f}%"
+
+
+def missing(name: str, file: str, steps: list[dict], prefix: str) -> str:
+    """The line a table shows when its file has no rows: the step that should have written them failed, or did not
+    run in this check."""
+    ran = [s for s in steps if s["step"].startswith(prefix)]
+    if not ran:
+        return f"({name}: not run in this check)"
+    failed = [f"{s['step']} rc {s['rc']}" for s in ran if s["rc"] != 0]
+    why = f"step {', '.join(failed)}, see its log" if failed else "the step wrote none"
+    return f"(no {name} rows: {file} missing or empty; {why})"
+
+
+def peer_table(rows: list[dict], steps: list[dict]) -> list[str]:
+    """benchmarks/peer.py's pair rows: per (batch, compile) both sides' samples/s (or the status of a side that did
+    not run), vltrain / open_clip, both MFUs."""
+    pairs = [r for r in rows if r.get("kind") == "pair"]
+    if not pairs:
+        return [missing("peer", "peer.jsonl", steps, "peer")]
+    lines = ["| batch | compile | open_clip samples/s | vltrain samples/s | vltrain / open_clip | open_clip MFU | "
+             "vltrain MFU |", "|---|---|---|---|---|---|---|"]
+    for p in pairs:
+        side = {s: cell(p.get(f"{s}_samples_per_s")) if p.get(f"{s}_status") == "ok" else p.get(f"{s}_status")
+                for s in ("open_clip", "vltrain")}
+        ratio = "n/a" if p.get("ratio") is None else f"{p['ratio']:.2f}x"
+        lines.append(f"| {p.get('batch')} | {p.get('compile')} | {side['open_clip']} | {side['vltrain']} | {ratio} | "
+                     f"{pct(p.get('open_clip_mfu'))} | {pct(p.get('vltrain_mfu'))} |")
+    return lines
+
+
+E2E_PREFIX = "e2e-"  # the end-to-end steps are e2e-data, then e2e-PRESET for each preset
+
+
+def e2e_table(rows: list[dict], steps: list[dict]) -> list[str]:
+    """The end-to-end rows (`e2e_row`), and a line for each e2e-PRESET step that left no row."""
+    runs = [s for s in steps if s["step"].startswith(E2E_PREFIX) and s["step"] != E2E_PREFIX + "data"]
+    if not rows and not runs:
+        return [missing("end-to-end", "e2e.jsonl", steps, E2E_PREFIX)]
+    lines = ["| size | preset | batch | workers | samples/s from shards | synthetic samples/s | shards / synthetic | "
+             "data wait | steps timed | status |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = "n/a" if r.get("ratio") is None else f"{r['ratio']:.2f}x"
+        lines.append(f"| {r.get('size')} | {r.get('preset')} | {r.get('batch')} | {cell(r.get('workers'))} | "
+                     f"{cell(r.get('samples_per_s'))} | {cell(r.get('synthetic_samples_per_s'))} | {ratio} | "
+                     f"{pct(r.get('data_wait_share'))} | {cell(r.get('steps_timed'))} | {r.get('status')} |")
+    have = {r.get("preset") for r in rows}
+    for s in runs:
+        preset = s["step"][len(E2E_PREFIX):]
+        if preset not in have:
+            lines.append(f"| | {preset} | | | | | | | | no row: step {s['step']} "
+                         f"{'rc ' + str(s['rc']) if s['rc'] else 'wrote none'}, see {s['step']}.log |")
+    return lines
+
+
+def e2e_row(run: Path, bench: list[dict], size: str, preset: str, batch: int, warmup: int) -> dict:
+    """One end-to-end row from a `scripts/gpu_e2e.py run` in `run`, steps after `warmup` only (start-up, the loader's
+    first batches, the allocator and cuDNN settling are left out):
+    - samples_per_s: metrics.jsonl's rows after the warm-up (each row's samples_per_s covers the steps since the row
+      before): their samples over their summed time, samples / samples_per_s per row;
+    - data_wait_share: data_wait.jsonl's time in the main process's wait for batches warmup+1..last over the time
+      from the end of batch warmup's wait to the end of the last one's (the same steps). This is host time: the card
+      may still be running earlier steps while the host waits, so it bounds the card's idle share from above;
+    - synthetic_samples_per_s: benchmarks/gpu.py's eager, un-checkpointed row of the same size, preset and batch in
+      bench.jsonl; ratio = shards / synthetic.
+    A missing file, or too few steps, gives a row whose status says so."""
+    row = {"kind": "e2e", "size": size, "preset": preset, "batch": batch, "warmup": warmup}
+    synthetic = [r for r in bench if r.get("kind") == "row" and r.get("size") == size and r.get("preset") == preset
+                 and r.get("batch") == batch and r.get("compile") == "off" and r.get("ckpt") == "off"
+                 and r.get("status") == "ok"]
+    row["synthetic_samples_per_s"] = synthetic[-1]["samples_per_s"] if synthetic else None
+    metrics, waits = read_jsonl(run / "metrics.jsonl"), read_jsonl(run / "data_wait.jsonl")
+    logged = [r for r in metrics if "samples_per_s" in r]
+    if not logged:
+        return {**row, "status": f"no training rows in {run.name}/metrics.jsonl (the run failed: see its log)"}
+    prev, samples, seconds = 0, 0, 0.0
+    for r in logged:
+        if prev >= warmup and r["samples_per_s"] > 0:
+            n = (r["step"] - prev) * batch
+            samples, seconds = samples + n, seconds + n / r["samples_per_s"]
+        prev = r["step"]
+    if not samples:
+        return {**row, "status": f"no logged step after the {warmup} warm-up steps (run more steps)"}
+    row["samples_per_s"] = round(samples / seconds, 2)
+    row["steps_timed"] = prev - warmup
+    row["ratio"] = round(row["samples_per_s"] / row["synthetic_samples_per_s"], 3) if synthetic else None
+    per_step = {w["step"]: w for w in waits if "step" in w}
+    last = max(per_step, default=0)
+    if (warmup in per_step or warmup == 0) and last > warmup:
+        wall = per_step[last]["end_s"] - (per_step[warmup]["end_s"] if warmup else 0.0)
+        wait = sum(per_step[k]["wait_s"] for k in range(warmup + 1, last + 1) if k in per_step)
+        row["data_wait_share"] = round(wait / wall, 4) if wall > 0 else None
+    else:
+        row["data_wait_share"] = None
+    row["workers"] = waits[0].get("workers") if waits and "step" not in waits[0] else None
+    row["status"] = "ok" if row["data_wait_share"] is not None else f"no data_wait.jsonl in {run.name}"
+    if row["status"] == "ok" and not synthetic:
+        row["status"] = f"no synthetic row ({size} {preset} batch {batch}) in bench.jsonl"
+    return row
 
 
 def report(check: Path) -> int:
@@ -95,9 +214,12 @@ def report(check: Path) -> int:
     bench = read_jsonl(check / "bench.jsonl")
     header = [r for r in bench if r.get("kind") == "header"]
     rows = [r for r in bench if r.get("kind") != "header"]
+    peer = read_jsonl(check / "peer.jsonl")
+    e2e = read_jsonl(check / "e2e.jsonl")
     env = (check / "env.txt").read_text(errors="replace") if (check / "env.txt").is_file() else ""
     tests = junit_counts(check / "cuda-tests.xml")
-    out = {"steps": steps, "environment": env, "cuda_tests": tests, "bench_header": header, "bench": rows}
+    out = {"steps": steps, "environment": env, "cuda_tests": tests, "bench_header": header, "bench": rows,
+           "peer": peer, "e2e": e2e}
     (check / "gpu-check.json").write_text(json.dumps(out, indent=1) + "\n")
     md = ["## GPU check", "", "```", env.strip(), "```", "", "| step | status | seconds |", "|---|---|---|"]
     md += [f"| {s['step']} | {'ok' if s['rc'] == 0 else 'FAILED (rc ' + str(s['rc']) + ')'} | {s['seconds']:.0f} |"
@@ -107,7 +229,11 @@ def report(check: Path) -> int:
                    f"{tests['skipped']} skipped" + (": " + ", ".join(tests["failed"]) if tests["failed"] else "")]
     for h in header:
         md += ["", "Benchmark: " + ", ".join(f"{k} {cell(v)}" for k, v in h.items() if k != "kind")]
-    md += [""] + bench_table(rows)
+    against = header[0].get("mfu_against", "vendor") if header else "vendor"
+    md += [""] + (bench_table(rows, against) if rows else [missing("benchmark", "bench.jsonl", steps, "bench")])
+    md += ["", "### vltrain against open_clip (benchmarks/peer.py)", ""] + peer_table(peer, steps)
+    md += ["", "### End to end: `vltrain run` from JPEG shards against the synthetic-batch row", ""]
+    md += e2e_table(e2e, steps)
     text = "\n".join(md) + "\n"
     (check / "gpu-check.md").write_text(text)
     print(text)
@@ -122,6 +248,13 @@ def main(argv: list[str]) -> int:
         problems = check_ddp(Path(argv[1]), int(argv[2]), Path(argv[3]))
         print("ddp: " + ("; ".join(problems) if problems else f"{argv[2]} steps through DDP, finite losses"))
         return 1 if problems else 0
+    if len(argv) >= 7 and argv[0] == "e2e":
+        check = Path(argv[2])
+        row = e2e_row(Path(argv[1]), read_jsonl(check / "bench.jsonl"), argv[3], argv[4], int(argv[5]), int(argv[6]))
+        with open(check / "e2e.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+        print("e2e: " + json.dumps(row))
+        return 0 if row["status"] == "ok" else 1
     if len(argv) >= 2 and argv[0] == "report":
         return report(Path(argv[1]))
     print(__doc__, file=sys.stderr)

@@ -1,0 +1,128 @@
+"""scripts/gpu_check.py's report and end-to-end row on hand-written JSON lines: the bench table's new columns, the
+peer table from peer.py's pair rows, the end-to-end table, and a line instead of a traceback for a missing file."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def gc():
+    spec = importlib.util.spec_from_file_location("gpu_check_script", ROOT / "scripts" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def write(path: Path, rows: list[dict], tail: str = "") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + tail)
+
+
+BENCH = [{"kind": "header", "device": "NVIDIA H200", "mfu_against": "vendor"},
+         {"kind": "row", "size": "base", "preset": "clip", "batch": 128, "precision": "bf16", "compile": "off",
+          "ckpt": "off", "status": "ok", "samples_per_s": 1000.0, "step_ms": 128.0, "sync_step_ms": 140.5,
+          "gflop_per_sample": 105.2, "tflops": 105.2, "mfu": 0.1064, "mfu_measured": 0.1377},
+         # a compiled row of the same preset and batch: not the end-to-end row's synthetic figure
+         {"kind": "row", "size": "base", "preset": "clip", "batch": 128, "precision": "bf16", "compile": "on",
+          "ckpt": "off", "status": "ok", "samples_per_s": 1500.0}]
+
+
+def run_folder(path: Path, batch: int, rates: list[tuple[int, float]], waits: list[float], workers: int = 15) -> None:
+    """A run's metrics.jsonl (rows at the given steps with samples_per_s) and data_wait.jsonl: step k's wait waits[k-1],
+    each step 0.1 s of compute after its wait."""
+    write(path / "metrics.jsonl", [{"step": s, "total": 1.0, "samples_per_s": r} for s, r in rates])
+    end, rows = 0.0, []
+    for k, w in enumerate(waits, 1):
+        end += (0.1 if k > 1 else 0.0) + w
+        rows.append({"step": k, "wait_s": w, "end_s": end})
+    write(path / "data_wait.jsonl", [{"workers": workers, "prefetch": -1}] + rows)
+
+
+def test_e2e_row_times_the_steps_after_the_warmup_against_the_eager_synthetic_row(gc, tmp_path):
+    # rows every 5 steps: the warm-up's rows (steps 1-10) are slow and left out
+    run_folder(tmp_path / "e2e-clip", 128, [(5, 100.0), (10, 400.0), (15, 800.0), (20, 1000.0), (25, 640.0)],
+               [2.0] + [0.01] * 9 + [0.0, 0.02, 0.0, 0.05, 0.0] + [0.0] * 10)
+    row = gc.e2e_row(tmp_path / "e2e-clip", BENCH, "base", "clip", 128, 10)
+    # samples / summed time over rows 15, 20, 25 (640 samples each)
+    seconds = 640 / 800 + 640 / 1000 + 640 / 640
+    assert row["samples_per_s"] == pytest.approx(3 * 640 / seconds, abs=0.005)
+    assert row["synthetic_samples_per_s"] == 1000.0
+    assert row["ratio"] == pytest.approx(row["samples_per_s"] / 1000.0, abs=5e-4)
+    # steps 11-25: 15 steps of 0.1 s compute, their waits 0.07 s in all
+    assert row["data_wait_share"] == pytest.approx(0.07 / (15 * 0.1 + 0.07), abs=5e-5)
+    assert (row["steps_timed"], row["workers"], row["status"]) == (15, 15, "ok")
+
+
+def test_e2e_row_says_what_is_missing(gc, tmp_path):
+    row = gc.e2e_row(tmp_path / "e2e-albef", BENCH, "base", "albef", 128, 10)  # the run left nothing
+    assert row["status"].startswith("no training rows in e2e-albef/metrics.jsonl")
+    run_folder(tmp_path / "short", 128, [(5, 100.0), (10, 400.0)], [0.0] * 10)
+    assert gc.e2e_row(tmp_path / "short", BENCH, "base", "clip", 128, 10)["status"].startswith("no logged step after")
+    run_folder(tmp_path / "albef", 128, [(10, 100.0), (20, 400.0)], [0.0] * 20)
+    row = gc.e2e_row(tmp_path / "albef", BENCH, "base", "albef", 128, 10)  # no synthetic albef row in BENCH
+    assert row["synthetic_samples_per_s"] is None and row["ratio"] is None
+    assert row["status"] == "no synthetic row (base albef batch 128) in bench.jsonl"
+
+
+def test_report_tables_peer_pairs_e2e_rows_and_missing_files(gc, tmp_path, capsys):
+    check = tmp_path / "check"
+    write(check / "steps.jsonl", [{"step": "bench-eager", "rc": 0, "seconds": 100},
+                                  {"step": "peer", "rc": 124, "seconds": 300},
+                                  {"step": "e2e-data", "rc": 0, "seconds": 12},
+                                  {"step": "e2e-clip", "rc": 0, "seconds": 50},
+                                  {"step": "e2e-albef", "rc": 124, "seconds": 100}])
+    write(check / "bench.jsonl", BENCH)
+    e2e = {"kind": "e2e", "size": "base", "preset": "clip", "batch": 128, "workers": 15, "samples_per_s": 950.0,
+           "synthetic_samples_per_s": 1000.0, "ratio": 0.95, "data_wait_share": 0.012, "steps_timed": 30,
+           "status": "ok"}
+    write(check / "e2e.jsonl", [e2e], tail='{"kind": "e2e", "pres')  # a line cut off by a killed step
+    assert gc.report(check) == 1  # a step failed
+    md = (check / "gpu-check.md").read_text()
+    assert md in capsys.readouterr().out
+    lines = md.splitlines()
+    head = next(ln for ln in lines if ln.startswith("| size | preset | params_m") or ln.startswith("| size | preset |"
+                                                                                                    " batch | prec"))
+    for col in ("gflop_per_sample", "mfu (vendor peak)", "mfu (measured peak)", "sync_step_ms (parts)"):
+        assert f"| {col} |" in head
+    assert "| base | clip | 128 | bf16 | off | off | 1000 | 128 | 140 |" in md  # cell(): 3 significant digits
+    # peer.jsonl missing after a failed peer step: one line naming the step
+    assert "(no peer rows: peer.jsonl missing or empty; step peer rc 124, see its log)" in lines
+    assert "| base | clip | 128 | 15 | 950 | 1000 | 0.95x | 1.2% | 30 | ok |" in lines
+    assert "| | albef | | | | | | | | no row: step e2e-albef rc 124, see e2e-albef.log |" in lines
+    out = json.loads((check / "gpu-check.json").read_text())
+    assert out["e2e"] == [e2e] and out["peer"] == []
+
+    pairs = [{"kind": "row", "side": "vltrain", "batch": 256, "compile": "off", "status": "ok"},
+             {"kind": "pair", "batch": 256, "compile": "off", "ratio": 1.234, "open_clip_samples_per_s": 1000.0,
+              "open_clip_mfu": 0.2, "open_clip_status": "ok", "vltrain_samples_per_s": 1234.0, "vltrain_mfu": 0.2468,
+              "vltrain_status": "ok"},
+             {"kind": "pair", "batch": 256, "compile": "on", "ratio": None, "open_clip_samples_per_s": None,
+              "open_clip_mfu": None, "open_clip_status": "timed out after 130 s", "vltrain_samples_per_s": 2000.0,
+              "vltrain_mfu": 0.4, "vltrain_status": "ok"}]
+    write(check / "peer.jsonl", pairs)
+    gc.report(check)
+    lines = (check / "gpu-check.md").read_text().splitlines()
+    assert "| 256 | off | 1000 | 1234 | 1.23x | 20.0% | 24.7% |" in lines
+    assert "| 256 | on | timed out after 130 s | 2000 | n/a | n/a | 40.0% |" in lines
+
+
+def test_report_of_an_empty_check_folder_says_what_did_not_run(gc, tmp_path, capsys):
+    assert gc.report(tmp_path) == 1  # no steps recorded: not a pass
+    lines = (tmp_path / "gpu-check.md").read_text().splitlines()
+    for name in ("benchmark", "peer", "end-to-end"):
+        assert f"({name}: not run in this check)" in lines
+
+
+def test_e2e_command_appends_its_row_and_fails_without_a_run(gc, tmp_path, capsys):
+    write(tmp_path / "bench.jsonl", BENCH)
+    run_folder(tmp_path / "e2e-clip", 128, [(5, 100.0), (10, 500.0)], [0.0] * 10)
+    assert gc.main(["e2e", str(tmp_path / "e2e-clip"), str(tmp_path), "base", "clip", "128", "5"]) == 0
+    assert gc.main(["e2e", str(tmp_path / "e2e-albef"), str(tmp_path), "base", "albef", "128", "5"]) == 1
+    rows = gc.read_jsonl(tmp_path / "e2e.jsonl")
+    assert [(r["preset"], r["status"] == "ok") for r in rows] == [("clip", True), ("albef", False)]
+    assert rows[0]["samples_per_s"] == 500.0 and rows[0]["ratio"] == 0.5
