@@ -13,7 +13,7 @@ from rich.table import Table
 
 from vlprep import VlprepError
 from vlprep.urls import redact_text
-from vlprep.cliargs import refuse_urls, tidy_help, version_option, writing as remote_writing
+from vlprep.cliargs import check_dataset, is_url, refuse_urls, tidy_help, version_option, writing as remote_writing
 from vltrain.config import Config
 
 
@@ -64,6 +64,50 @@ def writable_file(out: Path) -> None:
 
     if not out.parent.is_dir():
         raise TrainError(f"cannot write {out}: {out.parent} is not a folder")
+
+
+def out_url(out: str | None) -> str | None:
+    """`vltrain run --out`'s URL in its canonical form when the run lives in object storage (s3://, gs://); None for
+    a local folder, and for file://, which vltrain.config refuses as before. Another scheme (http://: read-only), or
+    credentials in the URL, is one line."""
+    if out is None or not is_url(out):
+        return None
+    if out.lower().startswith("file:"):
+        return None
+    return check_dataset(out, "--out", out=True)
+
+
+@contextmanager
+def remote_run(url: str | None):
+    """A run in object storage holds OUT's lock object (vlprep.outlock.lock_url; rank 0 under torchrun) from before
+    its set-up until its result.json is up, also when it fails or is interrupted (Ctrl-C, SIGTERM: last.pt is up by
+    then), so that a restart on another machine is not refused; its staging folder is removed at the end."""
+    import shutil
+
+    from vlprep.output import staging
+    from vlprep.outlock import lock_url
+
+    if url is None or int(os.environ.get("RANK", "0")) > 0:
+        yield
+        return
+    lock = lock_url(url, "vltrain")
+    try:
+        yield
+    finally:
+        lock.release()
+        shutil.rmtree(staging(url), ignore_errors=True)
+
+
+def upload_result(result: dict, url: str) -> None:
+    """result.json of a run in object storage, written to a temporary file and put whole under OUT."""
+    import tempfile
+
+    from vlprep import objstore
+
+    with tempfile.TemporaryDirectory(prefix="vltrain-result-") as tmp:
+        path = Path(tmp, "result.json")
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        objstore.put_file(path, objstore.join(url, "result.json"))
 
 
 def config_file(path: Path | None) -> Path | None:
@@ -138,7 +182,8 @@ def run(
     set_: Optional[list[str]] = typer.Option(None, "--set", help="Dotted override key=value (repeatable), "
                                              "e.g. --set model.queue_size=1024."),
     out: Optional[str] = typer.Option(None, help="Run folder: metrics.jsonl, learning_curve.png, tb/, last.pt, "
-                                      f"best.pt \\[default: {_DEFAULTS.out}]."),
+                                      "best.pt; or s3://, gs://: trained in a local staging folder and uploaded "
+                                      f"after every checkpoint \\[default: {_DEFAULTS.out}]."),
     steps: Optional[int] = typer.Option(None, help=f"Optimiser steps \\[default: {_DEFAULTS.steps}]."),
     epochs: Optional[float] = typer.Option(None, help="Epochs over the training split (instead of --steps)."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Pairs per step "
@@ -180,21 +225,30 @@ def run(
     with user_errors():
         if steps is not None and epochs is not None:
             raise ConfigError("give --steps or --epochs, not both")
+        url = out_url(out)  # a run in object storage (s3://, gs://) trains in a local staging folder
         cfg = load_config(known_preset(preset), config_file(config), set_ or [], shards=[str(s) for s in shards],
-                          out=out, steps=steps, epochs=epochs, batch_size=batch_size, device=device,
+                          out=None if url else out, steps=steps, epochs=epochs, batch_size=batch_size, device=device,
                           **{"sampler.kind": sampler, "sampler.refresh_every": refresh_every,
                              "data.skip_bad_shards": skip_bad_shards or None})
         if resume and overwrite:
             raise ConfigError("give --resume or --overwrite, not both")
+        if url is not None:
+            from vltrain.init_from import check_out_apart
+
+            cfg.out = url  # checked by out_url (vltrain.config's own check takes a local folder only)
+            check_out_apart(url, cfg.shards, init_from)  # before the lock object is written there
         note = None
         if preset is None:
             from vltrain.session import train_device
 
             cuda = train_device(cfg.device).type == "cuda"  # a device this machine lacks: its one line, first
             note = preset_note(cfg, cuda)
-        with writing(Path(cfg.out)):
+        with remote_run(url), writing(Path(cfg.out)):
             # the note is said once the run is set up: an error before then stays the only line
             result = train(cfg, resume=resume, overwrite=overwrite, init_from=init_from, note=note)
+            if url is not None and result["rank"] == 0:
+                result["out"] = url
+                upload_result(result, url)
     if result["rank"] > 0:  # under torchrun rank 0 reports
         return
     ev = result["eval"]
@@ -207,8 +261,9 @@ def run(
                                         {"model": ev, "chance": ev["chance"]}))
     else:
         console.print("no held-out samples: retrieval not evaluated (raise data.val_frac)")
-    with user_errors(), writing(Path(result["out"])):
-        Path(result["out"], "result.json").write_text(json.dumps(result, indent=2) + "\n")
+    if url is None:
+        with user_errors(), writing(Path(result["out"])):
+            Path(result["out"], "result.json").write_text(json.dumps(result, indent=2) + "\n")
     console.print(f"wrote {result['out']}/ (last.pt, metrics.jsonl, learning_curve.png, tb/, result.json)",
                   highlight=False)
 

@@ -1,4 +1,5 @@
-"""A run's checkpoints: Run, RunState, save_checkpoint, the resume checks, restore, RNG states."""
+"""A run's checkpoints: Run, RunState, save_checkpoint, the resume checks, restore, RNG states; a run in object
+storage uploaded after every checkpoint (`upload`)."""
 
 import random
 from dataclasses import dataclass, field
@@ -7,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vlprep import versions
+from vlprep import objstore, versions
+from vlprep.output import Out, publish
 from vlprep.urls import redact
 from vltrain.checkpoint import save
 from vltrain.config import Config, to_dict
@@ -105,10 +107,15 @@ class Run:
     init_from: dict | None = None  # --init-from: where the weights came from (init_weights' record), kept by resumes
     precision: str = "fp32"  # what train.precision resolved to (fp32 / bf16 / fp16); a resumed run keeps it
     scaler: torch.amp.GradScaler | None = None  # fp16's loss scaler; its scale is saved and restored
+    remote: Out | None = None  # a URL OUT (s3://, gs://): `out` is its staging folder, uploaded after each save
 
     @property
     def last_path(self) -> Path:
         return self.out / "last.pt"
+
+    def shown(self, name: str) -> str:
+        """Where file `name` of OUT is, as the user names it: the URL (redacted) for a run in object storage."""
+        return redact(objstore.join(self.remote.url, name)) if self.remote is not None else str(self.out / name)
 
     @property
     def best_path(self) -> Path:
@@ -140,15 +147,38 @@ def save_checkpoint(path: Path, run: Run, state: RunState, every_rank: bool = Tr
         if ranks is not None:
             saved["ranks"] = ranks
         save(saved, path)
+        upload(run.remote)
     if every_rank:
         barrier()
+
+
+def stamp(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns
+
+
+def upload(place: Out | None) -> None:
+    """A URL OUT's files changed since their last upload, from its staging folder: each a whole object under its
+    final key (vlprep.output.publish), last.pt the very last, so that the bucket's last.pt always has the metrics
+    rows, best.pt and figures of its step beside it (a best.pt newer than last.pt is fine: a resume keeps the run's
+    best mean recall from last.pt). Nothing for a local OUT. tb/'s event file is sent as it stands (TensorBoard
+    reads a cut last record as not yet written)."""
+    if place is None or place.url is None:
+        return
+    changed = []
+    for p in sorted(place.root.rglob("*")):
+        name = p.relative_to(place.root).as_posix()
+        if p.is_file() and not p.name.endswith(".tmp") and place.sent.get(name) != stamp(p):
+            changed.append(name)
+    changed.sort(key=lambda n: n == "last.pt")  # stable: every other file first, in name order
+    publish(place, changed, keep=changed)
 
 
 def interrupted(run: Run, state: RunState) -> Interrupted:
     """Write last.pt and return the error that tells the user how to go on."""
     save_checkpoint(run.last_path, run, state)
-    return Interrupted(f"stopped at step {state.step} of {run.cfg.steps}: {run.last_path} holds it; run the same "
-                       "command with --resume to continue", run.stop_signal or 2)
+    return Interrupted(f"stopped at step {state.step} of {run.cfg.steps}: {run.shown('last.pt')} holds it; run the "
+                       "same command with --resume to continue", run.stop_signal or 2)
 
 
 def check_ranks(ckpt: dict, path: Path, size: int) -> None:

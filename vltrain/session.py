@@ -1,8 +1,13 @@
 """`setup`: a run's pieces before its first step (output folder, seeds, device, the resolved config and training
 data, model, speed options, precision, step function, optimiser, resume and feed), as a `Session` that `train`,
-the benchmarks and the pipelines share."""
+the benchmarks and the pipelines share.
+
+A run in object storage (`--out s3://...` or gs://) trains in a local staging folder (vlprep.output.staging), takes
+OUT's lock object (vlprep.outlock.lock_url) and uploads after every checkpoint save (vltrain.resume.upload);
+`--resume` downloads last.pt, best.pt and metrics.jsonl from it first."""
 
 import copy
+import os
 import random
 import shutil
 import statistics
@@ -14,8 +19,10 @@ import numpy as np
 import torch
 from rich.console import Console
 
-from vlprep import VlprepError
-from vlprep.outlock import OutLock, lock_output
+from vlprep import VlprepError, objstore
+from vlprep.output import Out, staging
+from vlprep.outlock import OutLock, lock_output, lock_url
+from vlprep.urls import redact, redact_text
 from vltrain.accum import AccumStep
 from vltrain.checkpoint import check_config, load, model_from
 from vltrain import hfclip, openclip
@@ -24,12 +31,12 @@ from vltrain.data.feed import Feed
 from vltrain.data.shards import data_signature
 from vltrain.distributed import RankSlice, broadcast, init_from_env, world
 from vltrain.errors import TrainError
-from vltrain.exportfmt import is_export
+from vltrain.exportfmt import CONFIG, META, WEIGHTS, is_export
 from vltrain.init_from import check_out_apart, init_weights
 from vltrain.model import autocast, bf16_supported, build_model, resolve_device
 from vltrain.optim import build_optimizer
 from vltrain.resolve import resolve_towers
-from vltrain.resume import Run, RunState, check_ranks, check_resumable, restore, set_rng_states
+from vltrain.resume import Run, RunState, check_ranks, check_resumable, restore, set_rng_states, stamp, upload
 from vltrain.runlog import RunLog, earlier_rows, init_line, make_console, summary
 from vltrain.step import TrainStep, wrap_ddp
 from vltrain.tracking import check_installed
@@ -41,6 +48,29 @@ RUN_FILES = ("last.pt", "best.pt", "metrics.jsonl", "result.json", "curriculum.j
 
 
 # --- the output folder, seeds, device ------------------------------------------------------------------------
+
+
+def remote_url(out) -> str | None:
+    """OUT's canonical URL when the run lives in object storage (s3://, gs://); None for a local folder."""
+    if isinstance(out, str) and objstore.scheme(out) in objstore.WRITABLE:
+        return objstore.norm(out)
+    return None
+
+
+def refuse_earlier(where: str, found: list[str], resume: bool, overwrite: bool, export: bool) -> None:
+    """prepare_out's refusals for an OUT (`where`, as shown) holding the earlier run files `found` and no last.pt
+    to resume (`export`: it is a `vltrain export` folder)."""
+    if resume:
+        if "best.pt" in found:
+            raise TrainError(f"--resume: {where} holds best.pt but no last.pt (a run stopped after an evaluation and "
+                             "before its first checkpoint), so there is nothing to resume and starting over would "
+                             "replace best.pt; move best.pt elsewhere, or choose another --out")
+        if export:
+            raise TrainError(f"--resume: {where} is a `vltrain export` folder and holds no last.pt: an export has no "
+                             "optimiser state to resume; start a new run from it with --init-from and another --out")
+    elif found and not overwrite:
+        raise TrainError(f"{where} already holds a run ({', '.join(found)}); add --resume to continue it or "
+                         "--overwrite to start over (or choose another --out)")
 
 
 def prepare_out(out: Path, resume: bool, overwrite: bool) -> tuple[bool, list[str]]:
@@ -55,17 +85,7 @@ def prepare_out(out: Path, resume: bool, overwrite: bool) -> tuple[bool, list[st
     if resume and (out / "last.pt").exists():
         return True, []
     found = [name for name in RUN_FILES if (out / name).exists()]
-    if resume:
-        if "best.pt" in found:
-            raise TrainError(f"--resume: {out} holds best.pt but no last.pt (a run stopped after an evaluation and "
-                             "before its first checkpoint), so there is nothing to resume and starting over would "
-                             "replace best.pt; move best.pt elsewhere, or choose another --out")
-        if out.is_dir() and is_export(out):
-            raise TrainError(f"--resume: {out} is a `vltrain export` folder and holds no last.pt: an export has no "
-                             "optimiser state to resume; start a new run from it with --init-from and another --out")
-    elif found and not overwrite:
-        raise TrainError(f"{out} already holds a run ({', '.join(found)}); add --resume to continue it or "
-                         "--overwrite to start over (or choose another --out)")
+    refuse_earlier(str(out), found, resume, overwrite, out.is_dir() and is_export(out))
     for name in found:  # only the files a run writes: anything else in the folder is the user's
         target = out / name
         shutil.rmtree(target) if target.is_dir() else target.unlink()
@@ -73,24 +93,71 @@ def prepare_out(out: Path, resume: bool, overwrite: bool) -> tuple[bool, list[st
     return False, found
 
 
-def open_output(out: Path, resume: bool, overwrite: bool, rank: int) -> tuple[OutLock | None, bool, list[str]]:
-    """Rank 0 locks OUT and prepares it (`prepare_out`), returning (the lock, None on other ranks; whether the run
-    resumes OUT/last.pt, and the files of an earlier start deleted, on every rank); under torchrun every rank stops
-    on rank 0's error instead of waiting."""
+# What --resume downloads from a URL OUT (tb/ stays in the bucket: the resumed run writes a new event file beside it)
+PULLED = ("last.pt", "best.pt", "metrics.jsonl", "tracking.json", OPEN_CLIP_DIR)
+
+
+def run_objects(url: str) -> list[str]:
+    """Every object under URL OUT `url`, named relative to it (tb/events..., open_clip-init/config.json)."""
+    fs, path = objstore.filesystem(url)
+    base = path.rstrip("/") + "/"
+    fs.invalidate_cache(path)
+    found = objstore.retried(url, lambda: fs.find(base))
+    return sorted(p[len(base):] for p in found if p.startswith(base))
+
+
+def prepare_remote(place: Out, resume: bool, overwrite: bool) -> tuple[bool, list[str]]:
+    """prepare_out for a URL OUT (called under its lock): its listing checked by the same rules, its staging folder
+    emptied, and for --resume of a run with last.pt the files PULLED downloaded into it (recorded as sent, so that
+    only what the run changes goes back); an earlier start's objects deleted as prepare_out deletes its files."""
+    url = place.url
+    names = run_objects(url)
+    shutil.rmtree(place.root, ignore_errors=True)
+    place.root.mkdir(parents=True)
+    if resume and "last.pt" in names:
+        for name in names:
+            if name.split("/")[0] in PULLED:
+                local = place.root / name
+                local.parent.mkdir(parents=True, exist_ok=True)
+                objstore.get_file(objstore.join(url, name), local)
+                place.sent[name] = stamp(local)
+        return True, []
+    top = {name.split("/")[0] for name in names}
+    found = [name for name in RUN_FILES if name in top]
+    refuse_earlier(redact(url), found, resume, overwrite, bool(top & {CONFIG, WEIGHTS, META}))
+    objstore.remove(objstore.join(url, name) for name in names if name.split("/")[0] in found)
+    return False, found
+
+
+def open_output(out: Path, resume: bool, overwrite: bool, rank: int,
+                place: Out | None = None) -> tuple[OutLock | None, bool, list[str]]:
+    """Rank 0 locks OUT and prepares it (`prepare_out`; a URL OUT `place`: its lock object and `prepare_remote`),
+    returning (the lock, None on other ranks; whether the run resumes OUT/last.pt, and the files of an earlier start
+    deleted, on every rank); under torchrun every rank stops on rank 0's error instead of waiting."""
     error = None
     lock = None
     resuming, removed = False, []
     if rank == 0:
         try:  # one run per OUT: a second `--resume` on the same folder would interleave two runs' checkpoints
-            lock = lock_output(out, "vltrain")
-            resuming, removed = prepare_out(out, resume, overwrite)
+            if place is None:
+                lock = lock_output(out, "vltrain")
+                resuming, removed = prepare_out(out, resume, overwrite)
+            else:
+                lock = lock_url(place.url, "vltrain")
+                resuming, removed = prepare_remote(place, resume, overwrite)
         except (VlprepError, TrainError) as e:
-            error = str(e)
+            error = redact_text(str(e))
     error, resuming, removed = broadcast((error, resuming, removed))
     if error is not None:
         if lock is not None:
             lock.release()
         raise TrainError(error)
+    if place is not None and rank > 0 and resuming and not (out / "last.pt").exists():
+        # a rank on another machine than rank 0's: its own copy, under a name of its own (its node's ranks share out)
+        mine = out / f"last.pt.rank{rank}"
+        out.mkdir(parents=True, exist_ok=True)
+        objstore.get_file(objstore.join(place.url, "last.pt"), mine)
+        os.replace(mine, out / "last.pt")
     return lock, resuming, removed
 
 
@@ -356,7 +423,13 @@ class Session:
         self.release()
 
     def release(self) -> None:
-        """Let other runs write OUT again (once; a second call does nothing)."""
+        """Let other runs write OUT again (once; a second call does nothing). A run in object storage first uploads
+        what changed since its last checkpoint (the final evaluation's rows, figures, tb/; last.pt last) and removes
+        its staging folder (rank 0)."""
+        remote = self.run.remote
+        if remote is not None and self.rank == 0 and remote.root.exists():
+            upload(remote)
+            shutil.rmtree(remote.root, ignore_errors=True)
         if self.lock is not None:
             self.lock.release()
 
@@ -366,7 +439,10 @@ def setup(cfg: Config, resume: bool = False, overwrite: bool = False, init_from=
     """Everything before a run's first step, as `train` does it. `quiet`: print nothing (rank 0 alone prints under
     torchrun anyway); `batches`: an iterable of collated batches that stands in for the loader (one pass an epoch)."""
     # every rank builds the same model from the run seed; its own draws use a per-rank seed
-    out = Path(cfg.out)
+    url = remote_url(cfg.out)  # a run in object storage: OUT is the staging folder, `place` its URL
+    out = staging(url) if url else Path(cfg.out)
+    place = Out(out, url) if url else None
+    shown = redact(url) if url else str(out)
     created_group, device_name = init_from_env(cfg.device)  # torchrun: join the process group
     rank, size = world()
     console = make_console(quiet or (size > 1 and rank > 0))
@@ -374,25 +450,30 @@ def setup(cfg: Config, resume: bool = False, overwrite: bool = False, init_from=
     if device.type == "cpu":
         keep_freed_memory()
     check_installed(cfg.train.report_to)  # a missing extra stops the run before OUT is touched
-    check_out_apart(out, cfg.shards, init_from)  # OUT in a dataset or an --init-from folder: one line, nothing written
+    # OUT in a dataset or an --init-from folder: one line, nothing written
+    check_out_apart(url or out, cfg.shards, init_from)
     # --resume continues OUT/last.pt, and starts the run where there is none yet (a first start and every restart
     # are one command line). Rank 0 looks, for every rank; prepare_out looks again under OUT's lock.
-    resuming = resume and broadcast((out / "last.pt").exists() if rank == 0 else None)
+    last = objstore.join(url, "last.pt") if url else None
+    resuming = resume and broadcast((objstore.exists(last) if url else (out / "last.pt").exists()) if rank == 0
+                                    else None)
     # --init-from is read before OUT is touched: an unreadable source leaves OUT as it was
     source = init_source(init_from, out, resuming, overwrite)
     if not resuming:  # --init-from clip:PATH names the towers; an unreadable clip: folder is one line, OUT untouched
         cfg = clip_start(cfg, clip_spec(init_from, out))
         if not openclip.is_open_clip(str(init_from)):  # (an open_clip source was checked by init_source)
             resolve_towers(cfg)
-    lock, resumed, removed = open_output(out, resume, overwrite, rank)
+    lock, resumed, removed = open_output(out, resume, overwrite, rank, place)
     if resumed != resuming:  # another process wrote or removed last.pt between the look and the lock
         if lock is not None:
             lock.release()
-        raise TrainError(f"--resume: {out / 'last.pt'} {'appeared' if resumed else 'went away'} while this run "
-                         "started (another process writes OUT); run the command again")
+        where = redact(last) if url else out / "last.pt"
+        raise TrainError(f"--resume: {where} {'appeared' if resumed else 'went away'} while this run started "
+                         "(another process writes OUT); run the command again")
     if resume and not resuming:
         again = f" (deleted an earlier start's {', '.join(removed)})" if removed else ""
-        console.print(f"--resume: no checkpoint in {out} yet, starting the run{again}", highlight=False, markup=False)
+        console.print(f"--resume: no checkpoint in {shown} yet, starting the run{again}", highlight=False,
+                      markup=False)
     if not resuming:
         source = convert_open_clip(init_from, out, rank) or source
     ckpt = load(out / "last.pt", "--resume checkpoint") if resuming else None
@@ -443,7 +524,7 @@ def setup(cfg: Config, resume: bool = False, overwrite: bool = False, init_from=
     # fp16 gradients underflow unscaled; bf16 has float32's exponent range and needs no scaling
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
     run = Run(cfg, model, optimizer, data.sampler, generator, data_sig, out, init_from=init, precision=precision,
-              scaler=scaler)
+              scaler=scaler, remote=place)
 
     # --- resume (the data position is replayed: this epoch's batches already trained on are drawn again)
     state, rng = restore(ckpt, run, rank, size) if ckpt is not None else (RunState(), None)
@@ -454,7 +535,8 @@ def setup(cfg: Config, resume: bool = False, overwrite: bool = False, init_from=
     if ckpt is not None:
         set_rng_states(rng, generator)
         began = f"; the run began from --init-from {init['path']}" if init else ""
-        console.print(f"resumed from step {state.step} of {cfg.steps} ({run.last_path}){began}", highlight=False)
+        console.print(f"resumed from step {state.step} of {cfg.steps} ({run.shown('last.pt')}){began}",
+                      highlight=False)
     console.print(summary(cfg, model, device, data.n_train, data.n_val, data.per_epoch, size, (precision, why), ddp),
                   highlight=False, markup=False)
     return Session(cfg=cfg, out=out, device=device, rank=rank, size=size, created_group=created_group, data=data,
