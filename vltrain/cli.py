@@ -81,21 +81,34 @@ def out_url(out: str | None) -> str | None:
 def remote_run(url: str | None):
     """A run in object storage holds OUT's lock object (vlprep.outlock.lock_url; rank 0 under torchrun) from before
     its set-up until its result.json is up, also when it fails or is interrupted (Ctrl-C, SIGTERM: last.pt is up by
-    then), so that a restart on another machine is not refused; its staging folder is removed at the end."""
+    then), so that a restart on another machine is not refused; its staging folder is removed at the end, unless an
+    upload failed (after objstore's retries) with a checkpoint there, which the one-line error then names."""
     import shutil
 
     from vlprep.output import staging
     from vlprep.outlock import lock_url
 
+    from vlprep import objstore
+    from vltrain.errors import TrainError
+
     if url is None or int(os.environ.get("RANK", "0")) > 0:
         yield
         return
     lock = lock_url(url, "vltrain")
+    keep = False
     try:
         yield
+    except objstore.RemoteError as e:  # an upload that failed after its retries: the steps trained are not lost
+        folder = staging(url)
+        keep = (folder / "last.pt").exists()
+        if not keep:
+            raise
+        raise TrainError(f"{e}; the run's files are kept in {folder}: copy them to OUT (aws s3 sync / gcloud storage "
+                         "rsync) before running again with --resume, which starts from OUT's last.pt") from None
     finally:
         lock.release()
-        shutil.rmtree(staging(url), ignore_errors=True)
+        if not keep:
+            shutil.rmtree(staging(url), ignore_errors=True)
 
 
 def upload_result(result: dict, url: str) -> None:
@@ -243,7 +256,10 @@ def run(
 
             cuda = train_device(cfg.device).type == "cuda"  # a device this machine lacks: its one line, first
             note = preset_note(cfg, cuda)
-        with remote_run(url), writing(Path(cfg.out)):
+        from vlprep.output import staging
+
+        # a full or read-only disk under a URL OUT's staging folder is one line too
+        with remote_run(url), writing(staging(url) if url else Path(cfg.out)):
             # the note is said once the run is set up: an error before then stays the only line
             result = train(cfg, resume=resume, overwrite=overwrite, init_from=init_from, note=note)
             if url is not None and result["rank"] == 0:

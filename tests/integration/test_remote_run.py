@@ -215,3 +215,77 @@ def test_kill_9_then_resume_continues_exactly_and_a_second_run_is_refused_meanwh
     assert sorted(rows) == list(range(1, step + 3))
     want = losses(straight["metrics.jsonl"])
     assert [rows[s] for s in (1, 2, 3, 4)] == [want[s] for s in (1, 2, 3, 4)]
+
+
+def test_sigterm_uploads_last_pt_says_its_url_and_lets_go_of_the_lock(s3, shards):
+    """A pre-empted machine's notice (SIGTERM): the run saves last.pt, uploads it, names its URL in its one line,
+    exits 143 and leaves no lock object, so a restart on another machine is not refused."""
+    import io
+
+    import s3fs
+    import torch
+
+    from vlprep.output import staging
+
+    fs = s3fs.S3FileSystem()
+    proc = subprocess.Popen([sys.executable, "-m", "vltrain.cli", *args(shards, "s3://bkt/term", "--steps", "400")],
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            fs.invalidate_cache()
+            if fs.exists("bkt/term/last.pt"):
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before it could be stopped"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert proc.returncode == 143, err
+    got = objects("term")
+    step = torch.load(io.BytesIO(got["last.pt"]), weights_only=True)["step"]
+    assert err.strip().splitlines()[-1] == (f"stopped at step {step} of 400: s3://bkt/term/last.pt holds it; run the "
+                                            "same command with --resume to continue")
+    assert max(losses(got["metrics.jsonl"])) == step
+    assert ".vlprep.lock" not in got and not staging("s3://bkt/term").exists()
+
+
+def test_an_upload_that_fails_keeps_the_staging_folder_and_says_where(s3, shards, monkeypatch):
+    """A put that fails after its retries stops the run in one line naming the staging folder that holds the newer
+    last.pt (nothing trained is lost), and the lock is let go."""
+    import io
+    import shutil
+
+    import torch
+
+    from vlprep import objstore
+    from vlprep.output import staging
+
+    put = objstore.put_file
+    sent = []
+
+    def failing_put(local: Path, url: str) -> None:
+        if url.endswith("/last.pt") and sent:
+            raise objstore.RemoteError(f"{url}: cannot write it after 3 tries (ConnectionError: reset)")
+        put(local, url)
+        if url.endswith("/last.pt"):
+            sent.append(url)
+
+    monkeypatch.setattr(objstore, "put_file", failing_put)
+    folder = staging("s3://bkt/failing")
+    try:
+        r = train(shards, "s3://bkt/failing", "--steps", "4", "--set", "eval_every=1000")
+        assert error_line(r) == (f"error: s3://bkt/failing/last.pt: cannot write it after 3 tries (ConnectionError: "
+                                 f"reset); the run's files are kept in {folder}: copy them to OUT (aws s3 sync / "
+                                 "gcloud storage rsync) before running again with --resume, which starts from OUT's "
+                                 "last.pt")
+        assert torch.load(folder / "last.pt", weights_only=True)["step"] == 4
+        got = objects("failing")
+        assert torch.load(io.BytesIO(got["last.pt"]), weights_only=True)["step"] == 2
+        assert ".vlprep.lock" not in got
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
