@@ -36,13 +36,16 @@ def picture(tmp_path) -> Path:
 
 def test_urls_are_refused_where_no_url_can_go_before_anything_is_created(shards, fusion_ckpt, picture, tmp_path,
                                                                          monkeypatch):
-    """Before: `vltrain run DS --out s3://mybucket/run` trained and exited 0, writing ./s3:/mybucket/run/. SHARDS may
-    be URLs now (tests/integration/test_objstore.py), of a scheme we read; nothing here is ever contacted."""
+    """Before: `vltrain run DS --out s3://mybucket/run` trained and exited 0, writing ./s3:/mybucket/run/ (a run's OUT
+    may now be s3:// or gs://, a run in object storage). SHARDS may be URLs (tests/integration/test_objstore.py), of a
+    scheme we read; nothing here is ever contacted."""
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     monkeypatch.chdir(cwd)
     cases = [
-        (["run", shards, "--out", "s3://mybucket/run", "--steps", "1", *tiny_args()], "out s3://mybucket/run: "),
+        # (--out s3:// and gs:// are runs in object storage now: tests/integration/test_remote_run.py)
+        (["run", shards, "--out", "https://h/run", "--steps", "1", *tiny_args()],
+         "--out https://h/run: https:// is read-only here; write to s3://, gs:// or a local folder"),
         (["run", "ftp://b/ds", "--steps", "1", *tiny_args()], "SHARDS ftp://b/ds: unsupported URL scheme ftp://; use "
                                                                "s3://, gs://, http(s):// or file://"),
         (["run", "s3://b/ds", "--preset", "grit", "--steps", "1", *tiny_args()],
@@ -59,8 +62,8 @@ def test_urls_are_refused_where_no_url_can_go_before_anything_is_created(shards,
         (["export", fusion_ckpt, "s3://b/export"], "OUT s3://b/export: "),
     ]
     for args, says in cases:
-        assert error_line(invoke(*args)) == f"error: {says}" + ("" if "://;" in says or "sampler" in says else
-                                                                  LOCAL_ONLY), args
+        assert error_line(invoke(*args)) == f"error: {says}" + ("" if "://;" in says or "sampler" in says or
+                                                                  "read-only" in says else LOCAL_ONLY), args
     assert list(cwd.iterdir()) == []  # no ./s3:/ folder, no run files
     # a Windows-like drive letter is a local path, not a URL
     assert "URL" not in invoke("config", "--config", "C:/x/c.yaml").output
