@@ -194,9 +194,9 @@ def run(
     config: Optional[Path] = typer.Option(None, "--config", help="YAML file of config keys."),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="Dotted override key=value (repeatable), "
                                              "e.g. --set model.queue_size=1024."),
-    out: Optional[str] = typer.Option(None, help="Run folder: metrics.jsonl, learning_curve.png, tb/, last.pt, "
-                                      "best.pt; or s3://, gs://: trained in a local staging folder and uploaded "
-                                      f"after every checkpoint \\[default: {_DEFAULTS.out}]."),
+    out: Optional[str] = typer.Option(None, help=f"Run folder \\[default: {_DEFAULTS.out}]: metrics.jsonl, "
+                                      "learning_curve.png, tb/, last.pt, best.pt; or s3://, gs://: trained in a "
+                                      "local staging folder and uploaded after every checkpoint."),
     steps: Optional[int] = typer.Option(None, help=f"Optimiser steps \\[default: {_DEFAULTS.steps}]."),
     epochs: Optional[float] = typer.Option(None, help="Epochs over the training split (instead of --steps)."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Pairs per step "
