@@ -10,7 +10,8 @@ How the cluster is made (one for the module, `cluster`):
   private tmpfs is mounted over /tmp, over TMPDIR and over pytest's base temporary folder where those lie elsewhere:
   its raylet and every worker it starts see empty folders there, so no file the driver wrote under them (its staging
   folders TMPDIR/vlprep-out-UID/HASH, the local datasets, the pytest folders) can be read by a worker. The repository
-  and the virtual environment stay visible, as an installed package is on every node. The one file a worker may
+  and the virtual environment stay visible, as an installed package is on every node (a clone under /tmp is held
+  aside on a private tmpfs before the masks and bound back at its path after them). The one file a worker may
   need from outside, the encoder's checkpoint (an input the user installs on each node, not something the driver
   makes), is copied into the node's private /tmp at the same path before `ray start`.
 - The driver joins with `ray.init(address=HEAD)`; the stages find Ray initialised and use it (vlprep.engine). Each
@@ -85,15 +86,44 @@ def _masks(basetemp: Path) -> list[str]:
     return kept
 
 
+def _kept_visible(masks: list[str]) -> list[str]:
+    """The repository and the virtual environment where they lie under a masked folder (a clone in /tmp): the node
+    sees them again through bind mounts, as an installed package is on every node (outermost only)."""
+    inside = [os.path.realpath(p) for p in (ROOT, sys.prefix)]
+    inside = [p for p in inside if any(p == m or p.startswith(m.rstrip("/") + "/") for m in masks)]
+    kept: list[str] = []
+    for p in sorted(set(inside), key=len):
+        if not any(p == k or p.startswith(k.rstrip("/") + "/") for k in kept):
+            kept.append(p)
+    return kept
+
+
+def _holder(masks: list[str], kept: list[str]) -> str:
+    """A folder outside every mask and kept path, over which the node's namespace mounts a tmpfs of its own to hold
+    the kept folders while /tmp is masked (the mount is private: the host's folder is untouched)."""
+    for h in ("/mnt", "/media", "/srv", "/opt"):
+        if os.path.isdir(h) and not any(p == h or p.startswith(h + "/") or h.startswith(p.rstrip("/") + "/")
+                                        for p in [*masks, *kept]):
+            return h
+    raise RuntimeError("no folder to hold the repository while /tmp is masked (clone it outside /tmp)")
+
+
 def _ray_start(args: list[str], env: dict, log: Path, masks: list[str] = (), installed: list[Path] = ()):
     """`ray start ARGS --block` in a session of its own; inside a private mount namespace when `masks` is given."""
     ray = str(Path(sys.executable).with_name("ray"))
     cmd = [ray, "start", *args, "--disable-usage-stats", "--block"]
     if masks:
+        kept = _kept_visible(list(masks))
         rel = " ".join(f"'{str(p).lstrip('/')}'" for p in installed)
         script = "set -e\n"
+        if kept:  # the repository (and its .venv) under a masked folder: held aside, bound back after the masks
+            hold = _holder(list(masks), kept)
+            script += f"mount -t tmpfs -o mode=0755 none '{hold}'\n"
+            script += "".join(f"mkdir -p '{hold}/k{i}'\nmount --bind '{k}' '{hold}/k{i}'\n" for i, k in enumerate(kept))
         script += f"kept=$(tar --format=posix -cf - -C / {rel} | base64 -w0)\n" if installed else ""
         script += "".join(f"mount -t tmpfs -o mode=1777 none '{m}'\n" for m in masks)
+        if kept:
+            script += "".join(f"mkdir -p '{k}'\nmount --bind '{hold}/k{i}' '{k}'\n" for i, k in enumerate(kept))
         script += "printf %s \"$kept\" | base64 -d | tar -xf - -C /\n" if installed else ""
         script += "exec " + " ".join(f"'{c}'" for c in cmd) + "\n"
         cmd = ["unshare", "--mount", "--propagation", "private", "bash", "-c", script]
