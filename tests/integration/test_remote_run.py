@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.conftest import colour_pairs
-from tests.integration.servers import moto_s3, need, s3_env
+from tests.integration.test_objstore import s3  # noqa: F401  (the module's moto server with the bucket `bkt`)
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).parents[2]
@@ -23,31 +23,6 @@ ROOT = Path(__file__).parents[2]
 TINY = ["model.text_model=tiny", "model.image_model=tiny", "model.embed_dim=16", "data.image_size=32",
         "data.workers=0", "data.max_len=12", "log_every=1", "optim.warmup_steps=0", "optim.min_lr_ratio=1.0",
         "optim.lr=0.01", "data.val_frac=0.2", "eval_every=2", "ckpt_every=2"]
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    """A moto S3 server on 127.0.0.1 with the bucket `bkt`, its AWS_* variables set in this process for the module
-    (and given to the subprocesses)."""
-    need("s3fs", "moto")
-    import s3fs
-
-    tmp = tmp_path_factory.mktemp("s3")
-    with moto_s3(tmp / "moto.log") as endpoint:
-        env = s3_env(endpoint)
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        s3fs.S3FileSystem.clear_instance_cache()
-        try:
-            s3fs.S3FileSystem().mkdir("bkt")
-            yield env
-        finally:
-            s3fs.S3FileSystem.clear_instance_cache()
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
 
 @pytest.fixture(scope="module")

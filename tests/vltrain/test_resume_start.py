@@ -9,24 +9,11 @@ import json
 
 import torch
 
+from tests.vltrain.test_init_from import ok, one_line_error
 from tests.vltrain.test_train import losses, run, shards  # noqa: F401  (the tiny shards fixture and the CLI helper)
 
 CLIP = ["--preset", "clip", "--steps", "2"]
 NOTE = "--resume: no checkpoint in {} yet, starting the run"
-
-
-def ok(r):
-    assert r.exit_code == 0, r.output + repr(r.exception)
-    return r
-
-
-def one_line_error(r, *parts):
-    assert r.exit_code == 2, r.output + repr(r.exception)
-    line = r.output.strip()
-    assert line.startswith("error:") and "\n" not in line and "Traceback" not in line, line
-    for part in parts:
-        assert part in line, line
-    return line
 
 
 def test_resume_on_an_empty_out_starts_the_run(shards, tmp_path):  # noqa: F811
