@@ -82,6 +82,9 @@ class ModelConfig(Section):
     # Every dropout rate of the model (text encoder, fusion, aligner, image tower) set to this; 0 also turns off
     # stochastic depth, so a training forward is deterministic. None = each tower's own rates
     dropout: float | None = None
+    # FLIP (Li et al. 2023, 3): a ViT image tower keeps a random (1 - p) share of its patch tokens (the class token
+    # always) in each training forward; evaluation and export see every token. 0 = off
+    patch_dropout: float = 0.0
     # clip: towers: {"text": ..., "image": ...}, each the tower's source, transformers config, projection width and
     # preprocessing, filled in when a run resolves its config, so that a checkpoint rebuilds them without the folder
     towers: dict = field(default_factory=dict)
@@ -293,6 +296,7 @@ RANGES: dict[str, tuple[str, str]] = {
     "model.temp": (f"[{TEMP_MIN}, {TEMP_MAX}]", "the ITC temperature's clamp"),
     "model.momentum_m": ("[0, 1]", "EMA weight of the momentum copy"),
     "model.queue_size": ("[0, inf)", "0 = in-batch negatives only"),
+    "model.patch_dropout": ("[0, 1)", "the share of a ViT's patch tokens dropped in training; 0 = off"),
     "data.image_size": (f"[{MIN_SIZE}, {MAX_SIZE}]", "pixels; the image trunks downsample by 32"),
     "data.max_len": ("[2, 512]", "tokens with [CLS] and [SEP]; BERT's position table holds 512"),
     "data.val_frac": ("[0, 1)", "a share of the samples"),
