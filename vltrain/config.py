@@ -103,6 +103,9 @@ class DataConfig(Section):
     prefetch: int = -1              # batches each loader worker prepares ahead (prefetch_factor); -1 = torch's (2)
     min_crop_scale: float = 0.5     # RandomResizedCrop scale lower bound of augment=none (ALBEF fine-tuning: 0.5)
     triplets: bool = False          # TOnICS triplet mode: instances are (caption, image, noun span) triplets
+    # where training JPEGs are decoded: cpu (the loader workers) or gpu (the workers ship the bytes and each sample's
+    # crop; the device decodes the batch with torchvision.io.decode_jpeg and crops there; CUDA and augment none only)
+    decode: str = "cpu"
     augment: str = "none"           # training images: none (crop + flip), albef (+ RandAugment), softmask (+ colour)
     bucket: int = 8                 # random stream: batches cut from windows of this many batches sorted by caption
                                     # length, so each pads to a similar length; 0 = off (GRIT / TOnICS orders: never)
@@ -180,6 +183,7 @@ class OptimConfig(Section):
 
 
 SWITCHES = ("auto", "on", "off")
+DECODES = ("cpu", "gpu")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 TRACKERS = ("tensorboard", "wandb", "mlflow")
 
@@ -404,6 +408,8 @@ def validate(cfg: Config) -> None:
                           "SigLIP has no momentum model, queue, distillation or softmax-based ITC variant; use "
                           "preset clip (or albef-base), or loss.itc_kind=softmax")
     cfg.model.itc_bias = cfg.loss.itc_kind == "sigmoid"
+    if cfg.data.decode not in DECODES:
+        raise ConfigError(f"unknown data.decode {shown(cfg.data.decode)}; use one of {', '.join(DECODES)}")
     if cfg.data.augment not in AUGMENTS:
         raise ConfigError(f"unknown data.augment {shown(cfg.data.augment)}; use one of {', '.join(AUGMENTS)}")
     if cfg.loss.focal_gamma > 0 and cfg.loss.distill_alpha > 0:
