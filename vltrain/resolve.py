@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from vltrain import hfclip
 from vltrain.config import Config, ConfigError, freeze, itc_defaults
 from vltrain.config_load import user_set
+from vltrain.data.samples import gpu_augment_refusal
 from vltrain.model import check_input_size
 
 
@@ -38,6 +39,7 @@ def resolve(cfg: Config, device, facts: DataFacts) -> tuple[Config, list[str]]:
         out.model.image_model = "features"
         out.model.feature_dim = int(facts.features["dim"])
         out.model.feature_encoder = facts.features
+    check_gpu_decode(out.data, device)
     if out.data.workers < 0:
         out.data.workers, note = auto_workers(node_cpus(), local_ranks(), out.data.input, device.type)
         notes.append(note)
@@ -55,6 +57,24 @@ def resolve(cfg: Config, device, facts: DataFacts) -> tuple[Config, list[str]]:
     notes += [note] if note else []
     notes += itc_defaults(out, user_set(cfg, "loss.itc_kind"), user_set(cfg, "model.temp"))  # SigLIP's own loss
     return freeze(out), notes
+
+
+def check_gpu_decode(data, device) -> None:
+    """data.decode gpu where it can run as the CPU view does, else a one-line ConfigError: pixels (there are no JPEGs
+    in cached tokens), a CUDA device (nvjpeg), and augment none, whose per-sample crop and flip the loader draws and
+    ships with the bytes. albef's RandAugment and softmask's colour ops draw per sample too, and torchvision's
+    transforms on a batch tensor draw once for the whole batch (one RandAugment op set, one jitter), so the device
+    could only match them with a call per sample, no cheaper than the worker: they are refused."""
+    if data.decode != "gpu":
+        return
+    if data.input == "features":
+        raise ConfigError("data.decode=gpu decodes JPEG pixels, and the shards hold `vlprep features` tokens "
+                          "(nothing to decode); leave data.decode at cpu")
+    if device.type != "cuda":
+        raise ConfigError(f"data.decode=gpu decodes JPEGs with nvjpeg on a CUDA device, and this run's device is "
+                          f"{device.type}; use data.decode=cpu")
+    if data.augment != "none":
+        raise ConfigError(gpu_augment_refusal(data.augment))
 
 
 MAX_AUTO_WORKERS = 16  # past this a loader's workers mostly add start-up time and memory (one forked copy each)

@@ -1,6 +1,11 @@
 """Batches: captions tokenised and padded (`Collate`), noun spans as word-piece masks, to_device."""
 
+import re
+
 import torch
+
+from vltrain.data.samples import JpegView, decode_on_device
+from vltrain.errors import TrainError
 
 
 def span_mask(offsets: torch.Tensor, spans: torch.Tensor) -> torch.Tensor:
@@ -33,7 +38,10 @@ class Collate:
 
     Samples loaded with every caption (a tuple each, for evaluation) give one row of input_ids per caption and
     'caption_owner' (T,): the batch position of each caption's image. uint8 images (train_transform's) stay uint8,
-    and the batch carries 'pixel_norm' (2, 3): the `norm` (mean, std) that `to_device` applies on the device."""
+    and the batch carries 'pixel_norm' (2, 3): the `norm` (mean, std) that `to_device` applies on the device.
+
+    JpegViews (data.decode gpu) travel as 'jpeg' (`pack_jpegs`), 'images' then holding only the samples decoded on
+    the worker (m, 3, S, S); `to_device` decodes the rest and puts every view back in its batch position."""
 
     def __init__(self, tokenizer, max_len: int, use_features: bool = False, norm: tuple | None = None):
         self.tokenizer, self.max_len, self.use_features, self.norm = tokenizer, max_len, use_features, norm
@@ -51,7 +59,10 @@ class Collate:
         extra_args = {"return_offsets_mapping": True} if spans else {}  # fast tokenizers only: triplets need it
         tok = self.tokenizer(list(captions), padding="longest", truncation=True, max_length=self.max_len,
                              return_tensors="pt", **extra_args)
-        x = torch.stack(xs)
+        jpeg = None
+        if any(isinstance(x, JpegView) for x in xs):
+            jpeg, xs = pack_jpegs(xs)
+        x = torch.stack(xs) if xs else torch.empty((0, 3, jpeg["size"], jpeg["size"]), dtype=torch.uint8)
         out = {"features" if self.use_features else "images": x, "input_ids": tok["input_ids"],
                "attention_mask": tok["attention_mask"], "keys": list(keys), "captions": list(captions)}
         if x.dtype == torch.uint8:
@@ -59,6 +70,8 @@ class Collate:
                 raise ValueError("uint8 images and no normalisation to apply on the device: give Collate "
                                  "norm=(mean, std) (train_transform's .norm)")
             out["pixel_norm"] = torch.tensor(self.norm, dtype=torch.float32)
+        if jpeg is not None:
+            out["jpeg"] = jpeg
         if owner is not None:
             out["caption_owner"] = owner
         if extra:
@@ -68,10 +81,54 @@ class Collate:
         return out
 
 
+def pack_jpegs(xs) -> tuple[dict, list[torch.Tensor]]:
+    """A batch's views, JpegViews among uint8 tensors -> ({'data': [bytes (N,) uint8], 'box': (n, 4), 'flip': (n,),
+    'at': (n,) their batch positions, 'size', 'interpolation'}, the tensors decoded on the worker, in order)."""
+    shipped = [(i, x) for i, x in enumerate(xs) if isinstance(x, JpegView)]
+    first = shipped[0][1]
+    jpeg = {"data": [x.data for _, x in shipped], "box": torch.tensor([x.box for _, x in shipped], dtype=torch.long),
+            "flip": torch.tensor([x.flip for _, x in shipped], dtype=torch.bool),
+            "at": torch.tensor([i for i, _ in shipped], dtype=torch.long),
+            "size": first.size, "interpolation": first.interpolation}
+    return jpeg, [x for x in xs if not isinstance(x, JpegView)]
+
+
+def device_views(jpeg: dict, decoded: torch.Tensor, keys, device: torch.device) -> torch.Tensor:
+    """The batch's uint8 views (B, 3, S, S) on `device`: the shipped JPEGs decoded there (`decode_on_device`) and
+    the worker's `decoded` (m, 3, S, S, on `device`), each at its batch position. A JPEG that does not decode is a
+    one-line TrainError naming its sample: the batch left the loader, so it can no longer be skipped and counted."""
+    try:
+        shipped = decode_on_device(jpeg["data"], jpeg["box"], jpeg["flip"], jpeg["size"], jpeg["interpolation"],
+                                   device)
+    except RuntimeError:
+        for i, data in zip(jpeg["at"].tolist(), jpeg["data"]):  # which one: the batch decode names none
+            try:
+                decode_on_device([data], jpeg["box"][:1], jpeg["flip"][:1], jpeg["size"], jpeg["interpolation"],
+                                 device)
+            except RuntimeError as e:
+                # torchvision's text is "decode_jpeg, FILE.cpp:LINE, the reason": the reason only
+                why = re.sub(r"^[\w.]+, \S+:\d+, ", "", (str(e).strip().splitlines() or [type(e).__name__])[0])
+                raise TrainError(f"sample {keys[i]}: its JPEG does not decode on {device} ({why}); data.decode=gpu "
+                                 "cannot skip it once batched: re-create the shards with `vlprep shards "
+                                 "--decode-check`, or train with data.decode=cpu, which skips and counts such "
+                                 "samples") from None
+        raise
+    n = len(jpeg["data"]) + len(decoded)
+    out = torch.empty((n, 3, jpeg["size"], jpeg["size"]), dtype=torch.uint8, device=device)
+    on_worker = torch.ones(n, dtype=torch.bool)
+    on_worker[jpeg["at"]] = False
+    out[jpeg["at"].to(device)] = shipped
+    out[on_worker.nonzero().squeeze(1).to(device)] = decoded
+    return out
+
+
 def to_device(batch: dict, device: torch.device) -> dict:
     """The batch's tensors on `device` (non-blocking from pinned memory); other entries as they are. uint8 images
-    with a 'pixel_norm' (mean, std) become float32 (x / 255 - mean) / std there, the batch without 'pixel_norm'."""
-    out = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+    with a 'pixel_norm' (mean, std) become float32 (x / 255 - mean) / std there, the batch without 'pixel_norm'.
+    A 'jpeg' entry (data.decode gpu) is decoded there first (`device_views`); the batch leaves without it."""
+    out = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items() if k != "jpeg"}
+    if "jpeg" in batch:
+        out["images"] = device_views(batch["jpeg"], out["images"], batch["keys"], device)
     norm = out.pop("pixel_norm", None)
     if norm is not None and out["images"].dtype == torch.uint8:
         # torchvision's ToDtype(float32, scale=True) then Normalize, op for op: the CPU path's numbers exactly

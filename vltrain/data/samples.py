@@ -5,9 +5,12 @@ import hashlib
 import io
 import json
 import random
+import warnings
+from typing import NamedTuple
 
 import numpy as np
 import torch
+from PIL import Image
 from torch.utils.data import get_worker_info
 
 from vlprep.dataset import decode_rgb, image_ext
@@ -39,7 +42,7 @@ def draft_scale(width: int, height: int, size: int, min_scale: float) -> int:
 
 
 def train_transform(size: int, mean, std, min_scale: float = 0.5, augment: str = "none",
-                    interpolation: str = "bilinear") -> "v2.Compose":
+                    interpolation: str = "bilinear", decode: str = "cpu") -> "v2.Compose | DeviceView":
     """Training view of an image, uint8 (3, size, size): augment none (crop at scale min_scale..1 + flip, resized with
     `interpolation`, the model's: bicubic for a CLIP tower), albef or softmask (MMDA).
 
@@ -51,6 +54,9 @@ def train_transform(size: int, mean, std, min_scale: float = 0.5, augment: str =
     queue and the host-to-device copy, a quarter of float32's bytes: `.norm` is the (mean, std) that `Collate` puts
     on the batch and `to_device` applies there, (x / 255 - mean) / std. `.draft` (width, height) -> k is the JPEG
     draft scale the crop allows (`draft_scale`), for `decode_rgb`.
+
+    decode gpu (augment none only: `resolve` refuses the others) gives a `DeviceView`, which ships a JPEG's bytes
+    with the crop and flip drawn here, for `decode_on_device` to finish on the run's device.
     """
     # imported here: `import torchvision` loads its models and, through them, torch._dynamo (about 3 s), which a run
     # on cached features, an evaluation or `vltrain --help` never needs
@@ -72,7 +78,84 @@ def train_transform(size: int, mean, std, min_scale: float = 0.5, augment: str =
     tf = v2.Compose(steps)
     tf.norm = (tuple(float(m) for m in mean), tuple(float(s) for s in std))
     tf.draft = functools.partial(draft_scale, size=size, min_scale=min_scale)
+    if decode == "gpu":
+        if augment != "none":  # resolve.check_gpu_decode's line: whichever of the two a caller meets first
+            raise ValueError(gpu_augment_refusal(augment))
+        return DeviceView(tf, steps[1])
     return tf
+
+
+def gpu_augment_refusal(augment: str) -> str:
+    """The one line that refuses data.decode gpu with an augmentation the device cannot match per sample."""
+    return (f"data.decode=gpu matches data.augment=none only (a crop and flip drawn per sample on the loader); "
+            f"data.augment={augment} draws its ops per sample, which a batch transform on the device cannot repeat: "
+            "use data.decode=cpu (the albef and softmask presets set it)")
+
+
+class JpegView(NamedTuple):
+    """A training view the device finishes (data.decode gpu): the JPEG's bytes (uint8 (N,)), the RandomResizedCrop
+    box (top, left, height, width) in the full-size image and the flip, both drawn on the loader worker, and the
+    view's side and interpolation."""
+
+    data: torch.Tensor
+    box: tuple[int, int, int, int]
+    flip: bool
+    size: int
+    interpolation: str
+
+
+# JPEG colour modes the device decodes as the worker would: PIL and torchvision both give RGB from these (grey
+# replicated); a CMYK / YCCK JPEG converts by PIL's own formula, so it stays on the worker with the other formats
+WIRE_MODES = ("RGB", "L")
+
+
+class DeviceView:
+    """augment none with data.decode gpu: a JPEG member -> JpegView, its crop box and flip drawn by the very
+    transforms of the CPU view (`cpu`, a train_transform) from the same RNG, in the same order, at the size the
+    JPEG's header gives (no draft: the device decodes in full); any other member (PNG, a CMYK JPEG) -> the CPU
+    view's uint8 (3, size, size), decoded here as with decode cpu. `.norm` as the CPU view's."""
+
+    def __init__(self, cpu, crop):
+        self.cpu, self.crop = cpu, crop  # crop: the CPU view's v2.RandomResizedCrop, whose make_params draws the box
+        self.norm, self.draft = cpu.norm, None
+        self.size, self.interpolation = crop.size[0], crop.interpolation.value
+
+    def __call__(self, image):
+        """A decoded image (a non-JPEG member): the CPU view of it."""
+        return self.cpu(image)
+
+    def ship(self, data: bytes):
+        """A member's bytes -> JpegView, or the CPU view's uint8 tensor when it is not an RGB / grey JPEG."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            im = Image.open(io.BytesIO(data))  # the header only: size and mode, no pixels decoded
+        if im.format != "JPEG" or im.mode not in WIRE_MODES:
+            return self.cpu(decode_rgb(data))
+        p = self.crop.make_params([im])  # the draws RandomResizedCrop makes on the decoded image of this size
+        flip = bool(torch.rand(1) < 0.5)  # RandomHorizontalFlip(p=0.5): flips unless torch.rand(1) >= p
+        box = (p["top"], p["left"], p["height"], p["width"])
+        return JpegView(torch.frombuffer(bytearray(data), dtype=torch.uint8), box, flip, self.size,
+                        self.interpolation)
+
+
+def decode_on_device(data: list[torch.Tensor], boxes: torch.Tensor, flips: torch.Tensor, size: int,
+                     interpolation: str, device: torch.device) -> torch.Tensor:
+    """JPEG bytes (CPU uint8 tensors, n of them), boxes (n, 4) (top, left, height, width) and flips (n,) -> the uint8
+    views (n, 3, size, size) on `device`: decoded there in one batch (nvjpeg on CUDA, libjpeg on a CPU), each box
+    cropped and resized by torchvision's resized_crop with antialias as RandomResizedCrop does, then flipped."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+    from torchvision.transforms.v2 import InterpolationMode
+    from torchvision.transforms.v2 import functional as F
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # torchvision 0.29 marks its image IO deprecated, each call
+        images = decode_jpeg(list(data), mode=ImageReadMode.RGB, device=device)
+    how = InterpolationMode(interpolation)
+    out = torch.empty((len(images), 3, size, size), dtype=torch.uint8, device=device)
+    for i, (im, (top, left, h, w), flip) in enumerate(zip(images, boxes.tolist(), flips.tolist())):
+        view = F.resized_crop(im, top, left, h, w, [size, size], interpolation=how, antialias=True)
+        out[i] = F.horizontal_flip(view) if flip else view
+    return out
 
 
 class BadSample(ValueError):
@@ -235,8 +318,11 @@ def load_sample(raw: dict, transform, use_features: bool, captions=FIRST, shape=
             raise BadSample("npy_missing", f"{raw.get('__url__', '')}: sample {raw['__key__']} has no npy features")
         x = load_tokens(raw["npy"], shape)
     else:
-        # a training view decodes a JPEG only as large as its crops need (train_transform's .draft)
-        x = transform(decode_rgb(raw[image_ext(raw)], getattr(transform, "draft", None)))
+        data = raw[image_ext(raw)]
+        if isinstance(transform, DeviceView):  # data.decode gpu: the JPEG's bytes and drawn crop go to the device
+            x = transform.ship(data)
+        else:  # a training view decodes a JPEG only as large as its crops need (train_transform's .draft)
+            x = transform(decode_rgb(data, getattr(transform, "draft", None)))
     return x, caption, raw["__key__"]
 
 
