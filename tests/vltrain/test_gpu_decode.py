@@ -229,3 +229,39 @@ def test_nvjpeg_views_match_the_cpu_views_within_the_decoders_difference():
     got = to_device(b, torch.device("cuda"))["images"].cpu()
     want = to_device(a, CPU)["images"]
     assert float((got - want).abs().max()) <= 5 / 255 / min(STD) + 1e-5
+
+
+@pytest.mark.slow  # builds shards and forks a loader worker for each side: about 5 s
+def test_a_loader_worker_ships_what_the_cpu_loader_decodes(tmp_path):
+    # The whole loader: shards of JPEGs and PNGs streamed by a forked DataLoader worker (reseeded per epoch as in a
+    # run), batches collated there, then to_device on the CPU: the same batches, image for image, as decode cpu's.
+    from vlprep.shards import ShardsConfig, build_shards
+    from vltrain.data.feed import epoch_batches, make_loader, next_batch
+    from vltrain.data.stream import ShardStream
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(12):
+        if i % 4 == 3:
+            (src / f"{i:03d}.png").write_bytes(png_rgba(50 + i, 40, i))
+        else:
+            (src / f"{i:03d}.jpg").write_bytes(jpeg(60 + 9 * i, 90 - 3 * i, i))
+        (src / f"{i:03d}.txt").write_text(f"caption {i}")
+    build_shards(ShardsConfig(src=src, out=tmp_path / "ds", samples_per_shard=6, workers=1))
+    cpu, gpu = views()
+    batches = {}
+    for name, tf in (("cpu", cpu), ("gpu", gpu)):
+        stream = ShardStream([tmp_path / "ds"], "train", 0.0, tf, seed=3)
+        loader = make_loader(3, stream, None, Collate(Tok(), 8, norm=cpu.norm), 4, 1, CPU)
+        it, rng = epoch_batches(loader, 0, 3, stream, None)
+        got = []
+        for _ in range(3):
+            batch, rng = next_batch(it, rng)
+            got.append(batch)
+        batches[name] = got
+        del it, loader
+    assert sum("jpeg" in b for b in batches["gpu"]) == 3
+    assert sum(len(b["jpeg"]["at"]) for b in batches["gpu"]) == 9  # the 3 PNGs were decoded on the worker
+    for a, b in zip(batches["cpu"], batches["gpu"]):
+        assert a["keys"] == b["keys"]
+        assert torch.equal(to_device(a, CPU)["images"], to_device(b, CPU)["images"])
