@@ -4,9 +4,15 @@ docs/PSEUDOLABEL.md is the contract: what an encoder object provides (vlprep nev
 in vltrain's checkpoint encoder), which caption is embedded, the eval view (`center_view`) and the seeded crops
 (`crop_views`, a function of (seed, key) alone), and the output files (embeddings.npy + keys.parquet, joined from
 per-shard parts so that a stopped run resumes).
+
+Cached tokens: when the dataset is a `vlprep features` output and the encoder says it reads that record's tokens
+(`enc.reads_tokens(spec)`: a checkpoint trained on the same frozen encoder's tokens), an image sample's `npy`
+member goes to `enc.tokens()` and its image is never decoded; a sample without one takes the pixel path. The
+report counts the samples of each path (`image_input`). Crops (pseudolabel's) always come from pixels.
 """
 
 import hashlib
+import io
 import json
 import os
 import time
@@ -21,6 +27,7 @@ import torch
 
 from vlprep import VlprepError
 from vlprep.dataset import batches, decode_rgb, image_ext, iter_aligned, sidecar_name
+from vlprep.encoders import features_spec
 from vlprep.engine import Work, check_engine, map_shards, merged_skips
 from vlprep.output import Out, open_derived, publish, pull, write_json_atomic, writing_output
 from vlprep.urls import redact
@@ -110,12 +117,28 @@ def _part(out: Out, shard: str) -> Path:
     return out.root / "_parts" / sidecar_name(shard)
 
 
-def embed_shard(out: Out, src: Path, shard: str, modality: str, deformed: bool, batch_size: int, fp: str) -> dict:
-    """One input shard's embeddings -> OUT/_parts/SHARD.npy + SHARD.parquet (its keys, the fingerprint)."""
+def cached_tokens(raw: dict, shape: tuple[int, int]):
+    """The sample's `npy` tokens (N, D), or (None, reason) when it has none or they are not a (N, D) float array."""
+    if "npy" not in raw:
+        return None, "no_tokens"
+    try:
+        x = np.load(io.BytesIO(raw["npy"]), allow_pickle=False)
+    except Exception:  # a truncated or foreign member is a counted skip, never fatal
+        return None, "bad_tokens"
+    if x.shape != shape or x.dtype.kind != "f":
+        return None, "bad_tokens"
+    return x, None
+
+
+def embed_shard(out: Out, src: Path, shard: str, modality: str, deformed: bool, batch_size: int, tokens: tuple | None,
+                fp: str) -> dict:
+    """One input shard's embeddings -> OUT/_parts/SHARD.npy + SHARD.parquet (its keys, the fingerprint); `tokens`:
+    (N, D) of the cached tokens to read where a sample has them, None for pixels only."""
     enc = _worker["enc"]
     side = pq.read_table(src / sidecar_name(shard))
     keys = side.column("key").to_pylist()
     skipped = Counter()
+    paths = Counter()
     if modality == "text":
         captions = intact_captions(side, deformed)
         vectors = [enc.texts(captions[i:i + batch_size]) for i in range(0, len(captions), batch_size)]
@@ -123,17 +146,32 @@ def embed_shard(out: Out, src: Path, shard: str, modality: str, deformed: bool, 
     else:
         vectors = []
         kept = []
+        pixels_ok = enc.image_size is not None
         for batch in batches(iter_aligned(src / shard, keys), batch_size):
-            views = []
+            cached, views, order = [], [], []  # order: per kept sample, (is cached, its index in its list)
             for i, raw in batch:
+                if tokens is not None:
+                    x, why = cached_tokens(raw, tokens)
+                    if x is not None:
+                        kept.append(i)
+                        order.append((True, len(cached)))
+                        cached.append(x)
+                        continue
+                    if not pixels_ok:  # a tokens-only model: the sample cannot be embedded
+                        skipped[why] += 1
+                        continue
                 image, why = decode(raw)
                 if image is None:
                     skipped[why] += 1
                 else:
                     kept.append(i)
+                    order.append((False, len(views)))
                     views.append(center_view(image, enc.image_size))
-            if views:
-                vectors.append(enc.images(np.stack(views)))
+            got = {True: enc.tokens(np.stack(cached)) if cached else None,
+                   False: enc.images(np.stack(views)) if views else None}
+            paths.update(tokens=len(cached), pixels=len(views))
+            if order:
+                vectors.append(np.stack([got[c][j] for c, j in order]))
     x = np.concatenate(vectors) if vectors else np.zeros((0, enc.dim), np.float32)
     table = pa.table({"key": pa.array([keys[i] for i in kept], pa.string())})
     if modality == "text":
@@ -143,7 +181,7 @@ def embed_shard(out: Out, src: Path, shard: str, modality: str, deformed: bool, 
     with open(part.with_suffix(".npy.tmp"), "wb") as f:  # a file object: np.save would append .npy to the name
         np.save(f, x, allow_pickle=False)
     os.replace(part.with_suffix(".npy.tmp"), part.with_suffix(".npy"))
-    stats = {"in": len(keys), "written": len(kept), "skipped": dict(skipped)}
+    stats = {"in": len(keys), "written": len(kept), "skipped": dict(skipped), "paths": dict(paths)}
     meta = {b"fingerprint": fp.encode(), b"stats": json.dumps(stats, allow_nan=False).encode()}
     pq.write_table(table.replace_schema_metadata(meta), part.with_name(part.name + ".tmp"))
     os.replace(part.with_name(part.name + ".tmp"), part)  # last: a part is complete when its parquet is there
@@ -169,17 +207,23 @@ def embed(cfg: EmbedConfig, enc, progress=None) -> dict:
     if cfg.batch_size < 1:
         raise VlprepError("--batch-size must be at least 1")
     check_engine(cfg.distributor, cfg.workers)
-    if cfg.modality == "image":
+    spec = features_spec(cfg.src) if cfg.modality == "image" else None
+    reads = getattr(enc, "reads_tokens", None)  # an encoder without it embeds pixels only
+    tokens = (spec["tokens"], spec["dim"]) if spec is not None and reads is not None and reads(spec) else None
+    if cfg.modality == "image" and tokens is None:
         check_images(enc)
     t0 = time.perf_counter()
     ds, out = open_derived(cfg.src, cfg.out, cfg.skip_bad_shards, (getattr(enc, "path", None),))
     options = {"src": ds.location, "encoder": enc.name, "modality": cfg.modality, "deformed": cfg.deformed}
+    if tokens is not None:  # recorded where it is so: outputs of pixel runs keep the options they had
+        options["image_input"] = "tokens"
     with writing_output(out, "embed", options, cfg.overwrite) as out:
         for name in ("embeddings.npy", "keys.parquet"):  # a stale pair must not outlive a failed run
             (out.root / name).unlink(missing_ok=True)
         (out.root / "_parts").mkdir(exist_ok=True)
-        salt = f"{enc.fingerprint}:{cfg.modality}:{cfg.deformed}:{cfg.batch_size}".encode()
-        plan = [Work(s, (ds.source, s, cfg.modality, cfg.deformed, cfg.batch_size),
+        salt = f"{enc.fingerprint}:{cfg.modality}:{cfg.deformed}:{cfg.batch_size}"
+        salt = (salt + (":tokens" if tokens else "")).encode()  # a part from the other path is redone
+        plan = [Work(s, (ds.source, s, cfg.modality, cfg.deformed, cfg.batch_size, tokens),
                      ds.fingerprint(s, salt), ds.sizes[s])
                 for s in ds.shards]
         stats, resumed = map_shards(out, plan, embed_shard, init=_init_worker, initargs=(enc,), workers=cfg.workers,
@@ -206,9 +250,11 @@ def embed(cfg: EmbedConfig, enc, progress=None) -> dict:
         os.replace(out.root / "keys.parquet.tmp", out.root / "keys.parquet")
         os.replace(tmp, out.root / "embeddings.npy")
         skipped, _ = merged_skips(stats.values())
+        paths = {p: sum(st.get("paths", {}).get(p, 0) for st in stats.values()) for p in ("tokens", "pixels")}
         elapsed = time.perf_counter() - t0
         report = {"stage": "embed", "source": redact(str(cfg.src)), "encoder": enc.name, "modality": cfg.modality,
                   "dim": enc.dim, "samples_in": ds.num_samples, "written": n, "skipped": dict(skipped),
+                  **({"image_input": paths} if cfg.modality == "image" else {}),
                   "device": str(enc.device), "shards": len(ds.shards), "shards_resumed": len(resumed),
                   "bad_shards": ds.bad, "elapsed_s": round(elapsed, 3),
                   "per_s": round(n / elapsed, 2) if elapsed > 0 else None,

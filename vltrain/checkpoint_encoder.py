@@ -4,11 +4,15 @@ vlprep's stages never import vltrain (data flows one way, vlprep -> shards -> vl
 `CheckpointEncoder` and hands it over.
 The object has what vlprep.embed documents as an encoder: `.dim`, `.texts()`, `.images()`, the preprocessing the
 model was trained with (`.image_size`, `.min_crop_scale`), and what identifies the weights (`.name`,
-`.fingerprint`). It pickles as (path, device), so each worker of vlprep's engine loads the model itself: weights
-never travel.
+`.fingerprint`); a model trained on `vlprep features` tokens adds `.reads_tokens(spec)` and `.tokens()`, so that a
+dataset holding the same encoder's tokens is embedded from them, and its `.images()` runs the recorded frozen
+encoder exactly as `vlprep features` does with its defaults (same numbers as the cached tokens). It pickles as
+(path, device), so each worker of vlprep's engine loads the model itself: weights never travel.
 """
 
+import contextlib
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
@@ -47,6 +51,7 @@ class CheckpointEncoder:
             # NHWC convolutions: faster for EfficientNet-Lite0 on CPU (oneDNN), same outputs to ~1e-7.
             self.model.image_encoder.to(memory_format=torch.channels_last)
         self.tokenizer = loaded.tokenizer
+        self._frozen = None  # a features model's recorded token encoder, built on the first pixels (`_pixel_tokens`)
 
     def __reduce__(self):
         return CheckpointEncoder, (str(self.path), self.device_name)
@@ -65,11 +70,71 @@ class CheckpointEncoder:
             _, feat = self.model.encode_text(enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device))
         return _normalise(feat.float().cpu().numpy())
 
+    def reads_tokens(self, spec: dict | None) -> bool:
+        """Whether a dataset with this `vlprep features` record (None: pixels only) is embedded from its cached `npy`
+        tokens: the model reads tokens and the record is its own encoder's (vltrain eval's rule: the fields of
+        SAME_ENCODER equal; a model with no record takes any features dataset's tokens of its width)."""
+        from vltrain.data.shards import SAME_ENCODER
+
+        if spec is None or self.model.cfg.image_model != "features":
+            return False
+        own = self.model.cfg.feature_encoder
+        if own:
+            return all(spec.get(k) == own.get(k) for k in SAME_ENCODER)
+        return spec.get("dim") == self.model.cfg.feature_dim
+
+    @torch.inference_mode()
+    def tokens(self, tokens: np.ndarray) -> np.ndarray:
+        """Cached feature tokens (B, N, D), any float dtype -> (B, E) L2-normalised float32."""
+        x = torch.from_numpy(np.ascontiguousarray(tokens)).to(self.device).float()
+        with self._autocast():
+            _, feat = self.model.encode_image(x)
+        return _normalise(feat.float().cpu().numpy())
+
+    def _pixel_tokens(self, pixels: np.ndarray) -> np.ndarray:
+        """uint8 (B, S, S, 3) -> the recorded frozen encoder's tokens (B, N, D) rounded to the stored dtype, computed
+        as `vlprep features` computes them with its defaults: calls of its default fixed shape (the last padded with
+        black images), each on one intra-op thread on a CPU, float32 (TF32 off on CUDA). oneDNN's kernels, and so
+        the float rounding, depend on the call's shape and thread count; this way the tokens are the cache's bytes
+        (VLModel.pixel_tokens runs the same encoder on the whole batch, equal only to float16 rounding)."""
+        from vlprep.encoders import encoder_from_spec, normalise
+        from vlprep.features import default_batch_size, full_float32
+
+        spec = self.model.cfg.feature_encoder
+        if self._frozen is None:
+            self._frozen = encoder_from_spec(spec).to(self.device)
+        call = default_batch_size(self.device)
+        hwc = torch.from_numpy(pixels)
+        chunks = [hwc[i:i + call] for i in range(0, len(hwc), call)]
+
+        def encode(x: torch.Tensor) -> torch.Tensor:
+            n = len(x)
+            if n < call:
+                x = torch.cat([x, x.new_zeros(call - n, *x.shape[1:])])
+            x = normalise(x.permute(0, 3, 1, 2), spec["mean"], spec["std"]).to(self.device, non_blocking=True)
+            with torch.inference_mode(), full_float32() if self.device.type == "cuda" else contextlib.nullcontext():
+                return self._frozen(x)[:n].cpu()
+
+        if self.device.type != "cpu":
+            out = [encode(x) for x in chunks]
+        else:
+            threads = torch.get_num_threads()
+            try:  # calls side by side, one intra-op thread each (as `vlprep features` runs them)
+                with ThreadPoolExecutor(max(1, os.cpu_count() or 1), initializer=torch.set_num_threads,
+                                        initargs=(1,)) as pool:
+                    out = list(pool.map(encode, chunks))
+            finally:  # the pool's threads set torch's process-wide count: the caller's comes back
+                torch.set_num_threads(threads)
+        dtype = np.dtype(spec.get("dtype", "float32"))
+        return torch.cat(out).numpy().astype(dtype, copy=False)
+
     @torch.inference_mode()
     def images(self, pixels: np.ndarray) -> np.ndarray:
         """uint8 (B, S, S, 3) -> (B, E) L2-normalised float32; scaling and normalisation happen here, batched."""
         if self.image_size is None:
             raise VlprepError(f"{self.path}: the image encoder reads precomputed features, not pixels")
+        if self.model.cfg.image_model == "features":
+            return self.tokens(self._pixel_tokens(pixels))
         # (B, S, S, 3) permuted to (B, 3, S, S) is already the channels_last layout: no copy before the convs.
         x = torch.from_numpy(pixels).to(self.device, non_blocking=True).permute(0, 3, 1, 2).float().div_(255)
         mean = torch.tensor(self.model.image_mean, device=self.device).view(1, 3, 1, 1)
