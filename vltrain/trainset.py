@@ -147,7 +147,8 @@ def training_data(cfg: Config, use_features: bool, ckpt: dict | None, rank: int,
     if not use_features:
         mean, std, _ = image_stats(cfg.model)
         how = image_interpolation(cfg.model)
-        tf_train = train_transform(cfg.data.image_size, mean, std, cfg.data.min_crop_scale, cfg.data.augment, how)
+        tf_train = train_transform(cfg.data.image_size, mean, std, cfg.data.min_crop_scale, cfg.data.augment, how,
+                                   cfg.data.decode)
         tf_eval = eval_transform(cfg.data.image_size, mean, std, how, image_squash(cfg.model))
     # the training views are uint8, normalised on the device (to_device); the held-out views are float already
     collate = Collate(tok, cfg.data.max_len, use_features, tf_train.norm if tf_train is not None else None)

@@ -265,3 +265,21 @@ def test_a_loader_worker_ships_what_the_cpu_loader_decodes(tmp_path):
     for a, b in zip(batches["cpu"], batches["gpu"]):
         assert a["keys"] == b["keys"]
         assert torch.equal(to_device(a, CPU)["images"], to_device(b, CPU)["images"])
+
+
+@pytest.mark.slow
+def test_a_run_builds_its_training_views_with_the_decode_it_was_given(tmp_path, monkeypatch):
+    # The run's data (trainset.training_data) hands data.decode to the training transform: a CUDA run that passes
+    # the checks ships JPEG bytes, rather than decoding on the workers as decode cpu would.
+    import vltrain.trainset as trainset
+
+    built = []
+    real = trainset.train_transform
+    monkeypatch.setattr(trainset, "train_transform", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+    shards = colour_pairs(tmp_path, 8)
+    for decode, kind in (("gpu", DeviceView), ("cpu", type(train_transform(SIZE, MEAN, STD)))):
+        cfg = load_config("clip", shards=[str(shards)], batch_size=4,
+                          sets=["model.text_model=tiny", "model.image_model=tiny", "data.image_size=32",
+                                "data.workers=0", f"data.decode={decode}"])
+        trainset.training_data(cfg, False, None, 0, 1)
+        assert isinstance(built[-1], kind), (decode, type(built[-1]))
