@@ -119,8 +119,8 @@ class CheckpointEncoder:
             out = [encode(x) for x in chunks]
         else:
             threads = torch.get_num_threads()
-            try:  # calls side by side, one intra-op thread each (as `vlprep features` runs them)
-                with ThreadPoolExecutor(max(1, os.cpu_count() or 1), initializer=torch.set_num_threads,
+            try:  # calls side by side on the caller's thread budget, one intra-op thread each (as `vlprep features`)
+                with ThreadPoolExecutor(max(1, threads), initializer=torch.set_num_threads,
                                         initargs=(1,)) as pool:
                     out = list(pool.map(encode, chunks))
             finally:  # the pool's threads set torch's process-wide count: the caller's comes back
