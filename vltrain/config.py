@@ -12,6 +12,7 @@ import yaml
 from vlprep import MAX_SIZE, MIN_SIZE, VlprepError, cut, objstore
 from vlprep.cliargs import check_dataset, check_local
 from vlprep.urls import redact
+from vltrain.errors import TrainError
 
 
 class ConfigError(ValueError):
@@ -209,6 +210,21 @@ class TrainConfig(Section):
     report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
 
 
+BEST_BY = ("mean_recall", "zeroshot_top1")
+
+
+@dataclass
+class EvalConfig(Section):
+    """What each held-out evaluation scores besides held-out retrieval, and which score keeps best.pt."""
+    # a class-per-folder zero-shot benchmark (ROOT/CLASS/*.jpg, optional ROOT/classnames.txt and templates.txt, as
+    # `vltrain eval --zeroshot-folder` reads it), scored on rank 0 at every evaluation; "" = none
+    zeroshot_folder: str = ""
+    # prompt templates, one per line with {} for the class name (`vltrain eval --templates`); "" = ROOT/templates.txt,
+    # else CLIP's 7 ImageNet templates
+    zeroshot_templates: str = ""
+    best_by: str = "mean_recall"  # the score best.pt holds the best of: held-out mean_recall, or zeroshot_top1
+
+
 @dataclass
 class Config(Section):
     shards: list[str] = field(default_factory=list)
@@ -229,6 +245,7 @@ class Config(Section):
     optim: OptimConfig = field(default_factory=OptimConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -355,7 +372,8 @@ def check_ranges(cfg: Config) -> None:
 
 
 # Keys that name local files or folders (a URL is refused in one line, vlprep.cliargs); `shards` may be URLs.
-PATH_KEYS = ("shards", "out", "model.text_model", "model.image_weights", "sampler.ontology")
+PATH_KEYS = ("shards", "out", "model.text_model", "model.image_weights", "sampler.ontology", "eval.zeroshot_folder",
+             "eval.zeroshot_templates")
 
 
 def validate(cfg: Config) -> None:
@@ -457,6 +475,36 @@ def validate(cfg: Config) -> None:
     m, queue = grit_sizes(cfg)
     if s.kind == "grit" and (m < 2 or queue < m):
         raise ConfigError("GRIT needs sampler.search_space >= 2 and sampler.queue_size >= sampler.search_space")
+    check_eval(cfg)
+
+
+def check_eval(cfg: Config) -> None:
+    """The eval section's checks: best_by's name and its benchmark, and eval.zeroshot_folder read as a benchmark (its
+    classes, classnames.txt, templates) now, so that a bad one stops the run before its first step, not at its first
+    evaluation."""
+    e = cfg.eval
+    if e.best_by not in BEST_BY:
+        raise ConfigError(f"unknown eval.best_by {shown(e.best_by)}; use one of {', '.join(BEST_BY)}")
+    if e.best_by == "zeroshot_top1" and not e.zeroshot_folder:
+        raise ConfigError("eval.best_by=zeroshot_top1 needs eval.zeroshot_folder (the benchmark whose top-1 keeps "
+                          "best.pt)")
+    if e.zeroshot_templates and not e.zeroshot_folder:
+        raise ConfigError("eval.zeroshot_templates needs eval.zeroshot_folder (the benchmark they prompt)")
+    if not e.zeroshot_folder:
+        return
+    if cfg.data.triplets:
+        raise ConfigError("eval.zeroshot_folder scores ITC embeddings, which a TOnICS aligner run (data.triplets) "
+                          "does not train; leave it empty")
+    from vltrain.zeroshot import image_folder, read_templates  # torch and the model code: only with a benchmark
+
+    key = "eval.zeroshot_folder"
+    try:
+        image_folder(e.zeroshot_folder)
+        key = "eval.zeroshot_templates"
+        if e.zeroshot_templates:
+            read_templates(e.zeroshot_templates)
+    except TrainError as err:
+        raise ConfigError(f"{key}: {err}") from None
 
 
 def sigmoid_conflict(cfg: Config) -> str | None:

@@ -11,27 +11,39 @@ from vltrain.softmask import caption_gradcam, soft_mask
 
 
 def plot_learning_curve(rows: list[dict], path: Path) -> None:
-    """Held-out R@1 both ways (with chance) and the training loss against steps, from metrics.jsonl rows, as a PNG."""
+    """Held-out R@1 both ways (with chance), zero-shot top-1 when eval.zeroshot_folder is scored (with its chance),
+    and the training loss against steps, from metrics.jsonl rows, as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     loss = [(r["step"], r["total"]) for r in rows if "total" in r]
-    val = [(r["step"], r["val"]) for r in rows if "val" in r]
+    val = [(r["step"], r["val"]) for r in rows if "val" in r and "i2t_r1" in r["val"]]
+    zs = [(r["step"], r["val"]) for r in rows if "val" in r and "zeroshot_top1" in r["val"]]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
     if loss:
         ax1.plot(*zip(*loss), color="tab:gray", lw=1)
     ax1.set(xlabel="step", ylabel="training loss (total)", title="loss")
+    titles = []
     if val:
         steps = [s for s, _ in val]
         for key, label, colour in (("i2t_r1", "image→text R@1", "tab:blue"), ("t2i_r1", "text→image R@1", "tab:orange")):
             ax2.plot(steps, [v[key] for _, v in val], marker="o", color=colour, label=label)
         chance = val[-1][1]["chance"]["i2t_r1"]
         ax2.axhline(chance, color="black", ls="--", lw=1, label=f"chance ({chance:.1f}%)")
+        titles.append(f"held-out retrieval ({val[-1][1]['n_val']} pairs)")
+    if zs:
+        last = zs[-1][1]
+        ax2.plot([s for s, _ in zs], [v["zeroshot_top1"] for _, v in zs], marker="s", color="tab:green",
+                 label=f"zero-shot top-1 ({last['zeroshot_classes']} classes)")
+        chance = last["zeroshot_chance"]["top1"]
+        ax2.axhline(chance, color="tab:green", ls=":", lw=1, label=f"zero-shot chance ({chance:.1f}%)")
+        titles.append(f"zero-shot ({last['zeroshot_images']} images)")
+    if titles:
         ax2.legend(fontsize=8)
-        ax2.set_title(f"held-out retrieval ({val[-1][1]['n_val']} pairs)")
-    ax2.set(xlabel="step", ylabel="R@1 (%)", ylim=(0, None))
+        ax2.set_title(", ".join(titles), **({"fontsize": 10} if len(titles) > 1 else {}))
+    ax2.set(xlabel="step", ylabel="R@1 / top-1 (%)" if zs else "R@1 (%)", ylim=(0, None))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

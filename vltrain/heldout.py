@@ -1,7 +1,10 @@
-"""The loop's periodic checks: TOnICS' curriculum refresh check (3.3) and the held-out evaluation that keeps best.pt."""
+"""The loop's periodic checks: TOnICS' curriculum refresh check (3.3) and the held-out evaluation (retrieval, and
+zero-shot on eval.zeroshot_folder) that keeps best.pt."""
 
 import json
+import os
 
+from vltrain.api import pixel_transform
 from vltrain.resume import Run, RunState, save_checkpoint
 from vltrain.distributed import broadcast
 from vltrain.evaluate import drop_images, embed_split, heldout_r1, heldout_recall, val_triplet_sim
@@ -9,6 +12,7 @@ from vltrain.figures import plot_curriculum
 from rich.console import Console
 
 from vltrain.runlog import RunLog
+from vltrain.zeroshot import read_templates, score_folder
 
 
 def curriculum_check(run: Run, state: RunState, data, rank: int, device, console: Console) -> dict:
@@ -40,7 +44,8 @@ def curriculum_check(run: Run, state: RunState, data, rank: int, device, console
 
 
 def evaluate_heldout(run: Run, state: RunState, data, report: RunLog, device) -> None:
-    """Rank 0: held-out retrieval (triplets: the aligner's noun-image task), logged; best.pt when it improves.
+    """Rank 0: held-out retrieval (triplets: the aligner's noun-image task) and eval.zeroshot_folder's zero-shot
+    scores, logged; best.pt when eval.best_by's score improves.
 
     Bad held-out samples (LoadCounts' reasons) are left out of both sides, and the result says how many."""
     cfg = run.cfg
@@ -69,10 +74,31 @@ def evaluate_heldout(run: Run, state: RunState, data, report: RunLog, device) ->
     result = (heldout_recall(sim, "val triplets" if cfg.data.triplets else "val samples", state.step, txt2img,
                              skipped if skipped["count"] else None, capped)
               if sim is not None else None)
+    if cfg.eval.zeroshot_folder:  # the eval row holds both; a run without held-out split scores zero-shot alone
+        result = {**(result or {}), **zeroshot_scores(run, state.step, device, report.console)}
     report.last_eval = result
     if result is None:
         return
     report.val(state.step, result)
-    if result["mean_recall"] > state.best:
-        state.best = result["mean_recall"]
+    score = result.get(cfg.eval.best_by)  # None: no held-out split to score, and best.pt follows mean recall
+    if score is not None and score > state.best:
+        state.best = score
         save_checkpoint(run.best_path, run, state, every_rank=False)
+
+
+def zeroshot_scores(run: Run, step: int, device, console: Console) -> dict:
+    """Rank 0: eval.zeroshot_folder scored as `vltrain eval --zeroshot-folder` scores the checkpoint (the same
+    function, transform, templates, batch size and loader workers): its metrics under zeroshot_* keys, printed."""
+    cfg = run.cfg
+    root = cfg.eval.zeroshot_folder
+    workers = min(max(cfg.data.workers, 0), os.cpu_count() or 1)  # as `vltrain eval` reads the recorded value
+    zs = score_folder(run.model, root, pixel_transform(run.model, cfg.data.image_size),
+                      read_templates(cfg.eval.zeroshot_templates) if cfg.eval.zeroshot_templates else None,
+                      cfg.data.max_len, cfg.batch_size, workers, device)
+    skipped = f"; {zs['skipped']} undecodable image(s) left out" if zs["skipped"] else ""
+    console.print(f"step {step} zero-shot on {zs['images']} images of {zs['classes']} classes ({root}): top-1 "
+                  f"{zs['top1']:.1f}, top-5 {zs['top5']:.1f}, mean per class {zs['mean_per_class']:.1f} (chance "
+                  f"{zs['chance']['top1']:.1f}){skipped}", highlight=False, markup=False)
+    return {"zeroshot_top1": zs["top1"], "zeroshot_top5": zs["top5"], "zeroshot_mean_per_class": zs["mean_per_class"],
+            "zeroshot_images": zs["images"], "zeroshot_classes": zs["classes"],
+            "zeroshot_chance": zs["chance"]}

@@ -40,12 +40,13 @@ def set_rng_states(rng: dict, generator: torch.Generator) -> None:
     generator.set_state(rng["generator"])
 
 
-# Keys a resumed run may change: how long it runs, where and how it reports, how it loads data, the speed options.
+# Keys a resumed run may change: how long it runs, where and how it reports, how it loads data, the speed options,
+# what its evaluations score besides held-out retrieval (eval.best_by stays: it says what the checkpoint's `best` is).
 # Keys added with a default that is not the behaviour from before them: a checkpoint older than the key ran as this.
 BEFORE_KEY = {"data.bucket": 0, "train.precision": "fp32", "train.unpad": False, "data.val_max": 0}
 RESUMABLE = {"steps", "epochs", "out", "device", "log_every", "eval_every", "ckpt_every", "ckpt_minutes",
              "data.workers", "data.prefetch", "train.tf32", "train.channels_last", "train.compile",
-             "train.grad_checkpointing", "train.report_to"}
+             "train.grad_checkpointing", "train.report_to", "eval.zeroshot_folder", "eval.zeroshot_templates"}
 
 
 def config_diff(saved: dict, now: dict, prefix: str = "", defaults: dict | None = None) -> list[str]:

@@ -126,7 +126,9 @@ def summary(cfg, model, device, n_train: int, n_val: int, per_epoch: int, size: 
         + (f"; frozen: {', '.join(frozen)}" if frozen else ""),
         f"  device   {device} ({dtype}); lr {cfg.optim.lr:g}, warm-up {cfg.optim.warmup_steps}",
         f"  out      {cfg.out}: last.pt every {cfg.ckpt_every} steps or {cfg.ckpt_minutes:g} min, best.pt at evals "
-        f"every {cfg.eval_every} steps, metrics.jsonl, learning_curve.png"
+        f"every {cfg.eval_every} steps"
+        + (f" (by {cfg.eval.best_by}; zero-shot on {cfg.eval.zeroshot_folder})" if cfg.eval.zeroshot_folder else "")
+        + ", metrics.jsonl, learning_curve.png"
         + (", tb/" if "tensorboard" in cfg.train.report_to else "") + reports,
     ]
     return "\n".join(lines)

@@ -123,13 +123,17 @@ def end(s: Session, report: RunLog) -> dict:
     if s.created_group:
         torch.distributed.destroy_process_group()
     return {"step": state.step, "losses": report.losses, "eval": report.last_eval, "out": str(s.out),
-            "rank": s.rank, "best_mean_recall": state.best if state.best >= 0 else None, "data": s.data_sig,
+            "rank": s.rank, "best_by": s.cfg.eval.best_by, "best": state.best if state.best >= 0 else None,
+            # kept for older readers: what `best` is when best.pt follows the held-out mean recall
+            "best_mean_recall": state.best if state.best >= 0 and s.cfg.eval.best_by == "mean_recall" else None,
+            "data": s.data_sig,
             "init_from": {k: v for k, v in init.items() if k != "notes"} if init else None}
 
 
 def _evaluate(run: Run, state: RunState, data, report: RunLog, device, rank: int, saved: bool) -> None:
     """The held-out evaluation on rank 0; when it improves best and last.pt was just saved, last.pt again, so that a
-    resumed run knows the best mean recall that best.pt holds (every rank saves: the RNG states are gathered)."""
+    resumed run knows the best score (eval.best_by's) that best.pt holds (every rank saves: the RNG states are
+    gathered)."""
     best = state.best
     if rank == 0:
         evaluate_heldout(run, state, data, report, device)

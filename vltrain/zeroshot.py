@@ -267,7 +267,9 @@ def _stack(batch):
 @torch.no_grad()
 def embed_images(model, files, transform, batch_size: int, workers: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """ITC embeddings (M, E) of the image files that decode, and their indices (M,) into `files`."""
-    loader = DataLoader(_Images(files, transform), batch_size=batch_size, num_workers=workers, collate_fn=_stack)
+    # Its own generator (the workers' base seed): a training run's evaluation must not draw from the global RNG
+    loader = DataLoader(_Images(files, transform), batch_size=batch_size, num_workers=workers, collate_fn=_stack,
+                        generator=torch.Generator().manual_seed(0))
     was_training = model.training
     model.eval()
     embs = []
