@@ -9,11 +9,12 @@ from dataclasses import replace
 import matplotlib.pyplot
 import pytest
 import torch
+import yaml
 from typer.testing import CliRunner
 
 from tests.conftest import colour_pairs, image_bytes
 from vltrain.cli import app
-from vltrain.config import Config, ConfigError, EvalConfig, to_dict, validate
+from vltrain.config import Config, ConfigError, EvalConfig, to_dict, to_yaml, validate
 from vltrain.evaluate import evaluate_checkpoint
 from vltrain.figures import plot_learning_curve
 from vltrain.resume import config_diff
@@ -161,6 +162,8 @@ def test_eval_keys_are_checked_in_one_line(tmp_path):
     root = folder(tmp_path / "zs")
     ok = Config(shards=["x"], eval=EvalConfig(zeroshot_folder=str(root), best_by="zeroshot_top1"))
     validate(ok)
+    assert yaml.safe_load(to_yaml(ok))["eval"] == {"zeroshot_folder": str(root), "zeroshot_templates": "",
+                                                   "best_by": "zeroshot_top1"}  # what `vltrain config` prints
     (tmp_path / "bad.txt").write_text("no placeholder\n")
     for ev, message in (
             (EvalConfig(best_by="zeroshot_top1"), "eval.best_by=zeroshot_top1 needs eval.zeroshot_folder"),
