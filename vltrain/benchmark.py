@@ -26,8 +26,10 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 
+from vlprep.urls import redact
 from vltrain.api import load, to_pil
 from vltrain.errors import TrainError
+from vltrain.fetchckpt import is_url, local_checkpoint, result_url, upload_result
 from vltrain.losses import upcast
 from vltrain.model import autocast
 
@@ -188,13 +190,16 @@ def resolve_task(dataset: str, task: str) -> str:
 
 def run(checkpoint, dataset: str, root: str, task: str = "auto", out=None, split: str = "test",
         batch_size: int = 64, workers: int = 4, recall_k=RECALL_K) -> dict:
-    """One CLIP_benchmark evaluation of a vltrain checkpoint or export; its result JSON, also written to `out`
-    (default: beside the checkpoint, inside an export). Metrics are CLIP_benchmark's, as fractions."""
+    """One CLIP_benchmark evaluation of a vltrain checkpoint or export (or the URL of a checkpoint file); its result
+    JSON, also written to `out` (default: beside the checkpoint, inside an export). Metrics are CLIP_benchmark's, as
+    fractions."""
     cli = clip_benchmark_cli()
     if batch_size < 1 or workers < 0 or not recall_k or min(recall_k) < 1:
         raise TrainError(f"--batch-size must be >= 1, --num-workers >= 0 and each --recall-k >= 1, got {batch_size}, "
                          f"{workers} and {list(recall_k)}")
     task = resolve_task(dataset, task)
+    if is_url(checkpoint):
+        return _run_url(checkpoint, dataset, root, task, out, split, batch_size, workers, recall_k)
     checkpoint = Path(checkpoint)
     if out is None:
         folder = checkpoint if checkpoint.is_dir() else checkpoint.parent
@@ -225,6 +230,22 @@ def run(checkpoint, dataset: str, root: str, task: str = "auto", out=None, split
             _remove_empty(root, before)
             raise TrainError(f"CLIP_benchmark on {dataset} ({task}): {failure}")
     return json.loads(out.read_text())
+
+
+def _run_url(url: str, dataset: str, root: str, task: str, out, split: str, batch_size: int, workers: int,
+             recall_k) -> dict:
+    """`run` of the checkpoint file at `url`, downloaded once and removed after (vltrain.fetchckpt); the result's
+    "pretrained" is the URL redacted; without `out` it is uploaded beside the checkpoint (s3://, gs://)."""
+    name = f"benchmark_{dataset.replace('/', '_')}_{task}.json"
+    target = None if out is not None else result_url(url, name, "--output")
+    with local_checkpoint(url) as local:
+        written = Path(out) if out is not None else local.with_name(name)
+        result = run(local, dataset, root, task, written, split, batch_size, workers, recall_k)
+        result["pretrained"] = redact(url)
+        written.write_text(json.dumps(result))
+        if target is not None:
+            upload_result(written, target, "--output")
+    return result
 
 
 def _workers(dataset: str, root: str, split: str, workers: int) -> int:

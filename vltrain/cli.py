@@ -305,7 +305,8 @@ def config_(
 @app.command("eval")
 def eval_(
     checkpoint: Path = typer.Argument(..., help="A checkpoint from `vltrain run` (last.pt or best.pt), or a "
-                                      "`vltrain export` folder."),
+                                      "`vltrain export` folder; or the s3://, gs:// or http(s):// URL of a checkpoint "
+                                      "file (downloaded once to a private temporary file, removed after)."),
     shards: Optional[list[Path]] = typer.Argument(None, help="Shard folders: retrieval over every image and every "
                                                   "caption in them (several captions per image: docs/FORMAT.md)."),
     zeroshot_folder: Optional[Path] = typer.Option(None, "--zeroshot-folder", help="Zero-shot benchmark ROOT/CLASS/"
@@ -317,7 +318,8 @@ def eval_(
     itm_rerank_k: int = typer.Option(0, "--itm-rerank-k", help="Re-rank each query's ITC top-k by ITM (0: off; "
                                      "ALBEF uses 256 on COCO, 128 on Flickr30K)."),
     out: Optional[Path] = typer.Option(None, help="Result JSON \\[default: eval.json in the checkpoint's folder, "
-                                       "or in the export folder]."),
+                                       "or in the export folder; beside a checkpoint at an s3:// or gs:// URL, "
+                                       "uploaded there; an http(s):// one needs --out]."),
     device: str = typer.Option("auto", help="auto (CUDA when present), cpu or cuda."),
     skip_bad_shards: bool = typer.Option(False, "--skip-bad-shards", help="Leave out (and count, shards_skipped) a "
                                          "shard that is cut short or, at a URL, cannot be read after the retries."),
@@ -326,15 +328,23 @@ def eval_(
     as the papers do (docs/EVALUATION.md); a TOnICS aligner checkpoint is scored on noun-to-image retrieval over the
     triplets of the first folder (vlprep ontology output)."""
     from vltrain.evaluate import check_eval_args, evaluate_checkpoint
+    from vltrain.fetchckpt import is_url, result_url, upload_result
 
-    out = out or (checkpoint if checkpoint.is_dir() else checkpoint.parent) / "eval.json"  # an export: inside it
+    target = None  # a checkpoint at a URL: eval.json goes beside it, as for a local one (s3://, gs://)
     with user_errors():
-        writable_file(out)
+        if is_url(checkpoint) and out is None:
+            target = result_url(checkpoint, "eval.json", "--out")  # http(s):// cannot be written: one line
+    if target is None:
+        out = out or (checkpoint if checkpoint.is_dir() else checkpoint.parent) / "eval.json"  # an export: inside it
+    with user_errors():
+        if target is None:
+            writable_file(out)
         from vltrain.init_from import result_apart
 
         check_eval_args(checkpoint, shards or [])  # swapped arguments first: OUT's default derives from CHECKPOINT
-        result_apart(out, checkpoint, [*(shards or []), *([zeroshot_folder] if zeroshot_folder else [])],
-                     [zeroshot, templates])
+        if target is None:
+            result_apart(out, checkpoint, [*(shards or []), *([zeroshot_folder] if zeroshot_folder else [])],
+                         [zeroshot, templates])
         result = evaluate_checkpoint(checkpoint, shards or [], zeroshot=zeroshot, itm_rerank_k=itm_rerank_k,
                                      device=device, zeroshot_folder=zeroshot_folder, templates=templates,
                                      skip_bad_shards=skip_bad_shards)
@@ -354,6 +364,14 @@ def eval_(
         out_console.print(_recall_table(f"retrieval (%) on {size}", rows))
     if "zeroshot" in result:
         _print_zeroshot(result["zeroshot"])
+    if target is not None:
+        import tempfile
+
+        with user_errors(), tempfile.TemporaryDirectory(prefix="vltrain-eval-") as tmp:
+            Path(tmp, "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+            upload_result(Path(tmp, "eval.json"), target, "--out")
+        console.print(f"wrote {redact_text(target)}", highlight=False)
+        return
     with user_errors(), writing(out):
         out.write_text(json.dumps(result, indent=2) + "\n")
     console.print(f"wrote {out}", highlight=False)
@@ -384,7 +402,9 @@ def _print_zeroshot(zs: dict) -> None:
 
 @app.command("benchmark")
 def benchmark_(
-    checkpoint: Path = typer.Argument(..., help="A checkpoint from `vltrain run` or a `vltrain export` folder."),
+    checkpoint: Path = typer.Argument(..., help="A checkpoint from `vltrain run` or a `vltrain export` folder; or "
+                                      "the s3://, gs:// or http(s):// URL of a checkpoint file (downloaded once, "
+                                      "removed after)."),
     dataset: str = typer.Option(..., help="A CLIP_benchmark dataset name: cifar10, imagenet1k, flickr30k, ..., or "
                                 "wds/NAME for its WebDataset layout."),
     dataset_root: str = typer.Option(..., "--dataset-root", help="The dataset's folder (or URL, for wds/)."),
@@ -392,7 +412,9 @@ def benchmark_(
                              "or auto (CLIP_benchmark's choice for the dataset)."),
     split: str = typer.Option("test", help="The split to score."),
     output: Optional[Path] = typer.Option(None, help="Result JSON, CLIP_benchmark's format \\[default: "
-                                          "benchmark_DATASET_TASK.json beside the checkpoint, or in the export]."),
+                                          "benchmark_DATASET_TASK.json beside the checkpoint, or in the export; "
+                                          "uploaded beside one at an s3:// or gs:// URL; an http(s):// one needs "
+                                          "--output]."),
     batch_size: int = typer.Option(64, "--batch-size", help="Images per batch."),
     num_workers: int = typer.Option(4, "--num-workers", help="Data loader worker processes."),
     recall_k: list[int] = typer.Option([1, 5, 10], "--recall-k", help="Retrieval K (repeatable; at most the "
@@ -420,7 +442,8 @@ def benchmark_(
 
 @app.command("gradcam")
 def gradcam_(
-    checkpoint: Path = typer.Argument(..., help="A checkpoint with a fusion encoder (albef, grit, softmask presets)."),
+    checkpoint: Path = typer.Argument(..., help="A checkpoint with a fusion encoder (albef, grit, softmask presets), "
+                                      "or the s3://, gs:// or http(s):// URL of one (downloaded once, removed after)."),
     image: Path = typer.Argument(..., help="An image file."),
     caption: str = typer.Argument(..., help="Its caption (quoted)."),
     words: Optional[str] = typer.Option(None, help="Comma-separated caption words to map \\[default: the first 3]."),
@@ -429,18 +452,22 @@ def gradcam_(
 ) -> None:
     """Where each word looks: SoftMask++'s Grad-CAM over the fusion cross-attention and the soft mask it makes."""
     from vltrain.figures import gradcam_figure
+    from vltrain.fetchckpt import local_checkpoint
 
     with user_errors(), writing(out):
         writable_file(out)
         wanted = [w.strip() for w in (words or "").split(",") if w.strip()]
-        info = gradcam_figure(checkpoint, image, caption, wanted, out, device)
+        with local_checkpoint(checkpoint) as local:
+            info = gradcam_figure(local, image, caption, wanted, out, device)
     console.print(f"ITM p(match) {info['p_match']:.3f}; words at token positions {info['words']}; wrote {out}",
                   highlight=False)
 
 
 @app.command("export")
 def export_(
-    checkpoint: Path = typer.Argument(..., help="A checkpoint from `vltrain run` (last.pt or best.pt)."),
+    checkpoint: Path = typer.Argument(..., help="A checkpoint from `vltrain run` (last.pt or best.pt), or the s3://, "
+                                      "gs:// or http(s):// URL of one (downloaded once with the result.json and "
+                                      "eval.json beside it, removed after)."),
     out: Path = typer.Argument(..., help="The folder to write: model.safetensors, config.json, tokenizer/, "
                                "README.md."),
     onnx: bool = typer.Option(False, "--onnx", help="Also image_encoder.onnx and text_encoder.onnx (ITC embeddings; "
@@ -478,9 +505,10 @@ def export_(
         console.print(f"uploaded {out}/ to {url}", highlight=False)
 
 
-# SHARDS may be URLs (s3://, gs://, http(s)://; docs/SCALE.md); every other Path argument refuses one in one line,
-# never the folder ./s3:/...
-refuse_urls(app, {"run": ("shards",), "eval": ("shards",)})
+# SHARDS may be URLs (s3://, gs://, http(s)://; docs/SCALE.md), and so may the CHECKPOINT of eval, export, benchmark
+# and gradcam (vltrain.fetchckpt); every other Path argument refuses one in one line, never the folder ./s3:/...
+refuse_urls(app, {"run": ("shards",), "eval": ("shards", "checkpoint"), "export": ("checkpoint",),
+                  "benchmark": ("checkpoint",), "gradcam": ("checkpoint",)})
 tidy_help(app)
 
 

@@ -19,6 +19,7 @@ from rich.console import Console
 from torch.utils.data import DataLoader
 
 from vlprep import cut
+from vlprep.urls import redact
 from vltrain.api import load, pixel_transform
 from vltrain.config import DataConfig
 from vltrain.data.collate import Collate, to_device
@@ -323,7 +324,8 @@ def check_eval_args(path: Path, shards) -> None:
         if s.is_file() and s.suffix in (".pt", ".pth"):
             raise TrainError(f"{s} is a checkpoint file, not a shard folder: the checkpoint comes first "
                              "(vltrain eval CHECKPOINT SHARDS...)")
-    if path.is_dir() and (path / "sizes.json").exists():  # another folder is an export, or load's one-line error
+    # another folder is an export, or load's one-line error; a URL (a str) is fetchckpt's to check
+    if isinstance(path, Path) and path.is_dir() and (path / "sizes.json").exists():
         raise TrainError(f"CHECKPOINT {path} is a folder, not a checkpoint file (the checkpoint comes first: "
                          "vltrain eval CHECKPOINT SHARDS...)")
 
@@ -357,11 +359,15 @@ def evaluate_checkpoint(path, shards=(), zeroshot=None, itm_rerank_k: int = 0, d
     A model trained on `vlprep features` tokens reads the shards' tokens when the same encoder made them, and
     otherwise (and for image folders) runs that frozen encoder on the pixels first. `skip_bad_shards` leaves out a
     shard cut short or, at a URL, unreadable after the retries (counted in `shards_skipped`), instead of stopping.
+    `path` may be the URL of a checkpoint file: downloaded once, removed after (vltrain.fetchckpt), recorded redacted.
     """
     from vltrain.zeroshot import DEFAULT_TEMPLATES, read_templates, score_folder
 
-    path = Path(path)
+    from vltrain.fetchckpt import is_url, local_checkpoint
+
+    remote = is_url(path)
     shards = [str(s) for s in shards or ()]
+    path = path if remote else Path(path)
     check_eval_args(path, shards)
     if zeroshot is not None and zeroshot_folder is not None:
         raise TrainError("give --zeroshot (class names found in captions) or --zeroshot-folder, not both")
@@ -373,6 +379,11 @@ def evaluate_checkpoint(path, shards=(), zeroshot=None, itm_rerank_k: int = 0, d
         raise TrainError("--itm-rerank-k must be 0 (off) or a positive number of candidates")
     tmpl = list(templates) if isinstance(templates, (list, tuple)) else (
         read_templates(templates) if templates is not None else None)  # before the model: a bad file is quick
+    if remote:  # downloaded once (the arguments checked first), scored as a local file, recorded redacted
+        with local_checkpoint(path) as local:
+            result = evaluate_checkpoint(local, shards, zeroshot, itm_rerank_k, device, zeroshot_folder,
+                                         tmpl, skip_bad_shards)
+        return {**result, "checkpoint": redact(path)}
     loaded = load(path, device)
     model = loaded.net
     cfg = loaded.config

@@ -25,7 +25,8 @@ ONNX_OPSET = 17  # LayerNormalization is one ONNX op from opset 17
 ONNX_TOLERANCE = 1e-4  # max abs difference of the ONNX embeddings from torch's that the export accepts
 
 
-def export(checkpoint, out, onnx: bool = False, overwrite: bool = False, fmt: str = "vltrain") -> dict:
+def export(checkpoint, out, onnx: bool = False, overwrite: bool = False, fmt: str = "vltrain",
+           shown: str | None = None) -> dict:
     """Write the export of `checkpoint` (a `vltrain run` checkpoint, or an export) into the folder `out`: in vltrain's
     layout (fmt "vltrain"), or as transformers' CLIPModel / VisionTextDualEncoderModel with vltrain's other heads
     beside it (fmt "hf", vltrain.export_hf).
@@ -34,7 +35,13 @@ def export(checkpoint, out, onnx: bool = False, overwrite: bool = False, fmt: st
     `out` holds the earlier export or the new one at every moment. Refuses an `out` that overlaps what the export
     reads, and unless `overwrite` one that holds something other than an export, or the export of another checkpoint
     (`overwrite` replaces only an export's files, EXPORT_FILES). Returns {"out", "files", "dropped": the state-dict
-    names left out, "onnx"}."""
+    names left out, "onnx"}. `checkpoint` may be the URL of a checkpoint file: downloaded once with the result.json
+    and eval.json beside it (provenance, eval numbers), removed after (vltrain.fetchckpt), recorded redacted."""
+    from vltrain.fetchckpt import SIDECARS, is_url, local_checkpoint
+
+    if is_url(checkpoint):
+        with local_checkpoint(checkpoint, SIDECARS) as local:
+            return export(local, out, onnx, overwrite, fmt, shown=redact(checkpoint))
     checkpoint = Path(checkpoint)
     out = Path(out)
     out = out.resolve() if out.is_symlink() else out  # the folder it names is the one replaced, not the link
@@ -53,6 +60,8 @@ def export(checkpoint, out, onnx: bool = False, overwrite: bool = False, fmt: st
     if fmt != "vltrain":
         check_hf(net, fmt)  # before OUT is touched: a model the library cannot hold is one line, OUT as it was
     source = export_source(ckpt, checkpoint, net)
+    if shown is not None:  # a downloaded copy: the URL (redacted) is the checkpoint, not the temporary file
+        source["checkpoint"] = shown
     previous = check_replace(out, overwrite, source)
     warnings_ = []
     with staged(out) as tmp:  # every file goes here first; OUT is untouched until the swap

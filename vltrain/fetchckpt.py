@@ -1,0 +1,94 @@
+"""A checkpoint given as a URL (s3://, gs://, http(s)://) to `vltrain eval`, `export`, `benchmark` and `gradcam`:
+downloaded once, whole, into a private temporary folder (mode 0700, objstore's retries), read there as a local
+checkpoint by vltrain.checkpoint.load (weights_only: the same safety as a local file), and removed afterwards, also
+on an error or Ctrl-C. Every message and record names the URL redacted (vlprep.urls), never the temporary copy."""
+
+import contextlib
+import shutil
+import tempfile
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from vlprep import VlprepError, objstore
+from vlprep.urls import redact
+from vltrain.errors import CheckpointError, TrainError
+
+# the run files beside a checkpoint that an export records (provenance, eval numbers): fetched with it when present
+SIDECARS = ("result.json", "eval.json")
+
+
+def is_url(checkpoint) -> bool:
+    """Whether CHECKPOINT is a URL read through objstore (a local path or file:// is not)."""
+    return objstore.is_remote(checkpoint if isinstance(checkpoint, str) else "")
+
+
+def file_name(url: str) -> str:
+    """The last segment of a URL's path (no query string): best.pt for https://host/run/best.pt?X-Amz-Signature=..."""
+    return urlsplit(url).path.rstrip("/").rsplit("/", 1)[-1] or "checkpoint.pt"
+
+
+def beside(url: str, name: str) -> str:
+    """The URL of file `name` in the folder of the file at `url` (s3:// or gs://: no query string)."""
+    return objstore.join(url.rsplit("/", 1)[0], name)
+
+
+def result_url(checkpoint: str, name: str, flag: str) -> str:
+    """Where a command's result file goes by default for a checkpoint at a URL: `name` beside it, as for a local
+    checkpoint (s3://, gs://); an http(s):// checkpoint's folder cannot be written, so `flag` must name a file."""
+    if objstore.scheme(checkpoint) not in objstore.WRITABLE:
+        raise TrainError(f"{redact(checkpoint)}: {objstore.scheme(checkpoint)}:// is read-only, so the result cannot "
+                         f"go beside the checkpoint; give {flag} PATH")
+    return beside(checkpoint, name)
+
+
+def upload_result(local: Path, url: str, flag: str) -> None:
+    """Put a result file whole at `url`; a refused or failed write is one line that suggests `flag`."""
+    try:
+        objstore.put_file(local, url)
+    except VlprepError as e:
+        raise TrainError(f"{e}; give {flag} PATH to write the result to a local file") from None
+
+
+@contextlib.contextmanager
+def local_checkpoint(checkpoint, sidecars=()):
+    """CHECKPOINT as a local Path: itself when it is local; for a URL, a downloaded copy of the file (and of those of
+    `sidecars` found beside it), removed when the block ends. Inside the block, an error that names the copy
+    (vltrain.checkpoint's one-line CheckpointError, a TrainError) names the URL, redacted, instead."""
+    if not is_url(checkpoint):
+        yield Path(checkpoint)
+        return
+    url, shown = checkpoint, redact(checkpoint)
+    folder = Path(tempfile.mkdtemp(prefix="vltrain-ckpt-"))  # 0700: the weights are readable by this user only
+    try:
+        local = folder / file_name(url)
+        fetch(url, local)
+        for name in sidecars:
+            if name != local.name:
+                with contextlib.suppress(objstore.RemoteError):  # optional; a presigned URL signs one object
+                    objstore.get_file(beside(url, name), folder / name)
+        try:
+            yield local
+        except (CheckpointError, TrainError) as e:
+            for where in (str(local.resolve()), str(local), str(folder)):
+                e.args = tuple(a.replace(where, shown) if isinstance(a, str) else a for a in e.args)
+            raise
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def fetch(url: str, local: Path) -> None:
+    """Download the checkpoint file at `url` to `local`; one line naming CHECKPOINT (redacted) for a missing object,
+    missing credentials or a read that fails after the retries, and for a folder (a prefix with objects under it)."""
+    shown = redact(url)
+    try:
+        fs, path = objstore.filesystem(url)
+        kind = objstore.retried(url, lambda: fs.info(path)).get("type", "file")
+        if kind != "directory":
+            objstore.get_file(url, local)
+    except objstore.RemoteNotFound:
+        raise CheckpointError(f"CHECKPOINT {shown}: not found") from None
+    except VlprepError as e:  # its line starts with the URL, redacted
+        raise CheckpointError(f"CHECKPOINT {e}") from None
+    if kind == "directory":
+        raise CheckpointError(f"CHECKPOINT {shown} is a folder, not a checkpoint file (last.pt or best.pt); an export "
+                              "folder is read from a local copy only")
