@@ -14,6 +14,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, 
                            TimeRemainingColumn)
 
 from vlprep.urls import redact
+from vltrain.errors import TrainError
 from vltrain.figures import plot_learning_curve
 from vltrain.tracking import Trackers
 
@@ -135,10 +136,28 @@ def summary(cfg, model, device, n_train: int, n_val: int, per_epoch: int, size: 
 
 
 def earlier_rows(path: Path, step: int) -> list[dict]:
-    """A resumed run's metrics.jsonl rows up to its checkpoint's step (the rows after it are redone)."""
+    """A resumed run's metrics.jsonl rows up to its checkpoint's step (the rows after it are redone).
+
+    A last line cut short (the process killed while it wrote a row after its checkpoint) is dropped with the other
+    rows to redo; a row that does not read anywhere else is a TrainError naming its line (the file was edited or
+    damaged, and rewriting it would lose the rows after it)."""
     if not path.exists():
         return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = path.read_text().splitlines()
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise ValueError("no step")
+        except ValueError:
+            if n == len(lines) and not path.read_bytes().endswith(b"\n"):  # the torn tail of a killed write
+                break
+            raise TrainError(f"--resume: {path} line {n} is not a metrics row (edited or damaged?); repair or remove "
+                             "that line, or move metrics.jsonl aside to resume without the earlier rows") from None
+        rows.append(row)
     return [r for r in rows if r["step"] <= step]
 
 

@@ -7,6 +7,8 @@ What such an OUT may hold: nothing (a first start), the files of a start killed 
 
 import json
 
+import pytest
+
 import torch
 
 from tests.vltrain.test_init_from import ok, one_line_error
@@ -58,3 +60,21 @@ def test_resume_refuses_best_pt_without_last_pt_and_an_export(shards, tmp_path):
     one_line_error(run(shards, out, *CLIP, "--resume"), "holds best.pt but no last.pt")
     assert sorted(p.name for p in out.iterdir()) == [".vlprep.lock", "best.pt"]
     assert (out / "best.pt").read_bytes() == b"a checkpoint"
+
+
+@pytest.mark.slow
+def test_a_row_cut_short_by_a_kill_is_redone_and_a_damaged_row_is_one_line(shards, tmp_path):  # noqa: F811
+    """A process killed while it wrote a metrics row leaves a last line without its newline: --resume drops it with
+    the rows after the checkpoint and writes every step's row once. A row that does not read anywhere else (an edited
+    file) is refused in one line naming it, and metrics.jsonl is left as it was (rewriting it would lose rows)."""
+    out = tmp_path / "run"
+    ok(run(shards, out, *CLIP))
+    with (out / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "total": 1.2')  # the torn tail
+    ok(run(shards, out, "--preset", "clip", "--steps", "3", "--resume"))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(r["step"] for r in rows if "total" in r) == [1, 2, 3]
+    damaged = (out / "metrics.jsonl").read_text().replace('"step": 2', '"step": 2 garbled', 1)
+    (out / "metrics.jsonl").write_text(damaged)
+    one_line_error(run(shards, out, "--preset", "clip", "--steps", "4", "--resume"), "line 2 is not a metrics row")
+    assert (out / "metrics.jsonl").read_text() == damaged
