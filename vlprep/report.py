@@ -285,8 +285,10 @@ def print_pseudolabel_report(r: dict, console: Console) -> None:
 
 def print_embed_report(r: dict, console: Console) -> None:
     skipped = ", ".join(f"{k}: {v:,}" for k, v in r["skipped"].items())
+    got = r.get("image_input") or {}  # image embeddings: how many came from cached tokens, how many from pixels
+    source = f"; images from tokens {got.get('tokens', 0):,}, pixels {got.get('pixels', 0):,}" if got else ""
     console.print(f"embed {r['modality']}: {r['written']:,} of {r['samples_in']:,} samples, dim {r['dim']}, "
-                  f"on {r['device']}{'; skipped ' + skipped if skipped else ''}; {r['elapsed_s']:.1f}s "
+                  f"on {r['device']}{source}{'; skipped ' + skipped if skipped else ''}; {r['elapsed_s']:.1f}s "
                   f"({r['per_s']}/s)", highlight=False)
 
 

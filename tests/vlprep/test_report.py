@@ -49,3 +49,21 @@ def test_the_shards_table_has_an_examples_column_only_when_samples_were_skipped(
                             console)
         text = console.export_text()
         assert ("examples" in text) is shown and ("a.png, b.png" in text) is shown and "e.g." not in text, text
+
+
+def test_the_embed_line_says_how_many_images_came_from_cached_tokens():
+    """`vlprep embed` on a dataset with cached tokens reads them where the checkpoint can: its one summary line says
+    how many images took each path (and a text embedding, which has no such split, says nothing of it)."""
+    from rich.console import Console
+
+    from vlprep.report import print_embed_report
+
+    def line(**extra) -> str:
+        console = Console(record=True, width=300)
+        print_embed_report({"modality": "image", "written": 9, "samples_in": 10, "dim": 16, "device": "cpu",
+                            "skipped": {"no_tokens": 1}, "elapsed_s": 1.0, "per_s": 9.0, **extra}, console)
+        return console.export_text().strip()
+
+    got = line(image_input={"tokens": 7, "pixels": 2})
+    assert "images from tokens 7, pixels 2; skipped no_tokens: 1" in got, got
+    assert "tokens" not in line().replace("no_tokens", "")
