@@ -157,3 +157,38 @@ def test_the_copy_is_private_and_removed_after_ctrl_c(run):
             assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700  # no other user reads the weights
             raise KeyboardInterrupt
     assert not path.parent.exists()
+
+
+def test_benchmark_of_a_url_checkpoint_equals_the_local_one_and_uploads_its_result_beside_it(run, tmp_path):
+    """CLIP_benchmark's zero-shot classification on a 2-class WebDataset (test_benchmark's layout)."""
+    import numpy as np
+
+    from tests.vltrain.test_benchmark import png, write_wds
+
+    rng = np.random.default_rng(0)
+    write_wds(tmp_path / "zs", [{"__key__": f"c{c}_{i}", "png": png(rng), "cls": c} for c in (0, 1) for i in (0, 1)])
+    (tmp_path / "zs" / "classnames.txt").write_text("cat\nred car\n")
+    (tmp_path / "zs" / "zeroshot_classification_templates.txt").write_text("a photo of a {c}.\n")
+    args = ["--dataset", "wds/tiny", "--dataset-root", tmp_path / "zs", "--task", "zeroshot_classification",
+            "--num-workers", 0]
+    ok(invoke("benchmark", run["ckpt"], *args, "--output", tmp_path / "local.json"))
+    ok(invoke("benchmark", "s3://bkt/ev/best.pt", *args))
+    local = json.loads((tmp_path / "local.json").read_text())
+    remote = json.loads(cat("ev/benchmark_wds_tiny_zeroshot_classification.json"))
+    assert remote.pop("pretrained") == "s3://bkt/ev/best.pt" and local.pop("pretrained") == str(run["ckpt"])
+    assert remote == local
+
+
+def test_a_refused_upload_of_eval_json_is_one_line_that_suggests_out(run, monkeypatch):
+    """A bucket this user may only read: the upload's RemoteError (objstore's line, after its retries) gains the
+    way out, --out PATH."""
+    from vlprep import objstore
+
+    def refuse(local, url):
+        raise objstore.RemoteError(f"{url}: cannot write it (ClientError: AccessDenied)")
+
+    monkeypatch.setattr(objstore, "put_file", refuse)
+    r = invoke("eval", "s3://bkt/ev/best.pt", run["shards"], "--device", "cpu")
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert r.output.splitlines()[-1] == ("error: s3://bkt/ev/eval.json: cannot write it (ClientError: AccessDenied); "
+                                         "give --out PATH to write the result to a local file")  # after the table
