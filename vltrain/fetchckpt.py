@@ -52,8 +52,8 @@ def upload_result(local: Path, url: str, flag: str) -> None:
 @contextlib.contextmanager
 def local_checkpoint(checkpoint, sidecars=()):
     """CHECKPOINT as a local Path: itself when it is local; for a URL, a downloaded copy of the file (and of those of
-    `sidecars` found beside it), removed when the block ends. Inside the block, an error that names the copy
-    (vltrain.checkpoint's one-line CheckpointError, a TrainError) names the URL, redacted, instead."""
+    `sidecars` found beside it), removed when the block ends. Inside the block, a one-line error that names the copy
+    (vltrain.checkpoint's CheckpointError, a TrainError, gradcam's ValueError) names the URL, redacted, instead."""
     if not is_url(checkpoint):
         yield Path(checkpoint)
         return
@@ -68,7 +68,7 @@ def local_checkpoint(checkpoint, sidecars=()):
                     objstore.get_file(beside(url, name), folder / name)
         try:
             yield local
-        except (CheckpointError, TrainError) as e:
+        except (ValueError, TrainError, VlprepError) as e:  # the one-line errors (CheckpointError is a ValueError)
             for where in (str(local.resolve()), str(local), str(folder)):
                 e.args = tuple(a.replace(where, shown) if isinstance(a, str) else a for a in e.args)
             raise

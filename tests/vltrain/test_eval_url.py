@@ -192,3 +192,14 @@ def test_a_refused_upload_of_eval_json_is_one_line_that_suggests_out(run, monkey
     assert r.exit_code == 2 and "Traceback" not in r.output, r.output
     assert r.output.splitlines()[-1] == ("error: s3://bkt/ev/eval.json: cannot write it (ClientError: AccessDenied); "
                                          "give --out PATH to write the result to a local file")  # after the table
+
+
+def test_gradcam_reads_a_url_checkpoint_and_its_errors_name_the_url(run, tmp_path):
+    """The tiny checkpoint has no fusion encoder: gradcam's own one-line refusal, naming the URL, not the copy."""
+    from PIL import Image
+
+    Image.new("RGB", (32, 32), (200, 30, 30)).save(tmp_path / "red.png")
+    before = copies()
+    line = one_line_error(invoke("gradcam", "s3://bkt/ev/best.pt", tmp_path / "red.png", "a red car", "--out",
+                                 tmp_path / "g.png", "--device", "cpu"), r"^error: s3://bkt/ev/best\.pt has no fusion")
+    assert tempfile.gettempdir() not in line and copies() == before
