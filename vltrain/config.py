@@ -495,7 +495,7 @@ def check_eval(cfg: Config) -> None:
     if cfg.data.triplets:
         raise ConfigError("eval.zeroshot_folder scores ITC embeddings, which a TOnICS aligner run (data.triplets) "
                           "does not train; leave it empty")
-    from vltrain.zeroshot import image_folder, read_templates  # torch and the model code: only with a benchmark
+    from vltrain.zsfolder import image_folder, read_templates  # torch: imported only with a benchmark
 
     key = "eval.zeroshot_folder"
     try:
