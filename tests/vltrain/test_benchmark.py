@@ -339,7 +339,7 @@ def test_a_file_that_is_no_checkpoint_and_a_missing_clip_benchmark_are_one_line_
     r = invoke("benchmark", tmp_path / "bad.pt", "--dataset", "wds/tiny", "--dataset-root", data["zs"])
     assert "bad.pt" in error_line(r)
     r = invoke("benchmark", "s3://b/last.pt", "--dataset", "wds/tiny", "--dataset-root", data["zs"])
-    assert error_line(r).startswith("error: CHECKPOINT s3://b/last.pt: ")  # a local path, as every command's
+    assert error_line(r).startswith("error: CHECKPOINT s3://b/last.pt: ")  # fetched (no credentials here): one line naming it
     monkeypatch.setitem(sys.modules, "clip_benchmark", None)  # as if not installed
     r = invoke("benchmark", data["ckpt"], "--dataset", "wds/tiny", "--dataset-root", data["zs"])
     assert "CLIP_benchmark cannot be imported (missing: clip_benchmark); pip install" in error_line(r)
