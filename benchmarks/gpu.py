@@ -3,7 +3,10 @@
 Sizes (--size): small = the packaged EfficientNet-Lite0 at 224 px + `random:minilm` (MiniLM-L6's shape, random
 weights); base = timm's ViT-B/16 at 224 px (random init) + `random:bert-base`, the fusion presets with 6 fusion layers
 split from the 12 (ALBEF's 6 + 6), about 210M parameters with the fusion encoder; tiny = the tests' tiny towers at
-32 px (a CPU dry run). No weights are downloaded: only the packaged MiniLM's tokenizer and, for small, Lite0's weights.
+32 px (a CPU dry run); tiny-vit = the tiny text tower with timm's 6-layer `test_vit` (width 64) at 32 px, a ViT for the
+patch-dropout row's dry run. No weights are downloaded: only the packaged MiniLM's tokenizer and, for small, Lite0's
+weights. --patch-dropout 0,0.5: the rows at each model.patch_dropout (FLIP's patch dropout; ViT sizes only), P > 0 in
+the row as `patch_dropout` (rows without it ran at 0).
 Each row is one (size, preset, batch, train.grad_checkpointing, train.compile) built by `vltrain.session.setup` with
 the trainer's GPU options (TF32, channels_last, fused AdamW) and run on one batch of random pixels and captions (they
 time the same as real ones). A step: the batch moved to the device, the losses (`TrainStep` under the run's
@@ -29,7 +32,7 @@ file); --table prints a markdown table at the end. Without CUDA (and without --d
 and exits 0.
 
     python benchmarks/gpu.py [--size small,base] [--presets clip,albef,grit,softmask] [--batches 64,128]
-        [--compile off,on] [--ckpt off,on] [--max-batch] [--json F] [--table]
+        [--compile off,on] [--ckpt off,on] [--patch-dropout 0,0.5] [--max-batch] [--json F] [--table]
     python benchmarks/gpu.py --device cpu --size tiny --presets clip,albef --batches 4 --steps 1 --timed-steps 2 \
         --runs 1 --json F
 """
@@ -57,6 +60,8 @@ WORDS = "red green blue cat dog bird tree car boat house sun moon star arrow ico
 SIZES = {
     "tiny": {"text": "tiny", "image": "tiny", "px": 32, "fusion": 1, "queue": 16,
              "extra": ["model.embed_dim=16", "data.max_len=12"]},
+    "tiny-vit": {"text": "tiny", "image": "timm:test_vit", "px": 32, "fusion": 1, "queue": 16,
+                 "extra": ["model.embed_dim=16", "data.max_len=12", "model.image_weights="]},
     "small": {"text": "random:minilm", "image": "efficientnet-lite0", "px": 224, "fusion": None, "queue": 4096,
               "extra": []},
     "base": {"text": "random:bert-base", "image": "timm:vit_base_patch16_224", "px": 224, "fusion": 6,
@@ -110,7 +115,8 @@ def tiny_shards(tmp: Path, n: int) -> Path:
     return out
 
 
-def config_sets(size: str, preset: str, precision: str, compile_on: bool, ckpt_on: bool) -> list[str]:
+def config_sets(size: str, preset: str, precision: str, compile_on: bool, ckpt_on: bool,
+                patch_dropout: float = 0.0) -> list[str]:
     """--set overrides for one row: the size's towers, the benchmark's data options and the row's switches."""
     from vltrain.config_load import load_config
 
@@ -125,6 +131,7 @@ def config_sets(size: str, preset: str, precision: str, compile_on: bool, ckpt_o
     if preset == "albef":
         sets.append("loss.distill_warmup_steps=0")  # distillation from the first step, as after ALBEF's first epoch
     sets += ["train.compile=true"] * compile_on + ["train.grad_checkpointing=true"] * ckpt_on
+    sets += [f"model.patch_dropout={patch_dropout}"] * (patch_dropout > 0)
     return sets
 
 
@@ -248,7 +255,8 @@ def measure(args, key: dict, device: torch.device, shards: Path, out: Path, step
     free(device)
     s = None
     try:
-        sets = config_sets(key["size"], key["preset"], args.precision, key["compile"] == "on", key["ckpt"] == "on")
+        sets = config_sets(key["size"], key["preset"], args.precision, key["compile"] == "on", key["ckpt"] == "on",
+                           key.get("patch_dropout", 0.0))
         s, cpu_batch = build(key["size"], key["preset"], key["batch"], device, shards, out, sets)
         gen = torch.Generator(device=device).manual_seed(0)
         for _ in range(warmup):
@@ -257,7 +265,7 @@ def measure(args, key: dict, device: torch.device, shards: Path, out: Path, step
                 for _ in range(n_runs or args.runs)]
         parts = [timed_step(s, cpu_batch, gen) for _ in range(steps)]
         peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
-        fkey = (key["size"], key["preset"], key["batch"])
+        fkey = (key["size"], key["preset"], key["batch"], key.get("patch_dropout", 0.0))  # dropping costs less
         if flops_cache is not None and fkey not in flops_cache and key["compile"] == "off":
             flops_cache[fkey] = step_flops(s, cpu_batch, gen)
         flops = (flops_cache or {}).get(fkey)
@@ -312,19 +320,21 @@ def table(rows: list[dict]) -> str:
     lines = ["| size | preset | batch | ckpt | compile | samples/s | ms/step | synchronised parts, ms (data / fwd / bwd / "
              "opt) | peak GiB | GFLOP/sample | TFLOP/s | MFU (vendor peak) | MFU (measured peak) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    shown = lambda r: r["preset"] + (f" (patch_dropout {r['patch_dropout']})"  # noqa: E731
+                                     if r.get("patch_dropout") else "")
     pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"  # noqa: E731
     na = lambda v: "n/a" if v is None else v  # noqa: E731
     for r in rows:
         if r.get("kind") == "max_batch":
-            lines.append(f"| {r['size']} | {r['preset']} | max {r['max_batch']} ({r['stopped']}) | {r['ckpt']} | off | "
+            lines.append(f"| {r['size']} | {shown(r)} | max {r['max_batch']} ({r['stopped']}) | {r['ckpt']} | off | "
                          f"{r.get('samples_per_s', '–')} | | | {r.get('peak_mem_gib', '–')} | | | | |")
         elif r["status"] != "ok":
-            lines.append(f"| {r['size']} | {r['preset']} | {r['batch']} | {r['ckpt']} | {r['compile']} | "
+            lines.append(f"| {r['size']} | {shown(r)} | {r['batch']} | {r['ckpt']} | {r['compile']} | "
                          f"{r['status']} | | | | | | | |")
         else:
             parts = " / ".join(f"{r[p + '_ms']:.1f}" for p in PARTS)
             mem = "n/a" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.2f}"
-            lines.append(f"| {r['size']} | {r['preset']} | {r['batch']} | {r['ckpt']} | {r['compile']} | "
+            lines.append(f"| {r['size']} | {shown(r)} | {r['batch']} | {r['ckpt']} | {r['compile']} | "
                          f"{r['samples_per_s']:.1f} | {r['step_ms']:.1f} | {r['sync_step_ms']:.1f} ({parts}) | {mem} | "
                          f"{na(r['gflop_per_sample'])} | {na(r['tflops'])} | {pct(r['mfu'])} | "
                          f"{pct(r['mfu_measured'])} |")
@@ -346,6 +356,8 @@ def parse_args(argv=None):
     ap.add_argument("--batches", default="64,128")
     ap.add_argument("--compile", default="off", help="off, on or off,on (train.compile)")
     ap.add_argument("--ckpt", default="off", help="off, on or off,on (train.grad_checkpointing)")
+    ap.add_argument("--patch-dropout", default="0",
+                    help="comma-separated model.patch_dropout values in [0, 1) (FLIP; ViT sizes: base, tiny-vit)")
     ap.add_argument("--precision", default=None, choices=["bf16", "fp32"], help="default: bf16 on CUDA, fp32 on CPU")
     ap.add_argument("--steps", type=int, default=10, help="synchronised steps timed in parts")
     ap.add_argument("--timed-steps", type=int, default=30, help="unsynchronised steps per headline run")
@@ -368,6 +380,12 @@ def parse_args(argv=None):
             raise SystemExit(f"error: --{name.replace('_', '-')} {getattr(args, name)}: give 1 or more")
     args.compile_list = csv(args.compile, ("off", "on"))
     args.ckpt_list = csv(args.ckpt, ("off", "on"))
+    try:
+        args.drop_list = [float(v) for v in csv(args.patch_dropout)]
+    except ValueError:
+        args.drop_list = [-1.0]
+    if not all(0 <= p < 1 for p in args.drop_list):
+        raise SystemExit(f"error: --patch-dropout {args.patch_dropout}: give values in [0, 1)")
     return args
 
 
@@ -416,12 +434,14 @@ def main(argv=None) -> int:
             for size in args.sizes:
                 for preset in args.preset_list:
                     base = {"kind": "row", "size": size, "preset": preset, "precision": args.precision}
-                    for batch in args.batch_list:
-                        for ckpt in args.ckpt_list:
-                            for comp in args.compile_list:
-                                key = {**base, "batch": batch, "ckpt": ckpt, "compile": comp}
-                                report(measure(args, key, device, shards, tmp / "out", args.steps, args.warmup,
-                                               flops_cache))
+                    for drop in args.drop_list:
+                        dropped = {**base, "patch_dropout": drop} if drop else base
+                        for batch in args.batch_list:
+                            for ckpt in args.ckpt_list:
+                                for comp in args.compile_list:
+                                    key = {**dropped, "batch": batch, "ckpt": ckpt, "compile": comp}
+                                    report(measure(args, key, device, shards, tmp / "out", args.steps, args.warmup,
+                                                   flops_cache))
                     for ckpt in args.ckpt_list if args.max_batch else []:
                         report(max_batch(args, {**base, "ckpt": ckpt, "compile": "off"}, device, shards,
                                          tmp / "out"))

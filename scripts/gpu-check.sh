@@ -4,7 +4,8 @@
 #   env          the device, the driver, the Python and its torch, and that vltrain and vlprep import;
 #   cuda-tests   the tests marked `cuda` (they must run: VLTRAIN_REQUIRE_CUDA=1 makes a skip a failure);
 #   bench-*      benchmarks/gpu.py: sizes small and base, presets clip, albef, grit, softmask, batch 128,
-#                bf16; then base clip with train.compile; then the largest batch that fits with and without
+#                bf16; then base clip with train.compile; then base clip with model.patch_dropout=0.5 (FLIP's
+#                patch dropout, half the image tokens); then the largest batch that fits with and without
 #                gradient checkpointing;
 #   peer         benchmarks/peer.py: vltrain against open_clip's own step on the same ViT-B-16 towers, batch 256;
 #   ddp          a one-process torchrun run on NCCL for 20 steps (the DDP path, one GPU);
@@ -33,7 +34,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1; shift ;;
     --out) CHECK=${2:?--out needs a folder}; shift 2 ;;
-    -h|--help) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "error: unknown argument $1 (usage: scripts/gpu-check.sh [--dry-run] [--out CHECK_DIR])" >&2; exit 2 ;;
   esac
 done
@@ -52,6 +53,7 @@ if [ "$DRY" = 1 ]; then
   STEPS=3
   BENCH_EAGER=(--device cpu --size tiny --presets clip,albef --batches 4 --steps 1 --timed-steps 2 --runs 1 --warmup 1)
   BENCH_COMPILE=()
+  BENCH_PATCHDROP=()  # its CPU dry run (size tiny-vit) is in tests/vltrain/test_patch_dropout.py
   BENCH_MAX=()
   MEMORY=()
   PEER=()  # its CPU dry run is a test of its own (tests/vltrain/test_peer_benchmark.py)
@@ -80,6 +82,9 @@ else
                --runs 3 --warmup 2)
   BENCH_COMPILE=(--size base --presets clip --batches 128 --compile on --steps 3 --timed-steps 30 --runs 3
                  --warmup 2)
+  # the base clip row again with half its image tokens dropped (not yet run on a GPU; one eager row, about 10 s)
+  BENCH_PATCHDROP=(--size base --presets clip --batches 128 --patch-dropout 0.5 --steps 3 --timed-steps 30 --runs 3
+                   --warmup 2)
   BENCH_MAX=(--size base --presets albef --batches 64 --ckpt off,on --max-batch --max-batch-seconds 40 --steps 3
              --warmup 1)
   # vltrain against open_clip on the same ViT-B-16 towers (benchmarks/peer.py): one batch here, eager and compiled
@@ -158,6 +163,9 @@ BENCH=(--json "$CHECK/bench.jsonl" --data-dir "$CHECK/bench-data")
 step bench-eager 240 "$PY" benchmarks/gpu.py "${BENCH_EAGER[@]}" "${BENCH[@]}"
 if [ ${#BENCH_COMPILE[@]} -gt 0 ]; then
   step bench-compile 130 "$PY" benchmarks/gpu.py "${BENCH_COMPILE[@]}" "${BENCH[@]}"
+fi
+if [ ${#BENCH_PATCHDROP[@]} -gt 0 ]; then
+  step bench-patchdrop 90 "$PY" benchmarks/gpu.py "${BENCH_PATCHDROP[@]}" "${BENCH[@]}"
 fi
 if [ ${#BENCH_MAX[@]} -gt 0 ]; then
   step bench-max-batch 130 "$PY" benchmarks/gpu.py "${BENCH_MAX[@]}" "${BENCH[@]}"

@@ -18,9 +18,9 @@ from pathlib import Path
 
 WORDS = "red green blue cat dog bird tree car boat house sun moon star arrow icon shape".split()
 # The benchmark's columns, in this order when a row has them (benchmarks/gpu.py writes the rows).
-COLUMNS = ["size", "preset", "params_m", "batch", "precision", "compile", "ckpt", "samples_per_s", "step_ms",
-           "sync_step_ms", "data_ms", "forward_ms", "backward_ms", "optimizer_ms", "peak_mem_gib", "gflop_per_sample",
-           "tflops", "mfu", "mfu_measured", "status"]
+COLUMNS = ["size", "preset", "params_m", "batch", "precision", "compile", "ckpt", "patch_dropout", "samples_per_s",
+           "step_ms", "sync_step_ms", "data_ms", "forward_ms", "backward_ms", "optimizer_ms", "peak_mem_gib",
+           "gflop_per_sample", "tflops", "mfu", "mfu_measured", "status"]
 # Headings that say what a column is measured against (benchmarks/gpu.py's docstring); the rest print their key.
 HEADINGS = {"mfu": "mfu (vendor peak)", "mfu_measured": "mfu (measured peak)",
             "sync_step_ms": "sync_step_ms (parts)"}
@@ -170,12 +170,12 @@ def e2e_row(run: Path, bench: list[dict], size: str, preset: str, batch: int, wa
       from the end of batch warmup's wait to the end of the last one's (the same steps). This is host time: the card
       may still be running earlier steps while the host waits, so it bounds the card's idle share from above;
     - synthetic_samples_per_s: benchmarks/gpu.py's eager, un-checkpointed row of the same size, preset and batch in
-      bench.jsonl; ratio = shards / synthetic.
+      bench.jsonl, without patch dropout (the e2e runs keep every token); ratio = shards / synthetic.
     A missing file, or too few steps, gives a row whose status says so."""
     row = {"kind": "e2e", "size": size, "preset": preset, "batch": batch, "warmup": warmup}
     synthetic = [r for r in bench if r.get("kind") == "row" and r.get("size") == size and r.get("preset") == preset
                  and r.get("batch") == batch and r.get("compile") == "off" and r.get("ckpt") == "off"
-                 and r.get("status") == "ok"]
+                 and not r.get("patch_dropout") and r.get("status") == "ok"]
     row["synthetic_samples_per_s"] = synthetic[-1]["samples_per_s"] if synthetic else None
     metrics, waits = read_jsonl(run / "metrics.jsonl"), read_jsonl(run / "data_wait.jsonl")
     logged = [r for r in metrics if "samples_per_s" in r]

@@ -18,8 +18,9 @@ from vlprep.encoders import resolve_device  # noqa: F401  (one device resolver f
 from vltrain import hfclip
 from vltrain.config import FUSION_FROM, POOLING, SIGLIP_BIAS, TEMP_MAX, TEMP_MIN, ModelConfig
 from vltrain.layers import FusionLayer, NounAligner, bert_init
-from vltrain.recompute import (checkpointed, image_blocks, recomputing, set_dropout, set_image_checkpointing,
-                               set_text_checkpointing)
+from vltrain.patchdrop import PatchDropout
+from vltrain.recompute import (checkpointed, image_blocks, recomputing, run_block, set_dropout,
+                               set_image_checkpointing, set_text_checkpointing, torchvision_vit)
 
 # Pixel statistics (on [0, 1] inputs) and input size per image encoder, for the data pipeline to match.
 # The EfficientNet-Lite weights are converted from TensorFlow, which normalises Lite models with mean 127 and
@@ -234,7 +235,8 @@ class Backbone(nn.Module):
     CNNs give their last conv map as N = h * w tokens, pooled by their mean (the global average pool their classifier
     read). ViTs give every token of their last layer (class token first), pooled as the model pools for its head:
     the class token for torchvision's, timm's own `forward_head(pre_logits=True)` for timm's. swin and maxvit are
-    refused. Errors (unknown name, weights that do not fit) are one-line ValueErrors.
+    refused. Errors (unknown name, weights that do not fit) are one-line ValueErrors. `patch_drop`: a torchvision
+    ViT's FLIP patch dropout (set_patch_dropout), applied after its position embedding; None without one.
     """
 
     def __init__(self, name: str, weights: str, pretrained: bool = True):
@@ -255,8 +257,11 @@ class Backbone(nn.Module):
         inner = getattr(self.net, "net", None)
         self.vit = hasattr(getattr(self.net, "vit", None), "class_token")  # torchvision ViT
         self.timm_vit = self.kind == "timm" and hasattr(inner, "num_prefix_tokens")  # timm's ViT family
+        self.patch_drop = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.patch_drop is not None:  # ViTTokens.forward, with the drop between position embedding and layers
+            return torchvision_vit(self.net, x, run_block, self.patch_drop)
         return self.net(x)
 
     def pool(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -333,6 +338,40 @@ def _build_image_encoder(cfg: ModelConfig, pretrained: bool = True) -> tuple[nn.
         return enc, out.shape[1] if out.dim() == 4 else out.shape[-1]
     raise ValueError(f"image_model must be one of {sorted(IMAGE_STATS)}, torchvision:ARCH or timm:NAME, got "
                      f"{cfg.image_model!r}")
+
+
+def set_patch_dropout(encoder: nn.Module, cfg: ModelConfig) -> None:
+    """FLIP's patch dropout (vltrain.patchdrop) put into a ViT image tower for cfg.patch_dropout > 0, right after its
+    position embedding, the class token kept: a torchvision ViT's Backbone.patch_drop, timm's own `patch_drop` slot
+    (a VisionTransformer's, which its forward_features calls there), a forward hook on a CLIP or SigLIP tower's
+    `embeddings` (SigLIP has no class token: every token is a patch). A tower without patch tokens (a CNN, cached
+    feature tokens) is a one-line ConfigError."""
+    from vltrain.config import ConfigError
+
+    p = cfg.patch_dropout
+    if not p:
+        return
+    name = cfg.image_model
+    if hfclip.is_clip(name):
+        prefix = 1 if hasattr(encoder.embeddings, "class_embedding") else 0
+        encoder.patch_drop = PatchDropout(p, prefix)
+        encoder.embeddings.register_forward_hook(encoder.patch_drop.hook)
+        return
+    if isinstance(encoder, Backbone) and encoder.vit:
+        encoder.patch_drop = PatchDropout(p, 1)
+        return
+    if isinstance(encoder, Backbone) and encoder.timm_vit:
+        from timm.models.vision_transformer import VisionTransformer
+
+        net = encoder.net.net
+        if not isinstance(net, VisionTransformer):
+            raise ConfigError(f"model.patch_dropout={p}: model.image_model {cut(name)} is a {type(net).__name__}, "
+                              "not one of timm's VisionTransformer models, whose patch dropout slot vltrain fills")
+        net.patch_drop = PatchDropout(p, net.num_prefix_tokens)
+        return
+    what = "reads cached feature tokens" if name == "features" else "is a CNN, without patch tokens"
+    raise ConfigError(f"model.patch_dropout={p} drops a ViT's patch tokens, and model.image_model {cut(name)} {what}: "
+                      "use a ViT tower (torchvision:vit_*, a timm ViT, clip:PATH) or model.patch_dropout=0")
 
 
 # --- the model --------------------------------------------------------------------------------------------------
@@ -436,6 +475,7 @@ class VLModel(nn.Module):
             "text", {}) else None
 
         self.image_encoder, d_img = _build_image_encoder(cfg, pretrained)
+        set_patch_dropout(self.image_encoder, cfg)
         if cfg.freeze_image:
             self.image_encoder.requires_grad_(False)
         # a CLIP text tower is CLIPTextModel (which pools its end-of-text token); others BERT-like encoders
@@ -526,6 +566,11 @@ class VLModel(nn.Module):
         if cfg.momentum:
             mom = copy.deepcopy(self)
             mom.requires_grad_(False)
+            # FLIP drops in its only image encoder; ALBEF's momentum copy is a teacher whose image features become
+            # ITC targets and queue entries for many steps: it reads every token, as evaluation does.
+            for m in mom.modules():
+                if isinstance(m, PatchDropout):
+                    m.p = 0.0
             self.momentum = mom
         if cfg.queue_size:
             q = cfg.queue_size
@@ -534,10 +579,14 @@ class VLModel(nn.Module):
             self.register_buffer("queue_ptr", torch.zeros(1, dtype=torch.long))
 
     def train(self, mode: bool = True) -> "VLModel":
-        """As nn.Module.train, but a frozen image encoder stays in eval mode (BatchNorm statistics stay fixed)."""
+        """As nn.Module.train, but a frozen image encoder stays in eval mode (BatchNorm statistics stay fixed); its
+        patch dropout still follows `mode` (a frozen tower's forward is cheaper on the kept tokens all the same)."""
         super().train(mode)
         if self.cfg.freeze_image:
             self.image_encoder.eval()
+            for m in self.image_encoder.modules():
+                if isinstance(m, PatchDropout):
+                    m.train(mode)
         return self
 
     def set_grad_checkpointing(self, on: bool) -> None:
@@ -556,7 +605,9 @@ class VLModel(nn.Module):
     # --- unimodal ---
 
     def encode_image(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pixels (B, 3, H, W) or feature tokens (B, N, D_in) -> tokens (B, N, D_img), ITC embeds (B, E) L2-normed."""
+        """Pixels (B, 3, H, W) or feature tokens (B, N, D_in) -> tokens (B, N, D_img), ITC embeds (B, E) L2-normed.
+        With model.patch_dropout a training forward of a ViT tower gives the kept tokens only (class token + k patches,
+        set_patch_dropout): what the fusion encoder's cross-attention and the ITC pooling read."""
         if images.dim() == 4 and self.cfg.image_model == "features":
             images = self.pixel_tokens(images)
         if self.clip_image:  # the tower's own: every token of its last layer, pooled as it pools (CLIP: the

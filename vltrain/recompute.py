@@ -55,14 +55,15 @@ def set_text_checkpointing(encoder: nn.Module, on: bool) -> None:
 
 def image_blocks(encoder: nn.Module):
     """How a trained image tower runs block by block: a callable (images, run) -> output where run(block, x)
-    applies one block, or None when the tower checkpoints itself (timm) or has no blocks to checkpoint."""
+    applies one block, or None when the tower checkpoints itself (timm) or has no blocks to checkpoint. A torchvision
+    ViT's patch dropout (the Backbone's `patch_drop`) drops its tokens before the blocks, outside any recompute."""
     from vlprep.encoders import EffNetTrunk, ViTTokens
 
     net = getattr(encoder, "net", encoder)
     if isinstance(encoder, EffNetTrunk):
         return lambda x, run: _effnet(encoder.net, x, run)
     if isinstance(net, ViTTokens):
-        return lambda x, run: _torchvision_vit(net, x, run)
+        return lambda x, run: torchvision_vit(net, x, run, getattr(encoder, "patch_drop", None))
     if isinstance(net, nn.Sequential):  # a torchvision CNN trunk (the tiny CNN: single layers, nothing to recompute)
         return lambda x, run: _sequence(net, x, run)
     return None
@@ -87,8 +88,14 @@ def _effnet(net: nn.Module, x: torch.Tensor, run) -> torch.Tensor:
     return net._swish(net._bn1(net._conv_head(x)))
 
 
-def _torchvision_vit(net: nn.Module, x: torch.Tensor, run) -> torch.Tensor:
-    """ViTTokens.forward with each encoder layer run through `run`."""
+def run_block(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """block(x): the `run` of a forward without recompute."""
+    return block(x)
+
+
+def torchvision_vit(net: nn.Module, x: torch.Tensor, run, drop: nn.Module | None = None) -> torch.Tensor:
+    """ViTTokens.forward with each encoder layer run through `run`, and `drop` (FLIP's patch dropout, or None)
+    applied to the tokens right after the position embedding is added, before the encoder's dropout."""
     vit = net.vit
     size = vit.image_size
     if x.shape[-2:] != (size, size):
@@ -96,7 +103,10 @@ def _torchvision_vit(net: nn.Module, x: torch.Tensor, run) -> torch.Tensor:
     tokens = vit._process_input(x)
     tokens = torch.cat([vit.class_token.expand(tokens.shape[0], -1, -1), tokens], dim=1)
     enc = vit.encoder
-    return enc.ln(_sequence(enc.layers, enc.dropout(tokens + enc.pos_embedding), run))
+    tokens = tokens + enc.pos_embedding
+    if drop is not None:
+        tokens = drop(tokens)
+    return enc.ln(_sequence(enc.layers, enc.dropout(tokens), run))
 
 
 def set_image_checkpointing(encoder: nn.Module, on: bool) -> None:
