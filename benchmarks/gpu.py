@@ -3,10 +3,9 @@
 Sizes (--size): small = the packaged EfficientNet-Lite0 at 224 px + `random:minilm` (MiniLM-L6's shape, random
 weights); base = timm's ViT-B/16 at 224 px (random init) + `random:bert-base`, the fusion presets with 6 fusion layers
 split from the 12 (ALBEF's 6 + 6), about 210M parameters with the fusion encoder; tiny = the tests' tiny towers at
-32 px (a CPU dry run); tiny-vit = the tiny text tower with timm's 6-layer `test_vit` (width 64) at 32 px, a ViT for the
-patch-dropout row's dry run. No weights are downloaded: only the packaged MiniLM's tokenizer and, for small, Lite0's
-weights. --patch-dropout 0,0.5: the rows at each model.patch_dropout (FLIP's patch dropout; ViT sizes only), P > 0 in
-the row as `patch_dropout` (rows without it ran at 0).
+32 px (a CPU dry run). No weights are downloaded: only the packaged MiniLM's tokenizer and, for small, Lite0's
+weights. --patch-dropout 0,0.5: the rows at each model.patch_dropout (FLIP's patch dropout; a ViT tower: base), P > 0
+in the row as `patch_dropout` (rows without it ran at 0).
 Each row is one (size, preset, batch, train.grad_checkpointing, train.compile) built by `vltrain.session.setup` with
 the trainer's GPU options (TF32, channels_last, fused AdamW) and run on one batch of random pixels and captions (they
 time the same as real ones). A step: the batch moved to the device, the losses (`TrainStep` under the run's
@@ -60,8 +59,6 @@ WORDS = "red green blue cat dog bird tree car boat house sun moon star arrow ico
 SIZES = {
     "tiny": {"text": "tiny", "image": "tiny", "px": 32, "fusion": 1, "queue": 16,
              "extra": ["model.embed_dim=16", "data.max_len=12"]},
-    "tiny-vit": {"text": "tiny", "image": "timm:test_vit", "px": 32, "fusion": 1, "queue": 16,
-                 "extra": ["model.embed_dim=16", "data.max_len=12", "model.image_weights="]},
     "small": {"text": "random:minilm", "image": "efficientnet-lite0", "px": 224, "fusion": None, "queue": 4096,
               "extra": []},
     "base": {"text": "random:bert-base", "image": "timm:vit_base_patch16_224", "px": 224, "fusion": 6,
@@ -357,7 +354,7 @@ def parse_args(argv=None):
     ap.add_argument("--compile", default="off", help="off, on or off,on (train.compile)")
     ap.add_argument("--ckpt", default="off", help="off, on or off,on (train.grad_checkpointing)")
     ap.add_argument("--patch-dropout", default="0",
-                    help="comma-separated model.patch_dropout values in [0, 1) (FLIP; ViT sizes: base, tiny-vit)")
+                    help="comma-separated model.patch_dropout values in [0, 1) (FLIP; a ViT tower: size base)")
     ap.add_argument("--precision", default=None, choices=["bf16", "fp32"], help="default: bf16 on CUDA, fp32 on CPU")
     ap.add_argument("--steps", type=int, default=10, help="synchronised steps timed in parts")
     ap.add_argument("--timed-steps", type=int, default=30, help="unsynchronised steps per headline run")

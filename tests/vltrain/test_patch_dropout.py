@@ -242,10 +242,11 @@ def test_a_run_trains_with_patch_dropout(tmp_path, monkeypatch):
     assert "model.patch_dropout=0.5" in line and "tiny is a CNN" in line
 
 
-@pytest.mark.slow  # two benchmark rows of the tiny ViT size: ~20 s on 2 busy cores
-def test_the_gpu_benchmark_patch_dropout_row_runs_on_the_cpu_and_counts_fewer_flops(tmp_path, capsys):
+@pytest.mark.slow  # two benchmark rows of a tiny ViT: ~20 s on 2 busy cores
+def test_the_gpu_benchmark_patch_dropout_row_runs_on_the_cpu_and_counts_fewer_flops(tmp_path, capsys, monkeypatch):
     """benchmarks/gpu.py's --patch-dropout, as scripts/gpu-check.sh's bench-patchdrop step calls it (there at size
-    base on the GPU; here tiny-vit, timm's test_vit at 32 px: 4 patches, 2 kept), against the same row at p = 0."""
+    base on the GPU; here a size tiny-vit added for the test: the tiny text tower and timm's 6-layer test_vit of width
+    64 at 32 px, 4 patches, 2 kept), against the same row at p = 0."""
     import importlib.util
     import json
     import sys
@@ -259,6 +260,8 @@ def test_the_gpu_benchmark_patch_dropout_row_runs_on_the_cpu_and_counts_fewer_fl
         spec.loader.exec_module(gpu)
     finally:
         sys.path[:] = path
+    monkeypatch.setitem(gpu.SIZES, "tiny-vit", {**gpu.SIZES["tiny"], "image": "timm:test_vit",
+                                                "extra": [*gpu.SIZES["tiny"]["extra"], "model.image_weights="]})
     out = tmp_path / "bench.jsonl"
     common = ["--device", "cpu", "--size", "tiny-vit", "--presets", "clip", "--batches", "4", "--steps", "1",
               "--timed-steps", "2", "--runs", "1", "--warmup", "1", "--json", str(out),
