@@ -194,6 +194,22 @@ def test_grad_checkpointing_momentum_and_fusion_with_patch_dropout(tower):
     assert maps[0].shape[-1] == prefix + k  # cross-attention reads the kept tokens
 
 
+def test_gradient_accumulation_replay_draws_the_same_tokens(tower):
+    """vltrain.accum restores the global RNG state before replaying a chunk with gradients: the drop draws from that
+    stream, so the replay keeps the tokens the no-grad pass kept (and its gradients are those of that pass)."""
+    from vltrain.accum import rng_state, set_rng_state
+
+    kwargs, size, _ = tower("torchvision")
+    model = build(kwargs, patch_dropout=0.5).train()
+    images = torch.rand(2, 3, size, size)
+    state = rng_state(images.device)
+    with torch.no_grad():
+        first = model.encode_image(images)[0]
+    set_rng_state(state, images.device)
+    assert torch.equal(model.encode_image(images)[0].detach(), first)
+    assert not torch.equal(model.encode_image(images)[0].detach(), first)  # the next draw is another subset
+
+
 def test_a_frozen_tower_still_drops_in_training(tower):
     kwargs, size, prefix = tower("torchvision")
     model = build(kwargs, patch_dropout=0.5, freeze_image=True).train()
@@ -228,9 +244,10 @@ def test_a_run_trains_with_patch_dropout(tmp_path, monkeypatch):
     sets = ["model.text_model=tiny", "model.image_model=torchvision:vit_b_16", "model.embed_dim=16",
             "model.fusion_layers=1", "data.image_size=32", "data.workers=0", "data.max_len=12", "data.val_frac=0",
             "optim.warmup_steps=1", "model.queue_size=8", "model.patch_dropout=0.5"]
-    out = tmp_path / "run"
+    out = tmp_path / "run"  # with gradient accumulation: its replay of each chunk draws the same kept tokens
     r = CliRunner().invoke(app, ["run", str(data), "--out", str(out), "--preset", "softmask", "--steps", "2",
-                                 "--batch-size", "4", "--device", "cpu", *[x for s in sets for x in ("--set", s)]])
+                                 "--batch-size", "4", "--device", "cpu", "--set", "train.accum_steps=2",
+                                 *[x for s in sets for x in ("--set", s)]])
     assert r.exit_code == 0, r.output + repr(r.exception)
     ckpt = torch.load(out / "last.pt", weights_only=True)
     assert ckpt["config"]["model"]["patch_dropout"] == 0.5
