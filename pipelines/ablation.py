@@ -14,7 +14,11 @@ and the same keys as `common`, overriding them), `eval` (`retrieval`: an input w
 the paper's better-minus-other difference in the metric's points, or null for a finding of our own; optionally
 `paper_than`, the paper's level of the `than` arm, and `tie_margin`, which makes the claim a tie within ±margin
 points), `seeds` (a count or a list: declared before the run) and `quick` (steps, seeds and arms of the smoke
-version). Input names refer to pipelines/inputs.yaml (or --inputs FILE, the same format: smaller held-out sets
+version). `init_from` (in `common` or an arm) starts every run of the arm from the same weights: `clip:NAME` for a
+pretrained CLIP or SigLIP folder or a checkpoint path, NAME an input (built first) or a path. `step_time: true`
+adds each run's median step time (`step_ms`, from its metrics.jsonl; the recipe sets log_every=1) and 100 ln of it
+(`log_step`, a metric whose paired differences are log ratios, shown as ratios), and runs the arms of a seed one
+after the other so the machine's drifting load falls on both runs of a pair. Input names refer to pipelines/inputs.yaml (or --inputs FILE, the same format: smaller held-out sets
 for a smoke test, say); a missing input is built first with the stage that makes it (the demo itself when that is
 missing).
 
@@ -69,11 +73,19 @@ DEFAULT_DEMO = ROOT / "demo-out" / "openclipart"
 console = Console(stderr=True, emoji=False)
 
 RETRIEVAL = ["i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10", "mean_recall"]
+# A run's speed (recipes with `step_time: true`): the median of its steps' wall times in ms, from metrics.jsonl, and
+# 100 ln of it, on which a finding is a paired difference like any other: 100 (ln a - ln b) per seed, whose mean and
+# interval are the log of the ratio of the two arms' step times (the table shows them as that ratio, RATIO_METRICS).
+TIMING = ["step_ms", "log_step"]
+RATIO_METRICS = {"log_step"}
 # Columns computed from a row's others (rows are scored once; a derived column is recomputed on --rescore).
-DERIVED = {"r1_mean": lambda r: (r["i2t_r1"] + r["t2i_r1"]) / 2 if "i2t_r1" in r and "t2i_r1" in r else None}
-COLUMNS = RETRIEVAL + list(DERIVED) + ["zeroshot"]
+DERIVED = {"r1_mean": lambda r: (r["i2t_r1"] + r["t2i_r1"]) / 2 if "i2t_r1" in r and "t2i_r1" in r else None,
+           "log_step": lambda r: 100 * math.log(r["step_ms"]) if r.get("step_ms") else None}
+COLUMNS = RETRIEVAL + ["r1_mean", "zeroshot"] + TIMING
+TABLE_HIDDEN = {"log_step"}  # judged, not shown among the arms' columns (ms/step is)
 HEADERS = {"i2t_r1": "TR@1", "i2t_r5": "TR@5", "i2t_r10": "TR@10", "t2i_r1": "IR@1", "t2i_r5": "IR@5",
-           "t2i_r10": "IR@10", "mean_recall": "mean R", "r1_mean": "mean R@1", "zeroshot": "zero-shot top-1"}
+           "t2i_r10": "IR@10", "mean_recall": "mean R", "r1_mean": "mean R@1", "zeroshot": "zero-shot top-1",
+           "step_ms": "ms/step", "log_step": "step time"}
 QUICK = {"steps": 6, "seeds": 1}
 MAX_SEEDS = 1000  # --seeds: at most this many seeds, each a numpy seed (0 .. 2**32 - 1)
 MAX_SEED = 2**32 - 1
@@ -141,7 +153,11 @@ def input_path(name: str, inputs: dict, demo: Path) -> Path:
 
 
 def _present(path: Path) -> bool:
-    return (path / "sizes.json").is_file() if path.suffix == "" else path.is_file()
+    """A dataset folder once its sizes.json is written, a model folder (a `clip:` start) once its config.json is, a
+    file once it exists."""
+    if path.suffix == "":
+        return (path / "sizes.json").is_file() or (path / "config.json").is_file()
+    return path.is_file()
 
 
 def _reads_digest(spec: dict, demo: Path, path: Path) -> str | None:
@@ -247,7 +263,55 @@ def score(run: Path, ckpt_step: int, res: dict, retrieval: Path | None, zeroshot
     return row
 
 
-def run_arm(recipe: dict, name: str, seed: int, folders: list[str], out: Path, steps: int | None, demo: Path) -> dict:
+def arm_init(recipe: dict, name: str, inputs: dict, demo: Path, logs: Path) -> str | None:
+    """The arm's start (`init_from`, the arm's or `common`'s): `clip:NAME` for a pretrained CLIP or SigLIP folder, or
+    a checkpoint path; NAME an input of inputs.yaml (built first when missing) or a path ({demo} filled in). None
+    for a run from scratch. Every arm with the same `init_from` starts from the same weights, whatever its seed
+    (the seed still sets the data order, the held-out draw and any tensor the start lacks)."""
+    arm = recipe["arms"][name] or {}
+    spec = arm.get("init_from", recipe.get("common", {}).get("init_from"))
+    if spec is None:
+        return None
+    if not isinstance(spec, str) or not spec.strip():
+        raise RecipeError(f"arm {name}: init_from must be clip:NAME or a checkpoint path, not {_kind(spec)}")
+    prefix = "clip:" if spec.startswith("clip:") else ""
+    ref = spec[len(prefix):]
+    path = ensure(ref, inputs, demo, logs) if ref in inputs else Path(fill(ref, demo))
+    if not path.exists():
+        raise RecipeError(f"arm {name}: init_from {spec}: {path} does not exist (an input name of "
+                          "pipelines/inputs.yaml builds one)")
+    return prefix + str(path)
+
+
+def step_ms(run: Path, batch_size: int) -> float | None:
+    """The median wall time of the run's steps in ms, from RUN/metrics.jsonl: each training row's samples_per_s is
+    the rate over the steps since the row before it (vltrain.runlog), so batch_size / samples_per_s is a step's time
+    when the recipe logs every step (log_every=1; otherwise the mean of a window's steps). Each run's first row is
+    left out, as its window holds the loader's start. A median, as a step that met a checkpoint write or a busy
+    machine's stall is an outlier, not the step's cost. None without two training rows."""
+    rows = []
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:  # a line cut short by a kill (the trainer redoes it on resume)
+            continue
+        if isinstance(row, dict) and row.get("samples_per_s"):
+            rows.append(row)
+    times = [1000 * batch_size / r["samples_per_s"] for r in rows[1:]]
+    return round(statistics.median(times), 3) if times else None
+
+
+def run_order(arms: list[str], seeds: list[int], paired_in_time: bool) -> list[tuple[str, int]]:
+    """The (arm, seed) runs in the order they train: arm by arm, or, for a recipe that times its steps, seed by seed
+    with every arm of a seed in turn, so that the load of a shared machine, which drifts over minutes, weighs on
+    both runs of a pair alike rather than on one arm's runs."""
+    if paired_in_time:
+        return [(arm, seed) for seed in seeds for arm in arms]
+    return [(arm, seed) for arm in arms for seed in seeds]
+
+
+def run_arm(recipe: dict, name: str, seed: int, folders: list[str], out: Path, steps: int | None, demo: Path,
+            init_from: str | None = None) -> dict:
     cfg = arm_config(recipe, name, seed, folders, out, steps, demo)
     done = out / "result.json"
     resume = (out / "last.pt").exists()
@@ -262,7 +326,7 @@ def run_arm(recipe: dict, name: str, seed: int, folders: list[str], out: Path, s
     console.print(f"[{name} seed {seed}] preset {cfg.preset}, sampler {cfg.sampler.kind}, {cfg.steps} steps of "
                   f"{cfg.batch_size} -> {out}", highlight=False, markup=False, soft_wrap=True)
     (out / "scores.json").unlink(missing_ok=True)  # scores of the checkpoint this run replaces
-    res = train(cfg, resume=resume, overwrite=not resume)
+    res = train(cfg, resume=resume, overwrite=not resume, init_from=init_from)
     slim(out)
     done.write_text(json.dumps(res, indent=2) + "\n")
     return res
@@ -331,6 +395,11 @@ def _num(x, signed: bool = True) -> str:
     return "-" if x is None else (f"{x:+.2f}" if signed else f"{x:.2f}")
 
 
+def _ratio(x) -> str:
+    """A difference of 100 ln(a) - 100 ln(b) as the ratio a / b."""
+    return "-" if x is None else f"{math.exp(x / 100):.2f}x"
+
+
 def _share(x) -> str:
     return "" if x is None else f" ({x:+.0f}%)" if abs(x) >= 10 else f" ({x:+.1f}%)"
 
@@ -350,6 +419,9 @@ def finding_cells(f: dict) -> list[str]:
     sh = f.get("shares") or {}
     ours = (f"{_num(f['diff'])} [{_num(f['ci_low'])}, {_num(f['ci_high'])}]{_share(sh.get('ours'))}"
             if f["diff"] is not None else "-")
+    if f["metric"] in RATIO_METRICS and f["diff"] is not None:  # 100 ln(a / b): shown as the ratio a / b
+        ours = (f"{_ratio(f['diff'])} [{_ratio(f['ci_low'])}, {_ratio(f['ci_high'])}] (100 ln: {_num(f['diff'])} "
+                f"[{_num(f['ci_low'])}, {_num(f['ci_high'])}])")
     if f["missing_seeds"]:
         ours += f" ({f['n_seeds']} seeds; seed(s) {', '.join(map(str, f['missing_seeds']))} missing in one arm)"
     if "p_equiv" in f:
@@ -380,7 +452,7 @@ def seeds_text(seeds: list[int], plan: dict | None) -> str:
 
 def table_md(results: dict) -> str:
     meta, rows, summary, findings, sizes = (results[k] for k in ("meta", "rows", "arms", "findings", "eval"))
-    cols = [c for c in COLUMNS if any(c in s for s in summary.values())]
+    cols = [c for c in COLUMNS if c not in TABLE_HIDDEN and any(c in s for s in summary.values())]
     seeds = sorted({r["seed"] for r in rows})
     text = (f"retrieval on {sizes['retrieval_images']:,} images and {sizes['retrieval_captions']:,} captions (chance "
             f"R@1 {sizes['chance_r1']:.2f}")
@@ -413,7 +485,7 @@ def table_md(results: dict) -> str:
 
 
 RESULTS_BYTES = 64 << 20  # a results file is a few KB: --rescore reads at most this much
-NUMBERS = COLUMNS + ["chance_r1", "zeroshot_chance"]  # a row's percentages (or null): recalls, top-1, chance
+NUMBERS = [c for c in COLUMNS if c not in TIMING] + ["chance_r1", "zeroshot_chance"]  # percentages (or null)
 COUNTS = ["n_eval", "n_captions", "n_images", "zeroshot_n", "step"]  # a row's integer fields (or null)
 
 
@@ -450,6 +522,9 @@ def check_results(results) -> None:
         for c in COUNTS:
             v = r.get(c)
             need(v is None or type(v) is int and v >= 0, f"rows[{i}].{c}", "a count (an integer >= 0)", v)
+        v = r.get("step_ms")  # log_step is derived from it again
+        need(v is None or type(v) in (int, float) and math.isfinite(v) and v > 0, f"rows[{i}].step_ms",
+             "a positive number of milliseconds", v)
     for j, f in enumerate(findings):
         need(isinstance(f, dict), f"findings[{j}]", "an object", f)
         for key in ("paper", "better", "than"):
@@ -523,7 +598,9 @@ def near_chance(metric: str, rows: list[dict]) -> bool:
     def chance(r: dict) -> float | None:
         if metric == "zeroshot":
             return r.get("zeroshot_chance")
-        return None if r.get("chance_r1") is None else r["chance_r1"] * CHANCE_UNITS[metric]
+        if r.get("chance_r1") is None or metric not in CHANCE_UNITS:  # a step time has no chance level
+            return None
+        return r["chance_r1"] * CHANCE_UNITS[metric]
 
     def scored(r: dict) -> bool:  # a NaN score (a metric that failed) says nothing about the floor
         return r.get(metric) is not None and math.isfinite(r[metric]) and chance(r) is not None
@@ -623,7 +700,7 @@ def chart(path: Path, results: dict) -> None:
 def print_table(results: dict) -> None:
     summary = results["arms"]
     findings = results["findings"]
-    cols = [c for c in COLUMNS if any(c in s for s in summary.values())]
+    cols = [c for c in COLUMNS if c not in TABLE_HIDDEN and any(c in s for s in summary.values())]
     table = Table(title=f"{results['recipe']}: mean ± sd over seeds",
                   caption="TR: text retrieval (image→text); IR: image retrieval (text→image)")
     for c in ["arm"] + [HEADERS[c] for c in cols]:
@@ -770,15 +847,22 @@ def main(argv: list[str] | None = None) -> int:
         if ev.get("zeroshot"):
             zeroshot = (ensure(ev["zeroshot"], inputs, demo, logs), Path(fill(ev["classes"], demo)))
         plan = declare_seeds(out / "plan.json", seeds)
-        rows = []
+        folders, init = {}, {}
         for arm in names:
-            folders = [str(ensure(d, inputs, demo, logs)) for d in recipe["arms"][arm].get("data", [])]
-            if not folders:
+            folders[arm] = [str(ensure(d, inputs, demo, logs)) for d in recipe["arms"][arm].get("data", [])]
+            if not folders[arm]:
                 raise RecipeError(f"{name}: arm {arm} names no data")
-            for seed in seeds:
-                run = out / arm / f"s{seed}"
-                res = run_arm(recipe, arm, seed, folders, run, steps, demo)
-                rows.append(derive({"arm": arm, "seed": seed, **score(run, res["step"], res, retrieval, zeroshot)}))
+            init[arm] = arm_init(recipe, arm, inputs, demo, logs)
+        rows = []
+        for arm, seed in run_order(names, seeds, bool(recipe.get("step_time"))):
+            run = out / arm / f"s{seed}"
+            res = run_arm(recipe, arm, seed, folders[arm], run, steps, demo, init[arm])
+            row = {"arm": arm, "seed": seed, **score(run, res["step"], res, retrieval, zeroshot)}
+            if recipe.get("step_time"):  # the run's speed beside its scores (TIMING)
+                batch = arm_config(recipe, arm, seed, folders[arm], run, steps, demo).batch_size
+                row["step_ms"] = step_ms(run, batch)
+            rows.append(derive(row))
+        rows.sort(key=lambda r: names.index(r["arm"]))  # arm by arm, each arm's seeds in order (a stable sort)
     except Interrupted as e:
         console.print(f"{str(e).split(':')[0]}: the same command resumes this run", highlight=False, markup=False,
                       soft_wrap=True)

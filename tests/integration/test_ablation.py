@@ -27,7 +27,7 @@ def test_every_recipe_names_real_arms_inputs_and_config_keys():
         assert set(item.get("needs", [])) <= set(inputs), name
     paths = ablation.recipe_paths()
     assert {p.stem for p in paths} == {"fistful", "fistful-pseudo", "tonics", "grit", "softmask", "combined",
-                                       "clipscore"}
+                                       "clipscore", "siglip", "flip"}
     for path in paths:
         recipe = ablation.load_recipe(path)
         assert recipe["about"] and recipe["findings"], path
