@@ -15,6 +15,8 @@
 #                data.workers auto: samples/s over steps 11-40 against the synthetic-batch row of bench-eager, and the
 #                share of those steps' time the main process waited for data (scripts/gpu_e2e.py run, gpu_check.py e2e);
 #   memory-accum peak memory of a base-size step at train.accum_steps 1, 2, 4 (benchmarks/accum_memory.py);
+#   faiss        whether the node's faiss has GPU support, and if so vlprep.knn and `vlprep pseudolabel` with the
+#                index on the GPU against the CPU (scripts/gpu_faiss.py; skipped, not failed, without one);
 #   report       CHECK_DIR/gpu-check.json and gpu-check.md, the table printed at the end.
 # The node needs a Python with torch, torchvision, transformers, timm, typer, pandas, pyarrow, safetensors, rich,
 # matplotlib, tensorboard and pytest; the rest comes from .gpu/ (`bash scripts/gpu-wheels.sh` on a machine with
@@ -34,7 +36,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1; shift ;;
     --out) CHECK=${2:?--out needs a folder}; shift 2 ;;
-    -h|--help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "error: unknown argument $1 (usage: scripts/gpu-check.sh [--dry-run] [--out CHECK_DIR])" >&2; exit 2 ;;
   esac
 done
@@ -57,6 +59,7 @@ if [ "$DRY" = 1 ]; then
   BENCH_MAX=()
   MEMORY=()
   PEER=()  # its CPU dry run is a test of its own (tests/vltrain/test_peer_benchmark.py)
+  FAISS=()  # its CPU dry run (the CPU against itself) is in tests/test_gpu_faiss.py
   DDP_ARGS="--device cpu --batch-size 4 --set model.image_model=tiny --set model.text_model=tiny"
   # the end-to-end rows at the bench rows' tiny size: 40 small photographs, 6 steps of 4, the first 2 untimed
   E2E_DATA="40 --small"
@@ -90,6 +93,9 @@ else
   # vltrain against open_clip on the same ViT-B-16 towers (benchmarks/peer.py): one batch here, eager and compiled
   # (four processes; a compiled side needs about 70 s with a cold inductor cache); the full grid is a call of its own
   PEER=(--size base --batches 256 --compile off,on --worker-seconds 130)
+  # faiss on the GPU against the CPU: 3,000 vectors and two small pseudolabel runs per side, about 15 s on a CPU
+  # (not yet run on a GPU)
+  FAISS=(--device cuda)
   MEMORY=(--device cuda --presets clip,albef --batch 128 --text random:bert-base --image timm:vit_base_patch16_224
           --image-size 224)
   DDP_ARGS="--device cuda --batch-size 32 --set model.image_model=tiny --set model.text_model=random:minilm"
@@ -180,6 +186,9 @@ step e2e-albef 100 e2e_run albef
 rm -rf "$CHECK/e2e-data"  # 640 MB of shards on the GPU node
 if [ ${#MEMORY[@]} -gt 0 ]; then
   step memory-accum 60 "$PY" benchmarks/accum_memory.py "${MEMORY[@]}"
+fi
+if [ ${#FAISS[@]} -gt 0 ]; then
+  step faiss 60 "$PY" scripts/gpu_faiss.py "$CHECK" "${FAISS[@]}"
 fi
 echo "== report"
 "$PY" scripts/gpu_check.py report "$CHECK"

@@ -1,6 +1,7 @@
 """The pieces of scripts/gpu-check.sh that are easier in Python: the check's small dataset, the verdict on its
-one-process DDP run, the end-to-end rows, and the report (gpu-check.json and gpu-check.md) built from what the
-steps left in the output folder. Standard library only (the report runs even where the project's imports would not).
+one-process DDP run, the end-to-end rows, and the report (gpu-check.json and gpu-check.md, with scripts/gpu_faiss.py's
+faiss row) built from what the steps left in the output folder. Standard library only (the report runs even where
+the project's imports would not).
 
     python scripts/gpu_check.py data OUT_DIR N          # N captioned 48 px images as a source folder
     python scripts/gpu_check.py ddp RUN_DIR STEPS LOG   # the DDP run trained STEPS steps through DDP, finite losses
@@ -161,6 +162,29 @@ def e2e_table(rows: list[dict], steps: list[dict]) -> list[str]:
     return lines
 
 
+def faiss_table(rows: list[dict], steps: list[dict]) -> list[str]:
+    """scripts/gpu_faiss.py's row: faiss and its GPUs, what ran (knn flat/IVF, pseudolabel flat/IVF, GPU against
+    CPU), the neighbours compared, ties at the k-th place, mismatches, files that differ, the verdict and the time."""
+    if not rows:
+        return [missing("faiss", "faiss.jsonl", steps, "faiss")]
+    lines = ["| faiss | GPUs | ran | neighbours compared | ties | mismatches | pseudolabel files differ | verdict | "
+             "seconds |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        knn, pseudo = r.get("knn") or [], r.get("pseudolabel") or []
+        ran = ", ".join([f"knn {k.get('index')}" for k in knn] + [f"pseudolabel {p.get('index')}" for p in pseudo])
+        counts = ["", "", ""]
+        if knn:
+            counts = [str(sum(k.get(c, 0) for k in knn)) for c in ("neighbours", "ties", "mismatches")]
+        files = sum(p.get("files", 0) for p in pseudo)
+        differ = f"{sum(len(p.get('files_differ', [])) for p in pseudo)} of {files}" if pseudo else ""
+        lines.append(f"| {r.get('faiss') or 'not importable'} | {cell(r.get('gpus'))} | {ran or 'nothing'} | "
+                     f"{' | '.join(counts)} | {differ} | {r.get('status')}: {r.get('note', '')} | "
+                     f"{cell(r.get('seconds'))} |")
+        if r.get("near_dup"):
+            lines.append(f"| | | near-dup: {r['near_dup']} | | | | | | |")
+    return lines
+
+
 def e2e_row(run: Path, bench: list[dict], size: str, preset: str, batch: int, warmup: int) -> dict:
     """One end-to-end row from a `scripts/gpu_e2e.py run` in `run`, steps after `warmup` only (start-up, the loader's
     first batches, the allocator and cuDNN settling are left out):
@@ -216,10 +240,12 @@ def report(check: Path) -> int:
     rows = [r for r in bench if r.get("kind") != "header"]
     peer = read_jsonl(check / "peer.jsonl")
     e2e = read_jsonl(check / "e2e.jsonl")
+    faiss = read_jsonl(check / "faiss.jsonl")
     env = (check / "env.txt").read_text(errors="replace") if (check / "env.txt").is_file() else ""
     tests = junit_counts(check / "cuda-tests.xml")
     out = {"steps": steps, "environment": env, "cuda_tests": tests, "bench_header": header, "bench": rows,
-           "peer": peer, "e2e": e2e}
+           "peer": peer, "e2e": e2e,
+           "faiss": faiss}
     (check / "gpu-check.json").write_text(json.dumps(out, indent=1) + "\n")
     md = ["## GPU check", "", "```", env.strip(), "```", "", "| step | status | seconds |", "|---|---|---|"]
     md += [f"| {s['step']} | {'ok' if s['rc'] == 0 else 'FAILED (rc ' + str(s['rc']) + ')'} | {s['seconds']:.0f} |"
@@ -234,6 +260,7 @@ def report(check: Path) -> int:
     md += ["", "### vltrain against open_clip (benchmarks/peer.py)", ""] + peer_table(peer, steps)
     md += ["", "### End to end: `vltrain run` from JPEG shards against the synthetic-batch row", ""]
     md += e2e_table(e2e, steps)
+    md += ["", "### faiss on a GPU against the CPU (scripts/gpu_faiss.py)", ""] + faiss_table(faiss, steps)
     text = "\n".join(md) + "\n"
     (check / "gpu-check.md").write_text(text)
     print(text)
