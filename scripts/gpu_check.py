@@ -164,7 +164,8 @@ def e2e_table(rows: list[dict], steps: list[dict]) -> list[str]:
 
 def faiss_table(rows: list[dict], steps: list[dict]) -> list[str]:
     """scripts/gpu_faiss.py's row: faiss and its GPUs, what ran (knn flat/IVF, pseudolabel flat/IVF, GPU against
-    CPU), the neighbours compared, ties at the k-th place, mismatches, files that differ, the verdict and the time."""
+    CPU), the neighbours compared (knn's and the stage's queries'), ties at the k-th place, mismatches, the output
+    files that differ, the verdict and the time."""
     if not rows:
         return [missing("faiss", "faiss.jsonl", steps, "faiss")]
     lines = ["| faiss | GPUs | ran | neighbours compared | ties | mismatches | pseudolabel files differ | verdict | "
@@ -173,8 +174,8 @@ def faiss_table(rows: list[dict], steps: list[dict]) -> list[str]:
         knn, pseudo = r.get("knn") or [], r.get("pseudolabel") or []
         ran = ", ".join([f"knn {k.get('index')}" for k in knn] + [f"pseudolabel {p.get('index')}" for p in pseudo])
         counts = ["", "", ""]
-        if knn:
-            counts = [str(sum(k.get(c, 0) for k in knn)) for c in ("neighbours", "ties", "mismatches")]
+        if knn or pseudo:  # vlprep.knn's searches and the stage's own queries searched again
+            counts = [str(sum(k.get(c, 0) for k in knn + pseudo)) for c in ("neighbours", "ties", "mismatches")]
         files = sum(p.get("files", 0) for p in pseudo)
         differ = f"{sum(len(p.get('files_differ', [])) for p in pseudo)} of {files}" if pseudo else ""
         lines.append(f"| {r.get('faiss') or 'not importable'} | {cell(r.get('gpus'))} | {ran or 'nothing'} | "

@@ -147,8 +147,11 @@ def test_cpu_against_cpu_runs_the_whole_comparison(gf, tmp_path):
     assert row["knn"][1]["nprobe"] == knn.DEFAULT_NPROBE < knn.ivf_nlist(gf.N_VECTORS)
     assert [(r["index"], r["files"], r["files_differ"]) for r in row["pseudolabel"]] == [("flat", 4, []),
                                                                                           ("ivf", 4, [])]
-    assert row["note"] == "knn 10000 neighbours compared, 0 tied at the k-th place, 0 mismatched; pseudolabel 8 " \
-                          "files, 0 differ"
+    # the stage's own queries searched again: 40 UNALIGNED images x 2 crops, k 5
+    for r in row["pseudolabel"]:
+        assert (r["queries"], r["neighbours"], r["equal_sets"], r["ties"], r["mismatches"]) == (80, 400, 80, 0, 0)
+    assert row["note"] == ("10800 neighbours compared (knn and the stage's queries), 0 tied at the k-th place, 0 "
+                           "mismatched; pseudolabel 8 files, 0 differ")
     assert "CPU only in vlprep" in row["near_dup"]
 
 
@@ -158,14 +161,15 @@ def test_report_has_the_faiss_row(gc, tmp_path):
 
     knn_rows = [{"index": "flat", "neighbours": 5000, "ties": 2, "mismatches": 0},
                 {"index": "ivf", "neighbours": 5000, "ties": 1, "mismatches": 3}]
-    pseudo = [{"index": "flat", "files": 4, "files_differ": []}, {"index": "ivf", "files": 4, "files_differ": ["a"]}]
+    pseudo = [{"index": "flat", "files": 4, "files_differ": [], "neighbours": 400, "ties": 1, "mismatches": 0},
+              {"index": "ivf", "files": 4, "files_differ": ["a"], "neighbours": 400, "ties": 0, "mismatches": 2}]
     write("steps.jsonl", [{"step": "faiss", "rc": 1, "seconds": 20}])
     write("faiss.jsonl", [{"kind": "faiss", "faiss": "1.9.0", "gpus": 1, "knn": knn_rows, "pseudolabel": pseudo,
                            "near_dup": "CPU only", "status": "FAILED", "note": "n", "seconds": 20.5},
                           {"kind": "faiss", "faiss": None, "gpus": 0, "status": "skipped", "note": "m"}])
     assert gc.report(tmp_path) == 1
     table = (tmp_path / "gpu-check.md").read_text()
-    assert ("| 1.9.0 | 1 | knn flat, knn ivf, pseudolabel flat, pseudolabel ivf | 10000 | 3 | 3 | 1 of 8 | FAILED: n "
+    assert ("| 1.9.0 | 1 | knn flat, knn ivf, pseudolabel flat, pseudolabel ivf | 10800 | 4 | 5 | 1 of 8 | FAILED: n "
             "| 20.5 |") in table
     assert "| | | near-dup: CPU only | | | | | | |" in table
     assert "| not importable | 0 | nothing |  |  |  |  | skipped: m |  |" in table
