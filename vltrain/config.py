@@ -186,7 +186,20 @@ class OptimConfig(Section):
 SWITCHES = ("auto", "on", "off")
 DECODES = ("cpu", "gpu")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+COMPILE_MODES = ("off", "towers", "step")
 TRACKERS = ("tensorboard", "wandb", "mlflow")
+
+
+def step_compile_refusal(cfg) -> str | None:
+    """Why train.compile=step cannot trace this run's step as one graph, in a few words; None when it can."""
+    if cfg.loss.softmask_itm > 0:
+        return ("SoftMask++'s soft ITM (loss.softmask_itm) draws its masks from the run's generator inside the step "
+                "and its Grad-CAM takes a second backward")
+    if cfg.loss.dedupe == "caption":
+        return "loss.dedupe=caption compares the caption strings inside the step"
+    if cfg.train.accum_steps > 1:
+        return "train.accum_steps > 1 runs the step in phases of its own"
+    return None
 
 
 @dataclass
@@ -195,7 +208,9 @@ class TrainConfig(Section):
     tf32: str | bool = "auto"           # TF32 matmuls and convolutions (CUDA only; auto = on there)
     channels_last: str | bool = "auto"  # NHWC memory format for the CNN image tower and its pixels (auto = on
                                         # CUDA, and on a CPU for a frozen image tower)
-    compile: bool = False               # torch.compile the image and text encoders in place (same checkpoint keys)
+    compile: str | bool = "off"         # torch.compile: off; towers (the image and text encoders, in place; true
+                                        # in older configs); step (the whole step, forward, losses and backward,
+                                        # captions padded to 4 length buckets). Checkpoint keys stay the same
     unpad: bool = True                  # text encoder and fusion layers run on length groups of each batch, each
                                         # cut to its longest caption, instead of the whole batch padded to its longest
     precision: str = "auto"             # fp32, bf16 (autocast), fp16 (autocast + loss scaling); auto: bf16 on a
@@ -454,6 +469,14 @@ def validate(cfg: Config) -> None:
             setattr(cfg.train, key, "on" if value else "off")
         if getattr(cfg.train, key) not in SWITCHES:
             raise ConfigError(f"train.{key} must be one of {', '.join(SWITCHES)}, got {shown(getattr(cfg.train, key))}")
+    if isinstance(cfg.train.compile, bool):  # true / false before the key had modes: true compiled the towers
+        cfg.train.compile = "towers" if cfg.train.compile else "off"
+    if cfg.train.compile not in COMPILE_MODES:
+        raise ConfigError(f"train.compile must be one of {', '.join(COMPILE_MODES)}, got {shown(cfg.train.compile)}")
+    if cfg.train.compile == "step":
+        why = step_compile_refusal(cfg)
+        if why:
+            raise ConfigError(f"train.compile=step: {why}; use train.compile=towers")
     if cfg.batch_size % cfg.train.accum_steps:
         raise ConfigError(f"train.accum_steps={cfg.train.accum_steps} must divide batch_size={cfg.batch_size}")
     if cfg.model.dropout is not None and not in_range(cfg.model.dropout, "[0, 1)"):

@@ -215,6 +215,28 @@ def sample_hard_negatives(weights: torch.Tensor, generator: torch.Generator | No
     return torch.multinomial(w, 1, generator=generator).squeeze(1)
 
 
+@torch.no_grad()
+def sample_hard_negatives_at(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One index per row drawn in proportion to weights by inverse transform sampling at the uniform u in [0, 1),
+    never the diagonal: (B, W), (B,) -> (B,) long. Row i's draw is the first column whose running sum of weights
+    exceeds u_i times the row's sum, so each column is drawn with probability weight / sum, as by
+    `sample_hard_negatives`; a compiled step (train.compile=step) draws so, its uniforms drawn before the graph."""
+    b, width = _negative_weights_shape(weights)
+    w = upcast(weights.detach()).masked_fill(torch.eye(b, width, dtype=torch.bool, device=weights.device), 0.0)
+    ok = (w >= 0).all() & (w.sum(dim=-1) > 0).all()
+    try:
+        torch._assert_async(ok, "every row of weights needs a positive off-diagonal entry and no negative ones")
+    except RuntimeError as e:
+        raise ValueError(str(e)) from None
+    cdf = w.cumsum(dim=-1)
+    at = torch.searchsorted(cdf, (u.to(cdf.dtype) * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    # u * sum can round up to the sum itself (u = 1 - 2^-24 in float32), past every column: the row's last column of
+    # positive weight is then the draw, as it is for the u just below
+    cols = torch.arange(width, device=w.device)
+    last = torch.where(w > 0, cols, torch.zeros_like(cols)).amax(dim=1)
+    return torch.minimum(at, last)
+
+
 def itm_loss(itm_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Cross-entropy over B positives and 2B hard negatives (label 1 = match; -100: a row left out, as a row without
     a negative is): (3B, 2), (3B,) -> (), the mean over the rows not left out."""
@@ -249,7 +271,8 @@ def mlm_loss(logits: torch.Tensor, labels: torch.Tensor, soft_targets: torch.Ten
              alpha: float = 0.0) -> torch.Tensor:
     """(1-alpha)*CE + alpha*soft CE vs momentum probs at masked positions: (B, L, V), (B, L)[, (B, L, V)] -> ();
     also (N, V), (N,)[, (N, V)] for logits already taken at the masked positions (what train_step passes)."""
-    if alpha > 0 and soft_targets is None:
+    # (alpha may be a 0-d tensor, a compiled step's: tested only where it cannot be one, so that nothing is read)
+    if soft_targets is None and alpha > 0:
         raise ValueError("mlm_loss with alpha > 0 needs soft_targets")
     # Fixed-size ops over every position given, the unmasked ones zeroed out of the sums: no read of how many were
     # masked (a sync per step on a GPU). train_step passes the masked positions only (all picked), where the sums
@@ -259,7 +282,7 @@ def mlm_loss(logits: torch.Tensor, labels: torch.Tensor, soft_targets: torch.Ten
     logp = upcast(logits).log_softmax(dim=-1)
     nll = -logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     ce = torch.where(picked, nll, torch.zeros_like(nll)).sum() / n
-    if soft_targets is None or alpha == 0:
+    if soft_targets is None or (not torch.is_tensor(alpha) and alpha == 0):
         return ce
     soft = -(soft_targets.detach().to(logp.dtype) * logp).sum(dim=-1)
     soft = torch.where(picked, soft, torch.zeros_like(soft)).sum() / n

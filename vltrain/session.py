@@ -38,7 +38,7 @@ from vltrain.optim import build_optimizer
 from vltrain.resolve import resolve_towers
 from vltrain.resume import Run, RunState, check_ranks, check_resumable, restore, set_rng_states, stamp, upload
 from vltrain.runlog import RunLog, earlier_rows, init_line, make_console, summary
-from vltrain.step import TrainStep, wrap_ddp
+from vltrain.step import CompiledStep, TrainStep, wrap_ddp
 from vltrain.tracking import check_installed
 from vltrain.trainset import TrainData, heldout_positions, prepare
 
@@ -295,10 +295,11 @@ def speed_options(cfg: Config, model, device: torch.device, use_features: bool) 
         model.image_encoder.to(memory_format=torch.channels_last)
     # Up to 4 groups: GRIT's and TOnICS' batches (never length-bucketed) and every ITM / MLM pass stop paying for
     # padding; a bucketed batch is one group
-    model.set_unpad(4 if cfg.train.unpad else 0)
+    # (not under train.compile=step: a batch's groups are cut from its captions' lengths, a shape per batch)
+    model.set_unpad(4 if cfg.train.unpad and cfg.train.compile != "step" else 0)
     if cfg.train.grad_checkpointing:  # before compile, which traces the checkpointed forward
         model.set_grad_checkpointing(True)
-    if cfg.train.compile:  # in place (nn.Module.compile), so state_dict keys and checkpoints stay the same
+    if cfg.train.compile == "towers":  # in place (nn.Module.compile), so state_dict keys and checkpoints stay the same
         model.image_encoder.compile()
         model.text_encoder.compile()
     return channels_last
@@ -514,6 +515,9 @@ def setup(cfg: Config, resume: bool = False, overwrite: bool = False, init_from=
     step_fn = wrap_ddp(model, cfg.loss, device) if ddp else TrainStep(model)
     if cfg.train.accum_steps > 1:  # towers in chunks; under torchrun the gradients are averaged by hand
         step_fn = AccumStep(model, cfg.train.accum_steps, step_fn if ddp else None)
+    if cfg.train.compile == "step":  # the function compiled, not the model: state_dict keys stay the same
+        pad = data.tokenizer.pad_token_id
+        step_fn = CompiledStep(step_fn, model, cfg.data.max_len, 0 if pad is None else pad)
     if size > 1:
         seed_everything(rank_seed, device)
     # every rank draws the same global batches and reads its slice of each

@@ -122,6 +122,27 @@ def device_views(jpeg: dict, decoded: torch.Tensor, keys, device: torch.device) 
     return out
 
 
+def bucket_length(longest: int, max_len: int, buckets: int) -> int:
+    """The caption length a batch whose longest caption has `longest` tokens is padded to: the smallest of the
+    `buckets` lengths ceil(max_len / buckets) * k (k = 1..buckets, the last cut to max_len) that holds it."""
+    step = -(-max_len // buckets)
+    return min(max_len, -(-max(longest, 1) // step) * step)
+
+
+def pad_captions(batch: dict, length: int, pad_id: int) -> dict:
+    """The batch with its captions padded on the right to `length` tokens: input_ids with `pad_id`, attention_mask
+    and noun_mask (TOnICS) with 0 / False, the padding masked out as Collate's own is; other entries as they are."""
+    n = length - batch["input_ids"].shape[1]
+    if n <= 0:
+        return batch
+    out = dict(batch)
+    out["input_ids"] = torch.nn.functional.pad(batch["input_ids"], (0, n), value=pad_id)
+    out["attention_mask"] = torch.nn.functional.pad(batch["attention_mask"], (0, n), value=0)
+    if "noun_mask" in batch:
+        out["noun_mask"] = torch.nn.functional.pad(batch["noun_mask"], (0, n), value=False)
+    return out
+
+
 def to_device(batch: dict, device: torch.device) -> dict:
     """The batch's tensors on `device` (non-blocking from pinned memory); other entries as they are. uint8 images
     with a 'pixel_norm' (mean, std) become float32 (x / 255 - mean) / std there, the batch without 'pixel_norm'.

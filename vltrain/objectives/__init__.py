@@ -40,3 +40,12 @@ class Forward:
     same: torch.Tensor | None = None         # loss.dedupe=caption: (B, B_global) byte-identical captions
     hard: torch.Tensor | None = None         # ... as ITC targets (B, B_global + Q)
     fused: torch.Tensor | None = None        # matching: the ITM rows' fusion output (positives first)
+
+
+@dataclass
+class Draws:
+    """One step's random draws, made before a compiled step (train.compile=step) and passed where the step takes its
+    generator: a traced graph cannot read a torch.Generator (Dynamo breaks the graph at each such draw)."""
+
+    mlm: tuple | None = None             # mlm_mask's (masked ids, labels) (B, L) x2, from the run's generator
+    itm: torch.Tensor | None = None      # (2, B) uniforms in [0, 1): row i's negative caption, then its negative image

@@ -4,18 +4,24 @@ import torch
 
 from vltrain.losses import mlm_loss, mlm_mask, upcast
 from vltrain.model import mask_token_id, model_tokenizer
+from vltrain.objectives import Draws
 
 
-def masked_lm_loss(model, f, w, generator: torch.Generator, tokenizer, alpha: float, distill: bool) -> dict:
-    """mlm_loss: the masked caption fused with the image, the vocabulary head on the masked positions only."""
+def masked_lm_loss(model, f, w, generator: torch.Generator | Draws, tokenizer, alpha: float | torch.Tensor,
+                   distill: bool) -> dict:
+    """mlm_loss: the masked caption fused with the image, the vocabulary head on the masked positions only
+    (`generator` a Draws: its mask)."""
     mask = f.mask
     if f.mlm_masked is not None:  # the text was encoded masked already; ITM's positive rows are this fusion
         masked, labels = f.mlm_masked
         fused = f.fused[:f.ids.shape[0]] if w.itm > 0 else model.fuse(f.text_hidden, mask, f.image_tokens, ends=f.ends)
     else:
-        tok = tokenizer or model_tokenizer(model)
-        masked, labels = mlm_mask(f.ids, w.mlm_prob, tok.all_special_ids, mask_token_id(tok),
-                                  model.text_encoder.config.vocab_size, generator)
+        if isinstance(generator, Draws):
+            masked, labels = generator.mlm
+        else:
+            tok = tokenizer or model_tokenizer(model)
+            masked, labels = mlm_mask(f.ids, w.mlm_prob, tok.all_special_ids, mask_token_id(tok),
+                                      model.text_encoder.config.vocab_size, generator)
         hidden, _ = model.encode_text(masked, mask, f.ends)
         fused = model.fuse(hidden, mask, f.image_tokens, ends=f.ends)
     # The vocabulary head runs on the masked positions only (about 15% of them): the loss reads nothing else,

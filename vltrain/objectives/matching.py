@@ -5,12 +5,15 @@ import torch
 import torch.nn.functional as F
 
 from vltrain.distributed import gather, max_over_ranks, world
-from vltrain.losses import hard_negative_weights, hardest_negatives, itm_loss, sample_hard_negatives
+from vltrain.losses import (hard_negative_weights, hardest_negatives, itm_loss, sample_hard_negatives,
+                            sample_hard_negatives_at)
+from vltrain.objectives import Draws
 from vltrain.softmask import soft_itm_loss
 
 
-def hard_negatives(f, w, width: int, generator: torch.Generator) -> tuple:
-    """(negative caption per image, negative image per caption, has_t, has_i) from the ITC logits' pool of `width`.
+def hard_negatives(f, w, width: int, generator: torch.Generator | Draws) -> tuple:
+    """(negative caption per image, negative image per caption, has_t, has_i) from the ITC logits' pool of `width`;
+    `generator` a Draws (a compiled step): drawn at its uniforms by `sample_hard_negatives_at`.
 
     A row whose every other caption is a duplicate of its own has no negative (has_t / has_i False): it sits out of
     ITM this step. Its draw still happens, from placeholder weights, so the generator advances as in any other step.
@@ -26,10 +29,13 @@ def hard_negatives(f, w, width: int, generator: torch.Generator) -> tuple:
     if w.itm_negatives == "hardest":  # GRIT-VLP's released code: the top-1 of the weights, no draw
         return hardest_negatives(w_i2t), hardest_negatives(w_t2i), has_t, has_i
     # a hard negative caption for each image, then a hard negative image for each caption
+    if isinstance(generator, Draws):
+        return (sample_hard_negatives_at(w_i2t, generator.itm[0]), sample_hard_negatives_at(w_t2i, generator.itm[1]),
+                has_t, has_i)
     return sample_hard_negatives(w_i2t, generator), sample_hard_negatives(w_t2i, generator), has_t, has_i
 
 
-def matching_losses(model, f, w, generator: torch.Generator) -> dict:
+def matching_losses(model, f, w, generator: torch.Generator | Draws) -> dict:
     """itm_loss over B positives and their hard negatives, and softmask_itm_loss where weighted; sets f.fused."""
     b = f.ids.shape[0]
     mask = f.mask
