@@ -108,7 +108,9 @@ def test_cached_tokens_and_unmatched_augments_are_refused_on_cuda_too():
 
 def test_the_cli_refuses_gpu_decode_on_a_cpu_in_one_line(tmp_path):
     shards = colour_pairs(tmp_path, 8)
+    # preset clip: augment none, the one augmentation decode gpu runs (albef's RandAugment is refused first)
     result = CliRunner().invoke(app, ["run", str(shards), "--out", str(tmp_path / "run"), "--batch-size", "4",
+                                      "--preset", "clip",
                                       "--steps", "1", "--device", "cpu", "--set", "model.text_model=tiny",
                                       "--set", "model.image_model=tiny", "--set", "data.image_size=32",
                                       "--set", "data.workers=0", "--set", "data.decode=gpu"])
