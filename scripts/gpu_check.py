@@ -1,19 +1,25 @@
 """The pieces of scripts/gpu-check.sh that are easier in Python: the check's small dataset, the verdict on its
-one-process DDP run, the end-to-end rows, and the report (gpu-check.json and gpu-check.md, with scripts/gpu_faiss.py's
-faiss row) built from what the steps left in the output folder. Standard library only (the report runs even where
-the project's imports would not).
+one-process DDP run, the end-to-end rows, and the report (gpu-check.json, gpu-check.md with scripts/gpu_faiss.py's
+faiss row and the batch rows, and logs.tar.gz) built from what the steps left in the work folder. Standard library
+only (the report runs even where the project's imports would not), and cheap (well under a second): the script
+writes it before each step, so a call killed at its limit still leaves one.
 
     python scripts/gpu_check.py data OUT_DIR N          # N captioned 48 px images as a source folder
     python scripts/gpu_check.py ddp RUN_DIR STEPS LOG   # the DDP run trained STEPS steps through DDP, finite losses
     python scripts/gpu_check.py e2e RUN_DIR CHECK_DIR SIZE PRESET BATCH WARMUP
         # a `scripts/gpu_e2e.py run` from JPEG shards: one row into CHECK_DIR/e2e.jsonl (see `e2e_row`)
-    python scripts/gpu_check.py report CHECK_DIR        # gpu-check.json + gpu-check.md, and print the table
+    python scripts/gpu_check.py report CHECK_DIR [OUT_DIR] [--quiet]
+        # OUT_DIR (default CHECK_DIR): gpu-check.json, gpu-check.md (printed unless --quiet) and logs.tar.gz
 """
 
+import io
 import json
 import math
+import os
 import random
 import sys
+import tarfile
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -25,6 +31,12 @@ COLUMNS = ["size", "preset", "params_m", "batch", "precision", "compile", "ckpt"
 # Headings that say what a column is measured against (benchmarks/gpu.py's docstring); the rest print their key.
 HEADINGS = {"mfu": "mfu (vendor peak)", "mfu_measured": "mfu (measured peak)",
             "sync_step_ms": "sync_step_ms (parts)"}
+# What logs.tar.gz takes from the work folder (the steps' logs and records; not their data), each file cut to its
+# last LOG_TAIL bytes so the archive stays far under what a device call brings back (16 MB a file).
+LOG_GLOBS = ["*.log", "*.jsonl", "*.txt", "*.xml", "*.json", "e2e-*/*.jsonl", "e2e-*/*.json", "ddp-run/*.jsonl",
+             "ddp-run/*.json"]
+LOG_TAIL = 2 ** 20
+BATCH_PRESETS = ("clip", "albef")  # the presets the batch rows (bench-batch) measure
 
 
 def make_data(out: Path, n: int) -> None:
@@ -110,13 +122,26 @@ def pct(v) -> str:
     return "n/a" if v is None else f"{100 * v:.1f}%"
 
 
+def step_status(s: dict) -> str:
+    """A steps.jsonl record in words: ok, FAILED (rc N), or not run: budget (what the step needed and what was
+    left: a step is started only when its limit fits in the budget's rest)."""
+    if s.get("skipped"):
+        if s.get("needs"):
+            return f"not run: {s['skipped']} ({s['needs']} did not run)"
+        return (f"not run: {s['skipped']} (limit {s.get('limit')} s + {s.get('grace', 0)} s to stop it, "
+                f"{s.get('left')} s left)")
+    return "ok" if s.get("rc") == 0 else f"FAILED (rc {s.get('rc')})"
+
+
 def missing(name: str, file: str, steps: list[dict], prefix: str) -> str:
-    """The line a table shows when its file has no rows: the step that should have written them failed, or did not
-    run in this check."""
+    """The line a table shows when its file has no rows: the step that should have written them failed, was not run
+    for the budget, or was not part of this check."""
     ran = [s for s in steps if s["step"].startswith(prefix)]
     if not ran:
         return f"({name}: not run in this check)"
-    failed = [f"{s['step']} rc {s['rc']}" for s in ran if s["rc"] != 0]
+    if all(s.get("skipped") for s in ran):
+        return f"({name}: not run: {ran[0]['skipped']})"
+    failed = [f"{s['step']} rc {s['rc']}" for s in ran if not s.get("skipped") and s["rc"] != 0]
     why = f"step {', '.join(failed)}, see its log" if failed else "the step wrote none"
     return f"(no {name} rows: {file} missing or empty; {why})"
 
@@ -156,10 +181,67 @@ def e2e_table(rows: list[dict], steps: list[dict]) -> list[str]:
     have = {r.get("preset") for r in rows}
     for s in runs:
         preset = s["step"][len(E2E_PREFIX):]
-        if preset not in have:
+        if preset not in have and s.get("skipped"):
+            lines.append(f"| | {preset} | | | | | | | | {step_status(s)} |")
+        elif preset not in have:
             lines.append(f"| | {preset} | | | | | | | | no row: step {s['step']} "
                          f"{'rc ' + str(s['rc']) if s['rc'] else 'wrote none'}, see {s['step']}.log |")
     return lines
+
+
+def batch_table(rows: list[dict], steps: list[dict]) -> list[str]:
+    """Samples/s against the batch for clip and albef: per (size, preset), the eager rows (no compile, checkpointing
+    or patch dropout) at every batch measured, when there are two or more (bench-eager's 128 and bench-batch's 256,
+    512, 1024 on a GPU), the last row of each batch. Beside each: samples/s over the smallest batch's, and the peak
+    memory each sample added since the batch before ((peak - peak before) / (batch - batch before)): the slope that
+    says how far a card of another size can go; an out-of-memory row keeps its status."""
+    groups: dict[tuple, dict[int, dict]] = {}
+    for r in rows:
+        if (r.get("kind") == "row" and r.get("preset") in BATCH_PRESETS and r.get("compile") == "off"
+                and r.get("ckpt") == "off" and not r.get("patch_dropout") and isinstance(r.get("batch"), int)):
+            groups.setdefault((r.get("size"), r["preset"]), {})[r["batch"]] = r
+    groups = {k: v for k, v in groups.items() if len(v) > 1}
+    if not groups:
+        return [missing("batch", "bench.jsonl", steps, "bench-batch")]
+    lines = ["| size | preset | batch | samples/s | x smallest batch | peak GiB | GiB per added sample | status |",
+             "|---|---|---|---|---|---|---|---|"]
+    for (size, preset), by_batch in groups.items():
+        first, prev = None, None
+        for batch in sorted(by_batch):
+            r = by_batch[batch]
+            ok = r.get("status") == "ok"
+            speed = slope = ""
+            if ok and first is None:
+                first = r
+            if ok and first is not r and first.get("samples_per_s"):
+                speed = f"{r['samples_per_s'] / first['samples_per_s']:.2f}x"
+            if ok and prev is not None and r.get("peak_mem_gib") is not None:
+                slope = f"{(r['peak_mem_gib'] - prev['peak_mem_gib']) / (batch - prev['batch']):.4f}"
+            lines.append(f"| {size} | {preset} | {batch} | {cell(r.get('samples_per_s')) if ok else ''} | {speed} | "
+                         f"{cell(r.get('peak_mem_gib')) if ok else ''} | {slope} | {r.get('status')} |")
+            if ok and r.get("peak_mem_gib") is not None:
+                prev = r
+    return lines
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """path's new content, or its old one: a call killed while writing cannot leave half a report."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def pack_logs(check: Path) -> bytes:
+    """logs.tar.gz's bytes: the files of LOG_GLOBS in `check` (relative names), each cut to its last LOG_TAIL
+    bytes."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for path in sorted({p for g in LOG_GLOBS for p in check.glob(g) if p.is_file()}):
+            data = path.read_bytes()[-LOG_TAIL:]
+            info = tarfile.TarInfo(str(path.relative_to(check)))
+            info.size, info.mtime = len(data), int(path.stat().st_mtime)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
 
 
 def faiss_table(rows: list[dict], steps: list[dict]) -> list[str]:
@@ -232,10 +314,18 @@ def e2e_row(run: Path, bench: list[dict], size: str, preset: str, batch: int, wa
     return row
 
 
-def report(check: Path) -> int:
-    """gpu-check.json and gpu-check.md from the steps' records in `check`; prints the markdown; 1 when a step
-    failed."""
+def report(check: Path, out: Path | None = None, quiet: bool = False) -> int:
+    """gpu-check.json, gpu-check.md and logs.tar.gz in `out` (default `check`) from the steps' records in `check`, the
+    budget's use (budget.json) and the step running now (running.json, written by the script before it starts one);
+    prints the markdown unless quiet; 1 when a step failed or none was recorded (a step not run for the budget is no
+    failure)."""
+    out = out or check
+    out.mkdir(parents=True, exist_ok=True)
     steps = read_jsonl(check / "steps.jsonl")
+    running = read_jsonl(check / "running.json")
+    budget = (read_jsonl(check / "budget.json") or [{}])[0]
+    if "start_epoch" in budget:
+        budget["elapsed_s"] = round(time.time() - budget["start_epoch"])
     bench = read_jsonl(check / "bench.jsonl")
     header = [r for r in bench if r.get("kind") == "header"]
     rows = [r for r in bench if r.get("kind") != "header"]
@@ -244,13 +334,17 @@ def report(check: Path) -> int:
     faiss = read_jsonl(check / "faiss.jsonl")
     env = (check / "env.txt").read_text(errors="replace") if (check / "env.txt").is_file() else ""
     tests = junit_counts(check / "cuda-tests.xml")
-    out = {"steps": steps, "environment": env, "cuda_tests": tests, "bench_header": header, "bench": rows,
-           "peer": peer, "e2e": e2e,
-           "faiss": faiss}
-    (check / "gpu-check.json").write_text(json.dumps(out, indent=1) + "\n")
-    md = ["## GPU check", "", "```", env.strip(), "```", "", "| step | status | seconds |", "|---|---|---|"]
-    md += [f"| {s['step']} | {'ok' if s['rc'] == 0 else 'FAILED (rc ' + str(s['rc']) + ')'} | {s['seconds']:.0f} |"
-           for s in steps]
+    result = {"steps": steps, "running": running[0] if running else None, "budget": budget, "environment": env,
+              "cuda_tests": tests, "bench_header": header, "bench": rows, "peer": peer, "e2e": e2e, "faiss": faiss}
+    write_atomic(out / "gpu-check.json", (json.dumps(result, indent=1) + "\n").encode())
+    md = ["## GPU check", "", "```", env.strip(), "```", ""]
+    if budget:
+        md += [f"Budget: {budget.get('budget_s')} s ({budget.get('reserve_s')} s of it kept for the report), "
+               f"{budget.get('elapsed_s')} s used when this report was written.", ""]
+    md += ["| step | status | seconds |", "|---|---|---|"]
+    md += [f"| {s['step']} | {step_status(s)} | {s['seconds']:.0f} |" for s in steps]
+    md += [f"| {r['step']} | running when this report was written (started at {r.get('started_s')} s, limit "
+           f"{r.get('limit')} s): a call killed then ends here | |" for r in running]
     if "tests" in tests:
         md += ["", f"CUDA tests: {tests['tests']} run, {tests['failures'] + tests['errors']} failed, "
                    f"{tests['skipped']} skipped" + (": " + ", ".join(tests["failed"]) if tests["failed"] else "")]
@@ -258,14 +352,17 @@ def report(check: Path) -> int:
         md += ["", "Benchmark: " + ", ".join(f"{k} {cell(v)}" for k, v in h.items() if k != "kind")]
     against = header[0].get("mfu_against", "vendor") if header else "vendor"
     md += [""] + (bench_table(rows, against) if rows else [missing("benchmark", "bench.jsonl", steps, "bench")])
+    md += ["", "### Samples/s against the batch (bench-eager's and bench-batch's rows)", ""] + batch_table(rows, steps)
     md += ["", "### vltrain against open_clip (benchmarks/peer.py)", ""] + peer_table(peer, steps)
     md += ["", "### End to end: `vltrain run` from JPEG shards against the synthetic-batch row", ""]
     md += e2e_table(e2e, steps)
     md += ["", "### faiss on a GPU against the CPU (scripts/gpu_faiss.py)", ""] + faiss_table(faiss, steps)
     text = "\n".join(md) + "\n"
-    (check / "gpu-check.md").write_text(text)
-    print(text)
-    return 0 if steps and all(s["rc"] == 0 for s in steps) else 1
+    write_atomic(out / "gpu-check.md", text.encode())
+    write_atomic(out / "logs.tar.gz", pack_logs(check))
+    if not quiet:
+        print(text)
+    return 0 if steps and all(s.get("skipped") or s["rc"] == 0 for s in steps) else 1
 
 
 def main(argv: list[str]) -> int:
@@ -284,7 +381,8 @@ def main(argv: list[str]) -> int:
         print("e2e: " + json.dumps(row))
         return 0 if row["status"] == "ok" else 1
     if len(argv) >= 2 and argv[0] == "report":
-        return report(Path(argv[1]))
+        paths = [a for a in argv[1:] if a != "--quiet"]
+        return report(Path(paths[0]), Path(paths[1]) if len(paths) > 1 else None, quiet="--quiet" in argv)
     print(__doc__, file=sys.stderr)
     return 2
 

@@ -1,8 +1,11 @@
 """scripts/gpu_check.py's report and end-to-end row on hand-written JSON lines: the bench table's new columns, the
-peer table from peer.py's pair rows, the end-to-end table, and a line instead of a traceback for a missing file."""
+peer table from peer.py's pair rows, the end-to-end table, the batch table, steps left out for the budget or killed
+while running, the logs archive, and a line instead of a traceback for a missing file."""
 
 import importlib.util
+import io
 import json
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -126,3 +129,66 @@ def test_e2e_command_appends_its_row_and_fails_without_a_run(gc, tmp_path, capsy
     rows = gc.read_jsonl(tmp_path / "e2e.jsonl")
     assert [(r["preset"], r["status"] == "ok") for r in rows] == [("clip", True), ("albef", False)]
     assert rows[0]["samples_per_s"] == 500.0 and rows[0]["ratio"] == 0.5
+
+
+def test_report_says_not_run_budget_and_which_step_was_running(gc, tmp_path, capsys):
+    # what the script leaves when a call is killed during e2e-clip, after bench-eager was left out for the budget
+    check, out = tmp_path / "work", tmp_path / "out"
+    write(check / "steps.jsonl", [
+        {"step": "env", "rc": 0, "seconds": 16, "limit": 30},
+        {"step": "bench-eager", "rc": None, "seconds": 0, "skipped": "budget", "limit": 160, "grace": 5, "left": 120},
+        {"step": "e2e-data", "rc": 0, "seconds": 14, "limit": 40},
+        {"step": "e2e-albef", "rc": None, "seconds": 0, "skipped": "no input", "needs": "e2e-data"}])
+    write(check / "running.json", [{"step": "e2e-clip", "started_s": 61, "limit": 75}])
+    write(check / "budget.json", [{"budget_s": 540, "reserve_s": 15, "grace_s": 5, "start_epoch": 0}])
+    assert gc.report(check, out, quiet=True) == 0  # no step failed: one left out for the budget is no failure
+    assert capsys.readouterr().out == ""
+    assert sorted(p.name for p in out.iterdir()) == ["gpu-check.json", "gpu-check.md", "logs.tar.gz"]
+    lines = (out / "gpu-check.md").read_text().splitlines()
+    assert "| bench-eager | not run: budget (limit 160 s + 5 s to stop it, 120 s left) | 0 |" in lines
+    assert "| e2e-albef | not run: no input (e2e-data did not run) | 0 |" in lines
+    assert ("| e2e-clip | running when this report was written (started at 61 s, limit 75 s): a call killed then "
+            "ends here | |") in lines
+    assert "(benchmark: not run: budget)" in lines and "(batch: not run in this check)" in lines
+    result = json.loads((out / "gpu-check.json").read_text())
+    assert result["running"]["step"] == "e2e-clip" and result["budget"]["budget_s"] == 540
+    write(check / "steps.jsonl", [{"step": "env", "rc": 1, "seconds": 3}])
+    assert gc.report(check, out, quiet=True) == 1
+
+
+def test_batch_table_speed_over_the_smallest_batch_and_memory_per_added_sample(gc, tmp_path):
+    def row(preset, batch, sps=None, mem=None, status="ok", **kw):
+        return {"kind": "row", "size": "base", "preset": preset, "batch": batch, "compile": "off", "ckpt": "off",
+                "status": status, "samples_per_s": sps, "peak_mem_gib": mem, **kw}
+
+    rows = [row("clip", 128, 1000.0, 12.0), row("clip", 256, 1500.0, 20.5), row("clip", 512, 1800.0, 38.0),
+            row("clip", 1024, status="out of memory"),
+            row("clip", 128, 1400.0, 12.0, compile="on"),  # compiled, checkpointed, dropped: not batch rows
+            row("albef", 128, 500.0, 19.0, ckpt="on"), row("clip", 256, 9.0, 1.0, patch_dropout=0.5),
+            row("grit", 128, 600.0, 18.0), row("grit", 256, 700.0, 30.0),  # not a batch preset
+            row("albef", 256, 800.0, 30.0), row("albef", 512, 1000.0, 60.0)]
+    lines = gc.batch_table(rows, [])
+    # speed: samples/s over the 128 row's; memory: (peak - peak before) / (batch - batch before)
+    assert f"| base | clip | 256 | 1500 | {1500 / 1000:.2f}x | 20.5 | {(20.5 - 12.0) / 128:.4f} | ok |" in lines
+    assert f"| base | clip | 512 | 1800 | {1800 / 1000:.2f}x | 38 | {(38.0 - 20.5) / 256:.4f} | ok |" in lines
+    assert "| base | clip | 128 | 1000 |  | 12 |  | ok |" in lines
+    assert "| base | clip | 1024 |  |  |  |  | out of memory |" in lines
+    # albef's eager rows start at 256 (its 128 row here is checkpointed)
+    assert f"| base | albef | 512 | 1000 | {1000 / 800:.2f}x | 60 | {(60.0 - 30.0) / 256:.4f} | ok |" in lines
+    assert not [ln for ln in lines if "grit" in ln or "| 9 |" in ln]
+    assert len(lines) == 2 + 4 + 2
+    assert gc.batch_table([row("clip", 128, 1000.0, 12.0)], [{"step": "bench-batch", "rc": 124, "seconds": 120}]) == [
+        "(no batch rows: bench.jsonl missing or empty; step bench-batch rc 124, see its log)"]
+
+
+def test_logs_archive_takes_the_records_and_the_tail_of_each_log(gc, tmp_path):
+    big = b"".join(b"line %07d\n" % i for i in range(gc.LOG_TAIL // 10 + 500))
+    (tmp_path / "bench-eager.log").write_bytes(big)
+    write(tmp_path / "steps.jsonl", [{"step": "env", "rc": 0, "seconds": 1}])
+    write(tmp_path / "e2e-clip" / "metrics.jsonl", [{"step": 5}])
+    (tmp_path / "bench-data").mkdir()
+    (tmp_path / "bench-data" / "shard-000000.tar").write_bytes(b"x" * 1000)  # data: left out
+    (tmp_path / "e2e-clip" / "last.pt").write_bytes(b"x" * 1000)
+    with tarfile.open(fileobj=io.BytesIO(gc.pack_logs(tmp_path)), mode="r:gz") as tar:
+        assert sorted(tar.getnames()) == ["bench-eager.log", "e2e-clip/metrics.jsonl", "steps.jsonl"]
+        assert tar.extractfile("bench-eager.log").read() == big[len(big) - gc.LOG_TAIL:]
