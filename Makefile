@@ -78,8 +78,10 @@ ablation: install
 		$(if $(SEEDS),--seeds $(SEEDS))
 
 # The GPU check (scripts/gpu-check.sh): `make gpu-wheels` here (PyPI needed) fills .gpu/ with the few wheels an
-# offline GPU node lacks; copy the tree with .gpu/ there and run `bash scripts/gpu-check.sh` (about 8 minutes at
-# most); `make gpu-check` runs its CPU dry run here (part of `make test` too).
+# offline GPU node lacks; copy the tree with .gpu/ there and run `bash scripts/gpu-check.sh --out $OUT/check` as one
+# device call with timeout_s 600: its steps share a 540 s budget (--budget; a step that does not fit is reported
+# "not run: budget"), and OUT_DIR gets three files (gpu-check.md, gpu-check.json, logs.tar.gz), rewritten before
+# each step; `make gpu-check` runs its CPU dry run here (part of `make test` too).
 gpu-wheels: install
 	PY=$(PY) bash scripts/gpu-wheels.sh
 
