@@ -19,7 +19,7 @@ from vltrain.step import BUCKETS, CompiledStep, TrainStep
 
 TINY = ["model.text_model=tiny", "model.image_model=tiny", "model.embed_dim=16", "data.image_size=32",
         "data.max_len=16", "optim.lr=0.001", "model.dropout=0"]
-PER_PRESET = {"clip": [], "albef-base": ["model.fusion_layers=1"],
+PER_PRESET = {"clip": [], "albef-base": ["model.fusion_layers=1"], "grit": ["model.fusion_layers=1"],
               "albef": ["model.fusion_layers=1", "model.queue_size=16"]}
 
 
@@ -82,7 +82,7 @@ def test_compile_modes_in_the_config():
         tiny_config("clip", ["train.compile=step", "loss.dedupe=caption"])
 
 
-# --- compiled against eager ---------------------------------------------------------------------------------------
+# --- compiled against eager (grit and tonics: their steps; their samplers run outside it) ---------------------------------------------------------------------------------------
 
 
 WORDS = ("cat", "dog", "bird")
@@ -95,8 +95,11 @@ def batches(tokenizer, words: list[int], seed: int = 0) -> list[dict]:
     for n in words:
         captions = [" ".join(WORDS[k % 3] for k in range(max(1, n - j))) for j in range(4)]
         tok = tokenizer(captions, padding="longest", truncation=True, max_length=16, return_tensors="pt")
+        # TOnICS' noun: the first word
+        noun = tok["attention_mask"].bool() & (torch.arange(tok["input_ids"].shape[1]) == 1)
         out.append({"images": torch.randn(4, 3, 32, 32, generator=g), "input_ids": tok["input_ids"],
-                    "attention_mask": tok["attention_mask"], "captions": captions, "keys": [str(j) for j in range(4)]})
+                    "attention_mask": tok["attention_mask"], "captions": captions, "keys": [str(j) for j in range(4)],
+                    "noun_mask": noun})
     return out
 
 
@@ -160,7 +163,8 @@ def check_same_numbers(compiled, eager, model, twin, cfg, preset: str) -> None:
 
 
 @pytest.mark.slow  # Dynamo traces the step (~8 s); albef's backward through AOTAutograd too (~35 s on 2 busy cores)
-@pytest.mark.parametrize("preset, backend", [("clip", "eager"), ("albef-base", "eager"), ("albef", "aot_eager")])
+@pytest.mark.parametrize("preset, backend", [("clip", "eager"), ("albef-base", "eager"), ("grit", "eager"),
+                                             ("tonics", "eager"), ("albef", "aot_eager")])
 def test_step_is_one_graph_per_caption_bucket(preset, backend):
     # caption lengths 5, 11, 6, 12 tokens ([CLS] + words + [SEP]): buckets 8, 12, 8, 12 of max_len 16; MLM's count
     # of masked positions varies too (0 in the first batch), which compiles nothing again
