@@ -249,7 +249,7 @@ def run(
             from vltrain.init_from import check_out_apart
 
             cfg.out = url  # checked by out_url (vltrain.config's own check takes a local folder only)
-            check_out_apart(url, cfg.shards, init_from)  # before the lock object is written there
+            check_out_apart(url, cfg.shards, init_from, cfg.eval.zeroshot_folder)  # before the lock object is written there
         note = None
         if preset is None:
             from vltrain.session import train_device

@@ -138,10 +138,12 @@ def _input_notes(saved: dict, cfg: ModelConfig, path, dropped: list, new: list) 
             f"reads {_image_side(vars(cfg))}{how}"]
 
 
-def check_out_apart(out, shards: list, init_from) -> None:
+def check_out_apart(out, shards: list, init_from, benchmark: str = "") -> None:
     """A run's OUT checked against every input it reads, before anything is written: it may not be a dataset folder
     or lie inside one (the run's files would land in the data), nor be or lie inside the --init-from folder or file
-    (an export, a clip: or open_clip: source). A one-line TrainError naming both; a URL never overlaps a local OUT."""
+    (an export, a clip: or open_clip: source), nor the zero-shot benchmark (`eval.zeroshot_folder`: its
+    learning_curve.png would be scored as an image of a class). A one-line TrainError naming both; a URL never
+    overlaps a local OUT."""
     from vlprep.urls import overlap, redact
 
     from vltrain import hfclip, hub, openclip
@@ -153,7 +155,8 @@ def check_out_apart(out, shards: list, init_from) -> None:
     elif openclip.is_open_clip(spec):
         rest = spec[len(openclip.PREFIX):]
         spec = rest[len("local-dir:"):] if rest.startswith("local-dir:") else rest.partition(":")[2]
-    inputs = [(s, "the dataset") for s in shards] + ([(spec, "the --init-from source")] if spec else [])
+    inputs = [(s, "the dataset") for s in shards] + ([(spec, "the --init-from source")] if spec else []) + \
+        ([(benchmark, "the zero-shot benchmark eval.zeroshot_folder")] if benchmark else [])
     for src, what in inputs:
         try:
             relation = overlap(str(out), str(src))

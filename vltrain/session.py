@@ -452,7 +452,7 @@ def setup(cfg: Config, resume: bool = False, overwrite: bool = False, init_from=
         keep_freed_memory()
     check_installed(cfg.train.report_to)  # a missing extra stops the run before OUT is touched
     # OUT in a dataset or an --init-from folder: one line, nothing written
-    check_out_apart(url or out, cfg.shards, init_from)
+    check_out_apart(url or out, cfg.shards, init_from, cfg.eval.zeroshot_folder)
     # --resume continues OUT/last.pt, and starts the run where there is none yet (a first start and every restart
     # are one command line). Rank 0 looks, for every rank; prepare_out looks again under OUT's lock.
     last = objstore.join(url, "last.pt") if url else None

@@ -210,3 +210,19 @@ def test_the_learning_curve_draws_zero_shot_top1(tmp_path, monkeypatch):
     assert (tmp_path / "a.png").stat().st_size and (tmp_path / "b.png").stat().st_size
     for fig in drawn:
         real_close(fig)
+
+
+def test_a_run_inside_its_benchmark_is_refused_before_anything_is_written(tmp_path):
+    # OUT inside ROOT/CLASS/ would put learning_curve.png among that class's images, and OUT = ROOT would make the run
+    # folder's figures a class of their own: one line naming both, nothing created.
+    shards = colour_pairs(tmp_path, 4)
+    root = folder(tmp_path / "zs")
+    for out, where in ((root / "cat" / "run", "lies inside"), (root, "is")):
+        sets = [x for s in TINY + [f"eval.zeroshot_folder={root}"] for x in ("--set", s)]
+        before = sorted(p.relative_to(root) for p in root.rglob("*"))
+        r = CliRunner().invoke(app, ["run", str(shards), "--out", str(out), "--batch-size", "4", "--steps", "2",
+                                     "--device", "cpu", "--preset", "clip", *sets])
+        lines = [line for line in r.output.splitlines() if line.strip()]
+        assert r.exit_code != 0 and len(lines) == 1, r.output
+        assert f"OUT {out} {where} the zero-shot benchmark eval.zeroshot_folder {root}" in lines[0], lines[0]
+        assert sorted(p.relative_to(root) for p in root.rglob("*")) == before
