@@ -35,10 +35,12 @@
 # end-to-end rows (the loader's targets) divide by; then the open_clip ratio, compile, the batch rows; patch dropout,
 # faiss, DDP and accumulation memory are small and fill what is left; the small towers and the max-batch search have
 # been measured three times. Of the 525 s the steps may use, the limits (with each kill's 5 s) guarantee env through
-# e2e-clip (470 s); with the recorded and estimated times (env 17, cuda-tests 52, bench-eager about 115, e2e about
-# 125: about 315 s with the wheels' install) peer and bench-compile should follow, and the steps after them run as
-# far as the time they leave allows. A later call can ask for what one left out: --only peer,bench-batch,...
-# (e2e-clip and e2e-albef need e2e-data, and bench-eager's rows to compare with).
+# e2e-albef (505 s, so with a wheels' install under 20 s); with the recorded and estimated times (env 17, cuda-tests
+# 52, bench-eager about 115, e2e about 125: about 315 s with the install) peer (155 s with its kill's 5) and
+# bench-compile (115) should follow, about 480 s, and what is left (about 45 s) fits none of the later steps unless
+# the earlier ones ran faster: bench-batch, faiss, ddp, memory-accum, bench-small and bench-max-batch then need a
+# call of their own, --only bench-batch,bench-patchdrop,faiss,ddp,memory-accum,... (about 300 s by their estimates).
+# e2e-clip and e2e-albef need e2e-data, and bench-eager's rows to compare with.
 #
 # What comes back: OUT_DIR holds three files only, gpu-check.md, gpu-check.json and logs.tar.gz (every step's log and
 # record, each cut to its last MiB), rewritten before each step (with the step about to run marked as running), so a

@@ -36,6 +36,7 @@ HEADINGS = {"mfu": "mfu (vendor peak)", "mfu_measured": "mfu (measured peak)",
 LOG_GLOBS = ["*.log", "*.jsonl", "*.txt", "*.xml", "*.json", "e2e-*/*.jsonl", "e2e-*/*.json", "ddp-run/*.jsonl",
              "ddp-run/*.json"]
 LOG_TAIL = 2 ** 20
+LOG_LIMIT = 15 * 10 ** 6  # logs.tar.gz at most (a device call brings back files of up to 16 MB)
 BATCH_PRESETS = ("clip", "albef")  # the presets the batch rows (bench-batch) measure
 
 
@@ -231,17 +232,21 @@ def write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def pack_logs(check: Path) -> bytes:
-    """logs.tar.gz's bytes: the files of LOG_GLOBS in `check` (relative names), each cut to its last LOG_TAIL
-    bytes."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        for path in sorted({p for g in LOG_GLOBS for p in check.glob(g) if p.is_file()}):
-            data = path.read_bytes()[-LOG_TAIL:]
-            info = tarfile.TarInfo(str(path.relative_to(check)))
-            info.size, info.mtime = len(data), int(path.stat().st_mtime)
-            tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
+def pack_logs(check: Path, tail: int = LOG_TAIL, limit: int = LOG_LIMIT) -> bytes:
+    """logs.tar.gz's bytes: the files of LOG_GLOBS in `check` (relative names), each cut to its last `tail` bytes,
+    and to an eighth of that again while the archive is over `limit` bytes."""
+    paths = sorted({p for g in LOG_GLOBS for p in check.glob(g) if p.is_file()})
+    while True:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+            for path in paths:
+                data = path.read_bytes()[-tail:]
+                info = tarfile.TarInfo(str(path.relative_to(check)))
+                info.size, info.mtime = len(data), int(path.stat().st_mtime)
+                tar.addfile(info, io.BytesIO(data))
+        if len(buf.getvalue()) <= limit or tail < 1024:
+            return buf.getvalue()
+        tail //= 8
 
 
 def faiss_table(rows: list[dict], steps: list[dict]) -> list[str]:

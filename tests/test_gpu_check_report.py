@@ -5,6 +5,7 @@ while running, the logs archive, and a line instead of a traceback for a missing
 import importlib.util
 import io
 import json
+import random
 import tarfile
 from pathlib import Path
 
@@ -192,3 +193,10 @@ def test_logs_archive_takes_the_records_and_the_tail_of_each_log(gc, tmp_path):
     with tarfile.open(fileobj=io.BytesIO(gc.pack_logs(tmp_path)), mode="r:gz") as tar:
         assert sorted(tar.getnames()) == ["bench-eager.log", "e2e-clip/metrics.jsonl", "steps.jsonl"]
         assert tar.extractfile("bench-eager.log").read() == big[len(big) - gc.LOG_TAIL:]
+    # over the archive's limit: each file cut to an eighth of the tail, and again, until it fits
+    noise = random.Random(0).randbytes(50_000)  # does not compress: 40,000 bytes of it are over 20,000 gzipped,
+    (tmp_path / "noisy").mkdir()                  # 5,000 (and a tar header) are under
+    (tmp_path / "noisy" / "noise.log").write_bytes(noise)
+    with tarfile.open(fileobj=io.BytesIO(gc.pack_logs(tmp_path / "noisy", tail=40_000, limit=20_000)),
+                      mode="r:gz") as tar:
+        assert tar.extractfile("noise.log").read() == noise[-5_000:]
