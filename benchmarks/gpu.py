@@ -112,7 +112,10 @@ def tiny_shards(tmp: Path, n: int) -> Path:
     return out
 
 
-def config_sets(size: str, preset: str, precision: str, compile_on: bool, ckpt_on: bool,
+COMPILE_MODES = {"off": "off", "on": "towers", "towers": "towers", "step": "step"}  # --compile -> train.compile
+
+
+def config_sets(size: str, preset: str, precision: str, compile_mode: str, ckpt_on: bool,
                 patch_dropout: float = 0.0) -> list[str]:
     """--set overrides for one row: the size's towers, the benchmark's data options and the row's switches."""
     from vltrain.config_load import load_config
@@ -127,7 +130,9 @@ def config_sets(size: str, preset: str, precision: str, compile_on: bool, ckpt_o
         sets.append(f"model.queue_size={spec['queue']}")
     if preset == "albef":
         sets.append("loss.distill_warmup_steps=0")  # distillation from the first step, as after ALBEF's first epoch
-    sets += ["train.compile=true"] * compile_on + ["train.grad_checkpointing=true"] * ckpt_on
+    # train.compile: "on" is the towers mode (what the first GPU checks ran), "step" the whole step
+    sets += [f"train.compile={COMPILE_MODES[compile_mode]}"] * (compile_mode != "off")
+    sets += ["train.grad_checkpointing=true"] * ckpt_on
     sets += [f"model.patch_dropout={patch_dropout}"] * (patch_dropout > 0)
     return sets
 
@@ -252,7 +257,7 @@ def measure(args, key: dict, device: torch.device, shards: Path, out: Path, step
     free(device)
     s = None
     try:
-        sets = config_sets(key["size"], key["preset"], args.precision, key["compile"] == "on", key["ckpt"] == "on",
+        sets = config_sets(key["size"], key["preset"], args.precision, key["compile"], key["ckpt"] == "on",
                            key.get("patch_dropout", 0.0))
         s, cpu_batch = build(key["size"], key["preset"], key["batch"], device, shards, out, sets)
         gen = torch.Generator(device=device).manual_seed(0)
@@ -351,7 +356,8 @@ def parse_args(argv=None):
     ap.add_argument("--size", default="small,base", help="comma-separated: tiny, small, base")
     ap.add_argument("--presets", default="clip,albef,grit,softmask")
     ap.add_argument("--batches", default="64,128")
-    ap.add_argument("--compile", default="off", help="off, on or off,on (train.compile)")
+    ap.add_argument("--compile", default="off",
+                    help="comma-separated train.compile modes: off, towers (or on), step (the whole step)")
     ap.add_argument("--ckpt", default="off", help="off, on or off,on (train.grad_checkpointing)")
     ap.add_argument("--patch-dropout", default="0",
                     help="comma-separated model.patch_dropout values in [0, 1) (FLIP; a ViT tower: size base)")
@@ -375,7 +381,7 @@ def parse_args(argv=None):
     for name in ("steps", "timed_steps", "runs"):
         if getattr(args, name) < 1:
             raise SystemExit(f"error: --{name.replace('_', '-')} {getattr(args, name)}: give 1 or more")
-    args.compile_list = csv(args.compile, ("off", "on"))
+    args.compile_list = csv(args.compile, tuple(COMPILE_MODES))
     args.ckpt_list = csv(args.ckpt, ("off", "on"))
     try:
         args.drop_list = [float(v) for v in csv(args.patch_dropout)]

@@ -21,7 +21,7 @@
 #   peer             150   est. 90 s               benchmarks/peer.py: vltrain against open_clip's own step on the
 #                                                  same ViT-B-16 towers, batch 256, eager (each side's process at
 #                                                  most 60 s; the compiled pair and the full grid: a call of their own)
-#   bench-compile    110   71 s (cold cache)       base clip, batch 128, train.compile
+#   bench-compile    110   71 s (cold cache)       base clip, batch 128, train.compile=step
 #   bench-batch      120   est. 85 s               base clip and albef at batch 256, 512, 1024 (128 is bench-eager's
 #                                                  row; an out-of-memory row says so): 2 runs of 4 steps a row
 #   bench-patchdrop   50   est. 25 s               base clip, batch 128, model.patch_dropout=0.5 (FLIP)
@@ -148,7 +148,7 @@ else
                --warmup 2)
   BENCH_SMALL=(--size small --presets clip,albef,grit,softmask --batches 128 --steps 3 --timed-steps 30 --runs 3
                --warmup 2)
-  BENCH_COMPILE=(--size base --presets clip --batches 128 --compile on --steps 3 --timed-steps 30 --runs 3
+  BENCH_COMPILE=(--size base --presets clip --batches 128 --compile step --steps 3 --timed-steps 30 --runs 3
                  --warmup 2)
   # Samples/s against the batch (docs/TRAINING.md, "Which batch size"): about 11 steps a row (1,792 samples a
   # preset over the three batches at about 1,000-1,300 samples/s) and 6 builds; albef at 1,024 took 122 GiB before
