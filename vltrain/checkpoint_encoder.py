@@ -10,9 +10,7 @@ encoder exactly as `vlprep features` does with its defaults (same numbers as the
 (path, device), so each worker of vlprep's engine loads the model itself: weights never travel.
 """
 
-import contextlib
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
@@ -51,7 +49,6 @@ class CheckpointEncoder:
             # NHWC convolutions: faster for EfficientNet-Lite0 on CPU (oneDNN), same outputs to ~1e-7.
             self.model.image_encoder.to(memory_format=torch.channels_last)
         self.tokenizer = loaded.tokenizer
-        self._frozen = None  # a features model's recorded token encoder, built on the first pixels (`_pixel_tokens`)
 
     def __reduce__(self):
         return CheckpointEncoder, (str(self.path), self.device_name)
@@ -92,41 +89,14 @@ class CheckpointEncoder:
         return _normalise(feat.float().cpu().numpy())
 
     def _pixel_tokens(self, pixels: np.ndarray) -> np.ndarray:
-        """uint8 (B, S, S, 3) -> the recorded frozen encoder's tokens (B, N, D) rounded to the stored dtype, computed
-        as `vlprep features` computes them with its defaults: calls of its default fixed shape (the last padded with
-        black images), each on one intra-op thread on a CPU, float32 (TF32 off on CUDA). oneDNN's kernels, and so
-        the float rounding, depend on the call's shape and thread count; this way the tokens are the cache's bytes
-        (VLModel.pixel_tokens runs the same encoder on the whole batch, equal only to float16 rounding)."""
-        from vlprep.encoders import encoder_from_spec, normalise
-        from vlprep.features import default_batch_size, full_float32
+        """uint8 (B, S, S, 3) -> the recorded frozen encoder's tokens (B, N, D) in the stored dtype, normalised and
+        encoded as `vlprep features` does (VLModel.pixel_tokens, vltrain.model.frozen_tokens): the cache's bytes."""
+        from vlprep.encoders import normalise
 
         spec = self.model.cfg.feature_encoder
-        if self._frozen is None:
-            self._frozen = encoder_from_spec(spec).to(self.device)
-        call = default_batch_size(self.device)
-        hwc = torch.from_numpy(pixels)
-        chunks = [hwc[i:i + call] for i in range(0, len(hwc), call)]
-
-        def encode(x: torch.Tensor) -> torch.Tensor:
-            n = len(x)
-            if n < call:
-                x = torch.cat([x, x.new_zeros(call - n, *x.shape[1:])])
-            x = normalise(x.permute(0, 3, 1, 2), spec["mean"], spec["std"]).to(self.device, non_blocking=True)
-            with torch.inference_mode(), full_float32() if self.device.type == "cuda" else contextlib.nullcontext():
-                return self._frozen(x)[:n].cpu()
-
-        if self.device.type != "cpu":
-            out = [encode(x) for x in chunks]
-        else:
-            threads = torch.get_num_threads()
-            try:  # calls side by side on the caller's thread budget, one intra-op thread each (as `vlprep features`)
-                with ThreadPoolExecutor(max(1, threads), initializer=torch.set_num_threads,
-                                        initargs=(1,)) as pool:
-                    out = list(pool.map(encode, chunks))
-            finally:  # the pool's threads set torch's process-wide count: the caller's comes back
-                torch.set_num_threads(threads)
-        dtype = np.dtype(spec.get("dtype", "float32"))
-        return torch.cat(out).numpy().astype(dtype, copy=False)
+        x = normalise(torch.from_numpy(pixels).permute(0, 3, 1, 2), spec["mean"], spec["std"]).to(self.device)
+        tokens = self.model.pixel_tokens(x).cpu().numpy()
+        return tokens.astype(np.dtype(spec.get("dtype", "float32")), copy=False)
 
     @torch.inference_mode()
     def images(self, pixels: np.ndarray) -> np.ndarray:

@@ -25,11 +25,20 @@ class Attention(nn.Module):
         self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
         self.ln, self.drop = nn.LayerNorm(dim, eps=eps), nn.Dropout(drop)
 
-    def forward(self, x: torch.Tensor, ctx: torch.Tensor, key_mask: torch.Tensor | None = None,
-                return_attn: bool = False):
+    def keys_values(self, ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ctx (M, S, D) -> its keys and values, (M, S, D) each: projected once per distinct context when several
+        query rows read the same one (`forward`'s kv and rows; VLModel.fuse's image_rows)."""
+        return self.k(ctx), self.v(ctx)
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor | None, key_mask: torch.Tensor | None = None,
+                return_attn: bool = False, kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                rows: torch.Tensor | None = None):
         """x (B, L, D) attends to ctx (B, S, D); key_mask (B, S) bool, True = attend -> (B, L, D).
 
         return_attn: also the attention probabilities (B, H, L, S) before dropout, for Grad-CAM (SoftMask++).
+        kv: `keys_values` already computed (ctx is then not read); rows (B,) long: each query row's context among
+        M distinct ones (ctx or kv holding M rows), so that keys and values are projected per context, not per row:
+        the same numbers as projecting the indexed contexts, up to the matmul's rounding on another row count.
         """
         b, l, d = x.shape
 
@@ -41,8 +50,11 @@ class Attention(nn.Module):
         # that way never sees the caption, and ITM learns nothing from the text.)
         mask = None if key_mask is None else key_mask[:, None, None, :]
         q = split(self.q(x))
-        k = split(self.k(ctx))
-        v = split(self.v(ctx))
+        k, v = self.keys_values(ctx) if kv is None else kv
+        if rows is not None:  # each row's context's keys and values, as an embedding lookup: its backward (a
+            # sum per context of its rows' gradients) ran 3.5x faster on CPU than index_select's at ITM's shapes
+            k, v = (F.embedding(rows, t.reshape(t.shape[0], -1)).view(len(rows), *t.shape[1:]) for t in (k, v))
+        k, v = split(k), split(v)
         probs = None
         if return_attn:
             # The explicit softmax(QK^T / sqrt(d)) V: the fused kernel never materialises the probabilities, and
@@ -69,10 +81,17 @@ class FusionLayer(nn.Module):
         self.ffn_in, self.ffn_out = nn.Linear(dim, ffn_dim), nn.Linear(ffn_dim, dim)
         self.ffn_ln, self.drop = nn.LayerNorm(dim, eps=eps), nn.Dropout(drop)
 
-    def forward(self, x: torch.Tensor, text_mask: torch.Tensor, image: torch.Tensor, return_attn: bool = False):
-        """x (B, L, D), text_mask (B, L) bool, image (B, N, D) -> (B, L, D) [, cross-attention probs (B, H, L, N)]."""
+    def forward(self, x: torch.Tensor, text_mask: torch.Tensor, image: torch.Tensor | None, return_attn: bool = False,
+                kv: tuple[torch.Tensor, torch.Tensor] | None = None, rows: torch.Tensor | None = None):
+        """x (B, L, D), text_mask (B, L) bool, image (B, N, D) -> (B, L, D) [, cross-attention probs (B, H, L, N)].
+
+        kv, rows: the cross-attention's keys and values of M distinct images (`cross_attn.keys_values`, image then
+        unused) and each row's image among them (`Attention.forward`)."""
         x = self.self_attn(x, x, text_mask)
-        x, probs = self.cross_attn(x, image, return_attn=True) if return_attn else (self.cross_attn(x, image), None)
+        if return_attn:
+            x, probs = self.cross_attn(x, image, return_attn=True, kv=kv, rows=rows)
+        else:
+            x, probs = self.cross_attn(x, image, kv=kv, rows=rows), None
         x = self.ffn_ln(x + self.drop(self.ffn_out(F.gelu(self.ffn_in(x)))))
         return (x, probs) if return_attn else x
 

@@ -454,6 +454,44 @@ def regroup(parts: list[torch.Tensor], groups: list[tuple[torch.Tensor, int]], l
     return padded.index_select(0, torch.argsort(rows))
 
 
+def frozen_tokens(encoder: nn.Module, images: torch.Tensor, spec: dict) -> torch.Tensor:
+    """A `vlprep features` encoder on normalised pixels (B, 3, S, S) -> its float32 tokens (B, N, D), computed as
+    `vlprep features` computes them with its defaults: calls of its default fixed shape (the last filled with black
+    images, normalised as the stage's are), each on one intra-op thread on a CPU, side by side on the caller's
+    thread count; float32 (TF32 off) on CUDA. oneDNN's kernels, and so the float rounding, depend on the call's shape
+    and thread count (one call over the whole batch on every thread differed from the cache by float16 rounding);
+    this way the tokens rounded to the stored dtype are the cache's bytes. `spec`: the encoder's record (its mean
+    and std give the black image)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vlprep.encoders import normalise
+    from vlprep.features import default_batch_size, full_float32
+
+    device = images.device
+    call = default_batch_size(device)
+    size = images.shape[-1]
+    black = normalise(torch.zeros(1, 3, size, size, dtype=torch.uint8), spec["mean"], spec["std"]).to(device)
+
+    def encode(x: torch.Tensor) -> torch.Tensor:
+        n = len(x)
+        if n < call:
+            x = torch.cat([x, black.expand(call - n, -1, -1, -1)])
+        with torch.inference_mode(), full_float32() if device.type == "cuda" else contextlib.nullcontext():
+            return encoder(x.float())[:n]
+
+    chunks = list(images.split(call))
+    if device.type != "cpu":
+        out = [encode(x) for x in chunks]
+    else:
+        threads = torch.get_num_threads()
+        try:  # calls side by side on the caller's thread budget, one intra-op thread each (as `vlprep features`)
+            with ThreadPoolExecutor(max(1, threads), initializer=torch.set_num_threads, initargs=(1,)) as pool:
+                out = list(pool.map(encode, chunks))
+        finally:  # the pool's threads set torch's process-wide count: the caller's comes back
+            torch.set_num_threads(threads)
+    return torch.cat(out) if out else images.new_zeros(0)
+
+
 class VLModel(nn.Module):
     """Image/text encoders with ITC projections, optional fusion encoder with ITM/MLM heads, EMA copy, queues."""
 
@@ -625,8 +663,10 @@ class VLModel(nn.Module):
 
     @torch.no_grad()
     def pixel_tokens(self, images: torch.Tensor) -> torch.Tensor:
-        """A features model on pixels (B, 3, S, S): the recorded frozen encoder's tokens (B, N, D), rounded to the
-        stored dtype, exactly what `vlprep features` would have cached for these pixels."""
+        """A features model on pixels (B, 3, S, S), normalised as `vlprep features` normalises (vlprep.encoders'
+        `normalise`): the recorded frozen encoder's tokens (B, N, D), rounded to the stored dtype, exactly what
+        `vlprep features` would have cached for these pixels (`frozen_tokens`: its calls of a fixed shape, one
+        intra-op thread each on a CPU)."""
         spec = self.cfg.feature_encoder
         if not spec:
             raise ValueError("this model was trained on feature tokens with no record of their encoder; it cannot "
@@ -637,7 +677,7 @@ class VLModel(nn.Module):
             # Kept out of the module tree: its weights are the packaged or recorded ones, not the checkpoint's.
             object.__setattr__(self, "_pixel_encoder", encoder_from_spec(spec))
         enc = self._pixel_encoder.to(images.device)
-        return enc(images).to(getattr(torch, spec.get("dtype", "float32"))).float()
+        return frozen_tokens(enc, images, spec).to(getattr(torch, spec.get("dtype", "float32"))).float()
 
     def set_unpad(self, groups: int) -> None:
         """Run the text encoder and the fusion layers on at most `groups` length groups of each batch (0: on the
@@ -715,18 +755,29 @@ class VLModel(nn.Module):
             raise RuntimeError("this model has no fusion encoder (fusion_layers=0): ITM and MLM are unavailable")
 
     def fuse(self, text_hidden: torch.Tensor, text_mask: torch.Tensor, image_tokens: torch.Tensor,
-             patch_weights: torch.Tensor | None = None, return_attn: bool = False, ends: list[int] | None = None):
+             patch_weights: torch.Tensor | None = None, return_attn: bool = False, ends: list[int] | None = None,
+             image_rows: torch.Tensor | None = None):
         """Text hidden (B, L, D_txt) with mask (B, L) over image tokens (B, N, D_img) -> fused (B, L, D_txt).
 
         patch_weights (B, N): SoftMask++'s M, multiplied into the image tokens as cross-attention reads them (after
         the projection and its LayerNorm, which would otherwise undo it). return_attn: also every fusion layer's
         cross-attention probabilities, a list of (B, H, L, N). `ends`: the rows' `row_ends` (or bounds above them)
         known on the host, for the length groups; None reads them from the mask.
+
+        image_rows (B,) long: image_tokens holds M distinct images (M, N, D_img) and row i reads image_rows[i]
+        (ITM's 3B rows read B images, or the gathered pool). image_to_text and every layer's cross-attention keys
+        and values then run once per image and are indexed per row: the numbers of fusing image_tokens[image_rows],
+        up to the matmuls' rounding on another row count. With patch_weights (a weight per row and token, applied
+        before the projections) the images are indexed first: nothing is shared.
         """
         self._need_fusion()
         image = self.image_to_text(image_tokens)
         if patch_weights is not None:
+            if image_rows is not None:
+                image, image_rows = image.index_select(0, image_rows), None
             image = image * patch_weights.to(image.dtype).unsqueeze(-1)
+        # Each layer's keys and values of the distinct images, computed once, before any row or length group reads
+        kvs = None if image_rows is None else [layer.cross_attn.keys_values(image) for layer in self.fusion]
         keep = text_mask.bool()
         groups = length_groups(keep, self.unpad_groups, ends=ends) if self.unpad_groups and not return_attn else None
         if groups is not None:  # every row is its own sequence: each group runs cut to its longest caption
@@ -734,19 +785,26 @@ class VLModel(nn.Module):
             for rows, n in groups:
                 x = text_hidden[rows, :n]
                 k = keep[rows, :n]
-                im = image[rows]
-                for layer in self.fusion:
-                    x = self._layer(layer, x, k, im)
+                if kvs is None:
+                    im = image[rows]
+                    for layer in self.fusion:
+                        x = self._layer(layer, x, k, im)
+                else:
+                    at = image_rows[rows]
+                    for layer, kv in zip(self.fusion, kvs):
+                        x = self._layer(layer, x, k, None, kv=kv, rows=at)
                 parts.append(x)
             return regroup(parts, groups, keep.shape[1])
         x = text_hidden
         maps = []
-        for layer in self.fusion:
+        for j, layer in enumerate(self.fusion):
+            shared = {} if kvs is None else {"kv": kvs[j], "rows": image_rows}
+            ctx = image if kvs is None else None
             if return_attn:
-                x, probs = self._layer(layer, x, keep, image, return_attn=True)
+                x, probs = self._layer(layer, x, keep, ctx, return_attn=True, **shared)
                 maps.append(probs)
             else:
-                x = self._layer(layer, x, keep, image)
+                x = self._layer(layer, x, keep, ctx, **shared)
         return (x, maps) if return_attn else x
 
     def itm_logits(self, fused: torch.Tensor) -> torch.Tensor:

@@ -61,10 +61,17 @@ def matching_losses(model, f, w, generator: torch.Generator | Draws) -> dict:
     # The length groups from the host's caption lengths: the negative captions' rows (drawn on the device) at the
     # pool's padded length
     ends = None if f.ends is None else [*f.ends, *f.ends, *[mask_p.shape[1]] * b]
+    # The images once each, every row an index into them: the fusion layers project their cross-attention keys and
+    # values per image, not per row (VLModel.fuse's image_rows). Under global negatives this rank's images stay
+    # apart from the gathered pool, so that each copy's gradient takes the path it took when rows were copies.
+    own = torch.arange(b, device=f.ids.device)
+    if pool_image is f.image_tokens:
+        images, rows = f.image_tokens, torch.cat([own, neg_image, own])
+    else:
+        images, rows = torch.cat([f.image_tokens, pool_image]), torch.cat([own, b + neg_image, own])
     fused = model.fuse(torch.cat([text_p, text_p, pool_text[neg_text]]),
                        torch.cat([mask_p, mask_p, pool_mask[neg_text]]),
-                       torch.cat([f.image_tokens, pool_image[neg_image], f.image_tokens]),
-                       return_attn=want_maps, ends=ends)
+                       images, return_attn=want_maps, ends=ends, image_rows=rows)
     fused, maps = fused if want_maps else (fused, None)
     if text_p is not f.text_hidden:  # back to this rank's caption length (MLM reads the positive rows)
         fused = fused[:, :mask.shape[1]]
