@@ -51,8 +51,9 @@ class Attention(nn.Module):
         mask = None if key_mask is None else key_mask[:, None, None, :]
         q = split(self.q(x))
         k, v = self.keys_values(ctx) if kv is None else kv
-        if rows is not None:  # each row's context's keys and values, as an embedding lookup: its backward (a
-            # sum per context of its rows' gradients) ran 3.5x faster on CPU than index_select's at ITM's shapes
+        if rows is not None:  # each row's context's keys and values, as an embedding lookup: forward and backward
+            # (a sum per context of its rows' gradients) took 0.40 ms against index_select's 1.06 on CPU for 24 rows
+            # of 32 contexts' 49 x 384
             k, v = (F.embedding(rows, t.reshape(t.shape[0], -1)).view(len(rows), *t.shape[1:]) for t in (k, v))
         k, v = split(k), split(v)
         probs = None
