@@ -677,7 +677,10 @@ class VLModel(nn.Module):
             # Kept out of the module tree: its weights are the packaged or recorded ones, not the checkpoint's.
             object.__setattr__(self, "_pixel_encoder", encoder_from_spec(spec))
         enc = self._pixel_encoder.to(images.device)
-        return frozen_tokens(enc, images, spec).to(getattr(torch, spec.get("dtype", "float32"))).float()
+        # A trace (`vltrain export --onnx`) records one call over the batch: the graph's input is its dynamic batch,
+        # and the calls on a thread pool would not be recorded at all
+        tokens = enc(images) if torch.jit.is_tracing() else frozen_tokens(enc, images, spec)
+        return tokens.to(getattr(torch, spec.get("dtype", "float32"))).float()
 
     def set_unpad(self, groups: int) -> None:
         """Run the text encoder and the fusion layers on at most `groups` length groups of each batch (0: on the
