@@ -458,10 +458,10 @@ def frozen_tokens(encoder: nn.Module, images: torch.Tensor, spec: dict) -> torch
     """A `vlprep features` encoder on normalised pixels (B, 3, S, S) -> its float32 tokens (B, N, D), computed as
     `vlprep features` computes them with its defaults: calls of its default fixed shape (the last filled with black
     images, normalised as the stage's are), each on one intra-op thread on a CPU, side by side on the caller's
-    thread count; float32 (TF32 off) on CUDA. oneDNN's kernels, and so the float rounding, depend on the call's shape
-    and thread count (one call over the whole batch on every thread differed from the cache by float16 rounding);
-    this way the tokens rounded to the stored dtype are the cache's bytes. `spec`: the encoder's record (its mean
-    and std give the black image)."""
+    thread count; float32 under any autocast of the caller's (TF32 off on CUDA). oneDNN's kernels, and so the float
+    rounding, depend on the call's shape and thread count (one call over the whole batch on every thread differed
+    from the cache by float16 rounding); this way the tokens rounded to the stored dtype are the cache's bytes.
+    `spec`: the encoder's record (its mean and std give the black image)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from vlprep.encoders import normalise
@@ -476,7 +476,9 @@ def frozen_tokens(encoder: nn.Module, images: torch.Tensor, spec: dict) -> torch
         n = len(x)
         if n < call:
             x = torch.cat([x, black.expand(call - n, -1, -1, -1)])
-        with torch.inference_mode(), full_float32() if device.type == "cuda" else contextlib.nullcontext():
+        # float32 whatever the caller's autocast (an evaluation's bf16 on a GPU): the stage's numbers
+        with torch.inference_mode(), torch.autocast(device.type, enabled=False), \
+                full_float32() if device.type == "cuda" else contextlib.nullcontext():
             return encoder(x.float())[:n]
 
     chunks = list(images.split(call))

@@ -39,3 +39,6 @@ def test_pixel_tokens_are_the_cached_tokens_bit_for_bit(world):  # noqa: F811
         n = len(range(10)[rows])
         assert calls == [(4, 1)] * -(-n // 4)
     assert torch.get_num_threads() == threads  # the one-thread calls give the caller's count back
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # an evaluation's autocast leaves the frozen encoder float32
+        got = model.net.pixel_tokens(px)
+    assert np.array_equal(got.numpy().astype(np.float16), want)
