@@ -111,6 +111,7 @@ def test_state_dict_is_unchanged():
 PRESETS = {"albef-base": [], "albef": ["model.queue_size=16"], "grit": [], "softmask": ["model.queue_size=16"]}
 
 
+@pytest.mark.slow  # 1-6 s a preset on 2 cores
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_training_step_losses_and_gradients_equal_the_repeated_rows(float64, monkeypatch, preset):
     """A whole training step (ITM's 3B rows, MLM, SoftMask++'s soft ITM reading ITM's maps) with the images shared
