@@ -48,9 +48,10 @@ def record_fuse(model) -> list:
     """Wrap model.fuse so the test sees what train_step fused (text hidden, mask, image tokens)."""
     calls, real = [], model.fuse
 
-    def fuse(text_hidden, text_mask, image_tokens, **kw):
-        calls.append((text_hidden.detach(), text_mask, image_tokens.detach()))
-        return real(text_hidden, text_mask, image_tokens, **kw)
+    def fuse(text_hidden, text_mask, image_tokens, image_rows=None, **kw):
+        per_row = image_tokens if image_rows is None else image_tokens[image_rows]  # each row's image tokens
+        calls.append((text_hidden.detach(), text_mask, per_row.detach()))
+        return real(text_hidden, text_mask, image_tokens, image_rows=image_rows, **kw)
 
     model.fuse = fuse
     return calls

@@ -442,11 +442,11 @@ def test_gradcam_step_mask_follows_the_recomputed_cam(monkeypatch):
     seen = {}
     real_fuse, real_words = model.fuse, sm.sample_words
 
-    def fuse(text_hidden, text_mask, image_tokens, patch_weights=None, return_attn=False, ends=None):
+    def fuse(text_hidden, text_mask, image_tokens, patch_weights=None, return_attn=False, ends=None, image_rows=None):
         if patch_weights is not None:
             seen["mask"] = patch_weights.detach()
         out = real_fuse(text_hidden, text_mask, image_tokens, patch_weights=patch_weights, return_attn=return_attn,
-                        ends=ends)
+                        ends=ends, image_rows=image_rows)
         if return_attn:
             seen["maps"], seen["logits"] = out[1], model.itm_logits(out[0])
         return out
