@@ -84,7 +84,7 @@ def run(args) -> int:
     from vltrain import cli
     from vltrain.data import feed
 
-    sets = [s for s in bench_module("gpu").config_sets(args.size, args.preset, args.precision, False, False)
+    sets = [s for s in bench_module("gpu").config_sets(args.size, args.preset, args.precision, "off", False)
             if not s.startswith("data.workers=")]
     sets += ["data.workers=-1", f"log_every={args.log_every}", f"eval_every={10 * args.steps}",
              f"ckpt_every={10 * args.steps}"]
