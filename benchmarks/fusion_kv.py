@@ -20,7 +20,7 @@ import time
 import torch
 
 from vltrain.config_load import load_config
-from vltrain.model import build_model, host_ends, tokenizer_for
+from vltrain.model import build_model, tokenizer_for
 
 WORDS = "red green blue cat dog bird tree car boat house sun moon star arrow icon shape".split()
 
@@ -49,7 +49,8 @@ def setup(batch: int, tiny: bool):
     text = torch.cat([hidden, hidden, hidden[neg_text]]).requires_grad_()
     masks = torch.cat([mask, mask, mask[neg_text]])
     rows = torch.cat([own, neg_image, own])
-    ends = host_ends(masks)
+    # each caption's last attended position + 1, read on the host as the trainer reads it from the CPU mask
+    ends = (masks.bool() * torch.arange(1, masks.shape[1] + 1)).amax(dim=1).clamp(min=1).tolist()
     return model, text, masks, tokens.requires_grad_(), rows, ends
 
 
