@@ -50,7 +50,7 @@ test: apt install
 test-kernels: install
 	PY=$(PY) bash scripts/test-kernels.sh $(XDIST)
 
-# 2 min 36 s on 2 CPU cores (measured once installed, alone, as the README says).
+# 2 min 20 s on 2 CPU cores (measured once installed, alone, as the README says).
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
