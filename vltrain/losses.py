@@ -198,10 +198,8 @@ def _negative_weights_shape(weights: torch.Tensor) -> tuple[int, int]:
     return weights.shape[0], weights.shape[1]
 
 
-@torch.no_grad()
-def sample_hard_negatives(weights: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One index per row drawn in proportion to weights, never the diagonal: (B, W) -> (B,) long (W >= B columns,
-    row i's positive at column i)."""
+def _negative_weights(weights: torch.Tensor) -> torch.Tensor:
+    """The weights the negatives are drawn by: upcast, the diagonal (each row's positive) zeroed, checked."""
     b, width = _negative_weights_shape(weights)
     # Re-mask so that weights from anywhere (not only hard_negative_weights) can never yield the positive.
     w = upcast(weights.detach()).masked_fill(torch.eye(b, width, dtype=torch.bool, device=weights.device), 0.0)
@@ -212,7 +210,14 @@ def sample_hard_negatives(weights: torch.Tensor, generator: torch.Generator | No
         torch._assert_async(ok, "every row of weights needs a positive off-diagonal entry and no negative ones")
     except RuntimeError as e:
         raise ValueError(str(e)) from None
-    return torch.multinomial(w, 1, generator=generator).squeeze(1)
+    return w
+
+
+@torch.no_grad()
+def sample_hard_negatives(weights: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One index per row drawn in proportion to weights, never the diagonal: (B, W) -> (B,) long (W >= B columns,
+    row i's positive at column i)."""
+    return torch.multinomial(_negative_weights(weights), 1, generator=generator).squeeze(1)
 
 
 @torch.no_grad()
@@ -221,13 +226,8 @@ def sample_hard_negatives_at(weights: torch.Tensor, u: torch.Tensor) -> torch.Te
     never the diagonal: (B, W), (B,) -> (B,) long. Row i's draw is the first column whose running sum of weights
     exceeds u_i times the row's sum, so each column is drawn with probability weight / sum, as by
     `sample_hard_negatives`; a compiled step (train.compile=step) draws so, its uniforms drawn before the graph."""
-    b, width = _negative_weights_shape(weights)
-    w = upcast(weights.detach()).masked_fill(torch.eye(b, width, dtype=torch.bool, device=weights.device), 0.0)
-    ok = (w >= 0).all() & (w.sum(dim=-1) > 0).all()
-    try:
-        torch._assert_async(ok, "every row of weights needs a positive off-diagonal entry and no negative ones")
-    except RuntimeError as e:
-        raise ValueError(str(e)) from None
+    w = _negative_weights(weights)
+    width = w.shape[1]
     cdf = w.cumsum(dim=-1)
     at = torch.searchsorted(cdf, (u.to(cdf.dtype) * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
     # u * sum can round up to the sum itself (u = 1 - 2^-24 in float32), past every column: the row's last column of

@@ -31,12 +31,8 @@ CAPTIONS = [f"a photo of thing {i} and colour {i % 3}" + " with a dog" * (i % 2)
 
 
 @pytest.fixture
-def float64():
-    """Models and tensors built in float64 for the test's duration (the default dtype restored after)."""
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(before)
+def float64(default_float64):
+    """Models and tensors built in float64 for the test's duration (tests/conftest.py's fixture)."""
 
 
 def tiny_model(seed: int = 0) -> VLModel:
