@@ -136,6 +136,9 @@ else
   fi
   "$PY" -m pip install --quiet --no-index --no-deps --no-compile --disable-pip-version-check --target .gpu/site \
     .gpu/wheels/*.whl || { echo "error: installing .gpu/wheels failed" >&2; exit 1; }
+  "$PY" -m pip install --quiet --no-index --no-deps --no-compile --disable-pip-version-check --target .gpu/site \
+    --find-links .gpu/wheels-bin simplejpeg \
+    || { echo "error: installing simplejpeg from .gpu/wheels-bin failed (run bash scripts/gpu-wheels.sh again)" >&2; exit 1; }
   export PYTHONPATH=$ROOT:$ROOT/.gpu/site
   export VLTRAIN_REQUIRE_CUDA=1
   DEVICE=cuda

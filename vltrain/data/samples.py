@@ -9,6 +9,7 @@ import warnings
 from typing import NamedTuple
 
 import numpy as np
+import simplejpeg
 import torch
 from PIL import Image
 from torch.utils.data import get_worker_info
@@ -136,6 +137,30 @@ class DeviceView:
         box = (p["top"], p["left"], p["height"], p["width"])
         return JpegView(torch.frombuffer(bytearray(data), dtype=torch.uint8), box, flip, self.size,
                         self.interpolation)
+
+
+def decode_view(data: bytes, draft=None) -> "torch.Tensor | Image.Image":
+    """A training view's image: an RGB or grey JPEG decoded at full size -> uint8 (3, H, W), a view of the (H, W, 3)
+    array libjpeg-turbo wrote through simplejpeg; anything else (another format, CMYK, a JPEG the draft shrinks,
+    see `draft_scale`) -> `decode_rgb`'s PIL image.
+
+    The pixels are PIL's: both run libjpeg-turbo's default decode (accurate integer IDCT, fancy upsampling), grey
+    replicated into RGB, no EXIF turn, and the transforms see the same (3, H, W) uint8 strides that ToImage gives a
+    PIL image. What is saved is PIL's decode into its own buffer and ToImage's copy out of it: about 1.3x (500x375)
+    to 1.6x (640x480) for decode plus crop (benchmarks/loader.py). Decoding is strict: any libjpeg warning (corrupt
+    or truncated data), where PIL may still give an image or raise, hands the bytes to PIL, which decides as before;
+    so a sample is skipped exactly when it was, and libjpeg prints nothing.
+    """
+    with warnings.catch_warnings():
+        # decode_rgb's rule: Pillow's bomb check on the header's size (a refusal above 179M pixels is a skip)
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        im = Image.open(io.BytesIO(data))  # the header only: format, size and mode, no pixels decoded
+    if im.format == "JPEG" and im.mode in WIRE_MODES and (draft is None or draft(*im.size) == 1):
+        try:
+            return torch.from_numpy(simplejpeg.decode_jpeg(data, colorspace="RGB", strict=True)).permute(2, 0, 1)
+        except ValueError:  # a libjpeg warning or error: PIL's decode below keeps or skips the sample as it always did
+            pass
+    return decode_rgb(data, draft)
 
 
 def decode_on_device(data: list[torch.Tensor], boxes: torch.Tensor, flips: torch.Tensor, size: int,
@@ -321,8 +346,10 @@ def load_sample(raw: dict, transform, use_features: bool, captions=FIRST, shape=
         data = raw[image_ext(raw)]
         if isinstance(transform, DeviceView):  # data.decode gpu: the JPEG's bytes and drawn crop go to the device
             x = transform.ship(data)
-        else:  # a training view decodes a JPEG only as large as its crops need (train_transform's .draft)
-            x = transform(decode_rgb(data, getattr(transform, "draft", None)))
+        elif hasattr(transform, "draft"):  # a train_transform view: a JPEG decoded only as large as its crops need
+            x = transform(decode_view(data, transform.draft))
+        else:  # any other transform (an evaluation view) is given the PIL image
+            x = transform(decode_rgb(data))
     return x, caption, raw["__key__"]
 
 
