@@ -32,6 +32,7 @@ import logging
 import math
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -268,6 +269,21 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def write_lines(path: Path | None, lines: list[dict]) -> None:
+    """Append JSON lines to --json (nothing without it), flushed to disk before the next process starts."""
+    if path is None:
+        return
+    with open(path, "a") as f:
+        for r in lines:
+            f.write(json.dumps(r) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def terminated(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="base", choices=["tiny", "base"])
@@ -280,7 +296,9 @@ def parse_args(argv=None):
     ap.add_argument("--runs", type=int, default=3, help="runs per side (their median is the side's step time)")
     ap.add_argument("--grad-clip", type=float, default=1.0, help="both sides clip the gradient norm to this")
     ap.add_argument("--worker-seconds", type=float, default=300.0, help="time limit of one side's process")
-    ap.add_argument("--json", type=Path, default=None, help="append the rows and pairs as JSON lines")
+    ap.add_argument("--json", type=Path, default=None,
+                    help="append the header, then each (batch, compile)'s two rows and their pair as they end, "
+                         "as JSON lines")
     # one side in this process (what the parent starts)
     ap.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, help=argparse.SUPPRESS)
@@ -318,26 +336,30 @@ def main(argv=None) -> int:
               "size": args.size, "peak_tflops_measured": float(f"{args.peak:.4g}"), "peak_tflops_spec": args.spec,
               "mfu_against": "vendor" if args.spec else "measured", "timed_steps": args.timed_steps, "runs": args.runs}
     print(json.dumps(header), flush=True)
+    write_lines(args.json, [header])
     tmp = Path(tempfile.mkdtemp(prefix="bench-peer-"))
-    rows = []
+    rows, done = [], []
+    # SIGTERM (the GPU check's time limit) unwinds like Ctrl-C: the rows written so far stay, the towers go
+    previous = signal.signal(signal.SIGTERM, terminated)
     try:
         folder = make_towers(tmp / "towers", args.size)
         shards = tiny_shards(tmp, max(args.batch_list))
         i = 0
         for comp in args.compile_list:
             for batch in args.batch_list:
+                these = []
                 for side in SIDES if i % 2 == 0 else SIDES[::-1]:  # alternating: neither side always goes first
-                    rows.append(run_worker(args, side, batch, comp, shards, folder))
-                    print(json.dumps(rows[-1]), flush=True)
+                    these.append(run_worker(args, side, batch, comp, shards, folder))
+                    print(json.dumps(these[-1]), flush=True)
+                rows += these
+                fill_compiled(rows, args.spec, args.peak)  # a compiled pair's FLOPs are its eager pair's, run before
+                pair = pairs(these)
+                done += pair
+                write_lines(args.json, these + pair)  # each pair as it ends: a check cut by its limit keeps them
                 i += 1
     finally:
+        signal.signal(signal.SIGTERM, previous)
         shutil.rmtree(tmp, ignore_errors=True)
-    fill_compiled(rows, args.spec, args.peak)
-    done = pairs(rows)
-    if args.json:
-        with open(args.json, "a") as f:
-            for r in [header, *rows, *done]:
-                f.write(json.dumps(r) + "\n")
     print(table(done))
     print(load_line("end"))
     return 0
