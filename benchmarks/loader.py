@@ -1,30 +1,39 @@
-"""vltrain's training loader alone (no model) against a bare webdataset loader doing the same work, in the same run,
-on JPEG shards of photograph-like images: samples/s with 1 worker and with --workers, for each data.augment.
+"""vltrain's training loader alone (no model) against two bare webdataset loaders, in the same run, on JPEG shards
+of photograph-like images: samples/s with 1 worker and with --workers, for each data.augment.
 
 Data: --images deterministic images, alternately 500x375 and 640x480 (the sizes of COCO / Flickr30K photographs),
 each a smooth random colour field in four octaves plus grain, saved as JPEG at quality 90 (60-100 KB each, what a
 photograph of that size costs to store and decode), with a caption; written into shards by vlprep's own shard writer
 (`vlprep shards`, the bytes passed through).
 
-vltrain: the trainer's own pipeline, built by `vltrain.trainset.prepare` and `vltrain.data.feed.make_loader` from a
-clip-preset config (data.image_size, data.augment, data.workers, data.val_frac=0): ShardStream reads each worker's
-shards with vlprep's tar reader, shuffles raw samples in a 1,000-sample buffer, buckets them by caption length
-(data.bucket=8: each caption tokenised once for its length), decodes and transforms each image (`load_sample`: the
-train transform the run uses), and Collate stacks the images and tokenises the captions. Whatever the trainer's
-sample pipeline does (decode, transform, dtype shipped through the worker queue) this side does too.
-baseline: `webdataset.WebDataset(shards, shardshuffle=False)` (split between workers by webdataset), `.shuffle(1000)`
-of the raw samples, then per sample `PIL.Image.open(jpg).convert("RGB")` (only the jpg and txt members are read: the
-fastest plain decode) and the torchvision v2 transform the trainer used before uint8 batches (ToImage,
-RandomResizedCrop, flip[, RandAugment[, colour jitter, grayscale, blur]], ToDtype float32, Normalize: a float32
-3xSxS tensor), batched by a DataLoader whose collate stacks the images (torch.stack, as default_collate) and
-tokenises the captions with the same tokenizer, padding to the longest: the same work without the bucketing.
+Three sides, each one epoch over the same shards:
+- vltrain: the trainer's own pipeline, built by `vltrain.trainset.prepare` and `vltrain.data.feed.make_loader` from
+  a clip-preset config (data.image_size, data.augment, data.workers, data.val_frac=0): ShardStream reads each
+  worker's shards with vlprep's tar reader, shuffles raw samples in a 1,000-sample buffer, buckets them by caption
+  length (data.bucket=8: each caption tokenised once for its length), decodes and transforms each image
+  (`load_sample`: `decode_view`, libjpeg-turbo through simplejpeg for these JPEGs, then the run's uint8 train
+  transform), and Collate stacks the uint8 images and tokenises the captions. Whatever the trainer's sample
+  pipeline does, this side does too.
+- bare (the equal-work baseline): `webdataset.WebDataset(shards, shardshuffle=False)` (split between workers by
+  webdataset), `.shuffle(1000)` of the raw samples, then per sample only the jpg and txt members:
+  `simplejpeg.decode_jpeg(jpg, colorspace="RGB")` viewed as (3, H, W) uint8 (`torch.from_numpy(a).permute(2, 0,
+  1)`, the decode the trainer does, with no header read and no fallback: every image here is an RGB JPEG) and the
+  trainer's uint8 transform written out in plain torchvision v2 (ToImage, RandomResizedCrop with the model's
+  interpolation, flip[, RandAugment[, colour jitter, grayscale, blur]]: `plain_transform(..., "uint8")`, the ops of
+  `vltrain.data.samples.train_transform`, checked by the tests), batched by a DataLoader whose collate stacks the
+  uint8 images (torch.stack, as default_collate) and tokenises the captions with the same tokenizer, padding to the
+  longest. The same work without the bucketing and the header read; it ships uint8.
+- before (the trainer before libjpeg-turbo decode and uint8 views, the yardstick for the speed-up): the bare loader
+  with `PIL.Image.open(jpg).convert("RGB")` and the same transform ending in ToDtype(float32) + Normalize in the
+  worker (`plain_transform(..., "float32")`); the same collate. It ships float32.
 
 Each measure is one epoch (every image once) from a fresh DataLoader, workers started included; rounds alternate
-the order of the sides (benchmarks/common.py); medians of --repeats runs. Also printed: bytes per sample through the
-worker queue (the collated image tensor's bytes / batch size), the CPU-time ratio and samples per CPU-second
-(workers and main process together: what one busy core delivers, the figure to size a node's cores by). Load
-averages are printed at start and end; the table is written to --json (default benchmarks/results/loader.json;
-with --quick only when --json is given).
+the order of the sides (benchmarks/common.py); medians of --repeats runs. A row gives vltrain over bare (the
+overhead ratio, target >= 0.9x) and vltrain over before (the speed-up, target 1.5x) for samples/s, CPU time and
+samples per CPU-second (workers and main process together: what one busy core delivers, the figure to size a node's
+cores by, and the steadier one on a shared machine), and the bytes per sample each side ships through the worker
+queue (the collated image tensor's bytes / batch size). Load averages are printed at start and end; the table is
+written to --json (default benchmarks/results/loader.json; with --quick only when --json is given).
 
     .venv/bin/python benchmarks/loader.py [--images 1200] [--workers 2] [--batch-size 32] [--repeats 3] [--quick]
 """
@@ -52,6 +61,10 @@ QUICK_SIZES = ((160, 120), (200, 150))
 WORDS = ("a man woman dog cat child bike street park beach red blue green small large old young sits runs walks "
          "plays near under beside in on the with two three field water tree car").split()
 RESULTS = ROOT / "benchmarks" / "results" / "loader.json"
+SIDES = ("vltrain", "bare", "before")
+# vltrain over bare at least 0.9x (the trainer's own machinery costs at most a tenth over equal work); vltrain over
+# before at least 1.5x (what libjpeg-turbo decode and uint8 views were to buy)
+TARGETS = {"overhead": 0.9, "speedup": 1.5}
 
 
 def photo(rng: np.random.Generator, w: int, h: int) -> Image.Image:
@@ -117,22 +130,34 @@ def trainer_side(cfg, data, workers: int):
     return fn
 
 
-def baseline_side(shards: Path, cfg, augment: str, batch: int, workers: int):
-    """The bare webdataset loader doing the same work (module docstring): a side returning {'samples', 'bytes'}."""
+def bare_side(shards: Path, cfg, augment: str, batch: int, workers: int, ship: str):
+    """A bare webdataset loader (module docstring): ship "uint8" is the bare side (simplejpeg decode, the uint8
+    transform), "float32" the before side (PIL decode, the float32 transform); returns a side giving
+    {'samples', 'bytes'}."""
+    import simplejpeg
     import torch
     import webdataset as wds
     from torch.utils.data import DataLoader
 
-    from vltrain.model import image_stats, tokenizer_for
+    from vltrain.model import image_interpolation, image_stats, tokenizer_for
 
     mean, std, _ = image_stats(cfg.model)
-    transform = plain_transform(cfg.data.image_size, mean, std, cfg.data.min_crop_scale, augment)
+    transform = plain_transform(cfg.data.image_size, mean, std, cfg.data.min_crop_scale, augment,
+                                image_interpolation(cfg.model), ship)
     tok = tokenizer_for(cfg.model.text_model)
     urls = sorted(str(p) for p in shards.glob("*.tar"))
     max_len = cfg.data.max_len
 
+    def turbo(jpg: bytes):
+        return torch.from_numpy(simplejpeg.decode_jpeg(jpg, colorspace="RGB", strict=True)).permute(2, 0, 1)
+
+    def pil(jpg: bytes):
+        return Image.open(io.BytesIO(jpg)).convert("RGB")
+
+    decode = turbo if ship == "uint8" else pil
+
     def sample(raw: dict) -> tuple:
-        return transform(Image.open(io.BytesIO(raw["jpg"])).convert("RGB")), raw["txt"].decode("utf-8")
+        return transform(decode(raw["jpg"])), raw["txt"].decode("utf-8")
 
     def collate(items: list) -> dict:
         images, captions = zip(*items)
@@ -146,14 +171,17 @@ def baseline_side(shards: Path, cfg, augment: str, batch: int, workers: int):
     return fn
 
 
-def plain_transform(size: int, mean, std, min_scale: float, augment: str):
-    """The trainer's training transform as it was before uint8 batches, written out with plain torchvision v2:
-    float32, normalised, 3 x size x size."""
+def plain_transform(size: int, mean, std, min_scale: float, augment: str, interpolation: str = "bilinear",
+                    ship: str = "float32"):
+    """The trainer's training transform written out with plain torchvision v2: ship "uint8" is the one it uses
+    (3 x size x size uint8, normalised later on the device), "float32" the one it used before uint8 views (the same
+    ops, then ToDtype float32 + Normalize in the worker)."""
     import torch
     from torchvision.transforms import v2
 
     if augment == "none":
-        steps = [v2.ToImage(), v2.RandomResizedCrop(size, scale=(min_scale, 1.0), antialias=True),
+        steps = [v2.ToImage(), v2.RandomResizedCrop(size, scale=(min_scale, 1.0), antialias=True,
+                                                    interpolation=v2.InterpolationMode(interpolation)),
                  v2.RandomHorizontalFlip()]
     else:
         steps = [v2.ToImage(), v2.RandomResizedCrop(size, scale=(0.2, 1.0), antialias=True,
@@ -163,7 +191,9 @@ def plain_transform(size: int, mean, std, min_scale: float, augment: str):
         kernel = 2 * max(1, round(0.05 * size)) + 1
         steps += [v2.RandomApply([v2.ColorJitter(0.4, 0.4, 0.4, 0.1)], p=0.8), v2.RandomGrayscale(p=0.2),
                   v2.RandomApply([v2.GaussianBlur(kernel, sigma=(0.1, 2.0))], p=0.5)]
-    return v2.Compose(steps + [v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
+    if ship == "float32":
+        steps += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)]
+    return v2.Compose(steps)
 
 
 def epoch(batches, key: str) -> dict:
@@ -217,9 +247,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for augment in augments:
             cfg, data = trainer_data(shards, augment, args.image_size, args.batch_size)
             for workers in counts:
-                vl = trainer_side(cfg, data, workers)
-                base = baseline_side(shards, cfg, augment, args.batch_size, workers)
-                times = common.time_sides_figures({"baseline": base, "vltrain": vl}, args.repeats, tmp, warmup=0,
+                sides = {"vltrain": trainer_side(cfg, data, workers),
+                         "bare": bare_side(shards, cfg, augment, args.batch_size, workers, "uint8"),
+                         "before": bare_side(shards, cfg, augment, args.batch_size, workers, "float32")}
+                times = common.time_sides_figures(sides, args.repeats, tmp, warmup=0,
                                                   label=f"augment={augment} workers={workers} ")
                 rows.append(row(augment, workers, times))
     print_rows(rows)
@@ -231,37 +262,48 @@ def main(argv: list[str] | None = None) -> list[dict]:
         out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "args": {k: str(v) if isinstance(v, Path) else v
                                                                               for k, v in vars(args).items()},
                                    "cpus": os.cpu_count(), "jpeg_bytes_median": float(np.median(nbytes)),
-                                   "load_start": load_start, "load_end": load_end, "rows": rows}, indent=1) + "\n")
+                                   "load_start": load_start, "load_end": load_end, "targets": TARGETS,
+                                   "rows": rows}, indent=1) + "\n")
         print(f"written to {out}")
     return rows
 
 
 def row(augment: str, workers: int, times: dict) -> dict:
-    """One table row: each side's median samples/s over the runs, their ratio, bytes per sample and CPU ratio."""
-    rate = {s: common.median([n / w for n, w in zip(t["samples"], t["wall"])]) for s, t in times.items()}
-    cpu = {s: common.median(t["cpu"]) for s, t in times.items()}
-    t_vl, t_bl = times["vltrain"], times["baseline"]
-    return {"augment": augment, "workers": workers, "vltrain_per_s": rate["vltrain"],
-            "baseline_per_s": rate["baseline"], "ratio": rate["vltrain"] / rate["baseline"],
-            "vltrain_bytes_per_sample": common.median(times["vltrain"]["bytes"]),
-            "baseline_bytes_per_sample": common.median(times["baseline"]["bytes"]),
-            "cpu_ratio": cpu["vltrain"] / cpu["baseline"] if cpu["baseline"] > 0 else float("nan"),
-            # samples per CPU-second (workers and main process together): what one busy core delivers, steadier
-            # than samples/s on a shared machine
-            "vltrain_per_cpu_s": common.median([n / c for n, c in zip(t_vl["samples"], t_vl["cpu"])]),
-            "baseline_per_cpu_s": common.median([n / c for n, c in zip(t_bl["samples"], t_bl["cpu"])]),
-            "samples": int(times["vltrain"]["samples"][0]), "baseline_samples": int(times["baseline"]["samples"][0]),
-            "runs": len(times["vltrain"]["wall"])}
+    """One table row: each side's median samples/s, CPU seconds, samples per CPU-second, bytes per sample and
+    samples over the runs; vltrain over bare (overhead) and over before (speedup) for each rate and CPU time."""
+    r = {"augment": augment, "workers": workers, "runs": len(times["vltrain"]["wall"])}
+    for s in SIDES:
+        t = times[s]
+        r[f"{s}_per_s"] = common.median([n / w for n, w in zip(t["samples"], t["wall"])])
+        r[f"{s}_cpu_s"] = common.median(t["cpu"])
+        # samples per CPU-second (workers and main process together): what one busy core delivers, steadier than
+        # samples/s on a shared machine
+        r[f"{s}_per_cpu_s"] = common.median([n / c for n, c in zip(t["samples"], t["cpu"])])
+        r[f"{s}_bytes_per_sample"] = common.median(t["bytes"])
+        r[f"{s}_samples"] = int(t["samples"][0])
+    for name, other in (("overhead", "bare"), ("speedup", "before")):
+        r[name] = r["vltrain_per_s"] / r[f"{other}_per_s"]
+        r[f"{name}_per_cpu_s"] = r["vltrain_per_cpu_s"] / r[f"{other}_per_cpu_s"]
+        # CPU time of vltrain over the other side's: lower is better
+        r[f"{name}_cpu_ratio"] = (r["vltrain_cpu_s"] / r[f"{other}_cpu_s"] if r[f"{other}_cpu_s"] > 0
+                                  else float("nan"))
+    return r
 
 
 def print_rows(rows: list[dict]) -> None:
-    print(f"\n{'augment':<9} {'workers':>7} {'vltrain/s':>10} {'baseline/s':>11} {'ratio':>7} {'cpu ratio':>9} "
-          f"{'vltrain/CPU-s':>13} {'baseline/CPU-s':>14} {'bytes/sample vltrain':>21} {'baseline':>9}")
+    print(f"\n{'augment':<9} {'workers':>7} {'vltrain/s':>9} {'bare/s':>7} {'before/s':>8} | {'vltrain/CPU-s':>13} "
+          f"{'bare/CPU-s':>10} {'before/CPU-s':>12} | {'vs bare':>7} {'per CPU-s':>9} {'cpu':>6} | {'vs before':>9} "
+          f"{'per CPU-s':>9} {'cpu':>6} | bytes/sample vltrain, bare, before")
     for r in rows:
-        print(f"{r['augment']:<9} {r['workers']:>7} {r['vltrain_per_s']:>10.1f} {r['baseline_per_s']:>11.1f} "
-              f"{r['ratio']:>6.2f}x {r['cpu_ratio']:>8.2f}x {r['vltrain_per_cpu_s']:>13.1f} "
-              f"{r['baseline_per_cpu_s']:>14.1f} {r['vltrain_bytes_per_sample']:>21,.0f} "
-              f"{r['baseline_bytes_per_sample']:>9,.0f}")
+        print(f"{r['augment']:<9} {r['workers']:>7} {r['vltrain_per_s']:>9.1f} {r['bare_per_s']:>7.1f} "
+              f"{r['before_per_s']:>8.1f} | {r['vltrain_per_cpu_s']:>13.1f} {r['bare_per_cpu_s']:>10.1f} "
+              f"{r['before_per_cpu_s']:>12.1f} | {r['overhead']:>6.2f}x {r['overhead_per_cpu_s']:>8.2f}x "
+              f"{r['overhead_cpu_ratio']:>5.2f}x | {r['speedup']:>8.2f}x {r['speedup_per_cpu_s']:>8.2f}x "
+              f"{r['speedup_cpu_ratio']:>5.2f}x | {r['vltrain_bytes_per_sample']:,.0f}, "
+              f"{r['bare_bytes_per_sample']:,.0f}, {r['before_bytes_per_sample']:,.0f}")
+    print(f"(vs bare: vltrain's over bare's, target >= {TARGETS['overhead']}x; vs before: vltrain's over before's, "
+          f"target >= {TARGETS['speedup']}x; each for samples/s, samples per CPU-second and (cpu) CPU time, where "
+          "lower is better)")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """benchmarks/loader.py --quick, in-process: a row per (augment, worker count), each side's rate positive, the same
-samples read by both, and the bytes each sample costs in the worker queue."""
+samples read by all three sides, the bytes each sample costs in the worker queue, and the ratios; the bare side's
+transform is the trainer's, op for op."""
 
 import importlib
 import json
@@ -11,22 +12,53 @@ import pytest
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-@pytest.mark.slow  # the benchmark builds 3 pipelines and 12 loaders; about 8-20 s with its imports on 2 cores
-def test_the_quick_loader_benchmark_fills_its_table(tmp_path, monkeypatch, capsys):
+def bench_loader(monkeypatch):
     monkeypatch.setattr(sys, "path", [str(BENCH)] + sys.path)  # the script's own imports (common); restored after
-    loader = importlib.import_module("loader")
+    return importlib.import_module("loader")
+
+
+@pytest.mark.slow  # torchvision's import alone is 3-5 s on 2 cores when no earlier test paid it
+def test_the_bare_side_runs_the_trainers_transform(monkeypatch):
+    # equal work: the baseline's uint8 transform is the trainer's op for op (each op's repr names its parameters:
+    # crop size, scale, ratio, interpolation, antialias, RandAugment's ops and magnitude, jitter, blur kernel);
+    # the before side adds exactly ToDtype(float32) + Normalize
+    from vltrain.data.samples import train_transform
+
+    loader = bench_loader(monkeypatch)
+    mean, std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
+    for augment in ("none", "albef", "softmask"):
+        for how in ("bilinear", "bicubic"):
+            ours = [repr(t) for t in train_transform(96, mean, std, 0.6, augment, how).transforms]
+            bare = loader.plain_transform(96, mean, std, 0.6, augment, how, "uint8")
+            before = loader.plain_transform(96, mean, std, 0.6, augment, how, "float32")
+            assert [repr(t) for t in bare.transforms] == ours, (augment, how)
+            assert [repr(t) for t in before.transforms[:-2]] == ours, (augment, how)
+            assert [type(t).__name__ for t in before.transforms[-2:]] == ["ToDtype", "Normalize"]
+            assert repr(before.transforms[-1]) == repr(type(before.transforms[-1])(mean, std))
+
+
+@pytest.mark.slow  # the benchmark builds 3 pipelines and 18 loaders; about 10-25 s with its imports on 2 cores
+def test_the_quick_loader_benchmark_fills_its_table(tmp_path, monkeypatch, capsys):
+    loader = bench_loader(monkeypatch)
     out = tmp_path / "loader.json"
     rows = loader.main(["--quick", "--workers", "2", "--json", str(out)])
     assert [(r["augment"], r["workers"]) for r in rows] == [(a, w) for a in ("none", "albef", "softmask")
                                                             for w in (1, 2)]
     size = 64  # --quick's image size
     for r in rows:
-        assert r["vltrain_per_s"] > 0 and r["baseline_per_s"] > 0 and r["runs"] == 1
-        assert r["ratio"] == r["vltrain_per_s"] / r["baseline_per_s"]
-        # 16 images in 4 shards of 4, batches of 4 with drop_last: every image once, on both sides
-        assert r["samples"] == r["baseline_samples"] == 16, r
-        assert r["baseline_bytes_per_sample"] == 3 * size * size * 4  # float32 C x S x S
+        assert r["runs"] == 1
+        for side in ("vltrain", "bare", "before"):
+            assert r[f"{side}_per_s"] > 0 and r[f"{side}_per_cpu_s"] > 0 and r[f"{side}_cpu_s"] > 0, (side, r)
+            # 16 images in 4 shards of 4, batches of 4 with drop_last: every image once, on every side
+            assert r[f"{side}_samples"] == 16, (side, r)
+        assert r["bare_bytes_per_sample"] == 3 * size * size  # uint8 C x S x S, as the trainer ships
+        assert r["before_bytes_per_sample"] == 3 * size * size * 4  # float32, as it shipped before
         assert r["vltrain_bytes_per_sample"] in {3 * size * size * k for k in (1, 2, 4)}  # uint8, 16-bit or float32
-    assert json.loads(out.read_text())["rows"] == rows
+        for name, other in (("overhead", "bare"), ("speedup", "before")):
+            assert r[name] == r["vltrain_per_s"] / r[f"{other}_per_s"]
+            assert r[f"{name}_per_cpu_s"] == r["vltrain_per_cpu_s"] / r[f"{other}_per_cpu_s"]
+            assert r[f"{name}_cpu_ratio"] == r["vltrain_cpu_s"] / r[f"{other}_cpu_s"]
+    record = json.loads(out.read_text())
+    assert record["rows"] == rows and record["targets"] == {"overhead": 0.9, "speedup": 1.5}
     text = capsys.readouterr().out
-    assert "ratio" in text and "load average at end" in text
+    assert "vs bare" in text and "vs before" in text and "load average at end" in text
