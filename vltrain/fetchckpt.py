@@ -42,11 +42,43 @@ def result_url(checkpoint: str, name: str, flag: str) -> str:
 
 
 def upload_result(local: Path, url: str, flag: str) -> None:
-    """Put a result file whole at `url`; a refused or failed write is one line that suggests `flag`."""
+    """Put a result file whole at `url`. A refused or failed write (a bucket this user may only read) comes after the
+    work that made the result, so the result is not lost with it: it is kept in a local file first (keep_copy), and
+    the one-line error names that file and suggests `flag`."""
     try:
         objstore.put_file(local, url)
     except VlprepError as e:
-        raise TrainError(f"{e}; give {flag} PATH to write the result to a local file") from None
+        kept = keep_copy(local)
+        where = f"the result is saved in {kept} instead" if kept else "the result could not be saved locally either"
+        raise TrainError(f"{e}; {where} (give {flag} PATH to write it to a local file)") from None
+
+
+def keep_copy(local: Path) -> Path | None:
+    """A copy of the file `local` under its own name in the current folder (NAME-2.json, NAME-3.json ... when the
+    name is taken: a file already there is never replaced), else in the temporary folder when the current one cannot
+    be written; its absolute path, or None when neither can be written."""
+    data = local.read_bytes()
+    try:
+        folders = [Path.cwd(), Path(tempfile.gettempdir())]
+    except OSError:  # the current folder was removed
+        folders = [Path(tempfile.gettempdir())]
+    for folder in folders:
+        for i in range(1, 1000):
+            dest = folder / (local.name if i == 1 else f"{local.stem}-{i}{local.suffix}")
+            try:
+                f = open(dest, "xb")  # exclusive: a name taken meanwhile is left alone
+            except FileExistsError:
+                continue
+            except OSError:  # not writable: the next folder
+                break
+            try:
+                with f:
+                    f.write(data)
+            except OSError:  # a full disk: no partial result left behind
+                dest.unlink(missing_ok=True)
+                break
+            return dest
+    return None
 
 
 @contextlib.contextmanager

@@ -179,19 +179,30 @@ def test_benchmark_of_a_url_checkpoint_equals_the_local_one_and_uploads_its_resu
     assert remote == local
 
 
-def test_a_refused_upload_of_eval_json_is_one_line_that_suggests_out(run, monkeypatch):
-    """A bucket this user may only read: the upload's RemoteError (objstore's line, after its retries) gains the
-    way out, --out PATH."""
+def test_a_refused_upload_of_eval_json_keeps_the_result_locally_in_one_line(run, monkeypatch, tmp_path):
+    """A bucket this user may only read: the upload's RemoteError (objstore's line, after its retries) comes after
+    the evaluation, so the result is saved in the current folder first (never over a file there: eval-2.json beside
+    the user's eval.json) and the line names that file and the way out, --out PATH."""
     from vlprep import objstore
 
     def refuse(local, url):
         raise objstore.RemoteError(f"{url}: cannot write it (ClientError: AccessDenied)")
 
+    ok(invoke("eval", run["ckpt"], run["shards"], "--out", tmp_path / "local.json", "--device", "cpu"))
     monkeypatch.setattr(objstore, "put_file", refuse)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "eval.json").write_text("the user's own file\n")
     r = invoke("eval", "s3://bkt/ev/best.pt", run["shards"], "--device", "cpu")
     assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    kept = tmp_path / "eval-2.json"
     assert r.output.splitlines()[-1] == ("error: s3://bkt/ev/eval.json: cannot write it (ClientError: AccessDenied); "
-                                         "give --out PATH to write the result to a local file")  # after the table
+                                         f"the result is saved in {kept} instead (give --out PATH to write it to a "
+                                         "local file)")  # after the table
+    assert (tmp_path / "eval.json").read_text() == "the user's own file\n"
+    saved = json.loads(kept.read_text())
+    local = json.loads((tmp_path / "local.json").read_text())
+    assert saved.pop("checkpoint") == "s3://bkt/ev/best.pt" and local.pop("checkpoint") == str(run["ckpt"])
+    assert saved == local  # what the upload would have written: every number
 
 
 def test_gradcam_reads_a_url_checkpoint_and_its_errors_name_the_url(run, tmp_path):

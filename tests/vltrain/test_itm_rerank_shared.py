@@ -18,8 +18,8 @@ from tests.conftest import colour_pairs
 from vltrain import evaluate
 from vltrain.config import ModelConfig
 from vltrain.evaluate import _itm_scorer, itm_rerank
-from vltrain.model import autocast, build_model
 from vltrain.losses import upcast
+from vltrain.model import autocast, build_model
 
 ONE_FLOAT32_STEP = dict(rtol=2.0 ** -23 + 1e-12, atol=1e-12)
 
