@@ -1,11 +1,15 @@
 """A checkpoint given as a URL (s3://, gs://, http(s)://) to `vltrain eval`, `export`, `benchmark` and `gradcam`:
 downloaded once, whole, into a private temporary folder (mode 0700, objstore's retries), read there as a local
 checkpoint by vltrain.checkpoint.load (weights_only: the same safety as a local file), and removed afterwards, also
-on an error or Ctrl-C. Every message and record names the URL redacted (vlprep.urls), never the temporary copy."""
+on an error, Ctrl-C or SIGTERM. Every message and record names the URL redacted (vlprep.urls), never the temporary
+copy."""
 
 import contextlib
+import os
 import shutil
+import signal
 import tempfile
+import threading
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -84,28 +88,66 @@ def keep_copy(local: Path) -> Path | None:
 @contextlib.contextmanager
 def local_checkpoint(checkpoint, sidecars=()):
     """CHECKPOINT as a local Path: itself when it is local; for a URL, a downloaded copy of the file (and of those of
-    `sidecars` found beside it), removed when the block ends. Inside the block, a one-line error that names the copy
-    (vltrain.checkpoint's CheckpointError, a TrainError, gradcam's ValueError) names the URL, redacted, instead."""
+    `sidecars` found beside it), removed when the block ends, also by SIGTERM (unwound_on_sigterm). Inside the block,
+    a one-line error that names the copy (vltrain.checkpoint's CheckpointError, a TrainError, gradcam's ValueError)
+    names the URL, redacted, instead."""
     if not is_url(checkpoint):
         yield Path(checkpoint)
         return
     url, shown = checkpoint, redact(checkpoint)
-    folder = Path(tempfile.mkdtemp(prefix="vltrain-ckpt-"))  # 0700: the weights are readable by this user only
-    try:
-        local = folder / file_name(url)
-        fetch(url, local)
-        for name in sidecars:
-            if name != local.name:
-                with contextlib.suppress(objstore.RemoteError):  # optional; a presigned URL signs one object
-                    objstore.get_file(beside(url, name), folder / name)
+    with unwound_on_sigterm():  # SIGTERM's default would end the process before the `finally` removing the copy
+        folder = Path(tempfile.mkdtemp(prefix="vltrain-ckpt-"))  # 0700: the weights are readable by this user only
         try:
-            yield local
-        except (ValueError, TrainError, VlprepError) as e:  # the one-line errors (CheckpointError is a ValueError)
-            for where in (str(local.resolve()), str(local), str(folder)):
-                e.args = tuple(a.replace(where, shown) if isinstance(a, str) else a for a in e.args)
-            raise
+            local = folder / file_name(url)
+            fetch(url, local)
+            for name in sidecars:
+                if name != local.name:
+                    with contextlib.suppress(objstore.RemoteError):  # optional; a presigned URL signs one object
+                        objstore.get_file(beside(url, name), folder / name)
+            try:
+                yield local
+            except (ValueError, TrainError, VlprepError) as e:  # the one-line errors (CheckpointError is a ValueError)
+                for where in (str(local.resolve()), str(local), str(folder)):
+                    e.args = tuple(a.replace(where, shown) if isinstance(a, str) else a for a in e.args)
+                raise
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+class Terminated(BaseException):
+    """SIGTERM inside unwound_on_sigterm's block: unwinds it (a BaseException: `except Exception` does not stop it)."""
+
+
+@contextlib.contextmanager
+def unwound_on_sigterm():
+    """While the block runs, SIGTERM unwinds it (raises Terminated) so that its `finally` clauses run, then ends the
+    process by SIGTERM as the default handler would (a shell reports 143); the handler found is restored when the block
+    ends. Only over the default handler and from the main thread (the only one that may set handlers): a program with
+    its own SIGTERM handler, or one ignoring SIGTERM, keeps it. A second SIGTERM while the block unwinds, or one
+    reaching a process forked inside the block (a DataLoader worker inherits the handler), ends that process at once
+    as the default would. (vlprep.lifeline.stop_on_signals turns SIGTERM into Ctrl-C and ignores later ones: right
+    for a stage that stops its workers, not for a process that must end as SIGTERM ends it.)"""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
+        yield
+        return
+    me = os.getpid()
+
+    def unwind(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the next one ends the process
+        if os.getpid() != me:  # a forked child: nothing of its own to remove
+            signal.raise_signal(signal.SIGTERM)
+        raise Terminated
+
+    signal.signal(signal.SIGTERM, unwind)
+    try:
+        yield
+    except Terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGTERM)  # ends the process, as the signal would have
+        raise  # not reached
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def fetch(url: str, local: Path) -> None:

@@ -1,12 +1,18 @@
 """`vltrain eval` / `export` with CHECKPOINT at a URL, against moto's S3 server on 127.0.0.1 (also read over plain
 http://, path-style): the results equal the local checkpoint's exactly, the downloaded copy is gone afterwards (also
-after an error or Ctrl-C), credentials in the URL appear nowhere, and a missing object, missing credentials, a folder
+after an error, Ctrl-C or SIGTERM), credentials in the URL appear nowhere, and a missing object, missing credentials, a folder
 or a file that is not a checkpoint are each one line."""
 
 import json
+import os
 import re
+import select
+import signal
 import stat
+import subprocess
+import sys
 import tempfile
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -157,6 +163,46 @@ def test_the_copy_is_private_and_removed_after_ctrl_c(run):
             assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700  # no other user reads the weights
             raise KeyboardInterrupt
     assert not path.parent.exists()
+
+
+def test_sigterm_during_the_evaluation_of_a_url_checkpoint_removes_the_copy(run, tmp_path):
+    """`vltrain eval s3://...` in a process of its own (the signal ends it), its TMPDIR a folder of the test's, held
+    after the model is loaded (a sleep patched around vltrain.evaluate's `load`): SIGTERM ends it as SIGTERM does
+    (returncode -15, no traceback) and the downloaded copy's folder is gone."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    script = textwrap.dedent(f"""
+        import time
+        from vltrain import evaluate
+        from vltrain.cli import app
+
+        def held(*args, **kwargs):
+            loaded = load(*args, **kwargs)
+            print("loaded", flush=True)
+            time.sleep(60)
+            return loaded
+
+        load, evaluate.load = evaluate.load, held
+        app(["eval", "s3://bkt/ev/best.pt", {str(run["shards"])!r}, "--device", "cpu", "--out",
+             {str(tmp_path / "e.json")!r}])
+    """)
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env={**os.environ, "TMPDIR": str(tmp)})  # the moto server's AWS_* variables included
+    try:
+        ready, _, _ = select.select([p.stdout], [], [], 60)
+        assert ready and p.stdout.readline() == b"loaded\n", p.stderr.read().decode() if p.poll() is not None else ""
+        [copy] = tmp.glob("vltrain-ckpt-*")
+        assert (copy / "best.pt").read_bytes() == run["ckpt"].read_bytes()
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=60) == -signal.SIGTERM
+        assert "Traceback" not in p.stderr.read().decode()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        p.stdout.close()
+        p.stderr.close()
+    assert list(tmp.iterdir()) == [] and not (tmp_path / "e.json").exists()
 
 
 def test_benchmark_of_a_url_checkpoint_equals_the_local_one_and_uploads_its_result_beside_it(run, tmp_path):

@@ -2,14 +2,19 @@
 and SIGTERM during a URL checkpoint's block (the downloaded copy removed, the process ended as SIGTERM ends it, the
 handler found restored)."""
 
+import signal
+import subprocess
+import sys
 import tempfile
+import textwrap
+import threading
 from pathlib import Path
 
 import pytest
 
 from vlprep import objstore
 from vltrain.errors import TrainError
-from vltrain.fetchckpt import keep_copy, upload_result
+from vltrain.fetchckpt import keep_copy, unwound_on_sigterm, upload_result
 
 
 @pytest.fixture
@@ -62,3 +67,56 @@ def test_a_refused_upload_is_one_line_naming_the_kept_copy(result, tmp_path, mon
     with pytest.raises(TrainError, match=r"AccessDenied\); the result could not be saved locally either \(give "
                                          r"--output PATH"):
         upload_result(result, "s3://bkt/run/eval.json", "--output")
+
+
+def test_the_sigterm_handler_is_set_over_the_default_only_and_restored_after():
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    with unwound_on_sigterm():
+        assert callable(signal.getsignal(signal.SIGTERM))
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    with pytest.raises(ValueError), unwound_on_sigterm():  # an error: restored as well
+        raise ValueError
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+    def own(signum, frame):  # an application's own handler is its policy: left in place
+        pass
+
+    before = signal.signal(signal.SIGTERM, own)
+    try:
+        with unwound_on_sigterm():
+            assert signal.getsignal(signal.SIGTERM) is own
+        assert signal.getsignal(signal.SIGTERM) is own
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    seen = []
+
+    def in_a_thread():  # only the main thread may set handlers: elsewhere the block runs without one
+        with unwound_on_sigterm():
+            seen.append(signal.getsignal(signal.SIGTERM))
+
+    t = threading.Thread(target=in_a_thread)
+    t.start()
+    t.join()
+    assert seen == [signal.SIG_DFL]
+
+
+def test_sigterm_inside_the_block_runs_its_finally_then_ends_the_process_as_sigterm_does(tmp_path):
+    """A process of its own (the signal ends it): the block's `finally` writes a file, nothing after the block runs,
+    and the exit is SIGTERM's (returncode -15), not an exception's (1) or a traceback."""
+    script = textwrap.dedent(f"""
+        import os, signal
+        from pathlib import Path
+        from vltrain.fetchckpt import unwound_on_sigterm
+
+        with unwound_on_sigterm():
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                Path({str(tmp_path / "continued")!r}).touch()
+            finally:
+                Path({str(tmp_path / "cleaned")!r}).touch()
+        Path({str(tmp_path / "after")!r}).touch()
+    """)
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert p.returncode == -signal.SIGTERM, p.stderr
+    assert p.stderr == ""
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["cleaned"]
