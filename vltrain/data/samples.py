@@ -146,8 +146,8 @@ def decode_view(data: bytes, draft=None) -> "torch.Tensor | Image.Image":
 
     The pixels are PIL's: both run libjpeg-turbo's default decode (accurate integer IDCT, fancy upsampling), grey
     replicated into RGB, no EXIF turn, and the transforms see the same (3, H, W) uint8 strides that ToImage gives a
-    PIL image. What is saved is PIL's decode into its own buffer and ToImage's copy out of it: about 1.3x (500x375)
-    to 1.6x (640x480) for decode plus crop (benchmarks/loader.py). Decoding is strict: any libjpeg warning (corrupt
+    PIL image. What is saved is PIL's decode into its own buffer and ToImage's copy out of it: decode plus crop
+    1.33x (500x375) and 1.30x (640x480) faster in CPU time (benchmarks/decode.py). Decoding is strict: any libjpeg warning (corrupt
     or truncated data), where PIL may still give an image or raise, hands the bytes to PIL, which decides as before;
     so a sample is skipped exactly when it was, and libjpeg prints nothing.
     """
