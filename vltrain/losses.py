@@ -255,7 +255,11 @@ def mlm_mask(input_ids: torch.Tensor, prob: float, special_ids: Iterable[int], m
     if not 0.0 <= prob <= 1.0:
         raise ValueError(f"mask probability must be in [0, 1], got {prob}")
     dev = input_ids.device
-    special = torch.isin(input_ids, torch.as_tensor(list(special_ids), dtype=input_ids.dtype, device=dev))
+    # one comparison per special id: a tensor of the ids would be a copy from the host, which on a GPU waits for the
+    # device's queue (a sync per step)
+    special = torch.zeros_like(input_ids, dtype=torch.bool)
+    for i in sorted(set(special_ids)):
+        special |= input_ids == i
     selected = (torch.rand(input_ids.shape, generator=generator, device=dev) < prob) & ~special
     labels = torch.where(selected, input_ids, torch.full_like(input_ids, -100))
     # One uniform draw splits the selected positions 80/10/10.
@@ -265,6 +269,40 @@ def mlm_mask(input_ids: torch.Tensor, prob: float, special_ids: Iterable[int], m
     masked = torch.where(selected & (u < 0.8), torch.full_like(input_ids, mask_id), input_ids)
     masked = torch.where(selected & (u >= 0.8) & (u < 0.9), random_ids, masked)
     return masked, labels
+
+
+MLM_TAIL = 1e-9  # mlm_cap: the chance per step that more positions are masked than the cap holds
+
+
+def mlm_cap(n: int, prob: float, tail: float = MLM_TAIL) -> int:
+    """How many masked positions the vocabulary head scores: a bound on the count of `mlm_mask`'s selections among
+    n maskable tokens that is exceeded with probability below `tail`, capped at n; a host int (no device read).
+
+    The count is Binomial(m, p), m <= n (each non-special token selected independently; a larger m only makes larger
+    counts likelier), p = prob + 2^-24: float32's torch.rand takes values on a grid of step 2^-24 or finer, so
+    P(u < prob) is prob rounded up to it. Bernstein's inequality for a sum of independent terms X_i - p <= 1 of
+    total variance s^2 = n p (1 - p): P(X >= n p + t) <= exp(-t^2 / (2 (s^2 + t / 3))). Setting the right side to
+    tail, with l = ln(1 / tail), gives t = l / 3 + sqrt(l^2 / 9 + 2 l s^2); a count above floor(n p + t) is at
+    least n p + t. At tail 1e-9 (l = 20.7) that is n p + 6.4 s + 6.9 for large s: the Gaussian 6 s plus room for
+    the binomial's longer right tail at small n p, where a 6 s bound would be exceeded far more often."""
+    p = min(1.0, prob + 2.0 ** -24)
+    l = math.log(1 / tail)
+    t = l / 3 + math.sqrt(l * l / 9 + 2 * l * n * p * (1 - p))
+    return min(n, math.floor(n * p + t))
+
+
+def mlm_rows(labels: torch.Tensor, cap: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The first `cap` masked positions (labels != -100) in row order, at a size fixed without reading the device:
+    (B, L) labels -> flat position indices (cap,), their labels (cap,) with -100 on the fill rows past the masked
+    count (index 0: a real row, so finite), and how many masked positions were left out past the cap (0-d)."""
+    flat = labels.reshape(-1)
+    picked = flat != -100
+    # nonzero_static: a fixed-size nonzero (a boolean index's nonzero must read its count back to size the output)
+    at = torch.nonzero_static(picked, size=cap, fill_value=-1).squeeze(1)
+    fill = at < 0
+    at = at.clamp(min=0)
+    kept = torch.where(fill, torch.full_like(at, -100), flat[at])
+    return at, kept, picked.sum() - (~fill).sum()
 
 
 def mlm_loss(logits: torch.Tensor, labels: torch.Tensor, soft_targets: torch.Tensor | None = None,

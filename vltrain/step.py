@@ -68,7 +68,8 @@ def train_step(model, batch: dict, w, generator: torch.Generator | Draws, tokeni
     if w.itm > 0:
         losses.update(matching_losses(model, f, w, generator))
     if w.mlm > 0:
-        losses.update(masked_lm_loss(model, f, w, generator, tokenizer, alpha, distill))
+        # (its mlm_overflow, a count of positions past the head's cap, is not a loss: not in the total)
+        losses["mlm_loss"] = masked_lm_loss(model, f, w, generator, tokenizer, alpha, distill)["mlm_loss"]
     if w.tonics_ir > 0 or w.tonics_tr > 0:
         losses.update(aligner_losses(model, f, w, batch["noun_mask"]))
     losses["total"] = sum(getattr(w, WEIGHTS[k]) * v for k, v in losses.items())
@@ -128,10 +129,7 @@ class CompiledStep:
         tensors = {k: v for k, v in batch.items() if torch.is_tensor(v)}
         # (a fill on the device, not a copy from the host, which would wait for the device's queue)
         alpha = torch.full((), float(alpha), device=batch["input_ids"].device)
-        # MLM's vocabulary head reads the masked positions only, a count known when the step runs: traced as a
-        # size the graph does not fix (an unbacked symbol), not a break of the graph
-        with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
-            return self.step_fn(tensors, w, draws, None, alpha)
+        return self.step_fn(tensors, w, draws, None, alpha)
 
 
 def wrap_ddp(model, w, device: torch.device):

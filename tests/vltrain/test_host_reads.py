@@ -150,15 +150,16 @@ def test_a_non_finite_loss_found_at_a_flush_names_its_step_and_saves_nothing_aft
 @pytest.mark.parametrize("preset", list(CASES))
 def test_no_step_synchronises_with_the_gpu_outside_the_flushes(onto, tmp_path, monkeypatch, preset):
     """On CUDA under torch.cuda.set_sync_debug_mode("error") between each batch's arrival and its report: any
-    synchronising call (a read, a boolean-mask index, a blocking copy) fails the step. MLM is turned off: its
-    vocabulary head runs on the masked positions only, and selecting them (`fused[picked]`) is one sync per step
-    (docs/TRAINING.md). float32, so no fp16 loss scaler (whose skip check reads the scale every step)."""
+    synchronising call (a read, a boolean-mask index, a blocking copy) fails the step. MLM is on where the preset
+    has it: its vocabulary head takes the masked positions at a size the host knows (vltrain.losses.mlm_rows'
+    nonzero_static), not by a boolean index, whose nonzero reads its count back. float32, so no fp16 loss scaler
+    (whose skip check reads the scale every step)."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8"))
     windows(monkeypatch, lambda: torch.cuda.set_sync_debug_mode("error"),
             lambda: torch.cuda.set_sync_debug_mode("default"))
     try:
-        run_preset(onto, tmp_path, preset, 6, "cuda", ["train.precision=fp32", "loss.mlm=0"])
+        run_preset(onto, tmp_path, preset, 6, "cuda", ["train.precision=fp32"])
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -2,7 +2,7 @@
 
 import torch
 
-from vltrain.losses import mlm_loss, mlm_mask, upcast
+from vltrain.losses import mlm_cap, mlm_loss, mlm_mask, mlm_rows, upcast
 from vltrain.model import mask_token_id, model_tokenizer
 from vltrain.objectives import Draws
 
@@ -10,7 +10,8 @@ from vltrain.objectives import Draws
 def masked_lm_loss(model, f, w, generator: torch.Generator | Draws, tokenizer, alpha: float | torch.Tensor,
                    distill: bool) -> dict:
     """mlm_loss: the masked caption fused with the image, the vocabulary head on the masked positions only
-    (`generator` a Draws: its mask)."""
+    (`generator` a Draws: its mask); and mlm_overflow (0-d): the masked positions left out past `mlm_cap`, 0 but
+    with probability below 1e-9 a step."""
     mask = f.mask
     if f.mlm_masked is not None:  # the text was encoded masked already; ITM's positive rows are this fusion
         masked, labels = f.mlm_masked
@@ -25,14 +26,19 @@ def masked_lm_loss(model, f, w, generator: torch.Generator | Draws, tokenizer, a
         hidden, _ = model.encode_text(masked, mask, f.ends)
         fused = model.fuse(hidden, mask, f.image_tokens, ends=f.ends)
     # The vocabulary head runs on the masked positions only (about 15% of them): the loss reads nothing else,
-    # and over MiniLM's 30,522 words the full (B, L, V) logits were the largest matmul of an ALBEF step.
-    picked = labels != -100
-    logits = model.mlm_logits(fused[picked])  # (N, V)
+    # and over MiniLM's 30,522 words the full (B, L, V) logits were the largest matmul of an ALBEF step. They are
+    # taken at a size the host knows (a boolean index would read their count back from the device, a sync per
+    # step): mlm_cap of the tokens that can be masked, at most the rows' real tokens (the host's `ends`; a compiled
+    # step has none and takes every position, its static shape), the fill rows labelled -100 out of the loss.
+    n = sum(f.ends) if f.ends is not None else labels.numel()
+    rows, kept, overflow = mlm_rows(labels, mlm_cap(n, w.mlm_prob))
+    logits = model.mlm_logits(fused.flatten(0, 1)[rows])  # (cap, V)
     soft = None
     if distill:
         mom = model.momentum
         image_tokens_m, _, text_hidden_m, _ = f.momentum
         with torch.no_grad():
             hidden_m = text_hidden_m if f.mlm_masked is not None else mom.encode_text(masked, mask, f.ends)[0]
-            soft = upcast(mom.mlm_logits(mom.fuse(hidden_m, mask, image_tokens_m, ends=f.ends)[picked])).softmax(dim=-1)
-    return {"mlm_loss": mlm_loss(logits, labels[picked], soft, alpha if distill else 0.0)}
+            fused_m = mom.fuse(hidden_m, mask, image_tokens_m, ends=f.ends)
+            soft = upcast(mom.mlm_logits(fused_m.flatten(0, 1)[rows])).softmax(dim=-1)
+    return {"mlm_loss": mlm_loss(logits, kept, soft, alpha if distill else 0.0), "mlm_overflow": overflow}
