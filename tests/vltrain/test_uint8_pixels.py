@@ -17,8 +17,12 @@ SIZE = 48
 
 
 def float_path(size, mean, std, min_scale=0.5, augment="none", interpolation="bilinear"):
-    """train_transform as it was before the uint8 change: the same ops, then ToDtype + Normalize in the worker."""
+    """train_transform as it was before the uint8 change: the same ops, then ToDtype + Normalize in the worker.
+    softmask's jitter and blur are the trainer's (vltrain.data.colour, checked against torchvision's own in
+    test_colour.py): this test is about where the dtype changes, so both paths run the same ops."""
     from torchvision.transforms import v2
+
+    from vltrain.data.colour import ColorJitter, GaussianBlur
 
     if augment == "none":
         how = v2.InterpolationMode(interpolation)
@@ -30,8 +34,8 @@ def float_path(size, mean, std, min_scale=0.5, augment="none", interpolation="bi
              v2.RandomHorizontalFlip(), v2.RandAugment(num_ops=2, magnitude=7)]
     if augment == "softmask":
         kernel = 2 * max(1, round(0.05 * size)) + 1
-        steps += [v2.RandomApply([v2.ColorJitter(0.4, 0.4, 0.4, 0.1)], p=0.8), v2.RandomGrayscale(p=0.2),
-                  v2.RandomApply([v2.GaussianBlur(kernel, sigma=(0.1, 2.0))], p=0.5)]
+        steps += [v2.RandomApply([ColorJitter(0.4, 0.4, 0.4, 0.1)], p=0.8), v2.RandomGrayscale(p=0.2),
+                  v2.RandomApply([GaussianBlur(kernel, sigma=(0.1, 2.0))], p=0.5)]
     return v2.Compose(steps + [v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
 
 

@@ -49,7 +49,9 @@ def train_transform(size: int, mean, std, min_scale: float = 0.5, augment: str =
 
     albef is ALBEF's pre-training recipe: crop at scale 0.2..1, flip, RandAugment with 2 ops at magnitude 7
     (torchvision's op set, not ALBEF's hand-written one). softmask adds TCL's colour recipe, which SoftMask++'s MMDA
-    takes: ColorJitter(0.4, 0.4, 0.4, 0.1) at p 0.8, grayscale at p 0.2, Gaussian blur (sigma 0.1..2) at p 0.5.
+    takes: ColorJitter(0.4, 0.4, 0.4, 0.1) at p 0.8, grayscale at p 0.2, Gaussian blur (sigma 0.1..2) at p 0.5;
+    torchvision's transforms and draws, with the hue shift and the blur computed faster (`vltrain.data.colour`:
+    the same bytes for the jitter, within one grey level for the blur).
 
     Every op runs on uint8 (as it always did: ToImage gives uint8), and the view stays uint8 through the DataLoader
     queue and the host-to-device copy, a quarter of float32's bytes: `.norm` is the (mean, std) that `Collate` puts
@@ -73,9 +75,13 @@ def train_transform(size: int, mean, std, min_scale: float = 0.5, augment: str =
                                                     interpolation=v2.InterpolationMode.BICUBIC),
                  v2.RandomHorizontalFlip(), v2.RandAugment(num_ops=2, magnitude=7)]
     if augment == "softmask":
+        # torchvision's ColorJitter and GaussianBlur with their draws, the hue shift (same bytes) and the blur (within
+        # a grey level, separable) done at about a fifth of the CPU time: see vltrain.data.colour
+        from vltrain.data.colour import ColorJitter, GaussianBlur
+
         kernel = 2 * max(1, round(0.05 * size)) + 1  # SimCLR's blur kernel: about a tenth of the image side, odd
-        steps += [v2.RandomApply([v2.ColorJitter(0.4, 0.4, 0.4, 0.1)], p=0.8), v2.RandomGrayscale(p=0.2),
-                  v2.RandomApply([v2.GaussianBlur(kernel, sigma=(0.1, 2.0))], p=0.5)]
+        steps += [v2.RandomApply([ColorJitter(0.4, 0.4, 0.4, 0.1)], p=0.8), v2.RandomGrayscale(p=0.2),
+                  v2.RandomApply([GaussianBlur(kernel, sigma=(0.1, 2.0))], p=0.5)]
     tf = v2.Compose(steps)
     tf.norm = (tuple(float(m) for m in mean), tuple(float(s) for s in std))
     tf.draft = functools.partial(draft_scale, size=size, min_scale=min_scale)
