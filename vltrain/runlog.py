@@ -252,6 +252,12 @@ class RunLog:
         """One optimiser step's report, as of `now` (when it ended): the ETA note after 10 steps, a row every
         log_every steps, the progress; `io` (remote data: read_retries, shards_skipped) joins the row."""
         cfg = self.cfg
+        # MLM's masked positions past the vocabulary head's cap (vltrain.losses.mlm_cap; below 1e-9 a step): said
+        # at once, and a field of the step's row, only when there were any
+        overflow = int(losses.pop("mlm_overflow", 0))
+        if overflow:
+            self.console.print(f"step {step}: MLM masked {overflow} positions past its cap; they were left out of "
+                               "this step's loss", highlight=False)
         self.losses, self.seen = losses, self.seen + samples
         done = step - self.start_step
         elapsed = now - self.t_start
@@ -262,6 +268,8 @@ class RunLog:
             rate = self.seen / max(now - self.t0, 1e-9)
             self.t0, self.seen = now, 0
             row = {"step": step, **losses, "lr": lr, "samples_per_s": round(rate, 2), "bad_samples": bad, **(io or {})}
+            if overflow:
+                row["mlm_overflow"] = overflow
             if cfg.loss.distill_alpha > 0:
                 row["distill_alpha"] = alpha
             self.log(row)

@@ -116,7 +116,9 @@ def test_the_loss_is_the_boolean_index_loss(default_float64, masked_all, ends):
     # train_step's mlm_loss is this one (the same draw: with ITM off, MLM's mask is the generator's first use)
     step = step_mod.train_step(model, batch, cfg.loss, Draws(mlm=(masked, labels)), alpha=alpha)
     assert float(step["mlm_loss"].detach()) == float(out["mlm_loss"].detach())
-    assert "mlm_overflow" not in step  # a count, not a loss: not in the weighted total
+    # the count rides along for the flush to report, and is not a loss: the total is the weighted mlm_loss alone
+    assert int(step["mlm_overflow"]) == 0
+    assert float(step["total"].detach()) == cfg.loss.mlm * float(step["mlm_loss"].detach())
 
 
 def test_past_the_cap_the_first_positions_are_kept_and_the_rest_counted(default_float64, monkeypatch):
@@ -190,3 +192,24 @@ def test_a_gaussian_six_sigma_bound_would_not_hold_for_short_batches():
     gauss = math.floor(n * p + 6 * math.sqrt(n * p * (1 - p)) + 1)
     assert binomial_tail(n, p, gauss) > 100 * MLM_TAIL
     assert binomial_tail(n, p + 2.0 ** -24, mlm_cap(n, p)) < MLM_TAIL
+
+
+@pytest.mark.slow  # a 2-step run
+def test_a_step_past_the_cap_is_said_and_written_to_its_row(tmp_path, monkeypatch, capsys):
+    import json
+
+    from tests.conftest import ontology_dataset
+    from tests.vltrain.test_host_reads import PER_PRESET, TINY
+    from vltrain.config_load import load_config
+    from vltrain.train import train
+
+    onto = ontology_dataset(tmp_path)
+    monkeypatch.setattr(masked_lm_mod, "mlm_cap", lambda n, prob: 1)
+    cfg = load_config("albef", shards=[str(onto)], out=str(tmp_path / "run"), steps=2, batch_size=4, device="cpu",
+                      sets=TINY + PER_PRESET["albef"] + ["log_every=1", "loss.mlm_prob=0.5"])
+    train(cfg)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "total" in r]
+    assert len(steps) == 2 and all(r["mlm_overflow"] >= 1 for r in steps)
+    out = " ".join(capsys.readouterr().err.split())  # the run reports to stderr
+    assert f"step 1: MLM masked {steps[0]['mlm_overflow']} positions past its cap" in out
