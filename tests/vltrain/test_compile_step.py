@@ -167,7 +167,8 @@ def check_same_numbers(compiled, eager, model, twin, cfg, preset: str) -> None:
                                              ("tonics", "eager"), ("albef", "aot_eager")])
 def test_step_is_one_graph_per_caption_bucket(preset, backend):
     # caption lengths 5, 11, 6, 12 tokens ([CLS] + words + [SEP]): buckets 8, 12, 8, 12 of max_len 16; MLM's count
-    # of masked positions varies too (0 in the first batch), which compiles nothing again
+    # of masked positions varies too (0 in the first batch), and compiles nothing again: the vocabulary head scores
+    # mlm_cap rows, a size fixed by the bucket's shape
     words = [3, 9, 4, 10]
     compiled, eager, graphs, breaks, model, twin, cfg = compiled_and_eager(preset, words, backend)
     tok = model_tokenizer(model)
