@@ -39,7 +39,8 @@ def adjust_hue_uint8(image: torch.Tensor, hue_factor: float) -> torch.Tensor:
     replaced by two maximum/minimum (exact), the masked sum of the three hue terms kept as torchvision writes it,
     fmod and remainder by 1 replaced by the subtraction or addition of 1 they come to on these ranges, and the
     int64 index and gather that pick (v, p, q, t) per channel replaced by byte masks on the four planes already
-    converted to uint8 (conversion and selection commute). About 4x faster at 224 px.
+    converted to uint8 (conversion and selection commute). 0.75-0.87 ms against 3.1-3.3 ms at 224 px
+    (benchmarks/colour.py).
     """
     x = image.numpy().astype(F32)
     x *= F32(1.0 / 255)  # to_dtype_image(uint8 -> float32): x.to(float32).mul_(1 / 255)
@@ -102,11 +103,12 @@ def gaussian_blur_uint8(image: torch.Tensor, kernel_size, sigma) -> torch.Tensor
     torchvision convolves with the (ky, kx) kernel, the outer product of two 1-D kernels, in float32 with reflect
     padding, then rounds (half to even). The same blur as two 1-D passes costs 2k instead of k^2 multiply-adds a
     pixel: OpenCV's sepFilter2D on float32 planes with BORDER_REFLECT_101 (torch's "reflect": the edge pixel not
-    repeated), then the same rounding. OpenCV rather than torch's conv2d with (1, k) and (k, 1) kernels: 0.55 ms
-    against 3.0 ms a 224 px view at k = 23 (torchvision's 2-D conv: 11.5 ms); it runs on the calling thread
-    (no parallel loop in this filter). Both sums are within 0.01 of the exact one (k^2 = 529 non-negative float32
-    products of at most 255), so their roundings differ by at most 1, and only where the exact value lies that
-    close to a half.
+    repeated), then the same rounding. OpenCV rather than torch's conv2d with (1, k) and (k, 1) kernels: 0.6 ms
+    against 3.0 ms a 224 px view at k = 23 (torchvision's 2-D conv: 9-11 ms); it runs on the calling thread (no
+    parallel loop in this filter: the same time with cv2.setNumThreads(1)). Each float32 sum of non-negative terms
+    is within gamma_n = n u / (1 - n u) (u = 2^-24) of the exact value times 255: n = k^2 = 529 for torchvision's,
+    0.008 grey levels, 2k for this one; two values less than 1 apart round to integers at most 1 apart, and they
+    differ at all only where the exact value lies within 0.008 of a half.
     """
     kx = gaussian_kernel1d(kernel_size[0], sigma[0])
     ky = gaussian_kernel1d(kernel_size[1], sigma[1])
@@ -119,8 +121,8 @@ def gaussian_blur_uint8(image: torch.Tensor, kernel_size, sigma) -> torch.Tensor
 
 class ColorJitter(v2.ColorJitter):
     """torchvision's ColorJitter (its draws, its random order of the four ops, its brightness, contrast and
-    saturation kernels) with the hue shift of a uint8 RGB image done by `adjust_hue_uint8`: the same bytes, about
-    4x faster; the hue shift was 6.8 of ColorJitter's 7.7 ms at 224 px."""
+    saturation kernels) with the hue shift of a uint8 RGB image done by `adjust_hue_uint8`: the same bytes; the hue
+    shift was 3.1-3.3 of the jitter's 4.4-4.7 ms at 224 px, now 0.75-0.87 of 2.0-2.3 (benchmarks/colour.py)."""
 
     def transform(self, inpt, params: dict):
         if params["hue_factor"] is None or not _rgb_uint8(inpt):
@@ -140,7 +142,8 @@ class ColorJitter(v2.ColorJitter):
 
 class GaussianBlur(v2.GaussianBlur):
     """torchvision's GaussianBlur (its sigma draw) with the blur of a uint8 RGB image done separably by
-    `gaussian_blur_uint8`: within one grey level, about 20x faster at 224 px with a 23-pixel kernel. An image
+    `gaussian_blur_uint8`: within one grey level, 9-10x faster at 224 px with a 23-pixel kernel (1.0 against
+    9.4-9.6 ms a call, benchmarks/colour.py). An image
     torchvision's reflect padding refuses (a side not longer than half the kernel) goes to torchvision, which
     refuses it."""
 

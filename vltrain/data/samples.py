@@ -76,7 +76,7 @@ def train_transform(size: int, mean, std, min_scale: float = 0.5, augment: str =
                  v2.RandomHorizontalFlip(), v2.RandAugment(num_ops=2, magnitude=7)]
     if augment == "softmask":
         # torchvision's ColorJitter and GaussianBlur with their draws, the hue shift (same bytes) and the blur (within
-        # a grey level, separable) done at about a fifth of the CPU time: see vltrain.data.colour
+        # a grey level, separable) computed faster: the recipe at about a quarter of the CPU time (vltrain.data.colour)
         from vltrain.data.colour import ColorJitter, GaussianBlur
 
         kernel = 2 * max(1, round(0.05 * size)) + 1  # SimCLR's blur kernel: about a tenth of the image side, odd
