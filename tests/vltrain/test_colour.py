@@ -49,6 +49,18 @@ def test_hue_shift_is_torchvisions_byte_for_byte(size):
             assert torch.equal(adjust_hue_uint8(img, hue), F.adjust_hue(img, hue)), (kind, hue)
 
 
+def test_hue_shift_at_every_step_of_the_factor():
+    # a factor that brings a pixel's hue to 0 or 1 (the wrap-around of the remainder, h6 rounding up to 6): every
+    # hue of a 1 / 360 grid against every factor of a 1 / 200 grid and a few next to them
+    hues = np.linspace(0, 1, 360, endpoint=False)
+    rgb = np.stack([np.clip(np.abs((hues * 6 + k) % 6 - 3) - 1, 0, 1) for k in (0, 4, 2)])  # the HSV wheel, s = v = 1
+    rows = [255 * rgb, 60 + 140 * rgb, 90 * rgb]  # v 1, s 1; v 200 / 255, s 0.7; v 90 / 255, s 1
+    img = torch.from_numpy(np.round(np.stack(rows, 1)).astype(np.uint8))  # (3, 3, 360)
+    for hue in np.concatenate([np.linspace(-0.5, 0.5, 201), np.linspace(-0.5, 0.5, 201) + 1e-7])[:-1]:
+        hue = float(np.clip(hue, -0.5, 0.5))
+        assert torch.equal(adjust_hue_uint8(img, hue), F.adjust_hue(img, hue)), hue
+
+
 def exact_blur(img: torch.Tensor, kx: np.ndarray, ky: np.ndarray) -> np.ndarray:
     """float64 (3, H, W): the blur's exact value with the float32 kernels, written out: reflect padding (the edge
     pixel not repeated, numpy's "reflect") and the sum over the (ky, kx) window of ky[i] kx[j] times the pixel."""

@@ -62,9 +62,11 @@ def adjust_hue_uint8(image: torch.Tensor, hue_factor: float) -> torch.Tensor:
     h += F32(1.0)
     h -= h >= 1  # fmod(h, 1) on [0, 2]: h - 1, exact there (Sterbenz)
     h += F32(hue_factor)
-    # remainder(h, 1) on [-0.5, 1.5]: torch's fmod, then + 1 where negative (rounded, as torch rounds it)
-    h += h < 0
+    # remainder(h, 1) on [-0.5, 1.5]: torch's fmod (h - 1 from 1 up, exact), then + 1 where that is negative,
+    # rounded as torch rounds it (a tiny negative h gives 1.0, as there)
+    negative = h < 0
     h -= h >= 1
+    h += negative
     h6 = h * F32(6.0)
     i = np.floor(h6)
     f = h6 - i
