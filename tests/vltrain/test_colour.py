@@ -75,11 +75,13 @@ def exact_blur(img: torch.Tensor, kx: np.ndarray, ky: np.ndarray) -> np.ndarray:
 
 
 def rounding_band(k: int) -> float:
-    """How far a float32 blur can land from the exact value, in grey levels: a sum of n = k products of float32
-    weights (summing to 1 within n ulps) and pixels <= 255 is within gamma_n = n u / (1 - n u) of its exact value
-    times the sum of the terms, <= 255 (Higham, Accuracy and Stability of Numerical Algorithms, section 3.1, in any
-    summation order, with or without FMA); torchvision sums k^2 products of weights themselves rounded once (the
-    outer product), the separable blur 2k in two passes. The larger, torchvision's, plus the weights' own rounding."""
+    """How far a float32 blur can land from the exact value, in grey levels. A float32 sum of n products of weights
+    >= 0 and pixels <= 255, each product and addition rounded, is within gamma_n = n u / (1 - n u) of the exact sum
+    relative to the sum of the terms (Higham, Accuracy and Stability of Numerical Algorithms, section 3.1: in any
+    order, with or without FMA); that sum is at most 255 times the weights' sum, 1 within n u (the softmax's
+    rounding). torchvision sums k^2 products whose weights were rounded once more (the outer product): gamma_(k^2+1);
+    the separable blur two passes of k (k + 1 where OpenCV adds the symmetric pixel pairs first): gamma_(2k+2). Both
+    are within gamma_(k^2+2) for k >= 2."""
     n = k * k + 2
     return n * U / (1 - n * U) * 255 * (1 + n * U)
 
