@@ -48,10 +48,12 @@ def train_transform(size: int, mean, std, min_scale: float = 0.5, augment: str =
     `interpolation`, the model's: bicubic for a CLIP tower), albef or softmask (MMDA).
 
     albef is ALBEF's pre-training recipe: crop at scale 0.2..1, flip, RandAugment with 2 ops at magnitude 7
-    (torchvision's op set, not ALBEF's hand-written one). softmask adds TCL's colour recipe, which SoftMask++'s MMDA
-    takes: ColorJitter(0.4, 0.4, 0.4, 0.1) at p 0.8, grayscale at p 0.2, Gaussian blur (sigma 0.1..2) at p 0.5;
-    torchvision's transforms and draws, with the hue shift and the blur computed faster (`vltrain.data.colour`:
-    the same bytes for the jitter, within one grey level for the blur).
+    (torchvision's op set and draws, not ALBEF's hand-written one; its shears, translations and rotation gather uint8
+    pixels through source maps torchvision's kernel computes once, `vltrain.data.randaug`: the same bytes).
+    softmask adds TCL's colour recipe, which SoftMask++'s MMDA takes: ColorJitter(0.4, 0.4, 0.4, 0.1) at p 0.8,
+    grayscale at p 0.2, Gaussian blur (sigma 0.1..2) at p 0.5; torchvision's transforms and draws, with the hue
+    shift and the blur computed faster (`vltrain.data.colour`: the same bytes for the jitter, within one grey level
+    for the blur).
 
     Every op runs on uint8 (as it always did: ToImage gives uint8), and the view stays uint8 through the DataLoader
     queue and the host-to-device copy, a quarter of float32's bytes: `.norm` is the (mean, std) that `Collate` puts
@@ -70,10 +72,14 @@ def train_transform(size: int, mean, std, min_scale: float = 0.5, augment: str =
         steps = [v2.ToImage(), v2.RandomResizedCrop(size, scale=(min_scale, 1.0), antialias=True, interpolation=how),
                  v2.RandomHorizontalFlip()]
     else:
+        # torchvision's RandAugment with its draws, the five geometric ops a gather of uint8 pixels through source
+        # maps its own kernel computes once: the same bytes at a seventh of the cost (vltrain.data.randaug)
+        from vltrain.data.randaug import RandAugment
+
         min_scale = 0.2
         steps = [v2.ToImage(), v2.RandomResizedCrop(size, scale=(min_scale, 1.0), antialias=True,
                                                     interpolation=v2.InterpolationMode.BICUBIC),
-                 v2.RandomHorizontalFlip(), v2.RandAugment(num_ops=2, magnitude=7)]
+                 v2.RandomHorizontalFlip(), RandAugment(num_ops=2, magnitude=7)]
     if augment == "softmask":
         # torchvision's ColorJitter and GaussianBlur with their draws, the hue shift (same bytes) and the blur (within
         # a grey level, separable) computed faster: the recipe at about a quarter of the CPU time (vltrain.data.colour)
