@@ -20,15 +20,15 @@ Three sides, each one epoch over the same shards:
   1)`, the decode the trainer does, with no header read and no fallback: every image here is an RGB JPEG) and the
   trainer's uint8 transform written out in plain torchvision v2 (ToImage, RandomResizedCrop with the model's
   interpolation, flip[, RandAugment[, colour jitter, grayscale, blur]]: `plain_transform(..., "uint8")`, the ops of
-  `vltrain.data.samples.train_transform`, checked by the tests; softmask's jitter and blur are the trainer's own,
-  `vltrain.data.colour`'s, so that the baseline does not pay for the torchvision kernels they replace), batched by
-  a DataLoader whose collate stacks the
-  uint8 images (torch.stack, as default_collate) and tokenises the captions with the same tokenizer, padding to the
-  longest. The same work without the bucketing and the header read; it ships uint8.
-- before (the trainer before libjpeg-turbo decode, uint8 views and the faster colour ops, the yardstick for the
-  speed-up): the bare loader with `PIL.Image.open(jpg).convert("RGB")` and the same transform with torchvision's
-  own ColorJitter and GaussianBlur, ending in ToDtype(float32) + Normalize in the worker
-  (`plain_transform(..., "float32")`); the same collate. It ships float32.
+  `vltrain.data.samples.train_transform`, checked by the tests; RandAugment and softmask's jitter and blur are the
+  trainer's own, `vltrain.data.randaug`'s and `vltrain.data.colour`'s, so that the baseline does not pay for the
+  torchvision kernels they replace), batched by a DataLoader whose collate stacks the uint8 images (torch.stack, as
+  default_collate) and tokenises the captions with the same tokenizer, padding to the longest. The same work
+  without the bucketing and the header read; it ships uint8.
+- before (the trainer before libjpeg-turbo decode, uint8 views and the faster RandAugment and colour ops, the
+  yardstick for the speed-up): the bare loader with `PIL.Image.open(jpg).convert("RGB")` and the same transform
+  with torchvision's own RandAugment, ColorJitter and GaussianBlur, ending in ToDtype(float32) + Normalize in the
+  worker (`plain_transform(..., "float32")`); the same collate. It ships float32.
 
 Each measure is one epoch (every image once) from a fresh DataLoader, workers started included; rounds alternate
 the order of the sides (benchmarks/common.py); medians of --repeats runs. A row gives vltrain over bare (the
@@ -177,9 +177,10 @@ def bare_side(shards: Path, cfg, augment: str, batch: int, workers: int, ship: s
 def plain_transform(size: int, mean, std, min_scale: float, augment: str, interpolation: str = "bilinear",
                     ship: str = "float32"):
     """The trainer's training transform written out with plain torchvision v2: ship "uint8" is the one it uses
-    (3 x size x size uint8, normalised later on the device; softmask's jitter and blur from vltrain.data.colour, as
-    the trainer's), "float32" the one it used before uint8 views and the faster colour ops (the same ops with
-    torchvision's ColorJitter and GaussianBlur, then ToDtype float32 + Normalize in the worker)."""
+    (3 x size x size uint8, normalised later on the device; RandAugment from vltrain.data.randaug, softmask's
+    jitter and blur from vltrain.data.colour, as the trainer's), "float32" the one it used before uint8 views and the
+    faster RandAugment and colour ops (the same ops with torchvision's RandAugment, ColorJitter and GaussianBlur,
+    then ToDtype float32 + Normalize in the worker)."""
     import torch
     from torchvision.transforms import v2
 
@@ -188,9 +189,13 @@ def plain_transform(size: int, mean, std, min_scale: float, augment: str, interp
                                                     interpolation=v2.InterpolationMode(interpolation)),
                  v2.RandomHorizontalFlip()]
     else:
+        if ship == "uint8":  # the trainer's: torchvision's draws, the geometric ops a gather through source maps
+            from vltrain.data.randaug import RandAugment
+        else:  # what the trainer ran before
+            RandAugment = v2.RandAugment
         steps = [v2.ToImage(), v2.RandomResizedCrop(size, scale=(0.2, 1.0), antialias=True,
                                                     interpolation=v2.InterpolationMode.BICUBIC),
-                 v2.RandomHorizontalFlip(), v2.RandAugment(num_ops=2, magnitude=7)]
+                 v2.RandomHorizontalFlip(), RandAugment(num_ops=2, magnitude=7)]
     if augment == "softmask":
         if ship == "uint8":  # the trainer's: torchvision's draws, the hue shift and the blur computed faster
             from vltrain.data.colour import ColorJitter, GaussianBlur

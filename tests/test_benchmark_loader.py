@@ -1,6 +1,7 @@
 """benchmarks/loader.py --quick, in-process: a row per (augment, worker count), each side's rate positive, the same
 samples read by all three sides, the bytes each sample costs in the worker queue, and the ratios; the bare side's
-transform is the trainer's, op for op, and the before side's the same with torchvision's own jitter and blur."""
+transform is the trainer's, op for op, and the before side's the same with torchvision's own RandAugment, jitter and
+blur."""
 
 import importlib
 import json
@@ -21,20 +22,21 @@ def bench_loader(monkeypatch):
 def test_the_bare_side_runs_the_trainers_transform(monkeypatch):
     # equal work: the baseline's uint8 transform is the trainer's op for op (each op's repr names its parameters:
     # crop size, scale, ratio, interpolation, antialias, RandAugment's ops and magnitude, jitter, blur kernel; each
-    # op's class, RandomApply's inner ones too: softmask's jitter and blur are vltrain.data.colour's); the before
-    # side has the same ops with torchvision's own jitter and blur (what the trainer ran before), then exactly
-    # ToDtype(float32) + Normalize
+    # op's class, RandomApply's inner ones too: RandAugment is vltrain.data.randaug's, softmask's jitter and blur
+    # vltrain.data.colour's); the before side has the same ops with torchvision's own RandAugment, jitter and blur
+    # (what the trainer ran before), then exactly ToDtype(float32) + Normalize
     from torchvision.transforms import v2
 
-    from vltrain.data import colour
+    from vltrain.data import colour, randaug
     from vltrain.data.samples import train_transform
 
     def ops(transforms) -> list:
         return [(type(t), repr(t), [type(u) for u in getattr(t, "transforms", [])]) for t in transforms]
 
     def torchvisions(op: tuple) -> tuple:
-        swap = {colour.ColorJitter: v2.ColorJitter, colour.GaussianBlur: v2.GaussianBlur}
-        return op[0], op[1], [swap.get(u, u) for u in op[2]]
+        swap = {colour.ColorJitter: v2.ColorJitter, colour.GaussianBlur: v2.GaussianBlur,
+                randaug.RandAugment: v2.RandAugment}
+        return swap.get(op[0], op[0]), op[1], [swap.get(u, u) for u in op[2]]
 
     loader = bench_loader(monkeypatch)
     mean, std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
@@ -49,6 +51,8 @@ def test_the_bare_side_runs_the_trainers_transform(monkeypatch):
             assert repr(before.transforms[-1]) == repr(type(before.transforms[-1])(mean, std))
     inner = [u for op in ops(train_transform(96, mean, std, 0.6, "softmask").transforms) for u in op[2]]
     assert colour.ColorJitter in inner and colour.GaussianBlur in inner
+    for augment in ("albef", "softmask"):
+        assert randaug.RandAugment in [op[0] for op in ops(train_transform(96, mean, std, 0.6, augment).transforms)]
 
 
 @pytest.mark.slow  # the benchmark builds 3 pipelines and 18 loaders; about 10-25 s with its imports on 2 cores
