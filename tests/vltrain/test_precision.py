@@ -106,6 +106,9 @@ def test_losses_stay_float32_under_fp16_autocast():
         out = train_step(model, batch, cfg.loss, torch.Generator().manual_seed(0), tok, 0.4)
         assert model.image_proj(torch.randn(2, model.image_proj.in_features)).dtype == torch.float16  # it is on
     feats = out.pop("queue_feats")
+    # MLM's count of masked positions past its cap rides with the losses (read at the flush): an integer, 0 here
+    overflow = out.pop("mlm_overflow")
+    assert overflow.dtype == torch.int64 and int(overflow) == 0
     assert all(v.dtype == torch.float32 for v in out.values()), {k: v.dtype for k, v in out.items()}
     assert all(math.isfinite(float(v.detach())) for v in out.values())
     # the scaler's first scale (2^16) overflows these float16 gradients: it backs off until a step applies
