@@ -67,12 +67,15 @@ class RandAugment(v2.RandAugment):
     """torchvision's RandAugment (its op set, its draws, its other nine ops) with the five geometric ops of a CPU
     uint8 (C, H, W) image and NEAREST interpolation (RandAugment's default) applied by `gather_uint8`: the same bytes.
 
-    torchvision applies each by building a float32 sampling grid (a (H W, 3) x (3, 2) bmm, 0.4 of the 0.6 ms it
-    takes at 224 px) and grid-sampling a float copy of the image (about 0.25 ms with the conversions). With
+    torchvision applies each by building a float32 sampling grid (0.6 of the 1.0 ms a call takes at 224 px, most
+    of it a (H W, 3) x (3, 2) bmm) and grid-sampling a float copy of the image (about 0.25 ms with the
+    conversions). With
     magnitude fixed, an op's grid depends only on the op, the magnitude's sign and the image size: albef's views
     need ten. So the source of every output pixel is computed once by torchvision's own kernel (`source_map`) and
     kept in `self.source_maps` (per transform object, so per loader worker; at most MAX_MAPS of them, 0.4 MB each
-    at 224 px), and each later call is a gather of uint8 bytes, 0.1 ms against torchvision's 1.0-1.7 ms.
+    at 224 px), and each later call is a gather of uint8 bytes: 0.14 ms against torchvision's 0.98-1.00 ms, and
+    RandAugment(2, 7) 1.07 against 1.62 ms a view (benchmarks/randaug.py; the first call at a new op, sign and size
+    costs what torchvision's does).
     Everything else (the other ops, other dtypes, batches, PIL images, other interpolations, a fill torchvision
     would convert oddly) goes to torchvision unchanged.
     """
