@@ -109,6 +109,7 @@ def _zipf_pairs(n: int, rng) -> list[tuple[list[str], set[str]]]:
              | {f"c{e}" for e in ex[:k]}) for cap, said, ex, k in zip(nouns, seen, extra, count)]
 
 
+@pytest.mark.slow  # about 3.5 s
 def test_a_fixed_count_maps_the_long_tail_a_rate_does_not():
     """At --min-cooccur 5 the mapping grows with N (the tail of nouns that name no class, mapped by chance
     co-occurrence); with --min-cooccur-rate 0.0005 (5 per 10,000 pairs) it keeps the class-naming nouns only."""

@@ -164,6 +164,7 @@ def test_report_of_a_dataset_without_samples_is_the_former_one(tmp_path):
             np.asarray(Image.open(tmp_path / "old" / "stats.png"))).all()
 
 
+@pytest.mark.slow  # about 7 s: stats over a dataset large enough to show growth
 def test_memory_does_not_grow_with_the_samples(tmp_path):
     """Measured: -9 B per extra sample (the peak is the plot's, a constant; the counters are vocabulary- and
     size-sized), against +244 B per sample for the former stage on the same data (every caption, width and

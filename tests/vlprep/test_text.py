@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+import pytest
+
 from vlprep.text import stop_words, tokenize, words
 
 STOP = set((Path(__file__).parents[2] / "vlprep/data/stopwords/english").read_text().split())
@@ -23,6 +25,7 @@ def test_stop_words_are_nltks_179():
     assert stop_words() is stop_words()  # read once
 
 
+@pytest.mark.slow  # about 4.5 s: all 1.1M code points
 def test_tokenize_and_words_equal_their_regexes_on_every_code_point():
     import random
     import re

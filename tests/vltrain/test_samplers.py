@@ -402,6 +402,7 @@ def test_collate_builds_noun_masks_from_spans():
     assert pieces == [["pet"], ["dog"]]
 
 
+@pytest.mark.slow  # about 3 s each: a run, its refreshes and a resume
 @pytest.mark.parametrize("preset", ["tonics", "tonics-ir"])
 def test_tonics_preset_runs_refreshes_and_resumes_exactly(onto, tmp_path, preset):
     common = ["--preset", preset, "--set", "sampler.refresh_every=3", "--set", "sampler.threshold=0",

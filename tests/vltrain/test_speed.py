@@ -94,6 +94,7 @@ def run(ds, out, *args):
                                     *args])
 
 
+@pytest.mark.slow  # about 4 s each: two runs with loader workers
 @pytest.mark.parametrize("workers", [1, 2])
 def test_resume_is_exact_with_workers_kept_across_epochs_and_bucketing(varied, tmp_path, workers):
     """20 steps against 15 + 5 with --resume, over epochs of about 13 batches from loader workers kept across
