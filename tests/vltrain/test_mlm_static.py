@@ -105,7 +105,7 @@ def test_the_loss_is_the_boolean_index_loss(default_float64, masked_all, ends):
     head = model.mlm_logits
     model.mlm_logits = lambda x: rows_seen.append(x.shape[0]) or head(x)
     f = step_mod.encode(model, batch, cfg.loss, Draws(mlm=(masked, labels)))
-    out = masked_lm_loss(model, f, cfg.loss, Draws(mlm=(masked, labels)), None, alpha, True)
+    out = masked_lm_loss(model, f, cfg.loss, Draws(mlm=(masked, labels)), None, alpha, True, fixed=True)
     model.mlm_logits = head
     # the host's bound: the rows' real tokens when it knows their ends, else every position
     n = sum(batch["text_ends"]) if ends else labels.numel()
@@ -113,9 +113,14 @@ def test_the_loss_is_the_boolean_index_loss(default_float64, masked_all, ends):
     assert int(out["mlm_overflow"]) == 0
     assert out["mlm_loss"].dtype == torch.float64
     assert float(out["mlm_loss"].detach()) == pytest.approx(boolean_index_loss(model, batch, masked, labels, alpha), rel=1e-12)
-    # train_step's mlm_loss is this one (the same draw: with ITM off, MLM's mask is the generator's first use)
+    # train_step's mlm_loss is this one (the same draw: with ITM off, MLM's mask is the generator's first use), on a
+    # CPU taken by the boolean index (fixed_rows): the masked rows alone, the same loss up to the sums' rounding
+    rows_seen.clear()
+    model.mlm_logits = lambda x: rows_seen.append(x.shape[0]) or head(x)
     step = step_mod.train_step(model, batch, cfg.loss, Draws(mlm=(masked, labels)), alpha=alpha)
-    assert float(step["mlm_loss"].detach()) == float(out["mlm_loss"].detach())
+    model.mlm_logits = head
+    assert rows_seen == [int((labels != -100).sum())]
+    assert float(step["mlm_loss"].detach()) == pytest.approx(float(out["mlm_loss"].detach()), rel=1e-12)
     # the count rides along for the flush to report, and is not a loss: the total is the weighted mlm_loss alone
     assert int(step["mlm_overflow"]) == 0
     assert float(step["total"].detach()) == cfg.loss.mlm * float(step["mlm_loss"].detach())
@@ -127,7 +132,7 @@ def test_past_the_cap_the_first_positions_are_kept_and_the_rest_counted(default_
     assert count > 3
     monkeypatch.setattr(masked_lm_mod, "mlm_cap", lambda n, prob: 3)
     f = step_mod.encode(model, batch, cfg.loss, Draws(mlm=(masked, labels)))
-    out = masked_lm_loss(model, f, cfg.loss, Draws(mlm=(masked, labels)), None, 0.4, True)
+    out = masked_lm_loss(model, f, cfg.loss, Draws(mlm=(masked, labels)), None, 0.4, True, fixed=True)
     assert int(out["mlm_overflow"]) == count - 3
     want = boolean_index_loss(model, batch, masked, labels, 0.4, limit=3)
     assert float(out["mlm_loss"].detach()) == pytest.approx(want, rel=1e-12)
@@ -137,7 +142,7 @@ def test_nothing_masked_gives_zero_with_the_graph_connected():
     cfg, model, batch, (masked, labels) = mlm_case((), True)
     labels = torch.full_like(labels, -100)
     f = step_mod.encode(model, batch, cfg.loss, Draws(mlm=(masked, labels)))
-    out = masked_lm_loss(model, f, cfg.loss, Draws(mlm=(masked, labels)), None, 0.4, True)
+    out = masked_lm_loss(model, f, cfg.loss, Draws(mlm=(masked, labels)), None, 0.4, True, fixed=True)
     assert float(out["mlm_loss"].detach()) == 0.0 and out["mlm_loss"].requires_grad
     assert int(out["mlm_overflow"]) == 0
 
@@ -205,6 +210,7 @@ def test_a_step_past_the_cap_is_said_and_written_to_its_row(tmp_path, monkeypatc
 
     onto = ontology_dataset(tmp_path)
     monkeypatch.setattr(masked_lm_mod, "mlm_cap", lambda n, prob: 1)
+    monkeypatch.setattr(masked_lm_mod, "fixed_rows", lambda labels: True)  # the GPU's way, on this CPU
     cfg = load_config("albef", shards=[str(onto)], out=str(tmp_path / "run"), steps=2, batch_size=4, device="cpu",
                       sets=TINY + PER_PRESET["albef"] + ["log_every=1", "loss.mlm_prob=0.5"])
     train(cfg)
@@ -213,3 +219,14 @@ def test_a_step_past_the_cap_is_said_and_written_to_its_row(tmp_path, monkeypatc
     assert len(steps) == 2 and all(r["mlm_overflow"] >= 1 for r in steps)
     out = " ".join(capsys.readouterr().err.split())  # the run reports to stderr
     assert f"step 1: MLM masked {steps[0]['mlm_overflow']} positions past its cap" in out
+
+
+def test_the_fixed_size_is_taken_on_a_gpu_and_in_a_graph_and_the_boolean_index_on_a_cpu():
+    """A CPU reads a boolean index's count for free and scores the masked rows alone; any other device (a sync per
+    read) and a compiled graph (static shapes) take mlm_cap rows."""
+    assert not masked_lm_mod.fixed_rows(torch.zeros(2, 3, dtype=torch.long))
+    assert masked_lm_mod.fixed_rows(torch.zeros(2, 3, dtype=torch.long, device="meta"))
+    seen = []
+    torch._dynamo.reset()
+    torch.compile(lambda x: seen.append(masked_lm_mod.fixed_rows(x)) or x + 1, backend="eager")(torch.zeros(2))
+    assert seen == [True]
