@@ -19,7 +19,6 @@ outputs in grey levels and the fraction of values that differ.
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -88,13 +87,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     xs = views(args.images, args.size)
     rows = []
     for op, (ref, ours) in sides(args.size).items():
-        cpu = {"torchvision": [], "vltrain": []}
-        for r in range(args.rounds):
-            for name, fn in (("torchvision", ref), ("vltrain", ours))[::1 if r % 2 == 0 else -1]:
-                t = time.process_time()
-                for i, x in enumerate(xs):
-                    fn(x, i)
-                cpu[name].append((time.process_time() - t) / len(xs) * 1e3)
+        cpu = common.cpu_ms_per_call({"torchvision": ref, "vltrain": ours}, xs, args.rounds)
         diffs = [(ours(x, i).int() - ref(x, i).int()).abs() for i, x in enumerate(xs)]
         row = {"op": op, "torchvision_ms": common.median(cpu["torchvision"]),
                "vltrain_ms": common.median(cpu["vltrain"]),

@@ -93,13 +93,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for op, (ref, ours) in sides(args.size).items():
         for i, x in enumerate(xs[:2]):
             ours(x, i)  # the maps, once (randaugment: whichever its first draws need; the rest fill in round 1)
-        cpu = {"torchvision": [], "vltrain": []}
-        for r in range(args.rounds):
-            for name, fn in (("torchvision", ref), ("vltrain", ours))[::1 if r % 2 == 0 else -1]:
-                t = time.process_time()
-                for i, x in enumerate(xs):
-                    fn(x, i)
-                cpu[name].append((time.process_time() - t) / len(xs) * 1e3)
+        cpu = common.cpu_ms_per_call({"torchvision": ref, "vltrain": ours}, xs, args.rounds)
         differ = sum(int((ours(x, i) != ref(x, i)).sum()) for i, x in enumerate(xs))
         row = {"op": op, "torchvision_ms": common.median(cpu["torchvision"]),
                "vltrain_ms": common.median(cpu["vltrain"]), "frac_diff": differ / sum(x.numel() for x in xs)}
